@@ -1,0 +1,359 @@
+"""Central redirections that let CUDA-only code run on another device.
+
+Three groups, each registered on a PatchManager under the owning feature's name:
+
+* the ``torch.cuda`` surface (device index, streams/events, RNG, memory stats, nvtx, ...) is
+  pointed at the device's own module (``torch.npu``, ``torch.xpu``) or, on the CPU, at
+  :mod:`anyspeed.device.cpu_cuda`;
+* literal CUDA device arguments (``device="cuda"``, ``device=torch.cuda.current_device()``,
+  ``.cuda()``, ``.to("cuda:0")``) in tensor factories and moves are mapped to the device;
+* process groups asked for with ``nccl`` get the device's backend (gloo on the CPU), with NCCL-only
+  options dropped and the ops gloo lacks (``ReduceOp.AVG``) emulated with identical numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+from anyspeed.device import DeviceInfo
+from anyspeed.patching import PatchManager
+
+# Names of the torch.cuda surface that Megatron-Core and Megatron-LM touch.
+CUDA_SURFACE = (
+    "current_device",
+    "set_device",
+    "device_count",
+    "is_initialized",
+    "_lazy_init",
+    "_lazy_call",
+    "device",
+    "device_of",
+    "default_generators",
+    "get_rng_state",
+    "set_rng_state",
+    "get_rng_state_all",
+    "set_rng_state_all",
+    "manual_seed",
+    "manual_seed_all",
+    "seed",
+    "seed_all",
+    "initial_seed",
+    "Stream",
+    "Event",
+    "current_stream",
+    "default_stream",
+    "set_stream",
+    "stream",
+    "synchronize",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_max_memory_allocated",
+    "memory_stats",
+    "memory_summary",
+    "mem_get_info",
+    "empty_cache",
+    "ipc_collect",
+    "get_device_name",
+    "get_device_capability",
+    "get_device_properties",
+    "is_bf16_supported",
+    "get_arch_list",
+)
+# torch.cuda.random re-exports the RNG functions; Megatron calls them through that module.
+_RANDOM_SURFACE = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed")
+_NVTX = ("range_push", "range_pop", "mark", "range")
+
+
+def _impl_module(info: DeviceInfo) -> Any:
+    if info.is_cpu:
+        from anyspeed.device import cpu_cuda
+
+        return cpu_cuda
+    return getattr(torch, info.type)
+
+
+def register_cuda_surface(pm: PatchManager, info: DeviceInfo, feature: str) -> None:
+    """Point every ``torch.cuda`` name Megatron uses at the device's implementation."""
+    from anyspeed.device import cpu_cuda
+
+    impl = _impl_module(info)
+    why = f"torch.cuda has no device on this machine; route to the {info.type} implementation"
+    for name in CUDA_SURFACE:
+        new = getattr(impl, name, None)
+        if new is None:
+            new = getattr(cpu_cuda, name)  # backend lacks it: CPU semantics are the safe default
+        pm.register_replace(f"torch.cuda.{name}", new, feature=feature, reason=why, create=True)
+    for name in _RANDOM_SURFACE:
+        pm.register_replace(
+            f"torch.cuda.random.{name}", getattr(impl, name, getattr(cpu_cuda, name)),
+            feature=feature, reason=why,
+        )
+    for name in _NVTX:
+        pm.register_replace(
+            f"torch.cuda.nvtx.{name}", getattr(cpu_cuda.nvtx, name),
+            feature=feature, reason="NVTX ranges are CUDA profiler markers: no-ops elsewhere",
+        )
+
+
+# ---------------------------------------------------------------------------- device arguments
+def _make_mapper(info: DeviceInfo):
+    impl = _impl_module(info)
+
+    def target(index: int | None) -> torch.device:
+        if info.is_cpu:
+            return torch.device("cpu")
+        return torch.device(info.type, impl.current_device() if index is None else index)
+
+    def map_device(dev: Any) -> Any:
+        if dev is None or isinstance(dev, bool):
+            return dev
+        if isinstance(dev, int):
+            return target(dev)
+        if isinstance(dev, str):
+            if dev == "cuda" or dev.startswith("cuda:"):
+                return target(int(dev[5:]) if ":" in dev else None)
+            return dev
+        if isinstance(dev, torch.device) and dev.type == "cuda":
+            return target(dev.index)
+        return dev
+
+    return map_device
+
+
+# Factories whose ``device=`` keyword may name CUDA.
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "rand", "randn", "randint", "randperm", "arange", "range",
+    "linspace", "logspace", "eye", "tensor", "as_tensor", "empty_like", "zeros_like", "ones_like",
+    "full_like", "rand_like", "randn_like", "randint_like", "empty_strided", "tril_indices",
+    "triu_indices", "scalar_tensor", "asarray",
+)
+_NEW_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided")
+
+
+def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> None:
+    """Map CUDA device arguments to the device in factories, ``.to``, ``.cuda`` and pinning."""
+    map_device = _make_mapper(info)
+    cpu = info.is_cpu
+    why = "literal CUDA device arguments in Megatron must land on this device"
+
+    def fix_kwargs(kwargs: dict) -> dict:
+        if "device" in kwargs:
+            kwargs["device"] = map_device(kwargs["device"])
+        if cpu and kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # no pinned-memory allocator without an accelerator
+        return kwargs
+
+    def factory_wrapper(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            return fn(*args, **fix_kwargs(kwargs))
+
+        return wrapped
+
+    for name in _FACTORIES:
+        if hasattr(torch, name):
+            pm.register_wrap(f"torch.{name}", factory_wrapper, feature=feature, reason=why)
+    for name in _NEW_METHODS:
+        pm.register_wrap(f"torch.Tensor.{name}", factory_wrapper, feature=feature, reason=why)
+
+    def to_wrapper(fn):
+        @functools.wraps(fn)
+        def to(self, *args, **kwargs):
+            if args and isinstance(args[0], (str, int, torch.device)) and not isinstance(
+                args[0], bool
+            ):
+                args = (map_device(args[0]), *args[1:])
+            return fn(self, *args, **fix_kwargs(kwargs))
+
+        return to
+
+    pm.register_wrap("torch.Tensor.to", to_wrapper, feature=feature, reason=why)
+    pm.register_wrap("torch.nn.Module.to", to_wrapper, feature=feature, reason=why)
+
+    def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self.to(map_device(device if device is not None else "cuda"),
+                       non_blocking=non_blocking, memory_format=memory_format)
+
+    def module_cuda(self, device=None):
+        return self.to(map_device(device if device is not None else "cuda"))
+
+    dev_prefix = "torch." if cpu else f"torch.{info.type}."
+
+    def type_wrapper(fn):
+        @functools.wraps(fn)
+        def type_(self, dtype=None, non_blocking=False, **kwargs):
+            if dtype is None and not kwargs:
+                # Megatron's optimizer compares against 'torch.cuda.FloatTensor' and friends:
+                # name this device's tensors the way CUDA code expects.
+                name = fn(self)
+                if self.device.type == ("cpu" if cpu else info.type):
+                    return "torch.cuda." + name.removeprefix(dev_prefix)
+                return name
+            if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+                dtype = dev_prefix + dtype.removeprefix("torch.cuda.")
+            return fn(self, dtype, non_blocking, **kwargs)
+
+        return type_
+
+    pm.register_wrap("torch.Tensor.type", type_wrapper, feature=feature,
+                     reason="legacy type names: this device's tensors answer 'torch.cuda.*'")
+    pm.register_replace("torch.Tensor.cuda", tensor_cuda, feature=feature, reason=why)
+    pm.register_replace("torch.nn.Module.cuda", module_cuda, feature=feature, reason=why)
+    if cpu:
+        pm.register_replace(
+            "torch.Tensor.pin_memory", lambda self, device=None: self, feature=feature,
+            reason="no pinned memory without an accelerator: pinning is the identity",
+        )
+
+
+# ---------------------------------------------------------------------------- process groups
+def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> None:
+    """``nccl`` process groups become the device's backend; gloo's missing ops are emulated."""
+    import torch.distributed as dist
+
+    backend = info.dist_backend
+
+    def map_backend(b: Any) -> Any:
+        if isinstance(b, str) and "nccl" in b:
+            if ":" in b:  # e.g. "cpu:gloo,cuda:nccl"
+                return backend
+            return b.replace("nccl", backend)
+        return b
+
+    def map_options(b: Any, options: Any) -> Any:
+        # NCCL's ProcessGroupNCCL.Options mean nothing to another backend.
+        if options is not None and "NCCL" in type(options).__qualname__ and backend != "nccl":
+            return None
+        return options
+
+    def map_device_id(dev: Any) -> Any:
+        if info.is_cpu:
+            return None  # gloo process groups are not bound to a device
+        return _make_mapper(info)(dev)
+
+    def init_wrapper(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def init_process_group(*args, **kwargs):
+            bound = sig.bind_partial(*args, **kwargs)
+            a = bound.arguments
+            if a.get("backend") is None:
+                a["backend"] = backend
+            a["backend"] = map_backend(a["backend"])
+            if "device_id" in a:
+                a["device_id"] = map_device_id(a["device_id"])
+            if "pg_options" in a:
+                a["pg_options"] = map_options(a["backend"], a["pg_options"])
+            return fn(*bound.args, **bound.kwargs)
+
+        return init_process_group
+
+    def new_group_wrapper(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def new_group(*args, **kwargs):
+            bound = sig.bind_partial(*args, **kwargs)
+            a = bound.arguments
+            if "backend" in a:
+                a["backend"] = map_backend(a["backend"])
+            if "pg_options" in a:
+                a["pg_options"] = map_options(a.get("backend"), a["pg_options"])
+            if "device_id" in a:
+                a["device_id"] = map_device_id(a["device_id"])
+            return fn(*bound.args, **bound.kwargs)
+
+        return new_group
+
+    def barrier_wrapper(fn):
+        @functools.wraps(fn)
+        def barrier(group=None, async_op=False, device_ids=None):
+            if device_ids is not None and info.is_cpu:
+                device_ids = None  # gloo barriers take no device
+            return fn(group=group, async_op=async_op, device_ids=device_ids)
+
+        return barrier
+
+    why_pg = f"process groups asked for with nccl use {backend} on this device"
+    pm.register_wrap("torch.distributed.init_process_group", init_wrapper, feature=feature,
+                     reason=why_pg)
+    pm.register_wrap("torch.distributed.new_group", new_group_wrapper, feature=feature,
+                     reason=why_pg)
+    pm.register_wrap("torch.distributed.barrier", barrier_wrapper, feature=feature,
+                     reason="gloo barriers take no device_ids")
+    if backend == "gloo":
+        _register_gloo_avg(pm, feature)
+
+
+class _DivideOnWait:
+    """Async handle whose wait() finishes an emulated AVG by dividing the summed result."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor, size: int) -> None:
+        self._work, self._tensor, self._size, self._done = work, tensor, size, False
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        out = self._work.wait(*args, **kwargs)
+        if not self._done:
+            self._tensor.div_(self._size)
+            self._done = True
+        return out
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _register_gloo_avg(pm: PatchManager, feature: str) -> None:
+    import torch.distributed as dist
+
+    avg = dist.ReduceOp.AVG
+
+    def is_gloo(group: Any) -> bool:
+        try:
+            return dist.get_backend(group) == "gloo"
+        except Exception:
+            return False
+
+    def all_reduce_wrapper(fn):
+        @functools.wraps(fn)
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if op == avg and is_gloo(group):
+                n = dist.get_world_size(group)
+                work = fn(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+                if async_op:
+                    return _DivideOnWait(work, tensor, n)
+                tensor.div_(n)
+                return work
+            return fn(tensor, op=op, group=group, async_op=async_op)
+
+        return all_reduce
+
+    def reduce_scatter_wrapper(fn):
+        @functools.wraps(fn)
+        def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None,  # noqa: A002
+                                  async_op=False):
+            if op == avg and is_gloo(group):
+                n = dist.get_world_size(group)
+                work = fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+                if async_op:
+                    return _DivideOnWait(work, output, n)
+                output.div_(n)
+                return work
+            return fn(output, input, op=op, group=group, async_op=async_op)
+
+        return reduce_scatter_tensor
+
+    why = "gloo has no ReduceOp.AVG: reduce with SUM and divide by the group size"
+    pm.register_wrap("torch.distributed.all_reduce", all_reduce_wrapper, feature=feature, reason=why)
+    pm.register_wrap("torch.distributed.reduce_scatter_tensor", reduce_scatter_wrapper,
+                     feature=feature, reason=why)

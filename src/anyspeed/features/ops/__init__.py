@@ -1,0 +1,1 @@
+"""Portable operator modules that plug into Megatron's ModuleSpec seams."""

@@ -1,0 +1,140 @@
+"""Run a function on N local processes with a process group, a deadline and clear failures.
+
+``run_distributed(fn, world_size, **kwargs)`` spawns ``world_size`` processes, each with the
+torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), applies the anyspeed
+adaptor, calls ``fn(**kwargs)`` and returns the per-rank results. A rank that raises fails the
+call with that rank's traceback; a hung collective fails it when ``timeout`` expires (every rank
+is killed), so a test never hangs CI.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "free_port", "DistributedError"]
+
+
+class DistributedError(RuntimeError):
+    """A rank failed or the group timed out."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, q, kwargs, env, threads):
+    # Own process group: the parent can then end this rank *and* anything it started
+    # (dist_checkpointing's writer/manager processes) in one killpg.
+    os.setpgrp()
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        import anyspeed.megatron_adaptor as adaptor
+
+        adaptor.apply(argv=kwargs.pop("_argv", []))
+        result = fn(**kwargs)
+        q.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    argv: list[str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(**kwargs)`` on ``world_size`` processes; return results indexed by rank.
+
+    ``fn`` must be importable by name (a module-level function). ``argv`` is the command line
+    the adaptor sees in each process (feature flags). Threads are split across the ranks.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    kwargs = dict(kwargs, _argv=list(argv or []))
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world_size, port, q, dict(kwargs), dict(env or {}), threads),
+            daemon=False,  # ranks may start helper processes (checkpoint writers)
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise DistributedError(
+                    f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f}s "
+                    "(hung collective?)"
+                )
+            try:
+                rank, ok, payload = q.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and not failures:
+                    # A rank died without reporting (segfault, os._exit): give peers a moment.
+                    deadline = min(deadline, time.monotonic() + 10)
+                    failures.extend(
+                        f"rank {i} exited with code {procs[i].exitcode}" for i in dead
+                    )
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"rank {rank} failed:\n{payload}")
+                # Peers of a failed rank usually block in a collective: stop waiting soon.
+                deadline = min(deadline, time.monotonic() + 15)
+        if failures:
+            raise DistributedError("\n".join(failures))
+    except DistributedError as exc:
+        if failures and "did not finish" in str(exc):
+            raise DistributedError("\n".join(failures)) from None
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank and its helper processes
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.join(timeout=5)
+    return [results[r] for r in range(world_size)]

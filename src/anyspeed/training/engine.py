@@ -1,0 +1,393 @@
+"""A small GPT training engine on megatron.core's own classes.
+
+Builds Megatron's GPTModel (local spec) at any TP/PP/VPP/DP layout, wraps it in Megatron's DDP,
+makes Megatron's (optionally distributed) optimizer and drives Megatron's pipeline schedules.
+It backs the smoke run, the parity tests and the benchmark; the pretraining command grows out
+of it. Data is deterministic synthetic tokens, so every layout sees the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Layout:
+    """Parallel layout. The data-parallel size is what the world leaves over."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # model chunks per pipeline stage (interleaved schedule)
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+    def validate(self, world_size: int, spec: GPTSpec) -> None:
+        """One-line ValueError naming the flag when the layout cannot work."""
+        mp = self.tp * self.pp
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
+                             "must be >= 1")
+        if world_size % mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                f"{self.tp} x --pipeline-model-parallel-size {self.pp} = {mp}"
+            )
+        if spec.num_attention_heads % self.tp:
+            raise ValueError(
+                f"--num-attention-heads {spec.num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {self.tp}"
+            )
+        groups = spec.num_query_groups or spec.num_attention_heads
+        if groups % self.tp and self.tp % groups:
+            raise ValueError(
+                f"--num-query-groups {groups} and --tensor-model-parallel-size {self.tp} must "
+                "divide one another"
+            )
+        chunks = self.pp * (self.vpp or 1)
+        if spec.num_layers % chunks:
+            raise ValueError(
+                f"--num-layers {spec.num_layers} is not divisible by pipeline stages x virtual "
+                f"chunks = {chunks}"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.vpp and self.pp < 2:
+            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+@dataclass
+class GPTSpec:
+    """Architecture of the GPT (LLaMA-style by default: RMSNorm, SwiGLU, RoPE, no biases)."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = 128
+    vocab_size: int = 256
+    seq_length: int = 32
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    position_embedding_type: str = "rope"
+    untie_embeddings: bool = True
+    init_method_std: float = 0.02
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    seed: int = 1234
+    data_seed: int = 4321
+    bf16: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------
+def init_distributed(layout: Layout, seed: int) -> None:
+    """Start the process group (device backend) and Megatron's parallel state."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from anyspeed.device import detect
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend=detect().dist_backend)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(spec: GPTSpec, layout: Layout, bf16: bool = False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    vpp = layout.vpp if layout.vpp and layout.vpp > 1 else None
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=layout.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=bf16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization=spec.normalization,
+        gated_linear_unit=spec.swiglu,
+        activation_func=F.silu if spec.swiglu else F.gelu,
+        add_bias_linear=False,
+        init_method_std=spec.init_method_std,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        deallocate_pipeline_outputs=True,
+    )
+
+
+def build_model(spec: GPTSpec, layout: Layout, bf16: bool = False) -> list[torch.nn.Module]:
+    """GPTModel chunks for this rank, wrapped in Megatron's DDP."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from anyspeed.device import torch_device
+
+    config = transformer_config(spec, layout, bf16)
+    layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization)
+    chunks = layout.vpp if layout.vpp and layout.vpp > 1 else 1
+    models = []
+    for vp_stage in range(chunks):
+        vp = vp_stage if chunks > 1 else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=not spec.untie_embeddings,
+            position_embedding_type=spec.position_embedding_type,
+            vp_stage=vp,
+        )
+        model.to(torch_device())
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        models.append(model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=layout.overlap_grad_reduce,
+        overlap_param_gather=layout.overlap_param_gather,
+        use_distributed_optimizer=layout.distributed_optimizer,
+        bucket_size=None if not layout.overlap_grad_reduce else 4000,
+    )
+    wrapped = [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=m,
+            disable_bucketing=(i > 0),
+        )
+        for i, m in enumerate(models)
+    ]
+    return wrapped
+
+
+def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig, layout: Layout):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=cfg.clip_grad,
+        bf16=cfg.bf16,
+        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        use_distributed_optimizer=layout.distributed_optimizer,
+        overlap_param_gather=layout.overlap_param_gather,
+    )
+    return get_megatron_optimizer(opt_config, model)
+
+
+def synthetic_batch(spec: GPTSpec, cfg: TrainConfig, step: int) -> torch.Tensor:
+    """The global batch of step ``step``: [global_batch, seq+1] tokens, identical on every rank.
+
+    Tokens follow a simple learnable rule (each next token is a fixed function of the previous
+    one, with noise), so the loss falls visibly in a few dozen steps.
+    """
+    g = torch.Generator().manual_seed(cfg.data_seed * 1000003 + step)
+    n, s, v = cfg.global_batch_size, spec.seq_length + 1, spec.vocab_size
+    start = torch.randint(0, v, (n, 1), generator=g)
+    stride = torch.randint(1, 8, (n, 1), generator=g)
+    tokens = (start + stride * torch.arange(s)) % v
+    noise = torch.rand(n, s, generator=g) < 0.1
+    return torch.where(noise, torch.randint(0, v, (n, s), generator=g), tokens)
+
+
+def _microbatches(spec: GPTSpec, cfg: TrainConfig, step: int) -> list[dict[str, torch.Tensor]]:
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.device import torch_device
+
+    dp = ps.get_data_parallel_world_size()
+    rank = ps.get_data_parallel_rank()
+    batch = synthetic_batch(spec, cfg, step)
+    per_rank = cfg.global_batch_size // dp
+    mine = batch[rank * per_rank : (rank + 1) * per_rank]
+    dev = torch_device()
+    out = []
+    for i in range(0, per_rank, cfg.micro_batch_size):
+        mb = mine[i : i + cfg.micro_batch_size]
+        out.append(
+            {
+                "tokens": mb[:, :-1].contiguous().to(dev),
+                "labels": mb[:, 1:].contiguous().to(dev),
+                "position_ids": torch.arange(spec.seq_length, device=dev).expand(
+                    mb.shape[0], -1
+                ),
+            }
+        )
+    return out
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def _set_sync_funcs(model: list[torch.nn.Module], layout: Layout) -> None:
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    if layout.overlap_grad_reduce:
+        nos = [m.no_sync for m in model]
+        config.no_sync_func = nos[0] if len(nos) == 1 else nos
+        gs = [m.start_grad_sync for m in model]
+        config.grad_sync_func = gs[0] if len(gs) == 1 else gs
+    if layout.overlap_param_gather:
+        ps_ = [m.start_param_sync for m in model]
+        config.param_sync_func = ps_[0] if len(ps_) == 1 else ps_
+
+
+class Trainer:
+    """Holds model, optimizer and layout; ``step()`` runs one optimizer step."""
+
+    def __init__(self, spec: GPTSpec, layout: Layout, cfg: TrainConfig) -> None:
+        import torch.distributed as dist
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        layout.validate(world, spec)
+        dp = world // (layout.tp * layout.pp)
+        if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+            raise ValueError(
+                f"--global-batch-size {cfg.global_batch_size} is not divisible by "
+                f"--micro-batch-size {cfg.micro_batch_size} x data-parallel size {dp}"
+            )
+        self.spec, self.layout, self.cfg = spec, layout, cfg
+        init_distributed(layout, cfg.seed)
+        self.model = build_model(spec, layout, cfg.bf16)
+        self.optimizer = build_optimizer(self.model, cfg, layout)
+        _set_sync_funcs(self.model, layout)
+        self.model[0].config.grad_scale_func = self.optimizer.scale_loss
+        self.iteration = 0
+        self.dp = dp
+        self._dist = dist
+
+    # -------------------------------------------------------------------- checkpoints
+    def sharded_state_dict(self) -> dict[str, Any]:
+        if len(self.model) == 1:
+            return self.model[0].module.sharded_state_dict()
+        sd: dict[str, Any] = {}
+        for i, m in enumerate(self.model):
+            sd[f"model{i}"] = m.module.sharded_state_dict()
+        return sd
+
+    def save_model(self, directory: str) -> None:
+        """Save the model weights with Megatron's dist_checkpointing (any layout can load)."""
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(directory, exist_ok=True)
+        dist_checkpointing.save(self.sharded_state_dict(), directory)
+
+    def load_model(self, directory: str) -> None:
+        """Load weights saved by :meth:`save_model` at any layout."""
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self.sharded_state_dict(), directory)
+        if len(self.model) == 1:
+            self.model[0].module.load_state_dict(state)
+        else:
+            for i, m in enumerate(self.model):
+                m.module.load_state_dict(state[f"model{i}"])
+        if hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+
+    # -------------------------------------------------------------------- training
+    def step(self) -> dict[str, float]:
+        """One optimizer step on the global batch of this iteration; loss is the DP mean."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = _microbatches(self.spec, self.cfg, self.iteration)
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if len(self.model) > 1:
+            data = [iter(mbs) for _ in self.model]
+        else:
+            data = iter(mbs)
+        fwd_bwd = get_forward_backward_func()
+        losses = fwd_bwd(
+            forward_step_func=_forward_step,
+            data_iterator=data,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(mbs),
+            seq_length=self.spec.seq_length,
+            micro_batch_size=self.cfg.micro_batch_size,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        self.iteration += 1
+        # Report the loss on every rank: last stage sums its micro-batch losses.
+        last = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+        total = torch.zeros(1, dtype=torch.float64)
+        if last and losses:
+            total[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
+        self._dist.all_reduce(total)
+        loss = float(total[0]) / self.dp
+        return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else
+                float("nan"), "ok": bool(ok)}
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits of ``tokens`` (no PP): gathered across TP, on every rank."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        assert self.layout.pp == 1, "logits() is for pipeline-free layouts"
+        m = self.model[0]
+        m.eval()
+        pos = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+        out = m(tokens, pos, None)
+        m.train()
+        return gather_from_tensor_model_parallel_region(out)
+
+
+def describe(spec: GPTSpec, layout: Layout) -> dict[str, Any]:
+    return {"spec": asdict(spec), "layout": asdict(layout)}
