@@ -10,6 +10,7 @@ is killed), so a test never hangs CI.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -50,7 +51,8 @@ def _entry(fn, rank, world, port, q, kwargs, env, threads):
 
         adaptor.apply(argv=kwargs.pop("_argv", []))
         result = fn(**kwargs)
-        q.put((rank, True, result))
+        # Plain pickle (not torch's shared-memory reducer): the bytes outlive this process.
+        q.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -118,7 +120,7 @@ def run_distributed(
                     )
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures.append(f"rank {rank} failed:\n{payload}")
                 # Peers of a failed rank usually block in a collective: stop waiting soon.

@@ -377,16 +377,48 @@ class Trainer:
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary logits of ``tokens`` (no PP): gathered across TP, on every rank."""
+        """Full-vocabulary logits [b, s, vocab] of ``tokens`` through the pipeline schedule.
+
+        Returned on the last pipeline stage (gathered across TP); None on other stages.
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        assert self.layout.pp == 1, "logits() is for pipeline-free layouts"
-        m = self.model[0]
-        m.eval()
-        pos = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
-        out = m(tokens, pos, None)
-        m.train()
-        return gather_from_tensor_model_parallel_region(out)
+        from anyspeed.device import torch_device
+
+        dev = torch_device()
+        tokens = tokens.to(dev)
+        pos = torch.arange(tokens.shape[1], device=dev).expand(tokens.shape[0], -1)
+
+        def forward_step(data_iterator, model):
+            next(data_iterator)
+            out = model(tokens, pos, None)
+
+            def collect(output_tensor, non_loss_data=True):
+                return gather_from_tensor_model_parallel_region(output_tensor).clone()
+
+            return out, collect
+
+        for m in self.model:
+            m.eval()
+        n_chunks = len(self.model)
+        data = [iter([0]) for _ in range(n_chunks)] if n_chunks > 1 else iter([0])
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=self.model if n_chunks > 1 else self.model[0],
+            num_microbatches=1,
+            seq_length=tokens.shape[1],
+            micro_batch_size=tokens.shape[0],
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+        for m in self.model:
+            m.train()
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        return out[0].cpu()
 
 
 def describe(spec: GPTSpec, layout: Layout) -> dict[str, Any]:

@@ -1,0 +1,32 @@
+"""Functions that run inside spawned ranks (importable by name, so spawn can pickle them)."""
+
+from __future__ import annotations
+
+from anyspeed.training.engine import GPTSpec, Layout, TrainConfig, Trainer
+
+
+def train_steps(layout: dict, steps: int = 3, save_init: str | None = None,
+                load: str | None = None, spec: dict | None = None) -> list[dict]:
+    """Build the tiny GPT at ``layout``, optionally load/save weights, run ``steps`` steps."""
+    t = Trainer(GPTSpec(**(spec or {})), Layout(**layout), TrainConfig())
+    if save_init:
+        t.save_model(save_init)
+    if load:
+        t.load_model(load)
+    return [t.step() for _ in range(steps)]
+
+
+def train_save_logits(layout: dict, load: str, save: str, tokens) -> object:
+    """Load weights, train one step, save with dist_checkpointing, return logits of ``tokens``."""
+    t = Trainer(GPTSpec(), Layout(**layout), TrainConfig())
+    t.load_model(load)
+    t.step()
+    t.save_model(save)
+    return t.logits(tokens)
+
+
+def load_logits(layout: dict, load: str, tokens) -> object:
+    """Load a dist_checkpointing checkpoint at ``layout`` and return logits of ``tokens``."""
+    t = Trainer(GPTSpec(), Layout(**layout), TrainConfig())
+    t.load_model(load)
+    return t.logits(tokens)
