@@ -30,7 +30,7 @@ class Patch:
     """One registered change to one target."""
 
     target: str
-    kind: str  # "replace" | "wrap"
+    kind: str  # "replace" | "wrap" | "module"
     obj: Any  # the replacement, or the wrapper factory ``wrapper(previous) -> new``
     feature: str
     reason: str
@@ -64,7 +64,9 @@ def resolve_target(target: str) -> tuple[Any, str]:
         name = ".".join(parts[:i])
         try:
             owner = importlib.import_module(name)
-        except ImportError:
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and not name.startswith(exc.name):
+                raise  # the module exists but one of *its* imports is missing
             continue
         split = i
         break
@@ -81,6 +83,7 @@ class _Applied:
     attr: str
     original: Any
     rebinds: list[tuple[dict, str, Any]] = field(default_factory=list)
+    standin: bool = False  # a module fallback installed a stand-in module
 
 
 class PatchManager:
@@ -117,6 +120,16 @@ class PatchManager:
         """Wrap ``target``: ``wrapper(previous)`` returns the new object. Lower order is inner."""
         self._add(Patch(target, "wrap", wrapper, feature, reason, order=order))
 
+    def register_module_fallback(
+        self, name: str, factory: Callable[[BaseException], Any], *, feature: str, reason: str
+    ) -> None:
+        """If importing module ``name`` fails, install ``factory(error)`` as that module.
+
+        For Megatron modules that import optional CUDA-only packages (triton, ...) at the top:
+        the stand-in keeps the names importable and raises a clear error when actually used.
+        """
+        self._add(Patch(name, "module", factory, feature, reason))
+
     def _add(self, patch: Patch) -> None:
         if patch.target in self._applied:
             raise PatchError(f"cannot register on {patch.target}: patches are applied; undo first")
@@ -139,11 +152,21 @@ class PatchManager:
     def apply(self) -> None:
         """Install every registered, not yet applied patch; rebind earlier ``from`` imports."""
         replaced: dict[int, tuple[Any, Any]] = {}
+        # Module stand-ins first: resolving other targets may import the modules they replace.
+        for target, plist in self._patches.items():
+            if plist[0].kind == "module" and target not in self._applied:
+                self._apply_module(plist[0])
         for target, plist in self._patches.items():
             if target in self._applied:
                 continue
             try:
                 owner, attr = resolve_target(target)
+            except ModuleNotFoundError as exc:
+                feats = ", ".join(sorted({p.feature for p in plist}))
+                raise PatchError(
+                    f"feature '{feats}': cannot import the module of patch target {target}: "
+                    f"{exc} (install the missing package)"
+                ) from None
             except (ImportError, AttributeError) as exc:
                 feats = ", ".join(sorted({p.feature for p in plist}))
                 raise PatchError(
@@ -169,6 +192,20 @@ class PatchManager:
         if replaced:
             self._rebind(replaced)
 
+    def _apply_module(self, patch: Patch) -> None:
+        record = _Applied(sys.modules, patch.target, _MISSING)
+        self._applied[patch.target] = record
+        try:
+            importlib.import_module(patch.target)
+            return  # the real module imports: nothing to stand in for
+        except ImportError as exc:
+            module = patch.obj(exc)
+        sys.modules[patch.target] = module
+        parent, _, child = patch.target.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], child, module)
+        record.standin = True
+
     def _rebind(self, replaced: dict[int, tuple[Any, Any, str]]) -> None:
         for modname, module in list(sys.modules.items()):
             if module is None or not modname.startswith(self.rebind_prefixes):
@@ -186,6 +223,10 @@ class PatchManager:
         """Restore every applied target and every rebound copy."""
         for target in reversed(list(self._applied)):
             rec = self._applied.pop(target)
+            if rec.owner is sys.modules:
+                if rec.standin:
+                    sys.modules.pop(rec.attr, None)
+                continue
             for g, name, value in rec.rebinds:
                 g[name] = value
             if rec.original is _MISSING:

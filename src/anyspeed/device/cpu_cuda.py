@@ -71,7 +71,22 @@ def device_of(obj: Any) -> device:
 
 
 # ------------------------------------------------------------------ RNG
-default_generators = (torch.default_generator,)
+class _Generators(tuple):
+    """``torch.cuda.default_generators``: every virtual device index maps to the CPU generator."""
+
+    def __getitem__(self, idx):  # type: ignore[override]
+        if isinstance(idx, slice):
+            return tuple(torch.default_generator for _ in range(device_count()))[idx]
+        return torch.default_generator
+
+    def __len__(self) -> int:
+        return device_count()
+
+    def __iter__(self):
+        return iter([torch.default_generator] * device_count())
+
+
+default_generators = _Generators((torch.default_generator,))
 
 
 def get_rng_state(device: Any = "cuda") -> torch.Tensor:

@@ -186,4 +186,4 @@ def _load_builtin_features() -> None:
     if _loaded:
         return
     _loaded = True
-    from anyspeed.features import device_compat  # noqa: F401  (registers on import)
+    from anyspeed.features import device_compat, megatron_lm  # noqa: F401  (register on import)
