@@ -95,11 +95,43 @@ def register_cuda_surface(pm: PatchManager, info: DeviceInfo, feature: str) -> N
             f"torch.cuda.random.{name}", getattr(impl, name, getattr(cpu_cuda, name)),
             feature=feature, reason=why,
         )
+    if info.is_cpu:
+        _register_host_rng(pm, feature)
     for name in _NVTX:
         pm.register_replace(
             f"torch.cuda.nvtx.{name}", getattr(cpu_cuda.nvtx, name),
             feature=feature, reason="NVTX ranges are CUDA profiler markers: no-ops elsewhere",
         )
+
+
+def _register_host_rng(pm: PatchManager, feature: str) -> None:
+    """Keep host-side RNG draws off the CPU generator that plays the device RNG.
+
+    On CUDA a DataLoader draws its base seed from the host generator, leaving the device
+    generator (dropout) untouched. On the CPU both are one generator, so a DataLoader created
+    after a checkpoint's RNG state was restored would shift every later dropout mask and a
+    resumed run would diverge from the uninterrupted one. A DataLoader without a generator gets
+    its own, seeded from the run's seed.
+    """
+    from torch.utils.data import DataLoader
+
+    sig = inspect.signature(DataLoader.__init__)
+
+    def wrap_init(init):
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            bound = sig.bind_partial(self, *args, **kwargs)
+            if bound.arguments.get("generator") is None:
+                kwargs["generator"] = torch.Generator().manual_seed(torch.initial_seed())
+            init(self, *args, **kwargs)
+
+        return __init__
+
+    pm.register_wrap(
+        "torch.utils.data.DataLoader.__init__", wrap_init, feature=feature,
+        reason="the device RNG is the CPU generator: DataLoader seed draws use their own "
+        "generator so resumed runs reproduce dropout exactly",
+    )
 
 
 # ---------------------------------------------------------------------------- device arguments
