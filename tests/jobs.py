@@ -5,8 +5,13 @@ from __future__ import annotations
 from anyspeed.training.engine import GPTSpec, Layout, TrainConfig, Trainer
 
 
-def train_steps(layout: dict, steps: int = 3, save_init: str | None = None,
-                load: str | None = None, spec: dict | None = None) -> list[dict]:
+def train_steps(
+    layout: dict,
+    steps: int = 3,
+    save_init: str | None = None,
+    load: str | None = None,
+    spec: dict | None = None,
+) -> list[dict]:
     """Build the tiny GPT at ``layout``, optionally load/save weights, run ``steps`` steps."""
     t = Trainer(GPTSpec(**(spec or {})), Layout(**layout), TrainConfig())
     if save_init:

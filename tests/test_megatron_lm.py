@@ -27,13 +27,47 @@ pytestmark = [
 ]
 
 COMMON = [
-    "--distributed-backend", "nccl", "--num-layers", "2", "--hidden-size", "64",
-    "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--seq-length", "64",
-    "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-decay-iters", "30",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
-    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--split", "100,0,0",
-    "--seed", "1234",
+    "--distributed-backend",
+    "nccl",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "256",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-decay-iters",
+    "30",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "255",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--split",
+    "100,0,0",
+    "--seed",
+    "1234",
 ]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
 
@@ -49,8 +83,17 @@ def add_one_line(dst: Path) -> Path:
 
 def torchrun(script: Path, *args: str, timeout: int = 400) -> dict[int, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([MLM, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), *COMMON, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        *COMMON,
+        *args,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -62,8 +105,9 @@ def script(tmp_path_factory):
     return add_one_line(tmp_path_factory.mktemp("mlm"))
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
-                                    ["--pipeline-model-parallel-size", "2"]])
+@pytest.mark.parametrize(
+    "layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]]
+)
 def test_pretrain_gpt_trains_20_iterations(script, layout):
     losses = torchrun(script, *layout, "--train-iters", "20")
     assert sorted(losses) == list(range(1, 21))
@@ -75,11 +119,31 @@ def test_pretrain_gpt_save_and_resume_continues_exactly(script, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     layout = ["--pipeline-model-parallel-size", "2"]
     # Same schedule length (30) in every run; the first stops after 20 as a job would.
-    first = torchrun(script, *layout, "--train-iters", "30", "--exit-interval", "20",
-                     "--save", ckpt, "--save-interval", "10")
+    first = torchrun(
+        script,
+        *layout,
+        "--train-iters",
+        "30",
+        "--exit-interval",
+        "20",
+        "--save",
+        ckpt,
+        "--save-interval",
+        "10",
+    )
     assert Path(ckpt, "latest_checkpointed_iteration.txt").read_text().strip() == "20"
-    resumed = torchrun(script, *layout, "--train-iters", "30", "--load", ckpt, "--save", ckpt,
-                       "--save-interval", "10")
+    resumed = torchrun(
+        script,
+        *layout,
+        "--train-iters",
+        "30",
+        "--load",
+        ckpt,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "10",
+    )
     straight = torchrun(script, *layout, "--train-iters", "30")
     assert min(resumed) == 21, "resume must continue after iteration 20"
     # Megatron-LM does not reset its loss accumulator after the first logged iteration of a
@@ -89,7 +153,10 @@ def test_pretrain_gpt_save_and_resume_continues_exactly(script, tmp_path):
     expected[22] = (straight[21] + straight[22]) / 2
     for it in range(21, 31):
         assert resumed[it] == pytest.approx(expected[it], rel=1e-5), (
-            it, [resumed[i] for i in range(21, 31)], [straight[i] for i in range(21, 31)])
+            it,
+            [resumed[i] for i in range(21, 31)],
+            [straight[i] for i in range(21, 31)],
+        )
     assert max(first) == 20
     for it in range(1, 21):
         assert first[it] == pytest.approx(straight[it], rel=1e-5)

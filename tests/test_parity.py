@@ -31,7 +31,9 @@ def _assert_parity(ref: list[dict], got: list[dict]) -> None:
         assert g["ok"], f"step {i}: optimizer step skipped"
         for key in ("loss", "grad_norm"):
             assert math.isfinite(g[key])
-            assert g[key] == pytest.approx(r[key], rel=RTOL), f"step {i} {key}: {g[key]} vs {r[key]}"
+            assert g[key] == pytest.approx(r[key], rel=RTOL), (
+                f"step {i} {key}: {g[key]} vs {r[key]}"
+            )
     # Training actually moved: the 3 losses are not all the same number.
     assert len({round(r["loss"], 9) for r in ref}) > 1
 
@@ -59,12 +61,21 @@ def test_dist_checkpoint_tp2_to_tp1xpp2(reference, tmp_path):
     ckpt, _ = reference
     saved = str(tmp_path / "tp2")
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
-    tp2 = run_distributed(jobs.train_save_logits, 2, layout=dict(tp=2), load=ckpt, save=saved,
-                          tokens=tokens, timeout=300)
-    pp2 = run_distributed(jobs.load_logits, 2, layout=dict(pp=2), load=saved, tokens=tokens,
-                          timeout=300)
-    single = run_distributed(jobs.load_logits, 1, layout={}, load=saved, tokens=tokens,
-                             timeout=300)[0]
+    tp2 = run_distributed(
+        jobs.train_save_logits,
+        2,
+        layout=dict(tp=2),
+        load=ckpt,
+        save=saved,
+        tokens=tokens,
+        timeout=300,
+    )
+    pp2 = run_distributed(
+        jobs.load_logits, 2, layout=dict(pp=2), load=saved, tokens=tokens, timeout=300
+    )
+    single = run_distributed(
+        jobs.load_logits, 1, layout={}, load=saved, tokens=tokens, timeout=300
+    )[0]
     assert tp2[0] is not None and pp2[0] is None and pp2[1] is not None
     assert torch.equal(tp2[0], tp2[1])
     # Pipeline splitting does not change the arithmetic: bit-identical to one process.

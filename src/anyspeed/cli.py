@@ -36,27 +36,45 @@ def _features_report(argv: Sequence[str], as_json: bool) -> int:
         pm = PatchManager()
         if on:
             feat.register_patches(pm, args, device)
-        rows.append({
-            "name": feat.name, "level": feat.level, "flags": list(feat.flags),
-            "available": ok, "note": why, "on": on, "description": feat.description,
-            "patches": [
-                {"target": p.target, "kind": p.kind, "reason": p.reason} for p in pm.patches()
-            ],
-        })
+        rows.append(
+            {
+                "name": feat.name,
+                "level": feat.level,
+                "flags": list(feat.flags),
+                "available": ok,
+                "note": why,
+                "on": on,
+                "description": feat.description,
+                "patches": [
+                    {"target": p.target, "kind": p.kind, "reason": p.reason} for p in pm.patches()
+                ],
+            }
+        )
     if as_json:
-        print(json.dumps({"device": device.type, "device_name": device.name,
-                          "dist_backend": device.dist_backend,
-                          "optimization_level": args.optimization_level, "features": rows},
-                         indent=1))
+        print(
+            json.dumps(
+                {
+                    "device": device.type,
+                    "device_name": device.name,
+                    "dist_backend": device.dist_backend,
+                    "optimization_level": args.optimization_level,
+                    "features": rows,
+                },
+                indent=1,
+            )
+        )
         return 0
-    print(f"device: {device.type} ({device.name}), process groups: {device.dist_backend}, "
-          f"--optimization-level {args.optimization_level}")
+    print(
+        f"device: {device.type} ({device.name}), process groups: {device.dist_backend}, "
+        f"--optimization-level {args.optimization_level}"
+    )
     print(f"{'feature':<22} {'level':>5}  {'available':<10} {'on':<4} flags")
     for r in rows:
         avail = "yes" if r["available"] else "no"
         flags = " ".join(r["flags"]) or "-"
-        print(f"{r['name']:<22} {r['level']:>5}  {avail:<10} {'on' if r['on'] else 'off':<4} "
-              f"{flags}")
+        print(
+            f"{r['name']:<22} {r['level']:>5}  {avail:<10} {'on' if r['on'] else 'off':<4} {flags}"
+        )
         print(f"{'':<22}        {r['description']}" + (f" [{r['note']}]" if r["note"] else ""))
     if argv:
         for r in rows:
@@ -66,14 +84,17 @@ def _features_report(argv: Sequence[str], as_json: bool) -> int:
             for p in r["patches"]:
                 print(f"  {p['kind']:<7} {p['target']:<70} {p['reason']}")
     else:
-        print("\n(pass a training command line, e.g. `anyspeed features --optimization-level 0`, "
-              "to list the patches each enabled feature applies)")
+        print(
+            "\n(pass a training command line, e.g. `anyspeed features --optimization-level 0`, "
+            "to list the patches each enabled feature applies)"
+        )
     return 0
 
 
 def _smoke(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="anyspeed smoke",
-                                description="train a tiny GPT through megatron.core")
+    p = argparse.ArgumentParser(
+        prog="anyspeed smoke", description="train a tiny GPT through megatron.core"
+    )
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -83,9 +104,24 @@ def _smoke(argv: Sequence[str]) -> int:
     p.add_argument("--log-interval", type=int, default=5)
     args, rest = p.parse_known_args(argv)
     if "WORLD_SIZE" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc_per_node}", "-m", "anyspeed.training.smoke",
-               *argv]
+        from anyspeed.training.smoke import parse, spec_and_layout
+
+        try:  # refuse a bad layout here, before torchrun starts any process
+            spec, layout = spec_and_layout(parse(argv))
+            layout.validate(args.nproc_per_node, spec)
+        except ValueError as exc:
+            print(f"anyspeed: error: {exc}", file=sys.stderr)
+            return 2
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc_per_node}",
+            "-m",
+            "anyspeed.training.smoke",
+            *argv,
+        ]
         return subprocess.call(cmd)
     from anyspeed.training.smoke import main
 

@@ -40,8 +40,12 @@ def _entry(fn, rank, world, port, q, kwargs, env, threads):
     os.setpgrp()
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     try:
         import torch
@@ -115,9 +119,7 @@ def run_distributed(
                 if dead and not failures:
                     # A rank died without reporting (segfault, os._exit): give peers a moment.
                     deadline = min(deadline, time.monotonic() + 10)
-                    failures.extend(
-                        f"rank {i} exited with code {procs[i].exitcode}" for i in dead
-                    )
+                    failures.extend(f"rank {i} exited with code {procs[i].exitcode}" for i in dead)
                 continue
             if ok:
                 results[rank] = pickle.loads(payload)

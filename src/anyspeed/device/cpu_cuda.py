@@ -360,4 +360,6 @@ def _nvtx_range(msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:
     yield
 
 
-nvtx = SimpleNamespace(range_push=_nvtx_push, range_pop=_nvtx_pop, mark=_nvtx_mark, range=_nvtx_range)
+nvtx = SimpleNamespace(
+    range_push=_nvtx_push, range_pop=_nvtx_pop, mark=_nvtx_mark, range=_nvtx_range
+)

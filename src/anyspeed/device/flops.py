@@ -17,8 +17,15 @@ import torch
 from anyspeed.device import detect, torch_device
 
 # Dense (no sparsity) tensor-core peaks from vendor datasheets, TFLOP/s, bf16/fp16.
-_DATASHEET_BF16 = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
-                   "L40S": 362.0, "B200": 2250.0}
+_DATASHEET_BF16 = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "B200": 2250.0,
+}
 
 
 def _cache_path() -> Path:

@@ -92,15 +92,19 @@ def register_cuda_surface(pm: PatchManager, info: DeviceInfo, feature: str) -> N
         pm.register_replace(f"torch.cuda.{name}", new, feature=feature, reason=why, create=True)
     for name in _RANDOM_SURFACE:
         pm.register_replace(
-            f"torch.cuda.random.{name}", getattr(impl, name, getattr(cpu_cuda, name)),
-            feature=feature, reason=why,
+            f"torch.cuda.random.{name}",
+            getattr(impl, name, getattr(cpu_cuda, name)),
+            feature=feature,
+            reason=why,
         )
     if info.is_cpu:
         _register_host_rng(pm, feature)
     for name in _NVTX:
         pm.register_replace(
-            f"torch.cuda.nvtx.{name}", getattr(cpu_cuda.nvtx, name),
-            feature=feature, reason="NVTX ranges are CUDA profiler markers: no-ops elsewhere",
+            f"torch.cuda.nvtx.{name}",
+            getattr(cpu_cuda.nvtx, name),
+            feature=feature,
+            reason="NVTX ranges are CUDA profiler markers: no-ops elsewhere",
         )
 
 
@@ -128,7 +132,9 @@ def _register_host_rng(pm: PatchManager, feature: str) -> None:
         return __init__
 
     pm.register_wrap(
-        "torch.utils.data.DataLoader.__init__", wrap_init, feature=feature,
+        "torch.utils.data.DataLoader.__init__",
+        wrap_init,
+        feature=feature,
         reason="the device RNG is the CPU generator: DataLoader seed draws use their own "
         "generator so resumed runs reproduce dropout exactly",
     )
@@ -161,10 +167,33 @@ def _make_mapper(info: DeviceInfo):
 
 # Factories whose ``device=`` keyword may name CUDA.
 _FACTORIES = (
-    "empty", "zeros", "ones", "full", "rand", "randn", "randint", "randperm", "arange", "range",
-    "linspace", "logspace", "eye", "tensor", "as_tensor", "empty_like", "zeros_like", "ones_like",
-    "full_like", "rand_like", "randn_like", "randint_like", "empty_strided", "tril_indices",
-    "triu_indices", "scalar_tensor", "asarray",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "arange",
+    "range",
+    "linspace",
+    "logspace",
+    "eye",
+    "tensor",
+    "as_tensor",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "empty_strided",
+    "tril_indices",
+    "triu_indices",
+    "scalar_tensor",
+    "asarray",
 )
 _NEW_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided")
 
@@ -198,8 +227,10 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
     def to_wrapper(fn):
         @functools.wraps(fn)
         def to(self, *args, **kwargs):
-            if args and isinstance(args[0], (str, int, torch.device)) and not isinstance(
-                args[0], bool
+            if (
+                args
+                and isinstance(args[0], (str, int, torch.device))
+                and not isinstance(args[0], bool)
             ):
                 args = (map_device(args[0]), *args[1:])
             return fn(self, *args, **fix_kwargs(kwargs))
@@ -210,8 +241,11 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
     pm.register_wrap("torch.nn.Module.to", to_wrapper, feature=feature, reason=why)
 
     def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
-        return self.to(map_device(device if device is not None else "cuda"),
-                       non_blocking=non_blocking, memory_format=memory_format)
+        return self.to(
+            map_device(device if device is not None else "cuda"),
+            non_blocking=non_blocking,
+            memory_format=memory_format,
+        )
 
     def module_cuda(self, device=None):
         return self.to(map_device(device if device is not None else "cuda"))
@@ -234,13 +268,19 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
 
         return type_
 
-    pm.register_wrap("torch.Tensor.type", type_wrapper, feature=feature,
-                     reason="legacy type names: this device's tensors answer 'torch.cuda.*'")
+    pm.register_wrap(
+        "torch.Tensor.type",
+        type_wrapper,
+        feature=feature,
+        reason="legacy type names: this device's tensors answer 'torch.cuda.*'",
+    )
     pm.register_replace("torch.Tensor.cuda", tensor_cuda, feature=feature, reason=why)
     pm.register_replace("torch.nn.Module.cuda", module_cuda, feature=feature, reason=why)
     if cpu:
         pm.register_replace(
-            "torch.Tensor.pin_memory", lambda self, device=None: self, feature=feature,
+            "torch.Tensor.pin_memory",
+            lambda self, device=None: self,
+            feature=feature,
             reason="no pinned memory without an accelerator: pinning is the identity",
         )
 
@@ -248,7 +288,6 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
 # ---------------------------------------------------------------------------- process groups
 def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> None:
     """``nccl`` process groups become the device's backend; gloo's missing ops are emulated."""
-    import torch.distributed as dist
 
     backend = info.dist_backend
 
@@ -315,12 +354,18 @@ def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> N
         return barrier
 
     why_pg = f"process groups asked for with nccl use {backend} on this device"
-    pm.register_wrap("torch.distributed.init_process_group", init_wrapper, feature=feature,
-                     reason=why_pg)
-    pm.register_wrap("torch.distributed.new_group", new_group_wrapper, feature=feature,
-                     reason=why_pg)
-    pm.register_wrap("torch.distributed.barrier", barrier_wrapper, feature=feature,
-                     reason="gloo barriers take no device_ids")
+    pm.register_wrap(
+        "torch.distributed.init_process_group", init_wrapper, feature=feature, reason=why_pg
+    )
+    pm.register_wrap(
+        "torch.distributed.new_group", new_group_wrapper, feature=feature, reason=why_pg
+    )
+    pm.register_wrap(
+        "torch.distributed.barrier",
+        barrier_wrapper,
+        feature=feature,
+        reason="gloo barriers take no device_ids",
+    )
     if backend == "gloo":
         _register_gloo_avg(pm, feature)
 
@@ -372,8 +417,13 @@ def _register_gloo_avg(pm: PatchManager, feature: str) -> None:
 
     def reduce_scatter_wrapper(fn):
         @functools.wraps(fn)
-        def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None,  # noqa: A002
-                                  async_op=False):
+        def reduce_scatter_tensor(
+            output,
+            input,
+            op=dist.ReduceOp.SUM,
+            group=None,  # noqa: A002
+            async_op=False,
+        ):
             if op == avg and is_gloo(group):
                 n = dist.get_world_size(group)
                 work = fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -386,6 +436,12 @@ def _register_gloo_avg(pm: PatchManager, feature: str) -> None:
         return reduce_scatter_tensor
 
     why = "gloo has no ReduceOp.AVG: reduce with SUM and divide by the group size"
-    pm.register_wrap("torch.distributed.all_reduce", all_reduce_wrapper, feature=feature, reason=why)
-    pm.register_wrap("torch.distributed.reduce_scatter_tensor", reduce_scatter_wrapper,
-                     feature=feature, reason=why)
+    pm.register_wrap(
+        "torch.distributed.all_reduce", all_reduce_wrapper, feature=feature, reason=why
+    )
+    pm.register_wrap(
+        "torch.distributed.reduce_scatter_tensor",
+        reduce_scatter_wrapper,
+        feature=feature,
+        reason=why,
+    )

@@ -117,7 +117,9 @@ def add_arguments(parser: argparse._ActionsContainer) -> argparse._ActionsContai
     _load_builtin_features()
     group = parser.add_argument_group("anyspeed")
     group.add_argument(
-        "--optimization-level", type=_level, default=DEFAULT_OPTIMIZATION_LEVEL,
+        "--optimization-level",
+        type=_level,
+        default=DEFAULT_OPTIMIZATION_LEVEL,
         help="0: device compatibility only; 1: + device-affine kernels; "
         "2: + accelerated features, each enabled by its own flag (default 2)",
     )
@@ -186,4 +188,8 @@ def _load_builtin_features() -> None:
     if _loaded:
         return
     _loaded = True
-    from anyspeed.features import device_compat, megatron_lm  # noqa: F401  (register on import)
+    from anyspeed.features import (  # noqa: F401  (they register on import)
+        device_compat,
+        layout_check,
+        megatron_lm,
+    )

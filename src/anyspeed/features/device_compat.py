@@ -66,7 +66,8 @@ class MegatronCoreCompat(Feature):
         from anyspeed.features.ops.norm import DeviceNorm
 
         pm.register_replace(
-            "megatron.core.transformer.torch_norm.WrappedTorchNorm", DeviceNorm,
+            "megatron.core.transformer.torch_norm.WrappedTorchNorm",
+            DeviceNorm,
             feature=self.name,
             reason="without TE/apex the local spec's torch norm refuses --sequence-parallel; "
             "DeviceNorm marks its weights for the TP grad all-reduce",
@@ -76,7 +77,8 @@ class MegatronCoreCompat(Feature):
 
             pm.register_wrap(
                 "megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops",
-                tagged_batched_p2p_ops, feature=self.name,
+                tagged_batched_p2p_ops,
+                feature=self.name,
                 reason="gloo matches p2p messages by posting order: tag each pipeline direction "
                 "so PP=2 interleaved activations and gradients cannot swap",
             )
@@ -94,7 +96,8 @@ class MegatronCoreCompat(Feature):
                 return fork_quiet
 
             pm.register_wrap(
-                "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork", quiet_fork,
+                "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork",
+                quiet_fork,
                 feature=self.name,
                 reason="the device RNG is the CPU generator: silence the 'CPU RNG state changed' "
                 "warning that would fire on every fork",
@@ -105,8 +108,13 @@ class CudaOnlyOptions(Feature):
     name = "cuda-only-options"
     level = 0
     description = "refuses Megatron options that need CUDA-only libraries when not on CUDA"
-    flags = ("--transformer-impl", "--fp8-format", "--enable-cuda-graph", "--tp-comm-overlap",
-             "--use-flash-attn")
+    flags = (
+        "--transformer-impl",
+        "--fp8-format",
+        "--enable-cuda-graph",
+        "--tp-comm-overlap",
+        "--use-flash-attn",
+    )
 
     def is_enabled(self, args: argparse.Namespace, device: DeviceInfo) -> bool:
         return not device.is_cuda

@@ -75,20 +75,35 @@ class MegatronLMArgs(Feature):
 
                 try:
                     adapt_megatron_args(args, device)
+                    adaptor.apply(args)  # anyspeed's checks first: they name the flag
                     out = validate_args(args, defaults or {})
-                    adaptor.apply(args)
                 except FeatureError as exc:
                     print(f"anyspeed: error: {exc}", file=sys.stderr, flush=True)
+                    raise SystemExit(2) from None
+                except AssertionError as exc:
+                    # Megatron's own argument asserts: one line, still before process groups.
+                    print(
+                        f"anyspeed: error: Megatron-LM rejected the arguments: {exc}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     raise SystemExit(2) from None
                 return out
 
             return validate_args_with_anyspeed
 
-        pm.register_wrap("megatron.training.arguments.parse_args", parse_wrapper,
-                         feature=self.name, reason="register anyspeed flags with Megatron-LM")
-        pm.register_wrap("megatron.training.arguments.validate_args", validate_wrapper,
-                         feature=self.name,
-                         reason="run anyspeed validation before process groups start")
+        pm.register_wrap(
+            "megatron.training.arguments.parse_args",
+            parse_wrapper,
+            feature=self.name,
+            reason="register anyspeed flags with Megatron-LM",
+        )
+        pm.register_wrap(
+            "megatron.training.arguments.validate_args",
+            validate_wrapper,
+            feature=self.name,
+            reason="run anyspeed validation before process groups start",
+        )
 
 
 # Megatron-LM defaults that select CUDA kernels; off CUDA they are switched off with a note.
@@ -144,8 +159,13 @@ def compile_dataset_helpers() -> None:
             "pip install pybind11"
         ) from None
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    cmd = ["make", "-C", directory, f"LIBEXT={suffix}",
-           "CPPFLAGS=" + " ".join(f"-I{i}" for i in includes)]
+    cmd = [
+        "make",
+        "-C",
+        directory,
+        f"LIBEXT={suffix}",
+        "CPPFLAGS=" + " ".join(f"-I{i}" for i in includes),
+    ]
     if subprocess.run(cmd).returncode != 0:
         raise SystemExit(f"anyspeed: error: building Megatron's dataset helpers failed: {cmd}")
 
@@ -206,21 +226,28 @@ class MegatronLMCompat(Feature):
             return initialize_megatron_any_device
 
         pm.register_wrap(
-            "megatron.training.initialize.initialize_megatron", allow_no_cuda, feature=self.name,
+            "megatron.training.initialize.initialize_megatron",
+            allow_no_cuda,
+            feature=self.name,
             reason="skip the 'Megatron requires CUDA' assert: the device layer provides torch.cuda",
         )
         pm.register_replace(
-            "megatron.legacy.fused_kernels.load", lambda args: None, feature=self.name,
+            "megatron.legacy.fused_kernels.load",
+            lambda args: None,
+            feature=self.name,
             reason="Megatron's fused CUDA kernels cannot be built without CUDA; nothing to load",
         )
         pm.register_replace(
-            "megatron.core.datasets.utils.compile_helpers", compile_dataset_helpers,
+            "megatron.core.datasets.utils.compile_helpers",
+            compile_dataset_helpers,
             feature=self.name,
             reason="build the dataset index helpers for the running interpreter (Megatron's "
             "Makefile asks whichever python3 is first on PATH)",
         )
         pm.register_replace(
-            "megatron.training.initialize._warmup_jit_function", lambda: None, feature=self.name,
+            "megatron.training.initialize._warmup_jit_function",
+            lambda: None,
+            feature=self.name,
             reason="warms up CUDA JIT fusions that are switched off on this device",
         )
 

@@ -38,9 +38,12 @@ def tagged_batched_p2p_ops(original: Callable) -> Callable:
     ):
         if dist.get_backend(group) != "gloo":
             return original(
-                tensor_send_prev=tensor_send_prev, tensor_recv_prev=tensor_recv_prev,
-                tensor_send_next=tensor_send_next, tensor_recv_next=tensor_recv_next,
-                group=group, prev_pipeline_rank=prev_pipeline_rank,
+                tensor_send_prev=tensor_send_prev,
+                tensor_recv_prev=tensor_recv_prev,
+                tensor_send_next=tensor_send_next,
+                tensor_recv_next=tensor_recv_next,
+                group=group,
+                prev_pipeline_rank=prev_pipeline_rank,
                 next_pipeline_rank=next_pipeline_rank,
             )
         plan = (

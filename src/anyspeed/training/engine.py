@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from anyspeed.layout import check_layout
+
 
 @dataclass
 class Layout:
@@ -30,36 +32,16 @@ class Layout:
 
     def validate(self, world_size: int, spec: GPTSpec) -> None:
         """One-line ValueError naming the flag when the layout cannot work."""
-        mp = self.tp * self.pp
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
-                             "must be >= 1")
-        if world_size % mp:
-            raise ValueError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                f"{self.tp} x --pipeline-model-parallel-size {self.pp} = {mp}"
-            )
-        if spec.num_attention_heads % self.tp:
-            raise ValueError(
-                f"--num-attention-heads {spec.num_attention_heads} is not divisible by "
-                f"--tensor-model-parallel-size {self.tp}"
-            )
-        groups = spec.num_query_groups or spec.num_attention_heads
-        if groups % self.tp and self.tp % groups:
-            raise ValueError(
-                f"--num-query-groups {groups} and --tensor-model-parallel-size {self.tp} must "
-                "divide one another"
-            )
-        chunks = self.pp * (self.vpp or 1)
-        if spec.num_layers % chunks:
-            raise ValueError(
-                f"--num-layers {spec.num_layers} is not divisible by pipeline stages x virtual "
-                f"chunks = {chunks}"
-            )
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        if self.vpp and self.pp < 2:
-            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+        check_layout(
+            world_size=world_size,
+            tp=self.tp,
+            pp=self.pp,
+            vpp=self.vpp,
+            num_layers=spec.num_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_query_groups=spec.num_query_groups,
+            sequence_parallel=self.sequence_parallel,
+        )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
 
@@ -193,7 +175,9 @@ def build_model(spec: GPTSpec, layout: Layout, bf16: bool = False) -> list[torch
     )
     wrapped = [
         DistributedDataParallel(
-            config=config, ddp_config=ddp_config, module=m,
+            config=config,
+            ddp_config=ddp_config,
+            module=m,
             disable_bucketing=(i > 0),
         )
         for i, m in enumerate(models)
@@ -252,9 +236,7 @@ def _microbatches(spec: GPTSpec, cfg: TrainConfig, step: int) -> list[dict[str, 
             {
                 "tokens": mb[:, :-1].contiguous().to(dev),
                 "labels": mb[:, 1:].contiguous().to(dev),
-                "position_ids": torch.arange(spec.seq_length, device=dev).expand(
-                    mb.shape[0], -1
-                ),
+                "position_ids": torch.arange(spec.seq_length, device=dev).expand(mb.shape[0], -1),
             }
         )
     return out
@@ -366,14 +348,20 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         self.iteration += 1
         # Report the loss on every rank: last stage sums its micro-batch losses.
-        last = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+        last = (
+            ps.is_pipeline_last_stage(ignore_virtual=True)
+            and ps.get_tensor_model_parallel_rank() == 0
+        )
         total = torch.zeros(1, dtype=torch.float64)
         if last and losses:
             total[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
         self._dist.all_reduce(total)
         loss = float(total[0]) / self.dp
-        return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else
-                float("nan"), "ok": bool(ok)}
+        return {
+            "loss": loss,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "ok": bool(ok),
+        }
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -49,30 +49,49 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    import anyspeed.megatron_adaptor as adaptor
-    from anyspeed.device import detect, peak_flops
-    from anyspeed.device import cpu_cuda
-    from anyspeed.training.engine import GPTSpec, Layout, TrainConfig, Trainer
+def spec_and_layout(args: argparse.Namespace):
+    """The model and layout the smoke run's flags describe."""
+    from anyspeed.training.engine import GPTSpec, Layout
 
-    args = parse(argv)
-    adaptor.apply(argv=argv)
-    rank = int(os.environ.get("RANK", "0"))
     vpp = None
     if args.num_layers_per_virtual_pipeline_stage:
         per_stage = args.num_layers // args.pipeline_model_parallel_size
         vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
-    spec = GPTSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                   num_attention_heads=args.num_attention_heads,
-                   ffn_hidden_size=4 * args.hidden_size, vocab_size=256,
-                   seq_length=args.seq_length)
-    layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                    vpp=vpp, sequence_parallel=args.sequence_parallel,
-                    distributed_optimizer=args.use_distributed_optimizer,
-                    overlap_grad_reduce=args.overlap_grad_reduce)
-    cfg = TrainConfig(micro_batch_size=args.micro_batch_size,
-                      global_batch_size=args.global_batch_size, lr=args.lr, bf16=args.bf16)
+    spec = GPTSpec(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=4 * args.hidden_size,
+        vocab_size=256,
+        seq_length=args.seq_length,
+    )
+    layout = Layout(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        vpp=vpp,
+        sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+    )
+    return spec, layout
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    import anyspeed.megatron_adaptor as adaptor
+    from anyspeed.device import cpu_cuda, detect, peak_flops
+    from anyspeed.training.engine import TrainConfig, Trainer
+
+    args = parse(argv)
+    adaptor.apply(argv=argv)
+    rank = int(os.environ.get("RANK", "0"))
+    spec, layout = spec_and_layout(args)
+    cfg = TrainConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        lr=args.lr,
+        bf16=args.bf16,
+    )
     try:
         trainer = Trainer(spec, layout, cfg)
     except ValueError as exc:  # layout problems, raised before any process group starts
@@ -84,10 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     flops_tok = model_flops_per_token(spec)
     tokens_per_iter = cfg.global_batch_size * spec.seq_length
     if rank == 0:
-        print(f"anyspeed smoke: {device.type} x{world}, TP={layout.tp} PP={layout.pp} "
-              f"DP={trainer.dp} SP={layout.sequence_parallel} "
-              f"distopt={layout.distributed_optimizer}, {spec.num_layers} layers "
-              f"h={spec.hidden_size} seq={spec.seq_length}", flush=True)
+        print(
+            f"anyspeed smoke: {device.type} x{world}, TP={layout.tp} PP={layout.pp} "
+            f"DP={trainer.dp} SP={layout.sequence_parallel} "
+            f"distopt={layout.distributed_optimizer}, {spec.num_layers} layers "
+            f"h={spec.hidden_size} seq={spec.seq_length}",
+            flush=True,
+        )
     losses = []
     t0 = time.perf_counter()
     for it in range(1, args.train_iters + 1):
@@ -99,18 +121,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             tps = tokens_per_iter / dt
             tflops = tps * flops_tok / 1e12
             if rank == 0:
-                print(f" iteration {it:5d}/{args.train_iters} | loss {out['loss']:.4f} | "
-                      f"grad norm {out['grad_norm']:.3f} | {dt * 1000:.0f} ms/iter | "
-                      f"{tps:,.0f} tokens/s | {tflops:.3f} TFLOP/s | "
-                      f"MFU {100 * tflops * 1e12 / peak:.1f}% | peak mem "
-                      f"{cpu_cuda.max_memory_allocated() / 2**20:.0f} MiB/rank"
-                      if device.is_cpu else
-                      f" iteration {it} | loss {out['loss']:.4f} | {tps:,.0f} tokens/s",
-                      flush=True)
+                print(
+                    f" iteration {it:5d}/{args.train_iters} | loss {out['loss']:.4f} | "
+                    f"grad norm {out['grad_norm']:.3f} | {dt * 1000:.0f} ms/iter | "
+                    f"{tps:,.0f} tokens/s | {tflops:.3f} TFLOP/s | "
+                    f"MFU {100 * tflops * 1e12 / peak:.1f}% | peak mem "
+                    f"{cpu_cuda.max_memory_allocated() / 2**20:.0f} MiB/rank"
+                    if device.is_cpu
+                    else f" iteration {it} | loss {out['loss']:.4f} | {tps:,.0f} tokens/s",
+                    flush=True,
+                )
     ok = all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     if rank == 0:
-        print(f"anyspeed smoke: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"({'falling, OK' if ok else 'NOT falling'})", flush=True)
+        print(
+            f"anyspeed smoke: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+            f"({'falling, OK' if ok else 'NOT falling'})",
+            flush=True,
+        )
     import torch.distributed as dist
 
     dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""Parallel-layout checks shared by the adaptor, the Megatron-LM hooks and the engine.
+
+Each problem is one ValueError line naming the flag and what would fix it, raised before any
+process group exists (a bad layout otherwise surfaces as a hang or a deep assertion).
+"""
+
+from __future__ import annotations
+
+
+def check_layout(
+    *,
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    num_layers: int | None = None,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    sequence_parallel: bool = False,
+) -> None:
+    """Raise ValueError (one line) when the layout cannot work on ``world_size`` processes."""
+    if tp < 1 or pp < 1:
+        raise ValueError(
+            "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1"
+        )
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}: change the sizes or the number "
+            "of processes"
+        )
+    if num_attention_heads is not None and num_attention_heads % tp:
+        raise ValueError(
+            f"--num-attention-heads {num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if num_query_groups and num_query_groups % tp and tp % num_query_groups:
+        raise ValueError(
+            f"--num-query-groups {num_query_groups} and --tensor-model-parallel-size {tp} must "
+            "divide one another"
+        )
+    chunks = pp * (vpp or 1)
+    if num_layers is not None and num_layers % chunks:
+        raise ValueError(
+            f"--num-layers {num_layers} is not divisible by pipeline stages x virtual chunks = "
+            f"{chunks}"
+        )
+    if sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if vpp and vpp > 1 and pp < 2:
+        raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")

@@ -1,0 +1,158 @@
+"""Device layer on the CPU: torch.cuda surface, device arguments, RNG, memory, gloo semantics."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import anyspeed.megatron_adaptor as adaptor
+import dist_jobs
+from anyspeed.device import DeviceInfo, detect
+from anyspeed.features.device_compat import DEVICE_COMPAT
+from anyspeed.patching import PatchManager
+from anyspeed.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(detect().type != "cpu", reason="CPU device-layer checks")
+
+
+@pytest.fixture
+def applied():
+    adaptor.apply(argv=[])
+    yield adaptor.state()
+    adaptor.undo()
+
+
+def test_detects_cpu_and_gloo():
+    info = detect()
+    assert (info.type, info.dist_backend) == ("cpu", "gloo")
+
+
+def test_cuda_device_arguments_land_on_cpu(applied):
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    assert torch.ones(2).cuda().device.type == "cpu"
+    assert torch.ones(2).to("cuda:0").device.type == "cpu"
+    assert torch.ones(2).to(torch.device("cuda")).dtype == torch.float32
+    assert torch.arange(3, device="cuda").tolist() == [0, 1, 2]
+    m = torch.nn.Linear(2, 2).cuda()
+    assert m.weight.device.type == "cpu"
+    assert torch.ones(2).pin_memory().device.type == "cpu"
+    assert torch.ones(2).new_zeros(3, device="cuda").shape == (3,)
+    # Legacy type names as Megatron's optimizer checks them.
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.ones(1).type("torch.cuda.HalfTensor").dtype == torch.float16
+
+
+def test_undo_restores_torch(applied):
+    adaptor.undo()
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+    assert torch.ones(1).type() == "torch.FloatTensor"
+    adaptor.apply(argv=[])
+
+
+def test_rng_state_is_the_cpu_generator(applied):
+    torch.cuda.manual_seed(11)
+    a = torch.rand(5)
+    state = torch.cuda.get_rng_state()
+    b = torch.rand(5)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(5), b)
+    assert torch.equal(a, torch.rand(5, generator=torch.Generator().manual_seed(11)))
+
+
+def test_megatron_rng_tracker_forks_like_a_separate_generator(applied):
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    tracker = CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 123)
+    torch.manual_seed(5)
+    ref_default = torch.Generator().manual_seed(5)
+    ref_tp = torch.Generator().manual_seed(123)
+    before = torch.rand(3)
+    with tracker.fork():
+        inside = torch.rand(3)
+    after = torch.rand(3)
+    with tracker.fork():
+        inside2 = torch.rand(3)
+    assert torch.equal(before, torch.rand(3, generator=ref_default))
+    assert torch.equal(after, torch.rand(3, generator=ref_default))
+    assert torch.equal(inside, torch.rand(3, generator=ref_tp))
+    assert torch.equal(inside2, torch.rand(3, generator=ref_tp))
+
+
+def test_streams_events_and_nvtx(applied):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        assert torch.cuda.current_stream() is s
+    assert torch.cuda.current_stream() is torch.cuda.default_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    time.sleep(0.02)
+    end.record()
+    torch.cuda.synchronize()
+    assert 15 <= start.elapsed_time(end) < 2000
+    torch.cuda.nvtx.range_push("x")
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.set_device(1)
+    assert torch.cuda.current_device() == 1
+    torch.cuda.set_device(0)
+
+
+def test_memory_stats_follow_resident_memory(applied):
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.max_memory_allocated()
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert torch.cuda.memory_allocated() >= base + 48 * 2**20
+    assert torch.cuda.max_memory_allocated() >= base + 48 * 2**20
+    assert torch.cuda.memory_stats()["allocated_bytes.all.peak"] > 0
+    del big
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < free <= total
+
+
+def test_no_patches_on_cuda():
+    pm = PatchManager()
+    DEVICE_COMPAT.register_patches(pm, None, DeviceInfo("cuda", "nccl", "H200"))
+    assert pm.patches() == []
+
+
+def test_gloo_backend_avg_bf16_and_barrier():
+    res = run_distributed(dist_jobs.gloo_avg_and_backend, 2, timeout=120)
+    for r in res:
+        assert r["backend"] == "gloo" and r["sub"] == "gloo"
+        assert r["avg"] == pytest.approx([1.5, 3.0])  # mean of [1,2] and [2,4]
+        assert r["bf16"] == [1.0, 1.0, 1.0]
+    # mean of arange(4)*1 and arange(4)*2 = [0, 1.5, 3, 4.5], scattered in halves
+    assert res[0]["rs"] == pytest.approx([0.0, 1.5])
+    assert res[1]["rs"] == pytest.approx([3.0, 4.5])
+
+
+def test_pipeline_messages_match_by_direction_on_gloo():
+    res = run_distributed(dist_jobs.pipeline_ring_exchange, 2, timeout=120)
+    for rank, (from_prev, from_next) in enumerate(res):
+        peer = 1 - rank
+        assert from_prev == [10.0 + peer] * 4  # the peer's activation
+        assert from_next == [20.0 + peer] * 4  # the peer's gradient
+
+
+def test_peak_flops_configured_and_measured(monkeypatch, tmp_path):
+    from anyspeed.device import flops
+
+    monkeypatch.setenv("ANYSPEED_PEAK_TFLOPS", "1.5")
+    assert flops.peak_flops(torch.float32) == 1.5e12
+    monkeypatch.delenv("ANYSPEED_PEAK_TFLOPS")
+    monkeypatch.setenv("ANYSPEED_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = flops.measure_matmul_flops
+    monkeypatch.setattr(
+        flops, "measure_matmul_flops", lambda dt: calls.append(dt) or real(dt, n=256, seconds=0.05)
+    )
+    first = flops.peak_flops(torch.float32)
+    second = flops.peak_flops(torch.float32)
+    assert first == second > 1e8 and len(calls) == 1  # measured once, then cached
+    assert (tmp_path / "peak_flops.json").exists()

@@ -1,0 +1,151 @@
+"""Features manager, `anyspeed features`, and one-line errors for bad input before start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from anyspeed import features as F
+from anyspeed.device import detect
+
+PY = sys.executable
+
+
+def run(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {}))
+    )
+
+
+def adaptor_with(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Import the one line in a fresh interpreter with ``argv`` as its command line."""
+    code = "import sys, torch; import anyspeed.megatron_adaptor; print('APPLIED')"
+    return run(PY, "-c", code, *argv, env=env)
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyspeed: error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_levels_and_registry():
+    args = F.parse_args(["--optimization-level", "0"])
+    assert args.optimization_level == 0
+    assert F.parse_args([]).optimization_level == 2
+    F._load_builtin_features()
+    names = [f.name for f in F.FEATURES]
+    for expected in (
+        "device-compat",
+        "megatron-core-compat",
+        "cuda-only-options",
+        "layout-check",
+        "megatron-lm-args",
+        "megatron-lm-compat",
+    ):
+        assert expected in names
+
+
+def test_features_command_lists_features_and_patches():
+    out = run(PY, "-m", "anyspeed.cli", "features", "--json", "--optimization-level", "0")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["device"] == detect().type and report["optimization_level"] == 0
+    rows = {r["name"]: r for r in report["features"]}
+    compat = rows["device-compat"]
+    assert compat["on"] and compat["available"] and compat["level"] == 0
+    targets = {p["target"] for p in compat["patches"]}
+    assert {
+        "torch.cuda.current_device",
+        "torch.distributed.init_process_group",
+        "torch.Tensor.cuda",
+    } <= targets
+    assert all(p["reason"] for p in compat["patches"])
+    assert not rows["megatron-lm-compat"]["available"] or "MLM" in os.environ
+    text = run(PY, "-m", "anyspeed.cli", "features")
+    assert text.returncode == 0 and "device-compat" in text.stdout
+
+
+def test_one_line_import_is_idempotent():
+    code = (
+        "import torch; import anyspeed.megatron_adaptor as a; n = len(a.state().manager."
+        "patches()); import importlib; a.apply(); a.apply(); "
+        "print(n == len(a.state().manager.patches()), torch.zeros(1, device='cuda').device)"
+    )
+    out = run(PY, "-c", code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("True cpu")
+
+
+def test_unknown_optimization_level():
+    line = one_line_error(adaptor_with("--optimization-level", "5"))
+    assert "--optimization-level must be 0, 1 or 2" in line
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
+        (["--fp8-format", "hybrid"], "--fp8-format"),
+        (["--enable-cuda-graph"], "--enable-cuda-graph"),
+        (["--use-flash-attn"], "--use-flash-attn"),
+    ],
+)
+def test_feature_flag_unavailable_on_this_device(argv, flag):
+    if detect().is_cuda:
+        pytest.skip("these flags are available on CUDA")
+    line = one_line_error(adaptor_with(*argv))
+    assert flag in line and detect().type in line
+
+
+@pytest.mark.parametrize(
+    "argv,world,needle",
+    [
+        (["--tensor-model-parallel-size", "3"], "2", "world size 2 is not divisible"),
+        (
+            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+            "2",
+            "is not divisible",
+        ),
+        (
+            ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3"],
+            "2",
+            "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
+            "2",
+            "--num-layers 3 is not divisible",
+        ),
+    ],
+)
+def test_bad_layout_stops_before_process_groups(argv, world, needle):
+    t0 = time.monotonic()
+    line = one_line_error(adaptor_with(*argv, env={"WORLD_SIZE": world}))
+    assert needle in line
+    assert time.monotonic() - t0 < 60
+
+
+def test_smoke_launcher_refuses_bad_layout_before_torchrun():
+    out = run(
+        PY,
+        "-m",
+        "anyspeed.cli",
+        "smoke",
+        "--nproc-per-node",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--num-attention-heads",
+        "3",
+    )
+    line = one_line_error(out)
+    assert "--num-attention-heads 3" in line
+    assert "torch.distributed" not in out.stderr
