@@ -43,7 +43,12 @@ LAYOUTS = {
     "pp2-1f1b": (2, dict(pp=2)),
     "pp2-vpp2": (2, dict(pp=2, vpp=2)),
     "dp2-distopt-overlap": (2, dict(distributed_optimizer=True, overlap_grad_reduce=True)),
+    "dp2-distopt-overlap-param-gather": (
+        2,
+        dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+    ),
     "tp2-pp2": (4, dict(tp=2, pp=2)),
+    "tp2-sp-dp2-distopt": (4, dict(tp=2, sequence_parallel=True, distributed_optimizer=True)),
 }
 
 
