@@ -53,3 +53,111 @@ def pipeline_ring_exchange() -> list:
     for r in reqs:
         r.wait()
     return [recv_prev.tolist(), recv_next.tolist()]
+
+
+def attention_parity_all() -> dict:
+    """Every (dtype, gqa, mask) case of :func:`attention_parity` in one process."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel()
+    return {
+        (dtype, gqa, mask): attention_parity(dtype, gqa, mask)
+        for dtype in ("fp32", "bf16")
+        for gqa in (False, True)
+        for mask in ("causal", "padding", "document")
+    }
+
+
+def attention_parity(dtype: str, gqa: bool, mask_kind: str) -> dict:
+    """anyspeed SDPAttention vs Megatron DotProductAttention: output and input-grad diffs."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from anyspeed.features.ops.attention import SDPAttention
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    heads, groups, d, s, b = 8, (2 if gqa else 8), 16, 64, 2
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * d,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_dropout=0.0,
+        bf16=dtype == "bf16",
+        params_dtype=dt,
+        masked_softmax_fusion=False,
+    )
+    kw = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    ref, fast = DotProductAttention(**kw), SDPAttention(**kw)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s, b, heads, d, generator=g).to(dt)
+    k = torch.randn(s, b, groups, d, generator=g).to(dt)
+    v = torch.randn(s, b, groups, d, generator=g).to(dt)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    mask = None
+    if mask_kind == "padding":  # second sample: last 20 positions are padding
+        keep = causal.expand(b, 1, s, s).clone()
+        keep[1, :, :, s - 20 :] = False
+        mask = ~keep
+    elif mask_kind == "document":  # --reset-attention-mask: documents of length 24, 24, 16
+        doc = torch.tensor([0] * 24 + [1] * 24 + [2] * 16)
+        keep = causal & (doc[:, None] == doc[None, :])
+        mask = ~keep.expand(b, 1, s, s)
+    rows = torch.ones(b, 1, s, 1)  # rows with at least one visible key
+    if mask is not None:
+        rows = (~mask).any(-1, keepdim=True).float()
+    row_w = rows.squeeze(-1).squeeze(1).transpose(0, 1)[..., None]  # [s, b, 1]
+    outs, grads = [], []
+    for mod in (ref, fast):
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        out = mod(qi, ki, vi, mask, AttnMaskType.causal)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dt)
+        ((out * w).float() * row_w).sum().backward()
+        outs.append(out.float() * row_w)
+        grads.append([t.grad.float() for t in (qi, ki, vi)])
+    return {
+        "out": float((outs[0] - outs[1]).abs().max()),
+        "grad": max(float((a - c).abs().max()) for a, c in zip(grads[0], grads[1], strict=False)),
+    }
+
+
+def cross_entropy_parity(dtype: str) -> dict:
+    """anyspeed chunked CE vs Megatron vocab_parallel_cross_entropy, at the world's TP size."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from anyspeed.features.ops import cross_entropy as ce
+
+    dist.init_process_group("gloo")
+    tp = dist.get_world_size()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    rank = ps.get_tensor_model_parallel_rank()
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    s, b, v = 40, 3, 96
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(s, b, v, generator=g) * 4
+    labels = torch.randint(0, v, (s, b), generator=g)
+    part = full.chunk(tp, dim=-1)[rank].to(dt)
+    ce.CHUNK_ROWS = 16  # exercise several chunks
+    res = {}
+    for name, fn in (
+        ("ref", lambda x: tensor_parallel.vocab_parallel_cross_entropy(x, labels)),
+        (
+            "new",
+            lambda x: ce.vocab_parallel_cross_entropy(
+                x, labels, ps.get_tensor_model_parallel_group()
+            ),
+        ),
+    ):
+        x = part.clone().requires_grad_()
+        loss = fn(x.clone() if name == "ref" else x)  # Megatron's works in place on its input
+        loss.float().sum().backward()
+        res[name] = (loss.float().detach(), x.grad.float())
+    return {
+        "loss": float((res["ref"][0] - res["new"][0]).abs().max()),
+        "grad": float((res["ref"][1] - res["new"][1]).abs().max()),
+    }

@@ -21,6 +21,13 @@ def train_steps(
     return [t.step() for _ in range(steps)]
 
 
+def attention_class() -> str:
+    """Name of the attention core class the GPT is built with (checks which level applied)."""
+    t = Trainer(GPTSpec(num_layers=1), Layout(), TrainConfig())
+    layer = t.model[0].module.decoder.layers[0]
+    return type(layer.self_attention.core_attention).__name__
+
+
 def train_save_logits(layout: dict, load: str, save: str, tokens) -> object:
     """Load weights, train one step, save with dist_checkpointing, return logits of ``tokens``."""
     t = Trainer(GPTSpec(), Layout(**layout), TrainConfig())

@@ -95,7 +95,6 @@ def test_unknown_optimization_level():
         (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
         (["--fp8-format", "hybrid"], "--fp8-format"),
         (["--enable-cuda-graph"], "--enable-cuda-graph"),
-        (["--use-flash-attn"], "--use-flash-attn"),
     ],
 )
 def test_feature_flag_unavailable_on_this_device(argv, flag):

@@ -133,7 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        print("\ncommands: features [--json] [TRAINING FLAGS...] | smoke [--nproc-per-node N ...]")
+        print(
+            "\ncommands: features [--json] [TRAINING FLAGS...] | smoke [--nproc-per-node N ...]"
+            " | preprocess ... | train-tokenizer ..."
+        )
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "features":
@@ -141,7 +144,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _features_report([a for a in rest if a != "--json"], as_json)
     if cmd == "smoke":
         return _smoke(rest)
-    print(f"anyspeed: error: unknown command {cmd!r} (try: features, smoke)", file=sys.stderr)
+    if cmd in ("preprocess", "train-tokenizer"):
+        from anyspeed.data.cli import main as data_main
+
+        return data_main([cmd, *rest])
+    print(
+        f"anyspeed: error: unknown command {cmd!r} (try: features, smoke, preprocess, "
+        "train-tokenizer)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -51,9 +51,15 @@ def _entry(fn, rank, world, port, q, kwargs, env, threads):
         import torch
 
         torch.set_num_threads(threads)
+        import sys
+
+        # The one-line import reads sys.argv: give it this rank's command line, not the
+        # parent's (spawned children inherit the parent's argv).
+        argv = kwargs.pop("_argv", [])
+        sys.argv = [sys.argv[0], *argv]
         import anyspeed.megatron_adaptor as adaptor
 
-        adaptor.apply(argv=kwargs.pop("_argv", []))
+        adaptor.apply(argv=argv)
         result = fn(**kwargs)
         # Plain pickle (not torch's shared-memory reducer): the bytes outlive this process.
         q.put((rank, True, pickle.dumps(result)))

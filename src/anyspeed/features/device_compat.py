@@ -108,13 +108,7 @@ class CudaOnlyOptions(Feature):
     name = "cuda-only-options"
     level = 0
     description = "refuses Megatron options that need CUDA-only libraries when not on CUDA"
-    flags = (
-        "--transformer-impl",
-        "--fp8-format",
-        "--enable-cuda-graph",
-        "--tp-comm-overlap",
-        "--use-flash-attn",
-    )
+    flags = ("--transformer-impl", "--fp8-format", "--enable-cuda-graph", "--tp-comm-overlap")
 
     def is_enabled(self, args: argparse.Namespace, device: DeviceInfo) -> bool:
         return not device.is_cuda
@@ -137,10 +131,6 @@ class CudaOnlyOptions(Feature):
         if flag_set(args, "--tp-comm-overlap"):
             raise FeatureError(
                 f"--tp-comm-overlap needs CUDA with Transformer Engine userbuffers; {on}: remove it"
-            )
-        if flag_set(args, "--use-flash-attn") and importlib.util.find_spec("flash_attn") is None:
-            raise FeatureError(
-                f"--use-flash-attn needs the flash-attn CUDA package; {on}: remove it"
             )
 
 

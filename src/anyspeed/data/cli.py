@@ -1,0 +1,170 @@
+"""Command line for ``anyspeed preprocess`` and ``anyspeed train-tokenizer``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import NoReturn
+
+from anyspeed.data.errors import DataError, UsageError
+from anyspeed.data.handlers import HANDLERS
+from anyspeed.data.readers import FORMATS
+from anyspeed.data.templates import TEMPLATES
+
+_TOKENIZER_ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one ``anyspeed: error:`` line with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _preprocess_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="anyspeed preprocess", description="Tokenize a corpus into .bin/.idx.")
+    io = p.add_argument_group("input/output")
+    io.add_argument("--input", required=True, help="file, glob or directory of one format")
+    io.add_argument("--input-format", choices=FORMATS, help="override the file-name guess")
+    io.add_argument("--txt-doc-per-file", action="store_true", help="a .txt file is one doc")
+    io.add_argument("--output-prefix", required=True)
+    io.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    t = p.add_argument_group("tokenizer")
+    t.add_argument("--tokenizer-type", default="PretrainedFromHF")
+    t.add_argument("--tokenizer-name-or-path", help="local HF directory or tokenizer.json")
+    t.add_argument("--tokenizer-model", help="SentencePiece .model file")
+    t.add_argument("--vocab-file", help="GPT-2 vocab.json")
+    t.add_argument("--merge-file", help="GPT-2 merges.txt")
+    h = p.add_argument_group("handler")
+    h.add_argument("--handler-name", default="GeneralPretrainHandler", help=", ".join(HANDLERS))
+    h.add_argument("--json-keys", nargs="+", default=["text"])
+    h.add_argument("--append-eod", action="store_true")
+    h.add_argument("--map-keys", help='JSON, e.g. \'{"prompt":"instruction","response":"output"}\'')
+    h.add_argument("--prompt-type", help=f"built-in template: {', '.join(sorted(TEMPLATES))}")
+    h.add_argument("--seq-length", type=int, help="drop longer samples; pack length")
+    h.add_argument("--pack", action="store_true", help="pack instruction samples to --seq-length")
+    h.add_argument("--neat-pack", action="store_true", help="attention_mask holds segment ids")
+    h.add_argument("--pack-window", type=int, default=10000, help="samples packed together")
+    r = p.add_argument_group("run")
+    r.add_argument("--workers", type=int, default=1)
+    r.add_argument("--partitions", type=int, default=1, help="file groups merged at the end")
+    r.add_argument("--strict", action="store_true", help="fail at the first bad record")
+    r.add_argument("--quiet", action="store_true", help="no progress line or summary")
+    r.add_argument("--chunk-docs", type=int, default=512, help="records per work unit")
+    return p
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="anyspeed train-tokenizer", description="Train a byte-level BPE tokenizer.")
+    p.add_argument("--input", nargs="+", required=True, help="files, globs or directories")
+    p.add_argument("--input-format", choices=FORMATS)
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--min-frequency", type=int, default=2)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    return p
+
+
+def _preprocess(argv: list[str]) -> int:
+    from anyspeed.data.pipeline import Config, preprocess
+    from anyspeed.data.tokenizer import TokenizerSpec
+
+    a = _preprocess_parser().parse_args(argv)
+    spec = TokenizerSpec(
+        kind=_TOKENIZER_ALIASES.get(a.tokenizer_type, a.tokenizer_type),
+        name_or_path=a.tokenizer_name_or_path,
+        model=a.tokenizer_model,
+        vocab_file=a.vocab_file,
+        merge_file=a.merge_file,
+    )
+    if a.chunk_docs < 1 or a.pack_window < 1:
+        raise UsageError("--chunk-docs and --pack-window must be at least 1")
+    cfg = Config(
+        input=a.input,
+        output_prefix=a.output_prefix,
+        tokenizer=spec,
+        handler_name=a.handler_name,
+        json_keys=a.json_keys,
+        append_eod=a.append_eod,
+        map_keys=a.map_keys,
+        prompt_type=a.prompt_type,
+        seq_length=a.seq_length,
+        pack=a.pack,
+        neat_pack=a.neat_pack,
+        pack_window=a.pack_window,
+        workers=a.workers,
+        partitions=a.partitions,
+        input_format=a.input_format,
+        txt_doc_per_file=a.txt_doc_per_file,
+        strict=a.strict,
+        overwrite=a.overwrite,
+        progress=not a.quiet,
+        chunk_docs=a.chunk_docs,
+    )
+    preprocess(cfg)
+    return 0
+
+
+def _train(argv: list[str]) -> int:
+    from anyspeed.data.train_tokenizer import train_tokenizer
+
+    a = _train_parser().parse_args(argv)
+    out = train_tokenizer(
+        a.input,
+        a.output_dir,
+        a.vocab_size,
+        a.min_frequency,
+        a.json_keys,
+        a.input_format,
+        a.overwrite,
+    )
+    print(f"anyspeed train-tokenizer: saved {out}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"preprocess": _preprocess, "train-tokenizer": _train}
+
+
+def main(argv: list[str]) -> int:
+    """Run ``preprocess`` or ``train-tokenizer``; usage errors exit 2, bad data (strict) 1."""
+    if not argv or argv[0] not in COMMANDS:
+        got = argv[0] if argv else "nothing"
+        print(f"anyspeed: error: expected one of {', '.join(COMMANDS)}, got {got}", file=sys.stderr)
+        return 2
+    if argv[1:2] in (["-h"], ["--help"]):
+        parser = _preprocess_parser() if argv[0] == "preprocess" else _train_parser()
+        parser.print_help()
+        return 0
+    previous = _terminate_as_interrupt()
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except UsageError as exc:
+        print(f"anyspeed: error: {exc}", file=sys.stderr)
+        return 2
+    except DataError as exc:
+        print(f"anyspeed: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("anyspeed: interrupted; no output was written", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _terminate_as_interrupt() -> object:
+    """Make SIGTERM clean up temp files like Ctrl-C does (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,20 @@
+"""Exception types that separate bad command lines from bad input records."""
+
+from __future__ import annotations
+
+
+class UsageError(Exception):
+    """A bad flag, path or setting found before any work starts (exit code 2)."""
+
+
+class DataError(Exception):
+    """A bad input record met under ``--strict`` (exit code 1)."""
+
+
+class RecordError(Exception):
+    """One input record cannot be used; it is counted under ``reason`` and skipped."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail

@@ -1,0 +1,331 @@
+"""Record handlers: pretraining text and alpaca/sharegpt/OpenAI instruction data to token arrays."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from anyspeed.data.errors import RecordError, UsageError
+from anyspeed.data.templates import TEMPLATES, Segment
+from anyspeed.data.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+Sample = dict[str, np.ndarray]
+
+
+def vocab_dtype(vocab_size: int) -> type[np.integer]:
+    """Smallest dtype that holds every token id (the same rule Megatron uses)."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+class Handler:
+    """Turns a batch of records into samples (key -> 1-D array) or RecordErrors."""
+
+    name = ""
+    instruction = False
+    keys: tuple[str, ...] = ()
+
+    def columns(self) -> list[str] | None:
+        """Top-level columns a columnar reader needs (None: all)."""
+        return None
+
+    def dtypes(self, vocab_size: int) -> dict[str, type[np.integer]]:
+        """On-disk dtype of each output key."""
+        return {k: vocab_dtype(vocab_size) for k in self.keys}
+
+    def process(self, records: list[dict], tok: Tokenizer) -> list[Sample | RecordError]:
+        """Tokenize a batch of records; one result per record, in order."""
+        raise NotImplementedError
+
+
+class PretrainHandler(Handler):
+    """Plain documents under ``--json-keys``; each key becomes its own dataset."""
+
+    name = "GeneralPretrainHandler"
+
+    def __init__(self, json_keys: list[str], append_eod: bool, eod_id: int | None) -> None:
+        self.keys = tuple(json_keys)
+        self.append_eod = append_eod
+        self.eod_id = eod_id
+
+    def columns(self) -> list[str] | None:
+        return list(self.keys)
+
+    def process(self, records: list[dict], tok: Tokenizer) -> list[Sample | RecordError]:
+        results: list[Sample | RecordError] = []
+        texts: list[str] = []
+        for rec in records:
+            try:
+                texts.extend(_text(rec, k) for k in self.keys)
+                results.append({})
+            except RecordError as exc:
+                results.append(exc)
+        ids = iter(tok.encode(texts, special=True)) if texts else iter(())
+        for sample in results:
+            if isinstance(sample, RecordError):
+                continue
+            for key in self.keys:
+                toks = next(ids)
+                if self.append_eod:
+                    toks = [*toks, self.eod_id]
+                sample[key] = np.asarray(toks, dtype=np.int64)
+        return results
+
+
+def _text(rec: dict, key: str) -> str:
+    """The non-empty string under ``key`` or a RecordError saying why not."""
+    if key not in rec or rec[key] is None:
+        raise RecordError("missing key", repr(key))
+    value = rec[key]
+    if not isinstance(value, str):
+        raise RecordError("not a string", f"{key!r} is {type(value).__name__}")
+    if not value.strip():
+        raise RecordError("empty document", repr(key))
+    return value
+
+
+class InstructionHandler(Handler):
+    """Conversations rendered by a chat template; prompt tokens get label -100."""
+
+    instruction = True
+    keys = ("input_ids", "attention_mask", "labels")
+    default_map: dict[str, Any] = {}
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        map_keys: dict[str, Any] | None = None,
+        prompt_type: str | None = None,
+        append_eod: bool = False,
+        seq_length: int | None = None,
+    ) -> None:
+        self.map = {**self.default_map, **(map_keys or {})}
+        if "tags" in self.default_map:
+            self.map["tags"] = {**self.default_map["tags"], **(map_keys or {}).get("tags", {})}
+        if prompt_type is not None and prompt_type not in TEMPLATES:
+            names = ", ".join(sorted(TEMPLATES))
+            raise UsageError(f"unknown --prompt-type {prompt_type!r}; choose from {names}")
+        if prompt_type is None and not tok.has_chat_template:
+            raise UsageError(
+                f"tokenizer {tok.name!r} has no chat template; pass --prompt-type "
+                f"({', '.join(sorted(TEMPLATES))})"
+            )
+        if (append_eod or (prompt_type and TEMPLATES[prompt_type].eod_after_response)) and (
+            tok.eod_id is None
+        ):
+            raise UsageError("the tokenizer has no end-of-document token (needed for EOD)")
+        self.prompt_type = prompt_type
+        self.append_eod = append_eod
+        self.seq_length = seq_length
+        self.eod_id = tok.eod_id
+
+    def dtypes(self, vocab_size: int) -> dict[str, type[np.integer]]:
+        return {
+            "input_ids": vocab_dtype(vocab_size),
+            "attention_mask": np.uint8,
+            "labels": np.int32,
+        }
+
+    def messages(self, rec: dict) -> list[dict]:
+        """The record as [{role, content}, ...] ending with an assistant turn."""
+        raise NotImplementedError
+
+    def segments(self, messages: list[dict], tok: Tokenizer) -> list[Segment]:
+        """Prompt/response text pieces of a conversation, in order."""
+        if self.prompt_type is not None:
+            return TEMPLATES[self.prompt_type].segments(messages)
+        out: list[Segment] = []
+        done = ""
+        for i, msg in enumerate(messages):
+            if msg["role"] != "assistant":
+                continue
+            prompt = tok.render_chat(messages[:i], add_generation_prompt=True)
+            full = tok.render_chat(messages[: i + 1], add_generation_prompt=False)
+            if not (prompt.startswith(done) and full.startswith(prompt)):
+                raise RecordError("chat template is not prefix-stable", f"turn {i}")
+            out.append((prompt[len(done) :], False, False))
+            out.append((full[len(prompt) :], True, False))
+            done = full
+        return [s for s in out if s[0] or s[1]]
+
+    def process(self, records: list[dict], tok: Tokenizer) -> list[Sample | RecordError]:
+        results: list[Any] = []
+        texts: list[str] = []
+        for rec in records:
+            try:
+                segs = self.segments(_check_messages(self.messages(rec)), tok)
+                results.append(segs)
+                texts.extend(s[0] for s in segs)
+            except RecordError as exc:
+                results.append(exc)
+        ids = iter(tok.encode(texts, special=False)) if texts else iter(())
+        for n, segs in enumerate(results):
+            if isinstance(segs, RecordError):
+                continue
+            input_ids: list[int] = []
+            labels: list[int] = []
+            for _, is_response, eod in segs:
+                toks = next(ids) + ([self.eod_id] if eod else [])
+                input_ids += toks
+                labels += toks if is_response else [IGNORE_INDEX] * len(toks)
+            if self.append_eod:
+                input_ids.append(self.eod_id)  # type: ignore[arg-type]
+                labels.append(self.eod_id)  # type: ignore[arg-type]
+            if self.seq_length is not None and len(input_ids) > self.seq_length:
+                results[n] = RecordError(
+                    "longer than --seq-length", f"{len(input_ids)} > {self.seq_length}"
+                )
+                continue
+            results[n] = {
+                "input_ids": np.asarray(input_ids, dtype=np.int64),
+                "attention_mask": np.ones(len(input_ids), dtype=np.int64),
+                "labels": np.asarray(labels, dtype=np.int64),
+            }
+        return results
+
+
+def _check_messages(messages: list[dict]) -> list[dict]:
+    """Validate roles/contents and drop trailing turns that have no response to learn."""
+    for msg in messages:
+        if msg["role"] not in ("system", "user", "assistant"):
+            raise RecordError("unknown role", repr(msg["role"]))
+        if not isinstance(msg["content"], str):
+            raise RecordError("not a string", f"{msg['role']} content")
+    while messages and messages[-1]["role"] != "assistant":
+        messages = messages[:-1]
+    if not messages:
+        raise RecordError("no assistant response")
+    if not any(m["content"].strip() for m in messages if m["role"] == "assistant"):
+        raise RecordError("empty document", "empty response")
+    return messages
+
+
+def _get(rec: dict, key: str | None, required: bool = True) -> Any:
+    if key is None or rec.get(key) is None:
+        if required:
+            raise RecordError("missing key", repr(key))
+        return None
+    return rec[key]
+
+
+class AlpacaHandler(InstructionHandler):
+    """``{instruction, input, output[, system, history]}`` records."""
+
+    name = "AlpacaStyleInstructionHandler"
+    default_map = {
+        "prompt": "instruction",
+        "query": "input",
+        "response": "output",
+        "system": "system",
+        "history": "history",
+    }
+
+    def messages(self, rec: dict) -> list[dict]:
+        m = self.map
+        prompt = _get(rec, m["prompt"])
+        query = _get(rec, m.get("query"), required=False)
+        response = _get(rec, m["response"])
+        system = _get(rec, m.get("system"), required=False)
+        history = _get(rec, m.get("history"), required=False) or []
+        out = [{"role": "system", "content": system}] if system else []
+        try:
+            for q, a in history:
+                out += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        except (TypeError, ValueError):
+            raise RecordError("bad history", "expected [[query, response], ...]") from None
+        user = f"{prompt}\n{query}" if isinstance(query, str) and query else prompt
+        return out + [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+
+
+class SharegptHandler(InstructionHandler):
+    """``{conversations: [{from, value}, ...][, system]}`` records (tags set by --map-keys)."""
+
+    name = "SharegptStyleInstructionHandler"
+    default_map = {
+        "messages": "conversations",
+        "system": "system",
+        "tags": {
+            "role_tag": "from",
+            "content_tag": "value",
+            "user_tag": "human",
+            "assistant_tag": "gpt",
+            "system_tag": "system",
+        },
+    }
+
+    def messages(self, rec: dict) -> list[dict]:
+        tags = self.map["tags"]
+        roles = {
+            tags["user_tag"]: "user",
+            tags["assistant_tag"]: "assistant",
+            tags["system_tag"]: "system",
+        }
+        turns = _get(rec, self.map["messages"])
+        if not isinstance(turns, list):
+            raise RecordError("bad messages", "expected a list")
+        out = []
+        system = _get(rec, self.map.get("system"), required=False)
+        if system:
+            out.append({"role": "system", "content": system})
+        for turn in turns:
+            if not isinstance(turn, dict) or tags["role_tag"] not in turn:
+                raise RecordError("missing key", repr(tags["role_tag"]))
+            role = turn[tags["role_tag"]]
+            out.append({"role": roles.get(role, role), "content": turn.get(tags["content_tag"])})
+        return out
+
+
+class OpenAIHandler(SharegptHandler):
+    """``{messages: [{role, content}, ...]}`` records (OpenAI chat layout)."""
+
+    name = "OpenAIStyleInstructionHandler"
+    default_map = {
+        "messages": "messages",
+        "system": "system",
+        "tags": {
+            "role_tag": "role",
+            "content_tag": "content",
+            "user_tag": "user",
+            "assistant_tag": "assistant",
+            "system_tag": "system",
+        },
+    }
+
+
+HANDLERS: dict[str, type[Handler]] = {
+    "GeneralPretrainHandler": PretrainHandler,
+    "AlpacaStyleInstructionHandler": AlpacaHandler,
+    "SharegptStyleInstructionHandler": SharegptHandler,
+    "OpenAIStyleInstructionHandler": OpenAIHandler,
+    "OpenAIInstructionHandler": OpenAIHandler,
+}
+
+
+def build_handler(
+    name: str,
+    tok: Tokenizer,
+    json_keys: list[str],
+    append_eod: bool,
+    map_keys: str | None = None,
+    prompt_type: str | None = None,
+    seq_length: int | None = None,
+) -> Handler:
+    """Construct the handler ``--handler-name`` names, validating its flags (UsageError)."""
+    cls = HANDLERS.get(name)
+    if cls is None:
+        raise UsageError(f"unknown --handler-name {name!r}; choose from {', '.join(HANDLERS)}")
+    if cls is PretrainHandler:
+        if append_eod and tok.eod_id is None:
+            raise UsageError("--append-eod: the tokenizer has no end-of-document token")
+        if prompt_type is not None or map_keys is not None:
+            raise UsageError(f"--prompt-type/--map-keys do not apply to {name}")
+        return PretrainHandler(json_keys, append_eod, tok.eod_id)
+    try:
+        mapping = json.loads(map_keys) if map_keys else None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--map-keys is not valid JSON: {exc.msg}") from None
+    if mapping is not None and not isinstance(mapping, dict):
+        raise UsageError("--map-keys must be a JSON object")
+    return cls(tok, mapping, prompt_type, append_eod, seq_length)  # type: ignore[call-arg]

@@ -1,0 +1,77 @@
+"""Built-in chat templates (``--prompt-type``) that split a conversation into prompt/response."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Segment = tuple[str, bool, bool]  # (text, is_response, append_eod_after)
+
+
+@dataclass(frozen=True)
+class Template:
+    """Plain-text chat layout; ``{content}`` is replaced by each message's text."""
+
+    user: str
+    assistant: str
+    system: str = "{content}"
+    default_system: str = ""
+    prefix: str = ""
+    eod_after_response: bool = False
+
+    def segments(self, messages: list[dict]) -> list[Segment]:
+        """Split a rendered conversation into prompt and response pieces, in order."""
+        out: list[Segment] = []
+        prompt = self.prefix
+        rest = messages
+        system = self.default_system
+        if rest and rest[0]["role"] == "system":
+            system, rest = rest[0]["content"], rest[1:]
+        if system:
+            prompt += self.system.format(content=system)
+        for msg in rest:
+            if msg["role"] == "assistant":
+                out.append((prompt, False, False))
+                out.append(
+                    (self.assistant.format(content=msg["content"]), True, self.eod_after_response)
+                )
+                prompt = ""
+            else:
+                prompt += self.user.format(content=msg["content"])
+        return [s for s in out if s[0] or s[1]]
+
+
+_CHATML = dict(
+    system="<|im_start|>system\n{content}<|im_end|>\n",
+    user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
+    assistant="{content}<|im_end|>\n",
+)
+
+TEMPLATES: dict[str, Template] = {
+    "chatml": Template(**_CHATML),
+    "qwen": Template(**_CHATML, default_system="You are a helpful assistant."),
+    "llama3": Template(
+        prefix="<|begin_of_text|>",
+        system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+        user=(
+            "<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        ),
+        assistant="{content}<|eot_id|>",
+    ),
+    "alpaca": Template(
+        default_system=(
+            "Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request."
+        ),
+        system="{content}\n\n",
+        user="### Instruction:\n{content}\n\n### Response:\n",
+        assistant="{content}",
+        eod_after_response=True,
+    ),
+    "default": Template(
+        system="System: {content}\n",
+        user="Human: {content}\nAssistant: ",
+        assistant="{content}",
+        eod_after_response=True,
+    ),
+}

@@ -1,0 +1,86 @@
+"""Attention core through the device's fused scaled-dot-product attention.
+
+Drop-in for Megatron's local ``DotProductAttention`` (same constructor, parameters and sharded
+state): instead of materialising the [b, heads, s, s] score and probability matrices it calls
+``torch.nn.functional.scaled_dot_product_attention``, which picks the flash / memory-efficient
+kernel of the device (CUDA, and the flash kernel on CPU). Causal attention needs no mask tensor;
+grouped-query attention is passed through without repeating K/V in memory; Megatron's boolean
+attention masks (True = masked: padding, ``--reset-attention-mask`` document masks) are honoured.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class SDPAttention(DotProductAttention):
+    """Megatron ``DotProductAttention`` computed with fused SDPA kernels."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if (
+            packed_seq_params is not None
+            or attention_bias is not None
+            or self.softmax_offset is not None
+            or self.scale_mask_softmax.window_size is not None
+        ):
+            # Features SDPA cannot express exactly: keep Megatron's path.
+            return super().forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type,
+                attention_bias,
+                packed_seq_params,
+            )
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        sq, b = query.shape[0], query.shape[1]
+        # [s, b, heads, d] -> [b, heads, s, d] (views; SDPA accepts strided inputs)
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        is_causal, mask = False, None
+        if attention_mask is not None:
+            keep = ~attention_mask.to(torch.bool)
+            # A query that may see no key at all (pure padding) would give NaN in SDPA; let it
+            # see everything instead. Megatron gives such rows a uniform average; both are
+            # finite and such positions carry no loss.
+            empty = ~keep.any(dim=-1, keepdim=True)
+            mask = keep | empty if bool(empty.any()) else keep
+        elif mask_type == AttnMaskType.causal:
+            is_causal = True
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        gqa = q.shape[1] != k.shape[1]
+
+        def attend():
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
+            )
+
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = attend()
+        else:
+            context = attend()
+        # [b, heads, s, d] -> [s, b, heads * d]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

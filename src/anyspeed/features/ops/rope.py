@@ -1,0 +1,59 @@
+"""Rotary position embedding applied in one autograd node.
+
+RoPE is linear in its input: ``out = t * cos + rotate_half(t) * sin``. The backward pass is the
+same rotation transposed, so this node saves only ``cos``/``sin`` (one per call, shared by every
+head) rather than the input and intermediate products that Megatron's unfused path keeps.
+Rope scaling (LLaMA-3, YaRN factors) is already folded into the frequencies Megatron computes.
+Plugged in through Megatron's ``fused_apply_rotary_pos_emb`` seam (``apply_rope_fusion``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rotate(t: torch.Tensor, interleaved: bool, sign: float) -> torch.Tensor:
+    """``sign=+1``: rotate_half; ``sign=-1``: its transpose."""
+    if interleaved:
+        x1, x2 = t[..., 0::2], t[..., 1::2]
+        return torch.stack((-sign * x2, sign * x1), dim=-1).flatten(-2)
+    x1, x2 = t.chunk(2, dim=-1)
+    return torch.cat((-sign * x2, sign * x1), dim=-1)
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        rot = freqs.shape[-1]
+        cos = torch.cos(freqs).to(t.dtype)
+        sin = torch.sin(freqs).to(t.dtype)
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        head, tail = t[..., :rot], t[..., rot:]
+        out = head * cos + _rotate(head, interleaved, 1.0) * sin
+        return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        rot = cos.shape[-1]
+        g_head, g_tail = grad[..., :rot], grad[..., rot:]
+        g = g_head * cos + _rotate(g_head * sin, ctx.interleaved, -1.0)
+        out = torch.cat((g, g_tail), dim=-1) if g_tail.shape[-1] else g
+        return out, None, None
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``t`` [s, b, heads, d] by ``freqs`` [s, 1, 1, rot] (rot <= d; the rest passes)."""
+    return _RoPE.apply(t, freqs, interleaved)
+
+
+def fused_apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    transpose_output_memory: bool = False,
+    interleaved: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Signature-compatible with the Transformer Engine entry Megatron calls when fused."""
+    return apply_rope(t, freqs, interleaved)

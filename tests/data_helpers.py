@@ -1,0 +1,94 @@
+"""Shared corpus, tiny tokenizers and Megatron read-back helpers for the preprocess tests."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import warnings
+
+import pytest
+
+from anyspeed.data.cli import main
+
+_WORDS = (
+    "the model trains on any device with megatron core and a tiny tokenizer café naïve "
+    "日本語 данные δεδομένα 123 4.5 (x) [y] {z} \"quoted\" 'single' a,b;c tab\there emoji 🙂"
+).split(" ")
+
+
+def make_docs(n: int = 240, seed: int = 0, newlines: bool = False) -> list[str]:
+    """Deterministic varied documents (unicode, punctuation, optional embedded newlines)."""
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(1, 60))]
+        if newlines and i % 5 == 0:
+            words.insert(len(words) // 2, "\n")
+        docs.append(" ".join(words) + f" #{i}")
+    return docs
+
+
+def write_jsonl(path: str, records: list[dict]) -> str:
+    """One JSON object per line (UTF-8, non-ASCII kept)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return path
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    """Run ``anyspeed.data.cli.main`` in-process; returns (exit code, stderr)."""
+    capsys.readouterr()
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def read_back(prefix: str) -> list[list[int]]:
+    """Every sequence of a dataset, read through Megatron's own IndexedDataset."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))]
+
+
+def dataset_dtype(prefix: str) -> object:
+    """The token dtype Megatron's reader sees for a dataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    return IndexedDataset(prefix).index.dtype
+
+
+def files_bytes(prefix: str) -> tuple[bytes, bytes]:
+    """Raw (.bin, .idx) contents, to compare runs byte for byte."""
+    with open(prefix + ".bin", "rb") as b, open(prefix + ".idx", "rb") as i:
+        return b.read(), i.read()
+
+
+def leftovers(directory: str) -> list[str]:
+    """Every file in a directory (used to prove nothing, not even a temp file, was left)."""
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*")))
+
+
+@pytest.fixture(scope="session", name="hf_tok")
+def hf_tok_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A byte-level BPE (vocab 600) trained by ``train-tokenizer`` on a generated corpus."""
+    root = tmp_path_factory.mktemp("tok")
+    corpus = write_jsonl(str(root / "corpus.jsonl"), [{"text": d} for d in make_docs(800, 1)])
+    out = str(root / "hf")
+    assert (
+        main(["train-tokenizer", "--input", corpus, "--vocab-size", "600", "--output-dir", out])
+        == 0
+    )
+    return out
+
+
+@pytest.fixture(scope="session", name="auto_tok")
+def auto_tok_fixture(hf_tok: str):  # noqa: ANN201 - a transformers tokenizer
+    """The same tokenizer loaded independently through transformers.AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_tok)
