@@ -59,9 +59,15 @@ def attention_parity_all() -> dict:
     """Every (dtype, gqa, mask) case of :func:`attention_parity` in one process."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import dot_product_attention
 
     dist.init_process_group("gloo")
     ps.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(0)  # Megatron's attention forks the RNG
+    # The reference must be Megatron's own class (level 0 leaves it unpatched).
+    ref_cls = dot_product_attention.DotProductAttention
+    assert ref_cls.__module__ == "megatron.core.transformer.dot_product_attention", ref_cls
     return {
         (dtype, gqa, mask): attention_parity(dtype, gqa, mask)
         for dtype in ("fp32", "bf16")
@@ -118,9 +124,14 @@ def attention_parity(dtype: str, gqa: bool, mask_kind: str) -> dict:
         ((out * w).float() * row_w).sum().backward()
         outs.append(out.float() * row_w)
         grads.append([t.grad.float() for t in (qi, ki, vi)])
+    grad_diff = max(float((a - c).abs().max()) for a, c in zip(grads[0], grads[1], strict=True))
+    grad_mag = max(float(a.abs().max()) for a in grads[0])
+    out_diff = float((outs[0] - outs[1]).abs().max())
     return {
-        "out": float((outs[0] - outs[1]).abs().max()),
-        "grad": max(float((a - c).abs().max()) for a, c in zip(grads[0], grads[1], strict=False)),
+        "out": out_diff,
+        "grad": grad_diff,
+        "out_rel": out_diff / float(outs[0].abs().max()),
+        "grad_rel": grad_diff / grad_mag,
     }
 
 

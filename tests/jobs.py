@@ -42,3 +42,20 @@ def load_logits(layout: dict, load: str, tokens) -> object:
     t = Trainer(GPTSpec(), Layout(**layout), TrainConfig())
     t.load_model(load)
     return t.logits(tokens)
+
+
+def train_precision(bf16: bool, steps: int, load: str | None = None) -> dict:
+    """Train the tiny GPT in bf16 or fp32; report losses and the dtypes the optimizer keeps."""
+    t = Trainer(GPTSpec(), Layout(), TrainConfig(bf16=bf16, lr=3e-3))
+    if load:
+        t.load_model(load)
+    losses = [t.step()["loss"] for _ in range(steps)]
+    model_dtypes = {str(p.dtype) for p in t.model[0].parameters()}
+    opt = t.optimizer
+    main = getattr(opt, "fp32_from_float16_groups", None)
+    main_dtypes = {
+        str(p.dtype)
+        for g in (main or opt.optimizer.param_groups)
+        for p in (g if main else g["params"])
+    }
+    return {"losses": losses, "model": sorted(model_dtypes), "main": sorted(main_dtypes)}

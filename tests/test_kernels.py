@@ -1,10 +1,12 @@
 """Level-1 kernels vs. Megatron's original modules, forward and backward.
 
-Tolerances: fp32 1e-5 max-abs; bf16 inputs 3e-2 (bf16 has 8 mantissa bits and the two sides
-round at different points).
+Tolerances: fp32 1e-5 max-abs; bf16 inputs 3e-2 max-abs, or 1% of the largest magnitude for
+attention (bf16 has 8 mantissa bits and the two sides round at different points).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -35,7 +37,10 @@ DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @pytest.fixture(scope="module")
 def attention_results():
-    return run_distributed(dist_jobs.attention_parity_all, 1, timeout=180)[0]
+    # Level 0 in the rank: Megatron's DotProductAttention is the unpatched reference.
+    return run_distributed(
+        dist_jobs.attention_parity_all, 1, timeout=180, argv=["--optimization-level", "0"]
+    )[0]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -43,7 +48,10 @@ def attention_results():
 @pytest.mark.parametrize("mask_kind", ["causal", "padding", "document"])
 def test_attention_matches_megatron(attention_results, dtype, gqa, mask_kind):
     res = attention_results[(dtype, gqa, mask_kind)]
-    assert res["out"] <= TOL[dtype] and res["grad"] <= TOL[dtype], res
+    if dtype == "fp32":
+        assert res["out"] <= TOL[dtype] and res["grad"] <= TOL[dtype], res
+    else:  # bf16: within 1% of the largest magnitude (a few bf16 ulps)
+        assert res["out_rel"] <= 1e-2 and res["grad_rel"] <= 1e-2, res
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -93,7 +101,13 @@ def test_rope_matches_megatron(dtype, interleaved, rotary_percent, scaling, devi
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cross_entropy_matches_megatron(world, dtype):
-    res = run_distributed(dist_jobs.cross_entropy_parity, world, dtype=dtype, timeout=120)
+    res = run_distributed(
+        dist_jobs.cross_entropy_parity,
+        world,
+        dtype=dtype,
+        timeout=120,
+        argv=["--optimization-level", "0"],
+    )
     for r in res:
         assert r["loss"] <= TOL[dtype] * 2 and r["grad"] <= TOL[dtype], r
 
@@ -119,3 +133,17 @@ def test_level1_training_equals_level0(tmp_path):
         run_distributed(jobs.attention_class, 1, argv=["--optimization-level", lvl])[0]
         for lvl in ("0", "1")
     ] == ["DotProductAttention", "SDPAttention"]
+
+
+def test_bf16_training_on_cpu_keeps_fp32_master_weights(tmp_path):
+    """--bf16 on the CPU: bf16 model, fp32 master weights, loss falls and tracks fp32."""
+    ckpt = str(tmp_path / "init")
+    run_distributed(jobs.train_steps, 1, layout={}, save_init=ckpt, steps=0, timeout=240)
+    (fp32,) = run_distributed(jobs.train_precision, 1, bf16=False, steps=12, load=ckpt)
+    (bf16,) = run_distributed(jobs.train_precision, 1, bf16=True, steps=12, load=ckpt)
+    assert bf16["model"] == ["torch.bfloat16"] and bf16["main"] == ["torch.float32"]
+    assert fp32["model"] == ["torch.float32"]
+    assert all(math.isfinite(x) for x in bf16["losses"])
+    assert bf16["losses"][-1] < bf16["losses"][0] - 0.1
+    for a, b in zip(fp32["losses"], bf16["losses"], strict=True):
+        assert b == pytest.approx(a, rel=2e-2)

@@ -62,6 +62,8 @@ class GPTSpec:
     position_embedding_type: str = "rope"
     untie_embeddings: bool = True
     init_method_std: float = 0.02
+    add_qkv_bias: bool = False
+    rotary_base: int = 10000
 
 
 @dataclass
@@ -122,6 +124,7 @@ def transformer_config(spec: GPTSpec, layout: Layout, bf16: bool = False):
         gated_linear_unit=spec.swiglu,
         activation_func=F.silu if spec.swiglu else F.gelu,
         add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
         init_method_std=spec.init_method_std,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -158,6 +161,7 @@ def build_model(spec: GPTSpec, layout: Layout, bf16: bool = False) -> list[torch
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=not spec.untie_embeddings,
             position_embedding_type=spec.position_embedding_type,
+            rotary_base=spec.rotary_base,
             vp_stage=vp,
         )
         model.to(torch_device())

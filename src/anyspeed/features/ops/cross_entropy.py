@@ -1,10 +1,10 @@
 """Vocabulary-parallel cross-entropy without a full-precision copy of the logits.
 
-Megatron's local path upcasts the whole [tokens, vocab/TP] logits to fp32 and keeps that copy
-(as the softmax) for the backward pass. Here the logits stay in their own dtype; max, sum-exp
-and the target logit are computed in fp32 over row chunks and reduced across the TP group as
-[tokens] vectors; the backward pass rebuilds the softmax chunk by chunk from the saved
-log-sum-exp. The loss is the same number.
+Megatron's local path upcasts the whole [tokens, vocab/TP] logits to fp32 (a second, 2x-sized
+copy for bf16 logits) and keeps it as the softmax for the backward pass. Here max, sum-exp and
+the target logit are computed in fp32 one row chunk at a time and reduced across the TP group as
+[tokens] vectors; exp(logit - max) and then the gradient are written back into the logits' own
+storage, so no logits-sized tensor is ever allocated. The loss is the same number.
 """
 
 from __future__ import annotations
@@ -22,15 +22,17 @@ def _tp(group) -> tuple[int, int]:
 
 
 class _VocabParallelCE(torch.autograd.Function):
+    # Like Megatron's implementation, this works in place on the logits (their storage holds
+    # exp(logit - max) after forward and the gradient after backward): the loss is the only
+    # consumer of the output layer's result, and reusing it avoids any logits-sized copy.
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
         rank, world = _tp(group)
         shape = target.shape
-        x = logits.reshape(-1, logits.shape[-1])
+        x = logits.view(-1, logits.shape[-1])
         t = target.reshape(-1)
         part = x.shape[-1]
-        start = rank * part
-        local = t - start
+        local = t - rank * part
         inside = (local >= 0) & (local < part)
         local = local.clamp(0, part - 1)
         n = x.shape[0]
@@ -42,32 +44,32 @@ class _VocabParallelCE(torch.autograd.Function):
         sumexp = torch.empty_like(mx)
         picked = torch.empty_like(mx)
         for i in range(0, n, CHUNK_ROWS):
-            xc = x[i : i + CHUNK_ROWS].float()
-            sumexp[i : i + CHUNK_ROWS] = (xc - mx[i : i + CHUNK_ROWS, None]).exp().sum(dim=-1)
-            pc = xc.gather(1, local[i : i + CHUNK_ROWS, None]).squeeze(1)
-            picked[i : i + CHUNK_ROWS] = torch.where(inside[i : i + CHUNK_ROWS], pc, 0.0)
+            sl = slice(i, i + CHUNK_ROWS)
+            xc = x[sl].float().sub_(mx[sl, None])  # fp32 for this chunk only
+            pc = xc.gather(1, local[sl, None]).squeeze(1)
+            picked[sl] = torch.where(inside[sl], pc, 0.0)
+            xc.exp_()
+            sumexp[sl] = xc.sum(dim=-1)
+            x[sl] = xc  # keep exp(logit - max) for the backward pass, in the logits' dtype
         if world > 1:
             dist.all_reduce(sumexp, group=group)
             dist.all_reduce(picked, group=group)
-        lse = mx + sumexp.log()
-        ctx.save_for_backward(logits, local, inside, lse)
-        return (lse - picked).reshape(shape)
+        ctx.save_for_backward(logits, local, inside, sumexp)
+        return (sumexp.log() - picked).reshape(shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, local, inside, lse = ctx.saved_tensors
-        x = logits.reshape(-1, logits.shape[-1])
+        logits, local, inside, sumexp = ctx.saved_tensors
+        x = logits.view(-1, logits.shape[-1])
         g = grad.reshape(-1).float()
-        out = torch.empty_like(x)
         rows = torch.arange(x.shape[0], device=x.device)
         for i in range(0, x.shape[0], CHUNK_ROWS):
             sl = slice(i, i + CHUNK_ROWS)
-            p = (x[sl].float() - lse[sl, None]).exp()
-            r = rows[sl] - i
+            p = x[sl].float().div_(sumexp[sl, None])  # softmax
             hit = inside[sl]
-            p[r[hit], local[sl][hit]] -= 1.0
-            out[sl] = (p * g[sl, None]).to(x.dtype)
-        return out.reshape(logits.shape), None, None
+            p[(rows[sl] - i)[hit], local[sl][hit]] -= 1.0
+            x[sl] = p.mul_(g[sl, None])
+        return logits, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None):
