@@ -216,15 +216,20 @@ def synchronize(device: Any = None) -> None:
 
 
 # ------------------------------------------------------------------ memory
-def _status_kib(key: str) -> int:
+def _proc_kib(path: str, key: str) -> int:
+    """The ``key:`` value (KiB) of a /proc file such as /proc/self/status; 0 when absent."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def _status_kib(key: str) -> int:
+    return _proc_kib("/proc/self/status", key)
 
 
 def memory_allocated(device: Any = None) -> int:
@@ -280,14 +285,7 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
 
 
 def _meminfo_kib(key: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return _proc_kib("/proc/meminfo", key)
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:

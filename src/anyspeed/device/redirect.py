@@ -309,31 +309,17 @@ def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> N
             return None  # gloo process groups are not bound to a device
         return _make_mapper(info)(dev)
 
-    def init_wrapper(fn):
+    def group_wrapper(fn):
+        """Map backend / pg_options / device_id of init_process_group and new_group."""
         sig = inspect.signature(fn)
+        is_init = fn.__name__ == "init_process_group"
 
         @functools.wraps(fn)
-        def init_process_group(*args, **kwargs):
+        def wrapped(*args, **kwargs):
             bound = sig.bind_partial(*args, **kwargs)
             a = bound.arguments
-            if a.get("backend") is None:
+            if is_init and a.get("backend") is None:
                 a["backend"] = backend
-            a["backend"] = map_backend(a["backend"])
-            if "device_id" in a:
-                a["device_id"] = map_device_id(a["device_id"])
-            if "pg_options" in a:
-                a["pg_options"] = map_options(a["backend"], a["pg_options"])
-            return fn(*bound.args, **bound.kwargs)
-
-        return init_process_group
-
-    def new_group_wrapper(fn):
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def new_group(*args, **kwargs):
-            bound = sig.bind_partial(*args, **kwargs)
-            a = bound.arguments
             if "backend" in a:
                 a["backend"] = map_backend(a["backend"])
             if "pg_options" in a:
@@ -342,7 +328,7 @@ def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> N
                 a["device_id"] = map_device_id(a["device_id"])
             return fn(*bound.args, **bound.kwargs)
 
-        return new_group
+        return wrapped
 
     def barrier_wrapper(fn):
         @functools.wraps(fn)
@@ -354,12 +340,8 @@ def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> N
         return barrier
 
     why_pg = f"process groups asked for with nccl use {backend} on this device"
-    pm.register_wrap(
-        "torch.distributed.init_process_group", init_wrapper, feature=feature, reason=why_pg
-    )
-    pm.register_wrap(
-        "torch.distributed.new_group", new_group_wrapper, feature=feature, reason=why_pg
-    )
+    for name in ("init_process_group", "new_group"):
+        pm.register_wrap(f"torch.distributed.{name}", group_wrapper, feature=feature, reason=why_pg)
     pm.register_wrap(
         "torch.distributed.barrier",
         barrier_wrapper,
