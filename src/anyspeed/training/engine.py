@@ -76,6 +76,9 @@ class TrainConfig:
     seed: int = 1234
     data_seed: int = 4321
     bf16: bool = False
+    # Reduce gradients in fp32 (Megatron-LM's --accumulate-allreduce-grads-in-fp32). Default:
+    # Megatron-LM's, i.e. in the parameters' dtype, so bf16 training reduces bf16 gradients.
+    grad_reduce_in_fp32: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -137,7 +140,9 @@ def transformer_config(spec: GPTSpec, layout: Layout, bf16: bool = False):
     )
 
 
-def build_model(spec: GPTSpec, layout: Layout, bf16: bool = False) -> list[torch.nn.Module]:
+def build_model(
+    spec: GPTSpec, layout: Layout, bf16: bool = False, grad_reduce_in_fp32: bool = False
+) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank, wrapped in Megatron's DDP."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -171,7 +176,7 @@ def build_model(spec: GPTSpec, layout: Layout, bf16: bool = False) -> list[torch
             model = Float16Module(config, model)
         models.append(model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=layout.overlap_grad_reduce,
         overlap_param_gather=layout.overlap_param_gather,
         use_distributed_optimizer=layout.distributed_optimizer,
@@ -288,7 +293,7 @@ class Trainer:
             )
         self.spec, self.layout, self.cfg = spec, layout, cfg
         init_distributed(layout, cfg.seed)
-        self.model = build_model(spec, layout, cfg.bf16)
+        self.model = build_model(spec, layout, cfg.bf16, cfg.grad_reduce_in_fp32)
         self.optimizer = build_optimizer(self.model, cfg, layout)
         _set_sync_funcs(self.model, layout)
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
