@@ -147,6 +147,8 @@ class FusedCrossEntropy(KernelFeature):
     description = "vocab-parallel cross-entropy in row chunks without an fp32 copy of the logits"
 
     def config_fields(self, config) -> dict:
+        if config.cross_entropy_loss_fusion and config.cross_entropy_fusion_impl == "te":
+            return {}  # an explicit Transformer Engine choice stays
         return {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"}
 
     def register_patches(self, pm, args, device) -> None:

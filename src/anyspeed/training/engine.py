@@ -9,7 +9,7 @@ of it. Data is deterministic synthetic tokens, so every layout sees the same glo
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,7 +79,6 @@ class TrainConfig:
     # Reduce gradients in fp32 (Megatron-LM's --accumulate-allreduce-grads-in-fp32). Default:
     # Megatron-LM's, i.e. in the parameters' dtype, so bf16 training reduces bf16 gradients.
     grad_reduce_in_fp32: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,8 +280,6 @@ class Trainer:
     """Holds model, optimizer and layout; ``step()`` runs one optimizer step."""
 
     def __init__(self, spec: GPTSpec, layout: Layout, cfg: TrainConfig) -> None:
-        import torch.distributed as dist
-
         world = int(os.environ.get("WORLD_SIZE", "1"))
         layout.validate(world, spec)
         dp = world // (layout.tp * layout.pp)
@@ -299,7 +296,6 @@ class Trainer:
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
         self.iteration = 0
         self.dp = dp
-        self._dist = dist
 
     # -------------------------------------------------------------------- checkpoints
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -361,10 +357,12 @@ class Trainer:
             ps.is_pipeline_last_stage(ignore_virtual=True)
             and ps.get_tensor_model_parallel_rank() == 0
         )
-        total = torch.zeros(1, dtype=torch.float64)
+        from anyspeed.device import torch_device
+
+        total = torch.zeros(1, dtype=torch.float64, device=torch_device())
         if last and losses:
             total[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
-        self._dist.all_reduce(total)
+        torch.distributed.all_reduce(total)
         loss = float(total[0]) / self.dp
         return {
             "loss": loss,
@@ -416,7 +414,3 @@ class Trainer:
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return None
         return out[0].cpu()
-
-
-def describe(spec: GPTSpec, layout: Layout) -> dict[str, Any]:
-    return {"spec": asdict(spec), "layout": asdict(layout)}
