@@ -1,7 +1,10 @@
 """Throughput and peak RSS of ``anyspeed preprocess`` (1 vs 2 workers) vs a naive loop.
 
 Run: ``python benchmarks/preprocess_bench.py [--mb 24] [--workers 2]``. Everything is generated
-locally (corpus and a byte-level BPE tokenizer); each variant runs in its own process.
+locally (corpus and a byte-level BPE tokenizer); each variant runs in its own process. With
+``ANYSPEED_MEGATRON_LM`` pointing at a Megatron-LM checkout, Megatron's own
+``tools/preprocess_data.py`` runs too (behind the one anyspeed line); its processing time is its
+wall time minus the wall time of the same command on a one-document input.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ import textwrap
 import time
 
 import psutil
+
+MLM_RUNNER = (
+    "import runpy, sys, torch\n"
+    "import anyspeed.megatron_adaptor\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 NAIVE = textwrap.dedent(
     """
@@ -116,6 +126,29 @@ def main() -> None:
             wall, peak, err = measure(cmd, env)
             steady = float(re.search(r"documents read.* in ([0-9.]+)s", err).group(1))  # type: ignore[union-attr]
             runs[f"anyspeed --workers {w}"] = (wall, peak, steady, prefix + "_text_document.bin")
+        mlm = os.environ.get("ANYSPEED_MEGATRON_LM")
+        if mlm:
+            one = os.path.join(d, "one.jsonl")
+            with open(corpus, encoding="utf-8") as src, open(one, "w", encoding="utf-8") as dst:
+                dst.write(src.readline())
+            menv = {**env, "PYTHONPATH": mlm}
+            for w in sorted({1, args.workers}):
+
+                def mlm_cmd(inp: str, out: str, w: int = w) -> list[str]:
+                    return [py, "-c", MLM_RUNNER, os.path.join(mlm, "tools", "preprocess_data.py"),
+                            "--input", inp, "--output-prefix", out, "--tokenizer-type",
+                            "HuggingFaceTokenizer", "--tokenizer-model", tok, "--append-eod",
+                            "--workers", str(w), "--log-interval", "10000000"]  # fmt: skip
+
+                start_up, _, _ = measure(mlm_cmd(one, os.path.join(d, f"m1_{w}")), menv)
+                prefix = os.path.join(d, f"mlm{w}")
+                wall, peak, _ = measure(mlm_cmd(corpus, prefix), menv)
+                runs[f"Megatron-LM tool, {w} worker(s)"] = (
+                    wall,
+                    peak,
+                    wall - start_up,
+                    prefix + "_text_document.bin",
+                )
         tokens = os.path.getsize(naive_bin) // 2
         same = {open(p, "rb").read() == open(naive_bin, "rb").read() for *_, p in runs.values()}
         print("rates use processing time (start-up: imports, tokenizer load, excluded);")
@@ -135,6 +168,13 @@ def main() -> None:
             f"--workers {args.workers} / naive {base / many:.2f}x, "
             f"--workers {args.workers} / --workers 1 {one / many:.2f}x"
         )
+        for w in sorted({1, args.workers}):
+            key = f"Megatron-LM tool, {w} worker(s)"
+            if key in runs:
+                print(
+                    f"--workers {w} vs Megatron-LM's tools/preprocess_data.py at {w}: "
+                    f"{runs[key][2] / runs[f'anyspeed --workers {w}'][2]:.2f}x"
+                )
         print(f"token streams identical across variants: {same == {True}}")
 
 
