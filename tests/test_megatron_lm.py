@@ -106,7 +106,12 @@ def script(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]]
+    "layout",
+    [
+        # anyspeed's own flags go through Megatron-LM's parser too.
+        ["--tensor-model-parallel-size", "2", "--optimization-level", "1", "--use-fused-swiglu"],
+        ["--pipeline-model-parallel-size", "2"],
+    ],
 )
 def test_pretrain_gpt_trains_20_iterations(script, layout):
     losses = torchrun(script, *layout, "--train-iters", "20")
