@@ -59,3 +59,20 @@ def train_precision(bf16: bool, steps: int, load: str | None = None) -> dict:
         for p in (g if main else g["params"])
     }
     return {"losses": losses, "model": sorted(model_dtypes), "main": sorted(main_dtypes)}
+
+
+def megatron_preset_parameters(name: str) -> int:
+    """Parameter count of Megatron's GPTModel built from preset ``name`` (1 process)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from anyspeed.models import get_preset
+    from anyspeed.models.factory import gpt_model, transformer_config
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    preset = get_preset(name)
+    model = gpt_model(preset, transformer_config(preset))
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,64 @@
+"""Model presets vs. published sizes, Hugging Face's own model classes and Megatron's GPTModel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jobs
+from anyspeed.models import PRESETS, apply_preset, get_preset
+from anyspeed.testing import run_distributed
+
+# Parameter counts published for the released checkpoints (model cards / safetensors indexes).
+PUBLISHED = {
+    "llama2-7b": 6_738_415_616,
+    "llama3-8b": 8_030_261_248,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-8b": 8_190_735_360,
+    "mistral-7b": 7_241_732_096,
+}
+
+
+def hf_parameters(name: str) -> int:
+    """Count the parameters of the transformers model built (on the meta device) from the
+    preset's HF config: an implementation independent of anyspeed's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = get_preset(name).hf_config()
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_sizes(name):
+    assert hf_parameters(name) == PUBLISHED[name]
+    assert get_preset(name).num_parameters() == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_matches_transformers(name):
+    assert get_preset(name).num_parameters() == hf_parameters(name)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny-")])
+def test_megatron_gpt_from_tiny_preset_matches_transformers(name):
+    (count,) = run_distributed(jobs.megatron_preset_parameters, 1, name=name, timeout=120)
+    assert count == hf_parameters(name)
+
+
+def test_explicit_flags_override_the_preset():
+    argv = apply_preset(["--model", "qwen2.5-7b", "--num-layers", "4", "--lr", "1e-4"])
+    assert argv.count("--num-layers") == 1 and argv[argv.index("--num-layers") + 1] == "4"
+    assert argv[argv.index("--hidden-size") + 1] == "3584"
+    assert "--add-qkv-bias" in argv and "--model" not in argv
+    assert argv[-2:] == ["--lr", "1e-4"]
+    assert apply_preset(["--lr", "1"]) == ["--lr", "1"]
+
+
+def test_unknown_preset_is_a_clear_error():
+    with pytest.raises(ValueError, match="--model qwen9: unknown preset"):
+        apply_preset(["--model", "qwen9"])
