@@ -156,3 +156,27 @@ def test_peak_flops_configured_and_measured(monkeypatch, tmp_path):
     second = flops.peak_flops(torch.float32)
     assert first == second > 1e8 and len(calls) == 1  # measured once, then cached
     assert (tmp_path / "peak_flops.json").exists()
+
+
+def test_accelerator_backend_routes_to_its_own_module():
+    """For a torch.accelerator device (XPU here, emulated: no hardware is needed to check the
+    routing) the torch.cuda surface points at torch.xpu and CUDA device args become xpu ones."""
+    from anyspeed.device import redirect
+
+    info = DeviceInfo("xpu", "xccl", "emulated")
+    pm = PatchManager()
+    redirect.register_cuda_surface(pm, info, "t")
+    redirect.register_dist_backend(pm, info, "t")
+    by_target = {p.target: p for p in pm.patches()}
+    assert by_target["torch.cuda.current_device"].obj is torch.xpu.current_device
+    assert by_target["torch.cuda.Stream"].obj is torch.xpu.Stream
+    assert by_target["torch.cuda.get_rng_state"].obj is torch.xpu.get_rng_state
+    # torch.xpu has no nvtx: the CPU no-ops stand in.
+    assert by_target["torch.cuda.nvtx.range_push"].obj("x") == 0
+    # gloo-only emulation (ReduceOp.AVG) is not registered for a backend that has AVG.
+    assert "torch.distributed.all_reduce" not in by_target
+    mapper = redirect._make_mapper(info)
+    assert mapper("cuda:1") == torch.device("xpu", 1)
+    assert mapper(torch.device("cuda", 0)) == torch.device("xpu", 0)
+    assert mapper(3) == torch.device("xpu", 3)
+    assert mapper("cpu") == "cpu"
