@@ -90,8 +90,11 @@ def init_distributed(layout: Layout, seed: int) -> None:
 
     from anyspeed.device import detect
 
+    info = detect()
+    if not info.is_cpu:  # one accelerator per local rank, as torchrun lays them out
+        getattr(torch, info.type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend=detect().dist_backend)
+        dist.init_process_group(backend=info.dist_backend)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
