@@ -68,7 +68,10 @@ def test_features_command_lists_features_and_patches():
         "torch.Tensor.cuda",
     } <= targets
     assert all(p["reason"] for p in compat["patches"])
-    assert not rows["megatron-lm-compat"]["available"] or "MLM" in os.environ
+    from anyspeed.features.megatron_lm import megatron_lm_available
+
+    assert rows["megatron-lm-compat"]["available"] == megatron_lm_available()
+    assert rows["megatron-lm-compat"]["on"] == (megatron_lm_available() and detect().type != "cuda")
     text = run(PY, "-m", "anyspeed.cli", "features")
     assert text.returncode == 0 and "device-compat" in text.stdout
 
