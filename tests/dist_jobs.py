@@ -172,3 +172,45 @@ def cross_entropy_parity(dtype: str) -> dict:
         "loss": float((res["ref"][0] - res["new"][0]).abs().max()),
         "grad": float((res["ref"][1] - res["new"][1]).abs().max()),
     }
+
+
+def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int) -> dict:
+    """Context-parallel attention (ring / ulysses) vs. single-device causal SDPA, fp32."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from anyspeed.features.context_parallel.ring import ring_attention, split_load_balanced
+    from anyspeed.features.context_parallel.ulysses import ulysses_attention
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, heads, seq, 8, generator=g)
+    k = torch.randn(2, kv_heads, seq, 8, generator=g)
+    v = torch.randn(2, kv_heads, seq, 8, generator=g)
+    grad = torch.randn(2, heads, seq, 8, generator=g)
+    scale = 8**-0.5
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale,
+                                         enable_gqa=heads != kv_heads)  # fmt: skip
+    ref.backward(grad)
+
+    if algo == "ring":
+
+        def shard(t):
+            return split_load_balanced(t, 2, rank, world)
+
+        fn = ring_attention
+    else:
+
+        def shard(t):
+            return t.chunk(world, dim=2)[rank]
+
+        fn = ulysses_attention
+    local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*local, scale, dist.group.WORLD)
+    out.backward(shard(grad))
+    diffs = {"out": float((out - shard(ref.detach())).abs().max())}
+    for name, a, b in zip("qkv", local, full, strict=True):
+        diffs["d" + name] = float((a.grad - shard(b.grad)).abs().max())
+    return diffs

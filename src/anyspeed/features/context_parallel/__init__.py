@@ -1,0 +1,1 @@
+"""Context parallelism in pure PyTorch: Ulysses (all-to-all) and ring attention (any device)."""

@@ -1,0 +1,65 @@
+"""Blockwise attention pieces shared by the context-parallel algorithms.
+
+``partial_attention`` returns a block's output and its row log-sum-exp so partial results over
+different key blocks can be merged exactly; ``block_grads`` is the matching backward given the
+final (merged) log-sum-exp. Plain fp32 math: portable to every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _scores(q, k, scale, causal):
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1 + sk - sq)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Repeat K/V heads [b, hkv, s, d] to ``heads`` query heads (GQA)."""
+    rep = heads // t.shape[1]
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def partial_attention(q, k, v, scale: float, causal: bool):
+    """(out [b,h,sq,d] fp32, lse [b,h,sq] fp32) of q against one key block."""
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.matmul(p, v.float()), lse
+
+
+def merge(out, lse, blk_out, blk_lse):
+    """Merge a block's (out, lse) into the running ones (both may be None at the start)."""
+    if out is None:
+        return blk_out, blk_lse
+    new = torch.logaddexp(lse, blk_lse)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + blk_out * torch.exp(blk_lse - new).unsqueeze(
+        -1
+    )
+    return out, new
+
+
+def block_grads(q, k, v, do, out, lse, scale: float, causal: bool):
+    """(dq, dk, dv) contributions of one key block, given the merged output and lse."""
+    hkv = k.shape[1]
+    ke, ve = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    s = _scores(q, ke, scale, causal)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dof = do.float()
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    dp = torch.matmul(dof, ve.float().transpose(-1, -2))
+    delta = (dof * out).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.matmul(ds, ke.float())
+    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    if hkv != q.shape[1]:  # fold the query heads of each group back onto their K/V head
+        b, h, sk, d = dk.shape
+        dk = dk.view(b, hkv, h // hkv, sk, d).sum(2)
+        dv = dv.view(b, hkv, h // hkv, sk, d).sum(2)
+    return dq, dk, dv
