@@ -2,8 +2,9 @@
 
 The sequence is cut into 2 x CP chunks; rank r holds chunks r and 2CP-1-r, so every rank has
 the same amount of causal work. K/V blocks travel around the ring (in the forward pass the next
-block is received while the current one is computed); partial outputs merge by log-sum-exp. The backward pass
-circulates K/V again with their gradient accumulators, which return to their owner at the end:
+block is received while the current one is computed); partial outputs merge by log-sum-exp.
+The backward pass circulates K/V again with their gradient accumulators, which return to their
+owner at the end:
 no rank ever holds more than two K/V blocks, and nothing of the forward ring is kept but the
 local output and log-sum-exp.
 """
