@@ -201,6 +201,17 @@ def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int) -> dict:
             return split_load_balanced(t, 2, rank, world)
 
         fn = ring_attention
+    elif algo == "hybrid":  # Ulysses degree 2 inside, ring across
+        from anyspeed.features.context_parallel.hybrid import hybrid_attention, hybrid_groups
+
+        ug, rg = hybrid_groups(2)
+
+        def shard(t):
+            ring_shard = split_load_balanced(t, 2, rank // 2, world // 2)
+            return ring_shard.chunk(2, dim=2)[rank % 2]
+
+        def fn(q_, k_, v_, scale_, _group):
+            return hybrid_attention(q_, k_, v_, scale_, ug, rg)
     else:
 
         def shard(t):

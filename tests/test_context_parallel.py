@@ -1,4 +1,4 @@
-"""Context-parallel attention (Ulysses, ring) vs. single-device causal attention, fp32.
+"""Context-parallel attention (Ulysses, ring, hybrid) vs. single-device causal attention, fp32.
 
 Outputs and input gradients of every rank's shard must equal the single-device result within
 1e-5 max-abs, with and without GQA, at sequence lengths that exercise the load-balanced split.
@@ -20,6 +20,8 @@ CASES = [
     ("ulysses", 2, 4, 2, 30),
     ("ulysses", 4, 4, 1, 40),  # fewer K/V heads than the Ulysses degree: replicated
     ("ulysses", 4, 8, 4, 16),
+    ("hybrid", 4, 4, 4, 32),  # Ulysses 2 x ring 2
+    ("hybrid", 4, 4, 1, 48),  # GQA with a single K/V head
 ]
 
 
