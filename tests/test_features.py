@@ -126,6 +126,35 @@ def test_feature_flag_unavailable_on_this_device(argv, flag):
             "2",
             "--num-layers 3 is not divisible",
         ),
+        (
+            ["--context-parallel-size", "2", "--seq-length", "30"],
+            "2",
+            "--seq-length 30 is not divisible by 2 x --context-parallel-size 2",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "2",
+                "--context-parallel-algo",
+                "ulysses_cp_algo",
+                "--num-attention-heads",
+                "6",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+            "4",
+            "--num-attention-heads 6 is not divisible by the Ulysses degree 2",
+        ),
+        (
+            ["--context-parallel-size", "2", "--optimization-level", "1"],
+            "2",
+            "--context-parallel-size needs --optimization-level 2",
+        ),
+        (
+            ["--context-parallel-size", "2", "--context-parallel-algo", "magic"],
+            "2",
+            "--context-parallel-algo magic",
+        ),
     ],
 )
 def test_bad_layout_stops_before_process_groups(argv, world, needle):

@@ -49,14 +49,23 @@ LAYOUTS = {
     ),
     "tp2-pp2": (4, dict(tp=2, pp=2)),
     "tp2-sp-dp2-distopt": (4, dict(tp=2, sequence_parallel=True, distributed_optimizer=True)),
+    "cp2-ring": (2, dict(cp=2, cp_algo="p2p")),
+    "cp2-ulysses": (2, dict(cp=2, cp_algo="a2a")),
+    "tp2-cp2-ring": (4, dict(tp=2, cp=2, cp_algo="p2p")),
 }
+CP_ALGO_FLAG = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo"}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(reference, name):
     ckpt, ref = reference
     world, layout = LAYOUTS[name]
-    results = run_distributed(jobs.train_steps, world, layout=layout, load=ckpt, timeout=300)
+    argv = []
+    if layout.get("cp", 1) > 1:  # the level-2 context-parallel feature, as a user enables it
+        argv = ["--context-parallel-size", str(layout["cp"]),
+                "--context-parallel-algo", CP_ALGO_FLAG[layout["cp_algo"]]]  # fmt: skip
+    results = run_distributed(jobs.train_steps, world, layout=layout, load=ckpt, argv=argv,
+                              timeout=300)  # fmt: skip
     for rank_result in results:  # every rank reports the same, DP-averaged numbers
         _assert_parity(ref, rank_result)
 

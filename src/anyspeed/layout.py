@@ -17,18 +17,34 @@ def check_layout(
     num_attention_heads: int | None = None,
     num_query_groups: int | None = None,
     sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_algo: str = "p2p",
+    seq_length: int | None = None,
 ) -> None:
     """Raise ValueError (one line) when the layout cannot work on ``world_size`` processes."""
     if tp < 1 or pp < 1:
         raise ValueError(
             "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1"
         )
-    if world_size % (tp * pp):
+    if world_size % (tp * pp * cp):
         raise ValueError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}: change the sizes or the number "
-            "of processes"
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = "
+            f"{tp * pp * cp}: change the sizes or the number of processes"
         )
+    if cp > 1 and seq_length is not None:
+        need = 2 * cp  # Megatron's load-balanced split: two chunks per CP rank
+        if seq_length % need:
+            raise ValueError(
+                f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size "
+                f"{cp} = {need}"
+            )
+    if cp > 1 and cp_algo == "a2a" and num_attention_heads is not None:
+        if num_attention_heads % (tp * cp):
+            raise ValueError(
+                f"--num-attention-heads {num_attention_heads} is not divisible by the Ulysses "
+                f"degree {cp} x --tensor-model-parallel-size {tp}"
+            )
     if num_attention_heads is not None and num_attention_heads % tp:
         raise ValueError(
             f"--num-attention-heads {num_attention_heads} is not divisible by "

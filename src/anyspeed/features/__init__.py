@@ -194,3 +194,4 @@ def _load_builtin_features() -> None:
         layout_check,
         megatron_lm,
     )
+    from anyspeed.features.context_parallel import feature  # noqa: F401

@@ -89,7 +89,11 @@ class FlashAttention(KernelFeature):
     )
 
     def register_patches(self, pm, args, device) -> None:
+        from anyspeed.features.context_parallel.feature import cp_size
         from anyspeed.features.ops.attention import SDPAttention
+
+        if cp_size(args) > 1 and getattr(args, "optimization_level", 2) >= 2:
+            return  # the context-parallel core (an SDPAttention subclass) takes this seam
 
         pm.register_replace(
             "megatron.core.transformer.dot_product_attention.DotProductAttention",

@@ -49,11 +49,16 @@ class LayoutCheck(Feature):
         groups = (
             _int(args, "--num-query-groups") if flag_set(args, "--group-query-attention") else None
         )
+        cp = _int(args, "--context-parallel-size") or 1
+        algo = flag_value(args, "--context-parallel-algo") or "megatron_cp_algo"
         try:
             check_layout(
                 world_size=int(world),
                 tp=tp,
                 pp=pp,
+                cp=cp,
+                cp_algo="a2a" if algo == "ulysses_cp_algo" else "p2p",
+                seq_length=_int(args, "--seq-length"),
                 vpp=vpp,
                 num_layers=layers,
                 num_attention_heads=_int(args, "--num-attention-heads"),

@@ -24,6 +24,8 @@ class Layout:
 
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    cp_algo: str = "p2p"  # Megatron's cp_comm_type: p2p = ring, a2a = Ulysses
     vpp: int | None = None  # model chunks per pipeline stage (interleaved schedule)
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
@@ -41,6 +43,9 @@ class Layout:
             num_attention_heads=spec.num_attention_heads,
             num_query_groups=spec.num_query_groups,
             sequence_parallel=self.sequence_parallel,
+            cp=self.cp,
+            cp_algo=self.cp_algo,
+            seq_length=spec.seq_length,
         )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
@@ -100,6 +105,7 @@ def init_distributed(layout: Layout, seed: int) -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -118,6 +124,8 @@ def transformer_config(spec: GPTSpec, layout: Layout, bf16: bool = False):
         ffn_hidden_size=spec.ffn_hidden_size,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        cp_comm_type=layout.cp_algo,
         virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=layout.sequence_parallel,
         pipeline_dtype=dtype,
@@ -231,6 +239,7 @@ def synthetic_batch(spec: GPTSpec, cfg: TrainConfig, step: int) -> torch.Tensor:
 
 def _microbatches(spec: GPTSpec, cfg: TrainConfig, step: int) -> list[dict[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from anyspeed.device import torch_device
 
@@ -243,13 +252,13 @@ def _microbatches(spec: GPTSpec, cfg: TrainConfig, step: int) -> list[dict[str, 
     out = []
     for i in range(0, per_rank, cfg.micro_batch_size):
         mb = mine[i : i + cfg.micro_batch_size]
-        out.append(
-            {
-                "tokens": mb[:, :-1].contiguous().to(dev),
-                "labels": mb[:, 1:].contiguous().to(dev),
-                "position_ids": torch.arange(spec.seq_length, device=dev).expand(mb.shape[0], -1),
-            }
-        )
+        batch = {
+            "tokens": mb[:, :-1].contiguous().to(dev),
+            "labels": mb[:, 1:].contiguous().to(dev),
+            "position_ids": torch.arange(spec.seq_length, device=dev).expand(mb.shape[0], -1),
+        }
+        # Context parallelism: Megatron's load-balanced two-chunk split of the sequence.
+        out.append(get_batch_on_this_cp_rank(batch))
     return out
 
 
@@ -258,7 +267,11 @@ def _forward_step(data_iterator, model):
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
     def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
+        from megatron.core import parallel_state as ps
+
+        # Each CP rank holds 1/CP of every sequence and Megatron sums gradients over the CP
+        # group: scale the shard mean so the sum is the global mean.
+        loss = output_tensor.float().mean() / ps.get_context_parallel_world_size()
         return loss, {"lm loss": loss.detach().clone()}
 
     return output, loss_func
@@ -285,7 +298,7 @@ class Trainer:
     def __init__(self, spec: GPTSpec, layout: Layout, cfg: TrainConfig) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         layout.validate(world, spec)
-        dp = world // (layout.tp * layout.pp)
+        dp = world // (layout.tp * layout.pp * layout.cp)
         if cfg.global_batch_size % (cfg.micro_batch_size * dp):
             raise ValueError(
                 f"--global-batch-size {cfg.global_batch_size} is not divisible by "
@@ -366,7 +379,7 @@ class Trainer:
         if last and losses:
             total[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
         torch.distributed.all_reduce(total)
-        loss = float(total[0]) / self.dp
+        loss = float(total[0]) / self.dp  # CP ranks' shares sum to the replica's mean
         return {
             "loss": loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

@@ -40,7 +40,7 @@ def _ring_pass(tensors, group):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt = dist.get_global_rank(group, (rank + 1) % world)
     prv = dist.get_global_rank(group, (rank - 1) % world)
-    recv = [torch.empty_like(t) for t in tensors]
+    recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
     return recv, dist.batch_isend_irecv(ops)

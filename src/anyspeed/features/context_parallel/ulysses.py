@@ -55,8 +55,24 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad.contiguous(), ctx.group), None
 
 
-def ulysses_attention(q, k, v, scale: float, group) -> torch.Tensor:
-    """Causal attention of contiguous sequence shards q [b,h,s/cp,d], k/v [b,hkv,s/cp,d]."""
+def _balanced_order(cp: int, s: int, device) -> torch.Tensor:
+    """Positions, in the gathered load-balanced layout, of the tokens in sequence order.
+
+    Gathered from the ranks, chunk 2r is sequence chunk r and chunk 2r+1 is chunk 2cp-1-r.
+    """
+    c = s // (2 * cp)
+    where = [0] * (2 * cp)
+    for r in range(cp):
+        where[r], where[2 * cp - 1 - r] = 2 * r, 2 * r + 1
+    return torch.cat([torch.arange(w * c, (w + 1) * c, device=device) for w in where])
+
+
+def ulysses_attention(q, k, v, scale: float, group, load_balanced: bool = False) -> torch.Tensor:
+    """Causal attention of sequence shards q [b,h,s/cp,d], k/v [b,hkv,s/cp,d].
+
+    Shards are contiguous, or (``load_balanced``) Megatron's two-chunk split used with ring
+    attention: the gathered sequence is then put in order for the causal mask and back after.
+    """
     cp = dist.get_world_size(group)
     h, hkv = q.shape[1], k.shape[1]
     if h % cp:
@@ -64,6 +80,11 @@ def ulysses_attention(q, k, v, scale: float, group) -> torch.Tensor:
     if hkv % cp:  # too few K/V heads to split: replicate them to the query heads
         k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
     qh, kh, vh = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    order = _balanced_order(cp, qh.shape[2], qh.device) if load_balanced else None
+    if order is not None:
+        qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                          enable_gqa=qh.shape[1] != kh.shape[1])  # fmt: skip
+    if order is not None:
+        out = out.index_select(2, torch.argsort(order))
     return _HeadsToSeq.apply(out, group)

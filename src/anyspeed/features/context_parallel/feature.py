@@ -1,0 +1,68 @@
+"""Level-2 feature ``context-parallel``: CP attention for Megatron's local spec, any device.
+
+Flags as in MindSpeed: ``--context-parallel-size N`` (Megatron's own flag) and
+``--context-parallel-algo {megatron_cp_algo, ulysses_cp_algo}`` (ring / Ulysses; mapped to
+Megatron's ``cp_comm_type`` p2p / a2a). Switched on by a CP size above 1 at level 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features import Feature, FeatureError, flag_value, register_feature
+from anyspeed.patching import PatchManager
+
+ALGO_TO_COMM = {"megatron_cp_algo": "p2p", "ulysses_cp_algo": "a2a"}
+
+
+def cp_size(args: argparse.Namespace) -> int:
+    """The requested context-parallel size (1 when absent)."""
+    value = flag_value(args, "--context-parallel-size")
+    try:
+        return int(value) if value is not None else 1
+    except (TypeError, ValueError):
+        raise FeatureError(f"--context-parallel-size expects an integer (got {value!r})") from None
+
+
+class ContextParallel(Feature):
+    name = "context-parallel"
+    level = 2
+    flags = ("--context-parallel-size", "--context-parallel-algo")
+    description = ("ring / Ulysses context-parallel attention in pure PyTorch for the local "
+                   "spec (Megatron's own CP needs Transformer Engine)")  # fmt: skip
+
+    def add_arguments(self, parser: argparse._ActionsContainer) -> None:
+        have = getattr(parser, "_option_string_actions", {})
+        if "--context-parallel-size" not in have:
+            parser.add_argument("--context-parallel-size", type=int, default=1)
+        if "--context-parallel-algo" not in have:
+            parser.add_argument("--context-parallel-algo", default="megatron_cp_algo",
+                                help="megatron_cp_algo (ring) or ulysses_cp_algo")  # fmt: skip
+
+    def requested(self, args: argparse.Namespace) -> bool:
+        return cp_size(args) > 1
+
+    def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
+        algo = flag_value(args, "--context-parallel-algo") or "megatron_cp_algo"
+        if algo not in ALGO_TO_COMM:
+            raise FeatureError(
+                f"--context-parallel-algo {algo}: choose megatron_cp_algo (ring) or "
+                "ulysses_cp_algo (hybrid_cp_algo is available as an attention function only)"
+            )
+        super().validate(args, device)  # CP > 1 below level 2 is an error naming the flag
+
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        from anyspeed.features.context_parallel.attention import CPAttention
+
+        pm.register_replace(
+            "megatron.core.transformer.dot_product_attention.DotProductAttention",
+            CPAttention,
+            feature=self.name,
+            reason="local-spec attention core -> SDPA with ring / Ulysses context parallelism",
+        )
+
+
+CONTEXT_PARALLEL = register_feature(ContextParallel())
