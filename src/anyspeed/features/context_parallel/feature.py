@@ -55,8 +55,27 @@ class ContextParallel(Feature):
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
+        import functools
+
         from anyspeed.features.context_parallel.attention import CPAttention
 
+        comm = ALGO_TO_COMM[flag_value(args, "--context-parallel-algo") or "megatron_cp_algo"]
+
+        def wrap(post_init):
+            @functools.wraps(post_init)
+            def __post_init__(config):
+                post_init(config)
+                if config.context_parallel_size > 1:
+                    config.cp_comm_type = comm
+
+            return __post_init__
+
+        pm.register_wrap(
+            "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__", wrap,
+            feature=self.name,
+            reason="--context-parallel-algo selects Megatron's cp_comm_type (p2p = ring, "
+            "a2a = Ulysses)",
+        )
         pm.register_replace(
             "megatron.core.transformer.dot_product_attention.DotProductAttention",
             CPAttention,
