@@ -165,3 +165,16 @@ def test_pretrain_gpt_save_and_resume_continues_exactly(script, tmp_path):
     assert max(first) == 20
     for it in range(1, 21):
         assert first[it] == pytest.approx(straight[it], rel=1e-5)
+
+
+@pytest.mark.parametrize("algo", ["megatron_cp_algo", "ulysses_cp_algo"])
+def test_pretrain_gpt_context_parallel_matches_data_parallel(script, algo):
+    """anyspeed's CP inside Megatron-LM: CP=2 losses equal the DP=2 run's (no dropout)."""
+    model = ["--train-iters", "5", "--position-embedding-type", "rope", "--swiglu",
+             "--normalization", "RMSNorm", "--no-create-attention-mask-in-dataloader",
+             "--hidden-dropout", "0", "--attention-dropout", "0"]  # fmt: skip
+    dp = torchrun(script, *model)
+    cp = torchrun(script, *model, "--context-parallel-size", "2", "--context-parallel-algo", algo)
+    assert sorted(cp) == list(range(1, 6))
+    for it in range(1, 6):
+        assert cp[it] == pytest.approx(dp[it], rel=1e-5), (it, cp, dp)
