@@ -7,6 +7,21 @@ import torch.nn.functional as F
 
 from anyspeed.models.presets import ModelPreset
 
+# Megatron config defaults that assume CUDA kernels (apex / TE / torch.compile fusions), off so
+# the portable path is used; the level-1 kernels switch their own seams back on. Dropout off and
+# CPU initialisation give layout-independent, reproducible weights.
+PORTABLE_CONFIG = dict(
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    use_cpu_initialization=True,
+)
+
 
 def transformer_config(preset: ModelPreset, *, tp: int = 1, pp: int = 1, bf16: bool = False,
                        **overrides):  # fmt: skip
@@ -28,20 +43,12 @@ def transformer_config(preset: ModelPreset, *, tp: int = 1, pp: int = 1, bf16: b
         add_bias_linear=False,
         add_qkv_bias=preset.add_qkv_bias,
         qk_layernorm=preset.qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=True,
+        **PORTABLE_CONFIG,
     )
     kw.update(overrides)
     return TransformerConfig(**kw)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from anyspeed.layout import check_layout
+from anyspeed.models.factory import PORTABLE_CONFIG
 
 
 @dataclass
@@ -131,22 +132,14 @@ def transformer_config(spec: GPTSpec, layout: Layout, bf16: bool = False):
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=bf16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         normalization=spec.normalization,
         gated_linear_unit=spec.swiglu,
         activation_func=F.silu if spec.swiglu else F.gelu,
         add_bias_linear=False,
         add_qkv_bias=spec.add_qkv_bias,
         init_method_std=spec.init_method_std,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=True,
         deallocate_pipeline_outputs=True,
+        **PORTABLE_CONFIG,
     )
 
 
