@@ -1,0 +1,13 @@
+"""HF <-> Megatron checkpoint conversion (``anyspeed convert``).
+
+One declarative mapping per family (:mod:`.mapping`), one shared tensor engine (:mod:`.engine`),
+readers/writers for HF safetensors (:mod:`.hf_io`) and Megatron's torch_dist and legacy layouts
+(:mod:`.megatron_io`).
+"""
+
+from anyspeed.convert.api import hf_to_megatron, megatron_to_hf
+from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.megatron_io import read_model_preset
+from anyspeed.convert.verify import verify
+
+__all__ = ["ConvertError", "hf_to_megatron", "megatron_to_hf", "read_model_preset", "verify"]

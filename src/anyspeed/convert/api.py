@@ -1,0 +1,275 @@
+"""``hf_to_megatron`` / ``megatron_to_hf``: validation first, then one group at a time into a
+temporary directory that is renamed to the final name only when everything is written."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from anyspeed.convert import engine
+from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.hf_io import (
+    HFCheckpoint,
+    ShardedWriter,
+    copy_side_files,
+    read_config,
+    tensor_dtype,
+)
+from anyspeed.convert.mapping import mapping_for
+from anyspeed.convert.megatron_io import (
+    checkpoint_format,
+    common_state,
+    iteration_dir,
+    json_config,
+    read_common,
+    read_legacy,
+    read_torch_dist,
+    save_legacy,
+    save_torch_dist,
+)
+from anyspeed.layout import check_layout
+from anyspeed.models.presets import HF_ARCHITECTURES, ModelPreset, preset_from_hf
+
+# MindSpeed-LLM's --model-type-hf names -> family.
+MODEL_TYPE_HF = {
+    "llama2": "llama",
+    "llama3": "llama",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen25": "qwen2",
+    "qwen3": "qwen3",
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def staged_output(save_dir: str | Path) -> Iterator[Path]:
+    """A temporary sibling of ``save_dir``, renamed to it on success and removed on failure."""
+    final = Path(save_dir)
+    if final.exists():
+        raise ConvertError(f"--save-dir {final} already exists (nothing was written)")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _preset(config: dict, model_type_hf: str | None) -> ModelPreset:
+    try:
+        preset = preset_from_hf(config)
+    except (ValueError, KeyError) as exc:
+        raise ConvertError(str(exc).strip("'")) from None
+    if model_type_hf:
+        want = MODEL_TYPE_HF.get(model_type_hf.lower())
+        if want is None:
+            raise ConvertError(
+                f"--model-type-hf {model_type_hf}: choose from {', '.join(MODEL_TYPE_HF)}"
+            )
+        if want != preset.family:
+            raise ConvertError(
+                f"--model-type-hf {model_type_hf} does not match config.json "
+                f"({HF_ARCHITECTURES[preset.family]})"
+            )
+    return preset
+
+
+def check_target(preset: ModelPreset, tp: int, pp: int) -> None:
+    """One-line error when Megatron cannot lay the model out at TP x PP."""
+    try:
+        check_layout(
+            world_size=tp * pp,
+            tp=tp,
+            pp=pp,
+            num_layers=preset.num_layers,
+            num_attention_heads=preset.num_attention_heads,
+            num_query_groups=preset.num_query_groups,
+        )
+        engine.tp_divisible(preset, tp)
+    except ValueError as exc:
+        msg = (
+            str(exc)
+            .replace("--tensor-model", "--target-tensor")
+            .replace("--pipeline-model", "--target-pipeline")
+        )
+        raise ConvertError(msg) from None
+
+
+def _check_hf_tensors(ck: HFCheckpoint, preset: ModelPreset) -> None:
+    """Every tensor the architecture needs is there with the shape config.json implies."""
+    m = mapping_for(preset.family)
+    want = engine.hf_shapes(m, preset)
+    have = {n for n in ck.names if not n.endswith(m.ignored_hf)}
+    if preset.tie_embeddings:
+        have.discard("lm_head.weight")  # some tied checkpoints store it anyway
+    for name in sorted(want):
+        if name not in have:
+            raise ConvertError(f"{ck.dir}: tensor {name} is missing")
+        if ck.shape(name) != want[name]:
+            raise ConvertError(
+                f"{ck.dir}: tensor {name} has shape {list(ck.shape(name))}, "
+                f"config.json implies {list(want[name])}"
+            )
+    extra = sorted(have - set(want))
+    if extra:
+        raise ConvertError(
+            f"{ck.dir}: unexpected tensor {extra[0]} for {HF_ARCHITECTURES[preset.family]}"
+        )
+
+
+def hf_to_megatron(
+    hf_dir: str | Path,
+    save_dir: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ckpt_format: str = "torch_dist",
+    model_type_hf: str | None = None,
+    make_vocab_size_divisible_by: int = 1,
+    params_dtype: str | None = None,
+) -> Path:
+    """Convert an HF directory into a Megatron checkpoint at ``save_dir``.
+
+    ``torch_dist`` loads at any layout (``tp`` only sets the vocabulary padding); ``legacy``
+    is split for ``tp`` x ``pp``. The vocabulary is padded to a multiple of
+    ``make_vocab_size_divisible_by x tp`` with zero rows.
+    """
+    if ckpt_format not in ("torch_dist", "legacy"):
+        raise ConvertError(f"--ckpt-format {ckpt_format}: choose torch_dist or legacy")
+    ck = HFCheckpoint(hf_dir)
+    preset = _preset(ck.config, model_type_hf)
+    check_target(preset, tp, pp)
+    _check_hf_tensors(ck, preset)
+    if Path(save_dir).exists():
+        raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
+    m = mapping_for(preset.family)
+    padded = engine.padded_vocab_size(preset.vocab_size, make_vocab_size_divisible_by, tp)
+    mg_preset = dataclasses.replace(preset, vocab_size=padded)
+    dtype = DTYPES[params_dtype] if params_dtype else tensor_dtype(ck, "model.embed_tokens.weight")
+
+    def read(name: str) -> torch.Tensor:
+        return ck.get(name).to(dtype)
+
+    def group(g: engine.Group) -> dict[str, torch.Tensor]:
+        return engine.to_megatron(m, preset, g, read, padded)
+
+    extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": preset.vocab_size}
+    with staged_output(save_dir) as tmp:
+        if ckpt_format == "torch_dist":
+            common = common_state(mg_preset, 0, extra)
+            save_torch_dist(
+                tmp, mg_preset, dtype, (group(g) for g in engine.groups(preset)), common
+            )
+        else:
+            per = preset.num_layers // pp
+
+            def stage(s: int) -> dict[str, torch.Tensor]:
+                out = group(engine.EMBED) if s == 0 else {}
+                for i in range(s * per, (s + 1) * per):
+                    out.update(group(i))
+                if s == pp - 1:
+                    out.update(group(engine.HEAD))
+                    if preset.tie_embeddings and pp > 1:  # the last stage's copy of the tie
+                        emb = group(engine.EMBED)["embedding.word_embeddings.weight"]
+                        out["output_layer.weight"] = emb
+                return out
+
+            save_legacy(tmp, mg_preset, tp, pp, stage, common_state(mg_preset, 1, extra))
+    ck.close()
+    return Path(save_dir)
+
+
+def _output_config(common: dict, preset: ModelPreset, hf_cfg_dir: str | Path | None) -> dict:
+    if hf_cfg_dir:
+        cfg = read_config(hf_cfg_dir)
+        given = _preset(cfg, None)
+        ours = dataclasses.replace(preset, name=given.name, vocab_size=given.vocab_size)
+        if given != ours or given.vocab_size > preset.vocab_size:
+            diff = [
+                f.name
+                for f in dataclasses.fields(ModelPreset)
+                if getattr(given, f.name) != getattr(ours, f.name)
+            ] or ["vocab_size"]
+            raise ConvertError(
+                f"--hf-cfg-dir {hf_cfg_dir}: config.json describes another model "
+                f"({diff[0]} {getattr(given, diff[0])} vs. the checkpoint's "
+                f"{getattr(preset, diff[0])})"
+            )
+        return cfg
+    cfg = json_config(common)
+    if cfg is None:  # a checkpoint anyspeed trained from scratch: describe it from the preset
+        hf_vocab = common.get("anyspeed_convert", {}).get("hf_vocab_size", preset.vocab_size)
+        cfg = dict(
+            preset.hf_config(), vocab_size=hf_vocab, architectures=[HF_ARCHITECTURES[preset.family]]
+        )
+    return cfg
+
+
+def megatron_to_hf(
+    load_dir: str | Path,
+    save_dir: str | Path,
+    hf_cfg_dir: str | Path | None = None,
+    *,
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    """Convert a Megatron checkpoint (torch_dist or legacy, any TP/PP) into an HF directory:
+    config.json, sharded safetensors + index, and ``hf_cfg_dir``'s tokenizer files."""
+    it_dir = iteration_dir(load_dir)
+    fmt = checkpoint_format(it_dir)
+    common = read_common(load_dir)
+    if "anyspeed_model" in common:
+        preset = ModelPreset(**common["anyspeed_model"])
+    elif hf_cfg_dir:
+        preset = _preset(read_config(hf_cfg_dir), None)
+    else:
+        raise ConvertError(
+            f"{load_dir}: no anyspeed_model in the checkpoint: pass --hf-cfg-dir "
+            "with the model's config.json"
+        )
+    cfg = _output_config(common, preset, hf_cfg_dir)
+    hf_vocab = int(cfg["vocab_size"])
+    m = mapping_for(preset.family)
+    want = engine.hf_shapes(m, dataclasses.replace(preset, vocab_size=hf_vocab))
+    if Path(save_dir).exists():
+        raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
+    if fmt == "torch_dist":
+        groups = read_torch_dist(
+            it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
+        )
+    else:
+        groups = read_legacy(it_dir)
+    with staged_output(save_dir) as tmp:
+        writer = ShardedWriter(tmp, max_shard_size)
+        seen = set()
+        for g, tensors in groups:
+            out = engine.to_hf(m, preset, g, tensors, hf_vocab)
+            for name, t in out.items():
+                if tuple(t.shape) != want[name]:
+                    raise ConvertError(
+                        f"{load_dir}: {name} has shape {list(t.shape)}, the "
+                        f"config implies {list(want[name])}"
+                    )
+            writer.add(out)
+            seen.update(out)
+        if seen != set(want):
+            raise ConvertError(f"{load_dir}: no tensors for {sorted(set(want) - seen)[:3]}")
+        writer.close()
+        dtype = str(t.dtype).removeprefix("torch.")
+        cfg.update({k: dtype for k in ("dtype", "torch_dtype") if k in cfg} or {"dtype": dtype})
+        if hf_cfg_dir:
+            copy_side_files(hf_cfg_dir, tmp)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return Path(save_dir)

@@ -1,0 +1,103 @@
+"""``anyspeed convert``: MindSpeed-LLM's ``convert_ckpt_v2.py`` flags, HF <-> Megatron.
+
+    anyspeed convert --load-model-type hf --save-model-type mg --load-dir HF --save-dir MG \\
+        [--target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 --ckpt-format legacy]
+    anyspeed convert --load-model-type mg --save-model-type hf --load-dir MG --save-dir HF \\
+        --hf-cfg-dir HF_ORIGINAL
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from anyspeed.convert.api import DTYPES, MODEL_TYPE_HF
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="anyspeed convert", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
+    p.add_argument("--save-model-type", choices=["hf", "mg"], required=True)
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True, help="must not exist yet")
+    p.add_argument(
+        "--model-type-hf",
+        choices=sorted(MODEL_TYPE_HF),
+        help="checked against config.json, which decides the family",
+    )
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--ckpt-format", choices=["torch_dist", "legacy"], default="torch_dist")
+    p.add_argument(
+        "--hf-cfg-dir",
+        help="HF directory whose config.json and tokenizer files "
+        "go with the converted weights (mg -> hf)",
+    )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=1,
+        help="pad the vocabulary to a multiple of this x the target TP size",
+    )
+    p.add_argument(
+        "--params-dtype",
+        choices=sorted(DTYPES),
+        help="cast the weights (default: keep the source dtype)",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (mg -> hf)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="run both models on the same random tokens; fail above the tolerance",
+    )
+    p.add_argument("--verify-tolerance", type=float, default=1e-4)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf, verify
+
+    args = build_parser().parse_args(argv)
+    direction = (args.load_model_type, args.save_model_type)
+    start = time.perf_counter()
+    try:
+        if direction == ("hf", "mg"):
+            hf_to_megatron(
+                args.load_dir,
+                args.save_dir,
+                tp=args.target_tensor_parallel_size,
+                pp=args.target_pipeline_parallel_size,
+                ckpt_format=args.ckpt_format,
+                model_type_hf=args.model_type_hf,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                params_dtype=args.params_dtype,
+            )
+            hf_dir, mg_dir = args.load_dir, args.save_dir
+        elif direction == ("mg", "hf"):
+            megatron_to_hf(
+                args.load_dir, args.save_dir, args.hf_cfg_dir, max_shard_size=args.max_shard_size
+            )
+            hf_dir, mg_dir = args.save_dir, args.load_dir
+        else:
+            raise ConvertError(
+                f"--load-model-type {args.load_model_type} --save-model-type "
+                f"{args.save_model_type}: convert hf -> mg or mg -> hf"
+            )
+        print(f"anyspeed convert: wrote {args.save_dir} in {time.perf_counter() - start:.1f}s")
+        if args.verify:
+            diff = verify(hf_dir, mg_dir, tolerance=args.verify_tolerance)
+            print(
+                f"anyspeed convert: verify max-abs logits difference {diff:.3g} "
+                f"(tolerance {args.verify_tolerance:g})"
+            )
+    except (ConvertError, FileNotFoundError) as exc:
+        print(f"anyspeed convert: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

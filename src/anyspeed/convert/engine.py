@@ -1,0 +1,213 @@
+"""The shared tensor work behind every family mapping.
+
+The model is walked in *groups* — the embedding, each decoder layer, then the head (final norm
+and output layer) — so conversions stream one group at a time. Megatron tensors here carry the
+names and full (TP1/PP1) shapes of Megatron-Core's GPTModel (local spec) state dict;
+:func:`split_tp` / :func:`merge_tp` give the per-rank shards of Megatron-LM's tensor-parallel
+layout (column-parallel on dim 0, row-parallel on dim 1, SwiGLU's fc1 as [gate_r; up_r]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from anyspeed.convert.mapping import FamilyMapping, Fused
+from anyspeed.models.presets import ModelPreset
+
+EMBED, HEAD = "embed", "head"
+Group = str | int
+
+# Tensors whose first dim is the (padded) vocabulary.
+VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+_SWIGLU = ("linear_fc1.weight",)
+
+
+def groups(preset: ModelPreset) -> list[Group]:
+    return [EMBED, *range(preset.num_layers), HEAD]
+
+
+def entries(m: FamilyMapping, preset: ModelPreset, group: Group) -> dict[str, str | Fused]:
+    """Megatron name -> HF name (or Fused of HF names) for one group."""
+    if isinstance(group, int):
+        mg, hf = m.mg_layer.format(i=group), m.hf_layer.format(i=group)
+        return {
+            mg + k: (
+                Fused(v.kind, tuple(hf + p for p in v.parts)) if isinstance(v, Fused) else hf + v
+            )
+            for k, v in m.layer.items()
+        }
+    out = {}
+    for k, v in m.top.items():
+        if (group == EMBED) != k.startswith("embedding."):
+            continue
+        if preset.tie_embeddings and k.startswith("output_layer."):
+            continue
+        out[k] = v
+    return out
+
+
+def hf_names(m: FamilyMapping, preset: ModelPreset, group: Group) -> list[str]:
+    return [
+        p
+        for v in entries(m, preset, group).values()
+        for p in (v.parts if isinstance(v, Fused) else (v,))
+    ]
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's padding: the next multiple of ``divisible_by x tp``."""
+    step = max(1, divisible_by) * tp
+    return -(-vocab // step) * step
+
+
+# ------------------------------------------------------------------------------------ fusions
+def _qkv_dims(preset: ModelPreset) -> tuple[int, int, int]:
+    per_group = preset.num_attention_heads // preset.num_query_groups
+    return preset.num_query_groups, per_group, preset.head_dim
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preset: ModelPreset):
+    """[q; k; v] -> Megatron's layout: per query group, its query heads then its K then its V."""
+    ng, per, d = _qkv_dims(preset)
+    rest = q.shape[1:]
+    parts = [q.reshape(ng, per * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(ng * (per + 2) * d, *rest)
+
+
+def split_qkv(x: torch.Tensor, preset: ModelPreset) -> list[torch.Tensor]:
+    ng, per, d = _qkv_dims(preset)
+    rest = x.shape[1:]
+    q, k, v = x.reshape(ng, (per + 2) * d, *rest).split([per * d, d, d], dim=1)
+    return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
+
+
+def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelPreset) -> torch.Tensor:
+    return fuse_qkv(*tensors, preset) if f.kind == "qkv" else torch.cat(tensors, dim=0)
+
+
+def _split(f: Fused, t: torch.Tensor, preset: ModelPreset) -> list[torch.Tensor]:
+    if f.kind == "qkv":
+        return split_qkv(t, preset)
+    return [c.clone() for c in t.chunk(2, dim=0)]
+
+
+def megatron_shape(name: str, preset: ModelPreset, vocab_rows: int) -> tuple[int, ...]:
+    """Full (TP1) shape of Megatron tensor ``name`` for ``preset``."""
+    h, d, ffn = preset.hidden_size, preset.head_dim, preset.ffn_hidden_size
+    qkv_rows = (preset.num_attention_heads + 2 * preset.num_query_groups) * d
+    shapes = {
+        "word_embeddings.weight": (vocab_rows, h),
+        "output_layer.weight": (vocab_rows, h),
+        "linear_qkv.weight": (qkv_rows, h),
+        "linear_qkv.bias": (qkv_rows,),
+        "linear_proj.weight": (h, preset.num_attention_heads * d),
+        "linear_fc1.weight": (2 * ffn, h),
+        "linear_fc2.weight": (h, ffn),
+        "q_layernorm.weight": (d,),
+        "k_layernorm.weight": (d,),
+    }
+    for suffix, shape in shapes.items():
+        if name.endswith(suffix):
+            return shape
+    return (h,)  # the hidden-size norms
+
+
+def hf_shapes(m: FamilyMapping, preset: ModelPreset) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of the model with the shape its config implies."""
+    out = {}
+    q_rows = preset.num_attention_heads * preset.head_dim
+    kv_rows = preset.num_query_groups * preset.head_dim
+    for g in groups(preset):
+        for mg, src in entries(m, preset, g).items():
+            shape = megatron_shape(mg, preset, preset.vocab_size)
+            if not isinstance(src, Fused):
+                out[src] = shape
+                continue
+            rows = (q_rows, kv_rows, kv_rows) if src.kind == "qkv" else (shape[0] // 2,) * 2
+            out.update((p, (r, *shape[1:])) for p, r in zip(src.parts, rows, strict=True))
+    return out
+
+
+# ----------------------------------------------------------------------------------- groups
+def to_megatron(
+    m: FamilyMapping,
+    preset: ModelPreset,
+    group: Group,
+    read: Callable[[str], torch.Tensor],
+    vocab_rows: int,
+) -> dict[str, torch.Tensor]:
+    """The Megatron tensors of ``group`` from HF tensors ``read(name)``; vocab padded with
+    zero rows to ``vocab_rows``."""
+    out = {}
+    for mg, src in entries(m, preset, group).items():
+        if isinstance(src, Fused):
+            t = _fuse(src, [read(p) for p in src.parts], preset)
+        else:
+            t = read(src)
+        if mg in VOCAB and t.shape[0] < vocab_rows:
+            t = torch.cat([t, t.new_zeros(vocab_rows - t.shape[0], *t.shape[1:])])
+        out[mg] = t
+    return out
+
+
+def to_hf(
+    m: FamilyMapping,
+    preset: ModelPreset,
+    group: Group,
+    tensors: dict[str, torch.Tensor],
+    vocab_size: int,
+) -> dict[str, torch.Tensor]:
+    """The HF tensors of ``group`` from its Megatron tensors; vocab rows cut to ``vocab_size``."""
+    out = {}
+    for mg, dst in entries(m, preset, group).items():
+        t = tensors[mg]
+        if mg in VOCAB:
+            t = t[:vocab_size]
+        if isinstance(dst, Fused):
+            out.update(zip(dst.parts, _split(dst, t, preset), strict=True))
+        else:
+            out[dst] = t
+    return out
+
+
+# ------------------------------------------------------------------------ tensor parallelism
+def _rule(name: str) -> str:
+    for kind, suffixes in (("column", _COLUMN), ("row", _ROW), ("swiglu", _SWIGLU)):
+        if name.endswith(suffixes):
+            return kind
+    return "replicated"
+
+
+def split_tp(name: str, t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """The ``tp`` shards of Megatron tensor ``name`` (each its own storage, ready to save)."""
+    rule = _rule(name)
+    if tp == 1 or rule == "replicated":
+        return [t.clone() for _ in range(tp)] if tp > 1 else [t]
+    if rule == "swiglu":
+        gate, up = (x.chunk(tp, dim=0) for x in t.chunk(2, dim=0))
+        return [torch.cat([g, u]) for g, u in zip(gate, up, strict=True)]
+    return [c.clone() for c in t.chunk(tp, dim=0 if rule == "column" else 1)]
+
+
+def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`split_tp`."""
+    rule = _rule(name)
+    if len(parts) == 1 or rule == "replicated":
+        return parts[0]
+    if rule == "swiglu":
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(parts, dim=0 if rule == "column" else 1)
+
+
+def tp_divisible(preset: ModelPreset, tp: int) -> None:
+    """ValueError (one line) when Megatron cannot shard this model over ``tp`` ranks."""
+    if preset.ffn_hidden_size % tp:
+        raise ValueError(
+            f"ffn hidden size {preset.ffn_hidden_size} is not divisible by "
+            f"--target-tensor-parallel-size {tp}"
+        )

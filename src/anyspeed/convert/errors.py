@@ -1,0 +1,5 @@
+"""The converter's error: one line, raised before anything is written under the final name."""
+
+
+class ConvertError(ValueError):
+    """Bad input to ``anyspeed convert`` (the message is one line naming what to fix)."""

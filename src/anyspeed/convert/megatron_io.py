@@ -1,0 +1,335 @@
+"""Megatron checkpoints: dist_checkpointing (``torch_dist``) and Megatron-LM's legacy layout.
+
+torch_dist: ``<dir>/latest_checkpointed_iteration.txt`` = ``release`` and ``<dir>/release/`` a
+``dist_checkpointing`` checkpoint of ``{"model": GPTModel.sharded_state_dict(), "iteration": 0,
+"checkpoint_version": 3.0, "anyspeed_model": asdict(preset), "anyspeed_convert": {...}}``. The
+keys come from Megatron-Core's own GPTModel (built empty, at TP1/PP1, by the shared factory), so
+the checkpoint loads at any TP/PP layout. Reading loads one layer at a time.
+
+legacy: ``<dir>/iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt`` per target TP (XX) / PP (YYY)
+rank, holding the rank's GPTModel ``state_dict()`` (local layer numbers per stage, ``_extra_state``
+entries included) so Megatron-LM's loader takes it with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anyspeed.convert.engine import EMBED, HEAD, Group, merge_tp, split_tp
+from anyspeed.convert.errors import ConvertError
+from anyspeed.models.presets import ModelPreset
+
+TRACKER = "latest_checkpointed_iteration.txt"
+LEGACY_ITERATION = 1
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def common_state(preset: ModelPreset, iteration: int, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "iteration": iteration,
+        "checkpoint_version": 3.0,
+        "anyspeed_model": dataclasses.asdict(preset),
+        "anyspeed_convert": extra,
+    }
+
+
+# ------------------------------------------------------------------------------ locating
+def iteration_dir(ckpt_dir: str | Path) -> Path:
+    """The directory holding the checkpoint itself (``release/``, ``iter_N/`` or ``ckpt_dir``)."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        raise ConvertError(f"{d}: no such checkpoint directory")
+    tracker = d / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        sub = d / ("release" if text == "release" else f"iter_{int(text):07d}")
+        if not sub.is_dir():
+            raise ConvertError(f"{d}: {TRACKER} says {text!r} but {sub.name}/ is missing")
+        return sub
+    return d
+
+
+def checkpoint_format(it_dir: Path) -> str:
+    if (it_dir / "metadata.json").is_file():
+        return "torch_dist"
+    if any(_RANK_DIR.match(p.name) for p in it_dir.iterdir()):
+        return "legacy"
+    raise ConvertError(f"{it_dir}: neither a torch_dist nor a legacy (mp_rank_*) checkpoint")
+
+
+def _torch_load(path: Path) -> dict[str, Any]:
+    """Tensors and plain containers only (``weights_only``), memory-mapped."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - one line naming the file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConvertError(f"{path}: cannot be read with weights_only=True ({first})") from None
+
+
+def _legacy_ranks(it_dir: Path) -> dict[tuple[int, int], Path]:
+    ranks = {}
+    for p in it_dir.iterdir():
+        if mt := _RANK_DIR.match(p.name):
+            ranks[(int(mt.group(1)), int(mt.group(2) or 0))] = p / "model_optim_rng.pt"
+    return ranks
+
+
+def read_common(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The non-tensor state of a checkpoint of either layout."""
+    it_dir = iteration_dir(ckpt_dir)
+    if checkpoint_format(it_dir) == "torch_dist":
+        return _torch_load(it_dir / "common.pt")
+    first = _legacy_ranks(it_dir)[(0, 0)]
+    return {k: v for k, v in _torch_load(first).items() if k != "model"}
+
+
+def read_model_preset(ckpt_dir: str | Path) -> ModelPreset:
+    """The model a converted checkpoint holds (``anyspeed_model`` of its common state)."""
+    common = read_common(ckpt_dir)
+    if "anyspeed_model" not in common:
+        raise ConvertError(
+            f"{ckpt_dir}: no anyspeed_model in the checkpoint (pass --hf-cfg-dir "
+            "with the model's config.json)"
+        )
+    return ModelPreset(**common["anyspeed_model"])
+
+
+# ------------------------------------------------------------------- Megatron in one process
+@contextlib.contextmanager
+def megatron_session() -> Iterator[None]:
+    """A one-rank process group and Megatron parallel state (TP1/PP1) to build GPTModel in."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if dist.is_initialized():
+        tp1 = ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() == 1
+        if dist.get_world_size() == 1 and tp1 and ps.get_pipeline_model_parallel_world_size() == 1:
+            yield
+            return
+        raise ConvertError(
+            "convert in its own process: this one already runs a "
+            f"{dist.get_world_size()}-rank process group"
+        )
+    import anyspeed.megatron_adaptor as adaptor
+
+    adaptor.apply(argv=[])
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+        try:
+            ps.initialize_model_parallel()
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def empty_model(preset: ModelPreset, dtype: torch.dtype):
+    """GPTModel (shared factory, TP1/PP1) with uninitialised weights: its sharded state dict is
+    the checkpoint's key layout."""
+    from anyspeed.models.factory import gpt_model, transformer_config
+
+    cfg = transformer_config(
+        preset,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        perform_initialization=False,
+    )
+    return gpt_model(preset, cfg)
+
+
+def _is_tensor_entry(v) -> bool:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return isinstance(v, ShardedTensor | ShardedTensorFactory)
+
+
+def _with_data(entry, data: torch.Tensor):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(entry, ShardedTensor):
+        return dataclasses.replace(entry, data=data, dtype=data.dtype)
+    return dataclasses.replace(entry, data=data)
+
+
+# ------------------------------------------------------------------------------- torch_dist
+def save_torch_dist(
+    out_dir: Path,
+    preset: ModelPreset,
+    dtype: torch.dtype,
+    tensor_groups: Iterator[dict[str, torch.Tensor]],
+    common: dict,
+) -> None:
+    """Write ``out_dir/release`` + tracker from the full Megatron tensors of every group."""
+    from megatron.core import dist_checkpointing
+
+    with megatron_session():
+        sd = empty_model(preset, dtype).sharded_state_dict()
+        filled = set()
+        for tensors in tensor_groups:
+            for name, t in tensors.items():
+                entry = sd.get(name)
+                if entry is None or not _is_tensor_entry(entry):
+                    raise ConvertError(f"internal: Megatron's GPTModel has no tensor {name}")
+                if tuple(entry.data.shape) != tuple(t.shape):
+                    raise ConvertError(
+                        f"{name}: shape {tuple(t.shape)} does not match the "
+                        f"model's {tuple(entry.data.shape)}"
+                    )
+                sd[name] = _with_data(entry, t)
+                filled.add(name)
+        unfilled = [k for k, v in sd.items() if _is_tensor_entry(v) and k not in filled]
+        if unfilled:
+            raise ConvertError(f"internal: no source for Megatron tensors {unfilled[:3]}")
+        release = out_dir / "release"
+        release.mkdir()
+        dist_checkpointing.save({"model": sd, **common}, str(release))
+    (out_dir / TRACKER).write_text("release")
+
+
+def read_torch_dist(
+    it_dir: Path,
+    preset: ModelPreset,
+    group_names: Callable[[Group], list[str]],
+    groups: list[Group],
+) -> Iterator[tuple[Group, dict[str, torch.Tensor]]]:
+    """Full Megatron tensors, one group at a time (each a separate partial load).
+
+    Each tensor is requested as one region of the checkpoint's global tensor (a layer's slice
+    of the layer-stacked key), whatever layout wrote it; the model supplies the key names.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    meta = dist_checkpointing.load_tensors_metadata(str(it_dir))
+    with megatron_session():
+        sd = empty_model(preset, torch.float32).sharded_state_dict()
+        for group in groups:
+            want, layer_axis = {}, set()
+            for name in group_names(group):
+                key = sd[name].key
+                if key not in meta:
+                    raise ConvertError(f"{it_dir}: the checkpoint has no tensor {key}")
+                shape = tuple(meta[key].global_shape)
+                offset = [0] * len(shape)
+                local = shape
+                if isinstance(group, int):  # layer-stacked: [num_layers, ...]
+                    offset[0], local = group, (1, *shape[1:])
+                    layer_axis.add(name)
+                want[name] = ShardedTensor(
+                    key=key,
+                    data=torch.empty(local, dtype=meta[key].dtype),
+                    dtype=meta[key].dtype,
+                    local_shape=local,
+                    global_shape=shape,
+                    global_offset=tuple(offset),
+                    axis_fragmentations=None,
+                )
+            try:
+                state = dist_checkpointing.load(want, str(it_dir), validate_access_integrity=False)
+            except Exception as exc:  # noqa: BLE001 - Megatron's messages run to many lines
+                first = str(exc).strip().splitlines()[0][:300]
+                raise ConvertError(f"{it_dir}: cannot load group {group} ({first})") from None
+            yield group, {k: state[k][0] if k in layer_axis else state[k] for k in want}
+
+
+# ----------------------------------------------------------------------------------- legacy
+def _extra_states(names: list[str], last_stage: bool) -> dict[str, None]:
+    """The ``_extra_state`` entries Megatron's linear layers add to a state dict."""
+    mods = {n.rsplit(".", 1)[0] for n in names if ".linear_" in n or n.startswith("output_layer")}
+    if last_stage:
+        mods.add("output_layer")
+    return {f"{m}._extra_state": None for m in sorted(mods)}
+
+
+def save_legacy(
+    out_dir: Path,
+    preset: ModelPreset,
+    tp: int,
+    pp: int,
+    stage_tensors: Callable[[int], dict[str, torch.Tensor]],
+    common: dict,
+) -> None:
+    """Megatron-LM's ``iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt``, one stage in memory."""
+    it_dir = out_dir / f"iter_{LEGACY_ITERATION:07d}"
+    per_stage = preset.num_layers // pp
+    for s in range(pp):
+        tensors = stage_tensors(s)
+        local = {}
+        for name, t in tensors.items():
+            if mt := _LAYER.match(name):
+                name = f"decoder.layers.{int(mt.group(1)) - s * per_stage}." + name[mt.end() :]
+            local[name] = t
+        extra = _extra_states(list(local), s == pp - 1)
+        for r in range(tp):
+            model = {n: split_tp(n, t, tp)[r] for n, t in local.items()}
+            model.update(extra)
+            rank_dir = it_dir / (f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else ""))
+            rank_dir.mkdir(parents=True)
+            torch.save({"model": model, **common}, rank_dir / "model_optim_rng.pt")
+    (out_dir / TRACKER).write_text(str(LEGACY_ITERATION))
+
+
+def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor]]]:
+    """Full Megatron tensors (TP shards merged, global layer numbers) one group at a time."""
+    ranks = _legacy_ranks(it_dir)
+    tp = 1 + max(t for t, _ in ranks)
+    pp = 1 + max(p for _, p in ranks)
+    missing = [
+        f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+        for t in range(tp)
+        for p in range(pp)
+        if (t, p) not in ranks or not ranks[(t, p)].is_file()
+    ]
+    if missing:
+        raise ConvertError(f"{it_dir}: missing rank files {', '.join(missing)}")
+    offset = 0
+    for s in range(pp):
+        shards = [_torch_load(ranks[(t, s)])["model"] for t in range(tp)]
+        names = [n for n, v in shards[0].items() if isinstance(v, torch.Tensor)]
+        by_group: dict[Group, list[str]] = {}
+        for n in names:
+            mt = _LAYER.match(n)
+            if mt:
+                by_group.setdefault(int(mt.group(1)), []).append(n)
+            elif n.startswith("embedding."):
+                by_group.setdefault(EMBED, []).append(n)
+            else:
+                by_group.setdefault(HEAD, []).append(n)
+        layers = sorted(g for g in by_group if isinstance(g, int))
+        order = (
+            ([EMBED] if EMBED in by_group else []) + layers + ([HEAD] if HEAD in by_group else [])
+        )
+        for g in order:
+            out = {}
+            for n in by_group[g]:
+                full = merge_tp(n, [sh[n] for sh in shards])
+                if isinstance(g, int):
+                    n = f"decoder.layers.{g + offset}." + n[_LAYER.match(n).end() :]
+                out[n] = full
+            yield (g + offset if isinstance(g, int) else g), out
+        offset += len(layers)
+        del shards
+
+
+def legacy_layout(it_dir: Path) -> tuple[int, int]:
+    ranks = _legacy_ranks(it_dir)
+    return 1 + max(t for t, _ in ranks), 1 + max(p for _, p in ranks)
+
+
+def json_config(common: dict) -> dict | None:
+    text = (common.get("anyspeed_convert") or {}).get("hf_config_json")
+    return json.loads(text) if text else None

@@ -1,0 +1,95 @@
+"""``--verify``: the converted pair on the same random tokens, max-abs logits difference (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from anyspeed.convert import engine
+from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.mapping import mapping_for
+from anyspeed.convert.megatron_io import (
+    checkpoint_format,
+    empty_model,
+    iteration_dir,
+    megatron_session,
+    read_legacy,
+    read_model_preset,
+    read_torch_dist,
+)
+
+
+def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, padded vocab] of Megatron's GPTModel (TP1/PP1, fp32) from a checkpoint of
+    either layout."""
+    preset = read_model_preset(mg_dir)
+    m = mapping_for(preset.family)
+    it_dir = iteration_dir(mg_dir)
+    with megatron_session():
+        model = empty_model(preset, torch.float32)
+        if checkpoint_format(it_dir) == "torch_dist":
+            groups = read_torch_dist(
+                it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
+            )
+        else:
+            groups = read_legacy(it_dir)
+        state = {k: v.float() for _, tensors in groups for k, v in tensors.items()}
+        if preset.tie_embeddings:
+            state.pop("output_layer.weight", None)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ConvertError(f"{mg_dir}: missing {missing[:3]} unexpected {unexpected[:3]}")
+        model.eval()
+        pos = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+        with torch.no_grad():
+            return model(tokens, pos, None).float()
+
+
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the ``transformers`` model of ``hf_dir`` in fp32.
+
+    Built with ``from_config`` and a strict load of the safetensors files rather than
+    ``from_pretrained``, whose meta-device initialisation of non-persistent buffers (RoPE
+    frequencies) goes wrong once anyspeed's device layer is applied in the process.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anyspeed.convert.hf_io import HFCheckpoint
+
+    ck = HFCheckpoint(hf_dir)
+    config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {n: ck.get(n).float() for n in ck.names}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ConvertError(
+            f"{hf_dir}: transformers misses {missing[:3]}, does not expect {unexpected[:3]}"
+        )
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def verify(
+    hf_dir: str | Path,
+    mg_dir: str | Path,
+    *,
+    tolerance: float = 1e-4,
+    seq_length: int = 32,
+    seed: int = 0,
+) -> float:
+    """Max-abs logits difference of the two checkpoints; ConvertError above ``tolerance``."""
+    from anyspeed.convert.hf_io import read_config
+
+    vocab = int(read_config(hf_dir)["vocab_size"])
+    tokens = torch.randint(0, vocab, (2, seq_length), generator=torch.Generator().manual_seed(seed))
+    ref = hf_logits(hf_dir, tokens)
+    got = megatron_logits(mg_dir, tokens)[..., :vocab]
+    diff = float((ref - got).abs().max())
+    if not diff <= tolerance:
+        raise ConvertError(f"--verify: max-abs logits difference {diff:.3g} exceeds {tolerance:g}")
+    return diff

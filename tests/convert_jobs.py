@@ -1,0 +1,133 @@
+"""Helpers for the converter tests: tiny random HF models, and functions that run in spawned
+ranks (importable by name) to convert and to run Megatron's GPTModel at a TP/PP layout."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import types
+from pathlib import Path
+
+import torch
+
+from anyspeed.models import get_preset
+
+
+def tiny_hf_model(
+    directory: str | Path, preset: str, seed: int = 0, shard: str | None = None, **overrides
+) -> dict:
+    """Save a random ``transformers`` model of the tiny preset (weights, norms and biases all
+    random, so a wrong mapping shows in the logits) plus stand-in tokenizer files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(get_preset(preset).hf_config(), **overrides)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    model = AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.1 * noise)
+    kw = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(str(directory), **kw)
+    (Path(directory) / "tokenizer.json").write_text('{"stand-in": "tokenizer"}\n')
+    (Path(directory) / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
+    return cfg
+
+
+def _build(ckpt: str, tp: int, pp: int):
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.convert import read_model_preset
+    from anyspeed.models.factory import gpt_model, transformer_config
+
+    preset = read_model_preset(ckpt)
+    model = gpt_model(
+        preset,
+        transformer_config(preset, tp=tp, pp=pp),
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
+    return model
+
+
+def _logits(model, tokens):
+    from anyspeed.training.engine import Trainer
+
+    # Trainer.logits only needs ``.model``: Megatron's schedule + TP gather, at any layout.
+    return Trainer.logits(types.SimpleNamespace(model=[model]), tokens)
+
+
+def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens) -> dict[str, dict]:
+    """For each case: logits of GPTModel at TP x PP loaded (a) with dist_checkpointing from the
+    torch_dist checkpoint, as ``pretrain --load`` does, and (b) with ``load_state_dict(strict=
+    True)`` from this rank's legacy file, if given; plus legacy shapes that differ from the
+    model's."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.training.engine import Layout, init_distributed
+
+    init_distributed(Layout(tp=tp, pp=pp), seed=0)
+    out = {}
+    for name, case in cases.items():
+        model = _build(case["torch_dist"], tp, pp)
+        release = str(Path(case["torch_dist"]) / "release")
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, release)
+        model.load_state_dict(state["model"])
+        res = {"dist": _logits(model, tokens)}
+        if case.get("legacy"):
+            r, s = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+            rank_dir = f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else "")
+            path = Path(case["legacy"]) / "iter_0000001" / rank_dir / "model_optim_rng.pt"
+            state = torch.load(path, weights_only=True)["model"]
+            expect = model.state_dict()
+            res["shape_mismatch"] = sorted(
+                k
+                for k, v in state.items()
+                if isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(expect[k].shape)
+            )
+            model.load_state_dict(state, strict=True)
+            res["legacy"] = _logits(model, tokens)
+        out[name] = res
+    return out
+
+
+def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict]:
+    """In one process: HF -> torch_dist (the CLI with --verify for ``cli_case``), TP1 logits
+    from the result, torch_dist -> HF."""
+    from anyspeed.convert import hf_to_megatron, megatron_to_hf
+    from anyspeed.convert.cli import main as cli_main
+    from anyspeed.training.engine import Layout, init_distributed
+
+    init_distributed(Layout(), seed=0)
+    out = {}
+    for name, case in cases.items():
+        res = {}
+        if name == cli_case:
+            buf = io.StringIO()
+            argv = [
+                "--load-model-type",
+                "hf",
+                "--save-model-type",
+                "mg",
+                "--load-dir",
+                case["hf"],
+                "--save-dir",
+                case["torch_dist"],
+                "--verify",
+            ]
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                res["rc"] = cli_main(argv)
+            res["stdout"] = buf.getvalue()
+        else:
+            hf_to_megatron(
+                case["hf"],
+                case["torch_dist"],
+                tp=case.get("tp", 1),
+                make_vocab_size_divisible_by=case.get("divisible_by", 1),
+            )
+        megatron_to_hf(case["torch_dist"], case["hf_from_dist"], hf_cfg_dir=case["hf"])
+        res.update(layout_logits({name: case}, 1, 1, tokens)[name])
+        out[name] = res
+    return out

@@ -1,0 +1,127 @@
+"""Bad input to ``anyspeed convert``: one clear line, and nothing left under the final name.
+
+Every check fails before Megatron starts, so these run in the test process itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import convert_jobs
+from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
+from anyspeed.convert.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf") / "llama"
+    convert_jobs.tiny_hf_model(d, "tiny-llama3", shard="40KB")
+    return d
+
+
+@pytest.fixture
+def hf(hf_model, tmp_path):
+    d = tmp_path / "hf"
+    shutil.copytree(hf_model, d)
+    return d
+
+
+def _edit_config(d: Path, **fields) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _fails(fn, match: str, out: Path, *args, **kwargs) -> str:
+    with pytest.raises(ConvertError, match=match) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.partial-*"))
+    return msg
+
+
+def test_unsupported_architecture_lists_the_supported(hf, tmp_path):
+    _edit_config(hf, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    msg = _fails(hf_to_megatron, "unsupported architecture Qwen3MoeForCausalLM", tmp_path / "mg",
+                 hf, tmp_path / "mg")  # fmt: skip
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in msg
+
+
+def test_missing_shard(hf, tmp_path):
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (hf / shard).unlink()
+    _fails(hf_to_megatron, f"missing shard {shard}", tmp_path / "mg", hf, tmp_path / "mg")
+
+
+def test_shape_that_does_not_match_the_config(hf, tmp_path):
+    _edit_config(hf, intermediate_size=192)
+    _fails(hf_to_megatron, r"down_proj.weight has shape \[64, 176\], config.json implies "
+           r"\[64, 192\]", tmp_path / "mg", hf, tmp_path / "mg")  # fmt: skip
+
+
+def test_tp_that_cannot_shard_heads_or_kv_groups(hf, tmp_path):
+    out = tmp_path / "mg"
+    _fails(hf_to_megatron, "--num-attention-heads 4 is not divisible by "
+           "--target-tensor-parallel-size 3", out, hf, out, tp=3)  # fmt: skip
+    _fails(hf_to_megatron, "--num-layers 2 is not divisible", out, hf, out, pp=4)
+    _edit_config(hf, num_attention_heads=6, num_key_value_heads=3, head_dim=16)
+    _fails(hf_to_megatron, "--num-query-groups 3 and --target-tensor-parallel-size 2 must "
+           "divide one another", out, hf, out, tp=2, ckpt_format="legacy")  # fmt: skip
+
+
+def test_existing_output_directory_is_left_alone(hf, tmp_path):
+    out = tmp_path / "mg"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(ConvertError, match="already exists"):
+        hf_to_megatron(hf, out, ckpt_format="legacy")
+    assert [p.name for p in out.iterdir()] == ["keep"]
+
+
+def test_model_type_hf_must_match_config(hf, tmp_path):
+    _fails(hf_to_megatron, "--model-type-hf qwen3 does not match config.json "
+           r"\(LlamaForCausalLM\)", tmp_path / "mg", hf, tmp_path / "mg",
+           model_type_hf="qwen3")  # fmt: skip
+
+
+def test_pickled_objects_are_refused_and_failures_leave_no_output(hf, tmp_path):
+    legacy = hf_to_megatron(hf, tmp_path / "legacy", tp=2, ckpt_format="legacy")
+    rank1 = legacy / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(rank1, weights_only=True)
+    state["args"] = argparse.Namespace(tensor_model_parallel_size=2)  # needs unpickling
+    torch.save(state, rank1)
+    _fails(megatron_to_hf, "cannot be read with weights_only=True", tmp_path / "out", legacy,
+           tmp_path / "out")  # fmt: skip
+    rank1.write_bytes(rank1.read_bytes()[:1000])  # truncated: fails mid-conversion
+    _fails(megatron_to_hf, "mp_rank_01", tmp_path / "out", legacy, tmp_path / "out")
+
+
+def test_hf_cfg_dir_of_another_model(hf, tmp_path):
+    legacy = hf_to_megatron(hf, tmp_path / "legacy", ckpt_format="legacy")
+    other = tmp_path / "other"
+    shutil.copytree(hf, other)
+    _edit_config(other, num_hidden_layers=3)
+    _fails(megatron_to_hf, "describes another model \\(num_layers 3", tmp_path / "out", legacy,
+           tmp_path / "out", other)  # fmt: skip
+
+
+def test_cli_prints_one_line(hf, tmp_path, capsys):
+    out = tmp_path / "mg"
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
+            "--save-dir", str(out), "--target-tensor-parallel-size", "3"]  # fmt: skip
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("anyspeed convert: error: ") and "\n" not in err
+    assert not out.exists()
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--no-such-flag"])
