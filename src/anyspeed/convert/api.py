@@ -20,7 +20,6 @@ from anyspeed.convert.hf_io import (
     ShardedWriter,
     copy_side_files,
     read_config,
-    tensor_dtype,
 )
 from anyspeed.convert.mapping import mapping_for
 from anyspeed.convert.megatron_io import (
@@ -158,7 +157,7 @@ def hf_to_megatron(
     m = mapping_for(preset.family)
     padded = engine.padded_vocab_size(preset.vocab_size, make_vocab_size_divisible_by, tp)
     mg_preset = dataclasses.replace(preset, vocab_size=padded)
-    dtype = DTYPES[params_dtype] if params_dtype else tensor_dtype(ck, "model.embed_tokens.weight")
+    dtype = DTYPES[params_dtype] if params_dtype else ck.dtype("model.embed_tokens.weight")
 
     def read(name: str) -> torch.Tensor:
         return ck.get(name).to(dtype)
@@ -176,19 +175,18 @@ def hf_to_megatron(
         else:
             per = preset.num_layers // pp
 
-            def stage(s: int) -> dict[str, torch.Tensor]:
-                out = group(engine.EMBED) if s == 0 else {}
+            def stage(s: int) -> Iterator[dict[str, torch.Tensor]]:
+                if s == 0:
+                    yield group(engine.EMBED)
                 for i in range(s * per, (s + 1) * per):
-                    out.update(group(i))
+                    yield group(i)
                 if s == pp - 1:
-                    out.update(group(engine.HEAD))
+                    yield group(engine.HEAD)
                     if preset.tie_embeddings and pp > 1:  # the last stage's copy of the tie
                         emb = group(engine.EMBED)["embedding.word_embeddings.weight"]
-                        out["output_layer.weight"] = emb
-                return out
+                        yield {"output_layer.weight": emb}
 
             save_legacy(tmp, mg_preset, tp, pp, stage, common_state(mg_preset, 1, extra))
-    ck.close()
     return Path(save_dir)
 
 
@@ -252,23 +250,27 @@ def megatron_to_hf(
     else:
         groups = read_legacy(it_dir)
     with staged_output(save_dir) as tmp:
-        writer = ShardedWriter(tmp, max_shard_size)
-        seen = set()
-        for g, tensors in groups:
-            out = engine.to_hf(m, preset, g, tensors, hf_vocab)
-            for name, t in out.items():
-                if tuple(t.shape) != want[name]:
-                    raise ConvertError(
-                        f"{load_dir}: {name} has shape {list(t.shape)}, the "
-                        f"config implies {list(want[name])}"
-                    )
-            writer.add(out)
-            seen.update(out)
+        writer = ShardedWriter(tmp, list(want.items()), max_shard_size)
+        seen, dtypes = set(), set()
+        try:
+            for g, tensors in groups:
+                out = engine.to_hf(m, preset, g, tensors, hf_vocab)
+                for name, t in out.items():
+                    if tuple(t.shape) != want[name]:
+                        raise ConvertError(f"{load_dir}: {name} has shape {list(t.shape)}, the "
+                                           f"config implies {list(want[name])}")  # fmt: skip
+                    dtypes.add(str(t.dtype).removeprefix("torch."))
+                writer.add(out)
+                seen.update(out)
+        except BaseException:
+            writer.abort()
+            raise
         if seen != set(want):
             raise ConvertError(f"{load_dir}: no tensors for {sorted(set(want) - seen)[:3]}")
         writer.close()
-        dtype = str(t.dtype).removeprefix("torch.")
-        cfg.update({k: dtype for k in ("dtype", "torch_dtype") if k in cfg} or {"dtype": dtype})
+        if len(dtypes) == 1:  # the weights' dtype, as transformers records it
+            (dtype,) = dtypes
+            cfg.update({k: dtype for k in ("dtype", "torch_dtype") if k in cfg} or {"dtype": dtype})
         if hf_cfg_dir:
             copy_side_files(hf_cfg_dir, tmp)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

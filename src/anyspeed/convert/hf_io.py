@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
+import math
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -33,49 +34,92 @@ def read_config(directory: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "F64": torch.float64, "I64": torch.int64, "I32": torch.int32}  # fmt: skip
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    """(data start, header) of a safetensors file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConvertError(f"{path}: not a safetensors file")
+        n = struct.unpack("<Q", head)[0]
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise ConvertError(f"{path}: not a safetensors file (bad header)") from None
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
 class HFCheckpoint:
-    """Tensors of an HF directory, opened lazily (memory-mapped) shard by shard."""
+    """Tensors of an HF directory's safetensors files, read one at a time straight into their
+    own memory (no memory map, so the page cache never counts as this process's memory)."""
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
         self.config = read_config(self.dir)
-        self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
         index = self.dir / INDEX
         if index.is_file():
             self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif (self.dir / "model.safetensors").is_file():
-            self.weight_map = dict.fromkeys(
-                self._open("model.safetensors").keys(), "model.safetensors"
-            )
+            names = self._header("model.safetensors")[1]
+            self.weight_map = dict.fromkeys(names, "model.safetensors")
         else:
-            raise ConvertError(
-                f"{self.dir}: no model.safetensors or {INDEX} (only safetensors weights are read)"
-            )
+            raise ConvertError(f"{self.dir}: no model.safetensors or {INDEX} (only safetensors "
+                               "weights are read)")  # fmt: skip
         for shard in sorted(set(self.weight_map.values())):
             if not (self.dir / shard).is_file():
                 raise ConvertError(f"{self.dir}: missing shard {shard} (listed in {INDEX})")
 
-    def _open(self, shard: str):
-        from safetensors import safe_open
+    def _header(self, shard: str) -> tuple[int, dict]:
+        if shard not in self._headers:
+            self._headers[shard] = _read_header(self.dir / shard)
+        return self._headers[shard]
 
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.dir / shard), framework="pt")
-        return self._handles[shard]
+    def _entry(self, name: str) -> tuple[Path, int, dict]:
+        if name not in self.weight_map:
+            raise ConvertError(f"{self.dir}: tensor {name} is missing")
+        shard = self.weight_map[name]
+        start, header = self._header(shard)
+        if name not in header:
+            raise ConvertError(f"{self.dir}: tensor {name} is not in {shard}")
+        return self.dir / shard, start, header[name]
 
     @property
     def names(self) -> list[str]:
         return list(self.weight_map)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+        return tuple(self._entry(name)[2]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._entry(name)[2]["dtype"]
+        if code not in _DTYPES:
+            raise ConvertError(f"{self.dir}: tensor {name} has unsupported dtype {code}")
+        return _DTYPES[code]
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise ConvertError(f"{self.dir}: tensor {name} is missing")
-        return self._open(self.weight_map[name]).get_tensor(name)
+        path, start, info = self._entry(name)
+        t = torch.empty(info["shape"], dtype=self.dtype(name))
+        begin, end = info["data_offsets"]
+        buf = _bytes(t)
+        if end - begin != len(buf):
+            raise ConvertError(f"{path}: tensor {name} holds {end - begin} bytes, its shape "
+                               f"needs {len(buf)}")  # fmt: skip
+        with open(path, "rb") as f:
+            f.seek(start + begin)
+            if len(buf) and f.readinto(buf) != len(buf):
+                raise ConvertError(f"{path}: truncated (tensor {name})")
+        return t
 
-    def close(self) -> None:
-        self._handles.clear()
+
+def _bytes(t: torch.Tensor):
+    """A writable byte view of a contiguous tensor's memory."""
+    return t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
 
 
 def _size_bytes(text: str | int) -> int:
@@ -90,44 +134,88 @@ def _size_bytes(text: str | int) -> int:
 
 
 class ShardedWriter:
-    """Writes tensors as ``model-XXXXX-of-YYYYY.safetensors`` + index, one shard in memory."""
+    """Streams tensors into ``model-XXXXX-of-YYYYY.safetensors`` + index, holding none of them.
 
-    def __init__(self, directory: Path, max_shard_size: str | int = "5GB") -> None:
-        self.dir, self.max = Path(directory), _size_bytes(max_shard_size)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
+    Names, shapes and arrival order are known up front (``plan``), so the shard split and a
+    bound on each header's size are too: each tensor is written at its offset as it arrives,
+    and the header (padded with spaces, which the format allows) when its shard is complete.
+    """
+
+    def __init__(self, directory: Path, plan: list[tuple[str, tuple[int, ...]]],
+                 max_shard_size: str | int = "5GB") -> None:  # fmt: skip
+        self.dir, self.plan, self.max = Path(directory), plan, _size_bytes(max_shard_size)
+        self.shard_of: dict[str, int] = {}
+        self.files: list[str] = []
+        self.reserve: list[int] = []
+        self.f = None
+        self.idx, self.offset, self.header = -1, 0, {}
         self.total = 0
+
+    def _split(self, itemsize: int) -> None:
+        shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+        size = 0
+        for name, shape in self.plan:
+            nbytes = itemsize * math.prod(shape)
+            if shards[-1] and size + nbytes > self.max:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, shape))
+            size += nbytes
+        n = len(shards)
+        self.files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, names in enumerate(shards):
+            self.shard_of.update((name, i) for name, _ in names)
+            worst = {name: {"dtype": "BF16", "shape": list(shape), "data_offsets": [10**15] * 2}
+                     for name, shape in names}  # fmt: skip
+            worst["__metadata__"] = {"format": "pt"}
+            self.reserve.append(8 + -(-(len(json.dumps(worst)) + 64) // 8) * 8)
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
-            size = t.numel() * t.element_size()
-            if self.pending and self.pending_bytes + size > self.max:
-                self.flush()
-            self.pending[name] = t.contiguous()
-            self.pending_bytes += size
-            self.total += size
+            if not self.files:
+                self._split(t.element_size())
+            if name not in self.shard_of:
+                raise ConvertError(f"internal: tensor {name} is not in the output plan")
+            idx = self.shard_of[name]
+            if idx != self.idx:
+                if idx < self.idx:
+                    raise ConvertError(f"internal: tensor {name} arrived after its shard closed")
+                self._close_shard()
+                self.f = open(self.dir / self.files[idx], "wb")
+                self.f.seek(self.reserve[idx])
+                self.idx, self.offset, self.header = idx, 0, {}
+            data = _bytes(t.contiguous())
+            self.f.write(data)
+            end = self.offset + len(data)
+            self.header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
+                                 "data_offsets": [self.offset, end]}  # fmt: skip
+            self.offset = end
+            self.total += len(data)
 
-    def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.pending:
+    def _close_shard(self) -> None:
+        if self.f is None:
             return
-        save_file(self.pending, str(self.dir / f".shard-{len(self.shards)}"), {"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+        text = json.dumps({"__metadata__": {"format": "pt"}, **self.header}).encode()
+        room = self.reserve[self.idx] - 8
+        if len(text) > room:
+            raise ConvertError("internal: safetensors header larger than reserved")
+        self.f.seek(0)
+        self.f.write(struct.pack("<Q", room) + text + b" " * (room - len(text)))
+        self.f.close()
+        self.f = None
 
     def close(self) -> dict[str, str]:
-        """Name the shards now that their count is known; write the index. Returns weight_map."""
-        self.flush()
-        n, weight_map = len(self.shards), {}
-        for i, names in enumerate(self.shards):
-            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.dir / f".shard-{i}", self.dir / fname)
-            weight_map.update(dict.fromkeys(names, fname))
+        """Finish the last shard and write the index. Returns the weight map."""
+        self._close_shard()
+        weight_map = {name: self.files[i] for name, i in self.shard_of.items()}
         index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
         (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return weight_map
+
+    def abort(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
 
 
 def copy_side_files(src: str | Path, dst: Path) -> list[str]:
@@ -138,13 +226,3 @@ def copy_side_files(src: str | Path, dst: Path) -> list[str]:
             shutil.copy2(f, dst / f.name)
             copied.append(f.name)
     return copied
-
-
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-
-
-def tensor_dtype(ck: HFCheckpoint, name: str) -> torch.dtype:
-    text = ck._open(ck.weight_map[name]).get_slice(name).get_dtype()
-    if text not in _DTYPES:
-        raise ConvertError(f"{ck.dir}: tensor {name} has unsupported dtype {text}")
-    return _DTYPES[text]

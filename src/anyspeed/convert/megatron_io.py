@@ -260,26 +260,30 @@ def save_legacy(
     preset: ModelPreset,
     tp: int,
     pp: int,
-    stage_tensors: Callable[[int], dict[str, torch.Tensor]],
+    stage_groups: Callable[[int], Iterator[dict[str, torch.Tensor]]],
     common: dict,
 ) -> None:
-    """Megatron-LM's ``iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt``, one stage in memory."""
+    """Megatron-LM's ``iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt``: each group of a
+    stage is split into its TP shards as it arrives, so a stage is held once, not twice."""
     it_dir = out_dir / f"iter_{LEGACY_ITERATION:07d}"
     per_stage = preset.num_layers // pp
     for s in range(pp):
-        tensors = stage_tensors(s)
-        local = {}
-        for name, t in tensors.items():
-            if mt := _LAYER.match(name):
-                name = f"decoder.layers.{int(mt.group(1)) - s * per_stage}." + name[mt.end() :]
-            local[name] = t
-        extra = _extra_states(list(local), s == pp - 1)
+        ranks: list[dict[str, torch.Tensor | None]] = [{} for _ in range(tp)]
+        for tensors in stage_groups(s):
+            for name, t in tensors.items():
+                if mt := _LAYER.match(name):
+                    name = f"decoder.layers.{int(mt.group(1)) - s * per_stage}." + name[mt.end() :]
+                for r, shard in enumerate(split_tp(name, t, tp)):
+                    ranks[r][name] = shard
+            del tensors
+        extra = _extra_states(list(ranks[0]), s == pp - 1)
         for r in range(tp):
-            model = {n: split_tp(n, t, tp)[r] for n, t in local.items()}
+            model = ranks[r]
             model.update(extra)
             rank_dir = it_dir / (f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else ""))
             rank_dir.mkdir(parents=True)
             torch.save({"model": model, **common}, rank_dir / "model_optim_rng.pt")
+            ranks[r] = {}
     (out_dir / TRACKER).write_text(str(LEGACY_ITERATION))
 
 
