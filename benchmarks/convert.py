@@ -1,0 +1,167 @@
+"""Wall time and peak RSS of ``anyspeed convert`` in each direction vs. a plain file copy.
+
+Run: ``python benchmarks/convert.py [--preset qwen2.5-1.5b] [--layers N] [--dir DIR]``. A random
+bf16 model with the preset's shapes is written as an HF directory (one safetensors file, as the
+published Qwen2.5-1.5B is), then converted HF -> Megatron (torch_dist and legacy, target TP2)
+and each back to HF. Every conversion runs in its own process; its peak RSS is the process's
+``ru_maxrss`` (Megatron's checkpoint-writer helpers are reported separately). Goal (issue 5):
+peak RSS <= 1.5 x the largest safetensors shard + one layer, time <= 2 x copying the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = """
+import json, sys, threading, time
+import psutil
+from anyspeed.convert.cli import main
+
+def peak_kb():  # this process's own high-water mark (not inherited from the parent)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+
+helpers = [0]
+def watch():  # Megatron's checkpoint-writer processes, sampled
+    me = psutil.Process()
+    while True:
+        for c in me.children(recursive=True):
+            try:
+                helpers[0] = max(helpers[0], c.memory_info().rss)
+            except psutil.Error:
+                pass
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    threading.Thread(target=watch, daemon=True).start()
+    t = time.perf_counter()
+    rc = main(sys.argv[1:])
+    wall = time.perf_counter() - t
+    print("RESULT " + json.dumps({"rc": rc, "wall_s": wall, "rss": peak_kb() * 1024,
+                                  "helpers_rss": helpers[0]}))
+"""
+
+
+def make_hf(directory: Path, preset_name: str, layers: int | None, shard: str) -> dict:
+    """A random bf16 HF directory for the preset, written tensor by tensor."""
+    import torch
+
+    from anyspeed.convert import engine
+    from anyspeed.convert.hf_io import ShardedWriter
+    from anyspeed.convert.mapping import mapping_for
+    from anyspeed.models import get_preset
+    from anyspeed.models.presets import HF_ARCHITECTURES
+
+    preset = get_preset(preset_name)
+    if layers:
+        preset = dataclasses.replace(preset, num_layers=layers)
+    directory.mkdir(parents=True)
+    shapes = engine.hf_shapes(mapping_for(preset.family), preset)
+    writer = ShardedWriter(directory, list(shapes.items()), shard)
+    g = torch.Generator().manual_seed(0)
+    for name, shape in shapes.items():
+        writer.add({name: (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)})
+    writer.close()
+    cfg = dict(preset.hf_config(), architectures=[HF_ARCHITECTURES[preset.family]],
+               dtype="bfloat16")  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    (directory / "tokenizer.json").write_text("{}")
+    h, d = preset.hidden_size, preset.head_dim
+    layer = (h * (preset.num_attention_heads + 2 * preset.num_query_groups) * d
+             + preset.num_attention_heads * d * h + 3 * h * preset.ffn_hidden_size + 2 * h
+             + (preset.num_attention_heads + 2 * preset.num_query_groups) * d)  # fmt: skip
+    return {"preset": preset.name, "layers": preset.num_layers, "layer_bytes": 2 * layer}
+
+
+def run(argv: list[str]) -> dict:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not line:
+        sys.exit(f"convert failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    res = json.loads(line[-1][7:])
+    res["process_s"] = time.perf_counter() - start
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2.5-1.5b")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
+    ap.add_argument("--hf-shard-size", default="5GB")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    args = ap.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="anyspeed-convert-bench-"))
+    hf = root / "hf"
+    info = make_hf(hf, args.preset, args.layers, args.hf_shard_size)
+    files = sorted(hf.glob("*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    largest = max(f.stat().st_size for f in files)
+    t = time.perf_counter()
+    (root / "copy").mkdir()
+    for f in files:
+        shutil.copyfile(f, root / "copy" / f.name)
+    copy_s = time.perf_counter() - t
+    shutil.rmtree(root / "copy")
+    goal_rss = 1.5 * largest + info["layer_bytes"]
+    tp = str(args.tp)
+    steps = [
+        ("hf -> torch_dist", ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                              str(hf), "--save-dir", str(root / "dist"),
+                              "--target-tensor-parallel-size", tp]),
+        ("hf -> legacy TP" + tp, ["--load-model-type", "hf", "--save-model-type", "mg",
+                                  "--load-dir", str(hf), "--save-dir", str(root / "legacy"),
+                                  "--target-tensor-parallel-size", tp, "--ckpt-format", "legacy"]),
+        ("torch_dist -> hf", ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                              str(root / "dist"), "--save-dir", str(root / "hf_dist"),
+                              "--hf-cfg-dir", str(hf)]),
+        ("legacy -> hf", ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                          str(root / "legacy"), "--save-dir", str(root / "hf_legacy"),
+                          "--hf-cfg-dir", str(hf)]),
+    ]  # fmt: skip
+    gb = 1e9
+    print(f"model: {info['preset']} ({info['layers']} layers), bf16, {total / gb:.2f} GB in "
+          f"{len(files)} file(s), largest {largest / gb:.2f} GB, one layer "
+          f"{info['layer_bytes'] / gb:.3f} GB")  # fmt: skip
+    print(f"plain copy of the safetensors bytes: {copy_s:.2f}s ({total / gb / copy_s:.2f} GB/s)")
+    print(f"goal: peak RSS <= {goal_rss / gb:.2f} GB, time <= {2 * copy_s:.2f}s")
+    print(f"{'direction':<20} {'convert s':>9} {'process s':>9} {'x copy':>7} "
+          f"{'peak RSS GB':>11} {'x goal':>6} {'helpers GB':>10}")  # fmt: skip
+    rows = []
+    for label, argv in steps:
+        r = run(argv)
+        rows.append(dict(r, direction=label))
+        print(f"{label:<20} {r['wall_s']:>9.2f} {r['process_s']:>9.2f} "
+              f"{r['wall_s'] / copy_s:>7.2f} {r['rss'] / gb:>11.2f} "
+              f"{r['rss'] / goal_rss:>6.2f} {r['helpers_rss'] / gb:>10.2f}")  # fmt: skip
+    same = _same(hf, root / "hf_dist") and _same(hf, root / "hf_legacy")
+    print(f"round trips bit-identical: {same}")
+    print(json.dumps({"model": info, "bytes": total, "copy_s": copy_s, "rows": rows}))
+    if not args.dir:
+        shutil.rmtree(root)
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Every tensor equal, compared one at a time."""
+    import torch
+
+    from anyspeed.convert.hf_io import HFCheckpoint
+
+    x, y = HFCheckpoint(a), HFCheckpoint(b)
+    return set(x.names) == set(y.names) and all(
+        x.get(n).dtype == y.get(n).dtype and torch.equal(x.get(n), y.get(n)) for n in x.names
+    )
+
+
+if __name__ == "__main__":
+    main()
