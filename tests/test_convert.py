@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import convert_jobs
-from anyspeed.convert import hf_to_megatron, megatron_to_hf, read_model_preset
+from anyspeed.convert import hf_to_megatron, is_hf_dir, megatron_to_hf, read_model_preset
 from anyspeed.convert.verify import hf_logits
 from anyspeed.testing import run_distributed
 
@@ -159,6 +159,7 @@ def test_checkpoint_contract_for_pretrain(conv):
     case = conv["cases"]["qwen3"]
     dist = Path(case["torch_dist"])
     assert (dist / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert is_hf_dir(case["hf"]) and not is_hf_dir(dist)
     common = torch.load(dist / "release" / "common.pt", weights_only=True)
     assert common["iteration"] == 0 and common["checkpoint_version"] == 3.0
     preset = read_model_preset(dist)

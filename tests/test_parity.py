@@ -42,10 +42,19 @@ LAYOUTS = {
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
     "pp2-1f1b": (2, dict(pp=2)),
     "pp2-vpp2": (2, dict(pp=2, vpp=2)),
-    "dp2-distopt-overlap": (2, dict(distributed_optimizer=True, overlap_grad_reduce=True)),
+    # Small gradient buckets, so that overlapping has several buckets to pipeline.
+    "dp2-distopt-overlap": (
+        2,
+        dict(distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4000),
+    ),
     "dp2-distopt-overlap-param-gather": (
         2,
-        dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+        dict(
+            distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            bucket_size=4000,
+        ),
     ),
     "tp2-pp2": (4, dict(tp=2, pp=2)),
     "tp2-sp-dp2-distopt": (4, dict(tp=2, sequence_parallel=True, distributed_optimizer=True)),

@@ -1,4 +1,4 @@
-"""``anyspeed`` command line: ``features`` (what is available and applied) and ``smoke``.
+"""``anyspeed`` command line: ``pretrain``, ``preprocess``, ``convert``, ``features`` and more.
 
 ``anyspeed features [TRAINING FLAGS...]`` lists every feature with its level, flags and
 availability on this device; given a training command line it also says which features would
@@ -134,8 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         print(
-            "\ncommands: features [--json] [TRAINING FLAGS...] | smoke [--nproc-per-node N ...]"
-            " | preprocess ... | train-tokenizer ..."
+            "\ncommands: pretrain [--nproc-per-node N] FLAGS... | preprocess ... | "
+            "train-tokenizer ... | convert ... | models | features [--json] [TRAINING FLAGS...] "
+            "| smoke [--nproc-per-node N ...]"
         )
         return 0
     cmd, rest = argv[0], argv[1:]
@@ -144,13 +145,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _features_report([a for a in rest if a != "--json"], as_json)
     if cmd == "smoke":
         return _smoke(rest)
+    if cmd == "pretrain":
+        from anyspeed.training.pretrain import main as pretrain_main
+
+        return pretrain_main(rest)
+    if cmd == "convert":
+        from anyspeed.convert.cli import main as convert_main
+
+        return convert_main(rest)
+    if cmd == "models":
+        from anyspeed.models.presets import PRESETS
+
+        for name, p in PRESETS.items():
+            print(f"{name:<16} {p.family:<8} {p.num_parameters() / 1e6:>10,.1f}M params")
+        return 0
     if cmd in ("preprocess", "train-tokenizer"):
         from anyspeed.data.cli import main as data_main
 
         return data_main([cmd, *rest])
     print(
-        f"anyspeed: error: unknown command {cmd!r} (try: features, smoke, preprocess, "
-        "train-tokenizer)",
+        f"anyspeed: error: unknown command {cmd!r} (try: pretrain, preprocess, train-tokenizer, "
+        "convert, models, features, smoke)",
         file=sys.stderr,
     )
     return 2

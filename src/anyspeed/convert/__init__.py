@@ -5,9 +5,16 @@ readers/writers for HF safetensors (:mod:`.hf_io`) and Megatron's torch_dist and
 (:mod:`.megatron_io`).
 """
 
-from anyspeed.convert.api import hf_to_megatron, megatron_to_hf
+from anyspeed.convert.api import hf_to_megatron, is_hf_dir, megatron_to_hf
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.megatron_io import read_model_preset
 from anyspeed.convert.verify import verify
 
-__all__ = ["ConvertError", "hf_to_megatron", "megatron_to_hf", "read_model_preset", "verify"]
+__all__ = [
+    "ConvertError",
+    "hf_to_megatron",
+    "is_hf_dir",
+    "megatron_to_hf",
+    "read_model_preset",
+    "verify",
+]

@@ -67,6 +67,12 @@ def staged_output(save_dir: str | Path) -> Iterator[Path]:
         raise
 
 
+def is_hf_dir(path: str | Path) -> bool:
+    """Whether ``path`` is an HF model directory (``config.json`` + safetensors weights)."""
+    p = Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
 def _preset(config: dict, model_type_hf: str | None) -> ModelPreset:
     try:
         preset = preset_from_hf(config)

@@ -82,6 +82,22 @@ class MegatronCoreCompat(Feature):
                 reason="gloo matches p2p messages by posting order: tag each pipeline direction "
                 "so PP=2 interleaved activations and gradients cannot swap",
             )
+        pm.register_wrap(
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+            _with_initialized_torch_adam_state,
+            feature=self.name,
+            reason="with torch's Adam (no apex/TE) the distributed optimizer's state_dict needs "
+            "a 'step' per parameter, missing before the first step: checkpoint loading and "
+            "saving at iteration 0 would fail",
+        )
+        pm.register_wrap(
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+            "_set_main_param_and_optimizer_states",
+            _keep_torch_adam_step,
+            feature=self.name,
+            reason="with torch's Adam, a loaded distributed optimizer shares one step tensor "
+            "across parameters (advanced once per parameter); give each its own",
+        )
         if device.is_cpu:
             # On the CPU the device RNG *is* the CPU generator, so every tracker fork changes it
             # by design; Megatron's warning about that would fire on each dropout call.
@@ -102,6 +118,53 @@ class MegatronCoreCompat(Feature):
                 reason="the device RNG is the CPU generator: silence the 'CPU RNG state changed' "
                 "warning that would fire on every fork",
             )
+
+
+def _with_initialized_torch_adam_state(state_dict):
+    """Give every parameter torch Adam's fresh state (step 0, zero moments) before reading it.
+
+    Exactly what torch's Adam creates at its first step, so training is unchanged.
+    """
+
+    @functools.wraps(state_dict)
+    def wrapper(self, *args, **kwargs):
+        import torch
+
+        inner = getattr(self, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state[p]
+                    if "step" not in st:
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state_dict(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _keep_torch_adam_step(set_states):
+    """Give each parameter its own copy of the loaded step, and keep it when setting state.
+
+    Megatron's load gives every parameter the *same* step tensor; torch's Adam increments each
+    parameter's step in place, so a shared tensor would advance once per parameter per step
+    (wrong bias correction after resume). The reshardable checkpoint keeps the step in the
+    param groups, not per parameter, so it is absent from ``tensors``.
+    """
+
+    @functools.wraps(set_states)
+    def wrapper(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:
+                state["step"] = state["step"].clone()
+                tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    return wrapper
 
 
 class CudaOnlyOptions(Feature):

@@ -32,6 +32,9 @@ class Layout:
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # Gradient bucket size in elements (Megatron-LM's --ddp-bucket-size); None: Megatron's
+    # default (one bucket without overlap, at least 40M elements with it).
+    bucket_size: int | None = None
 
     def validate(self, world_size: int, spec: GPTSpec) -> None:
         """One-line ValueError naming the flag when the layout cannot work."""
@@ -70,6 +73,17 @@ class GPTSpec:
     init_method_std: float = 0.02
     add_qkv_bias: bool = False
     rotary_base: int = 10000
+    # Fields below default to the behaviour the parity tests were written against.
+    kv_channels: int | None = None
+    qk_layernorm: bool = False
+    norm_epsilon: float = 1e-5
+    add_bias_linear: bool = False
+    max_position_embeddings: int | None = None  # None: seq_length
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
 
 @dataclass
@@ -77,11 +91,22 @@ class TrainConfig:
     micro_batch_size: int = 2
     global_batch_size: int = 8
     lr: float = 1e-3
+    min_lr: float = 0.0
     weight_decay: float = 0.01
     clip_grad: float = 1.0
     seed: int = 1234
     data_seed: int = 4321
     bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None  # fp16: None = dynamic loss scaling
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    optimizer: str = "adam"
     # Reduce gradients in fp32 (Megatron-LM's --accumulate-allreduce-grads-in-fp32). Default:
     # Megatron-LM's, i.e. in the parameters' dtype, so bf16 training reduces bf16 gradients.
     grad_reduce_in_fp32: bool = False
@@ -109,14 +134,31 @@ def init_distributed(layout: Layout, seed: int) -> None:
         context_parallel_size=layout.cp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # Megatron-LM's seeding: every generator, offset per pipeline stage; the device generators
+    # (and the tensor-parallel tracker) through Megatron. With CPU initialisation this makes the
+    # initial weights reproducible and independent of the tensor-parallel size.
+    import random
+
+    import numpy as np
+
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
-def transformer_config(spec: GPTSpec, layout: Layout, bf16: bool = False):
+def _dtype(bf16: bool, fp16: bool) -> torch.dtype:
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+
+def transformer_config(spec: GPTSpec, layout: Layout, bf16: bool = False, fp16: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     vpp = layout.vpp if layout.vpp and layout.vpp > 1 else None
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = _dtype(bf16, fp16)
+    portable = dict(PORTABLE_CONFIG)
+    portable.update(hidden_dropout=spec.hidden_dropout, attention_dropout=spec.attention_dropout)
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -132,19 +174,27 @@ def transformer_config(spec: GPTSpec, layout: Layout, bf16: bool = False):
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=bf16,
+        fp16=fp16,
         normalization=spec.normalization,
+        layernorm_epsilon=spec.norm_epsilon,
         gated_linear_unit=spec.swiglu,
         activation_func=F.silu if spec.swiglu else F.gelu,
-        add_bias_linear=False,
+        add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
+        kv_channels=spec.kv_channels,
+        qk_layernorm=spec.qk_layernorm,
         init_method_std=spec.init_method_std,
         deallocate_pipeline_outputs=True,
-        **PORTABLE_CONFIG,
+        **portable,
     )
 
 
 def build_model(
-    spec: GPTSpec, layout: Layout, bf16: bool = False, grad_reduce_in_fp32: bool = False
+    spec: GPTSpec,
+    layout: Layout,
+    bf16: bool = False,
+    grad_reduce_in_fp32: bool = False,
+    fp16: bool = False,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank, wrapped in Megatron's DDP."""
     from megatron.core import parallel_state as ps
@@ -154,8 +204,10 @@ def build_model(
 
     from anyspeed.device import torch_device
 
-    config = transformer_config(spec, layout, bf16)
-    layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization)
+    config = transformer_config(spec, layout, bf16, fp16)
+    layer_spec = get_gpt_layer_local_spec(
+        normalization=spec.normalization, qk_layernorm=spec.qk_layernorm
+    )
     chunks = layout.vpp if layout.vpp and layout.vpp > 1 else 1
     models = []
     for vp_stage in range(chunks):
@@ -164,16 +216,19 @@ def build_model(
             config=config,
             transformer_layer_spec=layer_spec,
             vocab_size=spec.vocab_size,
-            max_sequence_length=spec.seq_length,
+            max_sequence_length=spec.max_position_embeddings or spec.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=not spec.untie_embeddings,
             position_embedding_type=spec.position_embedding_type,
             rotary_base=spec.rotary_base,
+            rotary_percent=spec.rotary_percent,
+            rope_scaling=spec.rope_scaling,
+            rope_scaling_factor=spec.rope_scaling_factor,
             vp_stage=vp,
         )
         model.to(torch_device())
-        if bf16:
+        if bf16 or fp16:
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(config, model)
@@ -183,7 +238,7 @@ def build_model(
         overlap_grad_reduce=layout.overlap_grad_reduce,
         overlap_param_gather=layout.overlap_param_gather,
         use_distributed_optimizer=layout.distributed_optimizer,
-        bucket_size=None if not layout.overlap_grad_reduce else 4000,
+        bucket_size=layout.bucket_size,
     )
     wrapped = [
         DistributedDataParallel(
@@ -201,14 +256,22 @@ def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig, layout: Layo
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     opt_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=cfg.optimizer,
         lr=cfg.lr,
+        min_lr=cfg.min_lr,
         weight_decay=cfg.weight_decay,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad,
         bf16=cfg.bf16,
-        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        fp16=cfg.fp16,
+        loss_scale=cfg.loss_scale,
+        initial_loss_scale=cfg.initial_loss_scale,
+        min_loss_scale=cfg.min_loss_scale,
+        loss_scale_window=cfg.loss_scale_window,
+        hysteresis=cfg.hysteresis,
+        params_dtype=_dtype(cfg.bf16, cfg.fp16),
         use_distributed_optimizer=layout.distributed_optimizer,
         overlap_param_gather=layout.overlap_param_gather,
     )
@@ -257,14 +320,29 @@ def _microbatches(spec: GPTSpec, cfg: TrainConfig, step: int) -> list[dict[str, 
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+    )
+    loss_mask = batch.get("loss_mask")
 
     def loss_func(output_tensor):
         from megatron.core import parallel_state as ps
 
-        # Each CP rank holds 1/CP of every sequence and Megatron sums gradients over the CP
-        # group: scale the shard mean so the sum is the global mean.
-        loss = output_tensor.float().mean() / ps.get_context_parallel_world_size()
+        losses = output_tensor.float()
+        if loss_mask is None:
+            # Each CP rank holds 1/CP of every sequence and Megatron sums gradients over the
+            # CP group: scale the shard mean so the sum is the global mean.
+            loss = losses.mean() / ps.get_context_parallel_world_size()
+        else:
+            mask = loss_mask.float().view(-1)
+            count = mask.sum()
+            if ps.get_context_parallel_world_size() > 1:
+                count = count.clone()
+                torch.distributed.all_reduce(count, group=ps.get_context_parallel_group())
+            loss = (losses.view(-1) * mask).sum() / count.clamp(min=1.0)
         return loss, {"lm loss": loss.detach().clone()}
 
     return output, loss_func
@@ -299,7 +377,7 @@ class Trainer:
             )
         self.spec, self.layout, self.cfg = spec, layout, cfg
         init_distributed(layout, cfg.seed)
-        self.model = build_model(spec, layout, cfg.bf16, cfg.grad_reduce_in_fp32)
+        self.model = build_model(spec, layout, cfg.bf16, cfg.grad_reduce_in_fp32, cfg.fp16)
         self.optimizer = build_optimizer(self.model, cfg, layout)
         _set_sync_funcs(self.model, layout)
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
@@ -336,48 +414,64 @@ class Trainer:
             self.optimizer.reload_model_params()
 
     # -------------------------------------------------------------------- training
-    def step(self) -> dict[str, float]:
-        """One optimizer step on the global batch of this iteration; loss is the DP mean."""
+    def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], forward_only: bool) -> float:
+        """Run the pipeline schedule over ``mbs``; return the loss averaged over DP replicas."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = _microbatches(self.spec, self.cfg, self.iteration)
-        for m in self.model:
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        if len(self.model) > 1:
-            data = [iter(mbs) for _ in self.model]
-        else:
-            data = iter(mbs)
-        fwd_bwd = get_forward_backward_func()
-        losses = fwd_bwd(
+        from anyspeed.device import torch_device
+
+        data = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
+        losses = get_forward_backward_func()(
             forward_step_func=_forward_step,
             data_iterator=data,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(mbs),
             seq_length=self.spec.seq_length,
             micro_batch_size=self.cfg.micro_batch_size,
-            forward_only=False,
+            forward_only=forward_only,
         )
-        ok, grad_norm, _ = self.optimizer.step()
-        self.iteration += 1
-        # Report the loss on every rank: last stage sums its micro-batch losses.
+        # Report the loss on every rank: the last stage averages its micro-batch losses.
         last = (
             ps.is_pipeline_last_stage(ignore_virtual=True)
             and ps.get_tensor_model_parallel_rank() == 0
         )
-        from anyspeed.device import torch_device
-
         total = torch.zeros(1, dtype=torch.float64, device=torch_device())
         if last and losses:
             total[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
         torch.distributed.all_reduce(total)
-        loss = float(total[0]) / self.dp  # CP ranks' shares sum to the replica's mean
+        return float(total[0]) / self.dp  # CP ranks' shares sum to the replica's mean
+
+    def step(self, microbatches: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+        """One optimizer step on this rank's micro-batches (default: the synthetic batch of
+        this iteration); the loss is the data-parallel mean."""
+        mbs = (
+            microbatches
+            if microbatches is not None
+            else (_microbatches(self.spec, self.cfg, self.iteration))
+        )
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run_schedule(mbs, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.iteration += 1
         return {
             "loss": loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "ok": bool(ok),
         }
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[dict[str, torch.Tensor]]) -> float:
+        """Mean loss of ``microbatches`` without updating anything."""
+        for m in self.model:
+            m.eval()
+        try:
+            return self._run_schedule(microbatches, forward_only=True)
+        finally:
+            for m in self.model:
+                m.train()
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:

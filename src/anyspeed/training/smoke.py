@@ -15,15 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-def model_flops_per_token(spec) -> float:
-    """Training FLOPs per token: 6 x parameters in matmuls plus causal attention scores."""
-    h, L, s = spec.hidden_size, spec.num_layers, spec.seq_length
-    kv = (spec.num_query_groups or spec.num_attention_heads) / spec.num_attention_heads
-    ffn = spec.ffn_hidden_size or 4 * h
-    per_layer = h * h * (2 + 2 * kv) + h * ffn * (3 if spec.swiglu else 2)
-    matmul_params = L * per_layer + h * spec.vocab_size
-    return 6.0 * matmul_params + 6.0 * L * h * s  # attention: QK^T and AV, fwd + bwd, causal half
+from anyspeed.training.metrics import model_flops_per_token
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:

@@ -1,0 +1,291 @@
+"""Atomic, layout-independent checkpoints with Megatron's dist_checkpointing (torch_dist).
+
+Layout on disk, as Megatron-LM writes it: ``<dir>/iter_0000100/`` (a dist_checkpointing
+checkpoint) and ``<dir>/latest_checkpointed_iteration.txt``. A save goes to
+``iter_0000100.tmp``; only when every rank has finished does rank 0 rename it and then replace
+the ``latest`` file (write + rename), so a kill at any moment leaves the previous checkpoint
+loadable and ``latest`` pointing at it. Model and optimizer state are saved in Megatron's
+global (fully reshardable) form, so a run resumes under another TP/PP/DP layout; the data
+position is the number of consumed samples, which no layout change alters.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+
+LATEST = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+def iteration_dir(root: str, iteration: int | str) -> str:
+    """``root/iter_0000042`` (or ``root/release`` for a converted, iteration-less checkpoint)."""
+    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    return os.path.join(root, name)
+
+
+def read_latest(root: str) -> int | str | None:
+    """The iteration ``latest`` names: an int, ``"release"``, or None when there is none."""
+    path = os.path.join(root, LATEST)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return "release"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"{path}: expected an iteration number or 'release', got {text!r}"
+        ) from None
+
+
+def optimizer_sharding(optimizer: Any) -> str:
+    """How the distributed optimizer's state is laid out in the checkpoint.
+
+    ``fully_reshardable`` (model space: loads under any TP/PP/DP) needs one gradient bucket per
+    buffer: megatron-core 0.16.1 misplaces state across the padding between several buckets.
+    With several buckets, ``dp_reshardable`` (Megatron-LM's default; reshards over DP only).
+    """
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for buffer in getattr(o, "buffers", []):
+            if len(buffer.buckets) > 1:
+                return "dp_reshardable"
+    return "fully_reshardable"
+
+
+def _metadata(sharding: str = "fully_reshardable") -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "distrib_optim_sharding_type": sharding,
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def model_state(model: list[torch.nn.Module]) -> dict[str, Any]:
+    """Megatron-LM's model entries: ``model`` (or ``model0``, ``model1`` for virtual stages)."""
+    meta = {"dp_cp_group": _metadata()["dp_cp_group"]}
+    if len(model) == 1:
+        return {"model": model[0].module.sharded_state_dict(metadata=meta)}
+    return {f"model{i}": m.module.sharded_state_dict(metadata=meta) for i, m in enumerate(model)}
+
+
+def _load_model_entries(model: list[torch.nn.Module], state: dict[str, Any]) -> None:
+    if len(model) == 1:
+        model[0].module.load_state_dict(state["model"])
+    else:
+        for i, m in enumerate(model):
+            m.module.load_state_dict(state[f"model{i}"])
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from anyspeed.device import detect
+
+    info = detect()
+    out: dict[str, torch.Tensor] = {"torch": torch.get_rng_state()}
+    if not info.is_cpu:
+        out["device"] = getattr(torch, info.type).get_rng_state()
+    np_state = np.random.get_state()
+    out["numpy_keys"] = torch.from_numpy(np.asarray(np_state[1], dtype=np.int64))
+    out["numpy_pos"] = torch.tensor([np_state[2], np_state[3]], dtype=torch.float64)
+    py = random.getstate()
+    out["python"] = torch.tensor(list(py[1]), dtype=torch.int64)
+    for name, st in get_cuda_rng_tracker().get_states().items():
+        out[f"tracker.{name}"] = st
+    return out
+
+
+def _set_rng_state(st: dict[str, torch.Tensor]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from anyspeed.device import detect
+
+    info = detect()
+    torch.set_rng_state(st["torch"])
+    if "device" in st and not info.is_cpu:
+        getattr(torch, info.type).set_rng_state(st["device"])
+    pos = st["numpy_pos"].tolist()
+    np.random.set_state(
+        ("MT19937", st["numpy_keys"].numpy().astype(np.uint32), int(pos[0]), 0, pos[1])
+    )
+    random.setstate((3, tuple(int(x) for x in st["python"].tolist()), None))
+    tracker = {k.split(".", 1)[1]: v for k, v in st.items() if k.startswith("tracker.")}
+    if tracker:
+        get_cuda_rng_tracker().set_states(tracker)
+
+
+def _rank_key() -> str:
+    from megatron.core import parallel_state as ps
+
+    return (
+        f"pp{ps.get_pipeline_model_parallel_rank()}_tp{ps.get_tensor_model_parallel_rank()}"
+        f"_cp{ps.get_context_parallel_rank()}_dp{ps.get_data_parallel_rank()}"
+    )
+
+
+def layout_signature() -> dict[str, int]:
+    """The parallel sizes of this run (RNG state is per rank, so it only loads under these)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    model: list[torch.nn.Module],
+    optimizer: Any | None,
+    scheduler: Any | None,
+    extra: dict[str, Any],
+) -> str:
+    """Save atomically to ``root/iter_XXXXXXX`` and point ``latest`` at it; returns the dir."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # left over by runs killed mid-save
+            if name.endswith(".tmp") and os.path.isdir(os.path.join(root, name)):
+                shutil.rmtree(os.path.join(root, name))
+        os.makedirs(tmp)
+    dist.barrier()
+    state: dict[str, Any] = model_state(model)
+    state.update(
+        iteration=iteration,
+        checkpoint_version=CHECKPOINT_VERSION,
+        anyspeed_layout=layout_signature(),
+        has_optimizer=optimizer is not None,
+        distributed_optimizer=optimizer is not None and _is_distributed(optimizer),
+        **extra,
+    )
+    if optimizer is not None:
+        sharding = optimizer_sharding(optimizer)
+        state["optimizer_sharding"] = sharding
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_metadata(sharding))
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(state, tmp)
+    rng_dir = os.path.join(tmp, "anyspeed_rng")
+    os.makedirs(rng_dir, exist_ok=True)
+    torch.save(_rng_state(), os.path.join(rng_dir, f"{_rank_key()}.pt"))
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final):  # saving the same iteration again: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = os.path.join(root, LATEST + ".tmp")
+        with open(latest_tmp, "w") as fh:
+            fh.write(str(iteration))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(latest_tmp, os.path.join(root, LATEST))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(
+    root: str,
+    model: list[torch.nn.Module],
+    optimizer: Any | None,
+    scheduler: Any | None,
+    *,
+    finetune: bool = False,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> dict[str, Any]:
+    """Load the checkpoint ``latest`` names into model (and optimizer, scheduler, RNG).
+
+    Returns the checkpoint's common state (iteration, consumed samples, ...) with
+    ``iteration`` 0 for ``finetune`` or a ``release`` checkpoint (weights only).
+    """
+    from megatron.core import dist_checkpointing
+
+    it = read_latest(root)
+    if it is None:
+        raise ValueError(f"--load {root!r}: no {LATEST} (not a checkpoint directory)")
+    path = iteration_dir(root, it)
+    if not os.path.isdir(path):
+        raise ValueError(f"--load {root!r}: {LATEST} names {it} but {path} is missing")
+    common = dist_checkpointing.load_common_state_dict(path)
+    weights_only = finetune or it == "release"
+    state: dict[str, Any] = model_state(model)
+    has_optim = common.get("has_optimizer")
+    if has_optim is None:  # a checkpoint not written by anyspeed (e.g. Megatron-LM's)
+        has_optim = "optimizer" in _sharded_keys(path)
+    want_optim = optimizer is not None and load_optim and not weights_only and has_optim
+    saved_distopt = common.get("distributed_optimizer")
+    if want_optim and saved_distopt is not None and saved_distopt != _is_distributed(optimizer):
+        raise ValueError(
+            f"--load {root!r}: the checkpoint's optimizer state was saved "
+            f"{'with' if saved_distopt else 'without'} --use-distributed-optimizer; resume "
+            "with the same setting, or pass --no-load-optim to start the optimizer afresh"
+        )
+    sharding = common.get("optimizer_sharding", "fully_reshardable")
+    if want_optim and sharding == "dp_reshardable":
+        saved = common.get("anyspeed_layout", {})
+        now = layout_signature()
+        if any(saved.get(k) != now[k] for k in ("tp", "pp", "cp")):
+            raise ValueError(
+                f"--load {root!r}: its distributed-optimizer state was saved with several "
+                "gradient buckets and reloads only at the same TP/PP/CP sizes "
+                f"({saved}); resume at that layout, or pass --no-load-optim"
+            )
+    if want_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=True, metadata=_metadata(sharding)
+        )
+    loaded = dist_checkpointing.load(state, path)
+    _load_model_entries(model, loaded)
+    if want_optim:
+        with torch.no_grad():  # the state is copied into views of the parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # fp32 master copies follow the loaded weights
+    if scheduler is not None and not weights_only and load_optim:
+        if "opt_param_scheduler" in common:
+            scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_rng and not weights_only:
+        same = common.get("anyspeed_layout") == layout_signature()
+        rng_file = os.path.join(path, "anyspeed_rng", f"{_rank_key()}.pt")
+        if same and os.path.isfile(rng_file):
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+    out = dict(common)
+    if weights_only:
+        out["iteration"] = 0
+        out["consumed_train_samples"] = 0
+    return out
+
+
+def _is_distributed(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(o, DistributedOptimizer) for o in parts)
+
+
+def _sharded_keys(path: str) -> set[str]:
+    """Top-level names of what a checkpoint holds (``optimizer`` present or not)."""
+    from megatron.core import dist_checkpointing
+
+    keys = set()
+    for key in dist_checkpointing.load_tensors_metadata(path):
+        keys.add("optimizer" if key.startswith("optimizer.") else key.split(".", 1)[0])
+    return keys
