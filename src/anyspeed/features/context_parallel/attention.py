@@ -52,4 +52,3 @@ class CPAttention(SDPAttention):
         else:
             out = ulysses_attention(q, k, v, self.softmax_scale, group, load_balanced=True)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
-

@@ -71,7 +71,8 @@ class ContextParallel(Feature):
             return __post_init__
 
         pm.register_wrap(
-            "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__", wrap,
+            "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__",
+            wrap,
             feature=self.name,
             reason="--context-parallel-algo selects Megatron's cp_comm_type (p2p = ring, "
             "a2a = Ulysses)",
