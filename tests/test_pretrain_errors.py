@@ -1,0 +1,89 @@
+"""``anyspeed pretrain`` refuses bad input with one line before any process group starts,
+and a diverging run stops on a NaN loss without touching the last good checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import pretrain_jobs
+from anyspeed.testing import DistributedError, run_distributed
+from anyspeed.training.pretrain import main
+from test_pretrain import base_args, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(str(tmp_path_factory.mktemp("data") / "c_text_document"), docs=60)
+
+
+def _error(capsys, argv: list[str]) -> str:
+    """Run the command in-process (no launcher); it must fail with exit 2 and one line."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("anyspeed pretrain: error: ")
+    return err
+
+
+def test_missing_data_files(capsys, tmp_path, corpus):
+    err = _error(capsys, base_args(str(tmp_path / "nothing"), 2))
+    assert "--data-path" in err and "nothing.bin does not exist" in err
+
+
+def test_prefix_with_extension(capsys, corpus):
+    err = _error(capsys, base_args(corpus + ".bin", 2))
+    assert "give the prefix without .bin/.idx" in err
+
+
+def test_not_an_indexed_dataset(capsys, tmp_path):
+    prefix = str(tmp_path / "junk")
+    for ext in (".bin", ".idx"):
+        open(prefix + ext, "wb").write(b"not a megatron index at all")
+    err = _error(capsys, base_args(prefix, 2))
+    assert "not a Megatron indexed dataset" in err
+
+
+def test_token_ids_beyond_vocabulary(capsys, corpus):
+    argv = base_args(corpus, 2)
+    argv[argv.index("--padded-vocab-size") + 1] = "256"  # the corpus holds ids up to 499
+    err = _error(capsys, argv)
+    assert "token id 499" in err and "vocabulary size 256" in err
+
+
+def test_global_batch_not_divisible(capsys, corpus):
+    argv = base_args(corpus, 2) + ["--nproc-per-node", "2"]
+    argv[argv.index("--global-batch-size") + 1] = "6"  # micro 2 x DP 2 = 4 does not divide 6
+    err = _error(capsys, argv)
+    assert "--global-batch-size 6 is not divisible by --micro-batch-size 2" in err
+
+
+def test_unsupported_flag(capsys, corpus):
+    err = _error(capsys, base_args(corpus, 2) + ["--fp8-format", "hybrid"])
+    assert "unsupported flag --fp8-format" in err
+
+
+def test_layout_that_cannot_shard(capsys, corpus):
+    argv = base_args(corpus, 2) + ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2",
+                                   "--num-attention-heads", "3"]  # fmt: skip
+    err = _error(capsys, argv)
+    assert "--num-attention-heads 3" in err or "attention heads" in err
+
+
+def test_unknown_preset(capsys, corpus):
+    err = _error(capsys, base_args(corpus, 2) + ["--model", "gpt-17"])
+    assert "unknown preset" in err and "qwen2.5-7b" in err
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus):
+    save = str(tmp_path / "ck")
+    argv = base_args(corpus, 6) + ["--save", save, "--save-interval", "2"]
+    with pytest.raises(DistributedError, match=r"loss is nan at iteration 3; stopping") as info:
+        run_distributed(pretrain_jobs.pretrain, 1, argv=argv, cli=argv, nan_at=3, timeout=240)
+    assert "last good checkpoint: iteration 2" in str(info.value)
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    (hist,) = run_distributed(pretrain_jobs.pretrain, 1, argv=argv, cli=argv + ["--load", save],
+                              timeout=240)  # fmt: skip
+    assert hist["iterations"] == [3, 4, 5, 6]  # the good checkpoint resumes
