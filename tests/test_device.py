@@ -180,3 +180,32 @@ def test_accelerator_backend_routes_to_its_own_module():
     assert mapper(torch.device("cuda", 0)) == torch.device("xpu", 0)
     assert mapper(3) == torch.device("xpu", 3)
     assert mapper("cpu") == "cpu"
+
+
+_META_CHECK = r"""
+import tempfile, torch, transformers
+import anyspeed.megatron_adaptor as adaptor
+adaptor.apply(argv=[])
+with torch.device("meta"):
+    assert torch.empty(3).device.type == "meta"
+    assert torch.nn.Linear(2, 2).weight.device.type == "meta"
+cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=4, rope_theta=500.0)
+d = tempfile.mkdtemp()
+transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+m = transformers.AutoModelForCausalLM.from_pretrained(d)
+inv = m.model.rotary_emb.inv_freq
+want = 1.0 / (500.0 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8))
+assert torch.allclose(inv, want), (inv, want)
+print("ok")
+"""
+
+
+def test_device_context_and_from_pretrained_survive_the_adaptor():
+    """``with torch.device('meta')`` and transformers' loading still work once patched."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _META_CHECK], capture_output=True, text=True,
+                         timeout=240)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

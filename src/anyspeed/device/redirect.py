@@ -203,6 +203,12 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
     map_device = _make_mapper(info)
     cpu = info.is_cpu
     why = "literal CUDA device arguments in Megatron must land on this device"
+    # ``with torch.device(...)`` recognises factories by identity through a cached set built on
+    # first use: build it now, from the original functions, or the wrappers below would make
+    # the context ignore them (meta-device init, transformers' from_pretrained).
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
 
     def fix_kwargs(kwargs: dict) -> dict:
         if "device" in kwargs:
