@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Main job: set up, then pretrain a tiny GPT through megatron.core on 2 CPU processes (TP=2,
-# sequence parallel), printing loss, tokens/s, TFLOP/s, MFU and memory. Extra flags pass through.
+# Main job: set up, then run the whole LLM workflow offline on 2 CPU processes: a corpus from the
+# Python standard library, a trained BPE tokenizer, preprocessing to .bin/.idx, and pretraining of
+# a small Qwen2.5-architecture model at TP=2 with a checkpoint and a generated sample.
+# Extra flags go to `anyspeed pretrain` (e.g. --bf16, --train-iters 800).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/anyspeed smoke --nproc-per-node 2 --tensor-model-parallel-size 2 \
-  --sequence-parallel --train-iters 40 "$@"
+exec .venv/bin/anyspeed demo --workdir "${ANYSPEED_DEMO_DIR:-anyspeed-demo}" "$@"

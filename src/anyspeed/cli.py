@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         print(
-            "\ncommands: pretrain [--nproc-per-node N] FLAGS... | preprocess ... | "
+            "\ncommands: demo | pretrain [--nproc-per-node N] FLAGS... | preprocess ... | "
             "train-tokenizer ... | convert ... | models | features [--json] [TRAINING FLAGS...] "
             "| smoke [--nproc-per-node N ...]"
         )
@@ -149,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from anyspeed.training.pretrain import main as pretrain_main
 
         return pretrain_main(rest)
+    if cmd == "demo":
+        from anyspeed.training.demo import main as demo_main
+
+        return demo_main(rest)
     if cmd == "convert":
         from anyspeed.convert.cli import main as convert_main
 
@@ -164,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return data_main([cmd, *rest])
     print(
-        f"anyspeed: error: unknown command {cmd!r} (try: pretrain, preprocess, train-tokenizer, "
-        "convert, models, features, smoke)",
+        f"anyspeed: error: unknown command {cmd!r} (try: demo, pretrain, preprocess, "
+        "train-tokenizer, convert, models, features, smoke)",
         file=sys.stderr,
     )
     return 2

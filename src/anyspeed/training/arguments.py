@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument(
+        "--metrics-file",
+        default=None,
+        help="append one JSON line per log interval (loss, lr, tokens/s, MFU, ...)",
+    )
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--no-progress-bar", action="store_true")
@@ -359,6 +364,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         _check_writable(args.save, "--save")
     if args.load and not os.path.isdir(args.load):
         raise UsageError(f"--load {args.load!r}: no such directory")
+    if args.metrics_file:
+        _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
     if args.tensorboard_dir:
         _check_writable(args.tensorboard_dir, "--tensorboard-dir")
         try:

@@ -9,6 +9,7 @@ saves that resume exactly, also under another TP/PP/DP layout. Launch it with to
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import subprocess
@@ -162,6 +163,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         consumed_valid = int(common.get("consumed_valid_samples", 0))
         _print0(f"anyspeed pretrain: loaded {args.load} at iteration {start_iter}")
     trainer.iteration = start_iter
+    if args.mock_data:  # mock datasets have nothing to cache; Megatron warns per split
+        import logging
+
+        logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     train_ds, valid_ds, test_ds = build_datasets(args)
     device = torch_device()
     train_iter = batches(train_ds, args, consumed, device)
@@ -215,6 +220,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         history["saved"].append(it)
         _print0(f" saved checkpoint {path} ({time.perf_counter() - t:.1f} s)")
 
+    metrics = None
+    if args.metrics_file and int(os.environ.get("RANK", "0")) == 0:
+        metrics = open(args.metrics_file, "a")
     progress = Progress(args.train_iters, start_iter, enabled=not args.no_progress_bar)
     interval_loss, interval_n, t0 = 0.0, 0, time.perf_counter()
     last_saved = start_iter if args.load and not args.finetune else None
@@ -258,6 +266,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 f"TFLOP/s: {tflops:.3f} | MFU: {100 * tflops * 1e12 / peak:.1f}% | "
                 f"peak mem: {mem:.2f} GiB/rank | {progress.tag(it)}"
             )
+            record = {"iteration": it, "lm_loss": interval_loss / interval_n, "lr": lr,
+                      "grad_norm": out["grad_norm"], "tokens_per_s": tps, "tflops": tflops,
+                      "mfu": tflops * 1e12 / peak, "peak_mem_gib": mem,
+                      "ms_per_iter": dt * 1000}  # fmt: skip
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
             tb.scalars({"lm-loss": interval_loss / interval_n, "learning-rate": lr,
                         "grad-norm": out["grad_norm"], "tokens-per-sec": tps,
                         "tflops": tflops, "mfu": tflops * 1e12 / peak,
@@ -285,6 +300,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.save and last_saved != it:
         save(it)
     tb.close()
+    if metrics is not None:
+        metrics.close()
     history["trainer"] = trainer
     history["peak_memory_bytes"] = peak_memory_bytes()
     return history
@@ -309,9 +326,19 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+def _quiet_known_notices() -> None:
+    """Megatron's notices that are expected on the portable path (no TE/apex) would repeat on
+    every rank; anyspeed's own log line says which kernels are in use."""
+    import warnings
+
+    for pattern in (r".*(Apex|Transformer Engine).* not installed", r"full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse, check (before any process group), launch or run, report."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_known_notices()
     if "-h" in argv or "--help" in argv:
         from anyspeed.training.arguments import build_parser
 
