@@ -12,8 +12,7 @@ def pretrain(cli: list[str], crash_on_save: int | None = None, nan_at: int | Non
     written but before it is renamed into place: a kill in the middle of a save.
     ``nan_at=N`` turns one weight into NaN just before iteration N (a diverging run).
     """
-    from anyspeed.training.arguments import check_args, parse_pretrain_args
-    from anyspeed.training.pretrain import train
+    from anyspeed.training.pretrain import prepare, train
 
     if crash_on_save is not None:
         from megatron.core import dist_checkpointing
@@ -42,8 +41,7 @@ def pretrain(cli: list[str], crash_on_save: int | None = None, nan_at: int | Non
             return real_step(self, *a, **kw)
 
         Trainer.step = poisoned_step
-    args = parse_pretrain_args(cli)
-    check_args(args, int(os.environ["WORLD_SIZE"]))
+    args, _ = prepare(cli)
     history = train(args)
     history.pop("trainer")
     return history

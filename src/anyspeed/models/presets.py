@@ -200,15 +200,20 @@ def apply_preset(argv: list[str]) -> list[str]:
         i += 1
     if name is None:
         raise ValueError("--model needs a preset name")
-    given = {a.split("=", 1)[0] for a in out if a.startswith("--")}
-    preset_args, j, kept = get_preset(name).megatron_args(), 0, []
-    while j < len(preset_args):
-        flag = preset_args[j]
-        has_value = j + 1 < len(preset_args) and not preset_args[j + 1].startswith("--")
+    return merge_flags(get_preset(name).megatron_args(), out)
+
+
+def merge_flags(defaults: list[str], argv: list[str]) -> list[str]:
+    """``defaults`` (flags with optional values) then ``argv``, dropping defaults ``argv`` sets."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    j, kept = 0, []
+    while j < len(defaults):
+        flag = defaults[j]
+        has_value = j + 1 < len(defaults) and not defaults[j + 1].startswith("--")
         if flag not in given:
-            kept += preset_args[j : j + (2 if has_value else 1)]
+            kept += defaults[j : j + (2 if has_value else 1)]
         j += 2 if has_value else 1
-    return kept + out
+    return kept + list(argv)
 
 
 # ------------------------------------------------------------------------------------------------

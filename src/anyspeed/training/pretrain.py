@@ -326,6 +326,28 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+def prepare(argv: list[str], where: str | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """Parse and check a command line (UsageError on any problem), before process groups.
+
+    ``--load <HF dir>`` brings the architecture and tokenizer flags from the directory and
+    converts its weights (once); the returned argv names the converted checkpoint. ``where``
+    is "launcher" when no launcher set WORLD_SIZE (the world is --nproc-per-node).
+    """
+    from anyspeed.training import hf_load
+
+    hf_dir = hf_load.hf_dir_of(argv)
+    if hf_dir:
+        argv = hf_load.expand(argv, hf_dir)
+    args = parse_pretrain_args(argv)
+    world = (args.nproc_per_node or 1) if where == "launcher" else int(os.environ["WORLD_SIZE"])
+    check_args(args, world)
+    if hf_dir:
+        args.load = hf_load.convert(argv, hf_dir)
+        argv = hf_load.set_flag(argv, "--load", args.load)
+        args._argv = argv
+    return args, argv
+
+
 def _quiet_known_notices() -> None:
     """Megatron's notices that are expected on the portable path (no TE/apex) would repeat on
     every rank; anyspeed's own log line says which kernels are in use."""
@@ -347,13 +369,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     under_launcher = "WORLD_SIZE" in os.environ
     try:
-        args = parse_pretrain_args(argv)
-        world = int(os.environ["WORLD_SIZE"]) if under_launcher else (args.nproc_per_node or 1)
-        check_args(args, world)
+        args, argv = prepare(argv, None if under_launcher else "launcher")
     except UsageError as exc:
         if rank == 0:
             print(f"anyspeed pretrain: error: {exc}", file=sys.stderr)
         return 2
+    world = int(os.environ.get("WORLD_SIZE", args.nproc_per_node or 1))
     if not under_launcher and world > 1:
         return _launch(args, argv)
     if not under_launcher:  # one process, no launcher: be rank 0 of a world of one

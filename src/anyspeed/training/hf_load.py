@@ -1,0 +1,112 @@
+"""``anyspeed pretrain --load <Hugging Face dir>``: continue training from HF weights.
+
+The architecture (and, when present, the tokenizer) comes from the directory; the weights are
+converted once with ``anyspeed convert`` into a Megatron ``torch_dist`` checkpoint (padded for
+this run's vocabulary rule), cached, and loaded as a ``release`` checkpoint: weights only,
+iteration 0. Conversion runs before any process group exists (it starts its own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from anyspeed.training.arguments import UsageError, padded_vocab_size
+
+
+def _flag(argv: list[str], name: str, default: str | None = None) -> str | None:
+    for i, tok in enumerate(argv):
+        if tok == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if tok.startswith(name + "="):
+            return tok.split("=", 1)[1]
+    return default
+
+
+def set_flag(argv: list[str], name: str, value: str) -> list[str]:
+    out = list(argv)
+    for i, tok in enumerate(out):
+        if tok == name and i + 1 < len(out):
+            out[i + 1] = value
+            return out
+        if tok.startswith(name + "="):
+            out[i] = f"{name}={value}"
+            return out
+    return out + [name, value]
+
+
+def hf_dir_of(argv: list[str]) -> str | None:
+    """The ``--load`` directory when it is a Hugging Face model directory, else None."""
+    load = _flag(argv, "--load")
+    if not load:
+        return None
+    from anyspeed.convert import is_hf_dir
+
+    return load if is_hf_dir(load) else None
+
+
+def expand(argv: list[str], hf_dir: str) -> list[str]:
+    """Architecture flags from the HF ``config.json`` (explicit flags win) and its tokenizer."""
+    from anyspeed.models.presets import merge_flags, preset_from_hf
+
+    try:
+        config = json.load(open(os.path.join(hf_dir, "config.json")))
+        preset = preset_from_hf(config)
+    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--load {hf_dir!r}: {exc}") from None
+    tp = int(_flag(argv, "--tensor-model-parallel-size", "1"))
+    divisible = int(_flag(argv, "--make-vocab-size-divisible-by", "128"))
+    flags = set_flag(preset.megatron_args(), "--padded-vocab-size",
+                      str(padded_vocab_size(preset.vocab_size, divisible, tp)))  # fmt: skip
+    has_tok = any(os.path.isfile(os.path.join(hf_dir, f))
+                  for f in ("tokenizer.json", "tokenizer_config.json"))  # fmt: skip
+    if has_tok and not _flag(argv, "--tokenizer-type"):
+        flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", hf_dir]
+    return merge_flags(flags, argv)
+
+
+def converted_dir(argv: list[str], hf_dir: str) -> str:
+    """Where the converted checkpoint for this run lives (under --save, else a temp dir)."""
+    st = os.stat(os.path.join(hf_dir, "config.json"))
+    key = "|".join([os.path.abspath(hf_dir), str(st.st_mtime_ns),
+                    _flag(argv, "--padded-vocab-size") or "", _dtype(argv)])  # fmt: skip
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    root = _flag(argv, "--save") or os.path.join(tempfile.gettempdir(), "anyspeed-hf")
+    return os.path.join(root, f"from-hf-{os.path.basename(os.path.abspath(hf_dir))}-{digest}")
+
+
+def _dtype(argv: list[str]) -> str:
+    return "bf16" if "--bf16" in argv else "fp16" if "--fp16" in argv else "fp32"
+
+
+def convert(argv: list[str], hf_dir: str, timeout: float = 3600.0) -> str:
+    """Convert (once; local rank 0 under a launcher, others wait) and return the directory."""
+    out = converted_dir(argv, hf_dir)
+    done = os.path.join(out, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(done):
+        return out
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        tp = _flag(argv, "--tensor-model-parallel-size", "1")
+        cmd = [sys.executable, "-m", "anyspeed.convert.cli", "--load-model-type", "hf",
+               "--save-model-type", "mg", "--load-dir", hf_dir, "--save-dir", out,
+               "--target-tensor-parallel-size", tp, "--make-vocab-size-divisible-by",
+               _flag(argv, "--make-vocab-size-divisible-by", "128"),
+               "--params-dtype", _dtype(argv)]  # fmt: skip
+        print(f"anyspeed pretrain: converting {hf_dir} -> {out}", flush=True)
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            msg = (res.stderr.strip().splitlines() or ["conversion failed"])[-1]
+            raise UsageError(f"--load {hf_dir!r}: {msg}")
+        return out
+    deadline = time.monotonic() + timeout
+    while not os.path.isfile(done):
+        if time.monotonic() > deadline:
+            raise UsageError(f"--load {hf_dir!r}: timed out waiting for local rank 0's conversion")
+        time.sleep(1.0)
+    return out
