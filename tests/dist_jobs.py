@@ -206,9 +206,8 @@ def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int) -> dict:
 
         ug, rg = hybrid_groups(2)
 
-        def shard(t):
-            ring_shard = split_load_balanced(t, 2, rank // 2, world // 2)
-            return ring_shard.chunk(2, dim=2)[rank % 2]
+        def shard(t):  # Megatron's load-balanced split over the whole CP group
+            return split_load_balanced(t, 2, rank, world)
 
         def fn(q_, k_, v_, scale_, _group):
             return hybrid_attention(q_, k_, v_, scale_, ug, rg)

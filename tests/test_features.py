@@ -155,6 +155,42 @@ def test_feature_flag_unavailable_on_this_device(argv, flag):
             "2",
             "--context-parallel-algo magic",
         ),
+        (
+            ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo"],
+            "4",
+            "hybrid_cp_algo needs --ulysses-degree-in-cp dividing --context-parallel-size 4",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "4",
+                "--context-parallel-algo",
+                "hybrid_cp_algo",
+                "--ulysses-degree-in-cp",
+                "3",
+            ],
+            "4",
+            "(got 3)",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "4",
+                "--context-parallel-algo",
+                "hybrid_cp_algo",
+                "--ulysses-degree-in-cp",
+                "4",
+                "--num-attention-heads",
+                "6",
+            ],
+            "4",
+            "--num-attention-heads 6 is not divisible by the Ulysses degree 4",
+        ),
+        (
+            ["--context-parallel-size", "2", "--ulysses-degree-in-cp", "2"],
+            "2",
+            "--ulysses-degree-in-cp applies to --context-parallel-algo hybrid_cp_algo only",
+        ),
     ],
 )
 def test_bad_layout_stops_before_process_groups(argv, world, needle):

@@ -81,7 +81,7 @@ def add_one_line(dst: Path) -> Path:
     return path
 
 
-def torchrun(script: Path, *args: str, timeout: int = 400) -> dict[int, float]:
+def torchrun(script: Path, *args: str, timeout: int = 400, nproc: int = 2) -> dict[int, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([MLM, os.environ.get("PYTHONPATH", "")]))
     cmd = [
         sys.executable,
@@ -89,7 +89,7 @@ def torchrun(script: Path, *args: str, timeout: int = 400) -> dict[int, float]:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         str(script),
         *COMMON,
         *args,
@@ -177,4 +177,17 @@ def test_pretrain_gpt_context_parallel_matches_data_parallel(script, algo):
     cp = torchrun(script, *model, "--context-parallel-size", "2", "--context-parallel-algo", algo)
     assert sorted(cp) == list(range(1, 6))
     for it in range(1, 6):
+        assert cp[it] == pytest.approx(dp[it], rel=1e-5), (it, cp, dp)
+
+
+def test_pretrain_gpt_hybrid_context_parallel_matches_data_parallel(script):
+    """hybrid_cp_algo (Ulysses 2 inside, ring 2 across) at CP=4 equals DP=4 in Megatron-LM."""
+    model = ["--train-iters", "3", "--position-embedding-type", "rope", "--swiglu",
+             "--normalization", "RMSNorm", "--no-create-attention-mask-in-dataloader",
+             "--hidden-dropout", "0", "--attention-dropout", "0"]  # fmt: skip
+    dp = torchrun(script, *model, nproc=4)
+    cp = torchrun(script, *model, "--context-parallel-size", "4", "--context-parallel-algo",
+                  "hybrid_cp_algo", "--ulysses-degree-in-cp", "2", nproc=4)  # fmt: skip
+    assert sorted(cp) == list(range(1, 4))
+    for it in range(1, 4):
         assert cp[it] == pytest.approx(dp[it], rel=1e-5), (it, cp, dp)

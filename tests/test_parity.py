@@ -61,8 +61,11 @@ LAYOUTS = {
     "cp2-ring": (2, dict(cp=2, cp_algo="p2p")),
     "cp2-ulysses": (2, dict(cp=2, cp_algo="a2a")),
     "tp2-cp2-ring": (4, dict(tp=2, cp=2, cp_algo="p2p")),
+    "cp4-hybrid-2x2": (4, dict(cp=4, cp_algo="a2a+p2p", ulysses_degree=2)),
+    "pp2-cp2-ulysses": (4, dict(pp=2, cp=2, cp_algo="a2a")),
+    "cp2-ring-dp2-distopt": (4, dict(cp=2, cp_algo="p2p", distributed_optimizer=True)),
 }
-CP_ALGO_FLAG = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo"}
+CP_ALGO_FLAG = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo", "a2a+p2p": "hybrid_cp_algo"}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -73,6 +76,8 @@ def test_layout_matches_single_process(reference, name):
     if layout.get("cp", 1) > 1:  # the level-2 context-parallel feature, as a user enables it
         argv = ["--context-parallel-size", str(layout["cp"]),
                 "--context-parallel-algo", CP_ALGO_FLAG[layout["cp_algo"]]]  # fmt: skip
+        if layout.get("ulysses_degree"):
+            argv += ["--ulysses-degree-in-cp", str(layout["ulysses_degree"])]
     results = run_distributed(jobs.train_steps, world, layout=layout, load=ckpt, argv=argv,
                               timeout=300)  # fmt: skip
     for rank_result in results:  # every rank reports the same, DP-averaged numbers

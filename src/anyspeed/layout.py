@@ -20,6 +20,7 @@ def check_layout(
     cp: int = 1,
     cp_algo: str = "p2p",
     seq_length: int | None = None,
+    ulysses_degree: int | None = None,
 ) -> None:
     """Raise ValueError (one line) when the layout cannot work on ``world_size`` processes."""
     if tp < 1 or pp < 1:
@@ -39,11 +40,18 @@ def check_layout(
                 f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size "
                 f"{cp} = {need}"
             )
-    if cp > 1 and cp_algo == "a2a" and num_attention_heads is not None:
-        if num_attention_heads % (tp * cp):
+    if cp > 1 and cp_algo == "a2a+p2p":
+        if not ulysses_degree or ulysses_degree < 1 or cp % ulysses_degree:
+            raise ValueError(
+                f"--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp dividing "
+                f"--context-parallel-size {cp} (got {ulysses_degree})"
+            )
+    degree = cp if cp_algo == "a2a" else (ulysses_degree or 1) if cp_algo == "a2a+p2p" else 1
+    if cp > 1 and degree > 1 and num_attention_heads is not None:
+        if num_attention_heads % (tp * degree):
             raise ValueError(
                 f"--num-attention-heads {num_attention_heads} is not divisible by the Ulysses "
-                f"degree {cp} x --tensor-model-parallel-size {tp}"
+                f"degree {degree} x --tensor-model-parallel-size {tp}"
             )
     if num_attention_heads is not None and num_attention_heads % tp:
         raise ValueError(

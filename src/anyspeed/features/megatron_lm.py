@@ -76,6 +76,7 @@ class MegatronLMArgs(Feature):
                 try:
                     adapt_megatron_args(args, device)
                     adaptor.apply(args)  # anyspeed's checks first: they name the flag
+                    _context_parallel_args(args)
                     out = validate_args(args, defaults or {})
                 except FeatureError as exc:
                     print(f"anyspeed: error: {exc}", file=sys.stderr, flush=True)
@@ -116,6 +117,21 @@ _CUDA_DEFAULTS = (
     ("apply_rope_fusion", "TE/apex RoPE kernel"),
     ("persist_layer_norm", "apex persistent LayerNorm kernel"),
 )
+
+
+def _context_parallel_args(args: argparse.Namespace) -> None:
+    """MindSpeed's CP flags in Megatron-LM's terms: cp_comm_type and, for hybrid, the
+    hierarchical CP sizes [Ulysses degree, ring size] that initialize_model_parallel reads."""
+    from anyspeed.features.context_parallel.feature import ALGO_TO_COMM
+
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    algo = getattr(args, "context_parallel_algo", None)
+    if cp <= 1 or algo not in ALGO_TO_COMM:
+        return
+    args.cp_comm_type = [ALGO_TO_COMM[algo]]
+    degree = getattr(args, "ulysses_degree_in_cp", None)
+    if algo == "hybrid_cp_algo" and degree:
+        args.hierarchical_context_parallel_sizes = [degree, cp // degree]
 
 
 def adapt_megatron_args(args: argparse.Namespace, device: DeviceInfo) -> None:

@@ -333,15 +333,16 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             )
         vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
-    algo = {"megatron_cp_algo": "p2p", "ulysses_cp_algo": "a2a"}.get(
-        getattr(args, "context_parallel_algo", "megatron_cp_algo"), "p2p"
-    )
+    from anyspeed.features.context_parallel.feature import ALGO_TO_COMM
+
+    algo = ALGO_TO_COMM.get(getattr(args, "context_parallel_algo", "megatron_cp_algo"), "p2p")
     try:
         check_layout(
             world_size=world_size, tp=tp, pp=pp, vpp=vpp, num_layers=args.num_layers,
             num_attention_heads=args.num_attention_heads,
             num_query_groups=args.num_query_groups, sequence_parallel=args.sequence_parallel,
             cp=cp, cp_algo=algo, seq_length=args.seq_length,
+            ulysses_degree=getattr(args, "ulysses_degree_in_cp", None),
         )  # fmt: skip
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -26,7 +26,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_algo: str = "p2p"  # Megatron's cp_comm_type: p2p = ring, a2a = Ulysses
+    cp_algo: str = "p2p"  # Megatron's cp_comm_type: p2p = ring, a2a = Ulysses, a2a+p2p = hybrid
+    ulysses_degree: int | None = None  # hybrid: ranks per Ulysses group
     vpp: int | None = None  # model chunks per pipeline stage (interleaved schedule)
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
@@ -50,6 +51,7 @@ class Layout:
             cp=self.cp,
             cp_algo=self.cp_algo,
             seq_length=spec.seq_length,
+            ulysses_degree=self.ulysses_degree,
         )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
@@ -133,6 +135,11 @@ def init_distributed(layout: Layout, seed: int) -> None:
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
+        hierarchical_context_parallel_sizes=(
+            [layout.ulysses_degree, layout.cp // layout.ulysses_degree]
+            if layout.cp > 1 and layout.cp_algo == "a2a+p2p" and layout.ulysses_degree
+            else None
+        ),
     )
     # Megatron-LM's seeding: every generator, offset per pipeline stage; the device generators
     # (and the tensor-parallel tracker) through Megatron. With CPU initialisation this makes the

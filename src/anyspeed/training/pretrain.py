@@ -53,14 +53,15 @@ def spec_layout_config(args: argparse.Namespace):
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
     )
-    algo = {"megatron_cp_algo": "p2p", "ulysses_cp_algo": "a2a"}.get(
-        getattr(args, "context_parallel_algo", "megatron_cp_algo"), "p2p"
-    )
+    from anyspeed.features.context_parallel.feature import ALGO_TO_COMM
+
+    algo = ALGO_TO_COMM.get(getattr(args, "context_parallel_algo", "megatron_cp_algo"), "p2p")
     layout = Layout(
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
         cp=getattr(args, "context_parallel_size", 1) or 1,
         cp_algo=algo,
+        ulysses_degree=getattr(args, "ulysses_degree_in_cp", None),
         vpp=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,

@@ -2,7 +2,8 @@
 
 Megatron's local ``DotProductAttention`` refuses ``context_parallel_size > 1`` (its CP lives in
 Transformer Engine). This subclass of anyspeed's SDPA core runs ring (``cp_comm_type='p2p'``,
-MindSpeed's ``megatron_cp_algo``) or Ulysses (``'a2a'``, ``ulysses_cp_algo``) attention over
+MindSpeed's ``megatron_cp_algo``), Ulysses (``'a2a'``, ``ulysses_cp_algo``) or hybrid
+(``'a2a+p2p'``, ``hybrid_cp_algo``, over Megatron's hierarchical CP groups) attention over
 Megatron's context-parallel group, on the load-balanced sequence shards that Megatron's
 ``get_batch_on_this_cp_rank`` produces (RoPE positions follow the same split in Megatron).
 """
@@ -13,11 +14,12 @@ import copy
 
 from megatron.core import parallel_state as ps
 
+from anyspeed.features.context_parallel.hybrid import hybrid_attention
 from anyspeed.features.context_parallel.ring import ring_attention
 from anyspeed.features.context_parallel.ulysses import ulysses_attention
 from anyspeed.features.ops.attention import SDPAttention
 
-ALGOS = {"p2p": "ring", "a2a": "ulysses"}
+ALGOS = {"p2p": "ring", "a2a": "ulysses", "a2a+p2p": "hybrid"}
 
 
 class CPAttention(SDPAttention):
@@ -49,6 +51,9 @@ class CPAttention(SDPAttention):
         group = ps.get_context_parallel_group()
         if self.cp_algo == "ring":
             out = ring_attention(q, k, v, self.softmax_scale, group)
+        elif self.cp_algo == "hybrid":
+            ulysses_group, ring_group = ps.get_hierarchical_context_parallel_groups()
+            out = hybrid_attention(q, k, v, self.softmax_scale, ulysses_group, ring_group)
         else:
             out = ulysses_attention(q, k, v, self.softmax_scale, group, load_balanced=True)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

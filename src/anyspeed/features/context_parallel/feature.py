@@ -1,8 +1,10 @@
 """Level-2 feature ``context-parallel``: CP attention for Megatron's local spec, any device.
 
-Flags as in MindSpeed: ``--context-parallel-size N`` (Megatron's own flag) and
-``--context-parallel-algo {megatron_cp_algo, ulysses_cp_algo}`` (ring / Ulysses; mapped to
-Megatron's ``cp_comm_type`` p2p / a2a). Switched on by a CP size above 1 at level 2.
+Flags as in MindSpeed: ``--context-parallel-size N`` (Megatron's own flag),
+``--context-parallel-algo {megatron_cp_algo, ulysses_cp_algo, hybrid_cp_algo}`` (ring /
+Ulysses / both; mapped to Megatron's ``cp_comm_type`` p2p / a2a / a2a+p2p) and
+``--ulysses-degree-in-cp U`` for hybrid (Megatron's hierarchical CP sizes [U, CP/U]).
+Switched on by a CP size above 1 at level 2.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ from anyspeed.device import DeviceInfo
 from anyspeed.features import Feature, FeatureError, flag_value, register_feature
 from anyspeed.patching import PatchManager
 
-ALGO_TO_COMM = {"megatron_cp_algo": "p2p", "ulysses_cp_algo": "a2a"}
+ALGO_TO_COMM = {"megatron_cp_algo": "p2p", "ulysses_cp_algo": "a2a", "hybrid_cp_algo": "a2a+p2p"}
+
+
+def ulysses_degree(args: argparse.Namespace) -> int | None:
+    """``--ulysses-degree-in-cp`` (hybrid's Ulysses group size), None when absent."""
+    value = flag_value(args, "--ulysses-degree-in-cp")
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        raise FeatureError(f"--ulysses-degree-in-cp expects an integer (got {value!r})") from None
 
 
 def cp_size(args: argparse.Namespace) -> int:
@@ -28,9 +39,9 @@ def cp_size(args: argparse.Namespace) -> int:
 class ContextParallel(Feature):
     name = "context-parallel"
     level = 2
-    flags = ("--context-parallel-size", "--context-parallel-algo")
-    description = ("ring / Ulysses context-parallel attention in pure PyTorch for the local "
-                   "spec (Megatron's own CP needs Transformer Engine)")  # fmt: skip
+    flags = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp")
+    description = ("ring / Ulysses / hybrid context-parallel attention in pure PyTorch for the "
+                   "local spec (Megatron's own CP needs Transformer Engine)")  # fmt: skip
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
         have = getattr(parser, "_option_string_actions", {})
@@ -38,7 +49,11 @@ class ContextParallel(Feature):
             parser.add_argument("--context-parallel-size", type=int, default=1)
         if "--context-parallel-algo" not in have:
             parser.add_argument("--context-parallel-algo", default="megatron_cp_algo",
-                                help="megatron_cp_algo (ring) or ulysses_cp_algo")  # fmt: skip
+                                help="megatron_cp_algo (ring), ulysses_cp_algo or "
+                                "hybrid_cp_algo (Ulysses inside, ring across)")  # fmt: skip
+        if "--ulysses-degree-in-cp" not in have:
+            parser.add_argument("--ulysses-degree-in-cp", type=int, default=None,
+                                help="hybrid_cp_algo: ranks per Ulysses group")  # fmt: skip
 
     def requested(self, args: argparse.Namespace) -> bool:
         return cp_size(args) > 1
@@ -47,8 +62,20 @@ class ContextParallel(Feature):
         algo = flag_value(args, "--context-parallel-algo") or "megatron_cp_algo"
         if algo not in ALGO_TO_COMM:
             raise FeatureError(
-                f"--context-parallel-algo {algo}: choose megatron_cp_algo (ring) or "
-                "ulysses_cp_algo (hybrid_cp_algo is available as an attention function only)"
+                f"--context-parallel-algo {algo}: choose megatron_cp_algo (ring), "
+                "ulysses_cp_algo or hybrid_cp_algo"
+            )
+        degree = ulysses_degree(args)
+        if algo == "hybrid_cp_algo" and self.requested(args):
+            cp = cp_size(args)
+            if degree is None or degree < 1 or cp % degree:
+                raise FeatureError(
+                    f"--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp "
+                    f"dividing --context-parallel-size {cp} (got {degree})"
+                )
+        elif degree is not None and algo != "hybrid_cp_algo":
+            raise FeatureError(
+                "--ulysses-degree-in-cp applies to --context-parallel-algo hybrid_cp_algo only"
             )
         super().validate(args, device)  # CP > 1 below level 2 is an error naming the flag
 
@@ -75,7 +102,7 @@ class ContextParallel(Feature):
             wrap,
             feature=self.name,
             reason="--context-parallel-algo selects Megatron's cp_comm_type (p2p = ring, "
-            "a2a = Ulysses)",
+            "a2a = Ulysses, a2a+p2p = hybrid)",
         )
         pm.register_replace(
             "megatron.core.transformer.dot_product_attention.DotProductAttention",

@@ -1,9 +1,8 @@
-"""Hybrid context parallelism: Ulysses inside groups of K ranks, ring attention across groups.
+"""Hybrid context parallelism: Ulysses inside groups of U ranks, ring attention across groups.
 
-The sequence is split load-balanced across the ring (2 x R chunks, see ``ring``), and each
-ring shard contiguously across its Ulysses group. The Ulysses all-to-all gives each rank its
-ring shard for 1/K of the heads; ring attention runs across the groups; a second all-to-all
-restores the sequence shards.
+MindSpeed's ``hybrid_cp_algo`` (``--ulysses-degree-in-cp U``), Megatron's ``a2a+p2p``. It runs on
+Megatron's own load-balanced sequence split and hierarchical CP groups, so the data path and
+the gradient reduction are Megatron's.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from anyspeed.features.context_parallel.ring import ring_attention
-from anyspeed.features.context_parallel.ulysses import _HeadsToSeq, _SeqToHeads
+from anyspeed.features.context_parallel.ulysses import _balanced_order, _HeadsToSeq, _SeqToHeads
 
 
 def hybrid_groups(ulysses_degree: int):
@@ -40,13 +39,23 @@ def hybrid_groups(ulysses_degree: int):
 
 
 def hybrid_attention(q, k, v, scale: float, ulysses_group, ring_group) -> torch.Tensor:
-    """Causal attention of hybrid shards q [b,h,s_local,d], k/v [b,hkv,s_local,d]."""
+    """Causal attention of hybrid shards q [b,h,s_local,d], k/v [b,hkv,s_local,d].
+
+    Shards are Megatron's load-balanced split over the whole context-parallel group (rank r of
+    CP = U x R holds chunks r and 2CP-1-r), with Ulysses groups of U consecutive ranks and ring
+    groups of stride U (Megatron's hierarchical CP groups). The Ulysses all-to-all of a group
+    gathers chunks that, put in order, form exactly the ring's load-balanced pair of "big"
+    chunks (g and 2R-1-g, U chunks each), so ring attention runs across groups unchanged.
+    """
     u = dist.get_world_size(ulysses_group)
     h, hkv = q.shape[1], k.shape[1]
     if h % u:
         raise ValueError(f"attention heads {h} are not divisible by the Ulysses degree {u}")
-    if hkv % u:
+    if hkv % u:  # too few K/V heads to split: replicate them to the query heads
         k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
     qh, kh, vh = (_SeqToHeads.apply(t, ulysses_group) for t in (q, k, v))
+    order = _balanced_order(u, qh.shape[2], qh.device)
+    qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))
     out = ring_attention(qh, kh, vh, scale, ring_group)
+    out = out.index_select(2, torch.argsort(order))
     return _HeadsToSeq.apply(out, ulysses_group)
