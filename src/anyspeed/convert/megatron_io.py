@@ -68,12 +68,20 @@ def checkpoint_format(it_dir: Path) -> str:
 
 
 def _torch_load(path: Path) -> dict[str, Any]:
-    """Tensors and plain containers only (``weights_only``), memory-mapped."""
+    """Tensors and plain containers only (``weights_only``), memory-mapped.
+
+    Strictly: the classes other libraries allow-list for ``weights_only`` (megatron.core adds
+    ``argparse.Namespace`` and more when imported) are set aside while reading.
+    """
+    allowed = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - one line naming the file
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConvertError(f"{path}: cannot be read with weights_only=True ({first})") from None
+    finally:
+        torch.serialization.add_safe_globals(allowed)
 
 
 def _legacy_ranks(it_dir: Path) -> dict[tuple[int, int], Path]:
