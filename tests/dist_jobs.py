@@ -174,11 +174,17 @@ def cross_entropy_parity(dtype: str) -> dict:
     }
 
 
-def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int) -> dict:
-    """Context-parallel attention (ring / ulysses) vs. single-device causal SDPA, fp32."""
+def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int, fused: bool = True) -> dict:
+    """Context-parallel attention (ring / ulysses / hybrid) vs. single-device causal SDPA, fp32.
+
+    ``fused=False`` runs the blockwise pieces in plain math instead of the CPU flash kernels.
+    """
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from anyspeed.features.context_parallel import attention_math
+
+    attention_math.FUSED = fused
     from anyspeed.features.context_parallel.ring import ring_attention, split_load_balanced
     from anyspeed.features.context_parallel.ulysses import ulysses_attention
 

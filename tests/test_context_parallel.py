@@ -1,7 +1,8 @@
 """Context-parallel attention (Ulysses, ring, hybrid) vs. single-device causal attention, fp32.
 
 Outputs and input gradients of every rank's shard must equal the single-device result within
-1e-5 max-abs, with and without GQA, at sequence lengths that exercise the load-balanced split.
+1e-5 max-abs, with and without GQA, at sequence lengths that exercise the load-balanced split,
+through the CPU flash kernels and through the plain-math fallback.
 """
 
 from __future__ import annotations
@@ -25,9 +26,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("algo,world,heads,kv_heads,seq", CASES)
-def test_cp_attention_matches_single_device(algo, world, heads, kv_heads, seq):
+# The blockwise pieces of ring / hybrid in plain math (the portable fallback) as well.
+CASES += [(a, w, h, kv, s, False) for a, w, h, kv, s in (("ring", 4, 4, 1, 48),
+                                                          ("hybrid", 4, 4, 4, 32))]  # fmt: skip
+CASES = [c if len(c) == 6 else (*c, True) for c in CASES]
+
+
+@pytest.mark.parametrize("algo,world,heads,kv_heads,seq,fused", CASES)
+def test_cp_attention_matches_single_device(algo, world, heads, kv_heads, seq, fused):
     res = run_distributed(dist_jobs.cp_attention_parity, world, algo=algo, heads=heads,
-                          kv_heads=kv_heads, seq=seq, timeout=120)  # fmt: skip
+                          kv_heads=kv_heads, seq=seq, fused=fused, timeout=120)  # fmt: skip
     for rank, diffs in enumerate(res):
         assert max(diffs.values()) <= 1e-5, (rank, diffs)

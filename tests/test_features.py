@@ -187,6 +187,11 @@ def test_feature_flag_unavailable_on_this_device(argv, flag):
             "--num-attention-heads 6 is not divisible by the Ulysses degree 4",
         ),
         (
+            ["--context-parallel-size", "2", "--cp-attention-mask-type", "general"],
+            "2",
+            "--cp-attention-mask-type general: anyspeed's context parallelism computes causal",
+        ),
+        (
             ["--context-parallel-size", "2", "--ulysses-degree-in-cp", "2"],
             "2",
             "--ulysses-degree-in-cp applies to --context-parallel-algo hybrid_cp_algo only",

@@ -60,7 +60,7 @@ LAYOUTS = {
     "tp2-sp-dp2-distopt": (4, dict(tp=2, sequence_parallel=True, distributed_optimizer=True)),
     "cp2-ring": (2, dict(cp=2, cp_algo="p2p")),
     "cp2-ulysses": (2, dict(cp=2, cp_algo="a2a")),
-    "tp2-cp2-ring": (4, dict(tp=2, cp=2, cp_algo="p2p")),
+    "tp2-sp-cp2-ring": (4, dict(tp=2, sequence_parallel=True, cp=2, cp_algo="p2p")),
     "cp4-hybrid-2x2": (4, dict(cp=4, cp_algo="a2a+p2p", ulysses_degree=2)),
     "pp2-cp2-ulysses": (4, dict(pp=2, cp=2, cp_algo="a2a")),
     "cp2-ring-dp2-distopt": (4, dict(cp=2, cp_algo="p2p", distributed_optimizer=True)),

@@ -196,3 +196,17 @@ def test_switching_optimizer_kind_needs_no_load_optim(setup, layout_runs):
     hist = run(2, base_args(prefix, 5) + ["--load", ck, "--use-distributed-optimizer",
                                           "--no-load-optim"])[0]  # fmt: skip
     assert hist["iterations"] == [4, 5]  # weights and data position still resume
+
+
+def test_fp16_dynamic_loss_scaling(setup):
+    """--fp16 starts at a loss scale that overflows: Megatron skips those updates and halves the
+    scale until the gradients fit, then trains (loss falls, stays finite)."""
+    _, prefix, init, ref = setup
+    argv = base_args(prefix, 10) + ["--fp16", "--initial-loss-scale", str(2.0**24),
+                                    "--hysteresis", "1", "--load", init, "--finetune"]  # fmt: skip
+    (hist,) = run(1, argv)
+    assert hist["skipped"], f"an initial scale of 2^24 must overflow fp16 gradients: {hist}"
+    assert hist["loss_scale"][-1] < 2.0**24
+    assert hist["iterations"][-1] not in hist["skipped"]
+    assert all(math.isfinite(x) for x in hist["loss"])
+    assert hist["loss"][-1] < hist["loss"][0]

@@ -181,7 +181,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_iter = args.global_batch_size * args.seq_length
     tb = TensorBoard(args.tensorboard_dir if int(os.environ.get("RANK", "0")) == 0 else None)
     history: dict[str, Any] = {"iterations": [], "loss": [], "grad_norm": [], "lr": [],
-                               "valid": [], "saved": []}  # fmt: skip
+                               "valid": [], "saved": [], "skipped": [],
+                               "loss_scale": []}  # fmt: skip
     _print0(
         f"anyspeed pretrain: {info.type} x{world} | TP={layout.tp} PP={layout.pp} "
         f"CP={layout.cp} DP={trainer.dp} VPP={layout.vpp or 1} SP={layout.sequence_parallel} "
@@ -248,6 +249,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         history["loss"].append(out["loss"])
         history["grad_norm"].append(out["grad_norm"])
         history["lr"].append(lr)
+        if not out["ok"]:  # fp16 overflow: Megatron skipped the update and lowered the scale
+            history["skipped"].append(it)
+        if args.fp16:
+            history["loss_scale"].append(float(trainer.optimizer.get_loss_scale()))
         interval_loss += out["loss"]
         interval_n += 1
         progress.update(it)
@@ -256,7 +261,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             tps = tokens_per_iter / dt
             tflops = tps * flops_tok / 1e12
             mem = peak_memory_bytes() / 2**30
-            scale = trainer.optimizer.get_loss_scale().item() if args.fp16 else None
+            scale = float(trainer.optimizer.get_loss_scale()) if args.fp16 else None
             progress.clear()
             _print0(
                 f" iteration {it:>7d}/{args.train_iters} | consumed samples {consumed:>9d} | "
@@ -268,6 +273,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 f"peak mem: {mem:.2f} GiB/rank | {progress.tag(it)}"
             )
             record = {"iteration": it, "lm_loss": interval_loss / interval_n, "lr": lr,
+                      "skipped": len(history["skipped"]),
                       "grad_norm": out["grad_norm"], "tokens_per_s": tps, "tflops": tflops,
                       "mfu": tflops * 1e12 / peak, "peak_mem_gib": mem,
                       "ms_per_iter": dt * 1000}  # fmt: skip

@@ -2,12 +2,25 @@
 
 ``partial_attention`` returns a block's output and its row log-sum-exp so partial results over
 different key blocks can be merged exactly; ``block_grads`` is the matching backward given the
-final (merged) log-sum-exp. Plain fp32 math: portable to every device.
+final (merged) output and log-sum-exp. On the CPU both run through PyTorch's fused flash
+kernels, which return (and accept) the log-sum-exp; elsewhere, or with ``FUSED = False``, plain
+fp32 math that works on every device. The tests check both against single-device attention.
 """
 
 from __future__ import annotations
 
 import torch
+
+FUSED = True  # use the device's fused flash kernels where they expose the log-sum-exp
+_aten = torch.ops.aten
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return (
+        FUSED
+        and q.device.type == "cpu"
+        and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+    )
 
 
 def _scores(q, k, scale, causal):
@@ -28,6 +41,11 @@ def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 def partial_attention(q, k, v, scale: float, causal: bool):
     """(out [b,h,sq,d] fp32, lse [b,h,sq] fp32) of q against one key block."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    if _fused(q):
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k.to(q.dtype), v.to(q.dtype), 0.0, causal, scale=scale
+        )
+        return out.float(), lse.float()
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -49,6 +67,12 @@ def block_grads(q, k, v, do, out, lse, scale: float, causal: bool):
     """(dq, dk, dv) contributions of one key block, given the merged output and lse."""
     hkv = k.shape[1]
     ke, ve = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    if _fused(q):
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.to(q.dtype), q, ke.to(q.dtype), ve.to(q.dtype), out.to(q.dtype), lse.float(),
+            0.0, causal, scale=scale,
+        )  # fmt: skip
+        return _fold_gqa(dq.float(), dk.float(), dv.float(), hkv)
     s = _scores(q, ke, scale, causal)
     p = torch.exp(s - lse.unsqueeze(-1))
     dof = do.float()
@@ -58,8 +82,13 @@ def block_grads(q, k, v, do, out, lse, scale: float, causal: bool):
     ds = p * (dp - delta) * scale
     dq = torch.matmul(ds, ke.float())
     dk = torch.matmul(ds.transpose(-1, -2), q.float())
-    if hkv != q.shape[1]:  # fold the query heads of each group back onto their K/V head
+    return _fold_gqa(dq, dk, dv, hkv)
+
+
+def _fold_gqa(dq, dk, dv, hkv: int):
+    """Sum the K/V gradients of each group's query heads back onto their K/V head."""
+    if hkv != dq.shape[1]:
         b, h, sk, d = dk.shape
-        dk = dk.view(b, hkv, h // hkv, sk, d).sum(2)
-        dv = dv.view(b, hkv, h // hkv, sk, d).sum(2)
+        dk = dk.reshape(b, hkv, h // hkv, sk, d).sum(2)
+        dv = dv.reshape(b, hkv, h // hkv, sk, d).sum(2)
     return dq, dk, dv

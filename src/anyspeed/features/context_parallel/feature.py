@@ -39,7 +39,8 @@ def cp_size(args: argparse.Namespace) -> int:
 class ContextParallel(Feature):
     name = "context-parallel"
     level = 2
-    flags = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp")
+    flags = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp",
+             "--cp-attention-mask-type", "--use-cp-send-recv-overlap")  # fmt: skip
     description = ("ring / Ulysses / hybrid context-parallel attention in pure PyTorch for the "
                    "local spec (Megatron's own CP needs Transformer Engine)")  # fmt: skip
 
@@ -51,6 +52,13 @@ class ContextParallel(Feature):
             parser.add_argument("--context-parallel-algo", default="megatron_cp_algo",
                                 help="megatron_cp_algo (ring), ulysses_cp_algo or "
                                 "hybrid_cp_algo (Ulysses inside, ring across)")  # fmt: skip
+        if "--cp-attention-mask-type" not in have:
+            parser.add_argument("--cp-attention-mask-type", "--attention-mask-type",
+                                dest="cp_attention_mask_type", default="causal",
+                                help="causal (the only kind anyspeed's CP computes)")  # fmt: skip
+        if "--use-cp-send-recv-overlap" not in have:
+            parser.add_argument("--use-cp-send-recv-overlap", action="store_true",
+                                help="accepted: the ring always overlaps send/receive")  # fmt: skip
         if "--ulysses-degree-in-cp" not in have:
             parser.add_argument("--ulysses-degree-in-cp", type=int, default=None,
                                 help="hybrid_cp_algo: ranks per Ulysses group")  # fmt: skip
@@ -64,6 +72,14 @@ class ContextParallel(Feature):
             raise FeatureError(
                 f"--context-parallel-algo {algo}: choose megatron_cp_algo (ring), "
                 "ulysses_cp_algo or hybrid_cp_algo"
+            )
+        mask = flag_value(args, "--cp-attention-mask-type") or flag_value(
+            args, "--attention-mask-type"
+        )
+        if mask not in (None, "causal"):
+            raise FeatureError(
+                f"--cp-attention-mask-type {mask}: anyspeed's context parallelism computes causal "
+                "attention only (MindSpeed's 'general' masks are not supported); use causal"
             )
         degree = ulysses_degree(args)
         if algo == "hybrid_cp_algo" and self.requested(args):

@@ -88,23 +88,31 @@ class _RingAttention(torch.autograd.Function):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         c = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32)
-        travel = [k, v, torch.zeros(k.shape, dtype=torch.float32),
-                  torch.zeros(v.shape, dtype=torch.float32)]  # fmt: skip
+        kv = (k, v)
+        acc = [torch.zeros(k.shape, dtype=torch.float32), torch.zeros(v.shape, dtype=torch.float32)]
         for i in range(world):
+            # K/V for the next block travel while this block computes; the gradient
+            # accumulators follow their K/V once this block's share is added. After the last
+            # block, one more hop brings each accumulator home to its owner.
+            kv_reqs = None
+            if i + 1 < world:
+                nxt_kv, kv_reqs = _ring_pass(kv, group)
             src = (rank - i) % world
             qs, ks, causal = _step_plan(rank, src, c)
-            kb, vb, dkb, dvb = travel
-            gq, gk, gv = block_grads(q[:, :, qs], kb[:, :, ks], vb[:, :, ks], grad[:, :, qs],
-                                     out[:, :, qs], lse[:, :, qs], scale, causal)  # fmt: skip
+            gq, gk, gv = block_grads(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                     grad[:, :, qs], out[:, :, qs], lse[:, :, qs], scale,
+                                     causal)  # fmt: skip
             dq[:, :, qs] += gq
-            dkb[:, :, ks] += gk
-            dvb[:, :, ks] += gv
-            # Pass K/V with their gradient accumulators on; after the last block, one more
-            # hop brings each accumulator home to its owner.
-            travel, reqs = _ring_pass(travel, group)
+            acc[0][:, :, ks] += gk
+            acc[1][:, :, ks] += gv
+            acc, reqs = _ring_pass(acc, group)
             for r in reqs:
                 r.wait()
-        _, _, dk, dv = travel
+            if kv_reqs is not None:
+                for r in kv_reqs:
+                    r.wait()
+                kv = tuple(nxt_kv)
+        dk, dv = acc
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
