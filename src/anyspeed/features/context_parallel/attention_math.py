@@ -3,8 +3,9 @@
 ``partial_attention`` returns a block's output and its row log-sum-exp so partial results over
 different key blocks can be merged exactly; ``block_grads`` is the matching backward given the
 final (merged) output and log-sum-exp. On the CPU both run through PyTorch's fused flash
-kernels, which return (and accept) the log-sum-exp; elsewhere, or with ``FUSED = False``, plain
-fp32 math that works on every device. The tests check both against single-device attention.
+kernels and on CUDA through its memory-efficient kernels (in fp32), which return (and accept) the
+log-sum-exp; elsewhere, or with ``FUSED = False``, plain fp32 math that works on every device.
+The tests check the fused and the plain path against single-device attention.
 """
 
 from __future__ import annotations
@@ -15,12 +16,23 @@ FUSED = True  # use the device's fused flash kernels where they expose the log-s
 _aten = torch.ops.aten
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return (
-        FUSED
-        and q.device.type == "cpu"
-        and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
-    )
+def _fused(q: torch.Tensor) -> str | None:
+    """Which fused kernel family serves ``q``'s device: "cpu" (flash), "cuda" (memory-efficient,
+    which takes fp32 too), or None for the plain-math path."""
+    if not FUSED:
+        return None
+    if q.device.type == "cpu" and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return "cpu"
+    if q.device.type == "cuda" and hasattr(
+        _aten, "_scaled_dot_product_efficient_attention_backward"
+    ):
+        return "cuda"
+    return None
+
+
+def _lse_len(sq: int) -> int:
+    """Rows of the log-sum-exp the CUDA memory-efficient kernel keeps (padded to 32)."""
+    return (sq + 31) // 32 * 32
 
 
 def _scores(q, k, scale, causal):
@@ -41,11 +53,17 @@ def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 def partial_attention(q, k, v, scale: float, causal: bool):
     """(out [b,h,sq,d] fp32, lse [b,h,sq] fp32) of q against one key block."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    if _fused(q):
+    kind = _fused(q)
+    if kind == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k.to(q.dtype), v.to(q.dtype), 0.0, causal, scale=scale
         )
         return out.float(), lse.float()
+    if kind == "cuda":  # in fp32: the bf16/fp16 backward gave NaNs with a supplied lse (H200)
+        out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+            q.float(), k.float(), v.float(), None, True, 0.0, causal, scale=scale
+        )
+        return out, lse[..., : q.shape[2]].float()
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -67,10 +85,22 @@ def block_grads(q, k, v, do, out, lse, scale: float, causal: bool):
     """(dq, dk, dv) contributions of one key block, given the merged output and lse."""
     hkv = k.shape[1]
     ke, ve = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    if _fused(q):
+    kind = _fused(q)
+    if kind == "cpu":
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.to(q.dtype), q, ke.to(q.dtype), ve.to(q.dtype), out.to(q.dtype), lse.float(),
             0.0, causal, scale=scale,
+        )  # fmt: skip
+        return _fold_gqa(dq.float(), dk.float(), dv.float(), hkv)
+    if kind == "cuda":
+        b, h, sq, _ = q.shape
+        lse_k = torch.zeros(b, h, _lse_len(sq), dtype=torch.float32, device=q.device)
+        lse_k[..., :sq] = lse
+        no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            do.float().contiguous(), q.float(), ke.float(), ve.float(), None,
+            out.float().contiguous(), lse_k, no_rng, no_rng, 0.0, [True, True, True, False],
+            causal, scale=scale,
         )  # fmt: skip
         return _fold_gqa(dq.float(), dk.float(), dv.float(), hkv)
     s = _scores(q, ke, scale, causal)
