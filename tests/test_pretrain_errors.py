@@ -87,3 +87,17 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus):
     (hist,) = run_distributed(pretrain_jobs.pretrain, 1, argv=argv, cli=argv + ["--load", save],
                               timeout=240)  # fmt: skip
     assert hist["iterations"] == [3, 4, 5, 6]  # the good checkpoint resumes
+
+
+def test_load_of_an_empty_directory_starts_from_scratch(tmp_path, corpus):
+    """As in Megatron-LM, --load DIR --save DIR on the first run trains from scratch."""
+    ck = str(tmp_path / "ck")
+    argv = base_args(corpus, 2) + ["--load", ck, "--save", ck]
+    (hist,) = run_distributed(pretrain_jobs.pretrain, 1, argv=argv, cli=argv, timeout=240)
+    assert hist["iterations"] == [1, 2]
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "2"
+
+
+def test_finetune_without_a_checkpoint(capsys, tmp_path, corpus):
+    err = _error(capsys, base_args(corpus, 2) + ["--load", str(tmp_path), "--finetune"])
+    assert "--finetune needs a checkpoint" in err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 from anyspeed.models.presets import apply_preset
@@ -363,8 +364,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError("--save-interval needs --save DIR")
     if args.save:
         _check_writable(args.save, "--save")
-    if args.load and not os.path.isdir(args.load):
-        raise UsageError(f"--load {args.load!r}: no such directory")
+    if args.load:
+        _check_load(args)
     if args.metrics_file:
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
     if args.tensorboard_dir:
@@ -377,6 +378,30 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             ) from None
     _check_tokenizer_and_vocab(args)
     _check_data(args)
+
+
+def _check_load(args: argparse.Namespace) -> None:
+    """Megatron-LM's rule: a --load directory with no checkpoint yet (scripts pass --load and
+    --save the same directory from the first run on) starts from scratch, with a warning."""
+    from anyspeed.convert import is_hf_dir
+    from anyspeed.training.checkpointing import LATEST, read_latest
+
+    if is_hf_dir(args.load):
+        return  # a Hugging Face directory: converted by the caller
+    if os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise UsageError(f"--load {args.load!r}: not a directory")
+    try:
+        latest = read_latest(args.load) if os.path.isdir(args.load) else None
+    except ValueError as exc:
+        raise UsageError(f"--load: {exc}") from None
+    if latest is None:
+        if args.finetune:
+            raise UsageError(f"--finetune needs a checkpoint, but --load {args.load!r} has no "
+                             f"{LATEST}")  # fmt: skip
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"anyspeed pretrain: warning: --load {args.load!r} holds no checkpoint yet "
+                  f"(no {LATEST}); starting from scratch", file=sys.stderr)  # fmt: skip
+        args.load = None
 
 
 def _check_writable(path: str, flag: str) -> None:
