@@ -8,6 +8,7 @@ iteration 0. Conversion runs before any process group exists (it starts its own)
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -16,16 +17,13 @@ import sys
 import tempfile
 import time
 
+from anyspeed.features import flag_value
 from anyspeed.training.arguments import UsageError, padded_vocab_size
 
 
 def _flag(argv: list[str], name: str, default: str | None = None) -> str | None:
-    for i, tok in enumerate(argv):
-        if tok == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if tok.startswith(name + "="):
-            return tok.split("=", 1)[1]
-    return default
+    value = flag_value(argparse.Namespace(_argv=argv), name)
+    return default if value is None else value
 
 
 def set_flag(argv: list[str], name: str, value: str) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from anyspeed.features.context_parallel.ring import ring_attention
-from anyspeed.features.context_parallel.ulysses import _balanced_order, _HeadsToSeq, _SeqToHeads
+from anyspeed.features.context_parallel.ulysses import ulysses_around
 
 
 def hybrid_groups(ulysses_degree: int):
@@ -47,15 +47,7 @@ def hybrid_attention(q, k, v, scale: float, ulysses_group, ring_group) -> torch.
     gathers chunks that, put in order, form exactly the ring's load-balanced pair of "big"
     chunks (g and 2R-1-g, U chunks each), so ring attention runs across groups unchanged.
     """
-    u = dist.get_world_size(ulysses_group)
-    h, hkv = q.shape[1], k.shape[1]
-    if h % u:
-        raise ValueError(f"attention heads {h} are not divisible by the Ulysses degree {u}")
-    if hkv % u:  # too few K/V heads to split: replicate them to the query heads
-        k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
-    qh, kh, vh = (_SeqToHeads.apply(t, ulysses_group) for t in (q, k, v))
-    order = _balanced_order(u, qh.shape[2], qh.device)
-    qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))
-    out = ring_attention(qh, kh, vh, scale, ring_group)
-    out = out.index_select(2, torch.argsort(order))
-    return _HeadsToSeq.apply(out, ulysses_group)
+    return ulysses_around(
+        q, k, v, ulysses_group, lambda qh, kh, vh: ring_attention(qh, kh, vh, scale, ring_group),
+        load_balanced=True,
+    )  # fmt: skip

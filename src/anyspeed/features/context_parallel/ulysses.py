@@ -67,24 +67,39 @@ def _balanced_order(cp: int, s: int, device) -> torch.Tensor:
     return torch.cat([torch.arange(w * c, (w + 1) * c, device=device) for w in where])
 
 
+def ulysses_around(q, k, v, group, core, load_balanced: bool) -> torch.Tensor:
+    """Run ``core(qh, kh, vh)`` on head shards of the whole (group-gathered) sequence.
+
+    The all-to-all trades sequence shards q [b,h,s/u,d], k/v [b,hkv,s/u,d] for head shards
+    and back; K/V are replicated when they have fewer heads than the degree. With
+    ``load_balanced`` the shards are Megatron's two-chunk split: the gathered sequence is put
+    in order for ``core`` and back after.
+    """
+    u = dist.get_world_size(group)
+    h, hkv = q.shape[1], k.shape[1]
+    if h % u:
+        raise ValueError(f"attention heads {h} are not divisible by the Ulysses degree {u}")
+    if hkv % u:  # too few K/V heads to split: replicate them to the query heads
+        k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
+    qh, kh, vh = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    order = _balanced_order(u, qh.shape[2], qh.device) if load_balanced else None
+    if order is not None:
+        qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))
+    out = core(qh, kh, vh)
+    if order is not None:
+        out = out.index_select(2, torch.argsort(order))
+    return _HeadsToSeq.apply(out, group)
+
+
 def ulysses_attention(q, k, v, scale: float, group, load_balanced: bool = False) -> torch.Tensor:
     """Causal attention of sequence shards q [b,h,s/cp,d], k/v [b,hkv,s/cp,d].
 
     Shards are contiguous, or (``load_balanced``) Megatron's two-chunk split used with ring
-    attention: the gathered sequence is then put in order for the causal mask and back after.
+    attention.
     """
-    cp = dist.get_world_size(group)
-    h, hkv = q.shape[1], k.shape[1]
-    if h % cp:
-        raise ValueError(f"attention heads {h} are not divisible by the Ulysses degree {cp}")
-    if hkv % cp:  # too few K/V heads to split: replicate them to the query heads
-        k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
-    qh, kh, vh = (_SeqToHeads.apply(t, group) for t in (q, k, v))
-    order = _balanced_order(cp, qh.shape[2], qh.device) if load_balanced else None
-    if order is not None:
-        qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                         enable_gqa=qh.shape[1] != kh.shape[1])  # fmt: skip
-    if order is not None:
-        out = out.index_select(2, torch.argsort(order))
-    return _HeadsToSeq.apply(out, group)
+
+    def core(qh, kh, vh):
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                              enable_gqa=qh.shape[1] != kh.shape[1])  # fmt: skip
+
+    return ulysses_around(q, k, v, group, core, load_balanced)
