@@ -3,9 +3,13 @@
 Run: ``python benchmarks/convert.py [--preset qwen2.5-1.5b] [--layers N] [--dir DIR]``. A random
 bf16 model with the preset's shapes is written as an HF directory (one safetensors file, as the
 published Qwen2.5-1.5B is), then converted HF -> Megatron (torch_dist and legacy, target TP2)
-and each back to HF. Every conversion runs in its own process; its peak RSS is the process's
-``ru_maxrss`` (Megatron's checkpoint-writer helpers are reported separately). Goal (issue 5):
-peak RSS <= 1.5 x the largest safetensors shard + one layer, time <= 2 x copying the bytes.
+and each back to HF. Every conversion runs in its own process; "convert s" times the conversion
+after the process has imported torch and Megatron ("process s" is the whole command), and its
+peak RSS is the process's ``VmHWM`` (helper processes, if any, are reported separately). This
+machine's disk is shared and its speed swings 2-3x from minute to minute, so each direction is
+run ``--repeat`` times, each next to a fresh copy of the same bytes, and medians are compared.
+Goal (issue 5): peak RSS <= 1.5 x the largest safetensors shard + one layer, time <= 2 x copying
+the bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +49,7 @@ def watch():  # Megatron's checkpoint-writer processes, sampled
 
 if __name__ == "__main__":
     threading.Thread(target=watch, daemon=True).start()
+    import megatron.core, anyspeed.megatron_adaptor  # start-up cost, timed in process_s only
     t = time.perf_counter()
     rc = main(sys.argv[1:])
     wall = time.perf_counter() - t
@@ -99,6 +106,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
     ap.add_argument("--hf-shard-size", default="5GB")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per direction (median)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="anyspeed-convert-bench-"))
@@ -107,46 +115,62 @@ def main() -> None:
     files = sorted(hf.glob("*.safetensors"))
     total = sum(f.stat().st_size for f in files)
     largest = max(f.stat().st_size for f in files)
-    t = time.perf_counter()
-    (root / "copy").mkdir()
-    for f in files:
-        shutil.copyfile(f, root / "copy" / f.name)
-    copy_s = time.perf_counter() - t
-    shutil.rmtree(root / "copy")
+
+    def copy_s() -> float:
+        """A plain copy of the same safetensors bytes, measured next to each conversion."""
+        os.sync()  # every timed run starts with no dirty pages left by the one before
+        t = time.perf_counter()
+        (root / "copy").mkdir()
+        for f in files:
+            shutil.copyfile(f, root / "copy" / f.name)
+        dt = time.perf_counter() - t
+        shutil.rmtree(root / "copy")
+        return dt
+
     goal_rss = 1.5 * largest + info["layer_bytes"]
     tp = str(args.tp)
     steps = [
-        ("hf -> torch_dist", ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
-                              str(hf), "--save-dir", str(root / "dist"),
-                              "--target-tensor-parallel-size", tp]),
-        ("hf -> legacy TP" + tp, ["--load-model-type", "hf", "--save-model-type", "mg",
-                                  "--load-dir", str(hf), "--save-dir", str(root / "legacy"),
-                                  "--target-tensor-parallel-size", tp, "--ckpt-format", "legacy"]),
-        ("torch_dist -> hf", ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
-                              str(root / "dist"), "--save-dir", str(root / "hf_dist"),
-                              "--hf-cfg-dir", str(hf)]),
-        ("legacy -> hf", ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
-                          str(root / "legacy"), "--save-dir", str(root / "hf_legacy"),
-                          "--hf-cfg-dir", str(hf)]),
+        ("hf -> torch_dist", "dist", ["--load-model-type", "hf", "--save-model-type", "mg",
+                                      "--load-dir", str(hf), "--target-tensor-parallel-size", tp]),
+        ("hf -> legacy TP" + tp, "legacy", ["--load-model-type", "hf", "--save-model-type", "mg",
+                                            "--load-dir", str(hf), "--target-tensor-parallel-size",
+                                            tp, "--ckpt-format", "legacy"]),
+        ("torch_dist -> hf", "hf_dist", ["--load-model-type", "mg", "--save-model-type", "hf",
+                                         "--load-dir", str(root / "dist"), "--hf-cfg-dir",
+                                         str(hf)]),
+        ("legacy -> hf", "hf_legacy", ["--load-model-type", "mg", "--save-model-type", "hf",
+                                       "--load-dir", str(root / "legacy"), "--hf-cfg-dir",
+                                       str(hf)]),
     ]  # fmt: skip
     gb = 1e9
     print(f"model: {info['preset']} ({info['layers']} layers), bf16, {total / gb:.2f} GB in "
           f"{len(files)} file(s), largest {largest / gb:.2f} GB, one layer "
           f"{info['layer_bytes'] / gb:.3f} GB")  # fmt: skip
-    print(f"plain copy of the safetensors bytes: {copy_s:.2f}s ({total / gb / copy_s:.2f} GB/s)")
-    print(f"goal: peak RSS <= {goal_rss / gb:.2f} GB, time <= {2 * copy_s:.2f}s")
-    print(f"{'direction':<20} {'convert s':>9} {'process s':>9} {'x copy':>7} "
+    print(f"goal: peak RSS <= {goal_rss / gb:.2f} GB, convert time <= 2 x copy time; each "
+          f"direction run {args.repeat}x (median), each run next to its own copy")  # fmt: skip
+    print(f"{'direction':<20} {'convert s':>9} {'copy s':>7} {'x copy':>7} {'process s':>9} "
           f"{'peak RSS GB':>11} {'x goal':>6} {'helpers GB':>10}")  # fmt: skip
     rows = []
-    for label, argv in steps:
-        r = run(argv)
-        rows.append(dict(r, direction=label))
-        print(f"{label:<20} {r['wall_s']:>9.2f} {r['process_s']:>9.2f} "
-              f"{r['wall_s'] / copy_s:>7.2f} {r['rss'] / gb:>11.2f} "
-              f"{r['rss'] / goal_rss:>6.2f} {r['helpers_rss'] / gb:>10.2f}")  # fmt: skip
+    for label, out, argv in steps:
+        runs, copies = [], []
+        for _ in range(args.repeat):
+            shutil.rmtree(root / out, ignore_errors=True)
+            copies.append(copy_s())
+            os.sync()
+            runs.append(run([*argv, "--save-dir", str(root / out)]))
+        r = dict(runs[0], wall_s=statistics.median(x["wall_s"] for x in runs),
+                 process_s=statistics.median(x["process_s"] for x in runs),
+                 rss=max(x["rss"] for x in runs), copy_s=statistics.median(copies),
+                 helpers_rss=max(x["helpers_rss"] for x in runs), direction=label,
+                 all_wall_s=[x["wall_s"] for x in runs], all_copy_s=copies)  # fmt: skip
+        rows.append(r)
+        print(f"{label:<20} {r['wall_s']:>9.2f} {r['copy_s']:>7.2f} "
+              f"{r['wall_s'] / r['copy_s']:>7.2f} {r['process_s']:>9.2f} {r['rss'] / gb:>11.2f} "
+              f"{r['rss'] / goal_rss:>6.2f} {r['helpers_rss'] / gb:>10.2f}",
+              flush=True)  # fmt: skip
     same = _same(hf, root / "hf_dist") and _same(hf, root / "hf_legacy")
     print(f"round trips bit-identical: {same}")
-    print(json.dumps({"model": info, "bytes": total, "copy_s": copy_s, "rows": rows}))
+    print(json.dumps({"model": info, "bytes": total, "rows": rows}))
     if not args.dir:
         shutil.rmtree(root)
 

@@ -51,6 +51,22 @@ def _build(ckpt: str, tp: int, pp: int):
     return model
 
 
+def _resave(model, source: str, out: str) -> None:
+    """Save ``model`` with Megatron's default ``dist_checkpointing.save`` under ``out``."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from anyspeed.convert.megatron_io import read_common
+
+    release = Path(out) / "release"
+    if dist.get_rank() == 0:
+        release.mkdir(parents=True)
+        (Path(out) / "latest_checkpointed_iteration.txt").write_text("release")
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(), **read_common(source)},
+                            str(release))  # fmt: skip
+
+
 def _logits(model, tokens):
     from anyspeed.training.engine import Trainer
 
@@ -76,6 +92,8 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens) -> dict[str,
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, release)
         model.load_state_dict(state["model"])
         res = {"dist": _logits(model, tokens)}
+        if case.get("resave"):  # Megatron's own writer, chunks split by this layout
+            _resave(model, case["torch_dist"], case["resave"])
         if case.get("legacy"):
             r, s = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
             rank_dir = f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else "")

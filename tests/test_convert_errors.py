@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -104,6 +106,31 @@ def test_pickled_objects_are_refused_and_failures_leave_no_output(hf, tmp_path):
            tmp_path / "out")  # fmt: skip
     rank1.write_bytes(rank1.read_bytes()[:1000])  # truncated: fails mid-conversion
     _fails(megatron_to_hf, "mp_rank_01", tmp_path / "out", legacy, tmp_path / "out")
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_torch_dist_metadata_is_never_unpickled_blindly(hf, tmp_path):
+    """``.metadata`` of a torch_dist checkpoint is a pickle: only the checkpoint-metadata
+    classes are allowed, so a crafted one is refused before any of its code runs."""
+    from anyspeed.convert.megatron_io import read_common
+
+    legacy = hf_to_megatron(hf, tmp_path / "legacy", ckpt_format="legacy")
+    ckpt = tmp_path / "dist"
+    (ckpt / "release").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("release")
+    (ckpt / "release" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    torch.save(read_common(legacy), ckpt / "release" / "common.pt")
+    marker = tmp_path / "code-ran"
+    (ckpt / "release" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    _fails(megatron_to_hf, "refusing to unpickle", tmp_path / "out", ckpt, tmp_path / "out")
+    assert not marker.exists()
 
 
 def test_hf_cfg_dir_of_another_model(hf, tmp_path):

@@ -33,6 +33,7 @@ from anyspeed.convert.megatron_io import (
     save_legacy,
     save_torch_dist,
 )
+from anyspeed.convert.pipeline import prefetch
 from anyspeed.layout import check_layout
 from anyspeed.models.presets import HF_ARCHITECTURES, ModelPreset, preset_from_hf
 
@@ -255,6 +256,7 @@ def megatron_to_hf(
         )
     else:
         groups = read_legacy(it_dir)
+    groups = prefetch(groups)  # read group N+1 while group N is written
     with staged_output(save_dir) as tmp:
         writer = ShardedWriter(tmp, list(want.items()), max_shard_size)
         seen, dtypes = set(), set()

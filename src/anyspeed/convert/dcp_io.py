@@ -1,0 +1,271 @@
+"""Streaming reads and writes of Megatron's ``torch_dist`` format (PyTorch Distributed Checkpoint).
+
+Megatron's ``dist_checkpointing.save`` needs every tensor of the state dict in memory at once, and
+its load plans and validates per call. A conversion knows the tensors one group (embedding, layer,
+head) at a time, so:
+
+* :class:`StreamingSaveStrategy` is a ``torch_dist`` save strategy for ``dist_checkpointing.save``
+  (which still writes ``metadata.json`` and ``common.pt`` and validates the sharding): the state
+  dict's tensors are uninitialised placeholders, and each one's real data is produced only when
+  the writer reaches it, in group order, and dropped once written. The files, ``.metadata`` and
+  key layout are what Megatron's own strategy writes, so Megatron loads them at any layout.
+* :class:`DcpReader` reads a region (a layer's slice of a layer-stacked key) straight from the
+  files, whatever layout wrote the chunks. ``.metadata`` is unpickled with an allow-list of the
+  checkpoint-metadata classes, and tensors with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import io
+import math
+import pickle
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anyspeed.convert.errors import ConvertError
+
+
+@contextlib.contextmanager
+def no_crc32() -> Iterator[None]:
+    """Skip the zip CRC-32 of ``torch.save`` (a third of its time); readers do not check it."""
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
+# ------------------------------------------------------------------------------------ writing
+class _Spans:
+    """Which named placeholder tensor a view's memory belongs to (by address)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        rows = sorted((t.data_ptr(), t.data_ptr() + t.nbytes, n) for n, t in tensors.items())
+        self.starts = [r[0] for r in rows]
+        self.rows = rows
+
+    def find(self, view: torch.Tensor) -> tuple[str, int]:
+        """(name, element offset of ``view`` inside that tensor)."""
+        ptr = view.data_ptr()
+        i = bisect.bisect_right(self.starts, ptr) - 1
+        if i < 0 or ptr >= self.rows[i][1]:
+            raise ConvertError("internal: a checkpoint tensor is not a view of a model tensor")
+        start, _, name = self.rows[i]
+        return name, (ptr - start) // view.element_size()
+
+
+def streaming_save_strategy(
+    placeholders: dict[str, torch.Tensor],
+    group_of: Callable[[str], int],
+    tensor_groups: Iterator[dict[str, torch.Tensor]],
+):
+    """A ``torch_dist`` save strategy writing ``tensor_groups`` (dicts name -> full tensor, in
+    group order ``0, 1, ...``) where the state dict holds views of ``placeholders``."""
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    spans = _Spans(placeholders)
+
+    class Planner(MCoreSavePlanner):
+        """Resolves a tensor item to the real data of its group, produced on first use."""
+
+        current: tuple[int, dict[str, torch.Tensor]] = (-1, {})
+
+        def source(self, item) -> tuple[str, torch.Tensor]:
+            view = self.lookup_object(item.index)
+            return spans.find(view)[0], view
+
+        def resolve_data(self, item):
+            if item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(item)
+            view = self.lookup_object(item.index)
+            name, offset = spans.find(view)
+            group = group_of(name)
+            while self.current[0] < group:
+                tensors = next(tensor_groups, None)
+                if tensors is None:
+                    raise ConvertError(f"internal: no source group for Megatron tensor {name}")
+                self.current = (self.current[0] + 1, tensors)
+            full = self.current[1].get(name)
+            if full is None:
+                raise ConvertError(f"internal: no source for Megatron tensor {name}")
+            want = tuple(placeholders[name].shape)
+            if tuple(full.shape) != want:
+                raise ConvertError(f"{name}: shape {tuple(full.shape)} does not match the "
+                                   f"model's {want}")  # fmt: skip
+            data = full.contiguous().as_strided(view.shape, view.stride(), offset)
+            return data if data.numel() == full.numel() else data.clone()
+
+    class Writer(FileSystemWriter):
+        """One file, tensors in group order, each produced just before it is written."""
+
+        def write_data(self, plan, planner: Planner) -> Future:
+            name = f"{plan.storage_data.prefix}0.distcp"
+            rows = [(0, -1, it) for it in plan.items if it.type == WriteItemType.BYTE_IO]
+            for it in plan.items:
+                if it.type != WriteItemType.BYTE_IO:
+                    src, view = planner.source(it)
+                    rows.append((1 + group_of(src), view.data_ptr(), it))
+            rows.sort(key=lambda r: r[:2])
+            results = []
+            with open(Path(self.path) / name, "wb") as f, no_crc32():
+                for _, _, it in rows:
+                    data = planner.resolve_data(it)
+                    start = f.tell()
+                    if it.type == WriteItemType.BYTE_IO:
+                        f.write(data.getbuffer())
+                    else:
+                        torch.save(data, f)
+                    length = f.tell() - start
+                    info = _StorageInfo(name, start, length)
+                    results.append(WriteResult(it.index, length, info))
+            fut: Future = Future()
+            fut.set_result(results)
+            return fut
+
+        def storage_meta(self) -> StorageMeta:
+            return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    class Strategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+            pyt = mcore_to_pyt_state_dict(sd, False)
+            dcp_save(
+                pyt,
+                storage_writer=Writer(checkpoint_dir, sync_files=False),
+                planner=Planner(flatten_state_dict=False),
+            )
+            if next(tensor_groups, None) is not None:
+                raise ConvertError("internal: converted tensors left over after the last group")
+
+    return Strategy("torch_dist", 1)
+
+
+# ------------------------------------------------------------------------------------ reading
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only checkpoint-metadata classes, torch.Size and dtypes: nothing that can run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+def weights_only_load(source, what: str, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)``, strictly: the classes other libraries allow-list for
+    it (megatron.core adds ``argparse.Namespace`` and more when imported) are set aside."""
+    allowed = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # noqa: BLE001 - one line naming the file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConvertError(f"{what}: cannot be read with weights_only=True ({first})") from None
+    finally:
+        torch.serialization.add_safe_globals(allowed)
+
+
+class DcpReader:
+    """Regions of the tensors of a ``torch_dist`` checkpoint directory, read from its files."""
+
+    def __init__(self, it_dir: str | Path) -> None:
+        self.dir = Path(it_dir)
+        path = self.dir / ".metadata"
+        if not path.is_file():
+            raise ConvertError(f"{self.dir}: no .metadata (not a complete torch_dist checkpoint)")
+        try:
+            with open(path, "rb") as f:
+                self.meta = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
+            raise ConvertError(f"{path}: unreadable checkpoint metadata ({exc})") from None
+        self.tensors = self.meta.state_dict_metadata
+        self.storage = self.meta.storage_data
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if key not in self.tensors or not hasattr(self.tensors[key], "chunks"):
+            raise ConvertError(f"{self.dir}: the checkpoint has no tensor {key}")
+        return tuple(self.tensors[key].size)
+
+    def _chunk(self, key: str, offsets) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.storage.get(MetadataIndex(key, offsets))
+        if info is None:
+            raise ConvertError(f"{self.dir}: no storage for {key} at {list(offsets)}")
+        if getattr(info, "transform_descriptors", None):
+            raise ConvertError(f"{self.dir}: {key} is stored transformed "
+                               f"({info.transform_descriptors}); not supported")  # fmt: skip
+        path = self.dir / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            buf = f.read(info.length)
+        if len(buf) != info.length:
+            raise ConvertError(f"{path}: truncated ({key})")
+        return weights_only_load(io.BytesIO(buf), f"{path} ({key})")
+
+    def read(self, key: str, offset: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+        """The region ``[offset, offset + size)`` of global tensor ``key``."""
+        md = self.tensors.get(key)
+        self.shape(key)
+        out = None
+        filled = 0
+        for ch in md.chunks:
+            lo = [max(o, c) for o, c in zip(offset, ch.offsets, strict=True)]
+            hi = [min(o + s, c + n) for o, s, c, n in zip(offset, size, ch.offsets, ch.sizes,
+                                                          strict=True)]  # fmt: skip
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            t = self._chunk(key, ch.offsets)
+            if tuple(t.shape) != tuple(ch.sizes):
+                raise ConvertError(
+                    f"{self.dir}: {key} chunk at {list(ch.offsets)} has shape "
+                    f"{list(t.shape)}, the metadata says {list(ch.sizes)}"
+                )
+            if tuple(ch.offsets) == tuple(offset) and tuple(ch.sizes) == tuple(size):
+                return t
+            if out is None:
+                out = torch.empty(size, dtype=md.properties.dtype)
+            src = t[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, ch.offsets, strict=True))]
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))] = src
+            filled += src.numel()
+        if out is None or filled != math.prod(size):
+            raise ConvertError(f"{self.dir}: {key} does not cover the region {list(offset)} + "
+                               f"{list(size)} (chunks missing or overlapping)")  # fmt: skip
+        return out
