@@ -230,3 +230,54 @@ def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int, fused: b
     for name, a, b in zip("qkv", local, full, strict=True):
         diffs["d" + name] = float((a.grad - shard(b.grad)).abs().max())
     return diffs
+
+
+def gloo_collectives(async_op: bool) -> dict:
+    """The gloo-collectives rewrites vs torch's own reduce-scatter / all-gather, on Megatron's
+    layout (this rank's shard is a view of the buffer) and on a layout they must not touch."""
+    import torch
+    import torch.distributed as dist
+
+    from anyspeed.features import gloo_collectives as gc
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    fell_back = []
+
+    def orig_rs(output, input, **kw):
+        fell_back.append("rs")
+        return dist.reduce_scatter_tensor(output, input, **kw)
+
+    def orig_ag(output, input, **kw):
+        fell_back.append("ag")
+        return dist.all_gather_into_tensor(output, input, **kw)
+
+    def done(work):
+        if async_op:
+            work.wait()
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 24 * world
+        # Integer values: every order of summation gives the same bits.
+        grads = torch.randint(-50, 50, (n,), generator=g).to(dtype)
+        ref = torch.empty(n // world, dtype=dtype)
+        dist.reduce_scatter_tensor(ref, grads.clone())
+        shard = grads.view(world, -1)[rank]
+        done(gc.reduce_scatter(shard, grads, async_op=async_op, _orig=orig_rs))
+        out[f"reduce_scatter {dtype}"] = torch.equal(shard, ref)
+
+        params = torch.randint(-50, 50, (n,), generator=g).to(dtype)  # stale elsewhere
+        mine = params.view(world, -1)[rank]
+        ref = torch.empty(n, dtype=dtype)
+        dist.all_gather_into_tensor(ref, mine.clone())
+        done(gc.all_gather(params, mine, async_op=async_op, _orig=orig_ag))
+        out[f"all_gather {dtype}"] = torch.equal(params, ref)
+    # Not this rank's slice of the buffer: torch's own collective runs.
+    buf = torch.ones(4 * world)
+    done(gc.reduce_scatter(torch.empty(4), buf, async_op=async_op, _orig=orig_rs))
+    done(gc.all_gather(torch.empty(4 * world), torch.ones(4), async_op=async_op, _orig=orig_ag))
+    out["fell_back"] = fell_back
+    dist.destroy_process_group()
+    return out

@@ -190,6 +190,7 @@ def _load_builtin_features() -> None:
     _loaded = True
     from anyspeed.features import (  # noqa: F401  (they register on import)
         device_compat,
+        gloo_collectives,
         kernels,
         layout_check,
         megatron_lm,
