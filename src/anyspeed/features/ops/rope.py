@@ -21,6 +21,23 @@ def _rotate(t: torch.Tensor, interleaved: bool, sign: float) -> torch.Tensor:
     return torch.cat((-sign * x2, sign * x1), dim=-1)
 
 
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 transpose: bool) -> None:  # fmt: skip
+    """``out = x * cos + R(x) * sin`` (``R`` = rotate_half, or its transpose), half by half
+    straight into ``out``: no cat and no rotated copy of ``x``."""
+    h = x.shape[-1] // 2
+    x1, x2, o1, o2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:]
+    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+    torch.mul(x1, c1, out=o1)
+    torch.mul(x2, c2, out=o2)
+    if transpose:  # R^T(y) = [y2; -y1]
+        o1.addcmul_(x2, s2)
+        o2.addcmul_(x1, s1, value=-1)
+    else:  # R(y) = [-y2; y1]
+        o1.addcmul_(x2, s1, value=-1)
+        o2.addcmul_(x1, s2)
+
+
 class _RoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -30,16 +47,27 @@ class _RoPE(torch.autograd.Function):
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
         head, tail = t[..., :rot], t[..., rot:]
-        out = head * cos + _rotate(head, interleaved, 1.0) * sin
-        return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
+        if interleaved:
+            out = head * cos + _rotate(head, interleaved, 1.0) * sin
+            return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        _rotate_into(out[..., :rot], head, cos, sin, transpose=False)
+        if tail.shape[-1]:
+            out[..., rot:] = tail
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
         rot = cos.shape[-1]
         g_head, g_tail = grad[..., :rot], grad[..., rot:]
-        g = g_head * cos + _rotate(g_head * sin, ctx.interleaved, -1.0)
-        out = torch.cat((g, g_tail), dim=-1) if g_tail.shape[-1] else g
+        if ctx.interleaved:
+            g = g_head * cos + _rotate(g_head * sin, ctx.interleaved, -1.0)
+            return (torch.cat((g, g_tail), dim=-1) if g_tail.shape[-1] else g), None, None
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        _rotate_into(out[..., :rot], g_head, cos, sin, transpose=True)
+        if g_tail.shape[-1]:
+            out[..., rot:] = g_tail
         return out, None, None
 
 
