@@ -108,6 +108,14 @@ def test_pickled_objects_are_refused_and_failures_leave_no_output(hf, tmp_path):
     _fails(megatron_to_hf, "mp_rank_01", tmp_path / "out", legacy, tmp_path / "out")
 
 
+def test_truncated_safetensors_shard(hf, tmp_path):
+    """The last shard cut short: one line naming it, mid-conversion, and no output left."""
+    shard = sorted(hf.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-64])
+    _fails(hf_to_megatron, f"{shard.name}: truncated", tmp_path / "out", hf, tmp_path / "out",
+           ckpt_format="legacy")  # fmt: skip
+
+
 class _RunsCode:
     def __init__(self, marker: Path) -> None:
         self.marker = marker

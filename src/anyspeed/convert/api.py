@@ -167,17 +167,17 @@ def hf_to_megatron(
     dtype = DTYPES[params_dtype] if params_dtype else ck.dtype("model.embed_tokens.weight")
 
     def read(name: str) -> torch.Tensor:
-        return ck.get(name).to(dtype)
+        return ck.get(name, mapped=True).to(dtype)
 
-    def group(g: engine.Group) -> dict[str, torch.Tensor]:
-        return engine.to_megatron(m, preset, g, read, padded)
+    def group(g: engine.Group, stacked: bool = False) -> dict[str, torch.Tensor]:
+        return engine.to_megatron(m, preset, g, read, padded, stacked)
 
     extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": preset.vocab_size}
     with staged_output(save_dir) as tmp:
         if ckpt_format == "torch_dist":
             common = common_state(mg_preset, 0, extra)
             save_torch_dist(
-                tmp, mg_preset, dtype, (group(g) for g in engine.groups(preset)), common
+                tmp, mg_preset, dtype, (group(g, True) for g in engine.groups(preset)), common
             )
         else:
             per = preset.num_layers // pp

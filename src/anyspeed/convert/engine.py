@@ -133,17 +133,42 @@ def hf_shapes(m: FamilyMapping, preset: ModelPreset) -> dict[str, tuple[int, ...
 
 
 # ----------------------------------------------------------------------------------- groups
+class Stacked:
+    """``torch.cat(parts)`` along dim 0, not yet materialised: a writer that stores the parts
+    as separate chunks (torch_dist keeps SwiGLU's gate and up apart) takes them as they are."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+        self.shape = torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+
+    def rows(self, start: int, stop: int) -> torch.Tensor | None:
+        """Rows ``[start, stop)`` when they lie inside one part (a view), else None."""
+        at = 0
+        for p in self.parts:
+            if at <= start and stop <= at + p.shape[0]:
+                return p[start - at : stop - at]
+            at += p.shape[0]
+        return None
+
+    def materialize(self) -> torch.Tensor:
+        return torch.cat(self.parts, dim=0)
+
+
 def to_megatron(
     m: FamilyMapping,
     preset: ModelPreset,
     group: Group,
     read: Callable[[str], torch.Tensor],
     vocab_rows: int,
-) -> dict[str, torch.Tensor]:
+    stacked: bool = False,
+) -> dict[str, torch.Tensor | Stacked]:
     """The Megatron tensors of ``group`` from HF tensors ``read(name)``; vocab padded with
-    zero rows to ``vocab_rows``."""
-    out = {}
+    zero rows to ``vocab_rows``. With ``stacked``, SwiGLU's [gate; up] is a :class:`Stacked`."""
+    out: dict[str, torch.Tensor | Stacked] = {}
     for mg, src in entries(m, preset, group).items():
+        if isinstance(src, Fused) and stacked and src.kind != "qkv":
+            out[mg] = Stacked([read(p) for p in src.parts])
+            continue
         if isinstance(src, Fused):
             t = _fuse(src, [read(p) for p in src.parts], preset)
         else:

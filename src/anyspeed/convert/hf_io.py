@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import shutil
 import struct
 from pathlib import Path
@@ -55,8 +56,8 @@ def _read_header(path: Path) -> tuple[int, dict]:
 
 
 class HFCheckpoint:
-    """Tensors of an HF directory's safetensors files, read one at a time straight into their
-    own memory (no memory map, so the page cache never counts as this process's memory)."""
+    """Tensors of an HF directory's safetensors files, one at a time: read into their own
+    memory, or mapped copy-on-write for the duration of the tensor (:meth:`get`)."""
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
@@ -102,14 +103,30 @@ class HFCheckpoint:
             raise ConvertError(f"{self.dir}: tensor {name} has unsupported dtype {code}")
         return _DTYPES[code]
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, mapped: bool = False) -> torch.Tensor:
+        """Tensor ``name``, read into its own memory, or with ``mapped`` a copy-on-write map of
+        the file's bytes: no copy and 16x fewer page faults (the kernel maps file pages in
+        runs), for tensors that are only read and written out. The map is released with the
+        tensor, so only tensors still alive count as this process's memory."""
         path, start, info = self._entry(name)
-        t = torch.empty(info["shape"], dtype=self.dtype(name))
+        dtype = self.dtype(name)
+        shape = info["shape"]
         begin, end = info["data_offsets"]
-        buf = _bytes(t)
-        if end - begin != len(buf):
+        need = math.prod(shape) * dtype.itemsize
+        if end - begin != need:
             raise ConvertError(f"{path}: tensor {name} holds {end - begin} bytes, its shape "
-                               f"needs {len(buf)}")  # fmt: skip
+                               f"needs {need}")  # fmt: skip
+        if mapped and need:
+            at = start + begin
+            if path.stat().st_size < at + need:
+                raise ConvertError(f"{path}: truncated (tensor {name})")
+            base = at - at % mmap.ALLOCATIONGRANULARITY
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), at + need - base, offset=base, access=mmap.ACCESS_COPY)
+            flat = torch.frombuffer(mm, dtype=torch.uint8, count=need, offset=at - base)
+            return flat.view(dtype).view(shape)
+        t = torch.empty(shape, dtype=dtype)
+        buf = _bytes(t)
         with open(path, "rb") as f:
             f.seek(start + begin)
             if len(buf) and f.readinto(buf) != len(buf):
