@@ -20,6 +20,7 @@ import bisect
 import contextlib
 import io
 import math
+import mmap
 import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -220,6 +221,40 @@ def weights_only_load(source, what: str, mmap: bool = False) -> Any:
         torch.serialization.add_safe_globals(allowed)
 
 
+class _MappedSlice(io.RawIOBase):
+    """A read-only file over ``mm[start:]``: ``torch.load`` fills each storage with one copy
+    (``readinto``) from the mapped page cache, with no intermediate bytes object."""
+
+    def __init__(self, mm: mmap.mmap, start: int) -> None:
+        super().__init__()
+        self.view = memoryview(mm)[start:]
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self.view) - self.pos))
+        memoryview(b).cast("B")[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        self.view.release()
+        super().close()
+
+
 class DcpReader:
     """Regions of the tensors of a ``torch_dist`` checkpoint directory, read from its files."""
 
@@ -251,12 +286,20 @@ class DcpReader:
             raise ConvertError(f"{self.dir}: {key} is stored transformed "
                                f"({info.transform_descriptors}); not supported")  # fmt: skip
         path = self.dir / info.relative_path
+        if not path.is_file() or path.stat().st_size < info.offset + info.length:
+            raise ConvertError(f"{path}: missing or truncated ({key})")
+        if not info.length:
+            raise ConvertError(f"{path}: empty record for {key}")
+        base = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
         with open(path, "rb") as f:
-            f.seek(info.offset)
-            buf = f.read(info.length)
-        if len(buf) != info.length:
-            raise ConvertError(f"{path}: truncated ({key})")
-        return weights_only_load(io.BytesIO(buf), f"{path} ({key})")
+            mm = mmap.mmap(f.fileno(), info.offset + info.length - base, offset=base,
+                           access=mmap.ACCESS_READ)  # fmt: skip
+        src = _MappedSlice(mm, info.offset - base)
+        try:  # torch.load reads the storage straight out of the map into the tensor
+            return weights_only_load(src, f"{path} ({key})")
+        finally:
+            src.close()
+            mm.close()
 
     def read(self, key: str, offset: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
         """The region ``[offset, offset + size)`` of global tensor ``key``."""

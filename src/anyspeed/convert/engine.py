@@ -82,7 +82,8 @@ def split_qkv(x: torch.Tensor, preset: ModelPreset) -> list[torch.Tensor]:
     ng, per, d = _qkv_dims(preset)
     rest = x.shape[1:]
     q, k, v = x.reshape(ng, (per + 2) * d, *rest).split([per * d, d, d], dim=1)
-    return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
+    # reshape copies a strided part (more than one group); one group's parts stay views.
+    return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
 def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelPreset) -> torch.Tensor:
@@ -92,7 +93,7 @@ def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelPreset) -> torch.T
 def _split(f: Fused, t: torch.Tensor, preset: ModelPreset) -> list[torch.Tensor]:
     if f.kind == "qkv":
         return split_qkv(t, preset)
-    return [c.clone() for c in t.chunk(2, dim=0)]
+    return list(t.chunk(2, dim=0))  # contiguous row ranges: the writers take views
 
 
 def megatron_shape(name: str, preset: ModelPreset, vocab_rows: int) -> tuple[int, ...]:
