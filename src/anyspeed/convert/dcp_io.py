@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from anyspeed.convert.engine import Stacked
+from anyspeed.convert.engine import Stacked, own_storage
 from anyspeed.convert.errors import ConvertError
 
 
@@ -46,15 +46,6 @@ def no_crc32() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------ writing
-def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor whose storage is exactly its own bytes (``torch.save`` writes a view's
-    whole storage): no copy when ``t`` is contiguous."""
-    if not t.is_contiguous() or t.numel() == 0:
-        return t.clone()
-    raw = t.reshape(-1).view(torch.uint8).numpy()
-    return torch.from_numpy(raw).view(t.dtype).view(t.shape)
-
-
 class _Spans:
     """Which named placeholder tensor a view's memory belongs to (by address)."""
 
@@ -128,11 +119,11 @@ def streaming_save_strategy(
                 if view.is_contiguous() and offset % row == 0 and view.numel() % row == 0:
                     part = full.rows(offset // row, (offset + view.numel()) // row)
                     if part is not None:
-                        return _own_storage(part.reshape(view.shape))
+                        return own_storage(part.reshape(view.shape))
                 full = full.materialize()
                 self.current[1][name] = full
             data = full.contiguous().as_strided(view.shape, view.stride(), offset)
-            return data if data.numel() == full.numel() else _own_storage(data)
+            return data if data.numel() == full.numel() else own_storage(data)
 
     class Writer(FileSystemWriter):
         """One file, tensors in group order, each produced just before it is written."""

@@ -208,15 +208,27 @@ def _rule(name: str) -> str:
     return "replicated"
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor whose storage is exactly its own bytes (``torch.save`` writes a view's
+    whole storage): no copy when ``t`` is contiguous."""
+    if not t.is_contiguous() or t.numel() == 0:
+        return t.clone()
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    return torch.from_numpy(raw).view(t.dtype).view(t.shape)
+
+
 def split_tp(name: str, t: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """The ``tp`` shards of Megatron tensor ``name`` (each its own storage, ready to save)."""
+    """The ``tp`` shards of Megatron tensor ``name``, each saveable on its own: a replicated
+    tensor is shared, dim-0 shards are zero-copy, the others are copies."""
     rule = _rule(name)
     if tp == 1 or rule == "replicated":
-        return [t.clone() for _ in range(tp)] if tp > 1 else [t]
+        return [own_storage(t)] * tp
     if rule == "swiglu":
         gate, up = (x.chunk(tp, dim=0) for x in t.chunk(2, dim=0))
         return [torch.cat([g, u]) for g, u in zip(gate, up, strict=True)]
-    return [c.clone() for c in t.chunk(tp, dim=0 if rule == "column" else 1)]
+    if rule == "column":
+        return [own_storage(c) for c in t.contiguous().chunk(tp, dim=0)]
+    return [c.clone() for c in t.chunk(tp, dim=1)]
 
 
 def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
