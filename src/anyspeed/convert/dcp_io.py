@@ -90,7 +90,9 @@ def streaming_save_strategy(
     class Planner(MCoreSavePlanner):
         """Resolves a tensor item to the real data of its group, produced on first use."""
 
-        current: tuple[int, dict[str, torch.Tensor]] = (-1, {})
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.current: tuple[int, dict] = (-1, {})  # (group index, its tensors)
 
         def source(self, item) -> tuple[str, torch.Tensor]:
             view = self.lookup_object(item.index)
@@ -123,7 +125,8 @@ def streaming_save_strategy(
                 full = full.materialize()
                 self.current[1][name] = full
             data = full.contiguous().as_strided(view.shape, view.stride(), offset)
-            return data if data.numel() == full.numel() else own_storage(data)
+            whole = data.untyped_storage().nbytes() == data.numel() * data.element_size()
+            return data if whole else own_storage(data)
 
     class Writer(FileSystemWriter):
         """One file, tensors in group order, each produced just before it is written."""
