@@ -169,7 +169,7 @@ def hf_to_megatron(
     def read(name: str) -> torch.Tensor:
         return ck.get(name, mapped=True).to(dtype)
 
-    def group(g: engine.Group, stacked: bool = False) -> dict[str, torch.Tensor]:
+    def group(g: engine.Group, stacked: bool = False) -> dict[str, torch.Tensor | engine.Stacked]:
         return engine.to_megatron(m, preset, g, read, padded, stacked)
 
     extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": preset.vocab_size}
@@ -182,15 +182,15 @@ def hf_to_megatron(
         else:
             per = preset.num_layers // pp
 
-            def stage(s: int) -> Iterator[dict[str, torch.Tensor]]:
+            def stage(s: int) -> Iterator[dict[str, torch.Tensor | engine.Stacked]]:
                 if s == 0:
-                    yield group(engine.EMBED)
+                    yield group(engine.EMBED, True)
                 for i in range(s * per, (s + 1) * per):
-                    yield group(i)
+                    yield group(i, True)
                 if s == pp - 1:
-                    yield group(engine.HEAD)
+                    yield group(engine.HEAD, True)
                     if preset.tie_embeddings and pp > 1:  # the last stage's copy of the tie
-                        emb = group(engine.EMBED)["embedding.word_embeddings.weight"]
+                        emb = group(engine.EMBED, True)["embedding.word_embeddings.weight"]
                         yield {"output_layer.weight": emb}
 
             save_legacy(tmp, mg_preset, tp, pp, stage, common_state(mg_preset, 1, extra))

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import io
 import math
-import mmap
 import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +28,7 @@ import torch
 
 from anyspeed.convert.engine import Stacked, own_storage
 from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.mapped import FileSink, load_torch_file, strict_weights_only
 
 
 @contextlib.contextmanager
@@ -140,7 +139,8 @@ def streaming_save_strategy(
                     rows.append((1 + group_of(src), view.data_ptr(), it))
             rows.sort(key=lambda r: r[:2])
             results = []
-            with open(Path(self.path) / name, "wb") as f, no_crc32():
+            # Mapped source bytes (most tensors are views of the input files) go file to file.
+            with FileSink(Path(self.path) / name) as f, no_crc32():
                 for _, _, it in rows:
                     data = planner.resolve_data(it)
                     start = f.tell()
@@ -204,49 +204,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 def weights_only_load(source, what: str, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)``, strictly: the classes other libraries allow-list for
     it (megatron.core adds ``argparse.Namespace`` and more when imported) are set aside."""
-    allowed = torch.serialization.get_safe_globals()
-    torch.serialization.clear_safe_globals()
-    try:
-        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as exc:  # noqa: BLE001 - one line naming the file
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConvertError(f"{what}: cannot be read with weights_only=True ({first})") from None
-    finally:
-        torch.serialization.add_safe_globals(allowed)
-
-
-class _MappedSlice(io.RawIOBase):
-    """A read-only file over ``mm[start:]``: ``torch.load`` fills each storage with one copy
-    (``readinto``) from the mapped page cache, with no intermediate bytes object."""
-
-    def __init__(self, mm: mmap.mmap, start: int) -> None:
-        super().__init__()
-        self.view = memoryview(mm)[start:]
-        self.pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self.view) - self.pos))
-        memoryview(b).cast("B")[:n] = self.view[self.pos : self.pos + n]
-        self.pos += n
-        return n
-
-    def close(self) -> None:
-        self.view.release()
-        super().close()
+    with strict_weights_only():
+        try:
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception as exc:  # noqa: BLE001 - one line naming the file
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConvertError(f"{what}: cannot be read with weights_only=True ({first})") from None
 
 
 class DcpReader:
@@ -284,23 +247,21 @@ class DcpReader:
             raise ConvertError(f"{path}: missing or truncated ({key})")
         if not info.length:
             raise ConvertError(f"{path}: empty record for {key}")
-        base = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), info.offset + info.length - base, offset=base,
-                           access=mmap.ACCESS_READ)  # fmt: skip
-        src = _MappedSlice(mm, info.offset - base)
-        try:  # torch.load reads the storage straight out of the map into the tensor
-            return weights_only_load(src, f"{path} ({key})")
-        finally:
-            src.close()
-            mm.close()
+        # The chunk's tensor is a view of the mapped file: nothing is copied until it is written.
+        return load_torch_file(path, info.offset, info.length, f"{path} ({key})")
 
-    def read(self, key: str, offset: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
-        """The region ``[offset, offset + size)`` of global tensor ``key``."""
+    def read(
+        self, key: str, offset: tuple[int, ...], size: tuple[int, ...], squeeze: int = 0
+    ) -> torch.Tensor | Stacked:
+        """The region ``[offset, offset + size)`` of global tensor ``key``, without its first
+        ``squeeze`` dims (each of size 1). The chunks' bytes stay mapped when the region is
+        one chunk or chunks stacked along its first remaining dim (a :class:`Stacked` then);
+        otherwise the region is assembled in memory."""
         md = self.tensors.get(key)
         self.shape(key)
-        out = None
-        filled = 0
+        if any(n != 1 for n in size[:squeeze]):
+            raise ConvertError(f"internal: cannot drop dims of size {list(size[:squeeze])}")
+        pieces = []  # (start along the stacking dim, view of the chunk, its bounds)
         for ch in md.chunks:
             lo = [max(o, c) for o, c in zip(offset, ch.offsets, strict=True)]
             hi = [min(o + s, c + n) for o, s, c, n in zip(offset, size, ch.offsets, ch.sizes,
@@ -308,19 +269,26 @@ class DcpReader:
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
             t = self._chunk(key, ch.offsets)
-            if tuple(t.shape) != tuple(ch.sizes):
+            if tuple(t.shape) != tuple(ch.sizes) or t.dtype != md.properties.dtype:
                 raise ConvertError(
-                    f"{self.dir}: {key} chunk at {list(ch.offsets)} has shape "
-                    f"{list(t.shape)}, the metadata says {list(ch.sizes)}"
+                    f"{self.dir}: {key} chunk at {list(ch.offsets)} is {t.dtype} "
+                    f"{list(t.shape)}, the metadata says {md.properties.dtype} {list(ch.sizes)}"
                 )
-            if tuple(ch.offsets) == tuple(offset) and tuple(ch.sizes) == tuple(size):
-                return t
-            if out is None:
-                out = torch.empty(size, dtype=md.properties.dtype)
-            src = t[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, ch.offsets, strict=True))]
-            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))] = src
-            filled += src.numel()
-        if out is None or filled != math.prod(size):
+            view = t[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, ch.offsets, strict=True))]
+            pieces.append((lo, hi, view))
+        if sum(v.numel() for _, _, v in pieces) != math.prod(size):
             raise ConvertError(f"{self.dir}: {key} does not cover the region {list(offset)} + "
                                f"{list(size)} (chunks missing or overlapping)")  # fmt: skip
-        return out
+        out_shape = tuple(size[squeeze:])
+        d = squeeze  # pieces that span the region but along dim d are rows of the result
+        ends = [o + s for o, s in zip(offset, size, strict=True)]
+        if all(lo[i] == offset[i] and hi[i] == ends[i] for lo, hi, _ in pieces
+               for i in range(len(size)) if i != d):  # fmt: skip
+            pieces.sort(key=lambda p: p[0][d])
+            if all(a[1][d] == b[0][d] for a, b in zip(pieces, pieces[1:], strict=False)):
+                views = [v.reshape(v.shape[squeeze:]) for _, _, v in pieces]
+                return views[0] if len(views) == 1 else Stacked(views)
+        out = torch.empty(size, dtype=md.properties.dtype)
+        for lo, hi, view in pieces:
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))] = view
+        return out.reshape(out_shape)

@@ -3,7 +3,7 @@
 The model is walked in *groups* — the embedding, each decoder layer, then the head (final norm
 and output layer) — so conversions stream one group at a time. Megatron tensors here carry the
 names and full (TP1/PP1) shapes of Megatron-Core's GPTModel (local spec) state dict;
-:func:`split_tp` / :func:`merge_tp` give the per-rank shards of Megatron-LM's tensor-parallel
+:func:`shard_tp` / :func:`merge_tp` give the per-rank shards of Megatron-LM's tensor-parallel
 layout (column-parallel on dim 0, row-parallel on dim 1, SwiGLU's fc1 as [gate_r; up_r]).
 """
 
@@ -78,22 +78,24 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preset: ModelPre
     return torch.cat(parts, dim=1).reshape(ng * (per + 2) * d, *rest)
 
 
-def split_qkv(x: torch.Tensor, preset: ModelPreset) -> list[torch.Tensor]:
-    ng, per, d = _qkv_dims(preset)
-    rest = x.shape[1:]
-    q, k, v = x.reshape(ng, (per + 2) * d, *rest).split([per * d, d, d], dim=1)
-    # reshape copies a strided part (more than one group); one group's parts stay views.
-    return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
-
-
 def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelPreset) -> torch.Tensor:
     return fuse_qkv(*tensors, preset) if f.kind == "qkv" else torch.cat(tensors, dim=0)
 
 
-def _split(f: Fused, t: torch.Tensor, preset: ModelPreset) -> list[torch.Tensor]:
-    if f.kind == "qkv":
-        return split_qkv(t, preset)
-    return list(t.chunk(2, dim=0))  # contiguous row ranges: the writers take views
+def _part_rows(f: Fused, rows: int, preset: ModelPreset) -> list[list[tuple[int, int]]]:
+    """The row ranges of a fused tensor that make up each of its parts, in order."""
+    if f.kind != "qkv":
+        return [[(0, rows // 2)], [(rows // 2, rows)]]
+    ng, per, d = _qkv_dims(preset)
+    step = (per + 2) * d
+    bounds = [(0, per * d), (per * d, (per + 1) * d), ((per + 1) * d, step)]
+    return [[(g * step + a, g * step + b) for g in range(ng)] for a, b in bounds]
+
+
+def _split(f: Fused, t: torch.Tensor | Stacked, preset: ModelPreset) -> list:
+    """The parts of fused ``t``, as row views (a :class:`Stacked` of them for a part made of
+    several query groups' rows): the writers take them without a copy."""
+    return [take_rows(t, ranges) for ranges in _part_rows(f, t.shape[0], preset)]
 
 
 def megatron_shape(name: str, preset: ModelPreset, vocab_rows: int) -> tuple[int, ...]:
@@ -136,11 +138,13 @@ def hf_shapes(m: FamilyMapping, preset: ModelPreset) -> dict[str, tuple[int, ...
 # ----------------------------------------------------------------------------------- groups
 class Stacked:
     """``torch.cat(parts)`` along dim 0, not yet materialised: a writer that stores the parts
-    as separate chunks (torch_dist keeps SwiGLU's gate and up apart) takes them as they are."""
+    as separate chunks (torch_dist keeps SwiGLU's gate and up apart) takes them as they are,
+    and the safetensors writer writes them one after another (mapped ones file to file)."""
 
     def __init__(self, parts: list[torch.Tensor]) -> None:
         self.parts = parts
         self.shape = torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+        self.dtype = parts[0].dtype
 
     def rows(self, start: int, stop: int) -> torch.Tensor | None:
         """Rows ``[start, stop)`` when they lie inside one part (a view), else None."""
@@ -155,6 +159,27 @@ class Stacked:
         return torch.cat(self.parts, dim=0)
 
 
+def materialize(t: torch.Tensor | Stacked) -> torch.Tensor:
+    """A real tensor for ``t`` (a copy only when it is a :class:`Stacked`)."""
+    return t.materialize() if isinstance(t, Stacked) else t
+
+
+def take_rows(t: torch.Tensor | Stacked, ranges: list[tuple[int, int]]) -> torch.Tensor | Stacked:
+    """Rows ``ranges`` of ``t`` one after another, as views: one tensor, or a :class:`Stacked`."""
+    parts: list[torch.Tensor] = []
+    for lo, hi in ranges:
+        if not isinstance(t, Stacked):
+            parts.append(t[lo:hi])
+            continue
+        at = 0
+        for p in t.parts:
+            a, b = max(lo, at), min(hi, at + p.shape[0])
+            if a < b:
+                parts.append(p[a - at : b - at])
+            at += p.shape[0]
+    return parts[0] if len(parts) == 1 else Stacked(parts)
+
+
 def to_megatron(
     m: FamilyMapping,
     preset: ModelPreset,
@@ -164,35 +189,47 @@ def to_megatron(
     stacked: bool = False,
 ) -> dict[str, torch.Tensor | Stacked]:
     """The Megatron tensors of ``group`` from HF tensors ``read(name)``; vocab padded with
-    zero rows to ``vocab_rows``. With ``stacked``, SwiGLU's [gate; up] is a :class:`Stacked`."""
+    zero rows to ``vocab_rows``. With ``stacked``, fused tensors (QKV in Megatron's
+    per-group order, SwiGLU's [gate; up]) and padded vocabularies are :class:`Stacked` views
+    of the HF tensors: nothing is copied until a writer needs it."""
     out: dict[str, torch.Tensor | Stacked] = {}
     for mg, src in entries(m, preset, group).items():
-        if isinstance(src, Fused) and stacked and src.kind != "qkv":
-            out[mg] = Stacked([read(p) for p in src.parts])
-            continue
         if isinstance(src, Fused):
-            t = _fuse(src, [read(p) for p in src.parts], preset)
+            parts = [read(p) for p in src.parts]
+            t = _fuse_lazy(src, parts, preset) if stacked else _fuse(src, parts, preset)
         else:
             t = read(src)
         if mg in VOCAB and t.shape[0] < vocab_rows:
-            t = torch.cat([t, t.new_zeros(vocab_rows - t.shape[0], *t.shape[1:])])
+            pad = t.new_zeros(vocab_rows - t.shape[0], *t.shape[1:])
+            t = Stacked([*getattr(t, "parts", [t]), pad]) if stacked else torch.cat([t, pad])
         out[mg] = t
     return out
+
+
+def _fuse_lazy(f: Fused, tensors: list[torch.Tensor], preset: ModelPreset) -> Stacked:
+    """:func:`_fuse` as row views: per query group its query rows, then its K and V rows."""
+    if f.kind != "qkv":
+        return Stacked(tensors)
+    ng, per, d = _qkv_dims(preset)
+    q, k, v = tensors
+    rows = [(q, per * d), (k, d), (v, d)]
+    return Stacked([t[g * n : (g + 1) * n] for g in range(ng) for t, n in rows])
 
 
 def to_hf(
     m: FamilyMapping,
     preset: ModelPreset,
     group: Group,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor | Stacked],
     vocab_size: int,
-) -> dict[str, torch.Tensor]:
-    """The HF tensors of ``group`` from its Megatron tensors; vocab rows cut to ``vocab_size``."""
+) -> dict[str, torch.Tensor | Stacked]:
+    """The HF tensors of ``group`` from its Megatron tensors; vocab rows cut to ``vocab_size``.
+    Parts of fused tensors are row views (:class:`Stacked` when made of several ranges)."""
     out = {}
     for mg, dst in entries(m, preset, group).items():
         t = tensors[mg]
         if mg in VOCAB:
-            t = t[:vocab_size]
+            t = take_rows(t, [(0, vocab_size)])
         if isinstance(dst, Fused):
             out.update(zip(dst.parts, _split(dst, t, preset), strict=True))
         else:
@@ -217,29 +254,32 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
 
 
-def split_tp(name: str, t: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """The ``tp`` shards of Megatron tensor ``name``, each saveable on its own: a replicated
-    tensor is shared, dim-0 shards are zero-copy, the others are copies."""
+def shard_tp(name: str, t: torch.Tensor | Stacked, tp: int, rank: int) -> torch.Tensor | Stacked:
+    """Rank ``rank``'s shard (of ``tp``) of Megatron tensor ``name``, as Megatron-LM shards it.
+    Dim-0 shards are row views; only a row-parallel (dim-1) shard is a copy."""
     rule = _rule(name)
     if tp == 1 or rule == "replicated":
-        return [own_storage(t)] * tp
-    if rule == "swiglu":
-        gate, up = (x.chunk(tp, dim=0) for x in t.chunk(2, dim=0))
-        return [torch.cat([g, u]) for g, u in zip(gate, up, strict=True)]
+        return t
+    n = t.shape[0]
     if rule == "column":
-        return [own_storage(c) for c in t.contiguous().chunk(tp, dim=0)]
-    return [c.clone() for c in t.chunk(tp, dim=1)]
+        return take_rows(t, [(rank * n // tp, (rank + 1) * n // tp)])
+    if rule == "swiglu":  # this rank's gate rows, then its up rows
+        half, f = n // 2, n // 2 // tp
+        return take_rows(t, [(rank * f, (rank + 1) * f), (half + rank * f, half + (rank + 1) * f)])
+    return materialize(t).chunk(tp, dim=1)[rank].contiguous()
 
 
-def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of :func:`split_tp`."""
+def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor | Stacked:
+    """Inverse of :func:`shard_tp` over all ranks; dim-0 merges stay a :class:`Stacked`."""
     rule = _rule(name)
     if len(parts) == 1 or rule == "replicated":
         return parts[0]
     if rule == "swiglu":
         halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    return torch.cat(parts, dim=0 if rule == "column" else 1)
+        return Stacked([h[0] for h in halves] + [h[1] for h in halves])
+    if rule == "column":
+        return Stacked(list(parts))
+    return torch.cat(parts, dim=1)
 
 
 def tp_divisible(preset: ModelPreset, tp: int) -> None:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import shutil
 import struct
 from pathlib import Path
 
 import torch
 
+from anyspeed.convert.engine import Stacked
 from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.mapped import FileSink, map_file
 
 INDEX = "model.safetensors.index.json"
 # Files of an HF directory that are weights (not copied along with the tokenizer/config).
@@ -120,11 +121,7 @@ class HFCheckpoint:
             at = start + begin
             if path.stat().st_size < at + need:
                 raise ConvertError(f"{path}: truncated (tensor {name})")
-            base = at - at % mmap.ALLOCATIONGRANULARITY
-            with open(path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), at + need - base, offset=base, access=mmap.ACCESS_COPY)
-            flat = torch.frombuffer(mm, dtype=torch.uint8, count=need, offset=at - base)
-            return flat.view(dtype).view(shape)
+            return map_file(path, at, need).view(dtype).view(shape)
         t = torch.empty(shape, dtype=dtype)
         buf = _bytes(t)
         with open(path, "rb") as f:
@@ -187,10 +184,10 @@ class ShardedWriter:
             worst["__metadata__"] = {"format": "pt"}
             self.reserve.append(8 + -(-(len(json.dumps(worst)) + 64) // 8) * 8)
 
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+    def add(self, tensors: dict[str, torch.Tensor | Stacked]) -> None:
         for name, t in tensors.items():
             if not self.files:
-                self._split(t.element_size())
+                self._split(t.dtype.itemsize)
             if name not in self.shard_of:
                 raise ConvertError(f"internal: tensor {name} is not in the output plan")
             idx = self.shard_of[name]
@@ -198,16 +195,15 @@ class ShardedWriter:
                 if idx < self.idx:
                     raise ConvertError(f"internal: tensor {name} arrived after its shard closed")
                 self._close_shard()
-                self.f = open(self.dir / self.files[idx], "wb")
+                self.f = FileSink(self.dir / self.files[idx])
                 self.f.seek(self.reserve[idx])
                 self.idx, self.offset, self.header = idx, 0, {}
-            data = _bytes(t.contiguous())
-            self.f.write(data)
-            end = self.offset + len(data)
+            # A lazy concatenation is written part by part; mapped bytes go file to file.
+            end = self.offset + self.f.write_tensor(t)
             self.header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
                                  "data_offsets": [self.offset, end]}  # fmt: skip
             self.offset = end
-            self.total += len(data)
+            self.total += end - self.header[name]["data_offsets"][0]
 
     def _close_shard(self) -> None:
         if self.f is None:

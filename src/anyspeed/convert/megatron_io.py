@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from anyspeed.convert.engine import EMBED, HEAD, Group, merge_tp, split_tp
+from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_tp
 from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.mapped import FileSink, load_torch_file
 from anyspeed.models.presets import ModelPreset
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -68,10 +69,15 @@ def checkpoint_format(it_dir: Path) -> str:
 
 
 def _torch_load(path: Path) -> dict[str, Any]:
-    """Tensors and plain containers only (``weights_only``), memory-mapped."""
+    """Tensors and plain containers only (``weights_only``), the tensors views of the mapped
+    file (a pre-1.6 non-zip file is read by ``torch.load`` itself)."""
     from anyspeed.convert.dcp_io import weights_only_load
 
-    return weights_only_load(path, str(path), mmap=True)
+    with open(path, "rb") as f:
+        is_zip = f.read(4) == b"PK\x03\x04"
+    if not is_zip:
+        return weights_only_load(path, str(path))
+    return load_torch_file(path, 0, path.stat().st_size, str(path))
 
 
 def _legacy_ranks(it_dir: Path) -> dict[tuple[int, int], Path]:
@@ -218,7 +224,7 @@ def read_torch_dist(
     preset: ModelPreset,
     group_names: Callable[[Group], list[str]],
     groups: list[Group],
-) -> Iterator[tuple[Group, dict[str, torch.Tensor]]]:
+) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
     """Full Megatron tensors, one group at a time, read straight from the checkpoint's files.
 
     Each tensor is one region of the checkpoint's global tensor (a layer's slice of the
@@ -238,8 +244,8 @@ def read_torch_dist(
             else:
                 if layer >= shape[0]:
                     raise ConvertError(f"{it_dir}: {key} has {shape[0]} layers, not {layer + 1}")
-                t = reader.read(key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
-                out[name] = t[0]
+                at = (layer,) + (0,) * (len(shape) - 1)
+                out[name] = reader.read(key, at, (1, *shape[1:]), squeeze=1)
         yield group, out
 
 
@@ -257,43 +263,63 @@ def save_legacy(
     preset: ModelPreset,
     tp: int,
     pp: int,
-    stage_groups: Callable[[int], Iterator[dict[str, torch.Tensor]]],
+    stage_groups: Callable[[int], Iterator[dict[str, torch.Tensor | Stacked]]],
     common: dict,
 ) -> None:
-    """Megatron-LM's ``iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt``: each group of a
-    stage is split into its TP shards as it arrives, so a stage is held once, not twice."""
+    """Megatron-LM's ``iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt``, one tensor at a time.
+
+    Each rank file is first written by ``torch.save`` with its tensors as untouched
+    placeholders and ``skip_data`` (the archive with room for every tensor), then each
+    tensor's shard is produced from ``stage_groups(stage)`` (lazy views of the source) and
+    written into its record: nothing of a stage is held, and mapped source bytes go file to
+    file. Rank files are written in parallel threads.
+    """
     from concurrent.futures import ThreadPoolExecutor
 
-    from anyspeed.convert.dcp_io import no_crc32
-
-    # No prefetch thread here: the stage accumulates, and tensors allocated in another thread's
-    # malloc arena raised the peak by 40% when measured.
     it_dir = out_dir / f"iter_{LEGACY_ITERATION:07d}"
     per_stage = preset.num_layers // pp
-    for s in range(pp):
-        ranks: list[dict[str, torch.Tensor | None]] = [{} for _ in range(tp)]
-        for tensors in stage_groups(s):
-            for name, t in tensors.items():
-                if mt := _LAYER.match(name):
-                    name = f"decoder.layers.{int(mt.group(1)) - s * per_stage}." + name[mt.end() :]
-                for r, shard in enumerate(split_tp(name, t, tp)):
-                    ranks[r][name] = shard
-            del tensors
-        extra = _extra_states(list(ranks[0]), s == pp - 1)
 
-        def save_rank(r: int, s: int = s, ranks: list = ranks, extra: dict = extra) -> None:
-            rank_dir = it_dir / (f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else ""))
-            rank_dir.mkdir(parents=True)
-            torch.save({"model": {**ranks[r], **extra}, **common}, rank_dir / "model_optim_rng.pt")
+    def local(name: str, s: int) -> str:
+        if mt := _LAYER.match(name):
+            return f"decoder.layers.{int(mt.group(1)) - s * per_stage}." + name[mt.end() :]
+        return name
 
-        # The rank files are written in parallel: torch.save releases the GIL while writing.
-        with no_crc32(), ThreadPoolExecutor(min(tp, 4)) as pool:
-            list(pool.map(save_rank, range(tp)))
-        del ranks
+    def save_rank(s: int, r: int) -> None:
+        shapes = {
+            local(n, s): (tuple(shard_tp(n, t, tp, r).shape), t.dtype)
+            for group in stage_groups(s)
+            for n, t in group.items()
+        }
+        model: dict[str, torch.Tensor | None] = {
+            n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in shapes.items()
+        }
+        model.update(_extra_states(list(shapes), s == pp - 1))
+        rank_dir = it_dir / (f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else ""))
+        rank_dir.mkdir(parents=True)
+        path = rank_dir / "model_optim_rng.pt"
+        with torch.serialization.skip_data():
+            torch.save({"model": model, **common}, path)
+        del model
+        records = torch._C.PyTorchFileReader(str(path))
+        if f"data/{len(shapes)}" in records.get_all_records():
+            raise ConvertError("internal: the common state of a legacy checkpoint holds tensors")
+        offsets = {n: records.get_record_offset(f"data/{i}") for i, n in enumerate(shapes)}
+        del records
+        with FileSink(path, truncate=False) as f:
+            for group in stage_groups(s):
+                for n, t in group.items():
+                    shard = shard_tp(n, t, tp, r)
+                    f.seek(offsets[local(n, s)])
+                    f.write_tensor(shard)
+
+    tasks = [(s, r) for s in range(pp) for r in range(tp)]
+    # copy_file_range, pwrite and torch ops release the GIL: the ranks are written in parallel.
+    with ThreadPoolExecutor(min(len(tasks), 4)) as pool:
+        list(pool.map(lambda task: save_rank(*task), tasks))
     (out_dir / TRACKER).write_text(str(LEGACY_ITERATION))
 
 
-def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor]]]:
+def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
     """Full Megatron tensors (TP shards merged, global layer numbers) one group at a time."""
     ranks = _legacy_ranks(it_dir)
     tp = 1 + max(t for t, _ in ranks)

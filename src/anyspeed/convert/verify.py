@@ -34,7 +34,9 @@ def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
             )
         else:
             groups = read_legacy(it_dir)
-        state = {k: v.float() for _, tensors in groups for k, v in tensors.items()}
+        state = {
+            k: engine.materialize(v).float() for _, tensors in groups for k, v in tensors.items()
+        }
         if preset.tie_embeddings:
             state.pop("output_layer.weight", None)
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -1,0 +1,293 @@
+"""Checkpoint bytes that stay in the page cache: tensors mapped from files, written by the kernel.
+
+A conversion mostly moves bytes unchanged from one file to another. Reading them into process
+memory and writing them back costs two copies and a page fault per 4 KiB; instead:
+
+* :func:`map_file` maps a file region copy-on-write as a tensor and records which file bytes
+  it shows; :func:`load_torch_file` builds the tensors of a ``torch.save`` record (a legacy rank
+  file, a chunk of a ``.distcp``) as such views, unpickling with ``weights_only`` rules.
+* :class:`FileSink` is the output file. A buffer that is a view of a mapped file region (how
+  ``torch.save`` and the safetensors writer hand over tensor bytes) is copied file to file with
+  ``copy_file_range``, inside the kernel; other bytes are written from memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from anyspeed.convert.errors import ConvertError
+
+# Buffers at least this large are copied file to file; smaller ones are not worth a syscall each.
+MIN_RANGE = 1 << 16
+_IOV_MAX = 1024
+
+_regions: dict[int, tuple[int, int, str, int]] = {}  # token -> (start, end, path, file offset)
+_lock = threading.Lock()
+_tokens = itertools.count()
+
+
+def _forget(token: int) -> None:
+    with _lock:
+        _regions.pop(token, None)
+
+
+def map_file(path: str | Path, offset: int, length: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + length)`` of ``path`` as a uint8 tensor over a copy-on-write map.
+
+    The map lives as long as any tensor or storage made from it; until then :func:`file_range`
+    knows which file bytes its memory shows. Mapped tensors must not be written in place (the
+    copy-on-write pages would then differ from the file, and the sink copies from the file).
+    """
+    if length <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), offset + length - base, offset=base, access=mmap.ACCESS_COPY)
+    # The tensor's storage starts at ``offset`` (a later ``.view(dtype)`` needs no alignment).
+    out = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset - base)
+    token = next(_tokens)
+    start = out.data_ptr() - (offset - base)
+    with _lock:
+        _regions[token] = (start, start + len(mm), os.path.abspath(path), base)
+    weakref.finalize(mm, _forget, token)  # runs when the last tensor over the map is freed
+    return out
+
+
+def _raw(t: torch.Tensor) -> Any:
+    """A byte view of a contiguous tensor's memory."""
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
+
+
+def _address(buf: Any) -> tuple[int, int]:
+    """(address, size in bytes) of a C-contiguous buffer."""
+    arr = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    return (arr.ctypes.data if arr.size else 0), arr.size
+
+
+def file_range(buf: Any) -> tuple[str, int] | None:
+    """(path, file offset) when ``buf``'s bytes are those of a region mapped by :func:`map_file`."""
+    addr, size = _address(buf)
+    with _lock:
+        hits = [(p, base + addr - s) for s, e, p, base in _regions.values()
+                if s <= addr and addr + size <= e]  # fmt: skip
+    return hits[0] if len(hits) == 1 else None
+
+
+class FileSink(io.RawIOBase):
+    """A new file written at tracked positions: mapped file bytes go file to file, others from
+    memory (``pwritev`` gathers many small pieces in one call)."""
+
+    def __init__(self, path: str | Path, truncate: bool = True) -> None:
+        super().__init__()
+        self.path = Path(path)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+        self.fd = os.open(self.path, flags, 0o644)
+        self.pos = 0
+        self._sources: dict[str, int] = {}
+        self.copied = 0  # bytes that went file to file (for tests and benchmarks)
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if whence != io.SEEK_SET:
+            raise io.UnsupportedOperation("FileSink seeks to absolute positions only")
+        self.pos = pos
+        return pos
+
+    def write(self, buf: Any) -> int:
+        mv = memoryview(buf).cast("B")
+        if not self._copy(mv):
+            self._pwrite([mv])
+        self.pos += mv.nbytes
+        return mv.nbytes
+
+    def write_tensor(self, t: Any) -> int:
+        """Write a tensor's bytes, or a lazy concatenation's (anything with ``.parts``)."""
+        parts = getattr(t, "parts", None) or [t]
+        return self.write_parts([_raw(p.contiguous()) for p in parts])
+
+    def write_parts(self, parts: Sequence[Any]) -> int:
+        """Write buffers one after another, as if concatenated."""
+        pending: list[memoryview] = []
+        total = 0
+        for p in parts:
+            mv = memoryview(p).cast("B")
+            if self._copy(mv, at=self.pos + sum(x.nbytes for x in pending)):
+                self._pwrite(pending)
+                self.pos += sum(x.nbytes for x in pending) + mv.nbytes
+                pending = []
+            else:
+                pending.append(mv)
+                if len(pending) == _IOV_MAX:
+                    self._pwrite(pending)
+                    self.pos += sum(x.nbytes for x in pending)
+                    pending = []
+            total += mv.nbytes
+        self._pwrite(pending)
+        self.pos += sum(x.nbytes for x in pending)
+        return total
+
+    def _copy(self, mv: memoryview, at: int | None = None) -> bool:
+        """Copy ``mv``'s bytes file to file when they are mapped file bytes; False if not."""
+        if mv.nbytes < MIN_RANGE or not hasattr(os, "copy_file_range"):
+            return False
+        src = file_range(mv)
+        if src is None:
+            return False
+        path, offset = src
+        fd = self._sources.get(path)
+        if fd is None:
+            fd = self._sources[path] = os.open(path, os.O_RDONLY)
+        at = self.pos if at is None else at
+        done = 0
+        try:
+            while done < mv.nbytes:
+                n = os.copy_file_range(fd, self.fd, mv.nbytes - done, offset + done, at + done)
+                if n <= 0:
+                    break
+                done += n
+        except OSError:  # no in-kernel copy between these files: write from memory
+            pass
+        if done < mv.nbytes:
+            self._pwrite([mv[done:]], at + done)
+        self.copied += done
+        return True
+
+    def _pwrite(self, parts: list[memoryview], at: int | None = None) -> None:
+        at = self.pos if at is None else at
+        while parts:
+            if len(parts) == 1:
+                n = os.pwrite(self.fd, parts[0], at)
+            else:
+                n = os.pwritev(self.fd, parts, at)
+            if n <= 0:
+                raise OSError(f"{self.path}: write made no progress")
+            at += n
+            while parts and n >= parts[0].nbytes:
+                n -= parts[0].nbytes
+                parts = parts[1:]
+            if parts and n:
+                parts = [parts[0][n:], *parts[1:]]
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.closed:
+            for fd in self._sources.values():
+                os.close(fd)
+            os.close(self.fd)
+        super().close()
+
+
+# ------------------------------------------------------------------------------------ reading
+@contextlib.contextmanager
+def strict_weights_only() -> Iterator[None]:
+    """``weights_only`` unpickling with no extra allowed classes (megatron.core allow-lists
+    ``argparse.Namespace`` and more on import); restored afterwards."""
+    allowed = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(allowed)
+
+
+class _Bytes(io.RawIOBase):
+    """A read-only file over a buffer, for the zip reader (no copy of the data records)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self.view) - self.pos))
+        memoryview(b).cast("B")[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> Any:
+    """The object ``torch.save`` wrote at ``[offset, offset + length)`` of ``path``, its tensors
+    views of the mapped file (no copy), unpickled with ``torch.load(weights_only=True)``'s
+    restricted unpickler and nothing else allowed. A one-line :class:`ConvertError` otherwise."""
+    from torch import _weights_only_unpickler as restricted
+
+    raw = map_file(path, offset, length)
+    view = memoryview(raw.numpy())
+    src = _Bytes(view)
+    try:
+        try:
+            zf = torch._C.PyTorchFileReader(src)
+            records = set(zf.get_all_records())
+        except RuntimeError:
+            raise ConvertError(f"{what}: not a torch.save zip archive, or truncated") from None
+        if "data.pkl" not in records:
+            raise ConvertError(f"{what}: no data.pkl in the archive")
+        if "byteorder" in records and zf.get_record("byteorder") != b"little":
+            raise ConvertError(f"{what}: saved big-endian; only little-endian is read")
+        storages: dict[str, torch.storage.TypedStorage] = {}
+
+        def persistent_load(pid: tuple) -> torch.storage.TypedStorage:
+            _, storage_type, key, _location, numel = pid
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            if key not in storages:
+                name = f"data/{key}"
+                nbytes = numel * torch._utils._element_size(dtype)
+                at = zf.get_record_offset(name) if name in records else -1
+                if at < 0 or at + nbytes > length:
+                    raise ConvertError(f"{what}: storage {key} is missing or truncated")
+                untyped = raw.untyped_storage()[at : at + nbytes]
+                storages[key] = torch.storage.TypedStorage(
+                    wrap_storage=untyped, dtype=dtype, _internal=True
+                )
+            return storages[key]
+
+        with strict_weights_only():
+            unpickler = restricted.Unpickler(io.BytesIO(zf.get_record("data.pkl")),
+                                             encoding="utf-8")  # fmt: skip
+            unpickler.persistent_load = persistent_load
+            try:
+                return unpickler.load()
+            except ConvertError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one line naming the file
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ConvertError(f"{what}: cannot be read with weights_only=True "
+                                   f"({first})") from None  # fmt: skip
+    finally:
+        src.close()
+        view.release()
