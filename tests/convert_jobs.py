@@ -114,11 +114,12 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens) -> dict[str,
 def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict]:
     """In one process: HF -> torch_dist (the CLI with --verify for ``cli_case``), TP1 logits
     from the result, torch_dist -> HF."""
-    from anyspeed.convert import hf_to_megatron, megatron_to_hf
+    from anyspeed.convert import hf_to_megatron, mapped, megatron_to_hf
     from anyspeed.convert.cli import main as cli_main
     from anyspeed.training.engine import Layout, init_distributed
 
     init_distributed(Layout(), seed=0)
+    mapped.MIN_RANGE = 1  # every mapped buffer file to file (the tiny tensors are below 64 KiB)
     out = {}
     for name, case in cases.items():
         res = {}

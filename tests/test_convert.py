@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import convert_jobs
-from anyspeed.convert import hf_to_megatron, is_hf_dir, megatron_to_hf, read_model_preset
+from anyspeed.convert import hf_to_megatron, is_hf_dir, mapped, megatron_to_hf, read_model_preset
 from anyspeed.convert.verify import hf_logits
 from anyspeed.testing import run_distributed
 
@@ -68,18 +68,21 @@ def conv(tmp_path_factory):
         for tag, (tp, pp) in LEGACY.items():  # legacy needs no process group: convert here
             if tag == "tp2pp2" and name not in ("qwen2.5", "qwen3"):
                 continue
-            hf_to_megatron(
-                d / "hf",
-                d / f"legacy_{tag}",
-                tp=tp,
-                pp=pp,
-                ckpt_format="legacy",
-                make_vocab_size_divisible_by=case["divisible_by"],
-            )
-            shard = "40KB" if tag == "pp2" else "5GB"  # pp2: several output shards
-            megatron_to_hf(
-                d / f"legacy_{tag}", d / f"hf_from_{tag}", d / "hf", max_shard_size=shard
-            )
+            with pytest.MonkeyPatch.context() as mp:
+                if tag == "tp2":  # every mapped buffer file to file, not only those >= 64 KiB
+                    mp.setattr(mapped, "MIN_RANGE", 1)
+                hf_to_megatron(
+                    d / "hf",
+                    d / f"legacy_{tag}",
+                    tp=tp,
+                    pp=pp,
+                    ckpt_format="legacy",
+                    make_vocab_size_divisible_by=case["divisible_by"],
+                )
+                shard = "40KB" if tag == "pp2" else "5GB"  # pp2: several output shards
+                megatron_to_hf(
+                    d / f"legacy_{tag}", d / f"hf_from_{tag}", d / "hf", max_shard_size=shard
+                )
             case[f"legacy_{tag}"] = str(d / f"legacy_{tag}")
         cases[name] = case
     tp1 = run_distributed(

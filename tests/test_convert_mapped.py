@@ -1,0 +1,119 @@
+"""Mapped checkpoint bytes (:mod:`anyspeed.convert.mapped`): the file-to-file sink and the
+mapped ``torch.save`` reader, checked against plain file reads and ``torch.load``."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+import pytest
+import torch
+
+from anyspeed.convert import ConvertError, mapped
+
+
+@pytest.fixture
+def blob(tmp_path):
+    data = os.urandom(3 * mapped.MIN_RANGE + 12345)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def test_sink_copies_mapped_bytes_file_to_file(blob, tmp_path):
+    path, data = blob
+    lo, n = 4099, 2 * mapped.MIN_RANGE + 7  # not page aligned
+    view = mapped.map_file(path, lo, n)
+    assert mapped.file_range(view.numpy()) == (str(path), lo)
+    assert mapped.file_range(view[10:].numpy()) == (str(path), lo + 10)
+    out = tmp_path / "out.bin"
+    with mapped.FileSink(out) as f:
+        f.write(b"head")
+        f.write(view.numpy())
+        f.write(b"tail")
+    assert out.read_bytes() == b"head" + data[lo : lo + n] + b"tail"
+    assert f.copied == (n if hasattr(os, "copy_file_range") else 0)
+
+
+def test_sink_parts_in_order_whatever_their_source(blob, tmp_path):
+    """Mapped and in-memory, large and small buffers, written as one concatenation."""
+    path, data = blob
+    mv = mapped.map_file(path, 0, len(data))
+    mem = torch.randint(0, 255, (mapped.MIN_RANGE * 2,), dtype=torch.uint8)
+    big = mapped.MIN_RANGE
+    parts = [mv[:100], mem[:5], mv[200 : 200 + big], mem, mv[7:9], mv[-big:]]
+    parts += [mem[i : i + 3] for i in range(0, 3 * 1100, 3)]  # more than one pwritev batch
+    out = tmp_path / "out.bin"
+    with mapped.FileSink(out) as f:
+        f.seek(10)
+        n = f.write_parts([p.numpy() for p in parts])
+        f.seek(0)
+        f.write(b"0123456789")
+    want = b"0123456789" + b"".join(p.numpy().tobytes() for p in parts)
+    assert n == len(want) - 10 and out.read_bytes() == want
+
+
+def test_map_is_forgotten_with_its_last_tensor(blob):
+    path, _ = blob
+    gc.collect()
+    before = len(mapped._regions)
+    t = mapped.map_file(path, 0, 1000)
+    part = t[10:20].view(torch.int16)
+    del t
+    gc.collect()
+    assert len(mapped._regions) == before + 1  # a view still holds the map
+    del part
+    gc.collect()
+    assert len(mapped._regions) == before
+
+
+def test_mapped_torch_file_equals_torch_load(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 33, generator=g)
+    obj = {
+        "model": {
+            "w": torch.randn(128, 96, generator=g).bfloat16(),
+            "b": torch.arange(7, dtype=torch.int64),
+            "view": base[3:9, 1:],  # a strided view of a larger storage
+            "same": base,
+            "empty": torch.empty(0, 4),
+            "extra": None,
+        },
+        "iteration": 3,
+        "tags": ["a", 1.5],
+    }
+    path = tmp_path / "x.pt"
+    with open(path, "wb") as f:
+        f.write(b"prefix-bytes")
+        torch.save(obj, f)
+        start = len(b"prefix-bytes")
+        length = f.tell() - start
+    with open(path, "rb") as f:
+        f.seek(start)
+        ref = torch.load(f, weights_only=True)
+    got = mapped.load_torch_file(path, start, length, "x.pt")
+    assert got.keys() == ref.keys() and got["iteration"] == 3 and got["tags"] == ref["tags"]
+    for k, v in ref["model"].items():
+        if v is None:
+            assert got["model"][k] is None
+            continue
+        w = got["model"][k]
+        assert w.dtype == v.dtype and w.shape == v.shape and w.stride() == v.stride()
+        assert torch.equal(w, v)
+    # mapped, not copied: the bytes are the file's, and views share their storage as saved
+    assert mapped.file_range(got["model"]["w"].view(torch.uint8).numpy()) is not None
+    assert got["model"]["view"].untyped_storage().data_ptr() == (
+        got["model"]["same"].untyped_storage().data_ptr()
+    )
+
+
+def test_mapped_torch_file_refuses_objects_and_truncation(tmp_path):
+    path = tmp_path / "x.pt"
+    torch.save({"args": argparse.Namespace(tp=2), "w": torch.ones(3)}, path)
+    with pytest.raises(ConvertError, match="x.pt: cannot be read with weights_only=True"):
+        mapped.load_torch_file(path, 0, path.stat().st_size, "x.pt")
+    torch.save({"w": torch.ones(1000)}, path)
+    size = path.stat().st_size
+    with pytest.raises(ConvertError, match="x.pt: not a torch.save zip archive, or truncated"):
+        mapped.load_torch_file(path, 0, size - 100, "x.pt")
