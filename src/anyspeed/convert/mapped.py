@@ -8,11 +8,13 @@ memory and writing them back costs two copies and a page fault per 4 KiB; instea
   file, a chunk of a ``.distcp``) as such views, unpickling with ``weights_only`` rules.
 * :class:`FileSink` is the output file. A buffer that is a view of a mapped file region (how
   ``torch.save`` and the safetensors writer hand over tensor bytes) is copied file to file with
-  ``copy_file_range``, inside the kernel; other bytes are written from memory.
+  ``copy_file_range``, inside the kernel and in a background thread; other bytes are written
+  from memory.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import itertools
@@ -21,6 +23,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,8 @@ from anyspeed.convert.errors import ConvertError
 # Buffers at least this large are copied file to file; smaller ones are not worth a syscall each.
 MIN_RANGE = 1 << 16
 _IOV_MAX = 1024
+_SMALL, _SMALL_MAX = 4096, 1 << 20  # writes up to _SMALL are gathered, up to _SMALL_MAX
+_HELD_MAX = 1 << 28  # memory that queued writes may hold before the producer waits
 
 _regions: dict[int, tuple[int, int, str, int]] = {}  # token -> (start, end, path, file offset)
 _lock = threading.Lock()
@@ -86,8 +91,11 @@ def file_range(buf: Any) -> tuple[str, int] | None:
 
 
 class FileSink(io.RawIOBase):
-    """A new file written at tracked positions: mapped file bytes go file to file, others from
-    memory (``pwritev`` gathers many small pieces in one call)."""
+    """A new file written at tracked positions, its I/O done in order by a background thread
+    while the caller goes on producing tensors. Mapped file bytes go file to file (read from
+    the file, so the caller may drop the tensor at once); other bytes are written from memory:
+    :meth:`write` copies its buffer first (``torch.save`` reuses and frees its buffers), and
+    :meth:`write_tensor` keeps the tensors alive until they are written."""
 
     def __init__(self, path: str | Path, truncate: bool = True) -> None:
         super().__init__()
@@ -95,8 +103,13 @@ class FileSink(io.RawIOBase):
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
         self.fd = os.open(self.path, flags, 0o644)
         self.pos = 0
+        self.copied = 0  # bytes that went file to file in the kernel (tests, benchmarks)
         self._sources: dict[str, int] = {}
-        self.copied = 0  # bytes that went file to file (for tests and benchmarks)
+        self._small: list[tuple[int, bytes]] = []  # zip headers and the like, written in runs
+        self._small_bytes = 0
+        self._io: ThreadPoolExecutor | None = None
+        self._jobs: collections.deque[tuple[Future, int]] = collections.deque()
+        self._held = 0  # bytes of memory the queued jobs hold
 
     def writable(self) -> bool:
         return True
@@ -115,10 +128,18 @@ class FileSink(io.RawIOBase):
 
     def write(self, buf: Any) -> int:
         mv = memoryview(buf).cast("B")
-        if not self._copy(mv):
-            self._pwrite([mv])
-        self.pos += mv.nbytes
-        return mv.nbytes
+        n = mv.nbytes
+        if self._copy(mv, self.pos):
+            pass
+        elif n <= _SMALL:
+            self._small.append((self.pos, bytes(mv)))
+            self._small_bytes += n
+            if self._small_bytes >= _SMALL_MAX:
+                self._flush_small()
+        else:
+            self._submit(self._pwrite, [memoryview(bytes(mv))], self.pos, held=n)
+        self.pos += n
+        return n
 
     def write_tensor(self, t: Any) -> int:
         """Write a tensor's bytes, or a lazy concatenation's (anything with ``.parts``)."""
@@ -126,54 +147,85 @@ class FileSink(io.RawIOBase):
         return self.write_parts([_raw(p.contiguous()) for p in parts])
 
     def write_parts(self, parts: Sequence[Any]) -> int:
-        """Write buffers one after another, as if concatenated."""
+        """Write buffers one after another, as if concatenated; they are kept (not copied)
+        until written, so they must not change meanwhile."""
+        start = at = run = self.pos  # ``run``: where the pending in-memory buffers start
         pending: list[memoryview] = []
-        total = 0
         for p in parts:
             mv = memoryview(p).cast("B")
-            if self._copy(mv, at=self.pos + sum(x.nbytes for x in pending)):
-                self._pwrite(pending)
-                self.pos += sum(x.nbytes for x in pending) + mv.nbytes
+            if self._copy(mv, at):
+                self._write_run(pending, run)
                 pending = []
             else:
+                if not pending:
+                    run = at
                 pending.append(mv)
                 if len(pending) == _IOV_MAX:
-                    self._pwrite(pending)
-                    self.pos += sum(x.nbytes for x in pending)
+                    self._write_run(pending, run)
                     pending = []
-            total += mv.nbytes
-        self._pwrite(pending)
-        self.pos += sum(x.nbytes for x in pending)
-        return total
+            at += mv.nbytes
+        self._write_run(pending, run)
+        self.pos = at
+        return at - start
 
-    def _copy(self, mv: memoryview, at: int | None = None) -> bool:
-        """Copy ``mv``'s bytes file to file when they are mapped file bytes; False if not."""
-        if mv.nbytes < MIN_RANGE or not hasattr(os, "copy_file_range"):
-            return False
-        src = file_range(mv)
+    def _write_run(self, parts: list[memoryview], at: int) -> None:
+        if parts:
+            self._submit(self._pwrite, parts, at, held=sum(x.nbytes for x in parts))
+
+    def _submit(self, fn: Any, *args: Any, held: int = 0) -> None:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="anyspeed-write")
+        while self._jobs and (self._jobs[0][0].done() or self._held > _HELD_MAX):
+            job, n = self._jobs.popleft()
+            self._held -= n
+            job.result()  # waits if over the memory bound; raises a failed write here
+        self._jobs.append((self._io.submit(fn, *args), held))
+        self._held += held
+
+    def _copy(self, mv: memoryview, at: int) -> bool:
+        """Queue a file-to-file copy of ``mv``'s bytes when they are mapped file bytes."""
+        src = file_range(mv) if mv.nbytes >= MIN_RANGE else None
         if src is None:
             return False
         path, offset = src
         fd = self._sources.get(path)
         if fd is None:
             fd = self._sources[path] = os.open(path, os.O_RDONLY)
-        at = self.pos if at is None else at
-        done = 0
-        try:
-            while done < mv.nbytes:
-                n = os.copy_file_range(fd, self.fd, mv.nbytes - done, offset + done, at + done)
-                if n <= 0:
-                    break
-                done += n
-        except OSError:  # no in-kernel copy between these files: write from memory
-            pass
-        if done < mv.nbytes:
-            self._pwrite([mv[done:]], at + done)
-        self.copied += done
+        self._submit(self._copy_range, fd, offset, at, mv.nbytes)
         return True
 
-    def _pwrite(self, parts: list[memoryview], at: int | None = None) -> None:
-        at = self.pos if at is None else at
+    def _copy_range(self, fd: int, offset: int, at: int, n: int) -> None:
+        done = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while done < n:
+                    k = os.copy_file_range(fd, self.fd, n - done, offset + done, at + done)
+                    if k <= 0:
+                        break
+                    done += k
+            except OSError:  # no in-kernel copy between these files: through memory
+                pass
+        self.copied += done
+        while done < n:
+            chunk = os.pread(fd, min(n - done, 1 << 26), offset + done)
+            if not chunk:
+                raise ConvertError(f"{self.path}: a source file ended early while copying")
+            self._pwrite([memoryview(chunk)], at + done)
+            done += len(chunk)
+
+    def _flush_small(self) -> None:
+        """Queue the small writes, one ``pwrite`` per run of adjacent ones."""
+        runs: list[tuple[int, list[bytes]]] = []
+        for at, data in sorted(self._small, key=lambda x: x[0]):
+            if runs and runs[-1][0] + sum(len(d) for d in runs[-1][1]) == at:
+                runs[-1][1].append(data)
+            else:
+                runs.append((at, [data]))
+        for at, datas in runs:
+            self._submit(self._pwrite, [memoryview(b"".join(datas))], at)
+        self._small, self._small_bytes = [], 0
+
+    def _pwrite(self, parts: list[memoryview], at: int) -> None:
         while parts:
             if len(parts) == 1:
                 n = os.pwrite(self.fd, parts[0], at)
@@ -189,14 +241,23 @@ class FileSink(io.RawIOBase):
                 parts = [parts[0][n:], *parts[1:]]
 
     def flush(self) -> None:
-        pass
+        self._flush_small()
 
     def close(self) -> None:
-        if not self.closed:
+        """Wait for the queued writes (raising the first failure), then close the files."""
+        if self.closed:
+            return
+        try:
+            self._flush_small()
+            while self._jobs:
+                self._jobs.popleft()[0].result()
+        finally:
+            if self._io is not None:
+                self._io.shutdown(wait=True)
             for fd in self._sources.values():
                 os.close(fd)
             os.close(self.fd)
-        super().close()
+            super().close()
 
 
 # ------------------------------------------------------------------------------------ reading
