@@ -117,3 +117,28 @@ def test_mapped_torch_file_refuses_objects_and_truncation(tmp_path):
     size = path.stat().st_size
     with pytest.raises(ConvertError, match="x.pt: not a torch.save zip archive, or truncated"):
         mapped.load_torch_file(path, 0, size - 100, "x.pt")
+
+
+def test_deferred_placeholder_is_written_as_its_parts(blob, tmp_path):
+    """``torch.save`` of a placeholder writes the parts' bytes (mapped or not) in its place,
+    and the file loads as the concatenation; a partial write falls back to filled memory."""
+    from anyspeed.convert.engine import Stacked
+
+    path, _ = blob
+    rows = mapped.map_file(path, 0, 4096 * 30).view(torch.int32).view(-1, 64)  # random bits
+    parts = [rows[:10], torch.randint(-9, 9, (3, 64), dtype=torch.int32), rows[300:480]]
+    ref = torch.cat(parts)
+    ph = mapped.deferred(Stacked(parts))
+    assert ph.shape == ref.shape
+    out = tmp_path / "t.pt"
+    with mapped.FileSink(out) as f:
+        torch.save({"w": ph}, f)
+    assert torch.equal(torch.load(out, weights_only=True)["w"], ref)
+    with mapped.FileSink(tmp_path / "half.bin") as f:
+        f.write(ph.view(-1)[:64].numpy())  # a piece of the placeholder
+    assert (tmp_path / "half.bin").read_bytes() == ref.view(-1)[:64].numpy().tobytes()
+    gc.collect()
+    before = len(mapped._deferred)
+    del ph
+    gc.collect()
+    assert len(mapped._deferred) == before - 1

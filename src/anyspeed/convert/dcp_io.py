@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from anyspeed.convert.engine import Stacked, own_storage
+from anyspeed.convert.engine import Stacked, own_storage, take_rows
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapped import FileSink, load_torch_file, strict_weights_only
+from anyspeed.convert.mapped import FileSink, deferred, load_torch_file, strict_weights_only
 
 
 @contextlib.contextmanager
@@ -118,9 +118,10 @@ def streaming_save_strategy(
             if isinstance(full, Stacked):
                 row = math.prod(want[1:])
                 if view.is_contiguous() and offset % row == 0 and view.numel() % row == 0:
-                    part = full.rows(offset // row, (offset + view.numel()) // row)
-                    if part is not None:
-                        return own_storage(part.reshape(view.shape))
+                    rows = take_rows(full, [(offset // row, (offset + view.numel()) // row)])
+                    if isinstance(rows, Stacked):  # the sink writes the parts, not this
+                        return deferred(rows, view.shape)
+                    return own_storage(rows.reshape(view.shape))
                 full = full.materialize()
                 self.current[1][name] = full
             data = full.contiguous().as_strided(view.shape, view.stride(), offset)

@@ -146,15 +146,6 @@ class Stacked:
         self.shape = torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
         self.dtype = parts[0].dtype
 
-    def rows(self, start: int, stop: int) -> torch.Tensor | None:
-        """Rows ``[start, stop)`` when they lie inside one part (a view), else None."""
-        at = 0
-        for p in self.parts:
-            if at <= start and stop <= at + p.shape[0]:
-                return p[start - at : stop - at]
-            at += p.shape[0]
-        return None
-
     def materialize(self) -> torch.Tensor:
         return torch.cat(self.parts, dim=0)
 

@@ -18,9 +18,9 @@ import collections
 import contextlib
 import io
 import itertools
+import math
 import mmap
 import os
-import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,16 +36,17 @@ from anyspeed.convert.errors import ConvertError
 MIN_RANGE = 1 << 16
 _IOV_MAX = 1024
 _SMALL, _SMALL_MAX = 4096, 1 << 20  # writes up to _SMALL are gathered, up to _SMALL_MAX
-_HELD_MAX = 1 << 28  # memory that queued writes may hold before the producer waits
+_HELD_MAX = 1 << 26  # memory that queued writes may hold before the producer waits
 
 _regions: dict[int, tuple[int, int, str, int]] = {}  # token -> (start, end, path, file offset)
-_lock = threading.Lock()
+# No lock guards the registries: the finalizers that drop entries may run inside any allocation
+# (garbage collection), even one made while a lock is held. Single dict operations are atomic
+# under the GIL, and lookups scan a copy.
 _tokens = itertools.count()
 
 
 def _forget(token: int) -> None:
-    with _lock:
-        _regions.pop(token, None)
+    _regions.pop(token, None)
 
 
 def map_file(path: str | Path, offset: int, length: int) -> torch.Tensor:
@@ -64,10 +65,57 @@ def map_file(path: str | Path, offset: int, length: int) -> torch.Tensor:
     out = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset - base)
     token = next(_tokens)
     start = out.data_ptr() - (offset - base)
-    with _lock:
-        _regions[token] = (start, start + len(mm), os.path.abspath(path), base)
+    _regions[token] = (start, start + len(mm), os.path.abspath(path), base)
     weakref.finalize(mm, _forget, token)  # runs when the last tensor over the map is freed
     return out
+
+
+_deferred: dict[int, tuple[int, int, list, weakref.ref]] = {}  # token -> (start, end, parts, ph)
+
+
+def deferred(t: Any, shape: Sequence[int] | None = None) -> torch.Tensor:
+    """A placeholder tensor for ``t`` (a tensor, or anything with ``.parts``, ``.dtype`` and
+    ``.shape``) that a :class:`FileSink` writes as ``t``'s parts: ``torch.save`` of the
+    placeholder puts ``t``'s bytes in the file without them being gathered in memory (mapped
+    parts go file to file). The placeholder's own memory is never touched unless a writer
+    asks for part of it, and then it is filled with ``t`` first."""
+    ph = torch.empty(tuple(shape if shape is not None else t.shape), dtype=t.dtype)
+    if ph.numel() != math.prod(t.shape):
+        raise ValueError(f"deferred: shape {list(ph.shape)} does not hold {list(t.shape)}")
+    if not ph.numel():
+        return ph
+    token = next(_tokens)
+    start = ph.data_ptr()
+    parts = list(getattr(t, "parts", None) or [t])
+    _deferred[token] = (start, start + ph.nbytes, parts, weakref.ref(ph))
+    # The entry goes with the placeholder tensor object, before its memory can be reused.
+    weakref.finalize(ph, _forget_deferred, token)
+    return ph
+
+
+def _forget_deferred(token: int) -> None:
+    _deferred.pop(token, None)
+
+
+def _deferred_parts(buf: Any) -> list | None:
+    """The parts a placeholder stands for when ``buf`` is all of it; a placeholder written in
+    pieces is filled with its parts first, and then written from memory (None)."""
+    addr, size = _address(buf)
+    hits = [(s, e, parts, ph) for s, e, parts, ph in _deferred.copy().values() if s <= addr < e]
+    if not hits:
+        return None
+    start, end, parts, ref = hits[0]
+    if (addr, size) == (start, end - start):
+        return parts
+    ph = ref()
+    if ph is not None and not getattr(ph, "_anyspeed_filled", False):
+        flat = ph.view(-1)
+        at = 0
+        for p in parts:
+            flat[at : at + p.numel()] = p.reshape(-1)
+            at += p.numel()
+        ph._anyspeed_filled = True
+    return None
 
 
 def _raw(t: torch.Tensor) -> Any:
@@ -84,9 +132,8 @@ def _address(buf: Any) -> tuple[int, int]:
 def file_range(buf: Any) -> tuple[str, int] | None:
     """(path, file offset) when ``buf``'s bytes are those of a region mapped by :func:`map_file`."""
     addr, size = _address(buf)
-    with _lock:
-        hits = [(p, base + addr - s) for s, e, p, base in _regions.values()
-                if s <= addr and addr + size <= e]  # fmt: skip
+    hits = [(p, base + addr - s) for s, e, p, base in _regions.copy().values()
+            if s <= addr and addr + size <= e]  # fmt: skip
     return hits[0] if len(hits) == 1 else None
 
 
@@ -129,6 +176,10 @@ class FileSink(io.RawIOBase):
     def write(self, buf: Any) -> int:
         mv = memoryview(buf).cast("B")
         n = mv.nbytes
+        parts = _deferred_parts(mv) if n else None
+        if parts is not None:
+            self.write_parts([_raw(p.contiguous()) for p in parts])
+            return n
         if self._copy(mv, self.pos):
             pass
         elif n <= _SMALL:
