@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import sys
 import time
 
@@ -86,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     reuse_freed_memory()
     direction = (args.load_model_type, args.save_model_type)
+    if (direction == ("hf", "mg") and args.ckpt_format == "torch_dist") or args.verify:
+        import megatron.core.models.gpt  # noqa: F401
+
+        import anyspeed.megatron_adaptor  # noqa: F401 - Megatron-Core, loaded before the freeze
+    # The interpreter's ~1M objects of torch and Megatron are never garbage: frozen, the garbage
+    # collector's full passes skip them (0.2 s of a 1.7 s conversion of Qwen2.5-1.5B).
+    gc.freeze()
     start = time.perf_counter()
     try:
         if direction == ("hf", "mg"):
