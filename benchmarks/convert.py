@@ -7,8 +7,9 @@ and each back to HF. Every conversion runs in its own process; "convert s" times
 after the process has imported torch and Megatron ("process s" is the whole command), and its
 peak RSS is the process's ``VmHWM`` (helper processes, if any, are reported separately). This
 machine's disk is shared and its speed swings 2-3x from minute to minute, so each direction is
-run ``--repeat`` times, each next to a fresh copy of the same bytes: "x copy" is the median of
-the runs' conversion/copy ratios, "best x" the fastest conversion over the fastest copy.
+run ``--repeat`` times, each next to a fresh copy of the weight files it reads: "x copy" is the
+median of the runs' conversion/copy ratios, "best x" the fastest conversion over the fastest
+copy.
 Goal (issue 5): peak RSS <= 1.5 x the largest safetensors shard + one layer, time <= 2 x copying
 the bytes.
 """
@@ -117,13 +118,16 @@ def main() -> None:
     total = sum(f.stat().st_size for f in files)
     largest = max(f.stat().st_size for f in files)
 
-    def copy_s() -> float:
-        """A plain copy of the same safetensors bytes, measured next to each conversion."""
+    def copy_s(source: Path) -> float:
+        """A plain copy of the weight files the conversion reads (the same bytes, in the same
+        page-cache state), measured next to each conversion."""
+        names = (".safetensors", ".distcp", "model_optim_rng.pt")
+        weights = [f for f in sorted(source.rglob("*")) if f.name.endswith(names)]
         os.sync()  # every timed run starts with no dirty pages left by the one before
         t = time.perf_counter()
         (root / "copy").mkdir()
-        for f in files:
-            shutil.copyfile(f, root / "copy" / f.name)
+        for i, f in enumerate(weights):
+            shutil.copyfile(f, root / "copy" / f"{i}-{f.name}")
         dt = time.perf_counter() - t
         shutil.rmtree(root / "copy")
         return dt
@@ -156,7 +160,7 @@ def main() -> None:
         runs, copies = [], []
         for _ in range(args.repeat):
             shutil.rmtree(root / out, ignore_errors=True)
-            copies.append(copy_s())
+            copies.append(copy_s(Path(argv[argv.index("--load-dir") + 1])))
             os.sync()
             runs.append(run([*argv, "--save-dir", str(root / out)]))
         walls = [x["wall_s"] for x in runs]
