@@ -10,8 +10,9 @@ head) at a time, so:
   the writer reaches it, in group order, and dropped once written. The files, ``.metadata`` and
   key layout are what Megatron's own strategy writes, so Megatron loads them at any layout.
 * :class:`DcpReader` reads a region (a layer's slice of a layer-stacked key) straight from the
-  files, whatever layout wrote the chunks. ``.metadata`` is unpickled with an allow-list of the
-  checkpoint-metadata classes, and tensors with ``torch.load(weights_only=True)``.
+  files, whatever layout wrote the chunks, as views of the mapped files (:mod:`.mapped`).
+  ``.metadata`` is unpickled with an allow-list of the checkpoint-metadata classes, and chunks
+  with ``torch.load(weights_only=True)``'s restricted unpickler.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ class DcpReader:
         self.shape(key)
         if any(n != 1 for n in size[:squeeze]):
             raise ConvertError(f"internal: cannot drop dims of size {list(size[:squeeze])}")
-        pieces = []  # (start along the stacking dim, view of the chunk, its bounds)
+        pieces = []  # (region-global lower and upper bounds, view of the chunk)
         for ch in md.chunks:
             lo = [max(o, c) for o, c in zip(offset, ch.offsets, strict=True)]
             hi = [min(o + s, c + n) for o, s, c, n in zip(offset, size, ch.offsets, ch.sizes,

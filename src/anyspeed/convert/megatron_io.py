@@ -309,6 +309,8 @@ def save_legacy(
             for group in stage_groups(s):
                 for n, t in group.items():
                     shard = shard_tp(n, t, tp, r)
+                    if (tuple(shard.shape), shard.dtype) != shapes[local(n, s)]:
+                        raise ConvertError(f"internal: {n} changed between the two passes")
                     f.seek(offsets[local(n, s)])
                     f.write_tensor(shard)
 
