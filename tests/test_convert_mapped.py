@@ -142,3 +142,43 @@ def test_deferred_placeholder_is_written_as_its_parts(blob, tmp_path):
     del ph
     gc.collect()
     assert len(mapped._deferred) == before - 1
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_lazy_fusion_and_tp_shards_equal_plain_torch(groups):
+    """The lazy forms (row views) equal plain ``torch`` math: QKV interleaved per query group
+    and split back, SwiGLU's [gate_r; up_r] shards, column shards, and their merges."""
+    import dataclasses
+
+    from anyspeed.convert import engine
+    from anyspeed.convert.mapping import Fused
+    from anyspeed.models import get_preset
+
+    preset = dataclasses.replace(get_preset("tiny-llama3"), num_query_groups=groups)
+    heads, d, h = preset.num_attention_heads, preset.head_dim, preset.hidden_size
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n * d, h, generator=g) for n in (heads, groups, groups))
+    per = heads // groups
+    want = torch.cat([torch.cat([q.view(groups, per * d, h)[i], k.view(groups, d, h)[i],
+                                 v.view(groups, d, h)[i]]) for i in range(groups)])  # fmt: skip
+    qkv = Fused("qkv", ("q", "k", "v"))
+    lazy = engine._fuse_lazy(qkv, [q, k, v], preset)
+    assert torch.equal(engine.materialize(lazy), want)
+    assert torch.equal(engine._fuse(qkv, [q, k, v], preset), want)
+    for part, ref in zip(engine._split(qkv, lazy, preset), (q, k, v), strict=True):
+        assert torch.equal(engine.materialize(part), ref)
+    gate, up = torch.randn(8, h, generator=g), torch.randn(8, h, generator=g)
+    fc1 = engine.Stacked([gate, up])
+    for tp in (1, 2, 4):
+        shards = [engine.materialize(engine.shard_tp("x.linear_fc1.weight", fc1, tp, r))
+                  for r in range(tp)]  # fmt: skip
+        for r, s in enumerate(shards):
+            assert torch.equal(s, torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]]))
+        assert torch.equal(engine.materialize(engine.merge_tp("x.linear_fc1.weight", shards)),
+                           torch.cat([gate, up]))  # fmt: skip
+        cols = [engine.materialize(engine.shard_tp("x.linear_qkv.weight", lazy, tp, r))
+                for r in range(tp)]  # fmt: skip
+        assert torch.equal(torch.cat(cols), want)
+        rows = [engine.shard_tp("x.linear_fc2.weight", q, tp, r) for r in range(tp)]
+        assert all(torch.equal(a, b) for a, b in zip(rows, q.chunk(tp, dim=1), strict=True))
+        assert torch.equal(engine.merge_tp("x.linear_fc2.weight", rows), q)
