@@ -29,7 +29,7 @@ import torch
 
 from anyspeed.convert.engine import Stacked, own_storage, take_rows
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapped import FileSink, deferred, load_torch_file, strict_weights_only
+from anyspeed.convert.mapped import FileSink, deferred, load_torch_file
 
 
 @contextlib.contextmanager
@@ -201,17 +201,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
-
-
-def weights_only_load(source, what: str, mmap: bool = False) -> Any:
-    """``torch.load(weights_only=True)``, strictly: the classes other libraries allow-list for
-    it (megatron.core adds ``argparse.Namespace`` and more when imported) are set aside."""
-    with strict_weights_only():
-        try:
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-        except Exception as exc:  # noqa: BLE001 - one line naming the file
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConvertError(f"{what}: cannot be read with weights_only=True ({first})") from None
 
 
 class DcpReader:

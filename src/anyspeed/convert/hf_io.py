@@ -12,7 +12,7 @@ import torch
 
 from anyspeed.convert.engine import Stacked
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapped import FileSink, map_file
+from anyspeed.convert.mapped import FileSink, byte_view, map_file
 
 INDEX = "model.safetensors.index.json"
 # Files of an HF directory that are weights (not copied along with the tokenizer/config).
@@ -123,17 +123,12 @@ class HFCheckpoint:
                 raise ConvertError(f"{path}: truncated (tensor {name})")
             return map_file(path, at, need).view(dtype).view(shape)
         t = torch.empty(shape, dtype=dtype)
-        buf = _bytes(t)
+        buf = byte_view(t)
         with open(path, "rb") as f:
             f.seek(start + begin)
             if len(buf) and f.readinto(buf) != len(buf):
                 raise ConvertError(f"{path}: truncated (tensor {name})")
         return t
-
-
-def _bytes(t: torch.Tensor):
-    """A writable byte view of a contiguous tensor's memory."""
-    return t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
 
 
 def _size_bytes(text: str | int) -> int:

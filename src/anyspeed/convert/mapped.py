@@ -119,8 +119,8 @@ def _deferred_parts(buf: Any) -> list | None:
     return None
 
 
-def _raw(t: torch.Tensor) -> Any:
-    """A byte view of a contiguous tensor's memory."""
+def byte_view(t: torch.Tensor) -> Any:
+    """A byte view (writable numpy array) of a contiguous tensor's memory."""
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
 
 
@@ -138,7 +138,27 @@ def file_range(buf: Any) -> tuple[str, int] | None:
     return hits[0] if len(hits) == 1 else None
 
 
-class FileSink(io.RawIOBase):
+class _Positioned(io.RawIOBase):
+    """A file whose position is a number kept here: every read or write says where it goes."""
+
+    pos = 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos}.get(whence)
+        self.pos = max(0, (self._end() if base is None else base) + pos)
+        return self.pos
+
+    def _end(self) -> int:
+        raise io.UnsupportedOperation(f"{type(self).__name__} does not seek from its end")
+
+
+class FileSink(_Positioned):
     """A new file written at tracked positions, its I/O done in order by a background thread
     while the caller goes on producing tensors. Mapped file bytes go file to file (read from
     the file, so the caller may drop the tensor at once); other bytes are written from memory:
@@ -162,24 +182,12 @@ class FileSink(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        if whence != io.SEEK_SET:
-            raise io.UnsupportedOperation("FileSink seeks to absolute positions only")
-        self.pos = pos
-        return pos
-
     def write(self, buf: Any) -> int:
         mv = memoryview(buf).cast("B")
         n = mv.nbytes
         parts = _deferred_parts(mv) if n else None
         if parts is not None:
-            self.write_parts([_raw(p.contiguous()) for p in parts])
+            self.write_parts([byte_view(p.contiguous()) for p in parts])
             return n
         if self._copy(mv, self.pos):
             pass
@@ -196,7 +204,7 @@ class FileSink(io.RawIOBase):
     def write_tensor(self, t: Any) -> int:
         """Write a tensor's bytes, or a lazy concatenation's (anything with ``.parts``)."""
         parts = getattr(t, "parts", None) or [t]
-        return self.write_parts([_raw(p.contiguous()) for p in parts])
+        return self.write_parts([byte_view(p.contiguous()) for p in parts])
 
     def write_parts(self, parts: Sequence[Any]) -> int:
         """Write buffers one after another, as if concatenated; they are kept (not copied)
@@ -333,32 +341,39 @@ def strict_weights_only() -> Iterator[None]:
         torch.serialization.add_safe_globals(allowed)
 
 
-class _Bytes(io.RawIOBase):
+class _Bytes(_Positioned):
     """A read-only file over a buffer, for the zip reader (no copy of the data records)."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
-        self.view, self.pos = view, 0
+        self.view = view
 
     def readable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
+    def _end(self) -> int:
+        return len(self.view)
 
     def readinto(self, b) -> int:
         n = max(0, min(len(b), len(self.view) - self.pos))
         memoryview(b).cast("B")[:n] = self.view[self.pos : self.pos + n]
         self.pos += n
         return n
+
+
+def _unreadable(what: str, exc: Exception) -> ConvertError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ConvertError(f"{what}: cannot be read with weights_only=True ({first})")
+
+
+def weights_only_load(source: Any, what: str) -> Any:
+    """``torch.load(weights_only=True)`` into memory, with nothing added to its allow-list (for
+    what is not a zip archive :func:`load_torch_file` can map)."""
+    with strict_weights_only():
+        try:
+            return torch.load(source, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - one line naming the file
+            raise _unreadable(what, exc) from None
 
 
 def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> Any:
@@ -406,9 +421,7 @@ def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> An
             except ConvertError:
                 raise
             except Exception as exc:  # noqa: BLE001 - one line naming the file
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise ConvertError(f"{what}: cannot be read with weights_only=True "
-                                   f"({first})") from None  # fmt: skip
+                raise _unreadable(what, exc) from None
     finally:
         src.close()
         view.release()

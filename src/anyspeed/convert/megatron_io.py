@@ -26,7 +26,7 @@ import torch
 
 from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_tp
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapped import FileSink, load_torch_file
+from anyspeed.convert.mapped import FileSink, load_torch_file, weights_only_load
 from anyspeed.models.presets import ModelPreset
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -71,8 +71,6 @@ def checkpoint_format(it_dir: Path) -> str:
 def _torch_load(path: Path) -> dict[str, Any]:
     """Tensors and plain containers only (``weights_only``), the tensors views of the mapped
     file (a pre-1.6 non-zip file is read by ``torch.load`` itself)."""
-    from anyspeed.convert.dcp_io import weights_only_load
-
     with open(path, "rb") as f:
         is_zip = f.read(4) == b"PK\x03\x04"
     if not is_zip:
