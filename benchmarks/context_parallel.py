@@ -70,12 +70,16 @@ def bench(cp: int, algo: str, degree: int | None, seq: int, steps: int) -> dict:
     import torch
 
     from anyspeed.device import cpu_cuda
-    from anyspeed.training.engine import GPTSpec, Layout, TrainConfig, Trainer
+    from anyspeed.layout import Layout
+    from anyspeed.models import ModelConfig
+    from anyspeed.training.config import TrainConfig
+    from anyspeed.training.step import Trainer
+    from anyspeed.training.synthetic import train_step
 
-    spec = GPTSpec(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1408,
-                   vocab_size=256, seq_length=seq)  # fmt: skip
-    t = Trainer(spec, Layout(cp=cp, cp_algo=algo, ulysses_degree=degree),
-                TrainConfig(micro_batch_size=1, global_batch_size=1))  # fmt: skip
+    model = ModelConfig(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1408,
+                        vocab_size=256)  # fmt: skip
+    t = Trainer(model, Layout(cp=cp, cp_algo=algo, ulysses_degree=degree),
+                TrainConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1))  # fmt: skip
     # Activation memory, counted exactly: the storage autograd keeps for the backward pass.
     saved: dict[int, int] = {}
 
@@ -85,13 +89,13 @@ def bench(cp: int, algo: str, degree: int | None, seq: int, steps: int) -> dict:
 
     base = cpu_cuda.memory_allocated()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        t.step()  # warm-up, also the step whose peak-RSS growth is reported
+        train_step(t)  # warm-up, also the step whose peak-RSS growth is reported
     rss_growth = max(cpu_cuda.max_memory_allocated() - base, 0)
     sent = _count_bytes()
     torch.distributed.barrier()
     start = time.perf_counter()
     for _ in range(steps):
-        t.step()
+        train_step(t)
     torch.distributed.barrier()
     elapsed = time.perf_counter() - start
     return {

@@ -26,18 +26,23 @@ def bench(layout: dict, steps: int, warmup: int, spec: dict, cfg: dict) -> dict:
     import torch
 
     from anyspeed.device import cpu_cuda
-    from anyspeed.training.engine import GPTSpec, Layout, TrainConfig, Trainer
+    from anyspeed.layout import Layout
+    from anyspeed.models import ModelConfig
+    from anyspeed.training.config import TrainConfig
+    from anyspeed.training.step import Trainer
+    from anyspeed.training.synthetic import train_step
 
-    t = Trainer(GPTSpec(**spec), Layout(**layout), TrainConfig(**cfg))
+    seq = spec.pop("seq_length", 32)
+    t = Trainer(ModelConfig(**spec), Layout(**layout), TrainConfig(seq_length=seq, **cfg))
     for _ in range(warmup):
-        t.step()
+        train_step(t)
     torch.distributed.barrier()
     start = time.perf_counter()
     for _ in range(steps):
-        t.step()
+        train_step(t)
     torch.distributed.barrier()
     elapsed = time.perf_counter() - start
-    tokens = steps * t.cfg.global_batch_size * t.spec.seq_length
+    tokens = steps * t.cfg.global_batch_size * t.cfg.seq_length
     return {
         "tokens_per_s": tokens / elapsed,
         "peak_rss_mib": cpu_cuda.max_memory_allocated() / 2**20,

@@ -123,28 +123,30 @@ def e2e(seq: int, steps: int, bf16: bool) -> dict:
     import torch.distributed as dist
 
     from anyspeed.device import cpu_cuda
-    from anyspeed.training.engine import GPTSpec, Layout, TrainConfig, Trainer
+    from anyspeed.layout import Layout
+    from anyspeed.models import ModelConfig
+    from anyspeed.training.config import TrainConfig
+    from anyspeed.training.step import Trainer
+    from anyspeed.training.synthetic import train_step
 
-    spec = GPTSpec(
+    model = ModelConfig(
         num_layers=8,
         hidden_size=512,
         num_attention_heads=8,
         num_query_groups=2,
         ffn_hidden_size=1408,
         vocab_size=32000,
-        seq_length=seq,
         add_qkv_bias=True,
         rotary_base=1000000,
     )
-    trainer = Trainer(
-        spec, Layout(), TrainConfig(micro_batch_size=1, global_batch_size=2, bf16=bf16)
-    )
+    cfg = TrainConfig(seq_length=seq, micro_batch_size=1, global_batch_size=2, bf16=bf16)
+    trainer = Trainer(model, Layout(), cfg)
     params = sum(p.numel() for p in trainer.model[0].parameters())
-    trainer.step()  # warm-up
+    train_step(trainer)  # warm-up
     cpu_cuda.reset_peak_memory_stats()
     dist.barrier()
     t0 = time.perf_counter()
-    losses = [trainer.step()["loss"] for _ in range(steps)]
+    losses = [train_step(trainer)["loss"] for _ in range(steps)]
     dist.barrier()
     dt = (time.perf_counter() - t0) / steps
     return {

@@ -31,14 +31,11 @@ SEQ, MBS, LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB = 1024, 4, 8, 512, 8, 2, 140
 
 
 def flops_per_token() -> float:
-    from types import SimpleNamespace
+    from anyspeed.models import ModelConfig
 
-    from anyspeed.training.metrics import model_flops_per_token
-
-    spec = SimpleNamespace(hidden_size=HIDDEN, num_layers=LAYERS, seq_length=SEQ,
-                           num_attention_heads=HEADS, num_query_groups=GROUPS, kv_channels=None,
-                           ffn_hidden_size=FFN, swiglu=True, vocab_size=VOCAB)  # fmt: skip
-    return model_flops_per_token(spec)
+    model = ModelConfig(hidden_size=HIDDEN, num_layers=LAYERS, num_attention_heads=HEADS,
+                        num_query_groups=GROUPS, ffn_hidden_size=FFN, vocab_size=VOCAB)  # fmt: skip
+    return model.flops_per_token(SEQ)
 
 
 # ------------------------------------------------------------------------- transformers + DDP
@@ -47,7 +44,7 @@ def hf_rank(iters: int, warmup: int, bf16: bool) -> dict:
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import anyspeed.megatron_adaptor as adaptor
+    from anyspeed import adaptor
 
     adaptor.undo()  # the baseline runs on plain torch, nothing patched
     dist.init_process_group("gloo")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import types
 from pathlib import Path
 
 import torch
@@ -39,12 +38,13 @@ def _build(ckpt: str, tp: int, pp: int):
     from megatron.core import parallel_state as ps
 
     from anyspeed.convert import read_model_preset
-    from anyspeed.models.factory import gpt_model, transformer_config
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt
 
     preset = read_model_preset(ckpt)
-    model = gpt_model(
+    model = gpt.build(
         preset,
-        transformer_config(preset, tp=tp, pp=pp),
+        gpt.transformer_config(preset, Layout(tp=tp, pp=pp)),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
@@ -68,10 +68,9 @@ def _resave(model, source: str, out: str) -> None:
 
 
 def _logits(model, tokens):
-    from anyspeed.training.engine import Trainer
+    from anyspeed.inference.logits import forward_logits
 
-    # Trainer.logits only needs ``.model``: Megatron's schedule + TP gather, at any layout.
-    return Trainer.logits(types.SimpleNamespace(model=[model]), tokens)
+    return forward_logits([model], tokens)  # Megatron's schedule + TP gather, at any layout
 
 
 def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens) -> dict[str, dict]:
@@ -82,7 +81,8 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens) -> dict[str,
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from anyspeed.training.engine import Layout, init_distributed
+    from anyspeed.layout import Layout
+    from anyspeed.training.distributed import init_distributed
 
     init_distributed(Layout(tp=tp, pp=pp), seed=0)
     out = {}
@@ -116,7 +116,8 @@ def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict
     from the result, torch_dist -> HF."""
     from anyspeed.convert import hf_to_megatron, mapped, megatron_to_hf
     from anyspeed.convert.cli import main as cli_main
-    from anyspeed.training.engine import Layout, init_distributed
+    from anyspeed.layout import Layout
+    from anyspeed.training.distributed import init_distributed
 
     init_distributed(Layout(), seed=0)
     mapped.MIN_RANGE = 1  # every mapped buffer file to file (the tiny tensors are below 64 KiB)

@@ -2,7 +2,49 @@
 
 from __future__ import annotations
 
-from anyspeed.training.engine import GPTSpec, Layout, TrainConfig, Trainer
+from anyspeed.layout import Layout
+from anyspeed.models import ModelConfig
+from anyspeed.training import synthetic
+from anyspeed.training.config import TrainConfig
+from anyspeed.training.step import Trainer
+
+
+def _trainer(layout: dict | None = None, model: dict | None = None, **cfg) -> Trainer:
+    return Trainer(ModelConfig(**(model or {})), Layout(**(layout or {})), TrainConfig(**cfg))
+
+
+def _steps(t: Trainer, steps: int) -> list[dict]:
+    return [synthetic.train_step(t) for _ in range(steps)]
+
+
+def save_weights(t: Trainer, directory: str) -> None:
+    """Save the model weights with Megatron's dist_checkpointing (any layout can load them)."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(directory, exist_ok=True)
+    dist_checkpointing.save(t.sharded_state_dict(), directory)
+
+
+def load_weights(t: Trainer, directory: str) -> None:
+    """Load weights saved by :func:`save_weights`, at any layout."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(t.sharded_state_dict(), directory)
+    if len(t.model) == 1:
+        t.model[0].module.load_state_dict(state)
+    else:
+        for i, m in enumerate(t.model):
+            m.module.load_state_dict(state[f"model{i}"])
+    if hasattr(t.optimizer, "reload_model_params"):
+        t.optimizer.reload_model_params()
+
+
+def logits(t: Trainer, tokens):
+    from anyspeed.inference.logits import forward_logits
+
+    return forward_logits(t.model, tokens)
 
 
 def train_steps(
@@ -13,43 +55,43 @@ def train_steps(
     spec: dict | None = None,
 ) -> list[dict]:
     """Build the tiny GPT at ``layout``, optionally load/save weights, run ``steps`` steps."""
-    t = Trainer(GPTSpec(**(spec or {})), Layout(**layout), TrainConfig())
+    t = _trainer(layout, spec)
     if save_init:
-        t.save_model(save_init)
+        save_weights(t, save_init)
     if load:
-        t.load_model(load)
-    return [t.step() for _ in range(steps)]
+        load_weights(t, load)
+    return _steps(t, steps)
 
 
 def attention_class() -> str:
     """Name of the attention core class the GPT is built with (checks which level applied)."""
-    t = Trainer(GPTSpec(num_layers=1), Layout(), TrainConfig())
+    t = _trainer(model=dict(num_layers=1))
     layer = t.model[0].module.decoder.layers[0]
     return type(layer.self_attention.core_attention).__name__
 
 
 def train_save_logits(layout: dict, load: str, save: str, tokens) -> object:
     """Load weights, train one step, save with dist_checkpointing, return logits of ``tokens``."""
-    t = Trainer(GPTSpec(), Layout(**layout), TrainConfig())
-    t.load_model(load)
-    t.step()
-    t.save_model(save)
-    return t.logits(tokens)
+    t = _trainer(layout)
+    load_weights(t, load)
+    _steps(t, 1)
+    save_weights(t, save)
+    return logits(t, tokens)
 
 
 def load_logits(layout: dict, load: str, tokens) -> object:
     """Load a dist_checkpointing checkpoint at ``layout`` and return logits of ``tokens``."""
-    t = Trainer(GPTSpec(), Layout(**layout), TrainConfig())
-    t.load_model(load)
-    return t.logits(tokens)
+    t = _trainer(layout)
+    load_weights(t, load)
+    return logits(t, tokens)
 
 
 def train_precision(bf16: bool, steps: int, load: str | None = None) -> dict:
     """Train the tiny GPT in bf16 or fp32; report losses and the dtypes the optimizer keeps."""
-    t = Trainer(GPTSpec(), Layout(), TrainConfig(bf16=bf16, lr=3e-3))
+    t = _trainer(bf16=bf16, lr=3e-3)
     if load:
-        t.load_model(load)
-    losses = [t.step()["loss"] for _ in range(steps)]
+        load_weights(t, load)
+    losses = [r["loss"] for r in _steps(t, steps)]
     model_dtypes = {str(p.dtype) for p in t.model[0].parameters()}
     opt = t.optimizer
     main = getattr(opt, "fp32_from_float16_groups", None)
@@ -67,12 +109,11 @@ def megatron_preset_parameters(name: str) -> int:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from anyspeed.models import get_preset
-    from anyspeed.models.factory import gpt_model, transformer_config
+    from anyspeed.models import get_preset, gpt
 
     dist.init_process_group("gloo")
     ps.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     preset = get_preset(name)
-    model = gpt_model(preset, transformer_config(preset))
+    model = gpt.build(preset, gpt.transformer_config(preset))
     return sum(p.numel() for p in model.parameters())

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import jobs
+from anyspeed.layout import CPAlgo
 from anyspeed.testing import run_distributed
 
 RTOL = 1e-5
@@ -65,7 +66,6 @@ LAYOUTS = {
     "pp2-cp2-ulysses": (4, dict(pp=2, cp=2, cp_algo="a2a")),
     "cp2-ring-dp2-distopt": (4, dict(cp=2, cp_algo="p2p", distributed_optimizer=True)),
 }
-CP_ALGO_FLAG = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo", "a2a+p2p": "hybrid_cp_algo"}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -75,7 +75,7 @@ def test_layout_matches_single_process(reference, name):
     argv = []
     if layout.get("cp", 1) > 1:  # the level-2 context-parallel feature, as a user enables it
         argv = ["--context-parallel-size", str(layout["cp"]),
-                "--context-parallel-algo", CP_ALGO_FLAG[layout["cp_algo"]]]  # fmt: skip
+                "--context-parallel-algo", CPAlgo.parse(layout["cp_algo"]).flag]  # fmt: skip
         if layout.get("ulysses_degree"):
             argv += ["--ulysses-degree-in-cp", str(layout["ulysses_degree"])]
     results = run_distributed(jobs.train_steps, world, layout=layout, load=ckpt, argv=argv,

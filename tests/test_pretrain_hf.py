@@ -35,7 +35,7 @@ def test_continue_pretraining_from_hf_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     args, _ = prepare(argv)
     assert args.load.startswith(str(tmp_path / "ck")) and args.padded_vocab_size == 512
-    from anyspeed.training.data import build_datasets
+    from anyspeed.training.datasets import build_datasets
 
     train = build_datasets(args)[0]
     losses = []

@@ -1,75 +1,225 @@
-"""Parallel-layout checks shared by the adaptor, the Megatron-LM hooks and the engine.
+"""The one parallel layout: sizes, the CP algorithm, one derivation from flags, one validation.
 
-Each problem is one ValueError line naming the flag and what would fix it, raised before any
-process group exists (a bad layout otherwise surfaces as a hang or a deep assertion).
+The adaptor's layout check, the Megatron-LM hooks, ``anyspeed pretrain`` and the training step
+all use :class:`Layout`. Each problem is one ValueError line naming the flag and what would fix
+it, raised before any process group exists (a bad layout otherwise surfaces as a hang or a deep
+assertion). The data-parallel size is what the world leaves over: ``layout.dp(world_size)``.
 """
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
 
-def check_layout(
-    *,
-    world_size: int,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: int | None = None,
-    num_layers: int | None = None,
-    num_attention_heads: int | None = None,
-    num_query_groups: int | None = None,
-    sequence_parallel: bool = False,
-    cp: int = 1,
-    cp_algo: str = "p2p",
-    seq_length: int | None = None,
-    ulysses_degree: int | None = None,
-) -> None:
-    """Raise ValueError (one line) when the layout cannot work on ``world_size`` processes."""
-    if tp < 1 or pp < 1:
+
+class CPAlgo(str, Enum):
+    """Context-parallel algorithm. The value is Megatron's ``cp_comm_type``; ``flag`` is the
+    MindSpeed ``--context-parallel-algo`` name users write."""
+
+    RING = "p2p"
+    ULYSSES = "a2a"
+    HYBRID = "a2a+p2p"
+
+    @property
+    def flag(self) -> str:
+        return _FLAG_OF[self]
+
+    @classmethod
+    def parse(cls, name: str | CPAlgo | None) -> CPAlgo:
+        """The algorithm for a MindSpeed flag value or a ``cp_comm_type``; ValueError (one line)
+        listing the choices otherwise."""
+        if isinstance(name, CPAlgo):
+            return name
+        if name is None:
+            return cls.RING
+        for algo in cls:
+            if name in (algo.value, algo.flag):
+                return algo
         raise ValueError(
-            "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1"
+            f"--context-parallel-algo {name}: choose megatron_cp_algo (ring), ulysses_cp_algo "
+            "or hybrid_cp_algo"
         )
-    if world_size % (tp * pp * cp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = "
-            f"{tp * pp * cp}: change the sizes or the number of processes"
+
+
+_FLAG_OF = {
+    CPAlgo.RING: "megatron_cp_algo",
+    CPAlgo.ULYSSES: "ulysses_cp_algo",
+    CPAlgo.HYBRID: "hybrid_cp_algo",
+}
+
+
+@dataclass
+class Layout:
+    """How the ranks split one model: tensor, pipeline (+ virtual), context and data parallel."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    cp_algo: CPAlgo = CPAlgo.RING
+    ulysses_degree: int | None = None  # hybrid CP: ranks per Ulysses group
+    vpp: int | None = None  # model chunks per pipeline stage (interleaved schedule)
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # Gradient bucket size in elements (--ddp-bucket-size); None: Megatron's default.
+    bucket_size: int | None = None
+
+    def __post_init__(self) -> None:
+        self.cp_algo = CPAlgo.parse(self.cp_algo)
+        if self.vpp is not None and self.vpp <= 1:
+            self.vpp = None
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the model (TP x PP x CP)."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline stage (1 without virtual pipelining)."""
+        return self.vpp or 1
+
+    def dp(self, world_size: int) -> int:
+        """The data-parallel size on ``world_size`` ranks."""
+        return world_size // self.model_parallel_size
+
+    def hierarchical_cp_sizes(self) -> list[int] | None:
+        """Megatron's hierarchical CP group sizes for hybrid CP, else None."""
+        if self.cp > 1 and self.cp_algo is CPAlgo.HYBRID and self.ulysses_degree:
+            return [self.ulysses_degree, self.cp // self.ulysses_degree]
+        return None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | Any) -> Layout:
+        """The layout Megatron-LM / MindSpeed flags describe (a parsed namespace; absent
+        attributes take Megatron's defaults). The one place VPP is derived."""
+
+        def get(name: str, default: Any = None) -> Any:
+            value = getattr(args, name, None)
+            return default if value is None else value
+
+        pp = _int(get("pipeline_model_parallel_size", 1), "--pipeline-model-parallel-size")
+        return cls(
+            tp=_int(get("tensor_model_parallel_size", 1), "--tensor-model-parallel-size"),
+            pp=pp,
+            cp=_int(get("context_parallel_size", 1), "--context-parallel-size"),
+            cp_algo=CPAlgo.parse(get("context_parallel_algo", "megatron_cp_algo")),
+            ulysses_degree=_opt_int(get("ulysses_degree_in_cp"), "--ulysses-degree-in-cp"),
+            vpp=virtual_stages(
+                _opt_int(get("num_layers"), "--num-layers"),
+                pp,
+                _opt_int(
+                    get("num_layers_per_virtual_pipeline_stage"),
+                    "--num-layers-per-virtual-pipeline-stage",
+                ),
+            )
+            or _opt_int(get("virtual_pipeline_model_parallel_size"), "--virtual-pipeline-size"),
+            sequence_parallel=bool(get("sequence_parallel", False)),
+            distributed_optimizer=bool(get("use_distributed_optimizer", False)),
+            overlap_grad_reduce=bool(get("overlap_grad_reduce", False)),
+            overlap_param_gather=bool(get("overlap_param_gather", False)),
+            bucket_size=get("ddp_bucket_size"),
         )
-    if cp > 1 and seq_length is not None:
-        need = 2 * cp  # Megatron's load-balanced split: two chunks per CP rank
-        if seq_length % need:
+
+    def validate(
+        self,
+        world_size: int,
+        *,
+        num_layers: int | None = None,
+        num_attention_heads: int | None = None,
+        num_query_groups: int | None = None,
+        seq_length: int | None = None,
+    ) -> None:
+        """Raise ValueError (one line, naming the flag) when the layout cannot work."""
+        tp, pp, cp = self.tp, self.pp, self.cp
+        if tp < 1 or pp < 1 or cp < 1:
+            raise ValueError(
+                "--tensor-model-parallel-size, --pipeline-model-parallel-size and "
+                "--context-parallel-size must be >= 1"
+            )
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = "
+                f"{self.model_parallel_size}: change the sizes or the number of processes"
+            )
+        self._validate_cp(tp, num_attention_heads, seq_length)
+        if num_attention_heads is not None and num_attention_heads % tp:
+            raise ValueError(
+                f"--num-attention-heads {num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}"
+            )
+        if num_query_groups and num_query_groups % tp and tp % num_query_groups:
+            raise ValueError(
+                f"--num-query-groups {num_query_groups} and --tensor-model-parallel-size {tp} "
+                "must divide one another"
+            )
+        if num_layers is not None and num_layers % (pp * self.chunks):
+            raise ValueError(
+                f"--num-layers {num_layers} is not divisible by pipeline stages x virtual chunks "
+                f"= {pp * self.chunks}"
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.vpp and pp < 2:
+            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+
+    def _validate_cp(self, tp: int, heads: int | None, seq_length: int | None) -> None:
+        cp = self.cp
+        if cp == 1:
+            return
+        if seq_length is not None and seq_length % (2 * cp):
+            # Megatron's load-balanced split: two chunks per CP rank.
             raise ValueError(
                 f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size "
-                f"{cp} = {need}"
+                f"{cp} = {2 * cp}"
             )
-    if cp > 1 and cp_algo == "a2a+p2p":
-        if not ulysses_degree or ulysses_degree < 1 or cp % ulysses_degree:
+        if self.cp_algo is CPAlgo.HYBRID:
+            u = self.ulysses_degree
+            if not u or u < 1 or cp % u:
+                raise ValueError(
+                    f"--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp "
+                    f"dividing --context-parallel-size {cp} (got {u})"
+                )
+        degree = {CPAlgo.ULYSSES: cp, CPAlgo.HYBRID: self.ulysses_degree or 1}.get(self.cp_algo, 1)
+        if degree > 1 and heads is not None and heads % (tp * degree):
             raise ValueError(
-                f"--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp dividing "
-                f"--context-parallel-size {cp} (got {ulysses_degree})"
+                f"--num-attention-heads {heads} is not divisible by the Ulysses degree {degree} "
+                f"x --tensor-model-parallel-size {tp}"
             )
-    degree = cp if cp_algo == "a2a" else (ulysses_degree or 1) if cp_algo == "a2a+p2p" else 1
-    if cp > 1 and degree > 1 and num_attention_heads is not None:
-        if num_attention_heads % (tp * degree):
-            raise ValueError(
-                f"--num-attention-heads {num_attention_heads} is not divisible by the Ulysses "
-                f"degree {degree} x --tensor-model-parallel-size {tp}"
-            )
-    if num_attention_heads is not None and num_attention_heads % tp:
+
+
+def virtual_stages(num_layers: int | None, pp: int, layers_per_chunk: int | None) -> int | None:
+    """Model chunks per pipeline stage from ``--num-layers-per-virtual-pipeline-stage`` (None
+    when not interleaving); ValueError (one line) when the numbers do not fit."""
+    if not layers_per_chunk:
+        return None
+    if pp < 2:
         raise ValueError(
-            f"--num-attention-heads {num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
+            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
         )
-    if num_query_groups and num_query_groups % tp and tp % num_query_groups:
+    if num_layers is None:
+        return None
+    if num_layers % (pp * layers_per_chunk):
         raise ValueError(
-            f"--num-query-groups {num_query_groups} and --tensor-model-parallel-size {tp} must "
-            "divide one another"
+            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            f"--num-layers-per-virtual-pipeline-stage {layers_per_chunk}"
         )
-    chunks = pp * (vpp or 1)
-    if num_layers is not None and num_layers % chunks:
-        raise ValueError(
-            f"--num-layers {num_layers} is not divisible by pipeline stages x virtual chunks = "
-            f"{chunks}"
-        )
-    if sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if vpp and vpp > 1 and pp < 2:
-        raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
+    chunks = num_layers // pp // layers_per_chunk
+    return chunks if chunks > 1 else None
+
+
+def _opt_int(value: Any, flag: str) -> int | None:
+    return None if value is None else _int(value, flag)
+
+
+def _int(value: Any, flag: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} expects an integer (got {value!r})") from None

@@ -3,7 +3,7 @@
 torch_dist: ``<dir>/latest_checkpointed_iteration.txt`` = ``release`` and ``<dir>/release/`` a
 ``dist_checkpointing`` checkpoint of ``{"model": GPTModel.sharded_state_dict(), "iteration": 0,
 "checkpoint_version": 3.0, "anyspeed_model": asdict(preset), "anyspeed_convert": {...}}``. The
-keys come from Megatron-Core's own GPTModel (built empty, at TP1/PP1, by the shared factory), so
+keys come from Megatron-Core's own GPTModel (built empty, at TP1/PP1, by the one builder), so
 the checkpoint loads at any TP/PP layout. Reading loads one layer at a time.
 
 legacy: ``<dir>/iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt`` per target TP (XX) / PP (YYY)
@@ -138,11 +138,11 @@ def megatron_session() -> Iterator[None]:
 
 
 def empty_model(preset: ModelPreset, dtype: torch.dtype):
-    """GPTModel (shared factory, TP1/PP1) with uninitialised weights: its sharded state dict is
-    the checkpoint's key layout."""
-    from anyspeed.models.factory import gpt_model, transformer_config
+    """GPTModel (the one builder, TP1/PP1) with uninitialised weights: its sharded state dict
+    is the checkpoint's key layout."""
+    from anyspeed.models import gpt
 
-    cfg = transformer_config(
+    cfg = gpt.transformer_config(
         preset,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -150,7 +150,7 @@ def empty_model(preset: ModelPreset, dtype: torch.dtype):
         pipeline_dtype=dtype,
         perform_initialization=False,
     )
-    return gpt_model(preset, cfg)
+    return gpt.build(preset, cfg)
 
 
 # ------------------------------------------------------------------------------- torch_dist

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -152,8 +153,15 @@ def save_checkpoint(
     optimizer: Any | None,
     scheduler: Any | None,
     extra: dict[str, Any],
+    *,
+    save_rng: bool = True,
+    before_commit: Callable[[str], None] | None = None,
 ) -> str:
-    """Save atomically to ``root/iter_XXXXXXX`` and point ``latest`` at it; returns the dir."""
+    """Save atomically to ``root/iter_XXXXXXX`` and point ``latest`` at it; returns the dir.
+
+    ``save_rng=False`` (``--no-save-rng``) leaves the RNG states out; ``before_commit(tmp)``
+    runs once the data is written, before the rename (tests kill the process there).
+    """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -183,9 +191,12 @@ def save_checkpoint(
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(state, tmp)
-    rng_dir = os.path.join(tmp, "anyspeed_rng")
-    os.makedirs(rng_dir, exist_ok=True)
-    torch.save(_rng_state(), os.path.join(rng_dir, f"{_rank_key()}.pt"))
+    if save_rng:
+        rng_dir = os.path.join(tmp, "anyspeed_rng")
+        os.makedirs(rng_dir, exist_ok=True)
+        torch.save(_rng_state(), os.path.join(rng_dir, f"{_rank_key()}.pt"))
+    if before_commit is not None:
+        before_commit(tmp)
     dist.barrier()
     if rank == 0:
         if os.path.exists(final):  # saving the same iteration again: replace it

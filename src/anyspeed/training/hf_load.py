@@ -8,7 +8,6 @@ iteration 0. Conversion runs before any process group exists (it starts its own)
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -17,25 +16,10 @@ import sys
 import tempfile
 import time
 
-from anyspeed.features import flag_value
-from anyspeed.training.arguments import UsageError, padded_vocab_size
-
-
-def _flag(argv: list[str], name: str, default: str | None = None) -> str | None:
-    value = flag_value(argparse.Namespace(_argv=argv), name)
-    return default if value is None else value
-
-
-def set_flag(argv: list[str], name: str, value: str) -> list[str]:
-    out = list(argv)
-    for i, tok in enumerate(out):
-        if tok == name and i + 1 < len(out):
-            out[i + 1] = value
-            return out
-        if tok.startswith(name + "="):
-            out[i] = f"{name}={value}"
-            return out
-    return out + [name, value]
+from anyspeed.argv import get_flag as _flag
+from anyspeed.argv import merge_flags, set_flag
+from anyspeed.errors import UsageError
+from anyspeed.models.config import padded_vocab_size
 
 
 def hf_dir_of(argv: list[str]) -> str | None:
@@ -50,7 +34,7 @@ def hf_dir_of(argv: list[str]) -> str | None:
 
 def expand(argv: list[str], hf_dir: str) -> list[str]:
     """Architecture flags from the HF ``config.json`` (explicit flags win) and its tokenizer."""
-    from anyspeed.models.presets import merge_flags, preset_from_hf
+    from anyspeed.models.hf import preset_from_hf
 
     try:
         config = json.load(open(os.path.join(hf_dir, "config.json")))

@@ -1,23 +1,9 @@
-"""Training metrics: model FLOPs per token, peak memory, progress line and TensorBoard scalars."""
+"""Training metrics: peak memory, the progress line and TensorBoard scalars."""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any
-
-
-def model_flops_per_token(spec: Any) -> float:
-    """Training FLOPs per token: 6 x parameters in matmuls plus causal attention scores."""
-    h, L, s = spec.hidden_size, spec.num_layers, spec.seq_length
-    heads = spec.num_attention_heads
-    d = getattr(spec, "kv_channels", None) or h // heads
-    kv = (spec.num_query_groups or heads) / heads
-    ffn = spec.ffn_hidden_size or 4 * h
-    per_layer = h * heads * d * (2 + 2 * kv) + h * ffn * (3 if spec.swiglu else 2)
-    matmul_params = L * per_layer + h * spec.vocab_size
-    # attention: QK^T and AV (2 matmuls x 2 FLOPs x 3 for fwd+bwd), causal half
-    return 6.0 * matmul_params + 6.0 * L * heads * d * s
 
 
 def peak_memory_bytes() -> int:

@@ -69,7 +69,7 @@ def build_datasets(args: argparse.Namespace) -> list[Any]:
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    from anyspeed.training.arguments import data_blend
+    from anyspeed.training.checks import data_blend
 
     blend = None if args.mock_data else data_blend(args)
     config = GPTDatasetConfig(

@@ -1,4 +1,4 @@
-"""Greedy text generation from a trained model at any TP/PP/DP layout (demo and smoke checks).
+"""Greedy text generation at any TP/PP/DP layout (the sample a pretraining run prints).
 
 Each new token re-runs the whole prefix through the pipeline schedule (no KV cache): simple and
 layout-agnostic, fine for the short samples a demo prints.
@@ -11,13 +11,14 @@ import argparse
 import torch
 
 
-def generate_ids(trainer, prompt_ids: list[int], new_tokens: int, max_len: int,
+def generate_ids(model: list, prompt_ids: list[int], new_tokens: int, max_len: int,
                  eod: int | None = None) -> list[int]:  # fmt: skip
     """Greedy continuation of ``prompt_ids`` (identical on every rank)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from anyspeed.device import torch_device
+    from anyspeed.inference.logits import forward_logits
 
     tp = ps.get_tensor_model_parallel_world_size()
     ids = list(prompt_ids)
@@ -27,7 +28,7 @@ def generate_ids(trainer, prompt_ids: list[int], new_tokens: int, max_len: int,
         # Sequence parallelism splits the sequence over TP ranks: pad on the right (causal
         # attention keeps the padding from touching the positions we read).
         padded = window + [0] * ((-n) % tp)
-        logits = trainer.logits(torch.tensor([padded]))
+        logits = forward_logits(model, torch.tensor([padded]))
         nxt = torch.zeros(1, dtype=torch.int64, device=torch_device())
         if logits is not None:
             nxt[0] = int(logits[0, n - 1].float().argmax())
@@ -39,13 +40,15 @@ def generate_ids(trainer, prompt_ids: list[int], new_tokens: int, max_len: int,
     return ids[len(prompt_ids) :]
 
 
-def generate_text(trainer, args: argparse.Namespace, prompt: str, new_tokens: int) -> str | None:
+def generate_text(
+    model: list, args: argparse.Namespace, prompt: str, new_tokens: int
+) -> str | None:
     """Greedy continuation of ``prompt`` decoded with the run's tokenizer (None without one)."""
     tok = getattr(args, "tokenizer", None)
     if tok is None or getattr(args, "context_parallel_size", 1) > 1:
         return None
     ids = tok.encode([prompt], special=False)[0]
-    out = generate_ids(trainer, ids, new_tokens, args.seq_length, tok.eod_id)
+    out = generate_ids(model, ids, new_tokens, args.seq_length, tok.eod_id)
     return decode(tok, out)
 
 

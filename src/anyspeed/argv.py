@@ -1,0 +1,64 @@
+"""Helpers for command lines held as lists of strings (before or instead of argparse).
+
+Used where a command line is edited rather than parsed: a preset's flags merged under the
+user's (explicit flags win), and ``--load <HF dir>`` rewritten to the converted checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def get_flag(argv: Sequence[str], flag: str, default: str | None = None) -> str | None:
+    """The value of ``flag`` (``--x v`` or ``--x=v``; the last one wins), else ``default``."""
+    value = default
+    for i, tok in enumerate(argv):
+        if tok == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif tok.startswith(flag + "="):
+            value = tok.split("=", 1)[1]
+    return value
+
+
+def set_flag(argv: Sequence[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag`` set to ``value`` (replaced in place, or appended)."""
+    out = list(argv)
+    for i, tok in enumerate(out):
+        if tok == flag and i + 1 < len(out):
+            out[i + 1] = value
+            return out
+        if tok.startswith(flag + "="):
+            out[i] = f"{flag}={value}"
+            return out
+    return out + [flag, value]
+
+
+def pop_flag(argv: Sequence[str], flag: str) -> tuple[str | None, list[str]]:
+    """(value of ``flag`` or None, ``argv`` without it); ValueError when it has no value."""
+    out, value, i = [], None, 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == flag:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{flag} needs a value")
+            value, i = argv[i + 1], i + 2
+            continue
+        if tok.startswith(flag + "="):
+            value, i = tok.split("=", 1)[1], i + 1
+            continue
+        out.append(tok)
+        i += 1
+    return value, out
+
+
+def merge_flags(defaults: Sequence[str], argv: Sequence[str]) -> list[str]:
+    """``defaults`` (flags with optional values) then ``argv``, dropping defaults ``argv`` sets."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    j, kept = 0, []
+    while j < len(defaults):
+        flag = defaults[j]
+        has_value = j + 1 < len(defaults) and not defaults[j + 1].startswith("--")
+        if flag not in given:
+            kept += defaults[j : j + (2 if has_value else 1)]
+        j += 2 if has_value else 1
+    return kept + list(argv)

@@ -1,0 +1,1 @@
+"""Inference on trained or converted models: full-vocabulary logits and text generation."""

@@ -1,0 +1,246 @@
+"""The one description of a GPT architecture, and its Megatron-LM command-line flags.
+
+:class:`ModelConfig` is what presets, Hugging Face configs, ``anyspeed pretrain``'s flags and
+checkpoints all turn into; :mod:`anyspeed.models.gpt` is the only place that turns it into
+Megatron objects. The flag <-> field mapping is the table :data:`ARCH_FLAGS`: the pretraining
+parser, :meth:`ModelConfig.from_args` and :meth:`ModelConfig.megatron_args` all read it, so a
+new architecture field is one field plus one row here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT architecture in Megatron's vocabulary (defaults: a tiny LLaMA-style test model)."""
+
+    name: str = "custom"
+    family: str = "llama"  # the Hugging Face model_type ("llama" | "qwen2" | "qwen3" | "mistral")
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: one group per head (no GQA)
+    vocab_size: int = 256  # rows of the embedding (already padded)
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    kv_channels: int | None = None  # None: hidden_size // num_attention_heads
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tie_embeddings: bool = False
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    normalization: str = "RMSNorm"
+    swiglu: bool = True
+    position_embedding_type: str = "rope"
+    add_bias_linear: bool = False
+    rotary_percent: float = 1.0
+    # Training-time settings Megatron keeps in its TransformerConfig; not part of the identity.
+    init_method_std: float = field(default=0.02, compare=False)
+    hidden_dropout: float = field(default=0.0, compare=False)
+    attention_dropout: float = field(default=0.0, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def gqa(self) -> bool:
+        return self.num_query_groups != self.num_attention_heads
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (for checkpoints): ``ModelConfig(**d)`` reads it back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """The inverse of :meth:`to_dict`; unknown keys (from a newer anyspeed) are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(values) - names)
+        if extra:
+            raise ValueError(f"unknown model fields {extra} (written by a newer anyspeed?)")
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelConfig:
+        """The architecture checked pretraining ``args`` describe (``args.model``: preset name)."""
+        values = {row.field: row.read(args) for row in ARCH_FLAGS}
+        if not getattr(args, "group_query_attention", False):
+            values["num_query_groups"] = None
+        if getattr(args, "use_rope_scaling", False):
+            values["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor}
+        name = getattr(args, "model", None)
+        family = _family_of(name) if name else _infer_family(values)
+        return cls(name=name or "custom", family=family, **values)
+
+    def megatron_args(self) -> list[str]:
+        """The Megatron-LM / MindSpeed-LLM flags that describe this architecture."""
+        out: list[str] = []
+        for row in ARCH_FLAGS:
+            if row.arch and (row.field != "num_query_groups" or self.gqa):
+                out += row.emit(getattr(self, row.field))
+        if self.gqa:
+            out += ["--group-query-attention"]
+        if self.rope_scaling:
+            out += ["--use-rope-scaling", "--rope-scaling-factor", str(self.rope_scaling["factor"])]
+        return out
+
+    def hf_config(self) -> dict[str, Any]:
+        """Fields of the family's Hugging Face ``config.json`` for this architecture."""
+        cfg: dict[str, Any] = {
+            "model_type": self.family,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rotary_base,
+            "rms_norm_eps": self.norm_epsilon,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+        }
+        if self.kv_channels or self.family in ("qwen3", "mistral"):
+            cfg["head_dim"] = self.head_dim
+        if self.family == "llama":
+            cfg["attention_bias"] = self.add_qkv_bias
+        if self.rope_scaling:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
+        return cfg
+
+    def num_parameters(self) -> int:
+        """Parameter count (embeddings included, tied ones counted once)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attn = h * (q + 2 * kv) + q * h
+        if self.add_qkv_bias:
+            attn += q + 2 * kv
+        if self.qk_layernorm:
+            attn += 2 * d
+        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden_size
+        layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token: 6 x matmul parameters plus causal attention scores."""
+        h, d, heads = self.hidden_size, self.head_dim, self.num_attention_heads
+        kv = self.num_query_groups / heads
+        per_layer = h * heads * d * (2 + 2 * kv) + h * self.ffn_hidden_size * (
+            3 if self.swiglu else 2
+        )
+        matmul_params = self.num_layers * per_layer + h * self.vocab_size
+        return 6.0 * matmul_params + 6.0 * self.num_layers * heads * d * seq_length
+
+
+@dataclass(frozen=True)
+class ArchFlag:
+    """One row of the flag table: a :class:`ModelConfig` field and its Megatron-LM flag."""
+
+    field: str
+    flag: str
+    type: type | None  # None: a switch (store_true)
+    default: Any = None  # Megatron-LM's default when the flag is absent
+    invert: bool = False  # the switch turns the field off (--disable-bias-linear)
+    choices: tuple[str, ...] | None = None
+    arch: bool = True  # part of the architecture (written by megatron_args)
+
+    def add_to(self, parser: argparse._ActionsContainer) -> None:
+        if self.type is None:
+            parser.add_argument(self.flag, action="store_true")
+        else:
+            parser.add_argument(self.flag, type=self.type, default=self.default,
+                                choices=self.choices)  # fmt: skip
+
+    def read(self, args: argparse.Namespace) -> Any:
+        value = getattr(args, self.flag[2:].replace("-", "_"), self.default)
+        if self.type is None:
+            return (not value) if self.invert else bool(value)
+        return value
+
+    def emit(self, value: Any) -> list[str]:
+        if self.type is None:
+            return [self.flag] if bool(value) != self.invert else []
+        if value is None:
+            return []
+        if self.type is int:
+            value = int(value)
+        return [self.flag, str(value)]
+
+
+ARCH_FLAGS: tuple[ArchFlag, ...] = (
+    ArchFlag("num_layers", "--num-layers", int),
+    ArchFlag("hidden_size", "--hidden-size", int),
+    ArchFlag("ffn_hidden_size", "--ffn-hidden-size", int),
+    ArchFlag("num_attention_heads", "--num-attention-heads", int),
+    ArchFlag("num_query_groups", "--num-query-groups", int),
+    ArchFlag("kv_channels", "--kv-channels", int),
+    ArchFlag("max_position_embeddings", "--max-position-embeddings", int),
+    ArchFlag(
+        "position_embedding_type",
+        "--position-embedding-type",
+        str,
+        "learned_absolute",
+        choices=("rope", "learned_absolute"),
+    ),  # fmt: skip
+    ArchFlag("rotary_base", "--rotary-base", int, 10000),
+    ArchFlag("rotary_percent", "--rotary-percent", float, 1.0),
+    ArchFlag(
+        "normalization", "--normalization", str, "LayerNorm", choices=("LayerNorm", "RMSNorm")
+    ),  # fmt: skip
+    ArchFlag("norm_epsilon", "--norm-epsilon", float, 1e-5),
+    ArchFlag("swiglu", "--swiglu", None),
+    ArchFlag("add_bias_linear", "--disable-bias-linear", None, invert=True),
+    ArchFlag("add_qkv_bias", "--add-qkv-bias", None),
+    ArchFlag("qk_layernorm", "--qk-layernorm", None),
+    ArchFlag("tie_embeddings", "--untie-embeddings-and-output-weights", None, invert=True),
+    ArchFlag("vocab_size", "--padded-vocab-size", int),
+    ArchFlag("init_method_std", "--init-method-std", float, 0.02, arch=False),
+    ArchFlag("hidden_dropout", "--hidden-dropout", float, 0.1, arch=False),
+    ArchFlag("attention_dropout", "--attention-dropout", float, 0.1, arch=False),
+)
+
+
+def add_arguments(parser: argparse._ActionsContainer) -> None:
+    """Add the architecture flags (the table plus GQA and RoPE-scaling switches)."""
+    for row in ARCH_FLAGS:
+        row.add_to(parser)
+    parser.add_argument("--group-query-attention", action="store_true")
+    parser.add_argument("--use-rope-scaling", action="store_true")
+    parser.add_argument("--rope-scaling-factor", type=float, default=8.0)
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: pad the vocabulary to a multiple of ``divisible_by`` x TP."""
+    m = divisible_by * tp
+    return int(math.ceil(vocab / m) * m)
+
+
+def _family_of(preset_name: str) -> str:
+    from anyspeed.models.presets import get_preset
+
+    return get_preset(preset_name).family
+
+
+def _infer_family(values: dict[str, Any]) -> str:
+    """The HF family a flag-described model is closest to (QK norm: Qwen3, QKV bias: Qwen2)."""
+    if values.get("qk_layernorm"):
+        return "qwen3"
+    if values.get("add_qkv_bias"):
+        return "qwen2"
+    return "llama"

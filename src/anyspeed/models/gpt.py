@@ -1,0 +1,141 @@
+"""The only GPT builder: :class:`ModelConfig` + :class:`Layout` -> Megatron-Core objects.
+
+Training, conversion, tests and benchmarks all build their ``TransformerConfig``, layer spec and
+``GPTModel`` here, so an architecture field reaches every path through this one module. Megatron
+config knobs that Megatron implements on every device are passed through here; behaviour Megatron
+lacks off CUDA is an anyspeed feature (see :mod:`anyspeed.features`), which may patch the seams
+these objects expose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from anyspeed.layout import Layout
+from anyspeed.models.config import ModelConfig
+
+# Megatron config defaults that assume CUDA kernels (apex / TE / torch.compile fusions), off so
+# the portable path is used; the level-1 kernels switch their own seams back on. CPU
+# initialisation gives layout-independent, reproducible weights.
+PORTABLE_CONFIG = dict(
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    use_cpu_initialization=True,
+)
+
+
+def params_dtype(bf16: bool = False, fp16: bool = False) -> torch.dtype:
+    """The parameter dtype of a run in bf16, fp16 or fp32."""
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+
+def transformer_config(
+    model: ModelConfig,
+    layout: Layout | None = None,
+    *,
+    bf16: bool = False,
+    fp16: bool = False,
+    **overrides: Any,
+):
+    """Megatron ``TransformerConfig`` for ``model`` at ``layout`` (overrides win)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    layout = layout or Layout()
+    dtype = params_dtype(bf16, fp16)
+    kw: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        cp_comm_type=layout.cp_algo.value,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
+        fp16=fp16,
+        deallocate_pipeline_outputs=True,
+        **PORTABLE_CONFIG,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def layer_spec(model: ModelConfig):
+    """Megatron's decoder-layer spec for ``model`` (the local, non-TE modules)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        normalization=model.normalization, qk_layernorm=model.qk_layernorm
+    )
+
+
+def build(
+    model: ModelConfig,
+    config,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+):
+    """One Megatron ``GPTModel`` (or pipeline chunk) of ``model`` with ``config``."""
+    from megatron.core.models.gpt import GPTModel
+
+    scaling = model.rope_scaling or {}
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=int(model.rotary_base),
+        rotary_percent=model.rotary_percent,
+        rope_scaling=bool(scaling),
+        rope_scaling_factor=float(scaling.get("factor", 8.0)),
+        vp_stage=vp_stage,
+    )
+
+
+def build_chunks(model: ModelConfig, config, layout: Layout) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), from Megatron's parallel
+    state; un-wrapped, on the CPU."""
+    from megatron.core import parallel_state as ps
+
+    chunks = []
+    for i in range(layout.chunks):
+        vp = i if layout.vpp else None
+        chunks.append(
+            build(
+                model,
+                config,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                vp_stage=vp,
+            )
+        )
+    return chunks

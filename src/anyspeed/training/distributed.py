@@ -1,0 +1,55 @@
+"""Process group and Megatron parallel state for a layout, with Megatron-LM's seeding."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+from anyspeed.layout import Layout
+
+
+def init_distributed(layout: Layout, seed: int) -> None:
+    """Start the process group (the device's backend) and Megatron's parallel state.
+
+    Every generator is seeded as Megatron-LM does (offset per pipeline stage; the device and
+    tensor-parallel generators through Megatron), so with CPU initialisation the initial
+    weights are reproducible and independent of the tensor-parallel size.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from anyspeed.device import detect
+
+    info = detect()
+    if not info.is_cpu:  # one accelerator per local rank, as torchrun lays them out
+        getattr(torch, info.type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=info.dist_backend)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        hierarchical_context_parallel_sizes=layout.hierarchical_cp_sizes(),
+    )
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def world_size() -> int:
+    """The job's world size from the launcher's environment (1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_rank0() -> bool:
+    """Whether this process is global rank 0 (the one that prints)."""
+    return int(os.environ.get("RANK", "0")) == 0

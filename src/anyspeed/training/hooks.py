@@ -1,0 +1,235 @@
+"""The loop's hooks: NaN guard, logging/metrics, evaluation, checkpoints, fault injection."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from typing import Any
+
+from anyspeed.training.distributed import is_rank0
+from anyspeed.training.loop import Hook, LoopState
+
+
+def print0(*parts: Any) -> None:
+    """Print on global rank 0 only."""
+    if is_rank0():
+        print(*parts, flush=True)
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite: the run stops without saving over good checkpoints."""
+
+
+class NanGuard(Hook):
+    """Stops the run at the first non-finite loss, naming the last good checkpoint."""
+
+    def __init__(self, save_dir: str | None) -> None:
+        self.save_dir = save_dir
+
+    def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
+        if math.isfinite(out["loss"]):
+            return
+        from anyspeed.training.checkpointing import read_latest
+
+        state.notify("abort")
+        good = read_latest(self.save_dir) if self.save_dir else None
+        raise NonFiniteLoss(
+            f"loss is {out['loss']} at iteration {state.iteration}; stopping without saving"
+            + (f" (last good checkpoint: iteration {good} in {self.save_dir})" if good else "")
+        )
+
+
+class Reporter:
+    """Where a run's numbers go: rank 0's terminal (progress bar), TensorBoard, a JSON file."""
+
+    def __init__(self, args: argparse.Namespace, start: int) -> None:
+        from anyspeed.training.metrics import Progress, TensorBoard
+
+        self.progress = Progress(args.train_iters, start, enabled=not args.no_progress_bar)
+        self.tb = TensorBoard(args.tensorboard_dir if is_rank0() else None)
+        self.metrics = open(args.metrics_file, "a") if args.metrics_file and is_rank0() else None
+
+    def record(self, values: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(values) + "\n")
+            self.metrics.flush()
+
+    def close(self) -> None:
+        self.progress.clear()
+        self.tb.close()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+
+class LogHook(Hook):
+    """Megatron-LM's iteration line every ``--log-interval`` steps, plus metrics and TB."""
+
+    def __init__(self, reporter: Reporter, args: argparse.Namespace, flops_per_token: float,
+                 peak_flops: float) -> None:  # fmt: skip
+        self.r, self.args = reporter, args
+        self.flops_tok, self.peak = flops_per_token, peak_flops
+        self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
+
+    def on_abort(self, state: LoopState) -> None:
+        self.r.progress.clear()
+
+    def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
+        self.loss += out["loss"]
+        self.n += 1
+        it = state.iteration
+        self.r.progress.update(it)
+        if it % self.args.log_interval and it != state.train_iters:
+            return
+        from anyspeed.training.metrics import peak_memory_bytes
+
+        dt = (time.perf_counter() - self.t0) / self.n
+        tps = self.args.global_batch_size * self.args.seq_length / dt
+        tflops = tps * self.flops_tok / 1e12
+        mem = peak_memory_bytes() / 2**30
+        opt = state.trainer.optimizer
+        scale = float(opt.get_loss_scale()) if self.args.fp16 else None
+        loss = self.loss / self.n
+        self.r.progress.clear()
+        print0(
+            f" iteration {it:>7d}/{state.train_iters} | consumed samples {state.consumed:>9d} | "
+            f"elapsed time per iteration (ms): {dt * 1000:.1f} | learning rate: {out['lr']:.6E} | "
+            f"lm loss: {loss:.6E} | "
+            + (f"loss scale: {scale:.1f} | " if scale is not None else "")
+            + f"grad norm: {out['grad_norm']:.3f} | tokens/s: {tps:,.0f} | "
+            f"TFLOP/s: {tflops:.3f} | MFU: {100 * tflops * 1e12 / self.peak:.1f}% | "
+            f"peak mem: {mem:.2f} GiB/rank | {self.r.progress.tag(it)}"
+        )
+        mfu = tflops * 1e12 / self.peak
+        self.r.record({"iteration": it, "lm_loss": loss, "lr": out["lr"],
+                       "skipped": len(state.history["skipped"]), "grad_norm": out["grad_norm"],
+                       "tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "peak_mem_gib": mem,
+                       "ms_per_iter": dt * 1000})  # fmt: skip
+        self.r.tb.scalars({"lm-loss": loss, "learning-rate": out["lr"],
+                           "grad-norm": out["grad_norm"], "tokens-per-sec": tps, "tflops": tflops,
+                           "mfu": mfu, "mem-peak-gib": mem}, it)  # fmt: skip
+        self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
+
+    def on_end(self, state: LoopState, completed: bool) -> None:
+        self.r.progress.clear()
+
+
+class EvalHook(Hook):
+    """Validation every ``--eval-interval`` steps and at the end; the test split at the end."""
+
+    def __init__(self, reporter: Reporter, args: argparse.Namespace, task: Any,
+                 valid: Any, test: Any, device: Any) -> None:  # fmt: skip
+        self.r, self.args, self.task = reporter, args, task
+        self.valid_ds, self.test_ds, self.device = valid, test, device
+        self.valid_iter = None
+
+    def on_start(self, state: LoopState) -> None:
+        if self.valid_ds is not None:
+            self.valid_iter = self.task.batches(self.valid_ds, self.args, state.consumed_valid,
+                                                self.device)  # fmt: skip
+
+    def _evaluate(self, state: LoopState, label: str, source: Any) -> float | None:
+        if source is None or not self.args.eval_iters:
+            return None
+        losses = []
+        for _ in range(self.args.eval_iters):
+            mbs = next(source, None)
+            if mbs is None:
+                break
+            losses.append(state.trainer.evaluate(mbs))
+        if not losses:
+            return None
+        loss = sum(losses) / len(losses)
+        ppl = math.exp(min(loss, 20.0))
+        print0(f" {label} loss at iteration {state.iteration} | lm loss value: {loss:.6E} | "
+               f"lm loss PPL: {ppl:.6E}")  # fmt: skip
+        self.r.tb.scalars({f"lm-loss-{label.split()[0]}": loss}, state.iteration)
+        return loss
+
+    def _validate(self, state: LoopState) -> None:
+        v = self._evaluate(state, "validation", self.valid_iter)
+        if v is not None:
+            state.history["valid"].append((state.iteration, v))
+            state.consumed_valid += self.args.eval_iters * self.args.global_batch_size
+
+    def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
+        every = self.args.eval_interval
+        if every and state.iteration % every == 0 and state.iteration != state.train_iters:
+            self._validate(state)
+
+    def on_end(self, state: LoopState, completed: bool) -> None:
+        if not completed or state.train_iters <= state.start_iteration:
+            return
+        self._validate(state)
+        if self.test_ds is not None:
+            source = self.task.batches(self.test_ds, self.args, 0, self.device)
+            state.history["test"] = self._evaluate(state, "test", source)
+
+
+class CheckpointHook(Hook):
+    """Saves every ``--save-interval`` steps and at the end; stops at ``--exit-interval``."""
+
+    def __init__(self, args: argparse.Namespace, extra: dict[str, Any]) -> None:
+        self.args, self.extra = args, extra
+        self.last_saved: int | None = None
+
+    def on_start(self, state: LoopState) -> None:
+        resumed = self.args.load and not self.args.finetune
+        self.last_saved = state.iteration if resumed else None
+
+    def save(self, state: LoopState) -> None:
+        from anyspeed.training.checkpointing import save_checkpoint
+
+        args, t = self.args, time.perf_counter()
+        extra = dict(self.extra, consumed_train_samples=state.consumed,
+                     consumed_valid_samples=state.consumed_valid)  # fmt: skip
+        optimizer = None if args.no_save_optim else state.trainer.optimizer
+        path = save_checkpoint(
+            args.save,
+            state.iteration,
+            state.trainer.model,
+            optimizer,
+            state.scheduler,
+            extra,
+            save_rng=not getattr(args, "no_save_rng", False),
+            before_commit=lambda tmp: state.notify("checkpoint_written", tmp),
+        )
+        state.history["saved"].append(state.iteration)
+        self.last_saved = state.iteration
+        print0(f" saved checkpoint {path} ({time.perf_counter() - t:.1f} s)")
+
+    def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
+        every = self.args.save_interval
+        if self.args.save and every and state.iteration % every == 0:
+            self.save(state)
+
+    def should_stop(self, state: LoopState) -> bool:
+        every = self.args.exit_interval
+        return bool(every and state.iteration % every == 0)
+
+    def on_end(self, state: LoopState, completed: bool) -> None:
+        if self.args.save and self.last_saved != state.iteration:
+            self.save(state)
+
+
+class FaultInjection(Hook):
+    """Faults for tests: a NaN weight before iteration ``nan_at``; the process killed after the
+    ``crash_on_save``-th checkpoint's data is written but before it is renamed into place."""
+
+    def __init__(self, nan_at: int | None = None, crash_on_save: int | None = None) -> None:
+        self.nan_at, self.crash_on_save, self.saves = nan_at, crash_on_save, 0
+
+    def before_step(self, state: LoopState) -> None:
+        if self.nan_at is not None and state.iteration + 1 == self.nan_at:
+            import torch
+
+            with torch.no_grad():
+                next(state.trainer.model[0].parameters()).fill_(float("nan"))
+
+    def on_checkpoint_written(self, state: LoopState, tmp_dir: str) -> None:
+        self.saves += 1
+        if self.saves == self.crash_on_save:
+            os._exit(17)

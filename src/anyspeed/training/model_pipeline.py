@@ -1,0 +1,119 @@
+"""The model pipeline: build -> transforms -> precision -> DDP, then the optimizer.
+
+Each stage is an explicit, ordered step (as torchtitan applies TP, then checkpointing, then
+FSDP). ``transforms`` is where model changes that must happen before gradients are bucketed
+plug in (LoRA adapters, freezing): each is a callable ``(chunk, model_config) -> chunk`` applied
+to every pipeline chunk in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from anyspeed.layout import Layout
+from anyspeed.models import gpt
+from anyspeed.models.config import ModelConfig
+from anyspeed.training.config import TrainConfig
+
+Transform = Callable[[torch.nn.Module, ModelConfig], torch.nn.Module]
+
+
+def build_chunks(
+    model: ModelConfig,
+    layout: Layout,
+    cfg: TrainConfig,
+    transforms: Sequence[Transform] = (),
+) -> tuple[list[torch.nn.Module], Any]:
+    """This rank's model chunks after the transforms and the precision wrapper (no DDP yet),
+    with their TransformerConfig; Megatron's parallel state must be initialised."""
+    from anyspeed.device import torch_device
+
+    config = gpt.transformer_config(model, layout, bf16=cfg.bf16, fp16=cfg.fp16)
+    chunks = gpt.build_chunks(model, config, layout)
+    for transform in transforms:
+        chunks = [transform(chunk, model) for chunk in chunks]
+    chunks = [chunk.to(torch_device()) for chunk in chunks]
+    if cfg.bf16 or cfg.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    return chunks, config
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], config: Any, layout: Layout,
+             cfg: TrainConfig) -> list[torch.nn.Module]:  # fmt: skip
+    """Megatron's DDP around every chunk (gradient buckets on the first chunk only)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+        overlap_grad_reduce=layout.overlap_grad_reduce,
+        overlap_param_gather=layout.overlap_param_gather,
+        use_distributed_optimizer=layout.distributed_optimizer,
+        bucket_size=layout.bucket_size,
+    )
+    return [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+        )  # fmt: skip
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_model(
+    model: ModelConfig,
+    layout: Layout,
+    cfg: TrainConfig,
+    transforms: Sequence[Transform] = (),
+) -> list[torch.nn.Module]:
+    """The whole pipeline: this rank's chunks, transformed, in ``cfg``'s precision, in DDP."""
+    chunks, config = build_chunks(model, layout, cfg, transforms)
+    ddp = wrap_ddp(chunks, config, layout, cfg)
+    _set_sync_funcs(ddp, layout)
+    return ddp
+
+
+def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig, layout: Layout):
+    """Megatron's (optionally distributed) optimizer over the DDP chunks."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt_config = OptimizerConfig(
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=cfg.bf16,
+        fp16=cfg.fp16,
+        loss_scale=cfg.loss_scale,
+        initial_loss_scale=cfg.initial_loss_scale,
+        min_loss_scale=cfg.min_loss_scale,
+        loss_scale_window=cfg.loss_scale_window,
+        hysteresis=cfg.hysteresis,
+        params_dtype=gpt.params_dtype(cfg.bf16, cfg.fp16),
+        use_distributed_optimizer=layout.distributed_optimizer,
+        overlap_param_gather=layout.overlap_param_gather,
+    )
+    return get_megatron_optimizer(opt_config, model)
+
+
+def _set_sync_funcs(model: list[torch.nn.Module], layout: Layout) -> None:
+    """Hand the schedule the gradient/parameter sync hooks of the DDP chunks."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def one_or_list(fns: list[Any]) -> Any:
+        return fns[0] if len(fns) == 1 else fns
+
+    config = model[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    if layout.overlap_grad_reduce:
+        config.no_sync_func = one_or_list([m.no_sync for m in model])
+        config.grad_sync_func = one_or_list([m.start_grad_sync for m in model])
+    if layout.overlap_param_gather:
+        config.param_sync_func = one_or_list([m.start_param_sync for m in model])

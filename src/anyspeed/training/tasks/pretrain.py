@@ -1,0 +1,63 @@
+"""Pretraining: next-token prediction on Megatron's GPT datasets (or mock/synthetic tokens)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from anyspeed.training.tasks.base import LossFunc, Task
+
+
+def lm_loss(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """This rank's share of the micro-batch's mean token loss.
+
+    Each context-parallel rank holds 1/CP of every sequence and Megatron sums gradients over
+    the CP group, so the shares are scaled for their sum to be the global mean.
+    """
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_world_size()
+    losses = losses.float()
+    if loss_mask is None:
+        return losses.mean() / cp
+    mask = loss_mask.float().view(-1)
+    count = mask.sum()
+    if cp > 1:
+        count = count.clone()
+        torch.distributed.all_reduce(count, group=ps.get_context_parallel_group())
+    return (losses.view(-1) * mask).sum() / count.clamp(min=1.0)
+
+
+class PretrainTask(Task):
+    """Causal language modelling on tokens/labels/position_ids batches."""
+
+    name = "pretrain"
+
+    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
+                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"])  # fmt: skip
+        loss_mask = batch.get("loss_mask")
+
+        def loss_func(output_tensor: torch.Tensor):
+            loss = lm_loss(output_tensor, loss_mask)
+            return loss, {self.loss_key: loss.detach().clone()}
+
+        return output, loss_func
+
+    def datasets(self, args: argparse.Namespace) -> list[Any]:
+        """(train, valid, test) datasets for checked ``args``; None for an empty split."""
+        from anyspeed.training.datasets import build_datasets
+
+        return build_datasets(args)
+
+    def batches(self, dataset: Any, args: argparse.Namespace, consumed: int,
+                device: torch.device) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+        """This rank's micro-batches of each next global batch, from ``consumed`` on."""
+        from anyspeed.training.datasets import batches
+
+        return batches(dataset, args, consumed, device)

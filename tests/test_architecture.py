@@ -1,0 +1,132 @@
+"""The code's shape, checked: the dependency rule, no import cycle, file and function sizes.
+
+docs/architecture.md states the layers; this test walks every import in ``src/anyspeed`` (also
+the ones inside functions) and fails on an import that points upward, on a package-level cycle,
+on any anyspeed module importing the user-script shim ``anyspeed.megatron_adaptor``, and on a
+file over 400 lines or a function over 80 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "anyspeed"
+
+# Lower numbers are lower layers; a module may import its own package and lower layers only.
+LAYERS = {
+    "errors": 0, "argv": 0, "patching": 0, "launch": 0, "quiet": 0, "checkpoint_files": 0,
+    "device": 1, "layout": 1,
+    "features": 2, "adaptor": 2,
+    "models": 3,
+    "data": 4, "inference": 4, "convert": 5, "training": 6,
+    "cli": 7, "demo": 7, "testing": 7, "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
+}  # fmt: skip
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def _unit(module: str) -> str:
+    """The top-level unit (package or module) under ``anyspeed`` that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__" and len(parts) > 1 and parts[-2] != "anyspeed":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, int]]:
+    """Every ``anyspeed`` module ``path`` imports, with the line, relative imports resolved."""
+    found = []
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.startswith("anyspeed")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))  # fmt: skip
+            if base == "anyspeed":  # "from anyspeed import adaptor": the names are modules
+                found += [(f"anyspeed.{a.name}", node.lineno) for a in node.names]
+            elif base.startswith("anyspeed"):
+                found.append((base, node.lineno))
+    return found
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m in _modules()}
+    assert units <= set(LAYERS), f"add {sorted(units - set(LAYERS))} to LAYERS (and the doc)"
+
+
+def test_imports_point_down():
+    bad = []
+    for module, path in _modules().items():
+        mine = _unit(module)
+        for target, line in _imports(path, module):
+            theirs = _unit(target)
+            if theirs not in LAYERS or theirs == mine:
+                continue
+            if LAYERS[theirs] >= LAYERS[mine] and mine != "__main__":
+                bad.append(f"{path.relative_to(SRC)}:{line} ({mine}) imports {target}")
+    assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+
+
+def test_only_the_shim_is_the_shim():
+    users = [
+        f"{path.relative_to(SRC)}:{line}"
+        for module, path in _modules().items()
+        for target, line in _imports(path, module)
+        if target == "anyspeed.megatron_adaptor"
+    ]
+    assert not users, f"import the pure anyspeed.adaptor instead: {users}"
+
+
+def test_no_cycle_between_units():
+    graph: dict[str, set[str]] = {}
+    for module, path in _modules().items():
+        for target, _ in _imports(path, module):
+            if _unit(target) != _unit(module):
+                graph.setdefault(_unit(module), set()).add(_unit(target))
+    seen, stack = set(), []
+
+    def visit(node: str) -> None:
+        if node in stack:
+            pytest.fail("import cycle: " + " -> ".join(stack[stack.index(node) :] + [node]))
+        if node in seen:
+            return
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt)
+        stack.pop()
+        seen.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+
+
+def test_file_and_function_sizes():
+    long_files, long_functions = [], []
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            long_files.append(f"{path.relative_to(SRC)} ({text.count(chr(10))} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_functions.append(
+                        f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({n})"
+                    )
+    assert not long_files, f"files over {MAX_FILE_LINES} lines: {long_files}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
