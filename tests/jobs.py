@@ -17,6 +17,12 @@ def _steps(t: Trainer, steps: int) -> list[dict]:
     return [synthetic.train_step(t) for _ in range(steps)]
 
 
+def _sharded(t: Trainer) -> dict:
+    if len(t.model) == 1:
+        return t.model[0].module.sharded_state_dict()
+    return {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(t.model)}
+
+
 def save_weights(t: Trainer, directory: str) -> None:
     """Save the model weights with Megatron's dist_checkpointing (any layout can load them)."""
     import os
@@ -24,14 +30,14 @@ def save_weights(t: Trainer, directory: str) -> None:
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(t.sharded_state_dict(), directory)
+    dist_checkpointing.save(_sharded(t), directory)
 
 
 def load_weights(t: Trainer, directory: str) -> None:
     """Load weights saved by :func:`save_weights`, at any layout."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(t.sharded_state_dict(), directory)
+    state = dist_checkpointing.load(_sharded(t), directory)
     if len(t.model) == 1:
         t.model[0].module.load_state_dict(state)
     else:

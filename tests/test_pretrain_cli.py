@@ -21,7 +21,7 @@ def test_pretrain_command_end_to_end(tmp_path, hf_tok):
                       "--append-eod", "--quiet"]) == 0  # fmt: skip
     tb, metrics = str(tmp_path / "tb"), str(tmp_path / "m.jsonl")
     cmd = [
-        sys.executable, "-m", "anyspeed.cli", "pretrain", "--nproc-per-node", "2",
+        sys.executable, "-m", "anyspeed", "pretrain", "--nproc-per-node", "2",
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--model", "tiny-qwen2.5",
         "--padded-vocab-size", "640", "--seq-length", "64", "--micro-batch-size", "4",
         "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-3",

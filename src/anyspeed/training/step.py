@@ -50,12 +50,6 @@ class Trainer:
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
         self.iteration = 0
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The model's sharded state dict (one ``model{i}`` entry per virtual chunk)."""
-        if len(self.model) == 1:
-            return self.model[0].module.sharded_state_dict()
-        return {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(self.model)}
-
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], forward_only: bool) -> float:
         """Run the pipeline schedule over ``mbs``; return the loss averaged over DP replicas."""
         from megatron.core import parallel_state as ps
