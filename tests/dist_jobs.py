@@ -208,7 +208,7 @@ def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int, fused: b
 
         fn = ring_attention
     elif algo == "hybrid":  # Ulysses degree 2 inside, ring across
-        from anyspeed.features.context_parallel.hybrid import hybrid_attention, hybrid_groups
+        from anyspeed.features.context_parallel.hybrid import hybrid_attention
 
         ug, rg = hybrid_groups(2)
 
@@ -232,13 +232,39 @@ def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int, fused: b
     return diffs
 
 
+def hybrid_groups(ulysses_degree: int):
+    """(ulysses group, ring group) of this rank; every rank must call this, in the same order.
+
+    Ulysses groups are runs of consecutive ranks; a ring group holds the ranks at the same
+    position of every Ulysses group.
+    """
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % ulysses_degree:
+        raise ValueError(
+            f"context-parallel size {world} is not divisible by --ulysses-degree-in-cp "
+            f"{ulysses_degree}"
+        )
+    mine_u = mine_r = None
+    for start in range(0, world, ulysses_degree):
+        g = dist.new_group(list(range(start, start + ulysses_degree)))
+        if start <= rank < start + ulysses_degree:
+            mine_u = g
+    for pos in range(ulysses_degree):
+        g = dist.new_group(list(range(pos, world, ulysses_degree)))
+        if rank % ulysses_degree == pos:
+            mine_r = g
+    return mine_u, mine_r
+
+
 def gloo_collectives(async_op: bool) -> dict:
     """The gloo-collectives rewrites vs torch's own reduce-scatter / all-gather, on Megatron's
     layout (this rank's shard is a view of the buffer) and on a layout they must not touch."""
     import torch
     import torch.distributed as dist
 
-    from anyspeed.features import gloo_collectives as gc
+    from anyspeed.features.comm import gloo_collectives as gc
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()

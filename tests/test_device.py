@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-import anyspeed.megatron_adaptor as adaptor
 import dist_jobs
+from anyspeed import adaptor
 from anyspeed.device import DeviceInfo, detect
-from anyspeed.features.device_compat import DEVICE_COMPAT
+from anyspeed.features.compat.device_compat import DeviceCompat
 from anyspeed.patching import PatchManager
 from anyspeed.testing import run_distributed
 
@@ -117,7 +117,7 @@ def test_memory_stats_follow_resident_memory(applied):
 
 def test_no_patches_on_cuda():
     pm = PatchManager()
-    DEVICE_COMPAT.register_patches(pm, None, DeviceInfo("cuda", "nccl", "H200"))
+    DeviceCompat().register_patches(pm, None, DeviceInfo("cuda", "nccl", "H200"))
     assert pm.patches() == []
 
 
@@ -161,12 +161,12 @@ def test_peak_flops_configured_and_measured(monkeypatch, tmp_path):
 def test_accelerator_backend_routes_to_its_own_module():
     """For a torch.accelerator device (XPU here, emulated: no hardware is needed to check the
     routing) the torch.cuda surface points at torch.xpu and CUDA device args become xpu ones."""
-    from anyspeed.device import redirect
+    from anyspeed.device import process_groups, redirect
 
     info = DeviceInfo("xpu", "xccl", "emulated")
     pm = PatchManager()
     redirect.register_cuda_surface(pm, info, "t")
-    redirect.register_dist_backend(pm, info, "t")
+    process_groups.register_dist_backend(pm, info, "t")
     by_target = {p.target: p for p in pm.patches()}
     assert by_target["torch.cuda.current_device"].obj is torch.xpu.current_device
     assert by_target["torch.cuda.Stream"].obj is torch.xpu.Stream
@@ -175,7 +175,7 @@ def test_accelerator_backend_routes_to_its_own_module():
     assert by_target["torch.cuda.nvtx.range_push"].obj("x") == 0
     # gloo-only emulation (ReduceOp.AVG) is not registered for a backend that has AVG.
     assert "torch.distributed.all_reduce" not in by_target
-    mapper = redirect._make_mapper(info)
+    mapper = redirect.make_mapper(info)
     assert mapper("cuda:1") == torch.device("xpu", 1)
     assert mapper(torch.device("cuda", 0)) == torch.device("xpu", 0)
     assert mapper(3) == torch.device("xpu", 3)
@@ -184,7 +184,7 @@ def test_accelerator_backend_routes_to_its_own_module():
 
 _META_CHECK = r"""
 import tempfile, torch, transformers
-import anyspeed.megatron_adaptor as adaptor
+from anyspeed import adaptor
 adaptor.apply(argv=[])
 with torch.device("meta"):
     assert torch.empty(3).device.type == "meta"

@@ -24,7 +24,7 @@ from anyspeed.testing import run_distributed
 @pytest.fixture
 def device_layer():
     """Megatron's RotaryEmbedding allocates on torch.cuda.current_device(): route it here."""
-    import anyspeed.megatron_adaptor as adaptor
+    from anyspeed import adaptor
 
     adaptor.apply(argv=["--optimization-level", "0"])
     yield

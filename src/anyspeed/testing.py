@@ -53,11 +53,11 @@ def _entry(fn, rank, world, port, q, kwargs, env, threads):
         torch.set_num_threads(threads)
         import sys
 
-        # The one-line import reads sys.argv: give it this rank's command line, not the
-        # parent's (spawned children inherit the parent's argv).
+        # This rank's command line, not the parent's (spawned children inherit the parent's
+        # argv): the adaptor applies it, and a rank that imports the one-line shim reads it.
         argv = kwargs.pop("_argv", [])
         sys.argv = [sys.argv[0], *argv]
-        import anyspeed.megatron_adaptor as adaptor
+        from anyspeed import adaptor
 
         adaptor.apply(argv=argv)
         result = fn(**kwargs)

@@ -1,9 +1,10 @@
 """Device layer: find the machine's device and make Megatron's CUDA-only code run on it.
 
 ``detect()`` picks CUDA, any ``torch.accelerator`` backend whose extension is installed (NPU, XPU,
-...), else the CPU. ``register_patches()`` registers, centrally, the redirections that a non-CUDA
-device needs: the ``torch.cuda`` surface, literal ``"cuda"`` device arguments, and the
-process-group backend (``nccl`` -> the device's). On CUDA nothing is registered.
+...), else the CPU. :mod:`.redirect` and :mod:`.process_groups` hold, centrally, the redirections
+that a non-CUDA device needs: the ``torch.cuda`` surface (:mod:`.cpu_cuda` on the CPU), literal
+``"cuda"`` device arguments, and the process-group backend (``nccl`` -> the device's). The
+``device-compat`` feature registers them; on CUDA it registers nothing.
 """
 
 from __future__ import annotations

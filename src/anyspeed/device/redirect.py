@@ -7,14 +7,15 @@ Three groups, each registered on a PatchManager under the owning feature's name:
   :mod:`anyspeed.device.cpu_cuda`;
 * literal CUDA device arguments (``device="cuda"``, ``device=torch.cuda.current_device()``,
   ``.cuda()``, ``.to("cuda:0")``) in tensor factories and moves are mapped to the device;
-* process groups asked for with ``nccl`` get the device's backend (gloo on the CPU), with NCCL-only
-  options dropped and the ops gloo lacks (``ReduceOp.AVG``) emulated with identical numbers.
+* process groups asked for with ``nccl`` get the device's backend: see
+  :mod:`anyspeed.device.process_groups`.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,7 +142,8 @@ def _register_host_rng(pm: PatchManager, feature: str) -> None:
 
 
 # ---------------------------------------------------------------------------- device arguments
-def _make_mapper(info: DeviceInfo):
+def make_mapper(info: DeviceInfo) -> Callable[[Any], Any]:
+    """A function mapping CUDA device arguments (str, int, torch.device) to this device."""
     impl = _impl_module(info)
 
     def target(index: int | None) -> torch.device:
@@ -200,7 +202,7 @@ _NEW_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", 
 
 def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> None:
     """Map CUDA device arguments to the device in factories, ``.to``, ``.cuda`` and pinning."""
-    map_device = _make_mapper(info)
+    map_device = make_mapper(info)
     cpu = info.is_cpu
     why = "literal CUDA device arguments in Megatron must land on this device"
     # ``with torch.device(...)`` recognises factories by identity through a cached set built on
@@ -256,6 +258,21 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
     def module_cuda(self, device=None):
         return self.to(map_device(device if device is not None else "cuda"))
 
+    _register_legacy_type_names(pm, info, feature)
+    pm.register_replace("torch.Tensor.cuda", tensor_cuda, feature=feature, reason=why)
+    pm.register_replace("torch.nn.Module.cuda", module_cuda, feature=feature, reason=why)
+    if cpu:
+        pm.register_replace(
+            "torch.Tensor.pin_memory",
+            lambda self, device=None: self,
+            feature=feature,
+            reason="no pinned memory without an accelerator: pinning is the identity",
+        )
+
+
+def _register_legacy_type_names(pm: PatchManager, info: DeviceInfo, feature: str) -> None:
+    """``Tensor.type()`` names this device's tensors ``torch.cuda.*`` (and accepts those names)."""
+    cpu = info.is_cpu
     dev_prefix = "torch." if cpu else f"torch.{info.type}."
 
     def type_wrapper(fn):
@@ -279,157 +296,4 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
         type_wrapper,
         feature=feature,
         reason="legacy type names: this device's tensors answer 'torch.cuda.*'",
-    )
-    pm.register_replace("torch.Tensor.cuda", tensor_cuda, feature=feature, reason=why)
-    pm.register_replace("torch.nn.Module.cuda", module_cuda, feature=feature, reason=why)
-    if cpu:
-        pm.register_replace(
-            "torch.Tensor.pin_memory",
-            lambda self, device=None: self,
-            feature=feature,
-            reason="no pinned memory without an accelerator: pinning is the identity",
-        )
-
-
-# ---------------------------------------------------------------------------- process groups
-def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> None:
-    """``nccl`` process groups become the device's backend; gloo's missing ops are emulated."""
-
-    backend = info.dist_backend
-
-    def map_backend(b: Any) -> Any:
-        if isinstance(b, str) and "nccl" in b:
-            if ":" in b:  # e.g. "cpu:gloo,cuda:nccl"
-                return backend
-            return b.replace("nccl", backend)
-        return b
-
-    def map_options(b: Any, options: Any) -> Any:
-        # NCCL's ProcessGroupNCCL.Options mean nothing to another backend.
-        if options is not None and "NCCL" in type(options).__qualname__ and backend != "nccl":
-            return None
-        return options
-
-    def map_device_id(dev: Any) -> Any:
-        if info.is_cpu:
-            return None  # gloo process groups are not bound to a device
-        return _make_mapper(info)(dev)
-
-    def group_wrapper(fn):
-        """Map backend / pg_options / device_id of init_process_group and new_group."""
-        sig = inspect.signature(fn)
-        is_init = fn.__name__ == "init_process_group"
-
-        @functools.wraps(fn)
-        def wrapped(*args, **kwargs):
-            bound = sig.bind_partial(*args, **kwargs)
-            a = bound.arguments
-            if is_init and a.get("backend") is None:
-                a["backend"] = backend
-            if "backend" in a:
-                a["backend"] = map_backend(a["backend"])
-            if "pg_options" in a:
-                a["pg_options"] = map_options(a.get("backend"), a["pg_options"])
-            if "device_id" in a:
-                a["device_id"] = map_device_id(a["device_id"])
-            return fn(*bound.args, **bound.kwargs)
-
-        return wrapped
-
-    def barrier_wrapper(fn):
-        @functools.wraps(fn)
-        def barrier(group=None, async_op=False, device_ids=None):
-            if device_ids is not None and info.is_cpu:
-                device_ids = None  # gloo barriers take no device
-            return fn(group=group, async_op=async_op, device_ids=device_ids)
-
-        return barrier
-
-    why_pg = f"process groups asked for with nccl use {backend} on this device"
-    for name in ("init_process_group", "new_group"):
-        pm.register_wrap(f"torch.distributed.{name}", group_wrapper, feature=feature, reason=why_pg)
-    pm.register_wrap(
-        "torch.distributed.barrier",
-        barrier_wrapper,
-        feature=feature,
-        reason="gloo barriers take no device_ids",
-    )
-    if backend == "gloo":
-        _register_gloo_avg(pm, feature)
-
-
-class _DivideOnWait:
-    """Async handle whose wait() finishes an emulated AVG by dividing the summed result."""
-
-    def __init__(self, work: Any, tensor: torch.Tensor, size: int) -> None:
-        self._work, self._tensor, self._size, self._done = work, tensor, size, False
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        out = self._work.wait(*args, **kwargs)
-        if not self._done:
-            self._tensor.div_(self._size)
-            self._done = True
-        return out
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-def _register_gloo_avg(pm: PatchManager, feature: str) -> None:
-    import torch.distributed as dist
-
-    avg = dist.ReduceOp.AVG
-
-    def is_gloo(group: Any) -> bool:
-        try:
-            return dist.get_backend(group) == "gloo"
-        except Exception:
-            return False
-
-    def all_reduce_wrapper(fn):
-        @functools.wraps(fn)
-        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            if op == avg and is_gloo(group):
-                n = dist.get_world_size(group)
-                work = fn(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-                if async_op:
-                    return _DivideOnWait(work, tensor, n)
-                tensor.div_(n)
-                return work
-            return fn(tensor, op=op, group=group, async_op=async_op)
-
-        return all_reduce
-
-    def reduce_scatter_wrapper(fn):
-        @functools.wraps(fn)
-        def reduce_scatter_tensor(
-            output,
-            input,
-            op=dist.ReduceOp.SUM,
-            group=None,  # noqa: A002
-            async_op=False,
-        ):
-            if op == avg and is_gloo(group):
-                n = dist.get_world_size(group)
-                work = fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-                if async_op:
-                    return _DivideOnWait(work, output, n)
-                output.div_(n)
-                return work
-            return fn(output, input, op=op, group=group, async_op=async_op)
-
-        return reduce_scatter_tensor
-
-    why = "gloo has no ReduceOp.AVG: reduce with SUM and divide by the group size"
-    pm.register_wrap(
-        "torch.distributed.all_reduce", all_reduce_wrapper, feature=feature, reason=why
-    )
-    pm.register_wrap(
-        "torch.distributed.reduce_scatter_tensor",
-        reduce_scatter_wrapper,
-        feature=feature,
-        reason=why,
     )

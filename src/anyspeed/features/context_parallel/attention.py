@@ -18,8 +18,7 @@ from anyspeed.features.context_parallel.hybrid import hybrid_attention
 from anyspeed.features.context_parallel.ring import ring_attention
 from anyspeed.features.context_parallel.ulysses import ulysses_attention
 from anyspeed.features.ops.attention import SDPAttention
-
-ALGOS = {"p2p": "ring", "a2a": "ulysses", "a2a+p2p": "hybrid"}
+from anyspeed.layout import CPAlgo
 
 
 class CPAttention(SDPAttention):
@@ -30,10 +29,13 @@ class CPAttention(SDPAttention):
         comm = kwargs.get("cp_comm_type") or getattr(config, "cp_comm_type", None) or "p2p"
         if isinstance(comm, list):
             comm = comm[0]
-        if self.cp_size > 1 and comm not in ALGOS:
-            raise ValueError(f"context-parallel algorithm {comm!r} is not supported here "
-                             f"(use one of {sorted(ALGOS)})")  # fmt: skip
-        self.cp_algo = ALGOS.get(comm, "ring")
+        try:
+            self.cp_algo = CPAlgo(comm)
+        except ValueError:
+            if self.cp_size > 1:
+                raise ValueError(f"context-parallel algorithm {comm!r} is not supported here "
+                                 f"(use one of {[a.value for a in CPAlgo]})") from None  # fmt: skip
+            self.cp_algo = CPAlgo.RING
         local = copy.copy(config)  # Megatron's base class asserts CP == 1 on its config
         local.context_parallel_size = 1
         super().__init__(local, *args, **kwargs)
@@ -49,9 +51,9 @@ class CPAttention(SDPAttention):
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         group = ps.get_context_parallel_group()
-        if self.cp_algo == "ring":
+        if self.cp_algo is CPAlgo.RING:
             out = ring_attention(q, k, v, self.softmax_scale, group)
-        elif self.cp_algo == "hybrid":
+        elif self.cp_algo is CPAlgo.HYBRID:
             ulysses_group, ring_group = ps.get_hierarchical_context_parallel_groups()
             out = hybrid_attention(q, k, v, self.softmax_scale, ulysses_group, ring_group)
         else:

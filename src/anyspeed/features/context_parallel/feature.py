@@ -2,38 +2,34 @@
 
 Flags as in MindSpeed: ``--context-parallel-size N`` (Megatron's own flag),
 ``--context-parallel-algo {megatron_cp_algo, ulysses_cp_algo, hybrid_cp_algo}`` (ring /
-Ulysses / both; mapped to Megatron's ``cp_comm_type`` p2p / a2a / a2a+p2p) and
-``--ulysses-degree-in-cp U`` for hybrid (Megatron's hierarchical CP sizes [U, CP/U]).
-Switched on by a CP size above 1 at level 2.
+Ulysses / both: :class:`anyspeed.layout.CPAlgo`, whose value is Megatron's ``cp_comm_type``)
+and ``--ulysses-degree-in-cp U`` for hybrid (Megatron's hierarchical CP sizes [U, CP/U]).
+Switched on by a CP size above 1 at level 2; its attention core is installed by the
+``attention-core`` feature (the one owner of that seam).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 from anyspeed.device import DeviceInfo
-from anyspeed.features import Feature, FeatureError, flag_value, register_feature
+from anyspeed.features.base import Feature, FeatureError, add_flag
+from anyspeed.layout import CPAlgo
 from anyspeed.patching import PatchManager
-
-ALGO_TO_COMM = {"megatron_cp_algo": "p2p", "ulysses_cp_algo": "a2a", "hybrid_cp_algo": "a2a+p2p"}
-
-
-def ulysses_degree(args: argparse.Namespace) -> int | None:
-    """``--ulysses-degree-in-cp`` (hybrid's Ulysses group size), None when absent."""
-    value = flag_value(args, "--ulysses-degree-in-cp")
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        raise FeatureError(f"--ulysses-degree-in-cp expects an integer (got {value!r})") from None
 
 
 def cp_size(args: argparse.Namespace) -> int:
     """The requested context-parallel size (1 when absent)."""
-    value = flag_value(args, "--context-parallel-size")
+    return int(getattr(args, "context_parallel_size", None) or 1)
+
+
+def cp_algo(args: argparse.Namespace) -> CPAlgo:
+    """The requested CP algorithm (ring when absent); FeatureError (one line) when unknown."""
     try:
-        return int(value) if value is not None else 1
-    except (TypeError, ValueError):
-        raise FeatureError(f"--context-parallel-size expects an integer (got {value!r})") from None
+        return CPAlgo.parse(getattr(args, "context_parallel_algo", None))
+    except ValueError as exc:
+        raise FeatureError(str(exc)) from None
 
 
 class ContextParallel(Feature):
@@ -45,64 +41,54 @@ class ContextParallel(Feature):
                    "local spec (Megatron's own CP needs Transformer Engine)")  # fmt: skip
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
-        have = getattr(parser, "_option_string_actions", {})
-        if "--context-parallel-size" not in have:
-            parser.add_argument("--context-parallel-size", type=int, default=1)
-        if "--context-parallel-algo" not in have:
-            parser.add_argument("--context-parallel-algo", default="megatron_cp_algo",
-                                help="megatron_cp_algo (ring), ulysses_cp_algo or "
-                                "hybrid_cp_algo (Ulysses inside, ring across)")  # fmt: skip
-        if "--cp-attention-mask-type" not in have:
-            parser.add_argument("--cp-attention-mask-type", "--attention-mask-type",
-                                dest="cp_attention_mask_type", default="causal",
-                                help="causal (the only kind anyspeed's CP computes)")  # fmt: skip
-        if "--use-cp-send-recv-overlap" not in have:
-            parser.add_argument("--use-cp-send-recv-overlap", action="store_true",
-                                help="accepted: the ring always overlaps send/receive")  # fmt: skip
-        if "--ulysses-degree-in-cp" not in have:
-            parser.add_argument("--ulysses-degree-in-cp", type=int, default=None,
-                                help="hybrid_cp_algo: ranks per Ulysses group")  # fmt: skip
+        add_flag(parser, "--context-parallel-size", type=int, default=1)
+        add_flag(parser, "--context-parallel-algo", default=CPAlgo.RING.flag,
+                 help="megatron_cp_algo (ring), ulysses_cp_algo or hybrid_cp_algo (Ulysses "
+                 "inside, ring across)")  # fmt: skip
+        add_flag(parser, "--cp-attention-mask-type", "--attention-mask-type",
+                 dest="cp_attention_mask_type", default="causal",
+                 help="causal (the only kind anyspeed's CP computes)")  # fmt: skip
+        add_flag(parser, "--use-cp-send-recv-overlap", action="store_true",
+                 help="accepted: the ring always overlaps send/receive")  # fmt: skip
+        add_flag(parser, "--ulysses-degree-in-cp", type=int, default=None,
+                 help="hybrid_cp_algo: ranks per Ulysses group")  # fmt: skip
 
     def requested(self, args: argparse.Namespace) -> bool:
         return cp_size(args) > 1
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
-        algo = flag_value(args, "--context-parallel-algo") or "megatron_cp_algo"
-        if algo not in ALGO_TO_COMM:
-            raise FeatureError(
-                f"--context-parallel-algo {algo}: choose megatron_cp_algo (ring), "
-                "ulysses_cp_algo or hybrid_cp_algo"
-            )
-        mask = flag_value(args, "--cp-attention-mask-type") or flag_value(
-            args, "--attention-mask-type"
-        )
+        algo = cp_algo(args)
+        mask = getattr(args, "cp_attention_mask_type", None)
         if mask not in (None, "causal"):
             raise FeatureError(
                 f"--cp-attention-mask-type {mask}: anyspeed's context parallelism computes causal "
                 "attention only (MindSpeed's 'general' masks are not supported); use causal"
             )
-        degree = ulysses_degree(args)
-        if algo == "hybrid_cp_algo" and self.requested(args):
+        degree = getattr(args, "ulysses_degree_in_cp", None)
+        if algo is CPAlgo.HYBRID and self.requested(args):
             cp = cp_size(args)
             if degree is None or degree < 1 or cp % degree:
                 raise FeatureError(
-                    f"--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp "
+                    f"--context-parallel-algo {algo.flag} needs --ulysses-degree-in-cp "
                     f"dividing --context-parallel-size {cp} (got {degree})"
                 )
-        elif degree is not None and algo != "hybrid_cp_algo":
+        elif degree is not None and algo is not CPAlgo.HYBRID:
             raise FeatureError(
-                "--ulysses-degree-in-cp applies to --context-parallel-algo hybrid_cp_algo only"
+                f"--ulysses-degree-in-cp applies to --context-parallel-algo {CPAlgo.HYBRID.flag} "
+                "only"
             )
         super().validate(args, device)  # CP > 1 below level 2 is an error naming the flag
+
+    def attention_core(self) -> tuple[type, str]:
+        """The core class for the attention-core seam, and why."""
+        from anyspeed.features.context_parallel.attention import CPAttention
+
+        return CPAttention, "local-spec attention core -> SDPA with ring / Ulysses / hybrid CP"
 
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
-        import functools
-
-        from anyspeed.features.context_parallel.attention import CPAttention
-
-        comm = ALGO_TO_COMM[flag_value(args, "--context-parallel-algo") or "megatron_cp_algo"]
+        comm = cp_algo(args).value
 
         def wrap(post_init):
             @functools.wraps(post_init)
@@ -120,12 +106,3 @@ class ContextParallel(Feature):
             reason="--context-parallel-algo selects Megatron's cp_comm_type (p2p = ring, "
             "a2a = Ulysses, a2a+p2p = hybrid)",
         )
-        pm.register_replace(
-            "megatron.core.transformer.dot_product_attention.DotProductAttention",
-            CPAttention,
-            feature=self.name,
-            reason="local-spec attention core -> SDPA with ring / Ulysses context parallelism",
-        )
-
-
-CONTEXT_PARALLEL = register_feature(ContextParallel())

@@ -8,34 +8,9 @@ the gradient reduction are Megatron's.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from anyspeed.features.context_parallel.ring import ring_attention
 from anyspeed.features.context_parallel.ulysses import ulysses_around
-
-
-def hybrid_groups(ulysses_degree: int):
-    """(ulysses group, ring group) of this rank; every rank must call this, in the same order.
-
-    Ulysses groups are runs of consecutive ranks; a ring group holds the ranks at the same
-    position of every Ulysses group.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % ulysses_degree:
-        raise ValueError(
-            f"context-parallel size {world} is not divisible by --ulysses-degree-in-cp "
-            f"{ulysses_degree}"
-        )
-    mine_u = mine_r = None
-    for start in range(0, world, ulysses_degree):
-        g = dist.new_group(list(range(start, start + ulysses_degree)))
-        if start <= rank < start + ulysses_degree:
-            mine_u = g
-    for pos in range(ulysses_degree):
-        g = dist.new_group(list(range(pos, world, ulysses_degree)))
-        if rank % ulysses_degree == pos:
-            mine_r = g
-    return mine_u, mine_r
 
 
 def hybrid_attention(q, k, v, scale: float, ulysses_group, ring_group) -> torch.Tensor:

@@ -23,18 +23,6 @@ def split_load_balanced(x: torch.Tensor, dim: int, rank: int, world: int) -> tor
     return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim=dim)
 
 
-def gather_load_balanced(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Inverse of :func:`split_load_balanced` (all ranks get the full tensor)."""
-    world = dist.get_world_size(group)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    chunks: list[torch.Tensor | None] = [None] * (2 * world)
-    for r, p in enumerate(parts):
-        a, b = p.chunk(2, dim=dim)
-        chunks[r], chunks[2 * world - 1 - r] = a, b
-    return torch.cat(chunks, dim=dim)
-
-
 def _ring_pass(tensors, group):
     """Start sending ``tensors`` to the next rank and receiving the previous rank's."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)

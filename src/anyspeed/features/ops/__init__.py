@@ -1,1 +1,1 @@
-"""Portable operator modules that plug into Megatron's ModuleSpec seams."""
+"""Level-1 kernels: ``feature`` wires them into Megatron's seams; one module per operator."""

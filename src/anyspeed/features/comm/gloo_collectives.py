@@ -1,4 +1,4 @@
-"""Level 1 on CPU: the distributed optimizer's collectives as in-place all-reduces under gloo.
+"""The distributed optimizer's collectives as in-place all-reduces under gloo.
 
 Megatron's distributed optimizer reduce-scatters each gradient bucket into this rank's shard of
 the same buffer, and all-gathers the updated parameters from this rank's shard of the parameter
@@ -20,17 +20,10 @@ as it would between two gloo algorithms.
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
-from anyspeed.device import DeviceInfo
-from anyspeed.features import flag_set, register_feature
-from anyspeed.features.kernels import KernelFeature
-from anyspeed.patching import PatchManager
-
-_TARGET = "megatron.core.distributed.param_and_grad_buffer"
 
 
 def _own_shard(shard: torch.Tensor, full: torch.Tensor, group) -> tuple[int, int] | None:
@@ -66,50 +59,12 @@ def all_gather(output, input, group=None, async_op=False, *, _orig):
     return dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-class GlooCollectives(KernelFeature):
-    name = "gloo-collectives"
-    flags = ("--gloo-all-reduce-collectives",)
-    description = (
-        "distributed optimizer on CPU: gloo reduce-scatter / all-gather of the grad and "
-        "param buffers as in-place all-reduces (about 2x faster under gloo)"
-    )
+def bind(fn: Callable, orig: Callable) -> Callable:
+    """``fn`` with torch's own collective ``orig`` bound as its fallback."""
 
-    def add_arguments(self, parser: argparse._ActionsContainer) -> None:
-        super().add_arguments(parser)
-        parser.add_argument(
-            "--no-gloo-all-reduce-collectives",
-            action="store_true",
-            help="keep gloo's own reduce-scatter / all-gather (for comparison)",
-        )
-
-    def requested(self, args: argparse.Namespace) -> bool:
-        return not flag_set(args, "--no-gloo-all-reduce-collectives")
-
-    def available(self, device: DeviceInfo) -> tuple[bool, str]:
-        if device.type != "cpu":
-            return False, "only the gloo backend (CPU) needs it; NCCL/XCCL collectives are fast"
-        return True, ""
-
-    def register_patches(
-        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
-    ) -> None:
-        for attr, fn in (("dist_reduce_scatter_func", reduce_scatter),
-                         ("dist_all_gather_func", all_gather)):  # fmt: skip
-            pm.register_wrap(
-                f"{_TARGET}.{attr}",
-                lambda orig, fn=fn: _bind(fn, orig),
-                feature=self.name,
-                reason="gloo reduce-scatter/all-gather of shard views -> in-place all-reduce",
-            )
-
-
-def _bind(fn, orig):
     def call(output, input, *args, **kwargs):
         return fn(output, input, *args, **kwargs, _orig=orig)
 
     call.__name__ = fn.__name__
     call.__doc__ = fn.__doc__
     return call
-
-
-GLOO_COLLECTIVES = register_feature(GlooCollectives())

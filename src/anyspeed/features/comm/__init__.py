@@ -1,0 +1,1 @@
+"""Collectives rewritten for a backend: ``feature`` wires them, ``gloo_collectives`` holds them."""

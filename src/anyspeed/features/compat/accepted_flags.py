@@ -1,0 +1,77 @@
+"""Level-0 feature ``accepted-flags``: Megatron-LM / MindSpeed flags that change nothing here.
+
+Existing launch scripts (Megatron-LM's examples, MindSpeed-LLM's Qwen2.5-7B pretrain script)
+pass kernel and performance switches that mean nothing on the anyspeed path: the CUDA fusions
+they turn off are never used, the values they choose are what anyspeed does anyway. They are
+accepted -- never silently: ``anyspeed features`` lists each with the reason -- so the scripts
+carry over. A parser that already defines one (Megatron-LM's does, for most) keeps its own.
+MindSpeed's fused-kernel flags are not here: each switches on one of anyspeed's level-1 kernels,
+and the note says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from anyspeed.features.base import Feature, add_flag
+
+_FUSION_OFF = "a CUDA fusion that is never used here (the portable config switches it off)"
+
+# flag -> (takes a value, why it changes nothing here)
+NOOPS: dict[str, tuple[bool, str]] = {
+    "--use-mcore-models": (False, "anyspeed builds Megatron-Core models only"),
+    "--no-masked-softmax-fusion": (False, "masked softmax: " + _FUSION_OFF),
+    "--no-bias-gelu-fusion": (False, "bias-GeLU: " + _FUSION_OFF),
+    "--no-bias-swiglu-fusion": (False, "Megatron's bias-SwiGLU: " + _FUSION_OFF
+                                + "; --optimization-level chooses anyspeed's fused-swiglu"),
+    "--no-bias-dropout-fusion": (False, "bias-dropout: " + _FUSION_OFF),
+    "--no-rope-fusion": (False, "Megatron's TE/apex RoPE: " + _FUSION_OFF
+                         + "; --optimization-level chooses anyspeed's fused-rope"),
+    "--no-gradient-accumulation-fusion": (False, "gradient-accumulation fusion needs a CUDA "
+                                          "kernel: always off here"),
+    "--no-persist-layer-norm": (False, "apex persistent LayerNorm: never used here"),
+    "--use-cpu-initialization": (False, "weights are always initialised on the CPU"),
+    "--attention-softmax-in-fp32": (False, "softmax already runs in fp32 (Megatron-Core's "
+                                    "default)"),
+    "--distributed-backend": (True, "process groups use this device's backend; nccl is mapped "
+                              "to it (device-compat)"),
+    "--transformer-impl": (True, "anyspeed builds Megatron's local spec; transformer_engine is "
+                           "refused off CUDA without Transformer Engine (cuda-only-options)"),
+    "--no-create-attention-mask-in-dataloader": (False, "anyspeed's data path builds a mask "
+                                                 "only for --reset-attention-mask"),
+    "--log-timers-to-tensorboard": (False, "anyspeed pretrain writes no timer series"),
+    "--log-memory-to-tensorboard": (False, "anyspeed pretrain writes no memory series"),
+    "--log-validation-ppl-to-tensorboard": (False, "anyspeed pretrain writes no separate "
+                                            "validation-perplexity series"),
+    "--num-workers": (True, "anyspeed pretrain reads samples in the training process"),
+}  # fmt: skip
+
+
+class AcceptedFlags(Feature):
+    name = "accepted-flags"
+    level = 0
+    description = (
+        "Megatron-LM / MindSpeed flags that change nothing on this device, accepted so launch "
+        "scripts carry over (each listed with its reason)"
+    )
+    flags = tuple(NOOPS)
+
+    def __init__(self, kernels: Sequence[Feature] = ()) -> None:
+        self.kernels = tuple(kernels)  # level-1 features whose MindSpeed flags are noted here
+
+    def add_arguments(self, parser: argparse._ActionsContainer) -> None:
+        for flag, (takes_value, _) in NOOPS.items():
+            if takes_value:
+                add_flag(parser, flag, default=None, help=argparse.SUPPRESS)
+            else:
+                add_flag(parser, flag, action="store_true", help=argparse.SUPPRESS)
+
+    def flag_notes(self) -> dict[str, str]:
+        notes = {flag: why for flag, (_, why) in NOOPS.items()}
+        for kernel in self.kernels:
+            notes[kernel.flags[0]] = (
+                f"not a no-op: switches on anyspeed's level-{kernel.level} {kernel.name} (on by "
+                f"default at --optimization-level >= {kernel.level}; see its row)"
+            )
+        return notes

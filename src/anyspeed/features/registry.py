@@ -1,0 +1,78 @@
+"""The explicit, ordered list of features; validation and patches run in this order.
+
+Adding a feature is one line in :func:`build` (nothing registers itself on import). Order:
+level 0 (device compatibility first, then checks and Megatron-LM hooks), level 1 kernels, level
+2 features, and last the seams that choose between features (``attention-core``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features.attention_core import AttentionCore
+from anyspeed.features.base import Feature
+from anyspeed.features.comm.feature import GlooCollectives
+from anyspeed.features.compat.accepted_flags import AcceptedFlags
+from anyspeed.features.compat.cuda_only import CudaOnlyOptions
+from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
+from anyspeed.features.compat.layout_check import LayoutCheck
+from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
+from anyspeed.features.context_parallel.feature import ContextParallel
+from anyspeed.features.ops.feature import (
+    FlashAttention,
+    FusedCrossEntropy,
+    FusedNorm,
+    FusedRoPE,
+    FusedSwiGLU,
+)
+
+
+def build() -> list[Feature]:
+    """A fresh instance of every feature, in order."""
+    flash, cp = FlashAttention(), ContextParallel()
+    kernels = [flash, FusedSwiGLU(), FusedRoPE(), FusedCrossEntropy(), FusedNorm()]
+    return [
+        DeviceCompat(),
+        MegatronCoreCompat(),
+        CudaOnlyOptions(),
+        LayoutCheck(),
+        AcceptedFlags(kernels=kernels),
+        MegatronLMArgs(),
+        MegatronLMCompat(),
+        *kernels,
+        GlooCollectives(),
+        cp,
+        AttentionCore(candidates=[cp, flash]),
+    ]
+
+
+@functools.cache
+def features() -> tuple[Feature, ...]:
+    """The process's features (built once, so the adaptor can tell which are applied)."""
+    found = build()
+    names = [f.name for f in found]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"feature names must be unique: {dupes}")
+    return tuple(found)
+
+
+def get(name: str) -> Feature:
+    """The feature called ``name``; KeyError when there is none."""
+    for feature in features():
+        if feature.name == name:
+            return feature
+    raise KeyError(name)
+
+
+def validate(args: argparse.Namespace, device: DeviceInfo) -> None:
+    """Run every feature's validation; the first problem raises FeatureError."""
+    for feature in features():
+        feature.validate(args, device)
+
+
+def enabled_features(args: argparse.Namespace, device: DeviceInfo) -> list[Feature]:
+    """Features that the command line switches on, in registry order."""
+    return [f for f in features() if f.is_enabled(args, device)]
