@@ -158,5 +158,6 @@ def test_cli_prints_one_line(hf, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("anyspeed convert: error: ") and "\n" not in err
     assert not out.exists()
-    with pytest.raises(SystemExit):
-        cli_main([*argv, "--no-such-flag"])
+    assert cli_main([*argv, "--no-such-flag"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "anyspeed convert: error: unrecognized arguments: --no-such-flag"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 
 class UsageError(ValueError):
@@ -16,14 +17,23 @@ class UsageError(ValueError):
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse that raises :class:`UsageError` instead of printing usage and exiting."""
+    """argparse that raises :class:`UsageError` instead of printing usage and exiting.
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
+    A command with its own subclass of UsageError sets ``error_type`` to it.
+    """
+
+    error_type: type[UsageError] = UsageError
+
+    def error(self, message: str) -> NoReturn:
+        raise self.error_type(message)
 
 
-def report(prog: str, exc: BaseException) -> int:
-    """Print ``<prog>: error: <message>`` (first line only) to stderr; return exit code 2."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+def report(prog: str, exc: BaseException, code: int = 2) -> int:
+    """Print ``<prog>: error: <message>`` (first line only) to stderr; return ``code`` (2).
+
+    ``code`` is for the errors found once work has started (bad data, a failed conversion: 1).
+    """
+    text = str(exc).strip()
+    message = text.splitlines()[0] if text else type(exc).__name__
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    return 2
+    return code

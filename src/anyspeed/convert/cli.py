@@ -15,12 +15,14 @@ import sys
 import time
 
 from anyspeed.convert.api import DTYPES, MODEL_TYPE_HF
+from anyspeed.errors import OneLineArgumentParser, UsageError, report
+
+PROG = "anyspeed convert"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="anyspeed convert", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
+    """The flags of MindSpeed-LLM's converter that apply here (errors are one line)."""
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--save-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--load-dir", required=True)
@@ -82,14 +84,20 @@ def reuse_freed_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``anyspeed convert``: 0 on success, 1 after a one-line error on stderr."""
-    args = build_parser().parse_args(argv)
+    """``anyspeed convert``: 0 on success; a one-line error on stderr and 2 for a bad command
+    line, 1 for bad input."""
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        return report(PROG, exc)
     reuse_freed_memory()
     direction = (args.load_model_type, args.save_model_type)
     if (direction == ("hf", "mg") and args.ckpt_format == "torch_dist") or args.verify:
         import megatron.core.models.gpt  # noqa: F401
 
-        import anyspeed.megatron_adaptor  # noqa: F401 - Megatron-Core, loaded before the freeze
+        from anyspeed import adaptor
+
+        adaptor.apply(argv=[])  # Megatron-Core and the patches, loaded before the freeze
     # The interpreter's ~1M objects of torch and Megatron are never garbage: frozen for the
     # conversion, the garbage collector's full passes skip them (0.2 s of a 1.7 s conversion of
     # Qwen2.5-1.5B). Unfrozen at the end, for a caller that goes on in this process.
@@ -136,8 +144,7 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 f"(tolerance {args.verify_tolerance:g})"
             )
     except (ConvertError, FileNotFoundError) as exc:
-        print(f"anyspeed convert: error: {exc}", file=sys.stderr)
-        return 1
+        return report(PROG, exc, code=1)
     return 0
 
 

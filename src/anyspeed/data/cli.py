@@ -6,25 +6,20 @@ import argparse
 import signal
 import sys
 import threading
-from typing import NoReturn
 
 from anyspeed.data.errors import DataError, UsageError
 from anyspeed.data.handlers import HANDLERS
 from anyspeed.data.readers import FORMATS
 from anyspeed.data.templates import TEMPLATES
+from anyspeed.errors import OneLineArgumentParser, report
 
 _TOKENIZER_ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one ``anyspeed: error:`` line with exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def _preprocess_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="anyspeed preprocess", description="Tokenize a corpus into .bin/.idx.")
+    p = OneLineArgumentParser(
+        prog="anyspeed preprocess", description="Tokenize a corpus into .bin/.idx."
+    )
     io = p.add_argument_group("input/output")
     io.add_argument("--input", required=True, help="file, glob or directory of one format")
     io.add_argument("--input-format", choices=FORMATS, help="override the file-name guess")
@@ -57,7 +52,9 @@ def _preprocess_parser() -> argparse.ArgumentParser:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="anyspeed train-tokenizer", description="Train a byte-level BPE tokenizer.")
+    p = OneLineArgumentParser(
+        prog="anyspeed train-tokenizer", description="Train a byte-level BPE tokenizer."
+    )
     p.add_argument("--input", nargs="+", required=True, help="files, globs or directories")
     p.add_argument("--input-format", choices=FORMATS)
     p.add_argument("--json-keys", nargs="+", default=["text"])
@@ -132,8 +129,7 @@ def main(argv: list[str]) -> int:
     """Run ``preprocess`` or ``train-tokenizer``; usage errors exit 2, bad data (strict) 1."""
     if not argv or argv[0] not in COMMANDS:
         got = argv[0] if argv else "nothing"
-        print(f"anyspeed: error: expected one of {', '.join(COMMANDS)}, got {got}", file=sys.stderr)
-        return 2
+        return report("anyspeed", UsageError(f"expected one of {', '.join(COMMANDS)}, got {got}"))
     if argv[1:2] in (["-h"], ["--help"]):
         parser = _preprocess_parser() if argv[0] == "preprocess" else _train_parser()
         parser.print_help()
@@ -142,11 +138,9 @@ def main(argv: list[str]) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except UsageError as exc:
-        print(f"anyspeed: error: {exc}", file=sys.stderr)
-        return 2
+        return report("anyspeed", exc)
     except DataError as exc:
-        print(f"anyspeed: error: {exc}", file=sys.stderr)
-        return 1
+        return report("anyspeed", exc, code=1)
     except KeyboardInterrupt:
         print("anyspeed: interrupted; no output was written", file=sys.stderr)
         return 130

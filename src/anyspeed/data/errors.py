@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from anyspeed.errors import UsageError
 
-class UsageError(Exception):
-    """A bad flag, path or setting found before any work starts (exit code 2)."""
+__all__ = ["DataError", "RecordError", "UsageError"]
 
 
 class DataError(Exception):
