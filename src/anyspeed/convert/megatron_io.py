@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
+from anyspeed import checkpoint_files
+from anyspeed.checkpoint_files import RELEASE, TRACKER
 from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_tp
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import FileSink, load_torch_file, weights_only_load
 from anyspeed.models.presets import ModelPreset
 
-TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_ITERATION = 1
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -50,14 +51,16 @@ def iteration_dir(ckpt_dir: str | Path) -> Path:
     d = Path(ckpt_dir)
     if not d.is_dir():
         raise ConvertError(f"{d}: no such checkpoint directory")
-    tracker = d / TRACKER
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        sub = d / ("release" if text == "release" else f"iter_{int(text):07d}")
-        if not sub.is_dir():
-            raise ConvertError(f"{d}: {TRACKER} says {text!r} but {sub.name}/ is missing")
-        return sub
-    return d
+    try:
+        tracked = checkpoint_files.read_tracker(d)
+    except ValueError as exc:
+        raise ConvertError(str(exc)) from None
+    if tracked is None:
+        return d
+    sub = Path(checkpoint_files.iteration_dir(d, tracked))
+    if not sub.is_dir():
+        raise ConvertError(f"{d}: {TRACKER} says {str(tracked)!r} but {sub.name}/ is missing")
+    return sub
 
 
 def checkpoint_format(it_dir: Path) -> str:
@@ -123,7 +126,7 @@ def megatron_session() -> Iterator[None]:
             "convert in its own process: this one already runs a "
             f"{dist.get_world_size()}-rank process group"
         )
-    import anyspeed.megatron_adaptor as adaptor
+    from anyspeed import adaptor
 
     adaptor.apply(argv=[])
     with tempfile.TemporaryDirectory() as store:
@@ -188,12 +191,12 @@ def save_torch_dist(
             _group_index(preset),
             prefetch(tensor_groups),
         )
-        release = out_dir / "release"
+        release = Path(checkpoint_files.iteration_dir(out_dir, RELEASE))
         release.mkdir()
         dist_checkpointing.save(
             {"model": model.sharded_state_dict(), **common}, str(release), strategy
         )
-    (out_dir / TRACKER).write_text("release")
+    checkpoint_files.write_tracker(out_dir, RELEASE)
 
 
 def _checkpoint_keys(preset: ModelPreset) -> Callable[[str], tuple[str, int | None]]:
@@ -274,7 +277,7 @@ def save_legacy(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    it_dir = out_dir / f"iter_{LEGACY_ITERATION:07d}"
+    it_dir = Path(checkpoint_files.iteration_dir(out_dir, LEGACY_ITERATION))
     per_stage = preset.num_layers // pp
 
     def local(name: str, s: int) -> str:
@@ -316,7 +319,7 @@ def save_legacy(
     # copy_file_range, pwrite and torch ops release the GIL: the ranks are written in parallel.
     with ThreadPoolExecutor(min(len(tasks), 4)) as pool:
         list(pool.map(lambda task: save_rank(*task), tasks))
-    (out_dir / TRACKER).write_text(str(LEGACY_ITERATION))
+    checkpoint_files.write_tracker(out_dir, LEGACY_ITERATION)
 
 
 def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
@@ -359,11 +362,6 @@ def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor | 
             yield (g + offset if isinstance(g, int) else g), out
         offset += len(layers)
         del shards
-
-
-def legacy_layout(it_dir: Path) -> tuple[int, int]:
-    ranks = _legacy_ranks(it_dir)
-    return 1 + max(t for t, _ in ranks), 1 + max(p for _, p in ranks)
 
 
 def json_config(common: dict) -> dict | None:

@@ -20,30 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-LATEST = "latest_checkpointed_iteration.txt"
+from anyspeed.checkpoint_files import TRACKER, iteration_dir, read_tracker, write_tracker
+
 CHECKPOINT_VERSION = 3.0
-
-
-def iteration_dir(root: str, iteration: int | str) -> str:
-    """``root/iter_0000042`` (or ``root/release`` for a converted, iteration-less checkpoint)."""
-    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-    return os.path.join(root, name)
-
-
-def read_latest(root: str) -> int | str | None:
-    """The iteration ``latest`` names: an int, ``"release"``, or None when there is none."""
-    path = os.path.join(root, LATEST)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return "release"
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"{path}: expected an iteration number or 'release', got {text!r}"
-        ) from None
+# Old names, kept until checks.py and hooks.py import them from anyspeed.checkpoint_files.
+LATEST = TRACKER
+read_latest = read_tracker
 
 
 def optimizer_sharding(optimizer: Any) -> str:
@@ -202,12 +184,7 @@ def save_checkpoint(
         if os.path.exists(final):  # saving the same iteration again: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        latest_tmp = os.path.join(root, LATEST + ".tmp")
-        with open(latest_tmp, "w") as fh:
-            fh.write(str(iteration))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(latest_tmp, os.path.join(root, LATEST))
+        write_tracker(root, iteration)
     dist.barrier()
     return final
 
@@ -229,12 +206,12 @@ def load_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    it = read_latest(root)
+    it = read_tracker(root)
     if it is None:
-        raise ValueError(f"--load {root!r}: no {LATEST} (not a checkpoint directory)")
+        raise ValueError(f"--load {root!r}: no {TRACKER} (not a checkpoint directory)")
     path = iteration_dir(root, it)
     if not os.path.isdir(path):
-        raise ValueError(f"--load {root!r}: {LATEST} names {it} but {path} is missing")
+        raise ValueError(f"--load {root!r}: {TRACKER} names {it} but {path} is missing")
     common = dist_checkpointing.load_common_state_dict(path)
     weights_only = finetune or it == "release"
     state: dict[str, Any] = model_state(model)
