@@ -34,7 +34,8 @@ from anyspeed.convert.megatron_io import (
     save_torch_dist,
 )
 from anyspeed.convert.pipeline import prefetch
-from anyspeed.layout import check_layout
+from anyspeed.layout import Layout
+from anyspeed.models.config import padded_vocab_size
 from anyspeed.models.presets import HF_ARCHITECTURES, ModelPreset, preset_from_hf
 
 # MindSpeed-LLM's --model-type-hf names -> family.
@@ -95,11 +96,13 @@ def _preset(config: dict, model_type_hf: str | None) -> ModelPreset:
 
 def check_target(preset: ModelPreset, tp: int, pp: int) -> None:
     """One-line error when Megatron cannot lay the model out at TP x PP."""
+    if tp < 1 or pp < 1:
+        raise ConvertError(
+            "--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1"
+        )
     try:
-        check_layout(
-            world_size=tp * pp,
-            tp=tp,
-            pp=pp,
+        Layout(tp=tp, pp=pp).validate(
+            tp * pp,
             num_layers=preset.num_layers,
             num_attention_heads=preset.num_attention_heads,
             num_query_groups=preset.num_query_groups,
@@ -162,7 +165,7 @@ def hf_to_megatron(
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
     m = mapping_for(preset.family)
-    padded = engine.padded_vocab_size(preset.vocab_size, make_vocab_size_divisible_by, tp)
+    padded = padded_vocab_size(preset.vocab_size, max(1, make_vocab_size_divisible_by), tp)
     mg_preset = dataclasses.replace(preset, vocab_size=padded)
     dtype = DTYPES[params_dtype] if params_dtype else ck.dtype("model.embed_tokens.weight")
 

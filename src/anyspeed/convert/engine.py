@@ -50,20 +50,6 @@ def entries(m: FamilyMapping, preset: ModelPreset, group: Group) -> dict[str, st
     return out
 
 
-def hf_names(m: FamilyMapping, preset: ModelPreset, group: Group) -> list[str]:
-    return [
-        p
-        for v in entries(m, preset, group).values()
-        for p in (v.parts if isinstance(v, Fused) else (v,))
-    ]
-
-
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's padding: the next multiple of ``divisible_by x tp``."""
-    step = max(1, divisible_by) * tp
-    return -(-vocab // step) * step
-
-
 # ------------------------------------------------------------------------------------ fusions
 def _qkv_dims(preset: ModelPreset) -> tuple[int, int, int]:
     per_group = preset.num_attention_heads // preset.num_query_groups
