@@ -13,25 +13,19 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from anyspeed.launch import free_port
+
 __all__ = ["run_distributed", "free_port", "DistributedError"]
 
 
 class DistributedError(RuntimeError):
     """A rank failed or the group timed out."""
-
-
-def free_port() -> int:
-    """A TCP port on localhost that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, rank, world, port, q, kwargs, env, threads):
