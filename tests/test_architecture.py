@@ -19,8 +19,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "anyspeed"
 LAYERS = {
     "errors": 0, "argv": 0, "patching": 0, "launch": 0, "quiet": 0, "checkpoint_files": 0,
     "device": 1, "layout": 1,
-    "features": 2, "adaptor": 2,
-    "models": 3,
+    "features": 2,
+    "adaptor": 3, "models": 3,
     "data": 4, "inference": 4, "convert": 5, "training": 6,
     "cli": 7, "demo": 7, "testing": 7, "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
 }  # fmt: skip

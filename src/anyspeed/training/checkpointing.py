@@ -23,9 +23,6 @@ import torch
 from anyspeed.checkpoint_files import TRACKER, iteration_dir, read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
-# Old names, kept until checks.py and hooks.py import them from anyspeed.checkpoint_files.
-LATEST = TRACKER
-read_latest = read_tracker
 
 
 def optimizer_sharding(optimizer: Any) -> str:

@@ -131,24 +131,24 @@ def _check_run(args: argparse.Namespace) -> None:
 def _check_load(args: argparse.Namespace) -> None:
     """Megatron-LM's rule: a --load directory with no checkpoint yet (scripts pass --load and
     --save the same directory from the first run on) starts from scratch, with a warning."""
+    from anyspeed.checkpoint_files import TRACKER, read_tracker
     from anyspeed.convert import is_hf_dir
-    from anyspeed.training.checkpointing import LATEST, read_latest
 
     if is_hf_dir(args.load):
         return  # a Hugging Face directory: converted by the caller
     if os.path.exists(args.load) and not os.path.isdir(args.load):
         raise UsageError(f"--load {args.load!r}: not a directory")
     try:
-        latest = read_latest(args.load) if os.path.isdir(args.load) else None
+        latest = read_tracker(args.load) if os.path.isdir(args.load) else None
     except ValueError as exc:
         raise UsageError(f"--load: {exc}") from None
     if latest is None:
         if args.finetune:
             raise UsageError(f"--finetune needs a checkpoint, but --load {args.load!r} has no "
-                             f"{LATEST}")  # fmt: skip
+                             f"{TRACKER}")  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"anyspeed pretrain: warning: --load {args.load!r} holds no checkpoint yet "
-                  f"(no {LATEST}); starting from scratch", file=sys.stderr)  # fmt: skip
+                  f"(no {TRACKER}); starting from scratch", file=sys.stderr)  # fmt: skip
         args.load = None
 
 

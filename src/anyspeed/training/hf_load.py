@@ -18,6 +18,7 @@ import time
 
 from anyspeed.argv import get_flag as _flag
 from anyspeed.argv import merge_flags, set_flag
+from anyspeed.checkpoint_files import TRACKER
 from anyspeed.errors import UsageError
 from anyspeed.models.config import padded_vocab_size
 
@@ -69,7 +70,7 @@ def _dtype(argv: list[str]) -> str:
 def convert(argv: list[str], hf_dir: str, timeout: float = 3600.0) -> str:
     """Convert (once; local rank 0 under a launcher, others wait) and return the directory."""
     out = converted_dir(argv, hf_dir)
-    done = os.path.join(out, "latest_checkpointed_iteration.txt")
+    done = os.path.join(out, TRACKER)
     if os.path.isfile(done):
         return out
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:

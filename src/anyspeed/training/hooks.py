@@ -32,10 +32,10 @@ class NanGuard(Hook):
     def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
         if math.isfinite(out["loss"]):
             return
-        from anyspeed.training.checkpointing import read_latest
+        from anyspeed.checkpoint_files import read_tracker
 
         state.notify("abort")
-        good = read_latest(self.save_dir) if self.save_dir else None
+        good = read_tracker(self.save_dir) if self.save_dir else None
         raise NonFiniteLoss(
             f"loss is {out['loss']} at iteration {state.iteration}; stopping without saving"
             + (f" (last good checkpoint: iteration {good} in {self.save_dir})" if good else "")
