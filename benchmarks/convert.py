@@ -66,8 +66,8 @@ def make_hf(directory: Path, preset_name: str, layers: int | None, shard: str) -
 
     from anyspeed.convert import engine
     from anyspeed.convert.hf_io import ShardedWriter
-    from anyspeed.convert.mapping import mapping_for
     from anyspeed.models import get_preset
+    from anyspeed.models.families import mapping_for
     from anyspeed.models.presets import HF_ARCHITECTURES
 
     preset = get_preset(preset_name)

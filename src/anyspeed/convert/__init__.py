@@ -1,6 +1,6 @@
 """HF <-> Megatron checkpoint conversion (``anyspeed convert``).
 
-One declarative mapping per family (:mod:`.mapping`), one shared tensor engine (:mod:`.engine`),
+One declarative mapping per family (:mod:`anyspeed.models.families`), one shared tensor engine (:mod:`.engine`),
 readers/writers for HF safetensors (:mod:`.hf_io`) and Megatron's torch_dist and legacy layouts
 (:mod:`.megatron_io`).
 """

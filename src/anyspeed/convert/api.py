@@ -21,7 +21,6 @@ from anyspeed.convert.hf_io import (
     copy_side_files,
     read_config,
 )
-from anyspeed.convert.mapping import mapping_for
 from anyspeed.convert.megatron_io import (
     checkpoint_format,
     common_state,
@@ -36,6 +35,7 @@ from anyspeed.convert.megatron_io import (
 from anyspeed.convert.pipeline import prefetch
 from anyspeed.layout import Layout
 from anyspeed.models.config import padded_vocab_size
+from anyspeed.models.families import mapping_for
 from anyspeed.models.presets import HF_ARCHITECTURES, ModelPreset, preset_from_hf
 
 # MindSpeed-LLM's --model-type-hf names -> family.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from anyspeed.convert.mapping import FamilyMapping, Fused
+from anyspeed.models.families import FamilyMapping, Fused
 from anyspeed.models.presets import ModelPreset
 
 EMBED, HEAD = "embed", "head"

@@ -8,7 +8,6 @@ import torch
 
 from anyspeed.convert import engine
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapping import mapping_for
 from anyspeed.convert.megatron_io import (
     checkpoint_format,
     empty_model,
@@ -18,6 +17,7 @@ from anyspeed.convert.megatron_io import (
     read_model_preset,
     read_torch_dist,
 )
+from anyspeed.models.families import mapping_for
 
 
 def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:

@@ -101,27 +101,9 @@ class ModelConfig:
 
     def hf_config(self) -> dict[str, Any]:
         """Fields of the family's Hugging Face ``config.json`` for this architecture."""
-        cfg: dict[str, Any] = {
-            "model_type": self.family,
-            "num_hidden_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.ffn_hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_query_groups,
-            "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rotary_base,
-            "rms_norm_eps": self.norm_epsilon,
-            "tie_word_embeddings": self.tie_embeddings,
-            "hidden_act": "silu",
-        }
-        if self.kv_channels or self.family in ("qwen3", "mistral"):
-            cfg["head_dim"] = self.head_dim
-        if self.family == "llama":
-            cfg["attention_bias"] = self.add_qkv_bias
-        if self.rope_scaling:
-            cfg["rope_scaling"] = dict(self.rope_scaling)
-        return cfg
+        from anyspeed.models.hf import hf_config
+
+        return hf_config(self)
 
     def num_parameters(self) -> int:
         """Parameter count (embeddings included, tied ones counted once)."""

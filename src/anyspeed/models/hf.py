@@ -9,13 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from anyspeed.models.config import ModelConfig
+from anyspeed.models.families import FAMILIES
 
-HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+HF_ARCHITECTURES = {name: f.hf_architecture for name, f in FAMILIES.items()}
 # Megatron's RotaryEmbedding applies LLaMA-3 scaling with only the factor configurable.
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192}  # fmt: skip
@@ -56,15 +52,16 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
     """The preset an HF ``config.json`` (as a dict) describes; ValueError (one line) when
     Megatron's GPTModel cannot express it."""
     family = hf_family(config)
+    traits = FAMILIES[family]
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
     if config.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
-    if family != "qwen2" and config.get("attention_bias"):  # it adds an o_proj bias too
+    if not traits.qkv_bias and config.get("attention_bias"):  # it adds an o_proj bias too
         raise ValueError("attention_bias=true is not supported")
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = config.get("head_dim")
-    explicit = head_dim and (family == "qwen3" or int(head_dim) != hidden // heads)
+    explicit = head_dim and (traits.qk_norm or int(head_dim) != hidden // heads)
     base, scaling = _hf_rope(config)
     return ModelConfig(
         name=name or f"hf-{family}",
@@ -79,8 +76,34 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         rotary_base=base,
         norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
         kv_channels=int(head_dim) if explicit else None,
-        add_qkv_bias=family == "qwen2",
-        qk_layernorm=family == "qwen3",
+        add_qkv_bias=traits.qkv_bias,
+        qk_layernorm=traits.qk_norm,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
     )
+
+
+def hf_config(model: ModelConfig) -> dict[str, Any]:
+    """Fields of the family's Hugging Face ``config.json`` for ``model``."""
+    traits = FAMILIES[model.family]
+    cfg: dict[str, Any] = {
+        "model_type": model.family,
+        "num_hidden_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rope_theta": model.rotary_base,
+        "rms_norm_eps": model.norm_epsilon,
+        "tie_word_embeddings": model.tie_embeddings,
+        "hidden_act": "silu",
+    }
+    if model.kv_channels or traits.head_dim_in_config:
+        cfg["head_dim"] = model.head_dim
+    if traits.attention_bias_key:
+        cfg["attention_bias"] = model.add_qkv_bias
+    if model.rope_scaling:
+        cfg["rope_scaling"] = dict(model.rope_scaling)
+    return cfg

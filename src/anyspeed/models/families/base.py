@@ -1,16 +1,11 @@
-"""Declarative HF <-> Megatron name mappings, one short block per model family.
-
-A mapping names, for the top of the model and for one decoder layer, which Hugging Face tensor
-each Megatron-Core GPTModel (local spec, TP1/PP1) tensor comes from. A plain string is a renamed
-tensor; :func:`qkv` and :func:`gate_up` name the tensors the engine fuses (Megatron's
-per-query-group interleaved QKV, and SwiGLU's [gate; up]). Adding a family is writing a mapping
-here and listing its HF architecture in :data:`anyspeed.models.presets.HF_ARCHITECTURES`; the
-tensor work is the shared engine's (:mod:`anyspeed.convert.engine`).
-"""
+"""What a model family is: its HF architecture, its traits in HF configs, its presets and the
+declarative HF <-> Megatron tensor-name mapping the converter's shared engine works from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from anyspeed.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -27,6 +22,7 @@ def qkv(pattern: str) -> Fused:
 
 
 def gate_up(gate: str, up: str) -> Fused:
+    """SwiGLU's gate and up projections, fused as Megatron's ``linear_fc1`` = [gate; up]."""
     return Fused("gate_up", (gate, up))
 
 
@@ -44,17 +40,12 @@ class FamilyMapping:
 
     def extend(self, family: str, layer: dict[str, str | Fused] | None = None) -> FamilyMapping:
         """This mapping under another family name, with extra per-layer tensors."""
-        return FamilyMapping(
-            family,
-            dict(self.top),
-            {**self.layer, **(layer or {})},
-            self.hf_layer,
-            self.mg_layer,
-            self.ignored_hf,
-        )
+        return replace(self, family=family, top=dict(self.top),
+                       layer={**self.layer, **(layer or {})})  # fmt: skip
 
 
-LLAMA = FamilyMapping(
+# Megatron-Core GPTModel (local spec) names <- Hugging Face LLaMA-style names.
+LLAMA_MAPPING = FamilyMapping(
     family="llama",
     top={
         "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -70,22 +61,25 @@ LLAMA = FamilyMapping(
         "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     },
 )
-MISTRAL = LLAMA.extend("mistral")
-QWEN2 = LLAMA.extend("qwen2", {"self_attention.linear_qkv.bias": qkv("self_attn.{}_proj.bias")})
-QWEN3 = LLAMA.extend(
-    "qwen3",
-    {
-        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    },
-)
-
-MAPPINGS: dict[str, FamilyMapping] = {m.family: m for m in (LLAMA, MISTRAL, QWEN2, QWEN3)}
 
 
-def mapping_for(family: str) -> FamilyMapping:
-    if family not in MAPPINGS:
-        raise ValueError(
-            f"no conversion mapping for family {family!r} (have {', '.join(sorted(MAPPINGS))})"
-        )
-    return MAPPINGS[family]
+@dataclass(frozen=True)
+class Family:
+    """One model family: everything anyspeed knows about it, in one place."""
+
+    name: str  # the HF model_type
+    hf_architecture: str  # the HF class (config.json "architectures")
+    mapping: FamilyMapping
+    presets: tuple[ModelConfig, ...]  # published sizes
+    tiny: tuple[ModelConfig, ...]  # the family's traits at a size a CPU trains in seconds
+    qkv_bias: bool = False  # HF configs of the family imply biases on Q, K, V
+    qk_norm: bool = False  # ... RMSNorm on queries and keys
+    head_dim_in_config: bool = False  # HF config.json writes head_dim
+    attention_bias_key: bool = False  # HF config.json writes attention_bias
+
+
+def tiny(base: ModelConfig, name: str, **changes) -> ModelConfig:
+    """``base``'s traits at tiny size: 2 layers, hidden 64, 4 heads, vocabulary 512."""
+    size = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+                num_query_groups=2, vocab_size=512)  # fmt: skip
+    return replace(base, name=name, **{**size, **changes})

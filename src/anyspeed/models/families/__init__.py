@@ -1,0 +1,34 @@
+"""Model families, one module each: presets, HF traits and the HF <-> Megatron name mapping.
+
+Adding a family is a module here (its presets, its :class:`Family`) and one entry in
+:data:`FAMILIES`; the converter's shared engine, the HF config reader and ``--model`` pick it
+up from there.
+"""
+
+from __future__ import annotations
+
+from anyspeed.models.families import llama, mistral, qwen2, qwen3
+from anyspeed.models.families.base import Family, FamilyMapping, Fused, gate_up, qkv
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                                                    mistral.FAMILY)}  # fmt: skip
+
+
+def get_family(name: str) -> Family:
+    """The family called ``name`` (the HF model_type); ValueError lists the known ones."""
+    if name not in FAMILIES:
+        raise ValueError(f"no model family {name!r} (have {', '.join(sorted(FAMILIES))})")
+    return FAMILIES[name]
+
+
+def mapping_for(family: str) -> FamilyMapping:
+    """The HF <-> Megatron tensor-name mapping of ``family``."""
+    if family not in FAMILIES:
+        raise ValueError(
+            f"no conversion mapping for family {family!r} (have {', '.join(sorted(FAMILIES))})"
+        )
+    return FAMILIES[family].mapping
+
+
+__all__ = ["FAMILIES", "Family", "FamilyMapping", "Fused", "gate_up", "get_family",
+           "mapping_for", "qkv"]  # fmt: skip
