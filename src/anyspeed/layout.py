@@ -169,6 +169,17 @@ class Layout:
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
 
+    def validate_for(self, world_size: int, model: Any, seq_length: int | None = None) -> None:
+        """:meth:`validate` with the sizes read from ``model`` (a ``ModelConfig``, or a checked
+        namespace where ``num_query_groups`` is None without GQA)."""
+        self.validate(
+            world_size,
+            num_layers=getattr(model, "num_layers", None),
+            num_attention_heads=getattr(model, "num_attention_heads", None),
+            num_query_groups=getattr(model, "num_query_groups", None),
+            seq_length=seq_length,
+        )
+
     def _validate_cp(self, tp: int, heads: int | None, seq_length: int | None) -> None:
         cp = self.cp
         if cp == 1:

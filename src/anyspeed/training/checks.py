@@ -60,13 +60,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     _complete_architecture(args)
     try:
         layout = Layout.from_args(args)
-        layout.validate(
-            world_size,
-            num_layers=args.num_layers,
-            num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups,
-            seq_length=args.seq_length,
-        )
+        layout.validate_for(world_size, args, args.seq_length)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     args.virtual_pipeline_model_parallel_size = layout.vpp

@@ -33,13 +33,7 @@ class Trainer:
         transforms: Sequence[Transform] = (),
     ) -> None:
         world = world_size()
-        layout.validate(
-            world,
-            num_layers=model.num_layers,
-            num_attention_heads=model.num_attention_heads,
-            num_query_groups=model.num_query_groups,
-            seq_length=cfg.seq_length,
-        )
+        layout.validate_for(world, model, cfg.seq_length)
         self.dp = layout.dp(world)
         cfg.check(self.dp)
         self.model_config, self.layout, self.cfg = model, layout, cfg
