@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from anyspeed.convert import ConvertError, mapped
+from anyspeed.convert import ConvertError, mapped, torch_files
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_mapped_torch_file_equals_torch_load(tmp_path):
     with open(path, "rb") as f:
         f.seek(start)
         ref = torch.load(f, weights_only=True)
-    got = mapped.load_torch_file(path, start, length, "x.pt")
+    got = torch_files.load_torch_file(path, start, length, "x.pt")
     assert got.keys() == ref.keys() and got["iteration"] == 3 and got["tags"] == ref["tags"]
     for k, v in ref["model"].items():
         if v is None:
@@ -112,11 +112,11 @@ def test_mapped_torch_file_refuses_objects_and_truncation(tmp_path):
     path = tmp_path / "x.pt"
     torch.save({"args": argparse.Namespace(tp=2), "w": torch.ones(3)}, path)
     with pytest.raises(ConvertError, match="x.pt: cannot be read with weights_only=True"):
-        mapped.load_torch_file(path, 0, path.stat().st_size, "x.pt")
+        torch_files.load_torch_file(path, 0, path.stat().st_size, "x.pt")
     torch.save({"w": torch.ones(1000)}, path)
     size = path.stat().st_size
     with pytest.raises(ConvertError, match="x.pt: not a torch.save zip archive, or truncated"):
-        mapped.load_torch_file(path, 0, size - 100, "x.pt")
+        torch_files.load_torch_file(path, 0, size - 100, "x.pt")
 
 
 def test_deferred_placeholder_is_written_as_its_parts(blob, tmp_path):
@@ -151,8 +151,8 @@ def test_lazy_fusion_and_tp_shards_equal_plain_torch(groups):
     import dataclasses
 
     from anyspeed.convert import engine
-    from anyspeed.convert.mapping import Fused
     from anyspeed.models import get_preset
+    from anyspeed.models.families import Fused
 
     preset = dataclasses.replace(get_preset("tiny-llama3"), num_query_groups=groups)
     heads, d, h = preset.num_attention_heads, preset.head_dim, preset.hidden_size

@@ -29,7 +29,8 @@ import torch
 
 from anyspeed.convert.engine import Stacked, own_storage, take_rows
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapped import FileSink, deferred, load_torch_file
+from anyspeed.convert.mapped import FileSink, deferred
+from anyspeed.convert.torch_files import load_torch_file
 
 
 @contextlib.contextmanager

@@ -28,7 +28,8 @@ from anyspeed import checkpoint_files
 from anyspeed.checkpoint_files import RELEASE, TRACKER
 from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_tp
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapped import FileSink, load_torch_file, weights_only_load
+from anyspeed.convert.mapped import FileSink
+from anyspeed.convert.torch_files import load_torch_file, weights_only_load
 from anyspeed.models.presets import ModelPreset
 
 LEGACY_ITERATION = 1
