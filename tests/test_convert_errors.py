@@ -141,6 +141,29 @@ def test_torch_dist_metadata_is_never_unpickled_blindly(hf, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("text, match", [
+    ("latest", "expected an iteration number or 'release', got 'latest'"),
+    ("7", "latest_checkpointed_iteration.txt says '7' but iter_0000007/ is missing"),
+])  # fmt: skip
+def test_bad_tracker_is_one_line(hf, tmp_path, text, match):
+    legacy = hf_to_megatron(hf, tmp_path / "legacy", ckpt_format="legacy")
+    (legacy / "latest_checkpointed_iteration.txt").write_text(text + "\n")
+    _fails(megatron_to_hf, match, tmp_path / "out", legacy, tmp_path / "out")
+
+
+def test_tracker_files(tmp_path):
+    from anyspeed import checkpoint_files as cf
+
+    assert cf.read_tracker(tmp_path) is None
+    cf.write_tracker(tmp_path, 20)
+    assert (tmp_path / cf.TRACKER).read_text() == "20" and cf.read_tracker(tmp_path) == 20
+    assert cf.iteration_dir(tmp_path, 20) == str(tmp_path / "iter_0000020")
+    cf.write_tracker(tmp_path, "release")
+    assert cf.read_tracker(tmp_path) == "release"
+    assert cf.iteration_dir(tmp_path, "release") == str(tmp_path / "release")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cf.TRACKER]  # no temporary left
+
+
 def test_hf_cfg_dir_of_another_model(hf, tmp_path):
     legacy = hf_to_megatron(hf, tmp_path / "legacy", ckpt_format="legacy")
     other = tmp_path / "other"
