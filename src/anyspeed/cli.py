@@ -58,6 +58,9 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``anyspeed`` command (and of ``python -m anyspeed``)."""
+    from anyspeed import quiet
+
+    quiet.install()  # before Megatron is imported: its expected fallback notices stay hidden
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--version":
         from anyspeed import __version__

@@ -14,6 +14,7 @@ import gc
 import sys
 import time
 
+from anyspeed import quiet
 from anyspeed.convert.api import DTYPES, MODEL_TYPE_HF
 from anyspeed.errors import OneLineArgumentParser, UsageError, report
 
@@ -86,6 +87,7 @@ def reuse_freed_memory() -> None:
 def main(argv: list[str] | None = None) -> int:
     """``anyspeed convert``: 0 on success; a one-line error on stderr and 2 for a bad command
     line, 1 for bad input."""
+    quiet.install()
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:

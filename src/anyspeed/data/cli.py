@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 
+from anyspeed import quiet
 from anyspeed.data.errors import DataError, UsageError
 from anyspeed.data.handlers import HANDLERS
 from anyspeed.data.readers import FORMATS
@@ -127,6 +128,7 @@ COMMANDS = {"preprocess": _preprocess, "train-tokenizer": _train}
 
 def main(argv: list[str]) -> int:
     """Run ``preprocess`` or ``train-tokenizer``; usage errors exit 2, bad data (strict) 1."""
+    quiet.install()
     if not argv or argv[0] not in COMMANDS:
         got = argv[0] if argv else "nothing"
         return report("anyspeed", UsageError(f"expected one of {', '.join(COMMANDS)}, got {got}"))
