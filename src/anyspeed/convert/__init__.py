@@ -1,8 +1,8 @@
 """HF <-> Megatron checkpoint conversion (``anyspeed convert``).
 
-One declarative mapping per family (:mod:`anyspeed.models.families`), one shared tensor engine (:mod:`.engine`),
-readers/writers for HF safetensors (:mod:`.hf_io`) and Megatron's torch_dist and legacy layouts
-(:mod:`.megatron_io`).
+One declarative mapping per family (:mod:`anyspeed.models.families`), one shared tensor engine
+(:mod:`.engine`), readers/writers for HF safetensors (:mod:`.hf_io`) and Megatron's torch_dist
+and legacy layouts (:mod:`.megatron_io`).
 """
 
 from anyspeed.convert.api import hf_to_megatron, is_hf_dir, megatron_to_hf

@@ -101,12 +101,7 @@ def check_target(preset: ModelPreset, tp: int, pp: int) -> None:
             "--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1"
         )
     try:
-        Layout(tp=tp, pp=pp).validate(
-            tp * pp,
-            num_layers=preset.num_layers,
-            num_attention_heads=preset.num_attention_heads,
-            num_query_groups=preset.num_query_groups,
-        )
+        Layout(tp=tp, pp=pp).validate_for(tp * pp, preset)
         engine.tp_divisible(preset, tp)
     except ValueError as exc:
         msg = (

@@ -4,7 +4,7 @@ Megatron's ``dist_checkpointing.save`` needs every tensor of the state dict in m
 its load plans and validates per call. A conversion knows the tensors one group (embedding, layer,
 head) at a time, so:
 
-* :class:`StreamingSaveStrategy` is a ``torch_dist`` save strategy for ``dist_checkpointing.save``
+* :func:`streaming_save_strategy` is a ``torch_dist`` save strategy for ``dist_checkpointing.save``
   (which still writes ``metadata.json`` and ``common.pt`` and validates the sharding): the state
   dict's tensors are uninitialised placeholders, and each one's real data is produced only when
   the writer reaches it, in group order, and dropped once written. The files, ``.metadata`` and
@@ -73,24 +73,43 @@ def streaming_save_strategy(
     """A ``torch_dist`` save strategy writing ``tensor_groups`` (dicts name -> full tensor, in
     group order ``0, 1, ...``) where the state dict holds views of ``placeholders``."""
     from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
         TorchDistSaveShardedStrategy,
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    planner = _planner_class(placeholders, group_of, tensor_groups)
+    writer = _writer_class(group_of)
+
+    class Strategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+            pyt = mcore_to_pyt_state_dict(sd, False)
+            dcp_save(
+                pyt,
+                storage_writer=writer(checkpoint_dir, sync_files=False),
+                planner=planner(flatten_state_dict=False),
+            )
+            if next(tensor_groups, None) is not None:
+                raise ConvertError("internal: converted tensors left over after the last group")
+
+    return Strategy("torch_dist", 1)
+
+
+def _planner_class(
+    placeholders: dict[str, torch.Tensor],
+    group_of: Callable[[str], int],
+    tensor_groups: Iterator[dict[str, torch.Tensor]],
+) -> type:
+    """Megatron's save planner, resolving a tensor item to the real data of its group, which is
+    produced on first use (groups come in order) and dropped when the next one starts."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.checkpoint.storage import WriteResult
-    from torch.futures import Future
 
     spans = _Spans(placeholders)
 
     class Planner(MCoreSavePlanner):
-        """Resolves a tensor item to the real data of its group, produced on first use."""
-
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.current: tuple[int, dict] = (-1, {})  # (group index, its tensors)
@@ -117,23 +136,42 @@ def streaming_save_strategy(
             if tuple(full.shape) != want:
                 raise ConvertError(f"{name}: shape {tuple(full.shape)} does not match the "
                                    f"model's {want}")  # fmt: skip
-            if isinstance(full, Stacked):
-                row = math.prod(want[1:])
-                if view.is_contiguous() and offset % row == 0 and view.numel() % row == 0:
-                    rows = take_rows(full, [(offset // row, (offset + view.numel()) // row)])
-                    if isinstance(rows, Stacked):  # the sink writes the parts, not this
-                        return deferred(rows, view.shape)
-                    return own_storage(rows.reshape(view.shape))
-                full = full.materialize()
-                self.current[1][name] = full
-            data = full.contiguous().as_strided(view.shape, view.stride(), offset)
-            whole = data.untyped_storage().nbytes() == data.numel() * data.element_size()
-            return data if whole else own_storage(data)
+            return _view_data(full, view, offset, self.current[1], name)
+
+    return Planner
+
+
+def _view_data(
+    full: torch.Tensor | Stacked, view: torch.Tensor, offset: int, tensors: dict, name: str
+) -> torch.Tensor:
+    """The data of ``view`` (elements from ``offset`` of ``name``'s placeholder) taken from the
+    full tensor; a lazy ``Stacked`` one is read by whole rows, or else materialised once (kept
+    in ``tensors``)."""
+    if isinstance(full, Stacked):
+        row = math.prod(tuple(full.shape)[1:])
+        if view.is_contiguous() and offset % row == 0 and view.numel() % row == 0:
+            rows = take_rows(full, [(offset // row, (offset + view.numel()) // row)])
+            if isinstance(rows, Stacked):  # the sink writes the parts, not this
+                return deferred(rows, view.shape)
+            return own_storage(rows.reshape(view.shape))
+        full = tensors[name] = full.materialize()
+    data = full.contiguous().as_strided(view.shape, view.stride(), offset)
+    whole = data.untyped_storage().nbytes() == data.numel() * data.element_size()
+    return data if whole else own_storage(data)
+
+
+def _writer_class(group_of: Callable[[str], int]) -> type:
+    """A DCP file writer: one file, tensors in group order, each produced just before it is
+    written; mapped source bytes (most tensors are views of the input files) go file to file."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
     class Writer(FileSystemWriter):
-        """One file, tensors in group order, each produced just before it is written."""
-
-        def write_data(self, plan, planner: Planner) -> Future:
+        def write_data(self, plan, planner) -> Future:
             name = f"{plan.storage_data.prefix}0.distcp"
             rows = [(0, -1, it) for it in plan.items if it.type == WriteItemType.BYTE_IO]
             for it in plan.items:
@@ -142,7 +180,6 @@ def streaming_save_strategy(
                     rows.append((1 + group_of(src), view.data_ptr(), it))
             rows.sort(key=lambda r: r[:2])
             results = []
-            # Mapped source bytes (most tensors are views of the input files) go file to file.
             with FileSink(Path(self.path) / name) as f, no_crc32():
                 for _, _, it in rows:
                     data = planner.resolve_data(it)
@@ -152,8 +189,7 @@ def streaming_save_strategy(
                     else:
                         torch.save(data, f)
                     length = f.tell() - start
-                    info = _StorageInfo(name, start, length)
-                    results.append(WriteResult(it.index, length, info))
+                    results.append(WriteResult(it.index, length, _StorageInfo(name, start, length)))
             fut: Future = Future()
             fut.set_result(results)
             return fut
@@ -161,19 +197,7 @@ def streaming_save_strategy(
         def storage_meta(self) -> StorageMeta:
             return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
-    class Strategy(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir) -> None:
-            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
-            pyt = mcore_to_pyt_state_dict(sd, False)
-            dcp_save(
-                pyt,
-                storage_writer=Writer(checkpoint_dir, sync_files=False),
-                planner=Planner(flatten_state_dict=False),
-            )
-            if next(tensor_groups, None) is not None:
-                raise ConvertError("internal: converted tensors left over after the last group")
-
-    return Strategy("torch_dist", 1)
+    return Writer
 
 
 # ------------------------------------------------------------------------------------ reading
