@@ -51,7 +51,7 @@ def watch():  # Megatron's checkpoint-writer processes, sampled
 
 if __name__ == "__main__":
     threading.Thread(target=watch, daemon=True).start()
-    import megatron.core, anyspeed.megatron_adaptor  # start-up cost, timed in process_s only
+    import megatron.core, anyspeed.adaptor  # start-up cost, timed in process_s only
     t = time.perf_counter()
     rc = main(sys.argv[1:])
     wall = time.perf_counter() - t

@@ -13,12 +13,12 @@ that applies from ``sys.argv``); anyspeed's own modules call :func:`apply`.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from anyspeed import features
 from anyspeed.device import DeviceInfo, detect
+from anyspeed.errors import report
 from anyspeed.features import Feature, FeatureError
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs
 from anyspeed.patching import PatchManager
@@ -87,5 +87,4 @@ def apply_command_line(argv: Sequence[str]) -> AdaptorState:
     try:
         return apply(argv=argv)
     except FeatureError as exc:
-        print(f"anyspeed: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(report("anyspeed", exc)) from None

@@ -11,16 +11,18 @@ import json
 import sys
 from collections.abc import Sequence
 
+from anyspeed.errors import UsageError, report
+
 
 def _features_report(argv: Sequence[str], as_json: bool) -> int:
-    from anyspeed.features import FeatureError, report
+    from anyspeed.features import FeatureError
+    from anyspeed.features import report as features
 
     try:
-        rep = report.build(argv)
+        rep = features.build(argv)
     except FeatureError as exc:
-        print(f"anyspeed: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(rep, indent=1) if as_json else report.text(rep, with_patches=bool(argv)))
+        return report("anyspeed", exc)
+    print(json.dumps(rep, indent=1) if as_json else features.text(rep, with_patches=bool(argv)))
     return 0
 
 
@@ -50,9 +52,7 @@ COMMANDS = {
     "train-tokenizer": _run("anyspeed.data.cli", prefix=["train-tokenizer"]),
     "convert": _run("anyspeed.convert.cli"),
     "models": _models,
-    "features": lambda argv: _features_report(
-        [a for a in argv if a != "--json"], "--json" in argv
-    ),
+    "features": lambda argv: _features_report([a for a in argv if a != "--json"], "--json" in argv),
 }
 
 
@@ -76,9 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"anyspeed: error: unknown command {cmd!r} (try: {', '.join(COMMANDS)})",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        return report(
+            "anyspeed", UsageError(f"unknown command {cmd!r} (try: {', '.join(COMMANDS)})")
+        )
     return COMMANDS[cmd](rest)
 
 

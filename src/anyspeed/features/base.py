@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, NoReturn
+from typing import Any
 
 from anyspeed.device import DeviceInfo
 from anyspeed.errors import OneLineArgumentParser, UsageError
@@ -20,8 +20,7 @@ class FeatureError(UsageError):
 class ArgumentParser(OneLineArgumentParser):
     """argparse that raises FeatureError (one line) instead of printing usage and exiting."""
 
-    def error(self, message: str) -> NoReturn:
-        raise FeatureError(message)
+    error_type = FeatureError
 
 
 def dest(flag: str) -> str:

@@ -125,6 +125,10 @@ def layout_signature() -> dict[str, int]:
     }
 
 
+class CheckpointMismatch(ValueError):
+    """The checkpoint under ``--load`` does not fit this run (one line naming the fix)."""
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -205,10 +209,10 @@ def load_checkpoint(
 
     it = read_tracker(root)
     if it is None:
-        raise ValueError(f"--load {root!r}: no {TRACKER} (not a checkpoint directory)")
+        raise CheckpointMismatch(f"--load {root!r}: no {TRACKER} (not a checkpoint directory)")
     path = iteration_dir(root, it)
     if not os.path.isdir(path):
-        raise ValueError(f"--load {root!r}: {TRACKER} names {it} but {path} is missing")
+        raise CheckpointMismatch(f"--load {root!r}: {TRACKER} names {it} but {path} is missing")
     common = dist_checkpointing.load_common_state_dict(path)
     weights_only = finetune or it == "release"
     state: dict[str, Any] = model_state(model)
@@ -218,7 +222,7 @@ def load_checkpoint(
     want_optim = optimizer is not None and load_optim and not weights_only and has_optim
     saved_distopt = common.get("distributed_optimizer")
     if want_optim and saved_distopt is not None and saved_distopt != _is_distributed(optimizer):
-        raise ValueError(
+        raise CheckpointMismatch(
             f"--load {root!r}: the checkpoint's optimizer state was saved "
             f"{'with' if saved_distopt else 'without'} --use-distributed-optimizer; resume "
             "with the same setting, or pass --no-load-optim to start the optimizer afresh"
@@ -228,7 +232,7 @@ def load_checkpoint(
         saved = common.get("anyspeed_layout", {})
         now = layout_signature()
         if any(saved.get(k) != now[k] for k in ("tp", "pp", "cp")):
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"--load {root!r}: its distributed-optimizer state was saved with several "
                 "gradient buckets and reloads only at the same TP/PP/CP sizes "
                 f"({saved}); resume at that layout, or pass --no-load-optim"

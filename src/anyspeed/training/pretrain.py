@@ -17,12 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from anyspeed.errors import UsageError
+from anyspeed.errors import UsageError, report
 from anyspeed.training.arguments import parse_pretrain_args
+from anyspeed.training.checkpointing import CheckpointMismatch
 from anyspeed.training.checks import check_args
 from anyspeed.training.distributed import is_rank0
 from anyspeed.training.hooks import NonFiniteLoss, print0
 from anyspeed.training.loop import Hook
+
+PROG = "anyspeed pretrain"
 
 
 def build_scheduler(optimizer: Any, args: argparse.Namespace):
@@ -151,9 +154,10 @@ def prepare(argv: list[str], where: str | None = None) -> tuple[argparse.Namespa
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``--nproc-per-node`` local ranks with torchrun (flags already checked)."""
-    from anyspeed.launch import torchrun_command
+    from anyspeed.launch import torchrun_command, torchrun_env
 
-    return subprocess.call(torchrun_command(args.nproc_per_node, "anyspeed", ["pretrain", *argv]))
+    cmd = torchrun_command(args.nproc_per_node, "anyspeed", ["pretrain", *argv])
+    return subprocess.call(cmd, env=torchrun_env(args.nproc_per_node))
 
 
 def _sample(args: argparse.Namespace, history: dict[str, Any]) -> None:
@@ -177,9 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, argv = prepare(argv, None if under_launcher else "launcher")
     except UsageError as exc:
-        if is_rank0():
-            print(f"anyspeed pretrain: error: {exc}", file=sys.stderr)
-        return 2
+        return report(PROG, exc) if is_rank0() else 2
     if not under_launcher and (args.nproc_per_node or 1) > 1:
         return _launch(args, argv)
     if not under_launcher:  # one process, no launcher: be rank 0 of a world of one
@@ -191,10 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     adaptor.apply(args)
     try:
         history = train(args)
-    except NonFiniteLoss as exc:
-        if is_rank0():
-            print(f"anyspeed pretrain: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+    except (NonFiniteLoss, CheckpointMismatch) as exc:  # every rank stops, rank 0 says why
+        return report(PROG, exc, code=1) if is_rank0() else 1
     if args.generate_prompt:
         _sample(args, history)
     losses = history["loss"]

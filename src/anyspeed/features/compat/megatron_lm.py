@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import sys
 from collections.abc import Callable
 from typing import NoReturn
 
 from anyspeed.device import DeviceInfo
+from anyspeed.errors import UsageError, report
 from anyspeed.features.base import Feature, FeatureError
 from anyspeed.features.compat import megatron_lm_steps as steps
 from anyspeed.patching import PatchManager
@@ -31,8 +31,7 @@ _NEEDS_CHECKOUT = "megatron.training not importable (needs a Megatron-LM checkou
 
 
 def _fail(message: str) -> NoReturn:
-    print(f"anyspeed: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2) from None
+    raise SystemExit(report("anyspeed", UsageError(message))) from None
 
 
 class MegatronLMArgs(Feature):
