@@ -1,4 +1,31 @@
+"""Shared fixtures for every test area, and the ``helpers`` package on the path.
+
+Areas: ``device/``, ``features/``, ``models/``, ``training/``, ``data/``, ``convert/``, ``cli/``;
+``helpers/`` holds what several areas use: generated corpora and tokenizers (``corpora``) and
+the functions spawned ranks run (``*_ranks``, importable by name so spawn can pickle them).
+"""
+
 import os
+import sys
+
+import pytest
 
 # Keep each test process small on a 2-core machine; spawned ranks set their own thread counts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ``import helpers...``
+
+
+@pytest.fixture(scope="session", name="hf_tok")
+def hf_tok_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A byte-level BPE (vocab 600) trained by ``train-tokenizer`` on a generated corpus."""
+    from helpers.corpora import train_tokenizer
+
+    return train_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="session", name="auto_tok")
+def auto_tok_fixture(hf_tok: str):  # noqa: ANN201 - a transformers tokenizer
+    """The same tokenizer loaded independently through transformers.AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_tok)

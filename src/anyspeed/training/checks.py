@@ -224,3 +224,22 @@ def _check_data(args: argparse.Namespace) -> None:
                 f"vocabulary size {args.padded_vocab_size} (wrong tokenizer or "
                 "--padded-vocab-size?)"
             )
+        _check_split(args, prefix)
+
+
+def _check_split(args: argparse.Namespace, prefix: str) -> None:
+    """A split with a share of the data but no documents makes Megatron's GPTDataset loop
+    forever counting epochs: refuse it, naming the split."""
+    from anyspeed.training.datasets import split_tokens
+
+    try:
+        tokens = split_tokens(prefix, args.split)
+    except (ValueError, AssertionError) as exc:
+        raise UsageError(f"--split {args.split!r}: {exc or 'not N,N,N weights'}") from None
+    for name, count in zip(("training", "validation", "test"), tokens, strict=True):
+        if count == 0:
+            raise UsageError(
+                f"--split {args.split}: the {name} split of --data-path {prefix!r} gets none of "
+                "its documents (too little data for this split); give it a larger share, "
+                "more data, or a zero weight"
+            )

@@ -47,6 +47,29 @@ def max_token_id(prefix: str) -> int:
     return top
 
 
+def split_tokens(prefix: str, split: str) -> list[int | None]:
+    """Tokens of ``prefix`` in each split (train, valid, test) under Megatron's own rule for
+    ``--split`` (documents by rounded share); None for a split with no share."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    index = _IndexReader(prefix + ".idx", multimodal=False)
+    lengths = np.array(index.sequence_lengths, dtype=np.int64)  # a copy: the map closes with it
+    del index
+    n = lengths.shape[0]
+    out: list[int | None] = []
+    for bounds in convert_split_vector_to_split_matrix(parse_and_normalize_split(split)):
+        if bounds is None:
+            out.append(None)
+            continue
+        beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+        out.append(int(lengths[beg:end].sum()))
+    return out
+
+
 def dataset_tokenizer(args: argparse.Namespace) -> DatasetTokenizer:
     tok = getattr(args, "tokenizer", None)
     if tok is not None:

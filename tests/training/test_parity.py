@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-import jobs
 from anyspeed.layout import CPAlgo
 from anyspeed.testing import run_distributed
+from helpers import trainer_ranks
 
 RTOL = 1e-5
 
@@ -22,7 +22,7 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("init") / "ckpt")
-    (steps,) = run_distributed(jobs.train_steps, 1, layout={}, save_init=ckpt, timeout=240)
+    (steps,) = run_distributed(trainer_ranks.train_steps, 1, layout={}, save_init=ckpt, timeout=240)
     return ckpt, steps
 
 
@@ -78,7 +78,7 @@ def test_layout_matches_single_process(reference, name):
                 "--context-parallel-algo", CPAlgo.parse(layout["cp_algo"]).flag]  # fmt: skip
         if layout.get("ulysses_degree"):
             argv += ["--ulysses-degree-in-cp", str(layout["ulysses_degree"])]
-    results = run_distributed(jobs.train_steps, world, layout=layout, load=ckpt, argv=argv,
+    results = run_distributed(trainer_ranks.train_steps, world, layout=layout, load=ckpt, argv=argv,
                               timeout=300)  # fmt: skip
     for rank_result in results:  # every rank reports the same, DP-averaged numbers
         _assert_parity(ref, rank_result)
@@ -90,7 +90,7 @@ def test_dist_checkpoint_tp2_to_tp1xpp2(reference, tmp_path):
     saved = str(tmp_path / "tp2")
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
     tp2 = run_distributed(
-        jobs.train_save_logits,
+        trainer_ranks.train_save_logits,
         2,
         layout=dict(tp=2),
         load=ckpt,
@@ -99,10 +99,10 @@ def test_dist_checkpoint_tp2_to_tp1xpp2(reference, tmp_path):
         timeout=300,
     )
     pp2 = run_distributed(
-        jobs.load_logits, 2, layout=dict(pp=2), load=saved, tokens=tokens, timeout=300
+        trainer_ranks.load_logits, 2, layout=dict(pp=2), load=saved, tokens=tokens, timeout=300
     )
     single = run_distributed(
-        jobs.load_logits, 1, layout={}, load=saved, tokens=tokens, timeout=300
+        trainer_ranks.load_logits, 1, layout={}, load=saved, tokens=tokens, timeout=300
     )[0]
     assert tp2[0] is not None and pp2[0] is None and pp2[1] is not None
     assert torch.equal(tp2[0], tp2[1])
@@ -111,5 +111,5 @@ def test_dist_checkpoint_tp2_to_tp1xpp2(reference, tmp_path):
     # Tensor parallelism splits matmuls: equal within fp32 round-off.
     torch.testing.assert_close(tp2[0], single, rtol=0, atol=1e-5)
     # The checkpoint holds the trained weights, not the initial ones.
-    init = run_distributed(jobs.load_logits, 1, layout={}, load=ckpt, tokens=tokens)[0]
+    init = run_distributed(trainer_ranks.load_logits, 1, layout={}, load=ckpt, tokens=tokens)[0]
     assert (init - single).abs().max() > 1e-4

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import mmap
 import time
 
 import pytest
 import torch
 
-import dist_jobs
 from anyspeed import adaptor
 from anyspeed.device import DeviceInfo, detect
 from anyspeed.features.compat.device_compat import DeviceCompat
 from anyspeed.patching import PatchManager
 from anyspeed.testing import run_distributed
+from helpers import feature_ranks
 
 pytestmark = pytest.mark.skipif(detect().type != "cpu", reason="CPU device-layer checks")
 
@@ -106,11 +107,14 @@ def test_streams_events_and_nvtx(applied):
 def test_memory_stats_follow_resident_memory(applied):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.max_memory_allocated()
-    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # 64 MiB of fresh pages, touched: an anonymous map, so no block that earlier tests freed
+    # (and the allocator kept) can stand in for it.
+    big = mmap.mmap(-1, 64 * 2**20)
+    big.write(b"\x01" * len(big))
     assert torch.cuda.memory_allocated() >= base + 48 * 2**20
     assert torch.cuda.max_memory_allocated() >= base + 48 * 2**20
     assert torch.cuda.memory_stats()["allocated_bytes.all.peak"] > 0
-    del big
+    big.close()
     free, total = torch.cuda.mem_get_info()
     assert 0 < free <= total
 
@@ -122,7 +126,7 @@ def test_no_patches_on_cuda():
 
 
 def test_gloo_backend_avg_bf16_and_barrier():
-    res = run_distributed(dist_jobs.gloo_avg_and_backend, 2, timeout=120)
+    res = run_distributed(feature_ranks.gloo_avg_and_backend, 2, timeout=120)
     for r in res:
         assert r["backend"] == "gloo" and r["sub"] == "gloo"
         assert r["avg"] == pytest.approx([1.5, 3.0])  # mean of [1,2] and [2,4]
@@ -133,7 +137,7 @@ def test_gloo_backend_avg_bf16_and_barrier():
 
 
 def test_pipeline_messages_match_by_direction_on_gloo():
-    res = run_distributed(dist_jobs.pipeline_ring_exchange, 2, timeout=120)
+    res = run_distributed(feature_ranks.pipeline_ring_exchange, 2, timeout=120)
     for rank, (from_prev, from_next) in enumerate(res):
         peer = 1 - rank
         assert from_prev == [10.0 + peer] * 4  # the peer's activation

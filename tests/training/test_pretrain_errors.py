@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from test_pretrain import base_args, write_corpus
 
-import pretrain_jobs
 from anyspeed.testing import DistributedError, run_distributed
 from anyspeed.training.pretrain import main
-from test_pretrain import base_args, write_corpus
+from helpers import pretrain_ranks
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +80,11 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus):
     save = str(tmp_path / "ck")
     argv = base_args(corpus, 6) + ["--save", save, "--save-interval", "2"]
     with pytest.raises(DistributedError, match=r"loss is nan at iteration 3; stopping") as info:
-        run_distributed(pretrain_jobs.pretrain, 1, argv=argv, cli=argv, nan_at=3, timeout=240)
+        run_distributed(pretrain_ranks.pretrain, 1, argv=argv, cli=argv, nan_at=3, timeout=240)
     assert "last good checkpoint: iteration 2" in str(info.value)
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
     assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
-    (hist,) = run_distributed(pretrain_jobs.pretrain, 1, argv=argv, cli=argv + ["--load", save],
+    (hist,) = run_distributed(pretrain_ranks.pretrain, 1, argv=argv, cli=argv + ["--load", save],
                               timeout=240)  # fmt: skip
     assert hist["iterations"] == [3, 4, 5, 6]  # the good checkpoint resumes
 
@@ -93,7 +93,7 @@ def test_load_of_an_empty_directory_starts_from_scratch(tmp_path, corpus):
     """As in Megatron-LM, --load DIR --save DIR on the first run trains from scratch."""
     ck = str(tmp_path / "ck")
     argv = base_args(corpus, 2) + ["--load", ck, "--save", ck]
-    (hist,) = run_distributed(pretrain_jobs.pretrain, 1, argv=argv, cli=argv, timeout=240)
+    (hist,) = run_distributed(pretrain_ranks.pretrain, 1, argv=argv, cli=argv, timeout=240)
     assert hist["iterations"] == [1, 2]
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "2"
 
@@ -101,3 +101,12 @@ def test_load_of_an_empty_directory_starts_from_scratch(tmp_path, corpus):
 def test_finetune_without_a_checkpoint(capsys, tmp_path, corpus):
     err = _error(capsys, base_args(corpus, 2) + ["--load", str(tmp_path), "--finetune"])
     assert "--finetune needs a checkpoint" in err
+
+
+def test_split_with_no_documents(capsys, corpus):
+    """60 documents and a 1-in-1000 test share: Megatron would spin forever building the empty
+    test split; the check names the split instead."""
+    argv = base_args(corpus, 2)
+    argv[argv.index("--split") + 1] = "969,30,1"
+    err = _error(capsys, argv)
+    assert "--split 969,30,1: the test split" in err and "gets none of its documents" in err

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-import dist_jobs
 from anyspeed.testing import run_distributed
+from helpers import feature_ranks
 
 
 @pytest.mark.parametrize("async_op", [False, True])
 def test_rewrites_equal_torch_collectives(async_op):
-    for res in run_distributed(dist_jobs.gloo_collectives, 3, async_op=async_op, timeout=120):
+    for res in run_distributed(feature_ranks.gloo_collectives, 3, async_op=async_op, timeout=120):
         fell_back = res.pop("fell_back")
         assert all(res.values()), res
         assert fell_back == ["rs", "ag"]  # only the non-shard calls

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from anyspeed.data.cli import main as data_main
-from data_helpers import hf_tok_fixture, make_docs, write_jsonl  # noqa: F401 - fixture
+from helpers.corpora import make_docs, write_jsonl
 
 
 def test_pretrain_command_end_to_end(tmp_path, hf_tok):

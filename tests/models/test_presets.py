@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import jobs
 from anyspeed.models import PRESETS, apply_preset, get_preset
 from anyspeed.testing import run_distributed
+from helpers import trainer_ranks
 
 # Parameter counts published for the released checkpoints (model cards / safetensors indexes).
 PUBLISHED = {
@@ -46,7 +46,7 @@ def test_every_preset_matches_transformers(name):
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny-")])
 def test_megatron_gpt_from_tiny_preset_matches_transformers(name):
-    (count,) = run_distributed(jobs.megatron_preset_parameters, 1, name=name, timeout=120)
+    (count,) = run_distributed(trainer_ranks.megatron_preset_parameters, 1, name=name, timeout=120)
     assert count == hf_parameters(name)
 
 

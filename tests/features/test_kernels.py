@@ -14,11 +14,10 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-import dist_jobs
-import jobs
 from anyspeed.features.ops.rope import apply_rope
 from anyspeed.features.ops.swiglu import bias_swiglu
 from anyspeed.testing import run_distributed
+from helpers import feature_ranks, trainer_ranks
 
 
 @pytest.fixture
@@ -39,7 +38,7 @@ DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def attention_results():
     # Level 0 in the rank: Megatron's DotProductAttention is the unpatched reference.
     return run_distributed(
-        dist_jobs.attention_parity_all, 1, timeout=180, argv=["--optimization-level", "0"]
+        feature_ranks.attention_parity_all, 1, timeout=180, argv=["--optimization-level", "0"]
     )[0]
 
 
@@ -102,7 +101,7 @@ def test_rope_matches_megatron(dtype, interleaved, rotary_percent, scaling, devi
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cross_entropy_matches_megatron(world, dtype):
     res = run_distributed(
-        dist_jobs.cross_entropy_parity,
+        feature_ranks.cross_entropy_parity,
         world,
         dtype=dtype,
         timeout=120,
@@ -116,7 +115,7 @@ def test_level1_training_equals_level0(tmp_path):
     """3 steps of the tiny GPT: level 0 (Megatron's kernels) vs level 1 (anyspeed's)."""
     ckpt = str(tmp_path / "init")
     (l0,) = run_distributed(
-        jobs.train_steps,
+        trainer_ranks.train_steps,
         1,
         layout={},
         save_init=ckpt,
@@ -124,13 +123,18 @@ def test_level1_training_equals_level0(tmp_path):
         timeout=240,
     )
     (l1,) = run_distributed(
-        jobs.train_steps, 1, layout={}, load=ckpt, argv=["--optimization-level", "1"], timeout=240
+        trainer_ranks.train_steps,
+        1,
+        layout={},
+        load=ckpt,
+        argv=["--optimization-level", "1"],
+        timeout=240,
     )
     for a, b in zip(l0, l1, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert [
-        run_distributed(jobs.attention_class, 1, argv=["--optimization-level", lvl])[0]
+        run_distributed(trainer_ranks.attention_class, 1, argv=["--optimization-level", lvl])[0]
         for lvl in ("0", "1")
     ] == ["DotProductAttention", "SDPAttention"]
 
@@ -138,9 +142,9 @@ def test_level1_training_equals_level0(tmp_path):
 def test_bf16_training_on_cpu_keeps_fp32_master_weights(tmp_path):
     """--bf16 on the CPU: bf16 model, fp32 master weights, loss falls and tracks fp32."""
     ckpt = str(tmp_path / "init")
-    run_distributed(jobs.train_steps, 1, layout={}, save_init=ckpt, steps=0, timeout=240)
-    (fp32,) = run_distributed(jobs.train_precision, 1, bf16=False, steps=12, load=ckpt)
-    (bf16,) = run_distributed(jobs.train_precision, 1, bf16=True, steps=12, load=ckpt)
+    run_distributed(trainer_ranks.train_steps, 1, layout={}, save_init=ckpt, steps=0, timeout=240)
+    (fp32,) = run_distributed(trainer_ranks.train_precision, 1, bf16=False, steps=12, load=ckpt)
+    (bf16,) = run_distributed(trainer_ranks.train_precision, 1, bf16=True, steps=12, load=ckpt)
     assert bf16["model"] == ["torch.bfloat16"] and bf16["main"] == ["torch.float32"]
     assert fp32["model"] == ["torch.float32"]
     assert all(math.isfinite(x) for x in bf16["losses"])

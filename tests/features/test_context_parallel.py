@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-import dist_jobs
 from anyspeed.testing import run_distributed
+from helpers import feature_ranks
 
 CASES = [
     ("ring", 2, 4, 4, 24),
@@ -34,7 +34,7 @@ CASES = [c if len(c) == 6 else (*c, True) for c in CASES]
 
 @pytest.mark.parametrize("algo,world,heads,kv_heads,seq,fused", CASES)
 def test_cp_attention_matches_single_device(algo, world, heads, kv_heads, seq, fused):
-    res = run_distributed(dist_jobs.cp_attention_parity, world, algo=algo, heads=heads,
+    res = run_distributed(feature_ranks.cp_attention_parity, world, algo=algo, heads=heads,
                           kv_heads=kv_heads, seq=seq, fused=fused, timeout=120)  # fmt: skip
     for rank, diffs in enumerate(res):
         assert max(diffs.values()) <= 1e-5, (rank, diffs)

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import convert_jobs
 from anyspeed import quiet
 from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
 from anyspeed.convert.cli import main as cli_main
+from helpers import convert_ranks
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf") / "llama"
-    convert_jobs.tiny_hf_model(d, "tiny-llama3", shard="40KB")
+    convert_ranks.tiny_hf_model(d, "tiny-llama3", shard="40KB")
     return d
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from data_helpers import auto_tok_fixture, hf_tok_fixture, make_docs, run_cli, write_jsonl
+from helpers.corpora import make_docs, run_cli, write_jsonl
 
 MLM = os.environ.get("ANYSPEED_MEGATRON_LM")
 pytestmark = [
@@ -24,7 +24,6 @@ pytestmark = [
         reason="set ANYSPEED_MEGATRON_LM to a Megatron-LM checkout (tag core_v0.16.1)",
     ),
 ]
-__all__ = ["auto_tok_fixture", "hf_tok_fixture"]
 
 RUNNER = (
     "import runpy, sys, torch\n"

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-import pretrain_jobs
 from anyspeed.testing import DistributedError, run_distributed
+from helpers import pretrain_ranks
 
 RTOL = 1e-5
 VOCAB = 500
@@ -26,7 +26,7 @@ EOD = VOCAB - 1
 
 def run(world: int, argv: list[str], timeout: float = 300, **kw) -> list[dict]:
     """``anyspeed pretrain ARGV`` on ``world`` spawned ranks; per-rank histories."""
-    return run_distributed(pretrain_jobs.pretrain, world, argv=argv, cli=argv, timeout=timeout,
+    return run_distributed(pretrain_ranks.pretrain, world, argv=argv, cli=argv, timeout=timeout,
                            **kw)  # fmt: skip
 
 

@@ -10,11 +10,9 @@ import struct
 import numpy as np
 import pytest
 
-from data_helpers import (  # noqa: F401 - fixtures
-    auto_tok_fixture,
+from helpers.corpora import (
     dataset_dtype,
     files_bytes,
-    hf_tok_fixture,
     leftovers,
     make_docs,
     read_back,

@@ -73,22 +73,12 @@ def leftovers(directory: str) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*")))
 
 
-@pytest.fixture(scope="session", name="hf_tok")
-def hf_tok_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
+def train_tokenizer(root: str) -> str:
     """A byte-level BPE (vocab 600) trained by ``train-tokenizer`` on a generated corpus."""
-    root = tmp_path_factory.mktemp("tok")
-    corpus = write_jsonl(str(root / "corpus.jsonl"), [{"text": d} for d in make_docs(800, 1)])
-    out = str(root / "hf")
-    assert (
-        main(["train-tokenizer", "--input", corpus, "--vocab-size", "600", "--output-dir", out])
-        == 0
+    corpus = write_jsonl(
+        os.path.join(root, "corpus.jsonl"), [{"text": d} for d in make_docs(800, 1)]
     )
+    out = os.path.join(root, "hf")
+    rc = main(["train-tokenizer", "--input", corpus, "--vocab-size", "600", "--output-dir", out])
+    assert rc == 0
     return out
-
-
-@pytest.fixture(scope="session", name="auto_tok")
-def auto_tok_fixture(hf_tok: str):  # noqa: ANN201 - a transformers tokenizer
-    """The same tokenizer loaded independently through transformers.AutoTokenizer."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(hf_tok)

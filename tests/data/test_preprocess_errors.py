@@ -6,9 +6,7 @@ import os
 
 import pytest
 
-from data_helpers import (  # noqa: F401 - fixtures
-    auto_tok_fixture,
-    hf_tok_fixture,
+from helpers.corpora import (
     leftovers,
     read_back,
     run_cli,

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import convert_jobs
 from anyspeed.convert import hf_to_megatron, is_hf_dir, mapped, megatron_to_hf, read_model_preset
 from anyspeed.convert.verify import hf_logits
 from anyspeed.testing import run_distributed
+from helpers import convert_ranks
 
 ATOL = 1e-4
 CASES = {
@@ -54,7 +54,7 @@ def conv(tmp_path_factory):
     cases, ref = {}, {}
     for i, (name, spec) in enumerate(CASES.items()):
         d = root / name
-        convert_jobs.tiny_hf_model(
+        convert_ranks.tiny_hf_model(
             d / "hf", spec["preset"], seed=i, shard=spec.get("shard"), **spec.get("overrides", {})
         )
         ref[name] = hf_logits(d / "hf", tokens)
@@ -86,14 +86,14 @@ def conv(tmp_path_factory):
             case[f"legacy_{tag}"] = str(d / f"legacy_{tag}")
         cases[name] = case
     tp1 = run_distributed(
-        convert_jobs.convert_all, 1, cases=cases, tokens=tokens, cli_case="mistral", timeout=300
+        convert_ranks.convert_all, 1, cases=cases, tokens=tokens, cli_case="mistral", timeout=300
     )[0]
     out = {"cases": cases, "ref": ref, "tp1": tp1}
     for tag, (tp, pp) in (("tp2", (2, 1)), ("pp2", (1, 2))):
         with_legacy = {n: dict(c, legacy=c[f"legacy_{tag}"]) for n, c in cases.items()}
         for name in RESAVE:
             with_legacy[name]["resave"] = str(root / name / f"resaved_{tag}")
-        out[tag] = run_distributed(convert_jobs.layout_logits, 2, cases=with_legacy, tp=tp,
+        out[tag] = run_distributed(convert_ranks.layout_logits, 2, cases=with_legacy, tp=tp,
                                    pp=pp, tokens=tokens, timeout=300)  # fmt: skip
     return out
 

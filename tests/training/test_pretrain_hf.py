@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_pretrain import run, write_corpus
 
 

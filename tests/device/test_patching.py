@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
-import pytest
-
 import patch_target
 import patch_user
+import pytest
+
 from anyspeed.patching import PatchError, PatchManager
 
 

@@ -7,9 +7,7 @@ import random
 
 import pytest
 
-from data_helpers import (  # noqa: F401 - fixtures
-    auto_tok_fixture,
-    hf_tok_fixture,
+from helpers.corpora import (
     make_docs,
     read_back,
     run_cli,

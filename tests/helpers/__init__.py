@@ -1,0 +1,1 @@
+"""Helpers shared by the test areas (corpora, tokenizers, functions spawned ranks run)."""
