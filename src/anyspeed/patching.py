@@ -84,6 +84,8 @@ class _Applied:
     original: Any
     rebinds: list[tuple[dict, str, Any]] = field(default_factory=list)
     standin: bool = False  # a module fallback installed a stand-in module
+    installed: Any = _MISSING  # what apply() put there, and what it replaced
+    previous: Any = _MISSING
 
 
 class PatchManager:
@@ -186,7 +188,8 @@ class PatchManager:
             for p in sorted((p for p in plist if p.kind == "wrap"), key=lambda p: (p.order, p.seq)):
                 obj = p.obj(obj)
             setattr(owner, attr, obj)
-            self._applied[target] = _Applied(owner, attr, original)
+            self._applied[target] = _Applied(owner, attr, original, installed=obj,
+                                             previous=current)  # fmt: skip
             if current is not _MISSING and _is_rebindable(current):
                 replaced[id(current)] = (current, obj, target)
         if replaced:
@@ -220,7 +223,8 @@ class PatchManager:
                     self._applied[hit[2]].rebinds.append((g, name, value))
 
     def undo(self) -> None:
-        """Restore every applied target and every rebound copy."""
+        """Restore every applied target and every rebound copy, including the copies that
+        modules imported after apply() took of the patched object."""
         for target in reversed(list(self._applied)):
             rec = self._applied.pop(target)
             if rec.owner is sys.modules:
@@ -229,6 +233,8 @@ class PatchManager:
                 continue
             for g, name, value in rec.rebinds:
                 g[name] = value
+            if rec.previous is not _MISSING and _is_rebindable(rec.installed):
+                self._unbind_later_copies(rec.installed, rec.previous)
             if rec.original is _MISSING:
                 try:
                     delattr(rec.owner, rec.attr)
@@ -236,6 +242,18 @@ class PatchManager:
                     pass
             else:
                 setattr(rec.owner, rec.attr, rec.original)
+
+    def _unbind_later_copies(self, installed: Any, previous: Any) -> None:
+        # Only in the patched libraries: anyspeed's own modules define the replacements.
+        for modname, module in list(sys.modules.items()):
+            if module is None or not modname.startswith(self.rebind_prefixes):
+                continue
+            if modname == "anyspeed" or modname.startswith("anyspeed."):
+                continue
+            g = getattr(module, "__dict__", None)
+            for name, value in list((g or {}).items()):
+                if value is installed:
+                    g[name] = previous
 
     def clear(self) -> None:
         """Undo and forget all registrations."""

@@ -111,3 +111,16 @@ def test_report_lists_feature_and_reason(pm):
         "feat-a",
         "because",
     )
+
+
+def test_undo_restores_copies_taken_after_apply(pm):
+    """A module imported after apply() copies the patched object; undo() restores it too."""
+    import importlib
+
+    pm.register_replace("patch_target.greet", lambda n: f"hi {n}", feature="f", reason="r")
+    pm.apply()
+    sys.modules.pop("patch_late_user", None)
+    late = importlib.import_module("patch_late_user")
+    assert late.call() == "hi late"
+    pm.undo()
+    assert late.call() == "hello late"

@@ -32,9 +32,24 @@ CASES += [(a, w, h, kv, s, False) for a, w, h, kv, s in (("ring", 4, 4, 1, 48),
 CASES = [c if len(c) == 6 else (*c, True) for c in CASES]
 
 
+NAMES = ("algo", "world", "heads", "kv_heads", "seq", "fused")
+
+
+@pytest.fixture(scope="module")
+def results():
+    """Every case, run in one process group per world size (spawning is the slow part)."""
+    out = {}
+    for world in sorted({c[1] for c in CASES}):
+        mine = [c for c in CASES if c[1] == world]
+        kwargs = [{k: v for k, v in zip(NAMES, c, strict=True) if k != "world"} for c in mine]
+        per_rank = run_distributed(feature_ranks.cp_attention_cases, world, cases=kwargs,
+                                   timeout=300)  # fmt: skip
+        for i, case in enumerate(mine):
+            out[case] = [rank_results[i] for rank_results in per_rank]
+    return out
+
+
 @pytest.mark.parametrize("algo,world,heads,kv_heads,seq,fused", CASES)
-def test_cp_attention_matches_single_device(algo, world, heads, kv_heads, seq, fused):
-    res = run_distributed(feature_ranks.cp_attention_parity, world, algo=algo, heads=heads,
-                          kv_heads=kv_heads, seq=seq, fused=fused, timeout=120)  # fmt: skip
-    for rank, diffs in enumerate(res):
+def test_cp_attention_matches_single_device(results, algo, world, heads, kv_heads, seq, fused):
+    for rank, diffs in enumerate(results[(algo, world, heads, kv_heads, seq, fused)]):
         assert max(diffs.values()) <= 1e-5, (rank, diffs)

@@ -188,7 +188,8 @@ def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int, fused: b
     from anyspeed.features.context_parallel.ring import ring_attention, split_load_balanced
     from anyspeed.features.context_parallel.ulysses import ulysses_attention
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(11)
     q = torch.randn(2, heads, seq, 8, generator=g)
@@ -230,6 +231,11 @@ def cp_attention_parity(algo: str, heads: int, kv_heads: int, seq: int, fused: b
     for name, a, b in zip("qkv", local, full, strict=True):
         diffs["d" + name] = float((a.grad - shard(b.grad)).abs().max())
     return diffs
+
+
+def cp_attention_cases(cases: list[dict]) -> list[dict]:
+    """:func:`cp_attention_parity` for each case in one process group (one spawn, many cases)."""
+    return [cp_attention_parity(**case) for case in cases]
 
 
 def hybrid_groups(ulysses_degree: int):

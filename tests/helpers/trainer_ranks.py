@@ -69,6 +69,19 @@ def train_steps(
     return _steps(t, steps)
 
 
+def train_steps_cases(cases: list[dict]) -> list[list[dict]]:
+    """:func:`train_steps` for each case (``layout``, ``argv``, ``load``) in one process group:
+    the adaptor is re-applied with the case's flags, Megatron's parallel state rebuilt."""
+    from anyspeed import adaptor
+
+    out = []
+    for case in cases:
+        adaptor.undo()
+        adaptor.apply(argv=case.get("argv", []))
+        out.append(train_steps(case["layout"], load=case.get("load")))
+    return out
+
+
 def attention_class() -> str:
     """Name of the attention core class the GPT is built with (checks which level applied)."""
     t = _trainer(model=dict(num_layers=1))
@@ -109,8 +122,8 @@ def train_precision(bf16: bool, steps: int, load: str | None = None) -> dict:
     return {"losses": losses, "model": sorted(model_dtypes), "main": sorted(main_dtypes)}
 
 
-def megatron_preset_parameters(name: str) -> int:
-    """Parameter count of Megatron's GPTModel built from preset ``name`` (1 process)."""
+def megatron_preset_parameters(names: list[str]) -> dict[str, int]:
+    """Parameter count of Megatron's GPTModel built from each preset (1 process)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -120,6 +133,9 @@ def megatron_preset_parameters(name: str) -> int:
     dist.init_process_group("gloo")
     ps.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    preset = get_preset(name)
-    model = gpt.build(preset, gpt.transformer_config(preset))
-    return sum(p.numel() for p in model.parameters())
+    counts = {}
+    for name in names:
+        preset = get_preset(name)
+        model = gpt.build(preset, gpt.transformer_config(preset))
+        counts[name] = sum(p.numel() for p in model.parameters())
+    return counts

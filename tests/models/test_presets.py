@@ -44,10 +44,20 @@ def test_every_preset_matches_transformers(name):
     assert get_preset(name).num_parameters() == hf_parameters(name)
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny-")])
-def test_megatron_gpt_from_tiny_preset_matches_transformers(name):
-    (count,) = run_distributed(trainer_ranks.megatron_preset_parameters, 1, name=name, timeout=120)
-    assert count == hf_parameters(name)
+TINY = [n for n in PRESETS if n.startswith("tiny-")]
+
+
+@pytest.fixture(scope="module")
+def megatron_counts():
+    """Parameter counts of Megatron's GPTModel for every tiny preset, built in one process."""
+    (counts,) = run_distributed(trainer_ranks.megatron_preset_parameters, 1, names=TINY,
+                                timeout=180)  # fmt: skip
+    return counts
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_megatron_gpt_from_tiny_preset_matches_transformers(megatron_counts, name):
+    assert megatron_counts[name] == hf_parameters(name)
 
 
 def test_explicit_flags_override_the_preset():

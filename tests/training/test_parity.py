@@ -68,19 +68,38 @@ LAYOUTS = {
 }
 
 
+def _feature_argv(layout: dict) -> list[str]:
+    """The command line that switches the layout's level-2 features on, as a user would."""
+    if layout.get("cp", 1) == 1:
+        return []
+    argv = ["--context-parallel-size", str(layout["cp"]),
+            "--context-parallel-algo", CPAlgo.parse(layout["cp_algo"]).flag]  # fmt: skip
+    if layout.get("ulysses_degree"):
+        argv += ["--ulysses-degree-in-cp", str(layout["ulysses_degree"])]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def layout_runs(reference):
+    """Every layout's 3 steps, one process group per world size (each layout re-applies the
+    adaptor with its own flags and rebuilds Megatron's parallel state)."""
+    ckpt, _ = reference
+    out = {}
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        cases = [dict(layout=LAYOUTS[n][1], argv=_feature_argv(LAYOUTS[n][1]), load=ckpt)
+                 for n in names]  # fmt: skip
+        per_rank = run_distributed(trainer_ranks.train_steps_cases, world, cases=cases,
+                                   timeout=600)  # fmt: skip
+        for i, name in enumerate(names):
+            out[name] = [rank_results[i] for rank_results in per_rank]
+    return out
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(reference, name):
-    ckpt, ref = reference
-    world, layout = LAYOUTS[name]
-    argv = []
-    if layout.get("cp", 1) > 1:  # the level-2 context-parallel feature, as a user enables it
-        argv = ["--context-parallel-size", str(layout["cp"]),
-                "--context-parallel-algo", CPAlgo.parse(layout["cp_algo"]).flag]  # fmt: skip
-        if layout.get("ulysses_degree"):
-            argv += ["--ulysses-degree-in-cp", str(layout["ulysses_degree"])]
-    results = run_distributed(trainer_ranks.train_steps, world, layout=layout, load=ckpt, argv=argv,
-                              timeout=300)  # fmt: skip
-    for rank_result in results:  # every rank reports the same, DP-averaged numbers
+def test_layout_matches_single_process(reference, layout_runs, name):
+    _, ref = reference
+    for rank_result in layout_runs[name]:  # every rank reports the same, DP-averaged numbers
         _assert_parity(ref, rank_result)
 
 

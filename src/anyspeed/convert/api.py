@@ -26,6 +26,7 @@ from anyspeed.convert.megatron_io import (
     common_state,
     iteration_dir,
     json_config,
+    model_from_common,
     read_common,
     read_legacy,
     read_torch_dist,
@@ -34,9 +35,9 @@ from anyspeed.convert.megatron_io import (
 )
 from anyspeed.convert.pipeline import prefetch
 from anyspeed.layout import Layout
-from anyspeed.models.config import padded_vocab_size
+from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.families import mapping_for
-from anyspeed.models.presets import HF_ARCHITECTURES, ModelPreset, preset_from_hf
+from anyspeed.models.hf import HF_ARCHITECTURES, preset_from_hf
 
 # MindSpeed-LLM's --model-type-hf names -> family.
 MODEL_TYPE_HF = {
@@ -75,7 +76,7 @@ def is_hf_dir(path: str | Path) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
-def _preset(config: dict, model_type_hf: str | None) -> ModelPreset:
+def _preset(config: dict, model_type_hf: str | None) -> ModelConfig:
     try:
         preset = preset_from_hf(config)
     except (ValueError, KeyError) as exc:
@@ -94,7 +95,7 @@ def _preset(config: dict, model_type_hf: str | None) -> ModelPreset:
     return preset
 
 
-def check_target(preset: ModelPreset, tp: int, pp: int) -> None:
+def check_target(preset: ModelConfig, tp: int, pp: int) -> None:
     """One-line error when Megatron cannot lay the model out at TP x PP."""
     if tp < 1 or pp < 1:
         raise ConvertError(
@@ -112,7 +113,7 @@ def check_target(preset: ModelPreset, tp: int, pp: int) -> None:
         raise ConvertError(msg) from None
 
 
-def _check_hf_tensors(ck: HFCheckpoint, preset: ModelPreset) -> None:
+def _check_hf_tensors(ck: HFCheckpoint, preset: ModelConfig) -> None:
     """Every tensor the architecture needs is there with the shape config.json implies."""
     m = mapping_for(preset.family)
     want = engine.hf_shapes(m, preset)
@@ -195,7 +196,7 @@ def hf_to_megatron(
     return Path(save_dir)
 
 
-def _output_config(common: dict, preset: ModelPreset, hf_cfg_dir: str | Path | None) -> dict:
+def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | None) -> dict:
     if hf_cfg_dir:
         cfg = read_config(hf_cfg_dir)
         given = _preset(cfg, None)
@@ -203,8 +204,8 @@ def _output_config(common: dict, preset: ModelPreset, hf_cfg_dir: str | Path | N
         if given != ours or given.vocab_size > preset.vocab_size:
             diff = [
                 f.name
-                for f in dataclasses.fields(ModelPreset)
-                if getattr(given, f.name) != getattr(ours, f.name)
+                for f in dataclasses.fields(ModelConfig)
+                if f.compare and getattr(given, f.name) != getattr(ours, f.name)
             ] or ["vocab_size"]
             raise ConvertError(
                 f"--hf-cfg-dir {hf_cfg_dir}: config.json describes another model "
@@ -234,7 +235,7 @@ def megatron_to_hf(
     fmt = checkpoint_format(it_dir)
     common = read_common(load_dir)
     if "anyspeed_model" in common:
-        preset = ModelPreset(**common["anyspeed_model"])
+        preset = model_from_common(common, load_dir)
     elif hf_cfg_dir:
         preset = _preset(read_config(hf_cfg_dir), None)
     else:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import FamilyMapping, Fused
-from anyspeed.models.presets import ModelPreset
 
 EMBED, HEAD = "embed", "head"
 Group = str | int
@@ -26,11 +26,11 @@ _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _SWIGLU = ("linear_fc1.weight",)
 
 
-def groups(preset: ModelPreset) -> list[Group]:
+def groups(preset: ModelConfig) -> list[Group]:
     return [EMBED, *range(preset.num_layers), HEAD]
 
 
-def entries(m: FamilyMapping, preset: ModelPreset, group: Group) -> dict[str, str | Fused]:
+def entries(m: FamilyMapping, preset: ModelConfig, group: Group) -> dict[str, str | Fused]:
     """Megatron name -> HF name (or Fused of HF names) for one group."""
     if isinstance(group, int):
         mg, hf = m.mg_layer.format(i=group), m.hf_layer.format(i=group)
@@ -51,12 +51,12 @@ def entries(m: FamilyMapping, preset: ModelPreset, group: Group) -> dict[str, st
 
 
 # ------------------------------------------------------------------------------------ fusions
-def _qkv_dims(preset: ModelPreset) -> tuple[int, int, int]:
+def _qkv_dims(preset: ModelConfig) -> tuple[int, int, int]:
     per_group = preset.num_attention_heads // preset.num_query_groups
     return preset.num_query_groups, per_group, preset.head_dim
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preset: ModelPreset):
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preset: ModelConfig):
     """[q; k; v] -> Megatron's layout: per query group, its query heads then its K then its V."""
     ng, per, d = _qkv_dims(preset)
     rest = q.shape[1:]
@@ -64,11 +64,11 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preset: ModelPre
     return torch.cat(parts, dim=1).reshape(ng * (per + 2) * d, *rest)
 
 
-def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelPreset) -> torch.Tensor:
+def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelConfig) -> torch.Tensor:
     return fuse_qkv(*tensors, preset) if f.kind == "qkv" else torch.cat(tensors, dim=0)
 
 
-def _part_rows(f: Fused, rows: int, preset: ModelPreset) -> list[list[tuple[int, int]]]:
+def _part_rows(f: Fused, rows: int, preset: ModelConfig) -> list[list[tuple[int, int]]]:
     """The row ranges of a fused tensor that make up each of its parts, in order."""
     if f.kind != "qkv":
         return [[(0, rows // 2)], [(rows // 2, rows)]]
@@ -78,13 +78,13 @@ def _part_rows(f: Fused, rows: int, preset: ModelPreset) -> list[list[tuple[int,
     return [[(g * step + a, g * step + b) for g in range(ng)] for a, b in bounds]
 
 
-def _split(f: Fused, t: torch.Tensor | Stacked, preset: ModelPreset) -> list:
+def _split(f: Fused, t: torch.Tensor | Stacked, preset: ModelConfig) -> list:
     """The parts of fused ``t``, as row views (a :class:`Stacked` of them for a part made of
     several query groups' rows): the writers take them without a copy."""
     return [take_rows(t, ranges) for ranges in _part_rows(f, t.shape[0], preset)]
 
 
-def megatron_shape(name: str, preset: ModelPreset, vocab_rows: int) -> tuple[int, ...]:
+def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int, ...]:
     """Full (TP1) shape of Megatron tensor ``name`` for ``preset``."""
     h, d, ffn = preset.hidden_size, preset.head_dim, preset.ffn_hidden_size
     qkv_rows = (preset.num_attention_heads + 2 * preset.num_query_groups) * d
@@ -105,7 +105,7 @@ def megatron_shape(name: str, preset: ModelPreset, vocab_rows: int) -> tuple[int
     return (h,)  # the hidden-size norms
 
 
-def hf_shapes(m: FamilyMapping, preset: ModelPreset) -> dict[str, tuple[int, ...]]:
+def hf_shapes(m: FamilyMapping, preset: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor of the model with the shape its config implies."""
     out = {}
     q_rows = preset.num_attention_heads * preset.head_dim
@@ -159,7 +159,7 @@ def take_rows(t: torch.Tensor | Stacked, ranges: list[tuple[int, int]]) -> torch
 
 def to_megatron(
     m: FamilyMapping,
-    preset: ModelPreset,
+    preset: ModelConfig,
     group: Group,
     read: Callable[[str], torch.Tensor],
     vocab_rows: int,
@@ -183,7 +183,7 @@ def to_megatron(
     return out
 
 
-def _fuse_lazy(f: Fused, tensors: list[torch.Tensor], preset: ModelPreset) -> Stacked:
+def _fuse_lazy(f: Fused, tensors: list[torch.Tensor], preset: ModelConfig) -> Stacked:
     """:func:`_fuse` as row views: per query group its query rows, then its K and V rows."""
     if f.kind != "qkv":
         return Stacked(tensors)
@@ -195,7 +195,7 @@ def _fuse_lazy(f: Fused, tensors: list[torch.Tensor], preset: ModelPreset) -> St
 
 def to_hf(
     m: FamilyMapping,
-    preset: ModelPreset,
+    preset: ModelConfig,
     group: Group,
     tensors: dict[str, torch.Tensor | Stacked],
     vocab_size: int,
@@ -259,7 +259,7 @@ def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor | Stacked:
     return torch.cat(parts, dim=1)
 
 
-def tp_divisible(preset: ModelPreset, tp: int) -> None:
+def tp_divisible(preset: ModelConfig, tp: int) -> None:
     """ValueError (one line) when Megatron cannot shard this model over ``tp`` ranks."""
     if preset.ffn_hidden_size % tp:
         raise ValueError(

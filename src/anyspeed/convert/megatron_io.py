@@ -30,14 +30,14 @@ from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import FileSink
 from anyspeed.convert.torch_files import load_torch_file, weights_only_load
-from anyspeed.models.presets import ModelPreset
+from anyspeed.models.config import ModelConfig
 
 LEGACY_ITERATION = 1
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def common_state(preset: ModelPreset, iteration: int, extra: dict[str, Any]) -> dict[str, Any]:
+def common_state(preset: ModelConfig, iteration: int, extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "iteration": iteration,
         "checkpoint_version": 3.0,
@@ -99,7 +99,7 @@ def read_common(ckpt_dir: str | Path) -> dict[str, Any]:
     return {k: v for k, v in _torch_load(first).items() if k != "model"}
 
 
-def read_model_preset(ckpt_dir: str | Path) -> ModelPreset:
+def read_model_preset(ckpt_dir: str | Path) -> ModelConfig:
     """The model a converted checkpoint holds (``anyspeed_model`` of its common state)."""
     common = read_common(ckpt_dir)
     if "anyspeed_model" not in common:
@@ -107,7 +107,15 @@ def read_model_preset(ckpt_dir: str | Path) -> ModelPreset:
             f"{ckpt_dir}: no anyspeed_model in the checkpoint (pass --hf-cfg-dir "
             "with the model's config.json)"
         )
-    return ModelPreset(**common["anyspeed_model"])
+    return model_from_common(common, ckpt_dir)
+
+
+def model_from_common(common: dict[str, Any], ckpt_dir: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` stored under ``anyspeed_model``; ConvertError when unreadable."""
+    try:
+        return ModelConfig.from_dict(common["anyspeed_model"])
+    except (TypeError, ValueError) as exc:
+        raise ConvertError(f"{ckpt_dir}: anyspeed_model: {exc}") from None
 
 
 # ------------------------------------------------------------------- Megatron in one process
@@ -141,7 +149,7 @@ def megatron_session() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def empty_model(preset: ModelPreset, dtype: torch.dtype):
+def empty_model(preset: ModelConfig, dtype: torch.dtype):
     """GPTModel (the one builder, TP1/PP1) with uninitialised weights: its sharded state dict
     is the checkpoint's key layout."""
     from anyspeed.models import gpt
@@ -158,7 +166,7 @@ def empty_model(preset: ModelPreset, dtype: torch.dtype):
 
 
 # ------------------------------------------------------------------------------- torch_dist
-def _group_index(preset: ModelPreset) -> Callable[[str], int]:
+def _group_index(preset: ModelConfig) -> Callable[[str], int]:
     """Megatron tensor name -> its position in :func:`engine.groups` order."""
 
     def index(name: str) -> int:
@@ -171,7 +179,7 @@ def _group_index(preset: ModelPreset) -> Callable[[str], int]:
 
 def save_torch_dist(
     out_dir: Path,
-    preset: ModelPreset,
+    preset: ModelConfig,
     dtype: torch.dtype,
     tensor_groups: Iterator[dict[str, torch.Tensor]],
     common: dict,
@@ -200,7 +208,7 @@ def save_torch_dist(
     checkpoint_files.write_tracker(out_dir, RELEASE)
 
 
-def _checkpoint_keys(preset: ModelPreset) -> Callable[[str], tuple[str, int | None]]:
+def _checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, int | None]]:
     """Megatron tensor name -> (its sharded key in a checkpoint, its layer on the stacked axis).
 
     The keys come from Megatron's own GPTModel (its spec renames some, e.g. the local spec saves
@@ -223,7 +231,7 @@ def _checkpoint_keys(preset: ModelPreset) -> Callable[[str], tuple[str, int | No
 
 def read_torch_dist(
     it_dir: Path,
-    preset: ModelPreset,
+    preset: ModelConfig,
     group_names: Callable[[Group], list[str]],
     groups: list[Group],
 ) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
@@ -262,7 +270,7 @@ def _extra_states(names: list[str], last_stage: bool) -> dict[str, None]:
 
 def save_legacy(
     out_dir: Path,
-    preset: ModelPreset,
+    preset: ModelConfig,
     tp: int,
     pp: int,
     stage_groups: Callable[[int], Iterator[dict[str, torch.Tensor | Stacked]]],

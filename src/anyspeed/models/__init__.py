@@ -6,13 +6,12 @@
 
 from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.hf import HF_ARCHITECTURES, preset_from_hf
-from anyspeed.models.presets import PRESETS, ModelPreset, apply_preset, get_preset
+from anyspeed.models.presets import PRESETS, apply_preset, get_preset
 
 __all__ = [
     "HF_ARCHITECTURES",
     "PRESETS",
     "ModelConfig",
-    "ModelPreset",
     "apply_preset",
     "get_preset",
     "padded_vocab_size",

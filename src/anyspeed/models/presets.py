@@ -13,8 +13,6 @@ from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import FAMILIES
 from anyspeed.models.hf import HF_ARCHITECTURES, hf_family, preset_from_hf  # noqa: F401
 
-ModelPreset = ModelConfig  # the former name of the one model type
-
 PRESETS: dict[str, ModelConfig] = {
     p.name: p for family in FAMILIES.values() for p in family.presets
 }
