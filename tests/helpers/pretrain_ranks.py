@@ -18,3 +18,8 @@ def pretrain(cli: list[str], crash_on_save: int | None = None, nan_at: int | Non
     history = train(args, extra_hooks=[faults])
     history.pop("trainer")
     return history
+
+
+def pretrain_many(clis: list[list[str]]) -> list[dict]:
+    """:func:`pretrain` for each command line in turn, in one process group (same features)."""
+    return [pretrain(cli) for cli in clis]

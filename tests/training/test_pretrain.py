@@ -30,6 +30,14 @@ def run(world: int, argv: list[str], timeout: float = 300, **kw) -> list[dict]:
                            **kw)  # fmt: skip
 
 
+def run_many(world: int, argvs: list[list[str]], timeout: float = 600) -> list[dict]:
+    """Several runs in turn in one process group (spawning is the slow part); rank 0's
+    history of each."""
+    per_rank = run_distributed(pretrain_ranks.pretrain_many, world, argv=argvs[0], clis=argvs,
+                               timeout=timeout)  # fmt: skip
+    return per_rank[0]
+
+
 def write_corpus(prefix: str, docs: int = 400, seed: int = 0) -> str:
     """Documents of learnable arithmetic token sequences, each ending with EOD."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -62,15 +70,12 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrain")
     prefix = write_corpus(str(root / "corpus_text_document"))
     init = str(root / "init")
-    run(1, argv=base_args(prefix, 0) + ["--save", init],
-                    timeout=240)  # fmt: skip
     ref_dir = str(root / "ref")
-    (ref,) = run(
-        1,
-        argv=base_args(prefix, 5) + ["--load", init, "--finetune", "--save", ref_dir,
-                                     "--save-interval", "3"],
-        timeout=240,
-    )  # fmt: skip
+    _, ref = run_many(1, [
+        base_args(prefix, 0) + ["--save", init],
+        base_args(prefix, 5) + ["--load", init, "--finetune", "--save", ref_dir,
+                                "--save-interval", "3"],
+    ])  # fmt: skip
     return root, prefix, init, ref
 
 
@@ -92,17 +97,13 @@ LAYOUTS = {
 def layout_runs(setup):
     """Each layout trains 3 of 5 iterations from the initial weights and saves (exit at 3)."""
     root, prefix, init, _ = setup
-    runs = {}
-    for name, flags in LAYOUTS.items():
-        save = str(root / f"ck-{name}")
-        hist = run(
-            2,
-            argv=base_args(prefix, 5) + flags + ["--load", init, "--finetune", "--save", save,
-                                                 "--save-interval", "3", "--exit-interval", "3"],
-            timeout=300,
-        )  # fmt: skip
-        runs[name] = (save, hist[0])
-    return runs
+    saves = {name: str(root / f"ck-{name}") for name in LAYOUTS}
+    hists = run_many(2, [
+        base_args(prefix, 5) + flags + ["--load", init, "--finetune", "--save", saves[name],
+                                        "--save-interval", "3", "--exit-interval", "3"]
+        for name, flags in LAYOUTS.items()
+    ])  # fmt: skip
+    return {name: (saves[name], hist) for name, hist in zip(LAYOUTS, hists, strict=True)}
 
 
 def test_reference_learns(setup):
@@ -155,13 +156,19 @@ RESUMES = {  # checkpoint written at one layout -> resumed at another (model, op
 }
 
 
+@pytest.fixture(scope="module")
+def resumed(setup, layout_runs):
+    """Every RESUMES case, resumed in one process group."""
+    _, prefix, _, _ = setup
+    argvs = [base_args(prefix, 5) + flags + ["--load", layout_runs[source][0]]
+             for source, flags in RESUMES.values()]  # fmt: skip
+    return dict(zip(RESUMES, run_many(2, argvs), strict=True))
+
+
 @pytest.mark.parametrize("name", list(RESUMES))
-def test_resume_under_new_layout(setup, layout_runs, name):
-    _, prefix, _, ref = setup
-    source, flags = RESUMES[name]
-    ck, _ = layout_runs[source]
-    hist = run(2, argv=base_args(prefix, 5) + flags
-                           + ["--load", ck], timeout=300)[0]  # fmt: skip
+def test_resume_under_new_layout(setup, resumed, name):
+    _, _, _, ref = setup
+    hist = resumed[name]
     assert hist["iterations"] == [4, 5]
     _close(hist["loss"], ref["loss"][3:])
     _close(hist["grad_norm"], ref["grad_norm"][3:])
