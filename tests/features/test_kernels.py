@@ -113,38 +113,20 @@ def test_cross_entropy_matches_megatron(world, dtype):
 
 def test_level1_training_equals_level0(tmp_path):
     """3 steps of the tiny GPT: level 0 (Megatron's kernels) vs level 1 (anyspeed's)."""
-    ckpt = str(tmp_path / "init")
-    (l0,) = run_distributed(
-        trainer_ranks.train_steps,
-        1,
-        layout={},
-        save_init=ckpt,
-        argv=["--optimization-level", "0"],
-        timeout=240,
-    )
-    (l1,) = run_distributed(
-        trainer_ranks.train_steps,
-        1,
-        layout={},
-        load=ckpt,
-        argv=["--optimization-level", "1"],
-        timeout=240,
-    )
+    ((l0, core0), (l1, core1)) = run_distributed(
+        trainer_ranks.level_runs, 1, ckpt=str(tmp_path / "init"), timeout=300
+    )[0]
     for a, b in zip(l0, l1, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-    assert [
-        run_distributed(trainer_ranks.attention_class, 1, argv=["--optimization-level", lvl])[0]
-        for lvl in ("0", "1")
-    ] == ["DotProductAttention", "SDPAttention"]
+    assert [core0, core1] == ["DotProductAttention", "SDPAttention"]
 
 
 def test_bf16_training_on_cpu_keeps_fp32_master_weights(tmp_path):
     """--bf16 on the CPU: bf16 model, fp32 master weights, loss falls and tracks fp32."""
-    ckpt = str(tmp_path / "init")
-    run_distributed(trainer_ranks.train_steps, 1, layout={}, save_init=ckpt, steps=0, timeout=240)
-    (fp32,) = run_distributed(trainer_ranks.train_precision, 1, bf16=False, steps=12, load=ckpt)
-    (bf16,) = run_distributed(trainer_ranks.train_precision, 1, bf16=True, steps=12, load=ckpt)
+    (runs,) = run_distributed(trainer_ranks.precision_runs, 1, ckpt=str(tmp_path / "init"),
+                              steps=12, timeout=300)  # fmt: skip
+    fp32, bf16 = runs["fp32"], runs["bf16"]
     assert bf16["model"] == ["torch.bfloat16"] and bf16["main"] == ["torch.float32"]
     assert fp32["model"] == ["torch.float32"]
     assert all(math.isfinite(x) for x in bf16["losses"])

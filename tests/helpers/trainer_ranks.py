@@ -82,6 +82,26 @@ def train_steps_cases(cases: list[dict]) -> list[list[dict]]:
     return out
 
 
+def level_runs(ckpt: str, levels: tuple[str, ...] = ("0", "1")) -> list[tuple[list, str]]:
+    """Per ``--optimization-level``: 3 steps from the same initial weights (saved by the first)
+    and the attention-core class the GPT is built with, in one process group."""
+    from anyspeed import adaptor
+
+    out = []
+    for i, level in enumerate(levels):
+        adaptor.undo()
+        adaptor.apply(argv=["--optimization-level", level])
+        steps = train_steps({}, save_init=ckpt) if i == 0 else train_steps({}, load=ckpt)
+        out.append((steps, attention_class()))
+    return out
+
+
+def precision_runs(ckpt: str, steps: int) -> dict:
+    """fp32 and bf16 training of the same initial weights, in one process group."""
+    train_steps({}, steps=0, save_init=ckpt)
+    return {"fp32": train_precision(False, steps, ckpt), "bf16": train_precision(True, steps, ckpt)}
+
+
 def attention_class() -> str:
     """Name of the attention core class the GPT is built with (checks which level applied)."""
     t = _trainer(model=dict(num_layers=1))
