@@ -19,4 +19,4 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$VPY" -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
-"$VPY" -c "import torch, megatron.core, anyspeed; print('anyspeed ready: torch', torch.__version__)"
+"$VPY" -W ignore -c "import torch, megatron.core, anyspeed; print('anyspeed ready: torch', torch.__version__)"
