@@ -70,7 +70,6 @@ def run(state: LoopState, batches: Iterator[list[dict]], hooks: Sequence[Hook]) 
     state.trainer.iteration = state.iteration
     for h in state.hooks:
         h.on_start(state)
-    stopped = False
     while state.iteration < state.train_iters:
         mbs = next(batches, None)
         if mbs is None:
@@ -88,9 +87,8 @@ def run(state: LoopState, batches: Iterator[list[dict]], hooks: Sequence[Hook]) 
         for h in state.hooks:
             h.after_step(state, out)
         if any(h.should_stop(state) for h in state.hooks):
-            stopped = True
             break
-    completed = not stopped and state.iteration == state.train_iters
+    completed = state.iteration == state.train_iters
     for h in state.hooks:
         h.on_end(state, completed)
     return state
