@@ -23,7 +23,7 @@ from anyspeed.training.checkpointing import CheckpointMismatch
 from anyspeed.training.checks import check_args
 from anyspeed.training.distributed import is_rank0
 from anyspeed.training.hooks import NonFiniteLoss, print0
-from anyspeed.training.loop import Hook
+from anyspeed.training.loop import DataExhausted, Hook
 
 PROG = "anyspeed pretrain"
 
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     adaptor.apply(args)
     try:
         history = train(args)
-    except (NonFiniteLoss, CheckpointMismatch) as exc:  # every rank stops, rank 0 says why
+    except (NonFiniteLoss, CheckpointMismatch, DataExhausted) as exc:  # rank 0 says why
         return report(PROG, exc, code=1) if is_rank0() else 1
     if args.generate_prompt:
         _sample(args, history)
