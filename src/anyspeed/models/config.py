@@ -220,9 +220,9 @@ def _family_of(preset_name: str) -> str:
 
 
 def _infer_family(values: dict[str, Any]) -> str:
-    """The HF family a flag-described model is closest to (QK norm: Qwen3, QKV bias: Qwen2)."""
-    if values.get("qk_layernorm"):
-        return "qwen3"
-    if values.get("add_qkv_bias"):
-        return "qwen2"
-    return "llama"
+    """The HF family closest to a flag-described model: QK norm first, then QKV bias."""
+    from anyspeed.models.families import FAMILIES
+
+    bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
+    ranked = sorted(FAMILIES.values(), key=lambda f: (f.qk_norm != norm, f.qkv_bias != bias))
+    return ranked[0].name  # sorted() is stable: registry order breaks ties

@@ -38,10 +38,6 @@ class TrainConfig:
     def precision(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
-    def micro_batches_per_step(self, dp: int) -> int:
-        """Micro-batches each data-parallel rank runs per optimizer step."""
-        return self.global_batch_size // (self.micro_batch_size * dp)
-
     def check(self, dp: int) -> None:
         """ValueError (one line) when the global batch does not split over ``dp`` ranks."""
         if self.global_batch_size % (self.micro_batch_size * dp):

@@ -7,8 +7,6 @@ previous one, with noise), so the loss falls visibly within a few dozen steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from anyspeed.training.config import TrainConfig
@@ -46,14 +44,6 @@ def microbatches(vocab_size: int, cfg: TrainConfig, step: int) -> list[dict[str,
         }
         out.append(get_batch_on_this_cp_rank(batch))  # Megatron's load-balanced CP split
     return out
-
-
-def stream(vocab_size: int, cfg: TrainConfig, start: int = 0) -> Iterator[list[dict]]:
-    """Micro-batches of steps ``start``, ``start + 1``, ... without end."""
-    step = start
-    while True:
-        yield microbatches(vocab_size, cfg, step)
-        step += 1
 
 
 def train_step(trainer) -> dict:

@@ -14,13 +14,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, q
                                                     mistral.FAMILY)}  # fmt: skip
 
 
-def get_family(name: str) -> Family:
-    """The family called ``name`` (the HF model_type); ValueError lists the known ones."""
-    if name not in FAMILIES:
-        raise ValueError(f"no model family {name!r} (have {', '.join(sorted(FAMILIES))})")
-    return FAMILIES[name]
-
-
 def mapping_for(family: str) -> FamilyMapping:
     """The HF <-> Megatron tensor-name mapping of ``family``."""
     if family not in FAMILIES:
@@ -30,5 +23,4 @@ def mapping_for(family: str) -> FamilyMapping:
     return FAMILIES[family].mapping
 
 
-__all__ = ["FAMILIES", "Family", "FamilyMapping", "Fused", "gate_up", "get_family",
-           "mapping_for", "qkv"]  # fmt: skip
+__all__ = ["FAMILIES", "Family", "FamilyMapping", "Fused", "gate_up", "mapping_for", "qkv"]
