@@ -171,6 +171,7 @@ def cross_entropy_parity(dtype: str) -> dict:
     return {
         "loss": float((res["ref"][0] - res["new"][0]).abs().max()),
         "grad": float((res["ref"][1] - res["new"][1]).abs().max()),
+        "scale": float(res["ref"][0].abs().max()),  # the largest per-token loss
     }
 
 
