@@ -24,7 +24,7 @@ from anyspeed.data.packing import Packer
 from anyspeed.data.progress import Progress, Stats, summary
 from anyspeed.data.readers import InputFile, Item, Reader, decode_item, resolve_inputs
 from anyspeed.data.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
-from anyspeed.data.writer import IndexedWriter, dataset_paths, merge_datasets
+from anyspeed.data.writer import IndexedWriter, dataset_paths, merge_datasets, remove_temp_files
 
 
 @dataclass
@@ -299,6 +299,8 @@ def run_job(job: Job) -> Stats:
         progress.close()
         for w in writers.values():
             w.abort()
+        for prefix in job.prefixes.values():  # a writer interrupted before it was recorded
+            remove_temp_files(prefix)
         raise
     stats.seconds = time.monotonic() - start
     return stats

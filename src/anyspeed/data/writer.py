@@ -44,9 +44,14 @@ class IndexedWriter:
         self.bin_final, self.idx_final = dataset_paths(prefix)
         self.tmp = [self.bin_final + tag, self.idx_final + tag, prefix + ".lengths" + tag]
         self.tmp.append(prefix + ".docs" + tag)
-        self._bin = open(self.tmp[0], "wb")  # noqa: SIM115 - closed in finish/abort
-        self._lengths = open(self.tmp[2], "wb")  # noqa: SIM115
-        self._docs = open(self.tmp[3], "wb")  # noqa: SIM115
+        self._files: list = []
+        try:  # an interrupt between two opens must not leave the first file behind
+            for path in (self.tmp[0], self.tmp[2], self.tmp[3]):
+                self._files.append(open(path, "wb"))  # noqa: SIM115 - closed in finish/abort
+        except BaseException:
+            self.abort()
+            raise
+        self._bin, self._lengths, self._docs = self._files
         self.sequences = 0
         self.documents = 0
         self.tokens = 0
@@ -121,16 +126,21 @@ class IndexedWriter:
 
     def abort(self) -> None:
         """Close and delete every temporary file; the final names are never touched."""
-        for fh in (self._bin, self._lengths, self._docs):
+        for fh in self._files:
             fh.close()
         self._cleanup()
 
     def _cleanup(self) -> None:
-        for path in self.tmp:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
+        remove_temp_files(self.prefix)
+
+
+def remove_temp_files(prefix: str) -> None:
+    """Delete this process's ``<prefix>.*.tmp-<pid>`` files (writers that never finished)."""
+    for suffix in (".bin", ".idx", ".lengths", ".docs"):
+        try:
+            os.remove(f"{prefix}{suffix}.tmp-{os.getpid()}")
+        except FileNotFoundError:
+            pass
 
 
 def read_index(idx_path: str) -> tuple[int, np.ndarray, np.ndarray]:
