@@ -186,3 +186,84 @@ def test_cli_prints_one_line(hf, tmp_path, capsys):
     assert cli_main([*argv, "--no-such-flag"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "anyspeed convert: error: unrecognized arguments: --no-such-flag"
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"hidden_size": 64,', r"config.json: not valid JSON \(Expecting"),
+    ("[1, 2]", "config.json: not a JSON object"),
+    ("\xff", "config.json: not valid JSON"),
+])  # fmt: skip
+def test_config_json_that_is_not_a_json_object(hf, tmp_path, text, match):
+    (hf / "config.json").write_bytes(text.encode("latin-1"))
+    _fails(hf_to_megatron, match, tmp_path / "mg", hf, tmp_path / "mg")
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"hidden_size": None}, "config.json has no hidden_size"),
+    ({"num_hidden_layers": "2"}, "config.json num_hidden_layers is '2', not a whole number"),
+    ({"vocab_size": 0}, "config.json vocab_size is 0, not a whole number >= 1"),
+    ({"rms_norm_eps": [1e-6]}, r"config.json rms_norm_eps is \[1e-06\], not a number"),
+    ({"architectures": "LlamaForCausalLM"}, "config.json architectures is 'LlamaForCausalLM'"),
+    ({"rope_scaling": [1]}, "rope_scaling is not an object"),
+])  # fmt: skip
+def test_config_fields_missing_or_of_the_wrong_type(hf, tmp_path, edit, match):
+    """A missing ``hidden_size`` said only "error: hidden_size"; a wrong type was a traceback."""
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(edit)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    _fails(hf_to_megatron, match, tmp_path / "mg", hf, tmp_path / "mg")
+
+
+@pytest.mark.parametrize("index", [{}, {"weight_map": []}, {"weight_map": {}}])
+def test_index_without_weight_map(hf, tmp_path, index):
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    _fails(hf_to_megatron, "index.json: no weight_map", tmp_path / "mg", hf, tmp_path / "mg")
+
+
+def test_max_shard_size_is_parsed_like_transformers():
+    from anyspeed.convert.hf_io import parse_size
+
+    sizes = {"5GB": 5 * 10**9, "500MB": 5 * 10**8, "2GiB": 2 * 2**30, "40kb": 40_000,
+             "1000": 1000, " 1.5 GB ": 15 * 10**8, 4096: 4096}  # fmt: skip
+    assert {k: parse_size(k) for k in sizes} == sizes
+    for bad in ("5XB", "", "GB", "-1", "0", "1e9", "5 G B", "9" * 400):
+        with pytest.raises(ConvertError, match="--max-shard-size .*: expected a size such as"):
+            parse_size(bad)
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    code = cli_main(argv)
+    err = capsys.readouterr().err.strip().replace(quiet.notice() + "\n", "")
+    assert err.startswith("anyspeed convert: error: ") and "\n" not in err, err
+    return code, err
+
+
+def test_cli_checks_flags_before_any_work(hf, tmp_path, capsys):
+    """A bad --max-shard-size or a --save-dir that cannot be created: one line, exit code 2,
+    before the checkpoint is read (a missing --load-dir is not even noticed)."""
+    argv = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+            str(tmp_path / "nothing"), "--save-dir", str(tmp_path / "out")]  # fmt: skip
+    code, err = _cli([*argv, "--max-shard-size", "5XB"], capsys)
+    assert code == 2 and "--max-shard-size '5XB': expected a size such as 5GB" in err
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.access(ro, os.W_OK):  # root ignores the mode; /sys refuses new entries even to root
+        ro = Path("/sys")
+    out = ro / "new" / "out"
+    code, err = _cli([*argv[:-1], str(out)], capsys)
+    assert code == 2 and f"--save-dir {out}: cannot create it in {ro}" in err
+    assert not out.exists() and not (tmp_path / "out").exists()
+
+
+def test_cli_truncated_safetensors_is_one_line_before_megatron_runs(hf, tmp_path, capsys):
+    """A truncated shard gave an 88-line traceback from the torch_dist writer's ranks; now its
+    header check fails when the directory is opened."""
+    shard = sorted(hf.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-64])
+    out = tmp_path / "mg"
+    code, err = _cli(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                      str(hf), "--save-dir", str(out)], capsys)  # fmt: skip
+    assert code == 1 and f"{shard}: truncated: tensor" in err
+    assert not out.exists()

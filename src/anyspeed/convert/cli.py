@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from anyspeed import quiet
 from anyspeed.convert.api import DTYPES, MODEL_TYPE_HF
@@ -84,12 +87,41 @@ def reuse_freed_memory() -> None:
     mallopt(m_top_pad, 256 << 20)
 
 
+def check_save_dir(save_dir: str) -> None:
+    """``--save-dir`` must not exist and must be creatable: a read-only parent is one line
+    before any work, not a traceback after the weights were read."""
+    from anyspeed.convert import ConvertError
+
+    path = Path(save_dir)
+    if path.exists() or path.is_symlink():
+        raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
+    parent = path.absolute().parent
+    while not parent.exists() and not parent.is_symlink():
+        parent = parent.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=parent))
+    except OSError as exc:
+        raise ConvertError(
+            f"--save-dir {save_dir}: cannot create it in {parent} "
+            f"({exc.strerror or exc}); choose a writable directory"
+        ) from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The flags' values that can be checked before any work (ConvertError, one line)."""
+    from anyspeed.convert.hf_io import parse_size
+
+    parse_size(args.max_shard_size)
+    check_save_dir(args.save_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``anyspeed convert``: 0 on success; a one-line error on stderr and 2 for a bad command
     line, 1 for bad input."""
     quiet.install()
     try:
         args = build_parser().parse_args(argv)
+        check_args(args)
     except UsageError as exc:
         return report(PROG, exc)
     reuse_freed_memory()
@@ -145,7 +177,7 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 f"anyspeed convert: verify max-abs logits difference {diff:.3g} "
                 f"(tolerance {args.verify_tolerance:g})"
             )
-    except (ConvertError, FileNotFoundError) as exc:
+    except (ConvertError, OSError) as exc:  # bad input, or a file that cannot be read/written
         return report(PROG, exc, code=1)
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from anyspeed.convert.engine import Stacked
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import FileSink, byte_view, map_file
+from anyspeed.convert.safetensors_check import Entry, read_header
 
 INDEX = "model.safetensors.index.json"
 # Files of an HF directory that are weights (not copied along with the tokenizer/config).
@@ -29,11 +31,33 @@ _WEIGHTS = (
 )
 
 
+_JSON_MAX = 64 << 20  # config.json and the index are small; a larger one is not read
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object file of an HF directory; one ConvertError line when it is anything else."""
+    try:
+        size = path.stat().st_size
+        raw = path.read_bytes() if size <= _JSON_MAX else b""
+    except OSError as exc:
+        raise ConvertError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if size > _JSON_MAX:
+        raise ConvertError(f"{path}: larger than {_JSON_MAX >> 20} MiB (not a JSON config)")
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ConvertError(f"{path}: not valid JSON ({str(exc) or 'nested too deep'})") from None
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path}: not a JSON object")
+    return value
+
+
 def read_config(directory: str | Path) -> dict:
+    """``config.json`` of an HF directory (checked to be a JSON object)."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise ConvertError(f"{directory}: no config.json (not a Hugging Face model directory)")
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -41,19 +65,20 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
-def _read_header(path: Path) -> tuple[int, dict]:
-    """(data start, header) of a safetensors file."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ConvertError(f"{path}: not a safetensors file")
-        n = struct.unpack("<Q", head)[0]
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise ConvertError(f"{path}: not a safetensors file (bad header)") from None
-    header.pop("__metadata__", None)
-    return 8 + n, header
+def shard_path(directory: Path, name: object, source: Path) -> Path:
+    """``directory / name`` when ``name`` (from ``source``) is a plain file name whose file stays
+    inside ``directory``; a Hugging Face hub cache snapshot's links into its repository's
+    ``blobs/`` are the one way out that is allowed."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name
+            or "\\" in name or "\0" in name):  # fmt: skip
+        raise ConvertError(f"{source}: weight_map names {name!r}, not a file in {directory} "
+                           "(absolute paths and .. are refused)")  # fmt: skip
+    root = directory.resolve()
+    real = (directory / name).resolve()
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if not (real.is_relative_to(root) or (hub_blobs and real.parent == hub_blobs)):
+        raise ConvertError(f"{directory / name}: a link to {real}, outside {directory} (refused)")
+    return directory / name
 
 
 class HFCheckpoint:
@@ -63,26 +88,31 @@ class HFCheckpoint:
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
         self.config = read_config(self.dir)
-        self._headers: dict[str, tuple[int, dict]] = {}
+        self._headers: dict[str, tuple[int, dict[str, Entry]]] = {}
         index = self.dir / INDEX
         if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConvertError(f"{index}: no weight_map (an object of tensor name -> shard "
+                                   "file, as transformers writes it)")  # fmt: skip
+            self.weight_map: dict[str, str] = weight_map
         elif (self.dir / "model.safetensors").is_file():
             names = self._header("model.safetensors")[1]
             self.weight_map = dict.fromkeys(names, "model.safetensors")
         else:
             raise ConvertError(f"{self.dir}: no model.safetensors or {INDEX} (only safetensors "
                                "weights are read)")  # fmt: skip
-        for shard in sorted(set(self.weight_map.values())):
-            if not (self.dir / shard).is_file():
+        for shard in sorted(set(self.weight_map.values()), key=str):
+            if not shard_path(self.dir, shard, index).is_file():
                 raise ConvertError(f"{self.dir}: missing shard {shard} (listed in {INDEX})")
+            self._header(shard)  # every header checked before any tensor is read
 
-    def _header(self, shard: str) -> tuple[int, dict]:
+    def _header(self, shard: str) -> tuple[int, dict[str, Entry]]:
         if shard not in self._headers:
-            self._headers[shard] = _read_header(self.dir / shard)
+            self._headers[shard] = read_header(shard_path(self.dir, shard, self.dir / INDEX))
         return self._headers[shard]
 
-    def _entry(self, name: str) -> tuple[Path, int, dict]:
+    def _entry(self, name: str) -> tuple[Path, int, Entry]:
         if name not in self.weight_map:
             raise ConvertError(f"{self.dir}: tensor {name} is missing")
         shard = self.weight_map[name]
@@ -96,10 +126,10 @@ class HFCheckpoint:
         return list(self.weight_map)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entry(name)[2]["shape"])
+        return self._entry(name)[2].shape
 
     def dtype(self, name: str) -> torch.dtype:
-        code = self._entry(name)[2]["dtype"]
+        code = self._entry(name)[2].dtype
         if code not in _DTYPES:
             raise ConvertError(f"{self.dir}: tensor {name} has unsupported dtype {code}")
         return _DTYPES[code]
@@ -108,38 +138,41 @@ class HFCheckpoint:
         """Tensor ``name``, read into its own memory, or with ``mapped`` a copy-on-write map of
         the file's bytes: no copy and 16x fewer page faults (the kernel maps file pages in
         runs), for tensors that are only read and written out. The map is released with the
-        tensor, so only tensors still alive count as this process's memory."""
-        path, start, info = self._entry(name)
-        dtype = self.dtype(name)
-        shape = info["shape"]
-        begin, end = info["data_offsets"]
-        need = math.prod(shape) * dtype.itemsize
-        if end - begin != need:
-            raise ConvertError(f"{path}: tensor {name} holds {end - begin} bytes, its shape "
-                               f"needs {need}")  # fmt: skip
+        tensor, so only tensors still alive count as this process's memory. The header was
+        checked when the shard was first opened (:func:`read_header`)."""
+        path, start, entry = self._entry(name)
+        dtype, shape = self.dtype(name), entry.shape
+        need = entry.end - entry.begin
         if mapped and need:
-            at = start + begin
-            if path.stat().st_size < at + need:
+            at = start + entry.begin
+            if path.stat().st_size < at + need:  # cut short since its header was read
                 raise ConvertError(f"{path}: truncated (tensor {name})")
             return map_file(path, at, need).view(dtype).view(shape)
         t = torch.empty(shape, dtype=dtype)
         buf = byte_view(t)
         with open(path, "rb") as f:
-            f.seek(start + begin)
+            f.seek(start + entry.begin)
             if len(buf) and f.readinto(buf) != len(buf):
                 raise ConvertError(f"{path}: truncated (tensor {name})")
         return t
 
 
-def _size_bytes(text: str | int) -> int:
-    if isinstance(text, int):
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
+    """Bytes of a size written as transformers' ``max_shard_size`` is (5GB, 500MB, 2GiB) or
+    a plain number of bytes; one ConvertError line naming ``flag`` otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    t = text.strip().upper()
-    for unit, mult in units.items():
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
-    return int(t)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = _UNITS.get(m.group(2).upper()) if m else None
+    size = int(float(m.group(1)) * unit) if unit and len(m.group(1)) < 20 else 0
+    if size < 1:
+        raise ConvertError(f"{flag} {text!r}: expected a size such as 5GB, 500MB, 2GiB or a "
+                           "number of bytes")  # fmt: skip
+    return size
 
 
 class ShardedWriter:
@@ -152,7 +185,7 @@ class ShardedWriter:
 
     def __init__(self, directory: Path, plan: list[tuple[str, tuple[int, ...]]],
                  max_shard_size: str | int = "5GB") -> None:  # fmt: skip
-        self.dir, self.plan, self.max = Path(directory), plan, _size_bytes(max_shard_size)
+        self.dir, self.plan, self.max = Path(directory), plan, parse_size(max_shard_size)
         self.shard_of: dict[str, int] = {}
         self.files: list[str] = []
         self.reserve: list[int] = []

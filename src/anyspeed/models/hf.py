@@ -17,13 +17,36 @@ _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192}  # fmt: skip
 
 
+_REQUIRED = object()
+
+
+def _number(config: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -> Any:
+    """``config[key]`` as ``kind`` (int: a whole number >= 1; float: a number); a missing or
+    wrong-typed field is a ValueError naming it, not a KeyError or TypeError."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json has no {key} (a Hugging Face model config needs it)")
+        return default
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        want = "a whole number >= 1" if kind is int else "a number"
+        raise ValueError(f"config.json {key} is {value!r:.40}, not {want}")
+    return kind(value)
+
+
 def hf_family(config: dict[str, Any]) -> str:
     """The family (HF ``model_type``) of an HF ``config.json``; ValueError lists the supported."""
     archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config.json architectures is {archs!r:.40}, not a list of names")
     by_arch = {arch: fam for fam, arch in HF_ARCHITECTURES.items()}
     family = by_arch.get(archs[0]) if archs else config.get("model_type")
-    if family not in HF_ARCHITECTURES or (archs and len(set(archs)) > 1):
-        got = ", ".join(archs) or f"model_type {config.get('model_type')!r}"
+    if not isinstance(family, str) or family not in HF_ARCHITECTURES or len(set(archs)) > 1:
+        got = ", ".join(archs) or f"model_type {config.get('model_type')!r:.40}"
         raise ValueError(f"unsupported architecture {got}; supported: "
                          f"{', '.join(sorted(HF_ARCHITECTURES.values()))}")  # fmt: skip
     return family
@@ -32,16 +55,18 @@ def hf_family(config: dict[str, Any]) -> str:
 def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope base, llama3 scaling or None) from either ``rope_scaling`` + ``rope_theta``
     (transformers 4) or ``rope_parameters`` (transformers 5)."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = dict(config.get("rope_scaling") or params)
-    base = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    params, scaling = config.get("rope_parameters") or {}, config.get("rope_scaling")
+    scaling = scaling or params
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ValueError("config.json rope_parameters / rope_scaling is not an object")
+    base = _number(config, "rope_theta", float, None) or _number(params, "rope_theta", float, 1e4)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return base, None
     if kind != "llama3":
         raise ValueError(f"rope scaling {kind!r} is not supported (only llama3)")
     for key, want in _MEGATRON_LLAMA3_ROPE.items():
-        if float(scaling.get(key, want)) != want:
+        if _number(scaling, key, float, want) != want:
             raise ValueError(f"llama3 rope scaling {key}={scaling[key]} is not supported "
                              f"(Megatron fixes it to {want})")  # fmt: skip
     keep = ("rope_type", "factor", *_MEGATRON_LLAMA3_ROPE)
@@ -59,23 +84,23 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         raise ValueError("mlp_bias=true is not supported")
     if not traits.qkv_bias and config.get("attention_bias"):  # it adds an o_proj bias too
         raise ValueError("attention_bias=true is not supported")
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    head_dim = config.get("head_dim")
-    explicit = head_dim and (traits.qk_norm or int(head_dim) != hidden // heads)
+    hidden, heads = _number(config, "hidden_size", int), _number(config, "num_attention_heads", int)
+    head_dim = _number(config, "head_dim", int, None)
+    explicit = head_dim and (traits.qk_norm or head_dim != hidden // heads)
     base, scaling = _hf_rope(config)
     return ModelConfig(
         name=name or f"hf-{family}",
         family=family,
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=_number(config, "num_hidden_layers", int),
         hidden_size=hidden,
-        ffn_hidden_size=int(config["intermediate_size"]),
+        ffn_hidden_size=_number(config, "intermediate_size", int),
         num_attention_heads=heads,
-        num_query_groups=int(config.get("num_key_value_heads") or heads),
-        vocab_size=int(config["vocab_size"]),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        num_query_groups=_number(config, "num_key_value_heads", int, heads),
+        vocab_size=_number(config, "vocab_size", int),
+        max_position_embeddings=_number(config, "max_position_embeddings", int, 4096),
         rotary_base=base,
-        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
-        kv_channels=int(head_dim) if explicit else None,
+        norm_epsilon=_number(config, "rms_norm_eps", float, 1e-6),
+        kv_channels=head_dim if explicit else None,
         add_qkv_bias=traits.qkv_bias,
         qk_layernorm=traits.qk_norm,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
