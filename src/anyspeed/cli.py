@@ -14,14 +14,35 @@ from collections.abc import Sequence
 from anyspeed.errors import UsageError, report
 
 
+def _check_training_flags(argv: Sequence[str]) -> None:
+    """UsageError (one line) for a flag neither ``anyspeed pretrain`` nor a feature defines
+    (misspelled ones name the closest), a bad value, or a number out of its range."""
+    from anyspeed.features import build_parser as features_parser
+    from anyspeed.training.arguments import build_parser, unsupported_flag
+    from anyspeed.training.ranges import check_ranges
+
+    pretrain = build_parser()
+    bad = unsupported_flag(argv, pretrain, features_parser(), prog="anyspeed features")
+    if bad:
+        raise UsageError(bad)
+    args, _ = pretrain.parse_known_args(list(argv))  # Megatron-LM-only feature flags: extras
+    check_ranges(args, pretrain)
+
+
 def _features_report(argv: Sequence[str], as_json: bool) -> int:
-    from anyspeed.features import FeatureError
+    """``anyspeed features``: its training flags are checked as ``anyspeed pretrain``'s are."""
     from anyspeed.features import report as features
 
-    try:
+    if "-h" in argv or "--help" in argv:
+        print("usage: anyspeed features [--json] [TRAINING FLAGS...]: every feature, its level, "
+              "flags and availability; with `anyspeed pretrain` flags also whether it is on and "
+              "the patches it applies")  # fmt: skip
+        return 0
+    try:  # FeatureError is a UsageError
+        _check_training_flags(argv)
         rep = features.build(argv)
-    except FeatureError as exc:
-        return report("anyspeed", exc)
+    except UsageError as exc:
+        return report("anyspeed features", exc)
     print(json.dumps(rep, indent=1) if as_json else features.text(rep, with_patches=bool(argv)))
     return 0
 

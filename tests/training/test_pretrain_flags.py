@@ -72,3 +72,97 @@ def test_python_dash_m_anyspeed():
     out = subprocess.run([sys.executable, "-m", "anyspeed", "models"], capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0 and "qwen2.5-7b" in out.stdout
+
+
+# A complete, valid command line (mock data: nothing to read) for the range checks below.
+MOCK = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3"]  # fmt: skip
+
+
+def _with(flag: str, value: str) -> list[str]:
+    argv = list(MOCK)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+        return argv
+    return argv + [flag, value]
+
+
+def test_every_numeric_flag_has_a_range():
+    """The range table covers each flag the parser reads as a number, and names no other."""
+    from anyspeed.training.arguments import build_parser
+    from anyspeed.training.ranges import RANGES
+
+    numeric = {a.option_strings[0] for a in build_parser()._actions
+               if a.option_strings and a.type not in (None, str)}  # fmt: skip
+    assert numeric == set(RANGES)
+
+
+def _outside(rng) -> str:
+    """A value just outside ``rng``: below its lower bound, else above its upper one."""
+    if rng.ge is not None:
+        return str(rng.ge - 1 if float(rng.ge).is_integer() else rng.ge - 0.5)
+    if rng.gt is not None:
+        return str(rng.gt)
+    return str(rng.le + 1 if rng.le is not None else rng.lt)
+
+
+def _inside(rng) -> str:
+    return str(rng.ge if rng.ge is not None else rng.gt + 0.5 if rng.le is None else rng.le)
+
+
+def _range_rows():
+    from anyspeed.training.ranges import RANGES
+
+    return sorted(RANGES.items())
+
+
+@pytest.mark.parametrize(("flag", "rng"), _range_rows(), ids=[f for f, _ in _range_rows()])
+def test_a_value_out_of_range_is_one_line_naming_the_flag(flag, rng):
+    from anyspeed.errors import UsageError
+
+    bad = _outside(rng)
+    with pytest.raises(UsageError) as info:
+        parse_pretrain_args(_with(flag, bad))
+    text = str(info.value)
+    assert "\n" not in text and flag in text and bad.rstrip("0").rstrip(".") in text, text
+    if flag != "--optimization-level":  # its own type says 0, 1 or 2
+        assert text.startswith(f"{flag} must be ")
+    parse_pretrain_args(_with(flag, _inside(rng)))  # the bound itself is accepted
+
+
+@pytest.mark.parametrize(("flag", "value", "line"), [
+    ("--micro-batch-size", "0", "--micro-batch-size must be >= 1 (got 0)"),
+    ("--micro-batch-size", "-2", "--micro-batch-size must be >= 1 (got -2)"),
+    ("--global-batch-size", "0", "--global-batch-size must be >= 1 (got 0)"),
+    ("--lr", "-1", "--lr must be >= 0 (got -1)"),
+    ("--lr", "nan", "--lr must be a finite number (got nan)"),
+    ("--log-interval", "0", "--log-interval must be >= 1 (got 0)"),
+    ("--eval-interval", "0", "--eval-interval must be >= 1 (got 0)"),
+    ("--num-layers", "0", "--num-layers must be >= 1 (got 0)"),
+    ("--seq-length", "0", "--seq-length must be >= 1 (got 0)"),  # was a SIGFPE, no message
+    ("--split", "0,0,0", "--split '0,0,0': the weights must be >= 0 and not all zero"),
+    ("--split", "1,-1,0", "--split '1,-1,0': the weights must be >= 0 and not all zero"),
+    ("--split", "a,b", "--split 'a,b': give up to three weights"),
+])  # fmt: skip
+def test_issue_numbers_stop_before_anything_starts(capsys, flag, value, line):
+    """The issue's command lines, each once a traceback (or a silent SIGFPE): exit 2 with one
+    line, in the process that parses, before any process group or model exists."""
+    from anyspeed.training.pretrain import main
+
+    assert main(_with(flag, value) + ["--nproc-per-node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"anyspeed pretrain: error: {line}"), err
+
+
+def test_megatron_timeout_flag_is_accepted():
+    args = parse_pretrain_args(MOCK + ["--distributed-timeout-minutes", "0.1"])
+    assert args.distributed_timeout_minutes == 0.1
+    assert parse_pretrain_args(MOCK).distributed_timeout_minutes == 10.0
+
+
+def test_a_misspelled_flag_names_the_closest_one():
+    from anyspeed.errors import UsageError
+
+    with pytest.raises(UsageError, match="--micro-batch-sise: .*did you mean --micro-batch-size"):
+        parse_pretrain_args(MOCK + ["--micro-batch-sise", "2"])

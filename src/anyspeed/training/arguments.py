@@ -10,14 +10,17 @@ table (:mod:`anyspeed.models.config`), the feature flags from :mod:`anyspeed.fea
 from __future__ import annotations
 
 import argparse
+import difflib
 from collections.abc import Sequence
 
 from anyspeed.argv import get_flag
 from anyspeed.errors import OneLineArgumentParser, UsageError
 from anyspeed.models import config as model_config
 from anyspeed.models.presets import apply_preset
+from anyspeed.training.distributed import DEFAULT_TIMEOUT_MINUTES
+from anyspeed.training.ranges import check_ranges
 
-__all__ = ["UsageError", "build_parser", "parse_pretrain_args"]
+__all__ = ["UsageError", "build_parser", "parse_pretrain_args", "unsupported_flag"]
 
 
 def _launch_and_parallel(p: argparse.ArgumentParser) -> None:
@@ -29,6 +32,13 @@ def _launch_and_parallel(p: argparse.ArgumentParser) -> None:
         help="start this many local processes with torchrun (omit under torchrun)",
     )
     g.add_argument("--model", default=None, help="architecture preset (see `anyspeed models`)")
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=DEFAULT_TIMEOUT_MINUTES,
+        help="a collective waiting longer than this stops every rank, naming the one that did "
+        f"not answer (default {DEFAULT_TIMEOUT_MINUTES:g}; fractions allowed)",
+    )
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -160,31 +170,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _unsupported(argv: Sequence[str], parser: argparse.ArgumentParser) -> str | None:
-    known = set()
-    for action in parser._actions:
-        known.update(action.option_strings)
+def unsupported_flag(argv: Sequence[str], *parsers: argparse.ArgumentParser,
+                     prog: str = "anyspeed pretrain") -> str | None:  # fmt: skip
+    """The one-line error for the first ``--flag`` in ``argv`` that none of ``parsers`` defines
+    (naming the closest known flag when it looks misspelled); None when every flag is known."""
+    known = {flag for parser in parsers for action in parser._actions
+             for flag in action.option_strings}  # fmt: skip
     for tok in argv:
-        if tok.startswith("--") and tok.split("=", 1)[0] not in known:
-            return tok.split("=", 1)[0]
+        flag = tok.split("=", 1)[0]
+        if tok.startswith("--") and flag not in known:
+            close = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.85)
+            fix = f"did you mean {close[0]}?" if close else "remove it."
+            return (f"unsupported flag {flag}: {prog} does not implement it ({fix} "
+                    "See `anyspeed pretrain --help` for the flags it takes)")  # fmt: skip
     return None
 
 
 def parse_pretrain_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse a pretraining command line once; a preset expands first, unknown flags are
-    errors. ``args.model`` keeps the preset's name."""
+    errors, and so is a numeric flag out of its range. ``args.model`` keeps the preset's name."""
     try:
         preset = get_flag(argv, "--model")
         argv = apply_preset(list(argv))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     parser = build_parser()
-    bad = _unsupported(argv, parser)
+    bad = unsupported_flag(argv, parser)
     if bad:
-        raise UsageError(
-            f"unsupported flag {bad}: anyspeed pretrain does not implement it "
-            "(remove it, or see `anyspeed pretrain --help` for the flags it takes)"
-        )
+        raise UsageError(bad)
     args = parser.parse_args(argv)
+    check_ranges(args, parser)
     args.model = preset
     return args

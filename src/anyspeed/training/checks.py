@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 from anyspeed.errors import UsageError
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
@@ -75,6 +77,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     _check_data(args)
     args.layout, args.train_config = layout, train
     args.model_config = ModelConfig.from_args(args)
+    _check_load_fits(args)
 
 
 def _complete_architecture(args: argparse.Namespace) -> None:
@@ -99,11 +102,7 @@ def _complete_architecture(args: argparse.Namespace) -> None:
 
 
 def _check_run(args: argparse.Namespace) -> None:
-    """Iterations, checkpoint and output paths."""
-    if args.train_iters < 0:
-        raise UsageError("--train-iters must be >= 0")
-    if args.save_interval is not None and args.save_interval <= 0:
-        raise UsageError("--save-interval must be positive")
+    """Checkpoint and output paths (the numbers' ranges: :mod:`anyspeed.training.ranges`)."""
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
     if args.save:
@@ -124,9 +123,11 @@ def _check_run(args: argparse.Namespace) -> None:
 
 def _check_load(args: argparse.Namespace) -> None:
     """Megatron-LM's rule: a --load directory with no checkpoint yet (scripts pass --load and
-    --save the same directory from the first run on) starts from scratch, with a warning."""
+    --save the same directory from the first run on) starts from scratch, with a warning. A
+    checkpoint is checked file by file (:mod:`anyspeed.training.checkpoint_checks`)."""
     from anyspeed.checkpoint_files import TRACKER, read_tracker
     from anyspeed.convert import is_hf_dir
+    from anyspeed.training import checkpoint_checks
 
     if is_hf_dir(args.load):
         return  # a Hugging Face directory: converted by the caller
@@ -144,6 +145,21 @@ def _check_load(args: argparse.Namespace) -> None:
             print(f"anyspeed pretrain: warning: --load {args.load!r} holds no checkpoint yet "
                   f"(no {TRACKER}); starting from scratch", file=sys.stderr)  # fmt: skip
         args.load = None
+        return
+    try:
+        checkpoint_checks.check_load(args)
+    except checkpoint_checks.CheckpointFileError as exc:
+        raise UsageError(f"--load {args.load!r}: {exc}") from None
+
+
+def _check_load_fits(args: argparse.Namespace) -> None:
+    """The --load checkpoint's tensor shapes are those of the model the flags describe."""
+    from anyspeed.training import checkpoint_checks
+
+    try:
+        checkpoint_checks.check_fits(args)
+    except checkpoint_checks.CheckpointFileError as exc:
+        raise UsageError(f"--load {args.load!r}: {exc}") from None
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -193,6 +209,9 @@ def _check_tokenizer_and_vocab(args: argparse.Namespace) -> None:
 
 
 def _check_data(args: argparse.Namespace) -> None:
+    """Each --data-path prefix: both files present, the ``.idx`` whole and consistent, the
+    ``.bin`` exactly the size it describes, token ids within the vocabulary, every split
+    non-empty. Each index is read once, by anyspeed's validating reader."""
     if args.mock_data:
         if args.data_path:
             raise UsageError("--mock-data and --data-path are exclusive")
@@ -200,6 +219,7 @@ def _check_data(args: argparse.Namespace) -> None:
     if not args.data_path:
         raise UsageError("--data-path PREFIX is required (or --mock-data for synthetic tokens)")
     prefixes, _ = data_blend(args)
+    from anyspeed.data.writer import IndexFileError, check_dataset
     from anyspeed.training.datasets import max_token_id
 
     for prefix in prefixes:
@@ -212,28 +232,26 @@ def _check_data(args: argparse.Namespace) -> None:
                     )
                 raise UsageError(f"--data-path {prefix!r}: {prefix + ext} does not exist")
         try:
-            top = max_token_id(prefix)
-        except Exception as exc:  # Megatron's reader asserts on a bad header
-            raise UsageError(
-                f"--data-path {prefix!r}: not a Megatron indexed dataset "
-                f"({exc or type(exc).__name__})"
-            ) from None
+            index = check_dataset(prefix)
+        except (IndexFileError, OSError) as exc:
+            raise UsageError(f"--data-path {prefix!r}: {exc}") from None
+        top = max_token_id(prefix + ".bin", index.dtype)
         if top >= args.padded_vocab_size:
             raise UsageError(
                 f"--data-path {prefix!r} holds token id {top}, at or above the model's "
                 f"vocabulary size {args.padded_vocab_size} (wrong tokenizer or "
                 "--padded-vocab-size?)"
             )
-        _check_split(args, prefix)
+        _check_split(args, prefix, index.lengths)
 
 
-def _check_split(args: argparse.Namespace, prefix: str) -> None:
+def _check_split(args: argparse.Namespace, prefix: str, lengths: np.ndarray) -> None:
     """A split with a share of the data but no documents makes Megatron's GPTDataset loop
     forever counting epochs: refuse it, naming the split."""
     from anyspeed.training.datasets import split_tokens
 
     try:
-        tokens = split_tokens(prefix, args.split)
+        tokens = split_tokens(lengths, args.split)
     except (ValueError, AssertionError) as exc:
         raise UsageError(f"--split {args.split!r}: {exc or 'not N,N,N weights'}") from None
     for name, count in zip(("training", "validation", "test"), tokens, strict=True):

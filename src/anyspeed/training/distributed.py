@@ -1,18 +1,34 @@
-"""Process group and Megatron parallel state for a layout, with Megatron-LM's seeding."""
+"""Process group and Megatron parallel state for a layout, with Megatron-LM's seeding.
+
+Collectives time out after ``--distributed-timeout-minutes`` (:data:`DEFAULT_TIMEOUT_MINUTES`
+rather than gloo's half hour); :mod:`anyspeed.training.stall` turns a timeout into one line
+naming the rank that did not answer.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+from datetime import timedelta
 
 import numpy as np
 import torch
 
 from anyspeed.layout import Layout
 
+DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron-LM's default; gloo's own is 30 minutes
+_timeout = {"minutes": DEFAULT_TIMEOUT_MINUTES}
+
+
+def set_timeout(minutes: float) -> None:
+    """Bound every collective of the groups :func:`init_distributed` starts from now on
+    (``--distributed-timeout-minutes``; set by ``anyspeed pretrain`` before the trainer)."""
+    _timeout["minutes"] = float(minutes)
+
 
 def init_distributed(layout: Layout, seed: int) -> None:
-    """Start the process group (the device's backend) and Megatron's parallel state.
+    """Start the process group (the device's backend) and Megatron's parallel state, every
+    group with the timeout :func:`set_timeout` gave.
 
     Every generator is seeded as Megatron-LM does (offset per pipeline stage; the device and
     tensor-parallel generators through Megatron), so with CPU initialisation the initial
@@ -27,8 +43,12 @@ def init_distributed(layout: Layout, seed: int) -> None:
     info = detect()
     if not info.is_cpu:  # one accelerator per local rank, as torchrun lays them out
         getattr(torch, info.type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    minutes = _timeout["minutes"]
     if not dist.is_initialized():
-        dist.init_process_group(backend=info.dist_backend)
+        dist.init_process_group(backend=info.dist_backend, timeout=timedelta(minutes=minutes))
+        from anyspeed.training.stall import register
+
+        register()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -37,6 +57,7 @@ def init_distributed(layout: Layout, seed: int) -> None:
         context_parallel_size=layout.cp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         hierarchical_context_parallel_sizes=layout.hierarchical_cp_sizes(),
+        distributed_timeout_minutes=minutes,  # a float works: Megatron builds a timedelta
     )
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)

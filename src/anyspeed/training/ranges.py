@@ -1,0 +1,156 @@
+"""The allowed range of every numeric ``anyspeed pretrain`` flag, checked once after parsing.
+
+A size of 0 or a negative learning rate otherwise surfaces as a traceback deep in Megatron (or,
+for ``--seq-length 0``, as a SIGFPE with no message). :data:`RANGES` holds one row per numeric
+flag the parser accepts (a test keeps it complete); :func:`check_ranges` turns the first value
+out of range into one :class:`UsageError` line naming the flag, the bound and the value.
+``--split`` (weights, not a number) is checked here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+from anyspeed.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bounds of one flag: ``ge``/``gt`` below, ``le``/``lt`` above (None: unbounded)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def violation(self, value: float) -> str | None:
+        """What ``value`` breaks ("must be >= 1"), or None when it is in range."""
+        bounds = ((self.ge, ">=", operator.ge), (self.gt, ">", operator.gt),
+                  (self.le, "<=", operator.le), (self.lt, "<", operator.lt))  # fmt: skip
+        for bound, name, ok in bounds:
+            if bound is not None and not ok(value, bound):
+                return f"must be {name} {_num(bound)}"
+        return None
+
+
+POSITIVE = Range(ge=1)  # a size or a count of at least one
+COUNT = Range(ge=0)  # zero allowed (0 = none / off)
+NONNEG = Range(ge=0.0)
+FRACTION = Range(ge=0.0, le=1.0)
+PROBABILITY = Range(ge=0.0, lt=1.0)  # dropout, Adam betas
+STRICTLY_POSITIVE = Range(gt=0.0)
+
+RANGES: dict[str, Range] = {
+    # launch and parallelism
+    "--nproc-per-node": POSITIVE,
+    "--tensor-model-parallel-size": POSITIVE,
+    "--pipeline-model-parallel-size": POSITIVE,
+    "--context-parallel-size": POSITIVE,
+    "--ulysses-degree-in-cp": POSITIVE,
+    "--num-layers-per-virtual-pipeline-stage": POSITIVE,
+    "--ddp-bucket-size": POSITIVE,
+    "--distributed-timeout-minutes": STRICTLY_POSITIVE,
+    "--optimization-level": Range(ge=0, le=2),
+    # architecture and tokenizer
+    "--num-layers": POSITIVE,
+    "--hidden-size": POSITIVE,
+    "--ffn-hidden-size": POSITIVE,
+    "--num-attention-heads": POSITIVE,
+    "--num-query-groups": POSITIVE,
+    "--kv-channels": POSITIVE,
+    "--max-position-embeddings": POSITIVE,
+    "--seq-length": POSITIVE,
+    "--padded-vocab-size": POSITIVE,
+    "--vocab-size": POSITIVE,
+    "--make-vocab-size-divisible-by": POSITIVE,
+    "--rotary-base": POSITIVE,
+    "--rotary-percent": Range(gt=0.0, le=1.0),
+    "--rope-scaling-factor": STRICTLY_POSITIVE,
+    "--norm-epsilon": STRICTLY_POSITIVE,
+    "--init-method-std": NONNEG,
+    "--hidden-dropout": PROBABILITY,
+    "--attention-dropout": PROBABILITY,
+    # training
+    "--micro-batch-size": POSITIVE,
+    "--global-batch-size": POSITIVE,
+    "--train-iters": COUNT,
+    "--lr": NONNEG,
+    "--min-lr": NONNEG,
+    "--lr-decay-iters": COUNT,
+    "--lr-warmup-fraction": FRACTION,
+    "--lr-warmup-iters": COUNT,
+    "--lr-warmup-init": NONNEG,
+    "--lr-wsd-decay-iters": COUNT,
+    "--weight-decay": NONNEG,
+    "--clip-grad": NONNEG,  # 0: no clipping
+    "--adam-beta1": PROBABILITY,
+    "--adam-beta2": PROBABILITY,
+    "--adam-eps": STRICTLY_POSITIVE,
+    "--loss-scale": STRICTLY_POSITIVE,
+    "--initial-loss-scale": STRICTLY_POSITIVE,
+    "--min-loss-scale": STRICTLY_POSITIVE,
+    "--loss-scale-window": POSITIVE,
+    "--hysteresis": POSITIVE,
+    "--seed": Range(ge=0, lt=2**31),  # numpy seeds are 32-bit; stages add an offset
+    # checkpoints, logging, evaluation, sampling
+    "--save-interval": POSITIVE,
+    "--exit-interval": POSITIVE,
+    "--log-interval": POSITIVE,
+    "--eval-interval": POSITIVE,
+    "--eval-iters": COUNT,
+    "--generate-tokens": POSITIVE,
+}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(x)
+
+
+def _flag_values(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> list[tuple[str, Any]]:
+    """(flag, value) for every flag in :data:`RANGES` that ``parser`` defines and was given
+    a value (flags left at a None default are skipped)."""
+    out = []
+    for action in parser._actions:
+        for flag in action.option_strings:
+            if flag in RANGES:
+                value = getattr(args, action.dest, None)
+                if value is not None:
+                    out.append((flag, value))
+                break
+    return out
+
+
+def check_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """UsageError (one line) for the first numeric flag out of its range, a float that is not
+    finite, or a ``--split`` that is not N[,N[,N]] non-negative weights with a positive sum."""
+    for flag, value in _flag_values(args, parser):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number (got {value})")
+        why = RANGES[flag].violation(value)
+        if why:
+            raise UsageError(f"{flag} {why} (got {_num(value)})")
+    split = getattr(args, "split", None)
+    if split is not None:
+        check_split_weights(split)
+
+
+def check_split_weights(split: str) -> list[float]:
+    """``--split`` as up to three non-negative weights with a positive sum (UsageError if not)."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if not weights or len(weights) > 3 or not all(math.isfinite(w) for w in weights):
+        raise UsageError(f"--split {split!r}: give up to three weights, e.g. 969,30,1")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise UsageError(
+            f"--split {split!r}: the weights must be >= 0 and not all zero (e.g. 969,30,1)"
+        )
+    return weights

@@ -1,0 +1,105 @@
+"""A collective that timed out: one line naming the rank that did not answer; every rank exits.
+
+When the process group starts, each rank writes its host and pid into the group's store
+(:func:`register`). A rank whose collective times out checks in under a stall key and waits
+until the check-ins settle: the ranks that never check in are the stalled ones. The lowest rank
+that checked in prints the line; stalled ranks on this host that share its launcher are ended
+with SIGKILL (a stopped process never acts on torchrun's SIGTERM, which torchrun would follow
+with SIGKILL only 30 s later). Every rank that checked in then exits with code 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any, NoReturn
+
+PREFIX = "anyspeed/stall"
+SETTLE_S = 2.0  # check-ins unchanged this long: the ranks still missing are stalled
+MAX_WAIT_S = 30.0
+
+
+def _store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def register() -> None:
+    """Record this rank's host, pid and parent pid in the process group's store."""
+    try:
+        _store().set(f"{PREFIX}/pid/{_rank()}",
+                     f"{socket.gethostname()} {os.getpid()} {os.getppid()}")  # fmt: skip
+    except Exception:  # noqa: BLE001 - only the stall report loses its detail
+        pass
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective (or store) timing out, by the backends' wording."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def _settle(store: Any, world: int) -> set[int]:
+    """The ranks that checked in, once no new one arrived for :data:`SETTLE_S` seconds."""
+    seen: set[int] = set()
+    start = last_change = time.monotonic()
+    while time.monotonic() - start < MAX_WAIT_S:
+        now = {r for r in range(world) if store.check([f"{PREFIX}/in/{r}"])}
+        if now != seen:
+            seen, last_change = now, time.monotonic()
+        if len(seen) == world or time.monotonic() - last_change >= SETTLE_S:
+            break
+        time.sleep(0.2)
+    return seen
+
+
+def _end_local(store: Any, stalled: list[int]) -> None:
+    """SIGKILL the stalled ranks that run on this host under this rank's launcher."""
+    import psutil
+
+    for r in stalled:
+        try:
+            host, pid, ppid = store.get(f"{PREFIX}/pid/{r}").decode().split()
+            if host != socket.gethostname() or int(ppid) != os.getppid() or int(ppid) == 1:
+                continue
+            proc = psutil.Process(int(pid))
+            for p in [*proc.children(recursive=True), proc]:
+                p.send_signal(signal.SIGKILL)
+        except Exception:  # noqa: BLE001 - gone already, or not ours: the launcher ends it
+            continue
+
+
+def exit_on_stall(prog: str, minutes: float) -> NoReturn:
+    """After a timed-out collective: name the stalled rank(s) (lowest live rank prints one
+    line), end the local stalled ranks, exit 1 without tearing down the dead group."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), _rank()
+    store, alive, stalled = None, {rank}, []
+    try:
+        store = _store()
+        store.set_timeout(timedelta(seconds=10))
+        store.set(f"{PREFIX}/in/{rank}", "1")
+        alive = _settle(store, world) | {rank}
+        stalled = sorted(set(range(world)) - alive)
+    except Exception:  # noqa: BLE001 - the store itself is gone: say what is known
+        pass
+    if rank == min(alive):
+        within = f"within {minutes:g} minutes (--distributed-timeout-minutes)"
+        if stalled:
+            who = ("rank " if len(stalled) == 1 else "ranks ") + ", ".join(map(str, stalled))
+            message = f"{who} did not answer {within}; every rank stops"
+        else:
+            message = f"a collective did not complete {within}; every rank stops"
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        if store is not None and stalled:
+            _end_local(store, stalled)
+    sys.stdout.flush()
+    os._exit(1)  # a group with a stalled member cannot be destroyed cleanly
