@@ -46,3 +46,60 @@ def test_continue_pretraining_from_hf_directory(tmp_path, monkeypatch):
             losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
     want = float(sum(losses) / len(losses))
     assert hist["loss"][0] == pytest.approx(want, rel=1e-5)
+
+
+def test_new_weights_under_an_unchanged_config_are_converted_again(tmp_path, monkeypatch):
+    """The conversion cache was keyed on config.json's mtime: weights replaced under the same
+    config.json reused the stale conversion (first loss 6.21 of the old weights, not 8.18).
+    Conversion runs in-process here (legacy format), standing in for the CLI subprocess."""
+    import os
+    import subprocess
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from anyspeed.convert import hf_to_megatron
+    from anyspeed.training import hf_load
+
+    hf = tmp_path / "hf"
+    cfg = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      tie_word_embeddings=True)  # fmt: skip
+    calls = []
+
+    def convert_in_process(cmd: list[str], **_) -> subprocess.CompletedProcess:
+        calls.append(cmd)
+        flag = dict(zip(cmd, cmd[1:], strict=False))
+        hf_to_megatron(flag["--load-dir"], flag["--save-dir"], ckpt_format="legacy",
+                       params_dtype=flag["--params-dtype"])  # fmt: skip
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(hf_load.subprocess, "run", convert_in_process)
+
+    def embedding(seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Save a model of ``seed`` (None: keep the files); (its embedding, the one
+        ``--load <hf>`` would train from)."""
+        if seed is not None:
+            torch.manual_seed(seed)
+            models[0] = Qwen2ForCausalLM(cfg)
+            models[0].save_pretrained(hf)
+            os.utime(hf / "config.json", ns=(stamp, stamp))  # config.json as it was
+        ckpt = hf_load.convert(["--load", str(hf), "--save", str(tmp_path / "ck")], str(hf))
+        state = torch.load(f"{ckpt}/iter_0000001/mp_rank_00/model_optim_rng.pt")
+        want = models[0].model.embed_tokens.weight.detach()
+        return want, state["model"]["embedding.word_embeddings.weight"][: cfg.vocab_size]
+
+    stamp, models = 1_700_000_000 * 10**9, [None]
+    old, got = embedding(0)
+    assert torch.equal(got, old) and len(calls) == 1
+    assert embedding(None)[1].equal(old) and len(calls) == 1  # the same files: reused
+    new, got = embedding(1)
+    assert not torch.equal(new, old)
+    assert torch.equal(got, new) and len(calls) == 2
+    # Bytes changed in place with the size and mtime kept: the content hash still tells.
+    path = hf / "model.safetensors"
+    before, st = hf_load.weights_identity(str(hf)), path.stat()
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(raw)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert hf_load.weights_identity(str(hf)) != before

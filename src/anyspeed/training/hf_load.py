@@ -9,7 +9,6 @@ iteration 0. Conversion runs before any process group exists (it starts its own)
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -35,12 +34,12 @@ def hf_dir_of(argv: list[str]) -> str | None:
 
 def expand(argv: list[str], hf_dir: str) -> list[str]:
     """Architecture flags from the HF ``config.json`` (explicit flags win) and its tokenizer."""
+    from anyspeed.convert.hf_io import read_config
     from anyspeed.models.hf import preset_from_hf
 
     try:
-        config = json.load(open(os.path.join(hf_dir, "config.json")))
-        preset = preset_from_hf(config)
-    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        preset = preset_from_hf(read_config(hf_dir))
+    except ValueError as exc:  # ConvertError (a bad file) is one too
         raise UsageError(f"--load {hf_dir!r}: {exc}") from None
     tp = int(_flag(argv, "--tensor-model-parallel-size", "1"))
     divisible = int(_flag(argv, "--make-vocab-size-divisible-by", "128"))
@@ -53,10 +52,33 @@ def expand(argv: list[str], hf_dir: str) -> list[str]:
     return merge_flags(flags, argv)
 
 
+_MIB = 1 << 20
+
+
+def weights_identity(hf_dir: str) -> list[str]:
+    """Name, size, mtime and a hash of the first and last MiB of config.json, the index and
+    every safetensors file: new weights under an unchanged config.json are a new conversion."""
+    out = []
+    for name in sorted(os.listdir(hf_dir)):
+        if name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json")):
+            continue
+        path = os.path.join(hf_dir, name)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                h = hashlib.blake2b(f.read(_MIB), digest_size=16)
+                f.seek(max(_MIB, st.st_size - _MIB))
+                h.update(f.read(_MIB))
+        except OSError as exc:
+            raise UsageError(f"--load {hf_dir!r}: cannot read {name} ({exc.strerror})") from None
+        out.append(f"{name}:{st.st_size}:{st.st_mtime_ns}:{h.hexdigest()}")
+    return out
+
+
 def converted_dir(argv: list[str], hf_dir: str) -> str:
-    """Where the converted checkpoint for this run lives (under --save, else a temp dir)."""
-    st = os.stat(os.path.join(hf_dir, "config.json"))
-    key = "|".join([os.path.abspath(hf_dir), str(st.st_mtime_ns),
+    """Where the converted checkpoint for this run lives (under --save, else a temp dir),
+    named after the weights' identity and the run's vocabulary padding and dtype."""
+    key = "|".join([os.path.abspath(hf_dir), *weights_identity(hf_dir),
                     _flag(argv, "--padded-vocab-size") or "", _dtype(argv)])  # fmt: skip
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     root = _flag(argv, "--save") or os.path.join(tempfile.gettempdir(), "anyspeed-hf")
