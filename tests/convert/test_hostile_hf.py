@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from anyspeed.convert import ConvertError, hf_to_megatron
+from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
 from anyspeed.convert.hf_io import INDEX, HFCheckpoint
 from anyspeed.convert.safetensors_check import read_header
 from helpers import convert_ranks
@@ -125,6 +125,19 @@ def test_weight_map_cannot_leave_the_directory(hf, tmp_path, where):
     _sharded(hf, outside, where)
     msg = _refused(hf, "weight_map names|outside", tmp_path)
     assert msg.startswith(str(hf)) and ("refused" in msg)
+
+
+def test_side_files_linking_out_of_hf_cfg_dir_are_not_copied(hf, tmp_path):
+    """mg -> hf copies --hf-cfg-dir's tokenizer files: a link there to a file elsewhere would
+    have copied that file into the output."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of the model")
+    legacy = hf_to_megatron(hf, tmp_path / "legacy", ckpt_format="legacy")
+    (hf / "tokenizer.model").symlink_to(secret)
+    out = tmp_path / "out"
+    with pytest.raises(ConvertError, match="tokenizer.model: a link to .*secret.txt, outside"):
+        megatron_to_hf(legacy, out, hf)
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
 def test_hub_cache_snapshot_links_to_its_blobs_are_read(hf_model, tmp_path):

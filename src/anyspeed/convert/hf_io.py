@@ -65,14 +65,14 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
-def shard_path(directory: Path, name: object, source: Path) -> Path:
-    """``directory / name`` when ``name`` (from ``source``) is a plain file name whose file stays
-    inside ``directory``; a Hugging Face hub cache snapshot's links into its repository's
+def file_in(directory: Path, name: object, source: Path | str) -> Path:
+    """``directory / name`` when ``name`` (named by ``source``) is a plain file name whose file
+    stays inside ``directory``; a Hugging Face hub cache snapshot's links into its repository's
     ``blobs/`` are the one way out that is allowed."""
     if (not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name
             or "\\" in name or "\0" in name):  # fmt: skip
-        raise ConvertError(f"{source}: weight_map names {name!r}, not a file in {directory} "
-                           "(absolute paths and .. are refused)")  # fmt: skip
+        raise ConvertError(f"{source} names {name!r}, not a file in {directory} (absolute "
+                           "paths and .. are refused)")  # fmt: skip
     root = directory.resolve()
     real = (directory / name).resolve()
     hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
@@ -103,13 +103,15 @@ class HFCheckpoint:
             raise ConvertError(f"{self.dir}: no model.safetensors or {INDEX} (only safetensors "
                                "weights are read)")  # fmt: skip
         for shard in sorted(set(self.weight_map.values()), key=str):
-            if not shard_path(self.dir, shard, index).is_file():
+            if not file_in(self.dir, shard, f"{index}: weight_map").is_file():
                 raise ConvertError(f"{self.dir}: missing shard {shard} (listed in {INDEX})")
             self._header(shard)  # every header checked before any tensor is read
 
     def _header(self, shard: str) -> tuple[int, dict[str, Entry]]:
         if shard not in self._headers:
-            self._headers[shard] = read_header(shard_path(self.dir, shard, self.dir / INDEX))
+            self._headers[shard] = read_header(
+                file_in(self.dir, shard, f"{self.dir / INDEX}: weight_map")
+            )
         return self._headers[shard]
 
     def _entry(self, name: str) -> tuple[Path, int, Entry]:
@@ -264,6 +266,7 @@ def copy_side_files(src: str | Path, dst: Path) -> list[str]:
     copied = []
     for f in sorted(Path(src).iterdir()):
         if f.is_file() and not f.name.endswith(_WEIGHTS) and not f.name.startswith("."):
+            file_in(Path(src), f.name, src)  # a link out of the directory is not copied along
             shutil.copy2(f, dst / f.name)
             copied.append(f.name)
     return copied
