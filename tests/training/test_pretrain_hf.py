@@ -4,6 +4,9 @@ fly; the first training loss equals transformers' own loss of the same model on 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from test_pretrain import run, write_corpus
@@ -52,7 +55,6 @@ def test_new_weights_under_an_unchanged_config_are_converted_again(tmp_path, mon
     """The conversion cache was keyed on config.json's mtime: weights replaced under the same
     config.json reused the stale conversion (first loss 6.21 of the old weights, not 8.18).
     Conversion runs in-process here (legacy format), standing in for the CLI subprocess."""
-    import os
     import subprocess
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -103,3 +105,20 @@ def test_new_weights_under_an_unchanged_config_are_converted_again(tmp_path, mon
     path.write_bytes(raw)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert hf_load.weights_identity(str(hf)) != before
+
+
+def test_conversion_cache_that_cannot_be_created_is_one_line(tmp_path):
+    """--save in a read-only place: one line naming it, not a traceback from makedirs."""
+    from anyspeed.errors import UsageError
+    from anyspeed.training import hf_load
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    save = (ro if not os.access(ro, os.W_OK) else Path("/sys")) / "ck"  # root ignores the mode
+    with pytest.raises(UsageError, match=f"cannot create {save} for its conversion"):
+        hf_load.convert(["--load", str(hf), "--save", str(save)], str(hf))

@@ -96,7 +96,13 @@ def convert(argv: list[str], hf_dir: str, timeout: float = 3600.0) -> str:
     if os.path.isfile(done):
         return out
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"--load {hf_dir!r}: cannot create {os.path.dirname(out)} for its conversion "
+                f"({exc.strerror}); check --save"
+            ) from None
         tp = _flag(argv, "--tensor-model-parallel-size", "1")
         cmd = [sys.executable, "-m", "anyspeed.convert.cli", "--load-model-type", "hf",
                "--save-model-type", "mg", "--load-dir", hf_dir, "--save-dir", out,
