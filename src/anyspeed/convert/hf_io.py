@@ -92,9 +92,10 @@ class HFCheckpoint:
         index = self.dir / INDEX
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ConvertError(f"{index}: no weight_map (an object of tensor name -> shard "
-                                   "file, as transformers writes it)")  # fmt: skip
+            if not (isinstance(weight_map, dict) and weight_map
+                    and all(isinstance(v, str) for v in weight_map.values())):  # fmt: skip
+                raise ConvertError(f"{index}: no weight_map of tensor name -> shard file name "
+                                   "(as transformers writes it)")  # fmt: skip
             self.weight_map: dict[str, str] = weight_map
         elif (self.dir / "model.safetensors").is_file():
             names = self._header("model.safetensors")[1]
