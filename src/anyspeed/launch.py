@@ -1,15 +1,22 @@
 """Starting local ranks: a free port, the torchrun command line, a world of one.
 
 ``anyspeed pretrain --nproc-per-node N`` starts its ranks through :func:`torchrun_command`, in
-the environment :func:`torchrun_env` returns; a run without a launcher makes itself rank 0 of a
-world of one with :func:`single_process_env`.
+the environment :func:`torchrun_env` returns, under :func:`supervise` (a signal to it ends
+every process it started); a run without a launcher makes itself rank 0 of a world of one
+with :func:`single_process_env`.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
+import time
+from typing import Any
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def free_port() -> int:
@@ -38,3 +45,72 @@ def single_process_env() -> dict[str, str]:
     """The launcher environment of rank 0 in a world of one (a fresh local port)."""
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+
+
+def _track(proc: subprocess.Popen, seen: dict[int, Any]) -> None:
+    """Add ``proc``'s live descendants to ``seen`` (pid -> psutil.Process)."""
+    import psutil
+
+    try:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            seen.setdefault(p.pid, p)
+    except psutil.Error:
+        pass
+
+
+def _signal_all(seen: dict[int, Any], sig: int) -> bool:
+    """Send ``sig`` to every live process in ``seen`` and to its process group (ranks run in
+    their own sessions; their helper processes share the rank's group). True if any lived."""
+    import psutil
+
+    alive = False
+    for p in list(seen.values()):
+        try:
+            if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
+                continue  # is_running compares creation times: never a reused pid
+            alive = True
+            pgid = os.getpgid(p.pid)
+            if pgid != os.getpgrp():
+                os.killpg(pgid, sig)
+            p.send_signal(sig)
+        except (psutil.Error, OSError):
+            pass
+    return alive
+
+
+def supervise(cmd: list[str], env: dict[str, str], prog: str, grace_s: float = 10.0) -> int:
+    """Run the launcher ``cmd`` (torchrun) in its own session and return its exit code.
+
+    On SIGTERM, SIGINT or SIGHUP the launcher is killed (it would print a traceback and give
+    its ranks 30 s), every process it started gets SIGTERM, and what still lives ``grace_s``
+    seconds later gets SIGKILL; the exit code is then 128 + signal, with one line on stderr.
+    Either way no process it started is left behind.
+    """
+    got: list[int] = []
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in FORWARDED}
+    seen: dict[int, Any] = {}
+    try:
+        while proc.poll() is None and not got:
+            _track(proc, seen)
+            time.sleep(0.2)
+        if got:
+            _track(proc, seen)
+            proc.kill()
+            deadline = time.monotonic() + grace_s
+            while _signal_all(seen, signal.SIGTERM) and time.monotonic() < deadline:
+                time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _track(proc, seen)
+        _signal_all(seen, signal.SIGKILL)  # stragglers: ranks, their checkpoint writers
+        proc.wait()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if got:
+        name = signal.Signals(got[0]).name
+        print(f"{prog}: stopped by {name}; torchrun and every rank it started have ended",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + got[0]
+    return proc.returncode

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from anyspeed.errors import UsageError, report
+from anyspeed.training import stall
 from anyspeed.training.arguments import parse_pretrain_args
-from anyspeed.training.checkpointing import CheckpointMismatch
+from anyspeed.training.checkpointing import CheckpointError
 from anyspeed.training.checks import check_args
-from anyspeed.training.distributed import is_rank0
+from anyspeed.training.distributed import is_rank0, set_timeout
 from anyspeed.training.hooks import NonFiniteLoss, print0
 from anyspeed.training.loop import DataExhausted, Hook
 
@@ -95,6 +95,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[st
     from anyspeed.training.step import Trainer
     from anyspeed.training.tasks import PretrainTask
 
+    set_timeout(args.distributed_timeout_minutes)
     task = PretrainTask()
     trainer = Trainer(args.model_config, args.layout, args.train_config, task)
     scheduler = build_scheduler(trainer.optimizer, args)
@@ -153,11 +154,12 @@ def prepare(argv: list[str], where: str | None = None) -> tuple[argparse.Namespa
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start ``--nproc-per-node`` local ranks with torchrun (flags already checked)."""
-    from anyspeed.launch import torchrun_command, torchrun_env
+    """Start ``--nproc-per-node`` local ranks with torchrun (flags already checked); a signal
+    to this process ends torchrun and every rank (exit 128 + signal, one line)."""
+    from anyspeed.launch import supervise, torchrun_command, torchrun_env
 
     cmd = torchrun_command(args.nproc_per_node, "anyspeed", ["pretrain", *argv])
-    return subprocess.call(cmd, env=torchrun_env(args.nproc_per_node))
+    return supervise(cmd, torchrun_env(args.nproc_per_node), PROG)
 
 
 def _sample(args: argparse.Namespace, history: dict[str, Any]) -> None:
@@ -193,8 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     adaptor.apply(args)
     try:
         history = train(args)
-    except (NonFiniteLoss, CheckpointMismatch, DataExhausted) as exc:  # rank 0 says why
+    except (NonFiniteLoss, CheckpointError, DataExhausted) as exc:  # rank 0 says why
         return report(PROG, exc, code=1) if is_rank0() else 1
+    except RuntimeError as exc:
+        if not stall.is_timeout(exc):
+            raise
+        stall.exit_on_stall(PROG, args.distributed_timeout_minutes)  # one line; exits
     if args.generate_prompt:
         _sample(args, history)
     losses = history["loss"]
