@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "anyspeed"
 # Lower numbers are lower layers; a module may import its own package and lower layers only.
 LAYERS = {
     "errors": 0, "argv": 0, "patching": 0, "launch": 0, "quiet": 0, "checkpoint_files": 0,
+    "safe_pickle": 0,
     "device": 1, "layout": 1,
     "features": 2,
     "adaptor": 3, "models": 3,

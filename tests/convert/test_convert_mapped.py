@@ -4,6 +4,7 @@ mapped ``torch.save`` reader, checked against plain file reads and ``torch.load`
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import os
 
@@ -110,8 +111,10 @@ def test_mapped_torch_file_equals_torch_load(tmp_path):
 
 def test_mapped_torch_file_refuses_objects_and_truncation(tmp_path):
     path = tmp_path / "x.pt"
-    torch.save({"args": argparse.Namespace(tp=2), "w": torch.ones(3)}, path)
-    with pytest.raises(ConvertError, match="x.pt: cannot be read with weights_only=True"):
+    torch.save({"args": argparse.Namespace(tp=2), "w": torch.ones(3)}, path)  # plain data: read
+    assert torch_files.load_torch_file(path, 0, path.stat().st_size, "x.pt")["args"].tp == 2
+    torch.save({"bad": collections.Counter(a=1), "w": torch.ones(3)}, path)  # a class not allowed
+    with pytest.raises(ConvertError, match="x.pt: refusing collections.Counter"):
         torch_files.load_torch_file(path, 0, path.stat().st_size, "x.pt")
     torch.save({"w": torch.ones(1000)}, path)
     size = path.stat().st_size

@@ -11,8 +11,7 @@ head) at a time, so:
   key layout are what Megatron's own strategy writes, so Megatron loads them at any layout.
 * :class:`DcpReader` reads a region (a layer's slice of a layer-stacked key) straight from the
   files, whatever layout wrote the chunks, as views of the mapped files (:mod:`.mapped`).
-  ``.metadata`` is unpickled with an allow-list of the checkpoint-metadata classes, and chunks
-  with ``torch.load(weights_only=True)``'s restricted unpickler.
+  ``.metadata`` and the chunks are unpickled by :mod:`anyspeed.safe_pickle` (plain data only).
 """
 
 from __future__ import annotations
@@ -20,13 +19,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
-import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from anyspeed import safe_pickle
 from anyspeed.convert.engine import Stacked, own_storage, take_rows
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import FileSink, deferred
@@ -201,33 +199,6 @@ def _writer_class(group_of: Callable[[str], int]) -> type:
 
 
 # ------------------------------------------------------------------------------------ reading
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.planner": {
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "collections": {"OrderedDict"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-}  # fmt: skip
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only checkpoint-metadata classes, torch.Size and dtypes: nothing that can run code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
-
-
 class DcpReader:
     """Regions of the tensors of a ``torch_dist`` checkpoint directory, read from its files."""
 
@@ -237,10 +208,13 @@ class DcpReader:
         if not path.is_file():
             raise ConvertError(f"{self.dir}: no .metadata (not a complete torch_dist checkpoint)")
         try:
-            with open(path, "rb") as f:
-                self.meta = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
-            raise ConvertError(f"{path}: unreadable checkpoint metadata ({exc})") from None
+            self.meta = safe_pickle.load(path)
+        except safe_pickle.UnsafePickleError as exc:
+            raise ConvertError(str(exc)) from None
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        if not isinstance(self.meta, Metadata) or not isinstance(self.meta.storage_data, dict):
+            raise ConvertError(f"{path}: not torch.distributed.checkpoint metadata")
         self.tensors = self.meta.state_dict_metadata
         self.storage = self.meta.storage_data
 

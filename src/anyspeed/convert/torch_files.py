@@ -1,35 +1,23 @@
 """``torch.save`` files read without trusting them: tensors as views of the mapped file.
 
 :func:`load_torch_file` builds the tensors of a ``torch.save`` record (a legacy rank file, a
-chunk of a ``.distcp``) as views of the mapped file, unpickling with ``torch.load``'s
-``weights_only`` rules and nothing added to their allow-list; :func:`weights_only_load` does the
-same in memory for what is not a zip archive. Every failure is one :class:`ConvertError` line.
+chunk of a ``.distcp``) as views of the mapped file, unpickling with anyspeed's restricted
+:class:`anyspeed.safe_pickle.Unpickler`; :func:`weights_only_load` reads what is not a zip
+archive through :func:`anyspeed.safe_pickle.load_torch`. Every failure is one
+:class:`ConvertError` line.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from anyspeed import safe_pickle
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import PositionedFile, map_file
-
-
-@contextlib.contextmanager
-def strict_weights_only() -> Iterator[None]:
-    """``weights_only`` unpickling with no extra allowed classes (megatron.core allow-lists
-    ``argparse.Namespace`` and more on import); restored afterwards."""
-    allowed = torch.serialization.get_safe_globals()
-    torch.serialization.clear_safe_globals()
-    try:
-        yield
-    finally:
-        torch.serialization.add_safe_globals(allowed)
 
 
 class _Bytes(PositionedFile):
@@ -52,27 +40,19 @@ class _Bytes(PositionedFile):
         return n
 
 
-def _unreadable(what: str, exc: Exception) -> ConvertError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return ConvertError(f"{what}: cannot be read with weights_only=True ({first})")
-
-
 def weights_only_load(source: Any, what: str) -> Any:
-    """``torch.load(weights_only=True)`` into memory, with nothing added to its allow-list (for
-    what is not a zip archive :func:`load_torch_file` can map)."""
-    with strict_weights_only():
-        try:
-            return torch.load(source, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - one line naming the file
-            raise _unreadable(what, exc) from None
+    """A ``torch.save`` file or buffer read into memory by the restricted unpickler (for what is
+    not a zip archive :func:`load_torch_file` can map); ConvertError naming ``what`` otherwise."""
+    try:
+        return safe_pickle.load_torch(source, what)
+    except safe_pickle.UnsafePickleError as exc:
+        raise ConvertError(str(exc)) from None
 
 
 def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> Any:
     """The object ``torch.save`` wrote at ``[offset, offset + length)`` of ``path``, its tensors
-    views of the mapped file (no copy), unpickled with ``torch.load(weights_only=True)``'s
-    restricted unpickler and nothing else allowed. A one-line :class:`ConvertError` otherwise."""
-    from torch import _weights_only_unpickler as restricted
-
+    views of the mapped file (no copy), unpickled by :class:`anyspeed.safe_pickle.Unpickler`.
+    A one-line :class:`ConvertError` otherwise."""
     raw = map_file(path, offset, length)
     view = memoryview(raw.numpy())
     src = _Bytes(view)
@@ -90,7 +70,7 @@ def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> An
 
         def persistent_load(pid: tuple) -> torch.storage.TypedStorage:
             _, storage_type, key, _location, numel = pid
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            dtype = storage_type.dtype  # a StorageType token from the restricted unpickler
             if key not in storages:
                 name = f"data/{key}"
                 nbytes = numel * torch._utils._element_size(dtype)
@@ -103,16 +83,14 @@ def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> An
                 )
             return storages[key]
 
-        with strict_weights_only():
-            unpickler = restricted.Unpickler(io.BytesIO(zf.get_record("data.pkl")),
-                                             encoding="utf-8")  # fmt: skip
-            unpickler.persistent_load = persistent_load
-            try:
-                return unpickler.load()
-            except ConvertError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - one line naming the file
-                raise _unreadable(what, exc) from None
+        unpickler = safe_pickle.Unpickler(io.BytesIO(zf.get_record("data.pkl")))
+        unpickler.persistent_load = persistent_load
+        try:
+            return unpickler.load()
+        except ConvertError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one line naming the file
+            raise ConvertError(str(safe_pickle.refusal(what, exc))) from None
     finally:
         src.close()
         view.release()

@@ -19,6 +19,7 @@ from anyspeed.features.compat.cuda_only import CudaOnlyOptions
 from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
+from anyspeed.features.compat.safe_loading import SafeLoading
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.ops.feature import (
     FlashAttention,
@@ -41,6 +42,7 @@ def build() -> list[Feature]:
         AcceptedFlags(kernels=kernels),
         MegatronLMArgs(),
         MegatronLMCompat(),
+        SafeLoading(),
         *kernels,
         GlooCollectives(),
         cp,

@@ -73,6 +73,19 @@ class LogHook(Hook):
         self.r, self.args = reporter, args
         self.flops_tok, self.peak = flops_per_token, peak_flops
         self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
+        self.warned = False
+
+    def mfu(self, flops: float) -> float | None:
+        """Achieved / peak FLOP/s; None (with one warning) when the achieved rate exceeds the
+        peak: then the peak is wrong and no utilisation figure would be honest."""
+        if flops <= self.peak:
+            return flops / self.peak
+        if not self.warned:
+            self.warned = True
+            print0(f"anyspeed pretrain: warning: {flops / 1e12:.3g} TFLOP/s achieved exceeds "
+                   f"the peak {self.peak / 1e12:.3g} TFLOP/s measured for this device, so MFU is "
+                   "not shown (set ANYSPEED_PEAK_TFLOPS to its real peak)")  # fmt: skip
+        return None
 
     def on_abort(self, state: LoopState) -> None:
         self.r.progress.clear()
@@ -93,6 +106,7 @@ class LogHook(Hook):
         opt = state.trainer.optimizer
         scale = float(opt.get_loss_scale()) if self.args.fp16 else None
         loss = self.loss / self.n
+        mfu = self.mfu(tflops * 1e12)
         self.r.progress.clear()
         print0(
             f" iteration {it:>7d}/{state.train_iters} | consumed samples {state.consumed:>9d} | "
@@ -100,17 +114,17 @@ class LogHook(Hook):
             f"lm loss: {loss:.6E} | "
             + (f"loss scale: {scale:.1f} | " if scale is not None else "")
             + f"grad norm: {out['grad_norm']:.3f} | tokens/s: {tps:,.0f} | "
-            f"TFLOP/s: {tflops:.3f} | MFU: {100 * tflops * 1e12 / self.peak:.1f}% | "
+            f"TFLOP/s: {tflops:.3f} | MFU: {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
             f"peak mem: {mem:.2f} GiB/rank | {self.r.progress.tag(it)}"
         )
-        mfu = tflops * 1e12 / self.peak
         self.r.record({"iteration": it, "lm_loss": loss, "lr": out["lr"],
                        "skipped": len(state.history["skipped"]), "grad_norm": out["grad_norm"],
                        "tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "peak_mem_gib": mem,
                        "ms_per_iter": dt * 1000})  # fmt: skip
         self.r.tb.scalars({"lm-loss": loss, "learning-rate": out["lr"],
                            "grad-norm": out["grad_norm"], "tokens-per-sec": tps, "tflops": tflops,
-                           "mfu": mfu, "mem-peak-gib": mem}, it)  # fmt: skip
+                           "mem-peak-gib": mem, **({} if mfu is None else {"mfu": mfu})},
+                          it)  # fmt: skip
         self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
 
     def on_end(self, state: LoopState, completed: bool) -> None:

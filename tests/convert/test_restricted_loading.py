@@ -1,0 +1,263 @@
+"""Checkpoint files are never unpickled blindly: a planted ``__reduce__`` never runs.
+
+A real torch_dist checkpoint (model tensor, RNG and optimizer-group sharded objects, common
+state) is written in-process with Megatron's ``dist_checkpointing.save``, and a Megatron-LM
+style legacy ``model_optim_rng.pt`` with ``torch.save``. A payload that would create a marker
+file is planted in ``.metadata``, ``common.pt``, the sharded objects and the legacy file; every
+reader -- Megatron's load as anyspeed's training calls it (through the ``safe-loading``
+patches), torch's ``FileSystemReader``, ``anyspeed convert`` -- refuses with one line of
+:class:`UnsafePickleError` (or ConvertError), and the marker never appears. A fuzz run mutates a
+valid ``.metadata`` 200 ways: each either loads or is that one error, and nothing is executed,
+imported or opened (checked by an audit hook).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import pickletools
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from anyspeed import safe_pickle
+from anyspeed.convert import ConvertError
+from anyspeed.safe_pickle import UnsafePickleError
+
+REFUSED = r"refusing (posix|nt)\.system"
+
+
+class RunsCode:
+    """Unpickling this runs ``touch marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def session():
+    """A one-rank gloo group with Megatron's parallel state, and anyspeed applied."""
+    from anyspeed.convert.megatron_io import megatron_session
+
+    with megatron_session():
+        yield
+
+
+def _sharded(rng: object, groups: object) -> dict:
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return {
+        "model": {"w": ShardedTensor.from_rank_offsets("model.w", w, replica_id=0)},
+        "rng_state": ShardedObject("rng_state", rng, (1,), (0,), replica_id=0),
+        "optimizer": {
+            "param_groups": ShardedObject("optimizer.groups", groups, (1,), (0,), replica_id=0)
+        },  # fmt: skip
+        "iteration": 7,
+        "args": argparse.Namespace(num_layers=2, params_dtype=torch.float32),
+    }
+
+
+def _save(directory: Path, rng: object, groups: object) -> Path:
+    from megatron.core import dist_checkpointing
+
+    directory.mkdir(parents=True)
+    dist_checkpointing.save(_sharded(rng, groups), str(directory))
+    return directory
+
+
+RNG = {"random": (3, tuple(range(5)), None), "torch": torch.ByteTensor([1, 2, 3])}
+GROUPS = [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]}]
+
+
+@pytest.fixture(scope="module")
+def good(session, tmp_path_factory) -> Path:
+    return _save(tmp_path_factory.mktemp("good") / "iter_0000007", RNG, GROUPS)
+
+
+def _load(ckpt: Path) -> dict:
+    """What anyspeed's training load does: Megatron's common-state and sharded loads."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    request = _sharded(None, None)
+    request.pop("iteration"), request.pop("args")
+    return common, dist_checkpointing.load(request, str(ckpt))
+
+
+def _one_line(exc: BaseException, match: str) -> None:
+    import re
+
+    assert isinstance(exc, (UnsafePickleError, ConvertError)), repr(exc)
+    assert "\n" not in str(exc) and re.search(match, str(exc)), str(exc)
+
+
+def test_valid_checkpoint_loads(good):
+    common, loaded = _load(good)
+    assert common["iteration"] == 7 and common["args"].params_dtype is torch.float32
+    assert torch.equal(loaded["model"]["w"], torch.arange(12.0).reshape(3, 4))
+    assert loaded["rng_state"]["random"] == RNG["random"]
+    assert torch.equal(loaded["rng_state"]["torch"], RNG["torch"])
+    assert loaded["optimizer"]["param_groups"] == GROUPS
+
+
+def _planted(where: str, good: Path, tmp_path: Path, marker: Path) -> Path:
+    if where in ("rng", "optimizer"):
+        payload = RunsCode(marker)
+        return _save(tmp_path / "ckpt", payload if where == "rng" else RNG,
+                     payload if where == "optimizer" else GROUPS)  # fmt: skip
+    ckpt = Path(shutil.copytree(good, tmp_path / "ckpt"))
+    if where == ".metadata":
+        (ckpt / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    else:
+        common = safe_pickle.load_torch(ckpt / "common.pt")
+        torch.save(dict(common, args=RunsCode(marker)), ckpt / "common.pt")
+    return ckpt
+
+
+@pytest.mark.parametrize("where", [".metadata", "common.pt", "rng", "optimizer"])
+def test_megatron_load_refuses_planted_code(session, good, tmp_path, where):
+    """Megatron's own loads, as anyspeed's training calls them, read through the allow-list."""
+    marker = tmp_path / "code-ran"
+    ckpt = _planted(where, good, tmp_path, marker)
+    with pytest.raises(BaseException) as info:  # torch's CheckpointException is one
+        _load(ckpt)
+    message = safe_pickle.find_refusal(info.value)  # torch's checkpoint wraps rank failures
+    assert message is not None, repr(info.value)
+    _one_line(UnsafePickleError(message), REFUSED)
+    assert not marker.exists()
+
+
+def test_torch_reader_and_convert_refuse_planted_metadata(session, good, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from anyspeed.convert.dcp_io import DcpReader
+
+    marker = tmp_path / "code-ran"
+    ckpt = _planted(".metadata", good, tmp_path, marker)
+    with pytest.raises(UnsafePickleError) as info:
+        FileSystemReader(str(ckpt)).read_metadata()
+    _one_line(info.value, r"\.metadata: " + REFUSED)
+    with pytest.raises(ConvertError) as info:
+        DcpReader(ckpt)  # how anyspeed convert reads a torch_dist checkpoint's tensors
+    _one_line(info.value, r"\.metadata: " + REFUSED)
+    assert not marker.exists()
+
+
+def test_rng_file_and_legacy_checkpoint_refuse_planted_code(tmp_path):
+    """anyspeed's per-rank RNG file and a Megatron-LM legacy ``model_optim_rng.pt``."""
+    from anyspeed.convert.megatron_io import read_common
+    from anyspeed.convert.torch_files import weights_only_load
+
+    marker = tmp_path / "code-ran"
+    rng = tmp_path / "pp0_tp0_cp0_dp0.pt"
+    torch.save({"torch": torch.get_rng_state(), "python": RunsCode(marker)}, rng)
+    with pytest.raises(ConvertError) as info:
+        weights_only_load(rng, str(rng))  # what the training load reads RNG files with
+    _one_line(info.value, "pp0_tp0_cp0_dp0.pt: " + REFUSED)
+    rank = tmp_path / "mlm" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    rank.parent.mkdir(parents=True)
+    (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").write_text("2")
+    state = {"args": argparse.Namespace(num_layers=2), "iteration": 2, "model": {},
+             "optimizer": {"optimizer": {"param_groups": [RunsCode(marker)]}}}  # fmt: skip
+    torch.save(state, rank)
+    with pytest.raises(ConvertError) as info:
+        read_common(tmp_path / "mlm")
+    _one_line(info.value, "model_optim_rng.pt: " + REFUSED)
+    assert not marker.exists()
+
+
+def test_megatron_lm_legacy_load_is_one_line_and_exit_1(tmp_path, capsys):
+    """Megatron-LM's legacy load catches every Exception and exits 0; the wrapper the adaptor
+    puts around it carries a refusal past that: one line, exit code 1, nothing run."""
+    from anyspeed.features.compat.safe_loading import one_line_refusal, restricted_torch_load
+
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"rng_state": [RunsCode(marker)]}, path)
+    load = restricted_torch_load(torch.load)
+
+    def megatron_lm_style_load():
+        try:
+            return load(path, map_location="cpu")
+        except Exception:  # noqa: BLE001 - as Megatron-LM's _load_base_checkpoint does
+            sys.exit()
+
+    with pytest.raises(SystemExit) as info:
+        one_line_refusal(megatron_lm_style_load)()
+    assert info.value.code == 1 and not marker.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("anyspeed: error: ") and "refusing" in err[0]
+    torch.save({"ok": torch.ones(2)}, path)  # and a plain file still loads
+    assert torch.equal(one_line_refusal(lambda: load(path))()["ok"], torch.ones(2))
+
+
+# ------------------------------------------------------------------------------------ fuzz
+_WATCHED = (
+    "os.system", "subprocess.Popen", "exec", "compile", "open", "import", "os.exec",
+    "os.posix_spawn", "os.spawn", "os.fork", "socket.", "ctypes.", "builtins.input",
+)  # fmt: skip
+_events: list[str] | None = None
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _events is not None and event.startswith(_WATCHED):
+        _events.append(event)
+
+
+def _mutations(data: bytes, n: int, seed: int) -> list[bytes]:
+    """Byte flips, truncations, opcode swaps and spliced globals (a payload's own opcodes)."""
+    rng = random.Random(seed)
+    ops = [(pos, op) for op, _, pos in pickletools.genops(data)]
+    codes = sorted({op.code.encode("latin-1") for op in pickletools.opcodes})
+    spliced = [
+        b"cposix\nsystem\n", b"cbuiltins\neval\n", b"\x8c\x02os\x8c\x06system\x93",
+        b"csubprocess\ncheck_output\n", b"cfunctools\npartial\n", b"R", b"b", b"\x81",
+    ]  # fmt: skip
+    out = []
+    for i in range(n):
+        b = bytearray(data)
+        kind = i % 4
+        if kind == 0:
+            for _ in range(rng.randint(1, 8)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        elif kind == 1:
+            del b[rng.randrange(len(b)) :]
+        elif kind == 2:
+            for _ in range(rng.randint(1, 3)):
+                b[rng.choice(ops)[0]] = rng.choice(codes)[0]
+        else:
+            at = rng.choice(ops)[0]
+            b[at:at] = rng.choice(spliced) + (b"(tR" if rng.random() < 0.5 else b"")
+        out.append(bytes(b))
+    return out
+
+
+def test_fuzzed_metadata_never_runs_code(good):
+    global _events
+    data = (good / ".metadata").read_bytes()
+    assert type(safe_pickle.loads(data, ".metadata")).__name__ == "Metadata"
+    sys.addaudithook(_audit)  # stays installed, inert outside this test
+    results = {"loaded": 0, "refused": 0}
+    _events = []
+    try:
+        for case in _mutations(data, 200, seed=19):
+            try:
+                safe_pickle.loads(case, ".metadata")
+                results["loaded"] += 1
+            except UnsafePickleError as exc:
+                assert "\n" not in str(exc) and str(exc).startswith(".metadata: ")
+                results["refused"] += 1
+        seen, _events = _events, None
+    finally:
+        _events = None
+    assert not seen, f"unpickling triggered {sorted(set(seen))}"
+    assert results["refused"] > 100, results
