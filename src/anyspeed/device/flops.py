@@ -2,7 +2,13 @@
 
 Order of precedence: ``ANYSPEED_PEAK_TFLOPS`` (configured), the datasheet figure of a known
 accelerator, the on-disk cache, and finally a short matmul measurement whose result is cached
-under ``~/.cache/anyspeed/peak_flops.json`` (keyed by device name, dtype and thread count).
+under ``~/.cache/anyspeed/peak_flops.json`` (keyed by device name, CPU capability, dtype and
+thread count: an AVX2-only CPU and an AVX512-BF16 one of the same name differ 60-fold in bf16).
+
+A measured peak is the best rate over the run's dtype *and* fp32: half-precision work also runs
+on fp32 units (on a CPU without bf16 matmul kernels much of a bf16 step does), so the dtype's own
+rate alone understates what the device does and MFU came out above 100%.
+:func:`slow_precision_warning` says when the dtype's matmul is far slower than fp32's.
 """
 
 from __future__ import annotations
@@ -35,26 +41,39 @@ def _cache_path() -> Path:
     return Path(root) / "peak_flops.json"
 
 
+SLOW_RATIO = 4.0  # a half-precision matmul this many times slower than fp32 gets a warning
+
+
 def _key(dtype: torch.dtype) -> str:
     info = detect()
     threads = torch.get_num_threads() if info.is_cpu else 0
-    return f"{info.type}|{info.name}|{str(dtype).removeprefix('torch.')}|threads={threads}"
+    isa = f"|{torch.backends.cpu.get_cpu_capability()}" if info.is_cpu else ""
+    return f"{info.type}|{info.name}{isa}|{str(dtype).removeprefix('torch.')}|threads={threads}"
 
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
-    """Measure sustained square-matmul FLOP/s on this device for ``dtype``."""
+    """Measure sustained square-matmul FLOP/s on this device for ``dtype``.
+
+    A dtype without fast kernels (bf16 on an AVX2 CPU: ~10 s per 1024^2 product) is measured
+    on 256^2 matrices, so the measurement stays near ``seconds``.
+    """
     dev = torch_device()
+    sync = getattr(getattr(torch, dev.type, None), "synchronize", lambda: None)
+    small = torch.randn(256, 256, device=dev).to(dtype)
+    start = time.perf_counter()
+    small @ small
+    sync()
+    if (time.perf_counter() - start) * (n / 256) ** 3 > seconds / 4:
+        n = 256
     a = torch.randn(n, n, device=dev).to(dtype)
     b = torch.randn(n, n, device=dev).to(dtype)
-    sync = getattr(getattr(torch, dev.type, None), "synchronize", lambda: None)
-    for _ in range(2):
-        a @ b
+    a @ b
     sync()
     iters, start = 0, time.perf_counter()
     while True:
         a @ b
         iters += 1
-        if iters % 4 == 0:
+        if iters % 4 == 0 or dev.type == "cpu":
             sync()
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
@@ -62,8 +81,8 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5
     return 2.0 * n**3 * iters / elapsed
 
 
-def peak_flops(dtype: torch.dtype = torch.bfloat16) -> float:
-    """Peak FLOP/s for ``dtype`` on this device (configured, datasheet, cached or measured)."""
+def _datasheet(dtype: torch.dtype) -> float | None:
+    """``ANYSPEED_PEAK_TFLOPS`` or a known accelerator's half-precision datasheet peak."""
     env = os.environ.get("ANYSPEED_PEAK_TFLOPS")
     if env:
         return float(env) * 1e12
@@ -72,6 +91,38 @@ def peak_flops(dtype: torch.dtype = torch.bfloat16) -> float:
         for key, tf in _DATASHEET_BF16.items():
             if key in info.name:
                 return tf * 1e12
+    return None
+
+
+def peak_flops(dtype: torch.dtype = torch.bfloat16) -> float:
+    """Peak FLOP/s for ``dtype`` on this device: configured, datasheet, or the best measured
+    (cached) matmul rate of ``dtype`` and fp32."""
+    known = _datasheet(dtype)
+    if known is not None:
+        return known
+    if dtype == torch.float32:
+        return matmul_rate(dtype)
+    return max(matmul_rate(dtype), matmul_rate(torch.float32))
+
+
+def slow_precision_warning(dtype: torch.dtype) -> str | None:
+    """One line when ``dtype``'s matmul runs over :data:`SLOW_RATIO` times slower than fp32's
+    here (measured; None on a datasheet device, for fp32, or when it is not slower)."""
+    if dtype == torch.float32 or _datasheet(dtype) is not None:
+        return None
+    slow, fp32 = matmul_rate(dtype), matmul_rate(torch.float32)
+    if fp32 <= SLOW_RATIO * slow:
+        return None
+    info = detect()
+    where = f"{info.type} ({torch.backends.cpu.get_cpu_capability()})" if info.is_cpu else info.name
+    name = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
+    return (f"{name} matmuls on this {where} run {fp32 / slow:.0f}x slower than fp32 "
+            f"({slow / 1e9:.2g} vs {fp32 / 1e9:.3g} GFLOP/s measured): training will crawl; "
+            f"drop --{name} to train in fp32")  # fmt: skip
+
+
+def matmul_rate(dtype: torch.dtype) -> float:
+    """This device's measured square-matmul FLOP/s for ``dtype`` (cached on disk)."""
     path, key = _cache_path(), _key(dtype)
     try:
         cache = json.loads(path.read_text())

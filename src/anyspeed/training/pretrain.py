@@ -89,6 +89,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[st
     import torch
 
     from anyspeed.device import peak_flops, torch_device
+    from anyspeed.device.flops import slow_precision_warning
     from anyspeed.training import hooks as H
     from anyspeed.training.loop import LoopState, run
     from anyspeed.training.metrics import peak_memory_bytes
@@ -113,6 +114,9 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[st
                                                                torch.float32)  # fmt: skip
     peak = peak_flops(dtype) * int(os.environ.get("WORLD_SIZE", "1"))
     print0(_banner(args, state.iteration, trainer.dp))
+    slow = slow_precision_warning(dtype)  # e.g. bf16 on a CPU without bf16 matmul kernels
+    if slow:
+        print0(f"anyspeed pretrain: warning: {slow}")
     reporter = H.Reporter(args, state.iteration)
     hooks = [
         H.NanGuard(args.save),
