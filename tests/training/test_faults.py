@@ -131,3 +131,51 @@ def test_signal_to_the_launcher_ends_every_process(job, sig):
         f"anyspeed pretrain: stopped by {signal.Signals(sig).name}; torchrun and every rank it "
         "started have ended"
     )
+
+
+class _Store:
+    """The c10d store calls the stall report makes, on a dict shared by the simulated ranks."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def add(self, key: str, n: int) -> int:
+        self.data[key] = int(self.data.get(key, 0)) + n
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+
+def test_stall_report_names_every_rank_that_did_not_check_in(monkeypatch, capsys):
+    """In-process, 4 ranks: 0 and 2 time out and check in, 1 and 3 never do. Rank 2 exits
+    quietly, rank 0 prints the one line naming both."""
+    from anyspeed.training import stall
+
+    store = _Store()
+    monkeypatch.setattr(stall, "_store", lambda: store)
+    monkeypatch.setattr(stall, "SETTLE_S", 0.3)
+    monkeypatch.setattr(stall.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    store.set("anyspeed/stall/in/0", "1")  # rank 0 timed out at the same moment as rank 2
+    store.add("anyspeed/stall/count", 1)
+    for rank in (2, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(SystemExit) as info:
+            stall.exit_on_stall("anyspeed pretrain", 0.5)
+        assert info.value.code == 1
+    assert capsys.readouterr().err == (
+        "anyspeed pretrain: error: ranks 1, 3 did not answer within 0.5 minutes "
+        "(--distributed-timeout-minutes); every rank stops\n"
+    )
+    assert stall.is_timeout(RuntimeError("Timed out waiting 6000ms for recv operation"))
+    assert not stall.is_timeout(RuntimeError("Connection closed by peer"))

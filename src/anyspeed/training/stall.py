@@ -49,17 +49,18 @@ def is_timeout(exc: BaseException) -> bool:
 
 
 def _settle(store: Any, world: int) -> set[int]:
-    """The ranks that checked in, once no new one arrived for :data:`SETTLE_S` seconds."""
-    seen: set[int] = set()
+    """The ranks that checked in, once no new one arrived for :data:`SETTLE_S` seconds (one
+    counter is polled, so a large job does not flood the store)."""
+    count = 0
     start = last_change = time.monotonic()
     while time.monotonic() - start < MAX_WAIT_S:
-        now = {r for r in range(world) if store.check([f"{PREFIX}/in/{r}"])}
-        if now != seen:
-            seen, last_change = now, time.monotonic()
-        if len(seen) == world or time.monotonic() - last_change >= SETTLE_S:
+        now = store.add(f"{PREFIX}/count", 0)
+        if now != count:
+            count, last_change = now, time.monotonic()
+        if count >= world or time.monotonic() - last_change >= SETTLE_S:
             break
         time.sleep(0.2)
-    return seen
+    return {r for r in range(world) if store.check([f"{PREFIX}/in/{r}"])}
 
 
 def _end_local(store: Any, stalled: list[int]) -> None:
@@ -87,6 +88,7 @@ def exit_on_stall(prog: str, minutes: float) -> NoReturn:
         store = _store()
         store.set_timeout(timedelta(seconds=10))
         store.set(f"{PREFIX}/in/{rank}", "1")
+        store.add(f"{PREFIX}/count", 1)
         alive = _settle(store, world) | {rank}
         stalled = sorted(set(range(world)) - alive)
     except Exception:  # noqa: BLE001 - the store itself is gone: say what is known
