@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -88,7 +89,8 @@ def supervise(cmd: list[str], env: dict[str, str], prog: str, grace_s: float = 1
     """
     got: list[int] = []
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in FORWARDED}
+    handle = threading.current_thread() is threading.main_thread()  # signals reach it only
+    old = {s: signal.signal(s, lambda n, f: got.append(n)) for s in FORWARDED if handle}
     seen: dict[int, Any] = {}
     try:
         while proc.poll() is None and not got:

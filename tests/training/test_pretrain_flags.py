@@ -166,3 +166,17 @@ def test_a_misspelled_flag_names_the_closest_one():
 
     with pytest.raises(UsageError, match="--micro-batch-sise: .*did you mean --micro-batch-size"):
         parse_pretrain_args(MOCK + ["--micro-batch-sise", "2"])
+
+
+@pytest.mark.parametrize("weights", [["-1", "1"], ["0", "0"], ["nan", "1"]])
+def test_data_path_weights_must_be_a_blend(weights):
+    """A negative, NaN or all-zero blend weight reached Megatron's assertions (a traceback)."""
+    import argparse
+
+    from anyspeed.errors import UsageError
+    from anyspeed.training.checks import data_blend
+
+    path = [weights[0], "a", weights[1], "b"]
+    with pytest.raises(UsageError, match=r"^--data-path: the weights .* must be >= 0 and not all"):
+        data_blend(argparse.Namespace(data_path=path))
+    assert data_blend(argparse.Namespace(data_path=["0", "a", "2", "b"])) == (["a", "b"], [0, 2])

@@ -8,6 +8,7 @@ batch split by :class:`TrainConfig`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -32,6 +33,9 @@ def data_blend(args: argparse.Namespace) -> tuple[list[str], list[float] | None]
         if len(items) % 2:
             raise UsageError("--data-path: give WEIGHT PREFIX pairs (an odd number of items)")
         weights = [float(w) for w in items[0::2]]
+        if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+            raise UsageError(f"--data-path: the weights {items[0::2]} must be >= 0 and not all "
+                             "zero")  # fmt: skip
         return items[1::2], weights
     if any(_is_number(x) for x in items):
         raise UsageError("--data-path: either all PREFIX or WEIGHT PREFIX pairs, not a mix")
