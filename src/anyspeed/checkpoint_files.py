@@ -3,13 +3,18 @@
 ``<dir>/latest_checkpointed_iteration.txt`` names the checkpoint a load takes: an iteration
 number (the data in ``<dir>/iter_0000020/``) or ``release`` (``<dir>/release/``, a converted,
 iteration-less checkpoint). Training, conversion and the HF import all read and write it here.
+Writers stage under temporary names (``iter_0000020.tmp``, the tracker's ``.tmp``, a
+conversion's ``.NAME.partial-PID``); :func:`remove_stale` clears what killed runs left of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 
-__all__ = ["RELEASE", "TRACKER", "iteration_dir", "read_tracker", "write_tracker"]
+__all__ = ["RELEASE", "TRACKER", "iteration_dir", "read_tracker", "remove_stale", "write_tracker"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -51,3 +56,52 @@ def write_tracker(root: str | os.PathLike[str], iteration: int | str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+_PARTIAL = re.compile(r"^\..+\.partial-(\d+)$")  # a conversion's staging dir, by its process
+_STAGED = re.compile(r"^(iter_\d+|release)\.(tmp|old)$")  # a checkpoint being saved or replaced
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale(root: str | os.PathLike[str]) -> list[str]:
+    """Remove what runs killed mid-write left in ``root`` (returns the names removed).
+
+    That is ``iter_*.tmp`` / ``release.tmp`` checkpoints being saved (``.old``: being
+    replaced by a save of the same iteration), the tracker's ``.tmp``,
+    and ``.NAME.partial-PID`` conversions whose process is gone; complete iteration
+    directories, the tracker and a live process's partial output are never touched. Call it
+    from one process (rank 0) before that run's first save.
+    """
+    root = os.fspath(root)
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in sorted(names):
+        path = os.path.join(root, name)
+        partial = _PARTIAL.match(name)
+        if partial:
+            pid = int(partial.group(1))
+            stale = pid != os.getpid() and not _alive(pid)
+        else:
+            stale = name == TRACKER + ".tmp" or _STAGED.match(name) is not None
+        if not stale:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        if not os.path.lexists(path):
+            removed.append(name)
+    return removed

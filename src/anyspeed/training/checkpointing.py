@@ -4,7 +4,9 @@ Layout on disk, as Megatron-LM writes it: ``<dir>/iter_0000100/`` (a dist_checkp
 checkpoint) and ``<dir>/latest_checkpointed_iteration.txt``. A save goes to
 ``iter_0000100.tmp``; only when every rank has finished does rank 0 rename it and then replace
 the ``latest`` file (write + rename), so a kill at any moment leaves the previous checkpoint
-loadable and ``latest`` pointing at it. Model and optimizer state are saved in Megatron's
+loadable and ``latest`` pointing at it. A save or load that fails on any rank (disk full,
+permission, a broken file) fails on every rank with one line: the ranks agree on each step's
+outcome, so none waits for a peer that gave up. Model and optimizer state are saved in Megatron's
 global (fully reshardable) form, so a run resumes under another TP/PP/DP layout; the data
 position is the number of consumed samples, which no layout change alters.
 """
@@ -19,8 +21,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from anyspeed.checkpoint_files import TRACKER, iteration_dir, read_tracker, write_tracker
+from anyspeed.checkpoint_files import (
+    TRACKER,
+    iteration_dir,
+    read_tracker,
+    remove_stale,
+    write_tracker,
+)
+from anyspeed.training.checkpoint_checks import (
+    CheckpointFileError,
+    describe_failure,
+    describe_save_failure,
+    read_common,
+    read_rng,
+    tracked_dir,
+)
 
 CHECKPOINT_VERSION = 3.0
 
@@ -125,8 +142,43 @@ def layout_signature() -> dict[str, int]:
     }
 
 
-class CheckpointMismatch(ValueError):
-    """The checkpoint under ``--load`` does not fit this run (one line naming the fix)."""
+# What a failed save or load raises: torch.distributed.checkpoint gathers its ranks' errors into
+# a CheckpointException, which derives from BaseException.
+_FAILURES = (Exception, CheckpointException)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be loaded or saved: one line, raised on every rank alike."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint under ``--load`` does not fit this run or a file of it is broken (one line
+    naming the fix or the file)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (disk full, permission): the last good checkpoint and tracker stand."""
+
+
+def agree(error: str | None) -> str | None:
+    """The first error any rank had (in rank order), on every rank: all raise or none does."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def last_good(root: str) -> str | None:
+    """The checkpoint directory ``root``'s tracker names, when it is there (else None)."""
+    try:
+        it = read_tracker(root)
+    except (ValueError, OSError):
+        return None
+    path = iteration_dir(root, it) if it is not None else None
+    return path if path is not None and os.path.isdir(path) else None
 
 
 def save_checkpoint(
@@ -143,21 +195,49 @@ def save_checkpoint(
     """Save atomically to ``root/iter_XXXXXXX`` and point ``latest`` at it; returns the dir.
 
     ``save_rng=False`` (``--no-save-rng``) leaves the RNG states out; ``before_commit(tmp)``
-    runs once the data is written, before the rename (tests kill the process there).
+    runs once the data is written, before the rename (tests kill the process there). A step
+    that fails on any rank raises :class:`CheckpointSaveError` on all, naming the cause and the
+    last good checkpoint, which stays as it was (the partial save is removed).
     """
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # left over by runs killed mid-save
-            if name.endswith(".tmp") and os.path.isdir(os.path.join(root, name)):
-                shutil.rmtree(os.path.join(root, name))
-        os.makedirs(tmp)
-    dist.barrier()
+    rank0 = dist.get_rank() == 0
+    good = last_good(root)
+
+    def step(fn: Callable[[], None]) -> None:
+        error = None
+        try:
+            fn()
+        except _FAILURES as exc:  # every rank must learn of it
+            error = describe_save_failure(tmp if os.path.isdir(tmp) else root, exc)
+        error = agree(error)
+        if error is None:
+            return
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(f"could not save checkpoint to {root}: {error}; last good "
+                                  f"checkpoint: {good or 'none yet'}")  # fmt: skip
+
+    step(lambda: _prepare(root, tmp) if rank0 else None)
+    step(lambda: _write(tmp, iteration, model, optimizer, scheduler, extra, save_rng))
+    if before_commit is not None:
+        before_commit(tmp)
+    step(lambda: _commit(root, tmp, final, iteration) if rank0 else None)
+    return final
+
+
+def _prepare(root: str, tmp: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    remove_stale(root)  # left over by runs killed mid-save
+    os.makedirs(tmp)
+
+
+def _write(tmp: str, iteration: int, model: list[torch.nn.Module], optimizer: Any | None,
+           scheduler: Any | None, extra: dict[str, Any], save_rng: bool) -> None:  # fmt: skip
+    from megatron.core import dist_checkpointing
+
     state: dict[str, Any] = model_state(model)
     state.update(
         iteration=iteration,
@@ -178,16 +258,24 @@ def save_checkpoint(
         rng_dir = os.path.join(tmp, "anyspeed_rng")
         os.makedirs(rng_dir, exist_ok=True)
         torch.save(_rng_state(), os.path.join(rng_dir, f"{_rank_key()}.pt"))
-    if before_commit is not None:
-        before_commit(tmp)
-    dist.barrier()
-    if rank == 0:
-        if os.path.exists(final):  # saving the same iteration again: replace it
-            shutil.rmtree(final)
+
+
+def _commit(root: str, tmp: str, final: str, iteration: int) -> None:
+    """Rename ``tmp`` into place and point the tracker at it; saving an iteration again sets
+    the old copy aside until the new one is in place (restored if the rename fails)."""
+    old = final + ".old" if os.path.exists(final) else None
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    try:
         os.replace(tmp, final)
-        write_tracker(root, iteration)
-    dist.barrier()
-    return final
+    except OSError:
+        if old:
+            os.replace(old, final)
+        raise
+    write_tracker(root, iteration)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(
@@ -203,40 +291,42 @@ def load_checkpoint(
     """Load the checkpoint ``latest`` names into model (and optimizer, scheduler, RNG).
 
     Returns the checkpoint's common state (iteration, consumed samples, ...) with
-    ``iteration`` 0 for ``finetune`` or a ``release`` checkpoint (weights only).
+    ``iteration`` 0 for ``finetune`` or a ``release`` checkpoint (weights only). Whatever
+    fails on any rank raises :class:`CheckpointMismatch` on every rank, one line naming the
+    file and the cause.
     """
+    error, out, path = None, {}, None
+    try:
+        path = tracked_dir(root)
+        if path is None:
+            raise CheckpointMismatch(f"--load {root!r}: no {TRACKER} (not a checkpoint directory)")
+        out = _load(root, path, model, optimizer, scheduler, finetune, load_optim, load_rng)
+    except CheckpointMismatch as exc:
+        error = str(exc)
+    except CheckpointFileError as exc:
+        error = f"--load {root!r}: {exc}"
+    except _FAILURES as exc:  # whatever a broken file raises: one line, on all ranks
+        error = f"--load {root!r}: {describe_failure(path, exc) if path else exc}"
+    error = agree(error)
+    if error is not None:
+        raise CheckpointMismatch(error)
+    return out
+
+
+def _load(root: str, path: str, model: list[torch.nn.Module], optimizer: Any | None,
+          scheduler: Any | None, finetune: bool, load_optim: bool,
+          load_rng: bool) -> dict[str, Any]:  # fmt: skip
     from megatron.core import dist_checkpointing
 
-    it = read_tracker(root)
-    if it is None:
-        raise CheckpointMismatch(f"--load {root!r}: no {TRACKER} (not a checkpoint directory)")
-    path = iteration_dir(root, it)
-    if not os.path.isdir(path):
-        raise CheckpointMismatch(f"--load {root!r}: {TRACKER} names {it} but {path} is missing")
-    common = dist_checkpointing.load_common_state_dict(path)
-    weights_only = finetune or it == "release"
+    common = read_common(path)
+    weights_only = finetune or os.path.basename(path) == "release"
     state: dict[str, Any] = model_state(model)
     has_optim = common.get("has_optimizer")
     if has_optim is None:  # a checkpoint not written by anyspeed (e.g. Megatron-LM's)
         has_optim = "optimizer" in _sharded_keys(path)
     want_optim = optimizer is not None and load_optim and not weights_only and has_optim
-    saved_distopt = common.get("distributed_optimizer")
-    if want_optim and saved_distopt is not None and saved_distopt != _is_distributed(optimizer):
-        raise CheckpointMismatch(
-            f"--load {root!r}: the checkpoint's optimizer state was saved "
-            f"{'with' if saved_distopt else 'without'} --use-distributed-optimizer; resume "
-            "with the same setting, or pass --no-load-optim to start the optimizer afresh"
-        )
+    _check_optimizer_fits(root, common, optimizer, want_optim)
     sharding = common.get("optimizer_sharding", "fully_reshardable")
-    if want_optim and sharding == "dp_reshardable":
-        saved = common.get("anyspeed_layout", {})
-        now = layout_signature()
-        if any(saved.get(k) != now[k] for k in ("tp", "pp", "cp")):
-            raise CheckpointMismatch(
-                f"--load {root!r}: its distributed-optimizer state was saved with several "
-                "gradient buckets and reloads only at the same TP/PP/CP sizes "
-                f"({saved}); resume at that layout, or pass --no-load-optim"
-            )
     if want_optim:
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=True, metadata=_metadata(sharding)
@@ -255,12 +345,37 @@ def load_checkpoint(
         same = common.get("anyspeed_layout") == layout_signature()
         rng_file = os.path.join(path, "anyspeed_rng", f"{_rank_key()}.pt")
         if same and os.path.isfile(rng_file):
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+            try:
+                _set_rng_state(read_rng(rng_file))
+            except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
+                raise CheckpointFileError(f"{rng_file}: not a usable RNG state ({exc})") from None
     out = dict(common)
     if weights_only:
         out["iteration"] = 0
         out["consumed_train_samples"] = 0
     return out
+
+
+def _check_optimizer_fits(root: str, common: dict[str, Any], optimizer: Any | None,
+                          want_optim: bool) -> None:  # fmt: skip
+    """The saved optimizer state loads into this run's optimizer at this layout."""
+    saved_distopt = common.get("distributed_optimizer")
+    if want_optim and saved_distopt is not None and saved_distopt != _is_distributed(optimizer):
+        raise CheckpointMismatch(
+            f"--load {root!r}: the checkpoint's optimizer state was saved "
+            f"{'with' if saved_distopt else 'without'} --use-distributed-optimizer; resume "
+            "with the same setting, or pass --no-load-optim to start the optimizer afresh"
+        )
+    sharding = common.get("optimizer_sharding", "fully_reshardable")
+    if want_optim and sharding == "dp_reshardable":
+        saved = common.get("anyspeed_layout", {})
+        now = layout_signature()
+        if any(saved.get(k) != now[k] for k in ("tp", "pp", "cp")):
+            raise CheckpointMismatch(
+                f"--load {root!r}: its distributed-optimizer state was saved with several "
+                "gradient buckets and reloads only at the same TP/PP/CP sizes "
+                f"({saved}); resume at that layout, or pass --no-load-optim"
+            )
 
 
 def _is_distributed(optimizer: Any) -> bool:

@@ -184,7 +184,8 @@ class EvalHook(Hook):
 
 
 class CheckpointHook(Hook):
-    """Saves every ``--save-interval`` steps and at the end; stops at ``--exit-interval``."""
+    """Saves every ``--save-interval`` steps and at the end; stops at ``--exit-interval``. At
+    the start, rank 0 clears the ``--save`` directory of what killed runs left half-written."""
 
     def __init__(self, args: argparse.Namespace, extra: dict[str, Any]) -> None:
         self.args, self.extra = args, extra
@@ -193,6 +194,10 @@ class CheckpointHook(Hook):
     def on_start(self, state: LoopState) -> None:
         resumed = self.args.load and not self.args.finetune
         self.last_saved = state.iteration if resumed else None
+        if self.args.save and is_rank0():  # what killed runs left there (never a checkpoint)
+            from anyspeed.checkpoint_files import remove_stale
+
+            remove_stale(self.args.save)
 
     def save(self, state: LoopState) -> None:
         from anyspeed.training.checkpointing import save_checkpoint

@@ -1,0 +1,289 @@
+"""The checkpoint under ``--load``, checked without trusting it before any process group starts,
+and one line saying which file broke when a load fails anyway.
+
+A ``torch_dist`` checkpoint is read here only through restricted readers: ``.metadata`` with the
+checkpoint-metadata allow-list, ``common.pt`` and the RNG files with ``weights_only`` and nothing
+added. Every data file the metadata points into must exist inside the directory and hold the
+bytes the metadata records; the global shapes must be those of the model the flags describe (a
+difference names the flag and the checkpoint's value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from typing import Any
+
+from anyspeed.checkpoint_files import TRACKER, iteration_dir, read_tracker
+
+
+class CheckpointFileError(ValueError):
+    """One file of a checkpoint is missing, truncated or unreadable (one line naming it)."""
+
+
+def tracked_dir(root: str) -> str | None:
+    """The iteration directory the tracker of ``root`` names (None: no tracker); a tracker
+    naming a directory that is not there is a CheckpointFileError."""
+    try:
+        it = read_tracker(root)
+    except ValueError as exc:
+        raise CheckpointFileError(str(exc)) from None
+    if it is None:
+        return None
+    path = iteration_dir(root, it)
+    if not os.path.isdir(path):
+        raise CheckpointFileError(
+            f"{TRACKER} names {it!r} but {path} does not exist (a run stopped before saving "
+            "it?); point the tracker at an existing iter_* directory"
+        )
+    return path
+
+
+def _read_metadata(it_dir: str) -> Any:
+    from anyspeed.convert.dcp_io import DcpReader
+
+    try:
+        return DcpReader(it_dir).meta
+    except (ValueError, OSError) as exc:  # the readers' one-line errors
+        raise CheckpointFileError(str(exc)) from None
+
+
+def _check_format(it_dir: str) -> None:
+    path = os.path.join(it_dir, "metadata.json")
+    if not os.path.isfile(path):
+        raise CheckpointFileError(
+            f"{path} is missing: not a torch_dist checkpoint (anyspeed pretrain loads torch_dist; "
+            "anyspeed convert writes it from other formats)"
+        )
+    try:
+        with open(path) as fh:
+            backend = json.load(fh).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointFileError(f"{path}: unreadable ({exc})") from None
+    if backend != "torch_dist":
+        raise CheckpointFileError(f"{path}: sharded_backend {backend!r}, expected 'torch_dist'")
+
+
+def _check_data_files(it_dir: str, meta: Any) -> None:
+    """Each file the metadata points into lies in ``it_dir`` and holds the recorded bytes."""
+    need: dict[str, int] = {}
+    for info in meta.storage_data.values():
+        rel = os.fspath(info.relative_path)
+        if os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] == "..":
+            raise CheckpointFileError(f"{it_dir}/.metadata points outside the checkpoint ({rel!r})")
+        need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(need.items()):
+        path = os.path.join(it_dir, rel)
+        if not os.path.isfile(path):
+            raise CheckpointFileError(f"{path} is missing (the checkpoint's .metadata lists it)")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointFileError(
+                f"{path} is truncated: {size} bytes, the checkpoint's .metadata records data "
+                f"up to byte {end}"
+            )
+
+
+def read_common(it_dir: str) -> dict[str, Any]:
+    """``common.pt`` (the checkpoint's non-tensor state) read with ``weights_only``."""
+    from anyspeed.convert.megatron_io import read_common as read
+
+    path = os.path.join(it_dir, "common.pt")
+    if not os.path.isfile(path):
+        raise CheckpointFileError(f"{path} is missing")
+    try:
+        common = read(it_dir)
+    except (ValueError, OSError) as exc:  # the readers' one-line errors
+        raise CheckpointFileError(first_line(exc)) from None
+    if not isinstance(common, dict):
+        raise CheckpointFileError(f"{path}: not a checkpoint's common state")
+    return common
+
+
+RNG_KEYS = ("torch", "numpy_keys", "numpy_pos", "python")
+
+
+def read_rng(path: str) -> dict[str, Any]:
+    """One rank's saved RNG state, read with ``weights_only``; CheckpointFileError otherwise."""
+    from anyspeed.convert.torch_files import weights_only_load
+
+    try:
+        state = weights_only_load(path, path)
+    except (ValueError, OSError) as exc:  # the readers' one-line errors
+        raise CheckpointFileError(str(exc)) from None
+    if not isinstance(state, dict) or any(k not in state for k in RNG_KEYS):
+        raise CheckpointFileError(f"{path}: not an RNG state (expected {', '.join(RNG_KEYS)})")
+    return state
+
+
+def verify(it_dir: str) -> tuple[Any, dict[str, Any]]:
+    """The metadata and common state of a torch_dist checkpoint whose files all check out."""
+    _check_format(it_dir)
+    meta = _read_metadata(it_dir)
+    _check_data_files(it_dir, meta)
+    return meta, read_common(it_dir)
+
+
+def check_load(args: argparse.Namespace) -> None:
+    """Every file the load of ``args.load`` reads is there, whole and readable (one
+    CheckpointFileError line otherwise); the RNG files too when this run restores them."""
+    it_dir = tracked_dir(args.load)
+    if it_dir is None:
+        return
+    _, common = verify(it_dir)
+    rng_dir = os.path.join(it_dir, "anyspeed_rng")
+    if args.finetune or args.no_load_rng or os.path.basename(it_dir) == "release":
+        return
+    now = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+           "cp": args.context_parallel_size, "dp": args.data_parallel_size}  # fmt: skip
+    if common.get("anyspeed_layout") == now and os.path.isdir(rng_dir):  # what load restores
+        for name in sorted(os.listdir(rng_dir)):
+            read_rng(os.path.join(rng_dir, name))
+
+
+# ------------------------------------------------------------------------------ architecture
+_LAYER = "decoder.layers."
+
+
+def _shapes(meta: Any) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def _dim(shapes: dict[str, tuple[int, ...]], key: str, i: int) -> int | None:
+    shape = shapes.get(key)
+    return shape[i] if shape is not None and -len(shape) <= i < len(shape) else None
+
+
+def _differences(cfg: Any, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, Any, Any]]:
+    """(flag, this run's value, the checkpoint's value) for each architecture flag the
+    checkpoint's global shapes contradict, in the flag table's order."""
+    attn = _LAYER + "self_attention."
+    proj, qkv = attn + "linear_proj.weight", attn + "linear_qkv"
+    fc1, fc2 = _LAYER + "mlp.linear_fc1.weight", _LAYER + "mlp.linear_fc2.weight"
+    emb = "embedding.word_embeddings.weight"
+    d = cfg.head_dim
+    q_width = _dim(shapes, proj, 2)
+    rows = _dim(shapes, qkv + ".weight", 1)
+    groups = None
+    if rows is not None and q_width == cfg.num_attention_heads * d and rows % d == 0:
+        groups = (rows // d - cfg.num_attention_heads) // 2
+    ffn = _dim(shapes, fc2, 2)
+    fc1_rows = _dim(shapes, fc1, 1)
+    swiglu = None if ffn is None or fc1_rows is None else fc1_rows == 2 * ffn
+    checks = [
+        ("--num-layers", cfg.num_layers, _dim(shapes, proj, 0)),
+        ("--hidden-size", cfg.hidden_size, _dim(shapes, emb, 1)),
+        ("--num-attention-heads x --kv-channels", cfg.num_attention_heads * d, q_width),
+        ("--num-query-groups", cfg.num_query_groups, groups),
+        ("--ffn-hidden-size", cfg.ffn_hidden_size, ffn),
+        ("--swiglu", cfg.swiglu, swiglu),
+        ("--disable-bias-linear", not cfg.add_bias_linear, attn + "linear_proj.bias" not in shapes),
+        ("--add-qkv-bias", cfg.add_qkv_bias or cfg.add_bias_linear, qkv + ".bias" in shapes),
+        ("--qk-layernorm", cfg.qk_layernorm, attn + "q_layernorm.weight" in shapes),
+        ("--untie-embeddings-and-output-weights", not cfg.tie_embeddings,
+         "output_layer.weight" in shapes),
+        ("--padded-vocab-size", cfg.vocab_size, _dim(shapes, emb, 0)),
+    ]  # fmt: skip
+    return [(flag, ours, theirs) for flag, ours, theirs in checks
+            if theirs is not None and ours != theirs]  # fmt: skip
+
+
+def _say(flag: str, ours: Any, theirs: Any) -> str:
+    if isinstance(ours, bool):
+        return (f"the checkpoint was saved {'with' if theirs else 'without'} {flag}, this run "
+                f"is {'with' if ours else 'without'} it")  # fmt: skip
+    return f"the checkpoint has {flag} {theirs}, this run has {ours}"
+
+
+def check_fits(args: argparse.Namespace) -> None:
+    """The checkpoint's global tensor shapes are those of ``args.model_config``; else one
+    CheckpointFileError line naming the first flag that differs and the checkpoint's value."""
+    if not args.load:
+        return
+    it_dir = tracked_dir(args.load)
+    if it_dir is None or not os.path.isfile(os.path.join(it_dir, ".metadata")):
+        return  # an HF directory (converted from these flags) or nothing to load
+    diffs = _differences(args.model_config, _shapes(_read_metadata(it_dir)))
+    if diffs:
+        raise CheckpointFileError(
+            f"{it_dir} holds another architecture: {_say(*diffs[0])} (pass the checkpoint's "
+            "architecture flags, or --load a checkpoint of this model)"
+        )
+
+
+# ------------------------------------------------------------------------------ failed loads
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost error: through a distributed checkpoint's per-rank failures and causes."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:
+            first = next(iter(failures.values()))
+            exc = first[0] if isinstance(first, tuple) else first
+            continue
+        nxt = exc.__cause__ or exc.__context__
+        if nxt is None:
+            break
+        exc = nxt
+    return exc
+
+
+def describe_failure(it_dir: str, exc: BaseException) -> str:
+    """One line naming the file of ``it_dir`` that broke a load and the cause: a file check
+    first (missing, truncated, unreadable), then each tensor record, else the error itself."""
+    try:
+        meta, _ = verify(it_dir)
+        _check_records(it_dir, meta)
+    except CheckpointFileError as found:
+        return str(found)
+    except Exception:  # noqa: BLE001, S110 - the diagnosis found nothing better to say
+        pass
+    cause = root_cause(exc)
+    return f"{it_dir}: {type(cause).__name__}: {first_line(cause)}"
+
+
+def _check_records(it_dir: str, meta: Any) -> None:
+    """Every tensor record of the data files unpickles with ``weights_only``."""
+    from anyspeed.convert.torch_files import load_torch_file
+
+    tensors = meta.state_dict_metadata
+    for index, info in meta.storage_data.items():
+        if not hasattr(tensors.get(index.fqn), "size"):
+            continue  # a bytes record
+        path = os.path.join(it_dir, os.fspath(info.relative_path))
+        what = f"{path} ({index.fqn})"
+        try:
+            load_torch_file(path, int(info.offset), int(info.length), what)
+        except Exception as exc:  # noqa: BLE001 - whatever the damage: one line naming it
+            text = first_line(exc)
+            text = text if text.startswith(path) else f"{what}: {text}"
+            raise CheckpointFileError(text) from None
+
+
+def describe_save_failure(directory: str, exc: BaseException) -> str:
+    """The cause of a failed save in one line: the OS error, or, when a writer hid it behind
+    its own (torch's zip writer on a full disk), the error writing 1 MiB to ``directory`` gives."""
+    cause = root_cause(exc)
+    if isinstance(cause, OSError):
+        return first_line(cause)
+    path = os.path.join(directory, f".write-probe-{os.getpid()}")
+    try:
+        with open(path, "wb") as fh:
+            fh.write(bytes(2**20))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as probe:
+        return f"{first_line(probe)} ({type(cause).__name__}: {first_line(cause)})"
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    return f"{type(cause).__name__}: {first_line(cause)}"
