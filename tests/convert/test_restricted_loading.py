@@ -14,6 +14,7 @@ imported or opened (checked by an audit hook).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import pickletools
@@ -261,3 +262,67 @@ def test_fuzzed_metadata_never_runs_code(good):
         _events = None
     assert not seen, f"unpickling triggered {sorted(set(seen))}"
     assert results["refused"] > 100, results
+
+
+# ------------------------------------------------------------ Megatron-LM's checkpoints convert
+def test_checkpoint_with_megatron_lm_args_converts_to_hf(tmp_path):
+    """Megatron-LM stores ``args`` (argparse.Namespace with enums and dtypes) where anyspeed
+    stores ``anyspeed_model``: the restricted unpickler reads it, the architecture comes from
+    it (family from --model-type-hf) and only tokenizer files come from the user."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from anyspeed.convert import hf_to_megatron, megatron_to_hf
+    from anyspeed.models import get_preset
+    from anyspeed.models.hf import preset_from_hf
+    from helpers import convert_ranks
+
+    convert_ranks.tiny_hf_model(tmp_path / "hf", "tiny-qwen2.5")
+    mg = hf_to_megatron(tmp_path / "hf", tmp_path / "mg", tp=2, ckpt_format="legacy")
+    p = get_preset("tiny-qwen2.5")
+    args = argparse.Namespace(  # Megatron-LM's names for the architecture, and other values
+        num_layers=p.num_layers,
+        hidden_size=p.hidden_size,
+        ffn_hidden_size=p.ffn_hidden_size,
+        num_attention_heads=p.num_attention_heads,
+        group_query_attention=True,
+        num_query_groups=p.num_query_groups,
+        kv_channels=p.head_dim,
+        max_position_embeddings=p.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(p.rotary_base),
+        rotary_percent=1.0,
+        normalization="RMSNorm",
+        layernorm_epsilon=p.norm_epsilon,
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        qk_layernorm=False,
+        untie_embeddings_and_output_weights=False,
+        padded_vocab_size=p.vocab_size,
+        vocab_size=None,
+        use_rope_scaling=False,
+        params_dtype=torch.float32,
+        exit_signal=signal.SIGTERM,
+        tensor_model_parallel_size=2,
+    )
+    for rank in sorted((mg / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt")):
+        state = safe_pickle.load_torch(rank)
+        state = {"model": state["model"], "args": args, "iteration": 1, "checkpoint_version": 3.0}
+        torch.save(state, rank)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(tmp_path / "hf" / "tokenizer.json", tok)
+    with pytest.raises(ConvertError, match="llama models have add_qkv_bias=False, the checkp"):
+        megatron_to_hf(mg, tmp_path / "wrong", tok, model_type_hf="llama2")
+    out = megatron_to_hf(mg, tmp_path / "out", tok, model_type_hf="qwen25")
+    want, got = load_file(tmp_path / "hf" / "model.safetensors"), {}
+    for f in out.glob("*.safetensors"):
+        got.update(load_file(f))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    cfg = json.loads((out / "config.json").read_text())
+    orig = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert preset_from_hf(cfg) == preset_from_hf(orig)
+    assert (out / "tokenizer.json").is_file()

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 MLM = os.environ.get("ANYSPEED_MEGATRON_LM")
 pytestmark = [
@@ -81,8 +82,11 @@ def add_one_line(dst: Path) -> Path:
     return path
 
 
-def torchrun(script: Path, *args: str, timeout: int = 400, nproc: int = 2) -> dict[int, float]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MLM, os.environ.get("PYTHONPATH", "")]))
+def torchrun(
+    script: Path, *args: str, timeout: int = 400, nproc: int = 2, **env_vars: str
+) -> dict[int, float]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MLM, os.environ.get("PYTHONPATH", "")]),
+               **env_vars)  # fmt: skip
     cmd = [
         sys.executable,
         "-m",
@@ -191,3 +195,101 @@ def test_pretrain_gpt_hybrid_context_parallel_matches_data_parallel(script):
     assert sorted(cp) == list(range(1, 4))
     for it in range(1, 4):
         assert cp[it] == pytest.approx(dp[it], rel=1e-5), (it, cp, dp)
+
+
+LLAMA_TP2 = ["--tensor-model-parallel-size", "2", "--position-embedding-type", "rope", "--swiglu",
+             "--normalization", "RMSNorm", "--disable-bias-linear", "--group-query-attention",
+             "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+             "--no-create-attention-mask-in-dataloader", "--hidden-dropout", "0",
+             "--attention-dropout", "0"]  # fmt: skip
+
+# Megatron-LM's own model and load_checkpoint (with the one line) on fixed tokens: the logits
+# the converted model must give. The TP ranks' vocabulary halves are gathered.
+MEGATRON_LM_LOGITS = """
+import os
+from functools import partial
+
+import torch
+import anyspeed.megatron_adaptor
+
+from gpt_builders import gpt_builder
+from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.training.checkpointing import load_checkpoint
+from megatron.training.initialize import initialize_megatron
+from megatron.training.training import get_model
+from model_provider import model_provider
+
+initialize_megatron()
+model = get_model(partial(model_provider, gpt_builder), ModelType.encoder_or_decoder,
+                  wrap_with_ddp=False)
+load_checkpoint(model, None, None)
+model[0].eval()
+tokens = torch.load(os.environ["TOKENS"])
+with torch.no_grad():
+    logits = model[0](tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+if torch.distributed.get_rank() == 0:
+    torch.save(logits.float(), os.environ["LOGITS"])
+"""
+
+
+def anyspeed_convert(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "anyspeed", "convert", *args],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _model_tensors(ckpt: Path, fmt: str) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint: per rank file (legacy) or whole (torch_dist)."""
+    from anyspeed.convert.dcp_io import DcpReader
+    from anyspeed.convert.engine import materialize
+    from anyspeed.convert.megatron_io import iteration_dir
+    from anyspeed.safe_pickle import load_torch
+
+    it = iteration_dir(ckpt)
+    if fmt == "torch":
+        return {f"{rank.name}/{k}": v for rank in sorted(it.glob("mp_rank_*"))
+                for k, v in load_torch(rank / "model_optim_rng.pt")["model"].items()
+                if isinstance(v, torch.Tensor)}  # fmt: skip
+    reader = DcpReader(it)
+    keys = [k for k, md in reader.tensors.items()
+            if hasattr(md, "chunks") and not k.startswith("optimizer")]  # fmt: skip
+    return {k: materialize(reader.read(k, (0,) * len(reader.shape(k)), reader.shape(k)))
+            for k in keys}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_pretrain_gpt_checkpoint_converts_to_hf_and_back(script, tmp_path, fmt):
+    """pretrain_gpt.py (the one line) saves a LLaMA-style TP2 model; anyspeed converts it to HF
+    from the stored args alone (tokenizer files from the user); transformers' logits equal
+    Megatron-LM's own on its own load; converting back gives Megatron-LM's tensors."""
+    from anyspeed.convert.verify import hf_logits
+
+    ckpt, hf, back = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "back"
+    torchrun(script, *LLAMA_TP2, "--train-iters", "2", "--save", str(ckpt), "--save-interval",
+             "2", "--ckpt-format", fmt)  # fmt: skip
+    tokens = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    (tmp_path / "logits.py").write_text(MEGATRON_LM_LOGITS)
+    torchrun(tmp_path / "logits.py", *LLAMA_TP2, "--load", str(ckpt), "--ckpt-format", fmt,
+             "--exit-on-missing-checkpoint", TOKENS=str(tmp_path / "tokens.pt"),
+             LOGITS=str(tmp_path / "logits.pt"))  # fmt: skip
+    megatron = torch.load(tmp_path / "logits.pt")
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"stand-in": "tokenizer"}\n')
+    anyspeed_convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                     str(ckpt), "--save-dir", str(hf), "--hf-cfg-dir", str(tok),
+                     "--model-type-hf", "llama2")  # fmt: skip
+    assert (hf / "tokenizer.json").is_file()
+    got = hf_logits(hf, tokens)
+    assert megatron.shape == got.shape == (2, 16, 256) and megatron.std() > 0.1
+    assert (got - megatron).abs().max() <= 1e-4
+    anyspeed_convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
+                     "--save-dir", str(back), "--target-tensor-parallel-size", "2",
+                     "--ckpt-format", "legacy" if fmt == "torch" else fmt)  # fmt: skip
+    want, have = _model_tensors(ckpt, fmt), _model_tensors(back, fmt)
+    assert sorted(want) == sorted(have)
+    for name, t in want.items():
+        assert torch.equal(have[name], t), name

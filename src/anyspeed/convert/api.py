@@ -26,7 +26,7 @@ from anyspeed.convert.megatron_io import (
     common_state,
     iteration_dir,
     json_config,
-    model_from_common,
+    model_in_common,
     read_common,
     read_legacy,
     read_torch_dist,
@@ -34,21 +34,12 @@ from anyspeed.convert.megatron_io import (
     save_torch_dist,
 )
 from anyspeed.convert.pipeline import prefetch
+from anyspeed.convert.stored_model import family_for
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.families import mapping_for
 from anyspeed.models.hf import HF_ARCHITECTURES, preset_from_hf
 
-# MindSpeed-LLM's --model-type-hf names -> family.
-MODEL_TYPE_HF = {
-    "llama2": "llama",
-    "llama3": "llama",
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen25": "qwen2",
-    "qwen3": "qwen3",
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -82,12 +73,7 @@ def _preset(config: dict, model_type_hf: str | None) -> ModelConfig:
     except (ValueError, KeyError) as exc:
         raise ConvertError(str(exc).strip("'")) from None
     if model_type_hf:
-        want = MODEL_TYPE_HF.get(model_type_hf.lower())
-        if want is None:
-            raise ConvertError(
-                f"--model-type-hf {model_type_hf}: choose from {', '.join(MODEL_TYPE_HF)}"
-            )
-        if want != preset.family:
+        if family_for(model_type_hf) != preset.family:
             raise ConvertError(
                 f"--model-type-hf {model_type_hf} does not match config.json "
                 f"({HF_ARCHITECTURES[preset.family]})"
@@ -197,7 +183,10 @@ def hf_to_megatron(
 
 
 def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | None) -> dict:
-    if hf_cfg_dir:
+    """config.json of the output: ``hf_cfg_dir``'s (checked against the checkpoint's model), the
+    one a conversion stored, or else described from the model (a directory with tokenizer files
+    only gives those)."""
+    if hf_cfg_dir and (Path(hf_cfg_dir) / "config.json").is_file():
         cfg = read_config(hf_cfg_dir)
         given = _preset(cfg, None)
         ours = dataclasses.replace(preset, name=given.name, vocab_size=given.vocab_size)
@@ -228,20 +217,22 @@ def megatron_to_hf(
     hf_cfg_dir: str | Path | None = None,
     *,
     max_shard_size: str | int = "5GB",
+    model_type_hf: str | None = None,
 ) -> Path:
-    """Convert a Megatron checkpoint (torch_dist or legacy, any TP/PP) into an HF directory:
-    config.json, sharded safetensors + index, and ``hf_cfg_dir``'s tokenizer files."""
+    """Convert a Megatron checkpoint (torch_dist or legacy, any TP/PP; anyspeed's or
+    Megatron-LM's) into an HF directory: config.json, sharded safetensors + index, and
+    ``hf_cfg_dir``'s tokenizer files. The architecture comes from the checkpoint (anyspeed's
+    model or Megatron-LM's args, family from ``model_type_hf``), else ``hf_cfg_dir``."""
     it_dir = iteration_dir(load_dir)
     fmt = checkpoint_format(it_dir)
     common = read_common(load_dir)
-    if "anyspeed_model" in common:
-        preset = model_from_common(common, load_dir)
-    elif hf_cfg_dir:
-        preset = _preset(read_config(hf_cfg_dir), None)
-    else:
+    preset = model_in_common(common, load_dir, model_type_hf)
+    if preset is None and hf_cfg_dir and (Path(hf_cfg_dir) / "config.json").is_file():
+        preset = _preset(read_config(hf_cfg_dir), model_type_hf)
+    elif preset is None:
         raise ConvertError(
-            f"{load_dir}: no anyspeed_model in the checkpoint: pass --hf-cfg-dir "
-            "with the model's config.json"
+            f"{load_dir}: no anyspeed_model or Megatron-LM args in the checkpoint: pass "
+            "--hf-cfg-dir with the model's config.json"
         )
     cfg = _output_config(common, preset, hf_cfg_dir)
     hf_vocab = int(cfg["vocab_size"])

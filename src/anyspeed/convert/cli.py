@@ -3,7 +3,7 @@
     anyspeed convert --load-model-type hf --save-model-type mg --load-dir HF --save-dir MG \\
         [--target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 --ckpt-format legacy]
     anyspeed convert --load-model-type mg --save-model-type hf --load-dir MG --save-dir HF \\
-        --hf-cfg-dir HF_ORIGINAL
+        [--hf-cfg-dir HF_ORIGINAL_OR_TOKENIZER] [--model-type-hf llama2]
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from anyspeed import quiet
-from anyspeed.convert.api import DTYPES, MODEL_TYPE_HF
+from anyspeed.convert.api import DTYPES
+from anyspeed.convert.stored_model import MODEL_TYPE_HF
 from anyspeed.errors import OneLineArgumentParser, UsageError, report
 
 PROG = "anyspeed convert"
@@ -34,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model-type-hf",
         choices=sorted(MODEL_TYPE_HF),
-        help="checked against config.json, which decides the family",
+        help="the HF family: checked against config.json (hf -> mg) or the checkpoint's model; "
+        "names the family of a Megatron-LM checkpoint (mg -> hf; default: inferred)",
     )
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
@@ -161,9 +163,9 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
             )
             hf_dir, mg_dir = args.load_dir, args.save_dir
         elif direction == ("mg", "hf"):
-            megatron_to_hf(
-                args.load_dir, args.save_dir, args.hf_cfg_dir, max_shard_size=args.max_shard_size
-            )
+            megatron_to_hf(args.load_dir, args.save_dir, args.hf_cfg_dir,
+                           max_shard_size=args.max_shard_size,
+                           model_type_hf=args.model_type_hf)  # fmt: skip
             hf_dir, mg_dir = args.save_dir, args.load_dir
         else:
             raise ConvertError(

@@ -9,10 +9,15 @@ the checkpoint loads at any TP/PP layout. Reading loads one layer at a time.
 legacy: ``<dir>/iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt`` per target TP (XX) / PP (YYY)
 rank, holding the rank's GPTModel ``state_dict()`` (local layer numbers per stage, ``_extra_state``
 entries included) so Megatron-LM's loader takes it with ``strict=True``.
+
+Both layouts as Megatron-LM's ``pretrain_gpt.py`` writes them are read too: the model then comes
+from its stored ``args`` (:mod:`.stored_model`). Every pickle goes through
+:mod:`anyspeed.safe_pickle`.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -29,6 +34,7 @@ from anyspeed.checkpoint_files import RELEASE, TRACKER
 from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_tp
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import FileSink
+from anyspeed.convert.stored_model import check_family, megatron_lm_model
 from anyspeed.convert.torch_files import load_torch_file, weights_only_load
 from anyspeed.models.config import ModelConfig
 
@@ -99,15 +105,27 @@ def read_common(ckpt_dir: str | Path) -> dict[str, Any]:
     return {k: v for k, v in _torch_load(first).items() if k != "model"}
 
 
-def read_model_preset(ckpt_dir: str | Path) -> ModelConfig:
-    """The model a converted checkpoint holds (``anyspeed_model`` of its common state)."""
-    common = read_common(ckpt_dir)
-    if "anyspeed_model" not in common:
+def read_model_preset(ckpt_dir: str | Path, model_type_hf: str | None = None) -> ModelConfig:
+    """The model a checkpoint holds: anyspeed's ``anyspeed_model`` or Megatron-LM's ``args``."""
+    model = model_in_common(read_common(ckpt_dir), ckpt_dir, model_type_hf)
+    if model is None:
         raise ConvertError(
-            f"{ckpt_dir}: no anyspeed_model in the checkpoint (pass --hf-cfg-dir "
-            "with the model's config.json)"
+            f"{ckpt_dir}: no anyspeed_model or Megatron-LM args in the checkpoint (pass "
+            "--hf-cfg-dir with the model's config.json)"
         )
-    return model_from_common(common, ckpt_dir)
+    return model
+
+
+def model_in_common(
+    common: dict[str, Any], ckpt_dir: str | Path, model_type_hf: str | None = None
+) -> ModelConfig | None:
+    """The model the common state describes (``model_type_hf`` picks or checks the family),
+    None when it holds neither ``anyspeed_model`` nor Megatron-LM's ``args``."""
+    if "anyspeed_model" in common:
+        return check_family(model_from_common(common, ckpt_dir), ckpt_dir, model_type_hf)
+    if isinstance(common.get("args"), argparse.Namespace):
+        return megatron_lm_model(common["args"], ckpt_dir, model_type_hf)
+    return None
 
 
 def model_from_common(common: dict[str, Any], ckpt_dir: str | Path) -> ModelConfig:

@@ -1,0 +1,89 @@
+"""Which model a Megatron checkpoint holds, read from the checkpoint itself.
+
+anyspeed writes its :class:`ModelConfig` under ``anyspeed_model``; Megatron-LM's
+``pretrain_gpt.py`` (with or without the one line) stores its parsed ``args``, whose
+architecture fields are Megatron-LM's argument names. The HF family is not in the args (LLaMA
+and Mistral share them): ``--model-type-hf`` names it, else the closest family is inferred.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from anyspeed.convert.errors import ConvertError
+from anyspeed.models.config import ModelConfig
+from anyspeed.models.families import FAMILIES
+
+# MindSpeed-LLM's --model-type-hf names -> family.
+MODEL_TYPE_HF = {
+    "llama2": "llama",
+    "llama3": "llama",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen25": "qwen2",
+    "qwen3": "qwen3",
+}
+
+# What every supported HF family is: Megatron-LM argument -> the value it must have.
+_REQUIRED = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+             "add_bias_linear": False}  # fmt: skip
+
+
+def family_for(model_type_hf: str) -> str:
+    """The family ``--model-type-hf`` names; ConvertError listing the choices otherwise."""
+    family = MODEL_TYPE_HF.get(model_type_hf.lower())
+    if family is None:
+        raise ConvertError(
+            f"--model-type-hf {model_type_hf}: choose from {', '.join(MODEL_TYPE_HF)}"
+        )
+    return family
+
+
+def megatron_lm_model(
+    args: argparse.Namespace, where: str | Path, model_type_hf: str | None = None
+) -> ModelConfig:
+    """The architecture Megatron-LM's stored ``args`` describe (its argument names), in the
+    family ``model_type_hf`` names; ConvertError naming the argument when none fits."""
+    for name, want in _REQUIRED.items():
+        have = getattr(args, name, None)
+        if have != want:
+            raise ConvertError(
+                f"{where}: the checkpoint's args have {name}={have!r}; the supported HF "
+                f"families need {want!r}"
+            )
+    values: dict[str, Any] = dict(vars(args))
+    # ModelConfig's flag table reads flag names; Megatron-LM stores these two under others.
+    values["disable_bias_linear"] = not args.add_bias_linear
+    values.setdefault("norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5))
+    values["model"] = None
+    if not isinstance(values.get("padded_vocab_size"), int):
+        raise ConvertError(f"{where}: the checkpoint's args have no padded_vocab_size")
+    try:
+        model = ModelConfig.from_args(argparse.Namespace(**values))
+    except (TypeError, ValueError) as exc:
+        raise ConvertError(f"{where}: the checkpoint's args: {exc}") from None
+    if model.kv_channels == model.hidden_size // model.num_attention_heads:
+        model = dataclasses.replace(model, kv_channels=None)  # Megatron-LM stores the default
+    if model_type_hf:
+        model = dataclasses.replace(model, family=family_for(model_type_hf))
+    return check_family(model, where, model_type_hf)
+
+
+def check_family(model: ModelConfig, where: str | Path, model_type_hf: str | None) -> ModelConfig:
+    """``model`` when its family's traits (QKV bias, QK norm) match it, else ConvertError."""
+    if model_type_hf and family_for(model_type_hf) != model.family:
+        raise ConvertError(f"--model-type-hf {model_type_hf}: {where} holds a {model.family} "
+                           "model")  # fmt: skip
+    traits = FAMILIES[model.family]
+    for have, want, arg in ((model.add_qkv_bias, traits.qkv_bias, "add_qkv_bias"),
+                            (model.qk_layernorm, traits.qk_norm, "qk_layernorm")):  # fmt: skip
+        if have != want:
+            raise ConvertError(
+                f"{where}: {model.family} models have {arg}={want}, the checkpoint's args "
+                f"{have} (pass the right --model-type-hf)"
+            )
+    return model
