@@ -37,6 +37,7 @@ def _disk_full() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _read_only(directory: str) -> Iterator[None]:
+    os.makedirs(directory, exist_ok=True)
     os.chmod(directory, 0o555)
     real = os.makedirs
 
@@ -70,13 +71,19 @@ def _armed(kind: str, rank: int, at_save: int, save_dir: str):  # noqa: ANN202
     return mock.patch.object(checkpointing, "save_checkpoint", save)
 
 
-def _break_rng(load_dir: str, rank: int) -> None:
-    """Give ``rank``'s saved RNG state a generator state of the wrong size (after a barrier)."""
+def _break_rng(source: str, load_dir: str, rank: int) -> None:
+    """Copy checkpoint ``source`` to ``load_dir`` and give ``rank``'s saved RNG state there a
+    generator state of the wrong size (every rank waits until it is done)."""
+    import shutil
+
     import torch
     import torch.distributed as dist
 
     from anyspeed.checkpoint_files import iteration_dir, read_tracker
 
+    if int(os.environ["RANK"]) == 0:
+        shutil.copytree(source, load_dir)
+    dist.barrier()
     if int(os.environ["RANK"]) == rank:
         rng_dir = os.path.join(iteration_dir(load_dir, read_tracker(load_dir)), "anyspeed_rng")
         path = os.path.join(rng_dir, sorted(os.listdir(rng_dir))[rank])
@@ -88,9 +95,9 @@ def _break_rng(load_dir: str, rank: int) -> None:
 
 def run_cases(cases: list[dict]) -> list[dict]:
     """``main(case["cli"])`` for each case in turn in this process group, with its fault
-    (``fault``: kind, rank, save number) or RNG change (``break_rng``: rank); per case the exit
-    code and what this rank wrote to stderr. Cases must fail: a success ends the group, and the
-    cases after it are not run."""
+    (``fault``: kind, rank, save number) or RNG change (``break_rng``: source checkpoint,
+    rank); per case the exit code and what this rank wrote to stderr. Cases must fail: a
+    success ends the group, and the cases after it are not run."""
     from anyspeed import quiet
     from anyspeed.training.pretrain import main
 
@@ -100,7 +107,8 @@ def run_cases(cases: list[dict]) -> list[dict]:
     for case in cases:
         cli, err = case["cli"], io.StringIO()
         if "break_rng" in case:
-            _break_rng(cli[cli.index("--load") + 1], case["break_rng"])
+            source, rank = case["break_rng"]
+            _break_rng(source, cli[cli.index("--load") + 1], rank)
         armed = contextlib.nullcontext()
         if "fault" in case:
             kind, rank, at_save = case["fault"]

@@ -2,7 +2,7 @@
 
 One spawned group of two ranks runs the faults that need a process group, each case through
 the command's ``main``: a disk that fills up while rank 1 writes the second checkpoint, a
-``--save`` directory that turns read-only before rank 0 stages the second one, and a saved RNG
+``--save`` directory that turns read-only before rank 0 stages the first one, and a saved RNG
 state that only rank 1 cannot restore. The first checkpoint those runs save is then the good
 one that the in-process cases break, file by file, for the checks that run before any process
 group starts.
@@ -45,7 +45,7 @@ def faults(tmp_path_factory):
     """The two-rank runs (rank 0's and rank 1's results per case) and their directories."""
     root = tmp_path_factory.mktemp("ckfaults")
     prefix = write_corpus(str(root / "c_text_document"), docs=60)
-    disk, perm = str(root / "disk"), str(root / "perm")
+    disk, perm, rng = str(root / "disk"), str(root / "perm"), str(root / "rng")
     os.makedirs(os.path.join(disk, "iter_0000009.tmp"))  # a save killed half-way
     open(os.path.join(disk, "iter_0000009.tmp", "__0_0.distcp"), "wb").write(b"x" * 100)
     open(os.path.join(disk, TRACKER + ".tmp"), "w").write("9")
@@ -57,13 +57,13 @@ def faults(tmp_path_factory):
     saving = ["--save-interval", "1", "--eval-iters", "0"]
     cases = [
         {"cli": _args(prefix, 2) + ["--save", disk, *saving], "fault": ("disk", 1, 2)},
-        {"cli": _args(prefix, 2) + ["--save", perm, *saving], "fault": ("permission", 0, 2)},
-        {"cli": _args(prefix, 3) + ["--load", perm], "break_rng": 1},
+        {"cli": _args(prefix, 1) + ["--save", perm, *saving], "fault": ("permission", 0, 1)},
+        {"cli": _args(prefix, 3) + ["--load", rng], "break_rng": (disk, 1)},
     ]
     per_rank = run_distributed(checkpoint_ranks.run_cases, 2, argv=cases[0]["cli"],
                                cases=cases, timeout=150)  # fmt: skip
     runs = [*zip(*per_rank, strict=True), None, None, None]  # None: not run
-    return {"prefix": prefix, "disk": disk, "perm": perm, "runs": runs}
+    return {"prefix": prefix, "disk": disk, "perm": perm, "rng": rng, "runs": runs}
 
 
 def _one_line(results: tuple[dict, dict] | None) -> str:
@@ -93,19 +93,20 @@ def test_stale_leftovers_are_removed_at_start(faults):
     )
 
 
-def test_unwritable_save_dir_keeps_last_good_checkpoint(faults):
+def test_unwritable_save_dir_leaves_nothing(faults):
+    """The first save cannot stage its directory: both ranks stop, nothing half-written."""
     save = faults["perm"]
     err = _one_line(faults["runs"][1])
     assert f"could not save checkpoint to {save}: [Errno 13] Permission denied" in err
-    assert err.endswith(f"; last good checkpoint: {save}/{ITER}")
-    assert sorted(os.listdir(save)) == [ITER, TRACKER]
+    assert err.endswith("; last good checkpoint: none yet")
+    assert os.listdir(save) == []
 
 
 def test_rng_state_one_rank_cannot_restore(faults):
     """Only rank 1's restore fails, while loading: rank 0 names the file, both exit."""
     err = _one_line(faults["runs"][2])
-    rng = os.path.join(faults["perm"], ITER, "anyspeed_rng", "pp0_tp0_cp0_dp1.pt")
-    assert f"--load {faults['perm']!r}: {rng}: not a usable RNG state" in err
+    rng = os.path.join(faults["rng"], ITER, "anyspeed_rng", "pp0_tp0_cp0_dp1.pt")
+    assert f"--load {faults['rng']!r}: {rng}: not a usable RNG state" in err
 
 
 # ------------------------------------------------------------------ before any process group
@@ -191,7 +192,9 @@ def test_broken_common_state(capsys, faults, copy, damage):
     assert f"{path}" in err and ("is missing" if damage == "missing" else "common.pt:") in err
 
 
-def test_unreadable_rng_state(capsys, faults, copy):
+def test_unreadable_rng_state(capsys, monkeypatch, faults, copy):
+    """Read before start by the launcher (or a lone process), which has no RANK yet."""
+    monkeypatch.delenv("RANK", raising=False)
     _, it = copy
     path = os.path.join(it, "anyspeed_rng", "pp0_tp0_cp0_dp1.pt")
     _truncate(path, 100)

@@ -128,7 +128,9 @@ def verify(it_dir: str) -> tuple[Any, dict[str, Any]]:
 
 def check_load(args: argparse.Namespace) -> None:
     """Every file the load of ``args.load`` reads is there, whole and readable (one
-    CheckpointFileError line otherwise); the RNG files too when this run restores them."""
+    CheckpointFileError line otherwise). The RNG files this run restores (one per rank) are
+    read once, by the launcher or a lone process: ranks started by torchrun, which would each
+    read all of them, leave them to the load, where a bad one stops every rank alike."""
     it_dir = tracked_dir(args.load)
     if it_dir is None:
         return
@@ -138,7 +140,8 @@ def check_load(args: argparse.Namespace) -> None:
         return
     now = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
            "cp": args.context_parallel_size, "dp": args.data_parallel_size}  # fmt: skip
-    if common.get("anyspeed_layout") == now and os.path.isdir(rng_dir):  # what load restores
+    restored = common.get("anyspeed_layout") == now and os.path.isdir(rng_dir)
+    if restored and "RANK" not in os.environ:
         for name in sorted(os.listdir(rng_dir)):
             read_rng(os.path.join(rng_dir, name))
 
