@@ -163,7 +163,7 @@ def test_stall_report_names_every_rank_that_did_not_check_in(monkeypatch, capsys
 
     store = _Store()
     monkeypatch.setattr(stall, "_store", lambda: store)
-    monkeypatch.setattr(stall, "SETTLE_S", 0.3)
+    monkeypatch.setattr(stall, "MAX_SETTLE_S", 0.3)
     monkeypatch.setattr(stall.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
     monkeypatch.setenv("WORLD_SIZE", "4")
     store.set("anyspeed/stall/in/0", "1")  # rank 0 timed out at the same moment as rank 2

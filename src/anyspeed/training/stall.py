@@ -19,8 +19,11 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 PREFIX = "anyspeed/stall"
-SETTLE_S = 2.0  # check-ins unchanged this long: the ranks still missing are stalled
-MAX_WAIT_S = 30.0
+# Check-ins unchanged this long mean the ranks still missing are stalled: a tenth of the timeout
+# (ranks waiting on the stalled one time out about as far apart as they started waiting),
+# at least SETTLE_S and at most MAX_SETTLE_S seconds.
+SETTLE_S = 2.0
+MAX_SETTLE_S = 30.0
 
 
 def _store() -> Any:
@@ -48,16 +51,16 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
-def _settle(store: Any, world: int) -> set[int]:
-    """The ranks that checked in, once no new one arrived for :data:`SETTLE_S` seconds (one
+def _settle(store: Any, world: int, settle_s: float) -> set[int]:
+    """The ranks that checked in, once no new one arrived for ``settle_s`` seconds (one
     counter is polled, so a large job does not flood the store)."""
     count = 0
     start = last_change = time.monotonic()
-    while time.monotonic() - start < MAX_WAIT_S:
+    while time.monotonic() - start < 4 * settle_s:
         now = store.add(f"{PREFIX}/count", 0)
         if now != count:
             count, last_change = now, time.monotonic()
-        if count >= world or time.monotonic() - last_change >= SETTLE_S:
+        if count >= world or time.monotonic() - last_change >= settle_s:
             break
         time.sleep(0.2)
     return {r for r in range(world) if store.check([f"{PREFIX}/in/{r}"])}
@@ -89,7 +92,8 @@ def exit_on_stall(prog: str, minutes: float) -> NoReturn:
         store.set_timeout(timedelta(seconds=10))
         store.set(f"{PREFIX}/in/{rank}", "1")
         store.add(f"{PREFIX}/count", 1)
-        alive = _settle(store, world) | {rank}
+        settle = min(MAX_SETTLE_S, max(SETTLE_S, 6.0 * minutes))  # 6 s per minute: a tenth
+        alive = _settle(store, world, settle) | {rank}
         stalled = sorted(set(range(world)) - alive)
     except Exception:  # noqa: BLE001 - the store itself is gone: say what is known
         pass
