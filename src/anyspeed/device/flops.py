@@ -60,6 +60,8 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5
     dev = torch_device()
     sync = getattr(getattr(torch, dev.type, None), "synchronize", lambda: None)
     small = torch.randn(256, 256, device=dev).to(dtype)
+    small @ small  # the first product pays for library and kernel set-up
+    sync()
     start = time.perf_counter()
     small @ small
     sync()
