@@ -183,6 +183,15 @@ def test_metadata_pointing_outside_the_checkpoint(capsys, faults, copy):
     )
 
 
+def test_data_file_linked_outside_the_checkpoint(capsys, faults, copy, tmp_path):
+    _, it = copy
+    name = sorted(n for n in os.listdir(it) if n.endswith(".distcp"))[0]
+    os.replace(os.path.join(it, name), tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", os.path.join(it, name))
+    err = _refused(capsys, faults, copy[0])
+    assert f"{it}/{name} is a link leading outside the checkpoint" in err
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_broken_common_state(capsys, faults, copy, damage):
     _, it = copy

@@ -1,10 +1,10 @@
 """The checkpoint under ``--load``, checked without trusting it before any process group starts,
 and one line saying which file broke when a load fails anyway.
 
-A ``torch_dist`` checkpoint is read here only through restricted readers: ``.metadata`` with the
-checkpoint-metadata allow-list, ``common.pt`` and the RNG files with ``weights_only`` and nothing
-added. Every data file the metadata points into must exist inside the directory and hold the
-bytes the metadata records; the global shapes must be those of the model the flags describe (a
+A ``torch_dist`` checkpoint is read here only through :mod:`anyspeed.safe_pickle`'s restricted
+unpickler (``.metadata``, ``common.pt``, the RNG files: plain data only). Every data file the
+metadata points into must exist inside the directory (no ``..``, no link leading out) and hold
+the bytes the metadata records; the global shapes must be those of the model the flags describe (a
 difference names the flag and the checkpoint's value).
 """
 
@@ -66,6 +66,15 @@ def _check_format(it_dir: str) -> None:
         raise CheckpointFileError(f"{path}: sharded_backend {backend!r}, expected 'torch_dist'")
 
 
+def within(it_dir: str, name: str) -> str:
+    """``it_dir/name``, refused when a link takes it outside ``it_dir``."""
+    path = os.path.join(it_dir, name)
+    inside = os.path.realpath(it_dir)
+    if os.path.commonpath([inside, os.path.realpath(path)]) != inside:
+        raise CheckpointFileError(f"{path} is a link leading outside the checkpoint")
+    return path
+
+
 def _check_data_files(it_dir: str, meta: Any) -> None:
     """Each file the metadata points into lies in ``it_dir`` and holds the recorded bytes."""
     need: dict[str, int] = {}
@@ -75,7 +84,7 @@ def _check_data_files(it_dir: str, meta: Any) -> None:
             raise CheckpointFileError(f"{it_dir}/.metadata points outside the checkpoint ({rel!r})")
         need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(need.items()):
-        path = os.path.join(it_dir, rel)
+        path = within(it_dir, rel)
         if not os.path.isfile(path):
             raise CheckpointFileError(f"{path} is missing (the checkpoint's .metadata lists it)")
         size = os.path.getsize(path)
@@ -87,7 +96,7 @@ def _check_data_files(it_dir: str, meta: Any) -> None:
 
 
 def read_common(it_dir: str) -> dict[str, Any]:
-    """``common.pt`` (the checkpoint's non-tensor state) read with ``weights_only``."""
+    """``common.pt`` (the checkpoint's non-tensor state), plain data only."""
     from anyspeed.convert.megatron_io import read_common as read
 
     path = os.path.join(it_dir, "common.pt")
@@ -106,7 +115,7 @@ RNG_KEYS = ("torch", "numpy_keys", "numpy_pos", "python")
 
 
 def read_rng(path: str) -> dict[str, Any]:
-    """One rank's saved RNG state, read with ``weights_only``; CheckpointFileError otherwise."""
+    """One rank's saved RNG state (plain data only); CheckpointFileError otherwise."""
     from anyspeed.convert.torch_files import weights_only_load
 
     try:
@@ -120,6 +129,8 @@ def read_rng(path: str) -> dict[str, Any]:
 
 def verify(it_dir: str) -> tuple[Any, dict[str, Any]]:
     """The metadata and common state of a torch_dist checkpoint whose files all check out."""
+    for name in ("metadata.json", ".metadata", "common.pt"):
+        within(it_dir, name)
     _check_format(it_dir)
     meta = _read_metadata(it_dir)
     _check_data_files(it_dir, meta)
@@ -143,7 +154,7 @@ def check_load(args: argparse.Namespace) -> None:
     restored = common.get("anyspeed_layout") == now and os.path.isdir(rng_dir)
     if restored and "RANK" not in os.environ:
         for name in sorted(os.listdir(rng_dir)):
-            read_rng(os.path.join(rng_dir, name))
+            read_rng(within(it_dir, os.path.join("anyspeed_rng", name)))
 
 
 # ------------------------------------------------------------------------------ architecture
@@ -255,7 +266,7 @@ def describe_failure(it_dir: str, exc: BaseException) -> str:
 
 
 def _check_records(it_dir: str, meta: Any) -> None:
-    """Every tensor record of the data files unpickles with ``weights_only``."""
+    """Every tensor record of the data files unpickles (plain data only)."""
     from anyspeed.convert.torch_files import load_torch_file
 
     tensors = meta.state_dict_metadata

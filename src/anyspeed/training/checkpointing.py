@@ -30,14 +30,7 @@ from anyspeed.checkpoint_files import (
     remove_stale,
     write_tracker,
 )
-from anyspeed.training.checkpoint_checks import (
-    CheckpointFileError,
-    describe_failure,
-    describe_save_failure,
-    read_common,
-    read_rng,
-    tracked_dir,
-)
+from anyspeed.training import checkpoint_checks as checks
 
 CHECKPOINT_VERSION = 3.0
 
@@ -211,7 +204,7 @@ def save_checkpoint(
         try:
             fn()
         except _FAILURES as exc:  # every rank must learn of it
-            error = describe_save_failure(tmp if os.path.isdir(tmp) else root, exc)
+            error = checks.describe_save_failure(tmp if os.path.isdir(tmp) else root, exc)
         error = agree(error)
         if error is None:
             return
@@ -297,16 +290,16 @@ def load_checkpoint(
     """
     error, out, path = None, {}, None
     try:
-        path = tracked_dir(root)
+        path = checks.tracked_dir(root)
         if path is None:
             raise CheckpointMismatch(f"--load {root!r}: no {TRACKER} (not a checkpoint directory)")
         out = _load(root, path, model, optimizer, scheduler, finetune, load_optim, load_rng)
     except CheckpointMismatch as exc:
         error = str(exc)
-    except CheckpointFileError as exc:
+    except checks.CheckpointFileError as exc:
         error = f"--load {root!r}: {exc}"
     except _FAILURES as exc:  # whatever a broken file raises: one line, on all ranks
-        error = f"--load {root!r}: {describe_failure(path, exc) if path else exc}"
+        error = f"--load {root!r}: {checks.describe_failure(path, exc) if path else exc}"
     error = agree(error)
     if error is not None:
         raise CheckpointMismatch(error)
@@ -318,7 +311,7 @@ def _load(root: str, path: str, model: list[torch.nn.Module], optimizer: Any | N
           load_rng: bool) -> dict[str, Any]:  # fmt: skip
     from megatron.core import dist_checkpointing
 
-    common = read_common(path)
+    common = checks.read_common(path)
     weights_only = finetune or os.path.basename(path) == "release"
     state: dict[str, Any] = model_state(model)
     has_optim = common.get("has_optimizer")
@@ -343,12 +336,13 @@ def _load(root: str, path: str, model: list[torch.nn.Module], optimizer: Any | N
             scheduler.load_state_dict(common["opt_param_scheduler"])
     if load_rng and not weights_only:
         same = common.get("anyspeed_layout") == layout_signature()
-        rng_file = os.path.join(path, "anyspeed_rng", f"{_rank_key()}.pt")
+        rng_file = checks.within(path, os.path.join("anyspeed_rng", f"{_rank_key()}.pt"))
         if same and os.path.isfile(rng_file):
             try:
-                _set_rng_state(read_rng(rng_file))
+                _set_rng_state(checks.read_rng(rng_file))
             except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
-                raise CheckpointFileError(f"{rng_file}: not a usable RNG state ({exc})") from None
+                msg = f"{rng_file}: not a usable RNG state ({exc})"
+                raise checks.CheckpointFileError(msg) from None
     out = dict(common)
     if weights_only:
         out["iteration"] = 0
