@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import re
 import shutil
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -75,9 +79,10 @@ class IndexedWriter:
 
     def append_dataset(self, prefix: str) -> None:
         """Append a whole existing dataset (same dtype) - used to merge partitions."""
-        code, lengths, docs = read_index(prefix + ".idx")
-        if CODE_DTYPES[code] != self.dtype:
-            raise ValueError(f"{prefix}: dtype {CODE_DTYPES[code]} != {self.dtype}")
+        index = check_dataset(prefix)
+        lengths, docs = index.lengths, index.documents
+        if index.dtype != self.dtype:
+            raise ValueError(f"{prefix}: dtype {index.dtype} != {self.dtype}")
         with open(prefix + ".bin", "rb") as src:
             shutil.copyfileobj(src, self._bin, 16 << 20)
         for i in range(0, len(lengths), _BLOCK):
@@ -87,9 +92,7 @@ class IndexedWriter:
             self._docs.write(block.tobytes())
         self.sequences += len(lengths)
         self.documents += len(docs) - 1
-        self.tokens += int(
-            sum(int(lengths[i : i + _BLOCK].sum()) for i in range(0, len(lengths), _BLOCK))
-        )
+        self.tokens += index.tokens
 
     def finish(self) -> tuple[str, str]:
         """Write the ``.idx``, fsync, and atomically rename both files to their final names."""
@@ -143,27 +146,151 @@ def remove_temp_files(prefix: str) -> None:
             pass
 
 
-def read_index(idx_path: str) -> tuple[int, np.ndarray, np.ndarray]:
-    """Memory-map an ``.idx``: (dtype code, sequence lengths, document indices)."""
+# What a killed run leaves: a writer's ``.<part>.tmp-<pid>`` files, and the partial datasets
+# of ``--partitions`` (``.partNNN.tmp-<parent>.<part>``, with their own writers' temp files).
+_TEMP_NAME = re.compile(r"(?:\.part\d+\.tmp-(\d+))?\.(?:bin|idx|lengths|docs)(?:\.tmp-(\d+))?")
+
+
+def remove_stale_temp_files(prefix: str) -> list[str]:
+    """Delete the temporary files of ``prefix`` whose every named PID is not a live process
+    (a killed run's leftovers); a live run's files are left alone. Returns what was removed."""
+    removed = []
+    for path in sorted(glob.glob(glob.escape(prefix) + ".*")):
+        match = _TEMP_NAME.fullmatch(path[len(prefix) :])
+        pids = [int(p) for p in match.groups() if p] if match else []
+        if pids and not any(_alive(pid) for pid in pids):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OverflowError, ValueError):  # not a possible PID
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+class IndexFileError(ValueError):
+    """An ``.idx`` (or its ``.bin``) that does not describe a readable dataset; one line."""
+
+
+@dataclass(frozen=True)
+class Index:
+    """A validated ``.idx``: token dtype, sequence lengths and document boundaries (mapped)."""
+
+    path: str
+    dtype: np.dtype
+    lengths: np.ndarray
+    documents: np.ndarray
+    tokens: int
+
+    @property
+    def bin_bytes(self) -> int:
+        """The exact size the matching ``.bin`` must have."""
+        return self.tokens * self.dtype.itemsize
+
+
+_HEADER = 34  # magic (9), version (8), dtype code (1), sequences (8), document entries (8)
+
+
+def read_index(idx_path: str) -> Index:
+    """Memory-map an ``.idx`` after checking it is whole and consistent; IndexFileError if not.
+
+    Checked before any array is mapped: magic, version, dtype code, and that the counts in the
+    header give exactly the file's size (so no read leaves the file); then, streaming in
+    blocks: lengths non-negative, pointers contiguous from 0, document indices rising from 0 to
+    the sequence count.
+    """
+    size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as fh:
-        header = fh.read(34)
-    if header[:9] != MAGIC:
-        raise ValueError(f"{idx_path}: not a Megatron indexed dataset index")
-    (version,) = struct.unpack("<Q", header[9:17])
+        header = fh.read(_HEADER)
+    if len(header) < _HEADER or header[:9] != MAGIC:
+        raise IndexFileError(
+            f"{idx_path}: not a Megatron indexed dataset index (no MMIDIDX header)"
+        )
+    version, code, seqs, docs = struct.unpack("<QBQQ", header[9:])
     if version != VERSION:
-        raise ValueError(f"{idx_path}: unsupported index version {version}")
-    code = header[17]
-    seqs, docs = struct.unpack("<QQ", header[18:34])
-    lengths = np.memmap(idx_path, np.int32, "r", offset=34, shape=(seqs,)) if seqs else np.zeros(0)
-    doc_off = 34 + seqs * 4 + seqs * 8
-    doc_idx = np.memmap(idx_path, np.int64, "r", offset=doc_off, shape=(docs,))
-    return code, lengths, doc_idx
+        raise IndexFileError(f"{idx_path}: unsupported index version {version} (expected 1)")
+    if code not in CODE_DTYPES:
+        raise IndexFileError(f"{idx_path}: unknown token dtype code {code}")
+    expected = _HEADER + 12 * seqs + 8 * docs
+    if expected != size or docs < 1:
+        raise IndexFileError(
+            f"{idx_path}: the header describes {seqs} sequences and {docs} document entries "
+            f"({expected} bytes) but the file has {size} bytes (truncated or damaged)"
+        )
+    dtype = CODE_DTYPES[code]
+    lengths = (
+        np.memmap(idx_path, np.int32, "r", _HEADER, (seqs,)) if seqs else np.zeros(0, np.int32)
+    )
+    pointers = np.memmap(idx_path, np.int64, "r", _HEADER + 4 * seqs, (seqs,)) if seqs else lengths
+    documents = np.memmap(idx_path, np.int64, "r", _HEADER + 12 * seqs, (docs,))
+    tokens = _check_pointers(idx_path, lengths, pointers, dtype.itemsize)
+    _check_documents(idx_path, documents, seqs)
+    return Index(idx_path, dtype, lengths, documents, tokens)
+
+
+def _check_pointers(path: str, lengths: np.ndarray, pointers: np.ndarray, itemsize: int) -> int:
+    """Total tokens, after checking each sequence starts where the previous one ends."""
+    tokens = 0
+    for i in range(0, len(lengths), _BLOCK):
+        block = np.asarray(lengths[i : i + _BLOCK], dtype=np.int64)
+        if block.size and block.min() < 0:
+            raise IndexFileError(f"{path}: negative sequence length near sequence {i}")
+        ends = np.cumsum(block) + tokens
+        starts = (ends - block) * itemsize
+        bad = np.flatnonzero(np.asarray(pointers[i : i + _BLOCK]) != starts)
+        if bad.size:
+            raise IndexFileError(
+                f"{path}: sequence {i + int(bad[0])} does not start where the previous one ends"
+            )
+        tokens = int(ends[-1]) if ends.size else tokens
+        if tokens * itemsize >= 1 << 62:  # no real file is this large; stop before int64 wraps
+            raise IndexFileError(f"{path}: sequence lengths add up to an impossible size")
+    return tokens
+
+
+def _check_documents(path: str, documents: np.ndarray, seqs: int) -> None:
+    """Document boundaries rise from 0 to the number of sequences."""
+    if documents[0] != 0 or documents[-1] != seqs:
+        raise IndexFileError(
+            f"{path}: document boundaries run from {documents[0]} to {documents[-1]}, "
+            f"not from 0 to the {seqs} sequences"
+        )
+    for i in range(0, len(documents), _BLOCK):
+        block = np.asarray(documents[i : i + _BLOCK + 1])
+        if block.size > 1 and np.diff(block).min() < 0:
+            raise IndexFileError(f"{path}: document boundaries decrease near entry {i}")
+
+
+def check_dataset(prefix: str) -> Index:
+    """The validated index of ``prefix``, after checking ``prefix.bin`` has exactly the size it
+    describes (a truncated ``.bin``, or an ``.idx`` of another dataset, fails here)."""
+    bin_path, idx_path = dataset_paths(prefix)
+    index = read_index(idx_path)
+    size = os.path.getsize(bin_path)
+    if size != index.bin_bytes:
+        raise IndexFileError(
+            f"{bin_path} has {size} bytes but {idx_path} describes {index.bin_bytes} "
+            f"({index.tokens} tokens of {index.dtype}): the .bin is truncated or the two files "
+            "belong to different datasets; preprocess the data again"
+        )
+    return index
 
 
 def merge_datasets(prefixes: list[str], out_prefix: str, dtype: np.dtype | None = None) -> None:
     """Concatenate indexed datasets, in order, into ``out_prefix`` (written atomically)."""
     if dtype is None:
-        dtype = CODE_DTYPES[read_index(prefixes[0] + ".idx")[0]]
+        dtype = read_index(prefixes[0] + ".idx").dtype
     writer = IndexedWriter(out_prefix, dtype)
     try:
         for prefix in prefixes:

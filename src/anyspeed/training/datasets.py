@@ -8,6 +8,7 @@ data position is one number (consumed samples) that stays valid when the layout 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,32 +34,26 @@ class DatasetTokenizer:
         return self._pad
 
 
-def max_token_id(prefix: str) -> int:
-    """Largest token id stored in ``prefix.bin`` (one streaming pass over a memory map)."""
-    from megatron.core.datasets.indexed_dataset import _IndexReader
-
-    index = _IndexReader(prefix + ".idx", multimodal=False)
-    data = np.memmap(prefix + ".bin", dtype=index.dtype, mode="r")
-    if data.size == 0:
+def max_token_id(bin_path: str, dtype: np.dtype) -> int:
+    """Largest token id stored in a ``.bin`` (one streaming pass over a memory map)."""
+    if os.path.getsize(bin_path) == 0:
         return -1
+    data = np.memmap(bin_path, dtype=dtype, mode="r")
     top, step = 0, 1 << 24
     for i in range(0, data.size, step):
         top = max(top, int(data[i : i + step].max()))
     return top
 
 
-def split_tokens(prefix: str, split: str) -> list[int | None]:
-    """Tokens of ``prefix`` in each split (train, valid, test) under Megatron's own rule for
-    ``--split`` (documents by rounded share); None for a split with no share."""
+def split_tokens(lengths: np.ndarray, split: str) -> list[int | None]:
+    """Tokens in each split (train, valid, test) of a dataset with these sequence lengths,
+    under Megatron's own rule for ``--split`` (documents by rounded share); None for a split
+    with no share."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
     )
-    from megatron.core.datasets.indexed_dataset import _IndexReader
 
-    index = _IndexReader(prefix + ".idx", multimodal=False)
-    lengths = np.array(index.sequence_lengths, dtype=np.int64)  # a copy: the map closes with it
-    del index
     n = lengths.shape[0]
     out: list[int | None] = []
     for bounds in convert_split_vector_to_split_matrix(parse_and_normalize_split(split)):
@@ -66,7 +61,7 @@ def split_tokens(prefix: str, split: str) -> list[int | None]:
             out.append(None)
             continue
         beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
-        out.append(int(lengths[beg:end].sum()))
+        out.append(int(np.asarray(lengths[beg:end]).sum(dtype=np.int64)))
     return out
 
 
