@@ -67,7 +67,8 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _preprocess(argv: list[str]) -> int:
-    from anyspeed.data.pipeline import Config, preprocess
+    from anyspeed.data.pipeline import Config
+    from anyspeed.data.runner import preprocess
     from anyspeed.data.tokenizer import TokenizerSpec
 
     a = _preprocess_parser().parse_args(argv)
@@ -127,7 +128,7 @@ COMMANDS = {"preprocess": _preprocess, "train-tokenizer": _train}
 
 
 def main(argv: list[str]) -> int:
-    """Run ``preprocess`` or ``train-tokenizer``; usage errors exit 2, bad data (strict) 1."""
+    """Run ``preprocess`` or ``train-tokenizer``; usage errors exit 2, bad data 1."""
     quiet.install()
     if not argv or argv[0] not in COMMANDS:
         got = argv[0] if argv else "nothing"
@@ -147,19 +148,20 @@ def main(argv: list[str]) -> int:
         print("anyspeed: interrupted; no output was written", file=sys.stderr)
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _terminate_as_interrupt() -> object:
-    """Make SIGTERM clean up temp files like Ctrl-C does (main thread only)."""
+def _terminate_as_interrupt() -> dict:
+    """Make SIGTERM and SIGHUP clean up temp files like Ctrl-C does (main thread only);
+    returns the handlers to restore."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _raise_interrupt)
+        return {}
+    return {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ __all__ = ["DataError", "RecordError", "UsageError"]
 
 
 class DataError(Exception):
-    """A bad input record met under ``--strict`` (exit code 1)."""
+    """Bad data: a bad record under ``--strict``, an unreadable input file, or a run that
+    would write nothing (exit code 1)."""
 
 
 class RecordError(Exception):

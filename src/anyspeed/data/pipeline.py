@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import glob
-import multiprocessing as mp
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -21,10 +17,16 @@ import numpy as np
 from anyspeed.data.errors import DataError, RecordError, UsageError
 from anyspeed.data.handlers import Handler, Sample, build_handler
 from anyspeed.data.packing import Packer
-from anyspeed.data.progress import Progress, Stats, summary
+from anyspeed.data.progress import Progress, Stats
 from anyspeed.data.readers import InputFile, Item, Reader, decode_item, resolve_inputs
 from anyspeed.data.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
-from anyspeed.data.writer import IndexedWriter, dataset_paths, merge_datasets, remove_temp_files
+from anyspeed.data.workers import init_worker, mp_context
+from anyspeed.data.writer import (
+    IndexedWriter,
+    dataset_paths,
+    remove_stale_temp_files,
+    remove_temp_files,
+)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Job:
     workers: int
     progress: bool
     pad_id: int | None = None
+    allow_empty: bool = False  # a partition may be empty; the run as a whole may not
 
 
 @dataclass
@@ -93,14 +96,10 @@ def _set_state(spec: TokenizerSpec, handler: Handler, text_key: str, dtypes: dic
     _STATE.update(handler=handler, text_key=text_key, dtypes=dtypes)
 
 
-def _quiet_signals() -> None:
-    """Pool workers: die silently on terminate, leave Ctrl-C to the parent (which cleans up)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _init_worker(spec: TokenizerSpec, handler: Handler, text_key: str, dtypes: dict) -> None:
-    _quiet_signals()
+def _init_worker(
+    parent: int, spec: TokenizerSpec, handler: Handler, text_key: str, dtypes: dict
+) -> None:
+    init_worker(parent)
     _set_state(spec, handler, text_key, dtypes)
 
 
@@ -189,6 +188,12 @@ def prepare(cfg: Config) -> tuple[Job, Tokenizer]:
         dtypes["attention_mask"] = np.int32
     prefixes = output_prefixes(cfg, handler)
     _check_output(prefixes, cfg.overwrite)
+    for prefix in prefixes.values():
+        removed = remove_stale_temp_files(prefix)
+        if removed and cfg.progress:
+            name = os.path.basename(removed[0])
+            print(f"anyspeed preprocess: removed {len(removed)} temporary files of an "
+                  f"interrupted run ({name}, ...)", file=sys.stderr)  # fmt: skip
     pad = tok.pad_id if tok.pad_id is not None else tok.eod_id
     job = Job(files, prefixes, dtypes, cfg.tokenizer, handler, cfg, cfg.workers, cfg.progress, pad)
     return job, tok
@@ -215,7 +220,7 @@ def _chunks(job: Job, stats: Stats) -> Iterator[tuple[str, list[Item], int]]:
 
 
 @contextlib.contextmanager
-def _tokenizers_single_threaded() -> Iterator[None]:
+def tokenizers_single_threaded() -> Iterator[None]:
     """Each worker encodes on one thread, so ``--workers`` is the real CPU budget."""
     old = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = old if old is not None else "false"
@@ -226,11 +231,6 @@ def _tokenizers_single_threaded() -> Iterator[None]:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
 
 
-def _mp_context() -> Any:
-    methods = mp.get_all_start_methods()
-    return mp.get_context("fork" if "fork" in methods else "spawn")
-
-
 def _results(job: Job, chunks: Iterator) -> Iterator[ChunkResult]:
     """Process chunks in-process or on a pool, yielding results in input order."""
     text_key = job.handler.keys[0]
@@ -238,10 +238,10 @@ def _results(job: Job, chunks: Iterator) -> Iterator[ChunkResult]:
     if job.workers == 1:
         yield from map(_process, chunks)
         return
-    pool = _mp_context().Pool(
+    pool = mp_context().Pool(
         job.workers,
         initializer=_init_worker,
-        initargs=(job.spec, job.handler, text_key, job.dtypes),
+        initargs=(os.getpid(), job.spec, job.handler, text_key, job.dtypes),
     )
     try:
         pending: deque = deque()
@@ -255,6 +255,20 @@ def _results(job: Job, chunks: Iterator) -> Iterator[ChunkResult]:
     finally:
         pool.terminate()
         pool.join()
+
+
+def check_written(stats: Stats, cfg: Config) -> None:
+    """Zero samples written is an error (raised before any output is renamed into place)."""
+    if stats.samples:
+        return
+    if not stats.records:
+        raise DataError(f"--input {cfg.input!r} holds no records; nothing was written")
+    why = ", ".join(f"{reason}: {n}" for reason, n in stats.skipped.most_common())
+    first = f"; first: {stats.examples[0]}" if stats.examples else ""
+    raise DataError(
+        f"all {stats.records} records were skipped ({why}){first}; nothing was written and "
+        "existing outputs are kept - check --json-keys, --handler-name or the input"
+    )
 
 
 def run_job(job: Job) -> Stats:
@@ -272,8 +286,13 @@ def run_job(job: Job) -> Stats:
         for key, prefix in job.prefixes.items():
             writers[key] = IndexedWriter(prefix, job.dtypes[key])
         first = job.handler.keys[0]
-        with _tokenizers_single_threaded():
-            for res in _results(job, _chunks(job, stats)):
+        # closing(): the pool stops now on an error, not whenever the generator is collected
+        # (perhaps in a process forked later, which would then wait on the old pool's locks)
+        with (
+            tokenizers_single_threaded(),
+            contextlib.closing(_results(job, _chunks(job, stats))) as results,
+        ):
+            for res in results:
                 stats.records += res.records
                 for line, reason, detail in res.errors:
                     msg = stats.skip(res.source, line, reason, detail)
@@ -289,6 +308,8 @@ def run_job(job: Job) -> Stats:
                 progress.update(stats, res.position)
         if packer is not None:
             _write_packs(packer.flush(), writers, stats)
+        if not job.allow_empty:
+            check_written(stats, cfg)
         progress.update(stats, stats.input_bytes, force=True)
         progress.close()
         for w in writers.values():
@@ -323,75 +344,3 @@ def _write_packs(packs: list[Sample], writers: dict[str, IndexedWriter], stats: 
     for key in writers:
         arrays = [p[key] for p in packs]
         writers[key].add(np.concatenate(arrays), np.array([len(a) for a in arrays], np.int32))
-
-
-def _partition_files(files: list[InputFile], k: int) -> list[list[InputFile]]:
-    """Split the ordered file list into at most k contiguous groups of similar total size."""
-    k = min(k, len(files))
-    total = sum(f.size for f in files) or 1
-    groups: list[list[InputFile]] = [[] for _ in range(k)]
-    seen = 0
-    for i, f in enumerate(files):
-        g = min(k - 1, seen * k // total)
-        g = max(g, k - (len(files) - i))  # leave at least one file for each later group
-        g = min(g, i)
-        groups[g].append(f)
-        seen += f.size
-    return [g for g in groups if g]
-
-
-def _run_partition(job: Job) -> Stats:
-    return run_job(job)
-
-
-def run_partitioned(job: Job) -> Stats:
-    """Process contiguous file groups in parallel into partial datasets, then merge in order."""
-    groups = _partition_files(job.files, job.cfg.partitions)
-    tag = f".tmp-{os.getpid()}"
-    parts = []
-    for i, files in enumerate(groups):
-        prefixes = {k: f"{p}.part{i:03d}{tag}" for k, p in job.prefixes.items()}
-        parts.append(dataclasses.replace(job, files=files, prefixes=prefixes, workers=1))
-    stats = Stats()
-    start = time.monotonic()
-    try:
-        with _tokenizers_single_threaded():
-            pool = _mp_context().Pool(min(job.workers, len(parts)), initializer=_quiet_signals)
-            try:
-                pending = [pool.apply_async(_run_partition, (p,)) for p in parts]
-                for i, res in enumerate(pending):
-                    got = res.get()
-                    stats.merge(got)
-                    if job.progress:
-                        print(
-                            f"anyspeed preprocess: partition {i + 1}/{len(parts)} done "
-                            f"({got.records} documents)",
-                            file=sys.stderr,
-                        )
-                pool.close()
-            finally:
-                pool.terminate()
-                pool.join()
-        for key, prefix in job.prefixes.items():
-            merge_datasets([p.prefixes[key] for p in parts], prefix, np.dtype(job.dtypes[key]))
-            for path in dataset_paths(prefix):
-                stats.outputs[path] = os.path.getsize(path)
-    finally:
-        for p in parts:
-            for prefix in p.prefixes.values():
-                for path in glob.glob(glob.escape(prefix) + "*"):
-                    os.remove(path)
-    stats.seconds = time.monotonic() - start
-    return stats
-
-
-def preprocess(cfg: Config) -> Stats:
-    """Validate ``cfg`` and run it; prints progress and the summary to stderr."""
-    job, _ = prepare(cfg)
-    if cfg.partitions > 1 and len(job.files) > 1:
-        stats = run_partitioned(job)
-    else:
-        stats = run_job(job)
-    if cfg.progress:
-        print(summary(stats), file=sys.stderr)
-    return stats

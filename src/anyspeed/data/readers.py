@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import codecs
-import contextlib
 import glob
-import gzip
-import io
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from anyspeed.data.errors import RecordError, UsageError
+from anyspeed.data.errors import DataError, RecordError, UsageError
+from anyspeed.data.streams import file_errors, open_binary
 
 FORMATS = ("jsonl", "json", "parquet", "arrow", "csv", "txt")
 _EXT_FORMAT = {
@@ -38,6 +37,9 @@ RECORD = "R"  # an already decoded dict
 ERROR = "E"  # a RecordError found while reading
 
 Item = tuple[int, str, Any]  # (1-based line or row, kind, payload)
+BOM = b"\xef\xbb\xbf"
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how JSON text spells a surrogate
+_SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, any surrogate left is lone
 
 
 @dataclass(frozen=True)
@@ -98,24 +100,8 @@ def resolve_inputs(spec: str, fmt: str | None = None) -> list[InputFile]:
     return files
 
 
-@contextlib.contextmanager
-def _open_binary(f: InputFile) -> Iterator[tuple[BinaryIO, Callable[[], int]]]:
-    """Open a possibly compressed file as a buffered byte stream plus a progress probe."""
-    raw = open(f.path, "rb")  # noqa: SIM115 - closed below
-    if f.compression == "gzip":
-        stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
-    elif f.compression == "zstd":
-        import zstandard
-
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        stream = io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[arg-type]
-    else:
-        stream = raw
-    try:
-        yield stream, raw.tell
-    finally:
-        stream.close()
-        raw.close()
+def _describe(f: InputFile) -> str:
+    return f"{f.compression}-compressed {f.fmt}" if f.compression else f.fmt
 
 
 class Reader:
@@ -135,6 +121,18 @@ class Reader:
             return self.file.size
 
     def __iter__(self) -> Iterator[Item]:
+        """Items in file order; a file that cannot be read to its end is a DataError."""
+        try:
+            yield from self._items()
+        except file_errors() as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise DataError(
+                f"{self.file.path}: cannot read this {_describe(self.file)} file ({detail}); "
+                "it is damaged, truncated or not in that format - replace it, remove it, or "
+                "pass the right --input-format"
+            ) from None
+
+    def _items(self) -> Iterator[Item]:
         fmt = self.file.fmt
         if fmt == "parquet":
             yield from self._parquet()
@@ -143,7 +141,7 @@ class Reader:
         elif fmt == "csv":
             yield from self._csv()
         else:
-            with _open_binary(self.file) as (stream, self._probe):
+            with open_binary(self.file.path, self.file.compression) as (stream, self._probe):
                 if fmt == "txt":
                     yield from self._txt(stream)
                 elif fmt == "json" and _starts_with_bracket(stream):
@@ -154,10 +152,10 @@ class Reader:
 
     def _txt(self, stream: BinaryIO) -> Iterator[Item]:
         if self.doc_per_file:
-            yield 1, TEXT_LINE, stream.read()
+            yield 1, TEXT_LINE, stream.read().removeprefix(BOM)
             return
         for n, line in enumerate(stream, 1):
-            yield n, TEXT_LINE, line.rstrip(b"\r\n")
+            yield n, TEXT_LINE, (line.removeprefix(BOM) if n == 1 else line).rstrip(b"\r\n")
 
     def _parquet(self) -> Iterator[Item]:
         import pyarrow.parquet as pq
@@ -244,8 +242,8 @@ def _csv_header(f: InputFile) -> list[str]:
     """Read and split the first CSV line (used to force text columns to binary)."""
     import csv
 
-    with _open_binary(f) as (stream, _):
-        first = stream.readline()
+    with open_binary(f.path, f.compression) as (stream, _):
+        first = stream.readline().removeprefix(BOM)
     rows = list(csv.reader([first.decode("utf-8", "replace").rstrip("\r\n")]))
     return rows[0] if rows else []
 
@@ -259,6 +257,8 @@ def _starts_with_bracket(stream: BinaryIO) -> bool:
 def _jsonl(stream: BinaryIO) -> Iterator[Item]:
     """One raw JSON line per item; blank lines (e.g. a trailing one) are not records."""
     for n, line in enumerate(stream, 1):
+        if n == 1:
+            line = line.removeprefix(BOM)  # a byte-order mark is not part of the first record
         if line.strip():
             yield n, JSON_LINE, line
 
@@ -303,7 +303,10 @@ def _json_array(stream: BinaryIO, chunk: int = 1 << 20) -> Iterator[Item]:
                 yield line, ERROR, RecordError("malformed JSON", f"{exc.msg}; rest of file skipped")
                 return
             size = chunk
-            yield line, RECORD, value
+            if _SURROGATE_ESCAPE.search(buf, pos, end) and _lone_surrogate(value):
+                yield line, ERROR, RecordError("invalid Unicode", "a lone surrogate escape")
+            else:
+                yield line, RECORD, value
             line += buf.count("\n", pos, end)
             pos = end
     except UnicodeDecodeError as exc:
@@ -328,6 +331,19 @@ def decode_item(kind: str, payload: Any, text_key: str) -> dict:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise RecordError("malformed JSON", exc.msg) from None
+    if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(value):
+        raise RecordError("invalid Unicode", "a lone surrogate escape")
     if not isinstance(value, dict):
         raise RecordError("not a JSON object", type(value).__name__)
     return value
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """True when a decoded JSON value holds a string no tokenizer can encode (``"\\ud800"``)."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_lone_surrogate(v) for v in value)
+    return False
