@@ -166,6 +166,20 @@ def test_train_tokenizer_refuses_an_unusable_corpus(case, tmp_path, capsys):
     assert not (tmp_path / "tok").exists()  # not even an empty directory
 
 
+def test_train_tokenizer_skips_a_lone_surrogate(tmp_path, capsys):
+    """One ``"\\ud800"`` record used to abort the whole run (UnicodeEncodeError)."""
+    src = tmp_path / "in.jsonl"
+    lines = PLAIN.splitlines(keepends=True)
+    src.write_bytes(
+        b"".join(lines[:100]) + b'{"text": "bad \\ud800 here"}\n' + b"".join(lines[100:200])
+    )
+    out = tmp_path / "tok"
+    rc, err = run_cli(capsys, "train-tokenizer", "--input", str(src), "--vocab-size", "300",
+                      "--output-dir", str(out))  # fmt: skip
+    assert rc == 0, err
+    assert (out / "tokenizer.json").is_file()
+
+
 def test_stale_temp_files_of_a_killed_run_are_removed(tmp_path, capsys, hf_tok, auto_tok):
     dead = subprocess.Popen(["true"])
     dead.wait()
