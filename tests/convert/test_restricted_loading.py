@@ -28,6 +28,7 @@ import torch
 
 from anyspeed import safe_pickle
 from anyspeed.convert import ConvertError
+from anyspeed.features.compat.safe_loading import scan_checkpoint
 from anyspeed.safe_pickle import UnsafePickleError
 
 REFUSED = r"refusing (posix|nt)\.system"
@@ -102,6 +103,7 @@ def _one_line(exc: BaseException, match: str) -> None:
 
 
 def test_valid_checkpoint_loads(good):
+    scan_checkpoint(str(good))
     common, loaded = _load(good)
     assert common["iteration"] == 7 and common["args"].params_dtype is torch.float32
     assert torch.equal(loaded["model"]["w"], torch.arange(12.0).reshape(3, 4))
@@ -134,6 +136,10 @@ def test_megatron_load_refuses_planted_code(session, good, tmp_path, where):
     message = safe_pickle.find_refusal(info.value)  # torch's checkpoint wraps rank failures
     assert message is not None, repr(info.value)
     _one_line(UnsafePickleError(message), REFUSED)
+    # What Megatron-LM's load_checkpoint runs first (every rank, the same verdict)
+    with pytest.raises(UnsafePickleError) as info:
+        scan_checkpoint(str(ckpt))
+    _one_line(info.value, REFUSED)
     assert not marker.exists()
 
 

@@ -293,3 +293,47 @@ def test_pretrain_gpt_checkpoint_converts_to_hf_and_back(script, tmp_path, fmt):
     assert sorted(want) == sorted(have)
     for name, t in want.items():
         assert torch.equal(have[name], t), name
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_pretrain_gpt_load_never_runs_code_from_a_checkpoint(script, tmp_path, fmt):
+    """A payload planted in .metadata, common.pt (torch_dist) or the rank file (torch) of a
+    pretrain_gpt.py checkpoint: --load behind the one line refuses it with one line from rank 0
+    and exit code 1, and the payload never runs."""
+    import pickle
+    import shutil
+
+    from anyspeed.safe_pickle import load_torch
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    args = [*LLAMA_TP2, "--train-iters", "1", "--ckpt-format", fmt]
+    torchrun(script, *args, "--save", str(ckpt), "--save-interval", "1")
+    it = ckpt / "iter_0000001"
+    targets = [it / ".metadata", it / "common.pt"] if fmt == "torch_dist" else [
+        it / "mp_rank_01" / "model_optim_rng.pt"]  # fmt: skip
+    for target in targets:
+        planted = tmp_path / f"planted-{target.name}"
+        shutil.copytree(ckpt, planted)
+        path = planted / target.relative_to(ckpt)
+        if target.name == ".metadata":
+            path.write_bytes(pickle.dumps(_RunsCode(marker)))
+        else:
+            torch.save(dict(load_torch(path), rng_state=[_RunsCode(marker)]), path)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([MLM, os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", str(script), *COMMON, *args, "--load", str(planted)]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyspeed: error:")]
+        assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-4000:]
+        assert f"{path.name}: refusing posix.system" in lines[0], lines[0]
+        launcher = 'Traceback (most recent call last):\n  File "<frozen runpy>"'  # torchrun's
+        assert proc.stderr.count("Traceback") == proc.stderr.count(launcher), proc.stderr[-4000:]
+        assert not marker.exists()

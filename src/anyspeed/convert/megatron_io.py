@@ -79,8 +79,8 @@ def checkpoint_format(it_dir: Path) -> str:
 
 
 def _torch_load(path: Path) -> dict[str, Any]:
-    """Tensors and plain containers only (``weights_only``), the tensors views of the mapped
-    file (a pre-1.6 non-zip file is read by ``torch.load`` itself)."""
+    """Plain checkpoint data only (:mod:`anyspeed.safe_pickle`), the tensors views of the
+    mapped file (a pre-1.6 non-zip file is read into memory)."""
     with open(path, "rb") as f:
         is_zip = f.read(4) == b"PK\x03\x04"
     if not is_zip:

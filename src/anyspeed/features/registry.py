@@ -19,7 +19,7 @@ from anyspeed.features.compat.cuda_only import CudaOnlyOptions
 from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
-from anyspeed.features.compat.safe_loading import SafeLoading
+from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.ops.feature import (
     FlashAttention,
@@ -43,6 +43,7 @@ def build() -> list[Feature]:
         MegatronLMArgs(),
         MegatronLMCompat(),
         SafeLoading(),
+        MegatronLMSafeLoading(),
         *kernels,
         GlooCollectives(),
         cp,

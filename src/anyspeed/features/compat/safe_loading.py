@@ -6,8 +6,11 @@ Megatron's ``common.pt`` and Megatron-LM's legacy files go through ``torch.load`
 restrictions an environment variable lifts and whose allow-list any import extends. Here all of
 them read through :mod:`anyspeed.safe_pickle`, so a file cannot run code: ``.metadata`` by a
 replaced reader, the rest by ``torch.load`` calls made inside the checkpoint-reading functions
-below (a per-thread scope; ``torch.load`` elsewhere is unchanged). Inside Megatron-LM a refused
-file is one line from rank 0 and every rank exits 1.
+below (a per-thread scope; ``torch.load`` elsewhere is unchanged).
+
+``megatron-lm-safe-loading``: Megatron-LM's ``load_checkpoint`` first unpickles every pickle of
+the checkpoint it is about to read (no tensor data); a refused file is one line from rank 0 and
+every rank exits 1 (each rank reads the same files, so all agree without a collective).
 """
 
 from __future__ import annotations
@@ -95,13 +98,103 @@ def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
     return metadata
 
 
-def one_line_refusal(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A Megatron-LM loader whose refused files end the run: one line from rank 0, exit 1."""
+def _scan_torch_save(data: bytes | str, what: str) -> None:
+    """Unpickle a ``torch.save`` archive's ``data.pkl`` with meta-device storages (no tensor
+    data is read); a non-zip file is left to the load itself (restricted too)."""
+    import io
+
+    import torch
+
+    try:
+        zf = torch._C.PyTorchFileReader(io.BytesIO(data) if isinstance(data, bytes) else data)
+        pkl = zf.get_record("data.pkl")
+    except RuntimeError:
+        return
+
+    def storage(pid: tuple) -> Any:
+        dtype = pid[1].dtype
+        nbytes = int(pid[4]) * torch._utils._element_size(dtype)
+        meta = torch.UntypedStorage(nbytes, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=meta, dtype=dtype, _internal=True)
+
+    unpickler = safe_pickle.Unpickler(io.BytesIO(pkl))
+    unpickler.persistent_load = storage
+    try:
+        unpickler.load()
+    except Exception as exc:  # noqa: BLE001 - every failure is the one error class
+        raise safe_pickle.refusal(what, exc) from None
+
+
+def scan_checkpoint(it_dir: str) -> None:
+    """Unpickle every pickle of one checkpoint directory -- ``.metadata``, each ``*.pt`` and
+    the sharded objects inside ``.distcp`` files -- without their tensor data. Every rank
+    reads the same files, so all reach the same verdict without talking to each other."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for root, _, names in os.walk(it_dir):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            if name.endswith(".pt") and not os.path.islink(path):
+                _scan_torch_save(path, path)
+    meta_path = os.path.join(it_dir, ".metadata")
+    if not os.path.isfile(meta_path):
+        return
+    meta = safe_pickle.load(meta_path)
+    kinds = getattr(meta, "state_dict_metadata", {})
+    for index, info in (getattr(meta, "storage_data", None) or {}).items():
+        name = os.fspath(getattr(info, "relative_path", ""))
+        if not isinstance(kinds.get(getattr(index, "fqn", None)), BytesStorageMetadata):
+            continue
+        if os.path.basename(name) != name or not os.path.isfile(os.path.join(it_dir, name)):
+            continue  # the load reports a missing or misplaced file itself
+        with open(os.path.join(it_dir, name), "rb") as f:
+            f.seek(int(info.offset))
+            _scan_torch_save(f.read(int(info.length)), f"{os.path.join(it_dir, name)} "
+                             f"({index.fqn})")  # fmt: skip
+
+
+def _checkpoint_dir(load_dir: Any, args: Any) -> str | None:
+    """The iteration directory Megatron-LM is about to load from ``load_dir``, if any."""
+    from anyspeed.checkpoint_files import iteration_dir, read_tracker
+
+    if not isinstance(load_dir, str) or not os.path.isdir(load_dir):
+        return None
+    step = getattr(args, "ckpt_step", None)
+    try:
+        it = step if step is not None else read_tracker(load_dir)
+    except ValueError:
+        return None
+    path = iteration_dir(load_dir, it) if it is not None else None
+    return path if path and os.path.isdir(path) else None
+
+
+def _loading_from(args: tuple, kwargs: dict, load_arg_at: int) -> str | None:
+    """The checkpoint directory a call of Megatron-LM's loader will read (its ``load_arg``
+    names the attribute of Megatron-LM's args), None when that cannot be told."""
+    try:
+        if load_arg_at == 1:
+            margs = args[0]
+        else:
+            from megatron.training.global_vars import get_args
+
+            margs = get_args()
+    except (ImportError, AssertionError, IndexError):
+        return None
+    load_arg = kwargs.get("load_arg", args[load_arg_at] if len(args) > load_arg_at else "load")
+    return _checkpoint_dir(getattr(margs, str(load_arg), None), margs)
+
+
+def one_line_refusal(fn: Callable[..., Any], load_arg_at: int = 3) -> Callable[..., Any]:
+    """A Megatron-LM loader that first checks every pickle of the checkpoint it is about to
+    read; a refused file ends the run: one line from rank 0, exit 1 on every rank."""
 
     @functools.wraps(fn)
     def refusing_unsafe_files(*args: Any, **kwargs: Any) -> Any:
         try:
             with restricted(escalate=True):
+                it_dir = _loading_from(args, kwargs, load_arg_at)
+                if it_dir is not None:
+                    scan_checkpoint(it_dir)
                 return fn(*args, **kwargs)
         except BaseException as exc:
             message = str(exc) if isinstance(exc, _Refused) else safe_pickle.find_refusal(exc)
@@ -109,7 +202,7 @@ def one_line_refusal(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             import torch.distributed as dist
 
-            if not dist.is_initialized() or dist.get_rank() == 0:
+            if not dist.is_initialized() or dist.get_rank() == 0 or isinstance(exc, _Refused):
                 print(f"anyspeed: error: {message.splitlines()[0]}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
 
@@ -143,10 +236,28 @@ class SafeLoading(Feature):
             (f"{_COMMON}.load_sharded_objects", "sharded-object files are read with torch.load"),
         ):  # fmt: skip
             pm.register_wrap(target, restricting, feature=self.name, reason=why)
-        if not steps.megatron_lm_available():
-            return
-        for target in ("load_checkpoint", "load_args_from_checkpoint"):
-            pm.register_wrap(f"megatron.training.checkpointing.{target}", one_line_refusal,
-                             feature=self.name, reason="Megatron-LM's checkpoint reads "
-                             "(legacy files, distrib_optim.pt) through the restricted "
-                             "unpickler; a refused file is one line and exit 1")  # fmt: skip
+
+
+class MegatronLMSafeLoading(Feature):
+    name = "megatron-lm-safe-loading"
+    level = 0
+    description = (
+        "Megatron-LM's load_checkpoint checks every pickle of the checkpoint first (one line "
+        "from rank 0, exit 1 on every rank) and reads through the restricted unpickler"
+    )
+
+    def available(self, device: DeviceInfo) -> tuple[bool, str]:
+        ok = steps.megatron_lm_available()
+        return ok, "" if ok else "megatron.training not importable (needs a Megatron-LM checkout)"
+
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        why = ("Megatron-LM's checkpoint reads (legacy rank files, distrib_optim.pt, common.pt, "
+               "sharded objects) checked first and read through the restricted unpickler; its "
+               "legacy load turns any error into exit 0")  # fmt: skip
+        pm.register_wrap("megatron.training.checkpointing.load_checkpoint", one_line_refusal,
+                         feature=self.name, reason=why)  # fmt: skip
+        pm.register_wrap("megatron.training.checkpointing.load_args_from_checkpoint",
+                         functools.partial(one_line_refusal, load_arg_at=1), feature=self.name,
+                         reason=why)  # fmt: skip
