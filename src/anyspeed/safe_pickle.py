@@ -106,9 +106,11 @@ def _resolve(module: str, name: str) -> Any:
         return None
     try:
         if megatron_enum and module not in _MEGATRON_ENUM_MODULES:
-            obj = getattr(sys.modules[module], name)  # only what this process has imported
+            owner = sys.modules[module]  # only what this process has imported
         else:
-            obj = getattr(importlib.import_module(module), name)
+            owner = importlib.import_module(module)
+        # the module's own names only: no lazy __getattr__ that imports more
+        obj = getattr(owner, name) if allowed else vars(owner)[name]
     except (ImportError, AttributeError, KeyError):
         return None
     if allowed:
