@@ -21,6 +21,7 @@ from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.context_parallel.feature import ContextParallel
+from anyspeed.features.moe.feature import MoECompat, MoEGroupedGemm
 from anyspeed.features.ops.feature import (
     FlashAttention,
     FusedCrossEntropy,
@@ -44,6 +45,8 @@ def build() -> list[Feature]:
         MegatronLMCompat(),
         SafeLoading(),
         MegatronLMSafeLoading(),
+        MoECompat(),
+        MoEGroupedGemm(),
         *kernels,
         GlooCollectives(),
         cp,

@@ -41,10 +41,29 @@ class ModelConfig:
     position_embedding_type: str = "rope"
     add_bias_linear: bool = False
     rotary_percent: float = 1.0
+    # Mixture of Experts (``num_experts`` None: a dense model).
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_layer_freq: str = "1"  # Megatron's --moe-layer-freq: every N-th layer, or "[0]*1+[1]*3"
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_enable_expert_bias: bool = False
     # Training-time settings Megatron keeps in its TransformerConfig; not part of the identity.
     init_method_std: float = field(default=0.02, compare=False)
     hidden_dropout: float = field(default=0.0, compare=False)
     attention_dropout: float = field(default=0.0, compare=False)
+    moe_aux_loss_coeff: float = field(default=0.0, compare=False)
+    moe_z_loss_coeff: float | None = field(default=None, compare=False)
+    moe_router_load_balancing_type: str = field(default="aux_loss", compare=False)
+    moe_router_dtype: str | None = field(default=None, compare=False)
+    moe_token_dispatcher_type: str = field(default="allgather", compare=False)
+    moe_grouped_gemm: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -53,6 +72,20 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def moe_layers(self) -> list[bool]:
+        """Which layers are MoE layers (all False for a dense model)."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        return [bool(x) for x in moe_layer_pattern(self.moe_layer_freq, self.num_layers)]
 
     @property
     def gqa(self) -> bool:
@@ -114,19 +147,31 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_layernorm:
             attn += 2 * d
-        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden_size
-        layer = attn + mlp + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * layer + emb + h
+        mlps = sum(self._mlp_parameters(moe)[0] for moe in self.moe_layers())
+        return self.num_layers * (attn + 2 * h) + mlps + emb + h
+
+    def _mlp_parameters(self, moe: bool) -> tuple[int, int]:
+        """(all, active per token) parameters of one layer's MLP or MoE block."""
+        mats, h = (3 if self.swiglu else 2), self.hidden_size
+        if not moe:
+            return mats * h * self.ffn_hidden_size, mats * h * self.ffn_hidden_size
+        expert = mats * h * self.expert_ffn_size
+        shared = mats * h * (self.moe_shared_expert_intermediate_size or 0)
+        shared += h if self.moe_shared_expert_gate else 0
+        router = h * (self.num_experts or 0)
+        return (
+            (self.num_experts or 0) * expert + shared + router,
+            self.moe_router_topk * expert + shared + router,
+        )
 
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token: 6 x matmul parameters plus causal attention scores."""
         h, d, heads = self.hidden_size, self.head_dim, self.num_attention_heads
         kv = self.num_query_groups / heads
-        per_layer = h * heads * d * (2 + 2 * kv) + h * self.ffn_hidden_size * (
-            3 if self.swiglu else 2
-        )
-        matmul_params = self.num_layers * per_layer + h * self.vocab_size
+        attn = h * heads * d * (2 + 2 * kv)
+        mlps = sum(self._mlp_parameters(moe)[1] for moe in self.moe_layers())
+        matmul_params = self.num_layers * attn + mlps + h * self.vocab_size
         return 6.0 * matmul_params + 6.0 * self.num_layers * heads * d * seq_length
 
 
@@ -192,9 +237,51 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
     ArchFlag("qk_layernorm", "--qk-layernorm", None),
     ArchFlag("tie_embeddings", "--untie-embeddings-and-output-weights", None, invert=True),
     ArchFlag("vocab_size", "--padded-vocab-size", int),
+    ArchFlag("num_experts", "--num-experts", int),
+    ArchFlag("moe_ffn_hidden_size", "--moe-ffn-hidden-size", int),
+    ArchFlag("moe_router_topk", "--moe-router-topk", int, 2),
+    ArchFlag("moe_layer_freq", "--moe-layer-freq", str, "1"),
+    ArchFlag(
+        "moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size", int
+    ),  # fmt: skip
+    ArchFlag("moe_shared_expert_gate", "--moe-shared-expert-gate", None),
+    ArchFlag(
+        "moe_router_score_function",
+        "--moe-router-score-function",
+        str,
+        "softmax",
+        choices=("softmax", "sigmoid"),
+    ),  # fmt: skip
+    ArchFlag("moe_router_pre_softmax", "--moe-router-pre-softmax", None),
+    ArchFlag("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor", float),
+    ArchFlag("moe_router_num_groups", "--moe-router-num-groups", int),
+    ArchFlag("moe_router_group_topk", "--moe-router-group-topk", int),
+    ArchFlag("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", None),
     ArchFlag("init_method_std", "--init-method-std", float, 0.02, arch=False),
     ArchFlag("hidden_dropout", "--hidden-dropout", float, 0.1, arch=False),
     ArchFlag("attention_dropout", "--attention-dropout", float, 0.1, arch=False),
+    ArchFlag("moe_aux_loss_coeff", "--moe-aux-loss-coeff", float, 0.0, arch=False),
+    ArchFlag("moe_z_loss_coeff", "--moe-z-loss-coeff", float, arch=False),
+    ArchFlag(
+        "moe_router_load_balancing_type",
+        "--moe-router-load-balancing-type",
+        str,
+        "aux_loss",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+        arch=False,
+    ),  # fmt: skip
+    ArchFlag(
+        "moe_router_dtype", "--moe-router-dtype", str, choices=("fp32", "fp64"), arch=False
+    ),  # fmt: skip
+    ArchFlag(
+        "moe_token_dispatcher_type",
+        "--moe-token-dispatcher-type",
+        str,
+        "allgather",
+        choices=("allgather", "alltoall", "flex"),
+        arch=False,
+    ),  # fmt: skip
+    ArchFlag("moe_grouped_gemm", "--moe-grouped-gemm", None, arch=False),
 )
 
 
@@ -226,3 +313,30 @@ def _infer_family(values: dict[str, Any]) -> str:
     bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
     ranked = sorted(FAMILIES.values(), key=lambda f: (f.qk_norm != norm, f.qkv_bias != bias))
     return ranked[0].name  # sorted() is stable: registry order breaks ties
+
+
+def moe_layer_pattern(freq: str | int, num_layers: int) -> list[int]:
+    """Megatron's ``--moe-layer-freq``: ``N`` (every N-th layer is MoE, from the first) or a
+    list expression such as ``([0]*1+[1]*3)``, read without ``eval``; 1 marks a MoE layer."""
+    text = str(freq).replace(" ", "")
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"--moe-layer-freq must be >= 1 (got {n})")
+        return [1 if i % n == 0 else 0 for i in range(num_layers)]
+    body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
+    pattern: list[int] = []
+    for term in body.split("+"):
+        values, _, times = term.partition("*")
+        if not (values.startswith("[") and values.endswith("]")) or (times and not times.isdigit()):
+            raise ValueError(f"--moe-layer-freq: cannot read {freq!r} (e.g. 2 or '[0]*1+[1]*3')")
+        items = [v for v in values[1:-1].split(",") if v]
+        if any(v not in ("0", "1") for v in items):
+            raise ValueError(f"--moe-layer-freq: entries must be 0 or 1 (got {freq!r})")
+        pattern += [int(v) for v in items] * int(times or 1)
+    if len(pattern) != num_layers:
+        raise ValueError(
+            f"--moe-layer-freq {freq!r} describes {len(pattern)} layers; "
+            f"--num-layers is {num_layers}"
+        )
+    return pattern

@@ -79,17 +79,50 @@ def transformer_config(
         deallocate_pipeline_outputs=True,
         **PORTABLE_CONFIG,
     )
+    kw.update(moe_config(model))
     kw.update(overrides)
     return TransformerConfig(**kw)
 
 
-def layer_spec(model: ModelConfig):
-    """Megatron's decoder-layer spec for ``model`` (the local, non-TE modules)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return get_gpt_layer_local_spec(
-        normalization=model.normalization, qk_layernorm=model.qk_layernorm
+def moe_config(model: ModelConfig) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of ``model``'s MoE layers (none for a dense model)."""
+    if not model.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_ffn_hidden_size=model.expert_ffn_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_layer_freq=[int(x) for x in model.moe_layers()],
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=model.moe_shared_expert_gate,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+        moe_router_num_groups=model.moe_router_num_groups,
+        moe_router_group_topk=model.moe_router_group_topk,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_router_dtype=model.moe_router_dtype,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_grouped_gemm=model.moe_grouped_gemm,
     )
+
+
+def layer_spec(model: ModelConfig, config=None, vp_stage: int | None = None):
+    """Megatron's decoder spec for ``model`` (the local, non-TE modules): one layer spec for a
+    dense model; for MoE, the block spec of this pipeline stage's dense and MoE layers."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if not model.is_moe:
+        return specs.get_gpt_layer_local_spec(
+            normalization=model.normalization, qk_layernorm=model.qk_layernorm
+        )
+    return specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=model.normalization,
+        vp_stage=vp_stage,
+    )  # fmt: skip
 
 
 def build(
@@ -106,7 +139,7 @@ def build(
     scaling = model.rope_scaling or {}
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model),
+        transformer_layer_spec=layer_spec(model, config, vp_stage),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,

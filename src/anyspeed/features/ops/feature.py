@@ -97,6 +97,19 @@ class FusedSwiGLU(OpFeature):
             return {"bias_activation_fusion": True}
         return {}
 
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        super().register_patches(pm, args, device)
+        from anyspeed.features.ops.swiglu import weighted_bias_swiglu
+
+        pm.register_replace(
+            _FUSIONS + "fused_bias_swiglu.weighted_bias_swiglu_impl",
+            weighted_bias_swiglu,
+            feature=self.name,
+            reason="MoE experts' probability-weighted SwiGLU (torch.compile'd in Megatron)",
+        )
+
 
 class FusedRoPE(OpFeature):
     name = "fused-rope"

@@ -47,3 +47,15 @@ def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None, *args, **kwargs) -> 
         y = y + bias
     shape = y.shape
     return swiglu(y.reshape(-1, shape[-1])).reshape(*shape[:-1], shape[-1] // 2)
+
+
+def weighted_bias_swiglu(
+    y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor, *args, **kwargs
+) -> torch.Tensor:
+    """Megatron's ``weighted_bias_swiglu_impl`` (MoE experts scale each token's activation by
+    its routing probability): the product in the probabilities' dtype, cast back."""
+    if bias is not None:
+        raise ValueError("a bias before the weighted SwiGLU is not supported (as in Megatron)")
+    shape = y.shape
+    out = swiglu(y.reshape(-1, shape[-1])) * weights.reshape(-1, 1)
+    return out.to(y.dtype).reshape(*shape[:-1], shape[-1] // 2)

@@ -1,0 +1,82 @@
+"""Level-0 MoE features: Megatron-Core's MoE layers without Transformer Engine, on every device.
+
+* ``moe-compat``: repairs Megatron-Core 0.16.1's non-TE MoE path (its router's gating matmul
+  names a TE function that is only defined when TE imports).
+* ``moe-grouped-gemm``: ``--moe-grouped-gemm`` experts (``GroupedMLP``) through PyTorch's
+  grouped matmul instead of the CUDA-only ``grouped_gemm`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features.base import Feature
+from anyspeed.patching import PatchManager
+
+_MOE = "megatron.core.transformer.moe."
+
+
+class MoECompat(Feature):
+    name = "moe-compat"
+    level = 0
+    description = "Megatron-Core's MoE router runs without Transformer Engine"
+
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not device.is_cuda:
+            from megatron.core.jit import noop_decorator
+
+            pm.register_replace(
+                "megatron.core.jit.jit_fuser",
+                noop_decorator,
+                feature=self.name,
+                reason="GroupedMLP wraps its activation in jit_fuser (torch.compile) when built; "
+                "inductor off CUDA needs a C++ toolchain and real CUDA device properties",
+            )
+        if hasattr(moe_utils, "te_general_gemm"):
+            return  # TE imported: the name exists and the fused GEMM is used
+        pm.register_replace(
+            _MOE + "moe_utils.te_general_gemm",
+            None,
+            feature=self.name,
+            reason="router_gating_linear tests 'te_general_gemm is not None', a NameError "
+            "without TE; None selects its torch.mm path",
+            create=True,
+        )
+
+
+class MoEGroupedGemm(Feature):
+    name = "moe-grouped-gemm"
+    level = 0
+    description = (
+        "--moe-grouped-gemm experts (Megatron's GroupedMLP) through torch's grouped matmul on "
+        "every device and dtype, with a per-expert loop for shapes the kernel refuses"
+    )
+    flags = ("--moe-grouped-gemm",)
+
+    def is_enabled(self, args: argparse.Namespace, device: DeviceInfo) -> bool:
+        # With NVIDIA's grouped_gemm package on CUDA, Megatron's own bf16 kernel stays.
+        return not (device.is_cuda and importlib.util.find_spec("grouped_gemm") is not None)
+
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        from anyspeed.features.moe import grouped_gemm
+
+        pm.register_replace(
+            _MOE + "grouped_gemm_util.grouped_gemm_is_available",
+            grouped_gemm.grouped_gemm_available,
+            feature=self.name,
+            reason="GroupedMLP checks for the CUDA grouped_gemm package; torch's kernel stands in",
+        )
+        pm.register_replace(
+            _MOE + "experts.GroupedMLP.forward",
+            grouped_gemm.grouped_mlp_forward,
+            feature=self.name,
+            reason="GroupedMLP.forward asserts bf16 and calls grouped_gemm.ops.gmm (CUDA only)",
+        )

@@ -1,0 +1,76 @@
+"""Grouped GEMM for MoE experts on every device: torch's ``grouped_mm`` behind Megatron's seam.
+
+Megatron's ``GroupedMLP`` multiplies each expert's tokens by that expert's weights through the
+``grouped_gemm`` package (a CUDA build) and asserts bf16. Here the same product runs through
+PyTorch's own grouped matmul, which torch 2.13 provides on CPU and CUDA in fp32/bf16/fp16, with a
+per-expert loop for the shapes it refuses (rows must be 16-byte aligned) so no shape fails.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) the kernel refused once
+
+
+def kernel_accepts(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes ``x @ w[e]``: its dtypes and 16-byte row strides."""
+    if not hasattr(F, "grouped_mm") or x.dtype not in _KERNEL_DTYPES or w.dtype != x.dtype:
+        return False
+    size = x.element_size()
+    return (x.shape[-1] * size) % 16 == 0 and (w.shape[-1] * size) % 16 == 0
+
+
+def grouped_matmul(
+    x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """``x`` [T, K] with rows grouped by expert (``tokens_per_expert`` [E] rows each) times
+    ``w`` [E, K, N] -> [T, N]; every expert's weight gets a gradient even with no tokens."""
+    if x.shape[0] == 0:
+        return x @ w[0]  # an empty product that still connects ``w`` to the graph
+    key = (x.device.type, x.dtype)
+    if key not in _REFUSED and kernel_accepts(x, w):
+        offs = tokens_per_expert.to(device=x.device).cumsum(0).to(torch.int32)
+        try:
+            out = F.grouped_mm(x.contiguous(), w, offs=offs)
+        except RuntimeError:  # e.g. a CUDA build whose kernel needs a newer GPU or dtype
+            _REFUSED.add(key)
+        else:
+            if out.requires_grad:  # the kernel's backward refuses expanded (stride-0) gradients
+                out.register_hook(lambda g: g.contiguous())
+            return out
+    counts = [int(c) for c in tokens_per_expert.tolist()]
+    return torch.cat([part @ w[i] for i, part in enumerate(torch.split(x, counts))])
+
+
+def grouped_gemm_available() -> bool:
+    """Stands in for Megatron's check of the CUDA ``grouped_gemm`` package."""
+    return True
+
+
+def grouped_mlp_forward(
+    self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor
+) -> tuple[torch.Tensor, None]:
+    """``GroupedMLP.forward`` in any dtype: fc1, the activation scaled by the routing
+    probabilities (recomputed in backward under ``moe_act`` recompute), fc2."""
+    from megatron.core import tensor_parallel
+
+    cfg = self.config
+    if cfg.moe_apply_probs_on_input:  # top-1 routing may scale the input instead of the output
+        hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
+        probs = torch.ones_like(probs)
+    experts, h = self.num_local_experts, cfg.hidden_size
+    w1 = self.weight1.view(experts, h, -1)
+    w2 = self.weight2.view(experts, -1, h)
+    fc1 = grouped_matmul(hidden, w1, tokens_per_expert)
+    scale = probs.unsqueeze(-1)
+    if not self.activation_recompute:
+        act = self.activation_func_with_probs(fc1, scale)
+        return grouped_matmul(act, w2, tokens_per_expert), None
+    ckpt = tensor_parallel.CheckpointWithoutOutput()
+    act = ckpt.checkpoint(self.activation_func_with_probs, fc1, scale)
+    out = grouped_matmul(act, w2, tokens_per_expert)
+    ckpt.discard_output_and_register_recompute(out)
+    return out, None
