@@ -66,6 +66,8 @@ class Layout:
     overlap_param_gather: bool = False
     # Gradient bucket size in elements (--ddp-bucket-size); None: Megatron's default.
     bucket_size: int | None = None
+    ep: int = 1  # expert parallel: ranks that split the experts of a MoE layer
+    etp: int | None = None  # expert tensor parallel (None: the same as tp)
 
     def __post_init__(self) -> None:
         self.cp_algo = CPAlgo.parse(self.cp_algo)
@@ -76,6 +78,11 @@ class Layout:
     def model_parallel_size(self) -> int:
         """Ranks that hold one replica of the model (TP x PP x CP)."""
         return self.tp * self.pp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        """Tensor-parallel ranks inside one expert."""
+        return self.tp if self.etp is None else self.etp
 
     @property
     def chunks(self) -> int:
@@ -122,6 +129,10 @@ class Layout:
             overlap_grad_reduce=bool(get("overlap_grad_reduce", False)),
             overlap_param_gather=bool(get("overlap_param_gather", False)),
             bucket_size=get("ddp_bucket_size"),
+            ep=_int(get("expert_model_parallel_size", 1), "--expert-model-parallel-size"),
+            etp=1  # MindSpeed's --moe-tp-extend-ep: the TP ranks widen EP instead
+            if get("moe_tp_extend_ep", False)
+            else _opt_int(get("expert_tensor_parallel_size"), "--expert-tensor-parallel-size"),
         )
 
     def validate(
@@ -132,6 +143,7 @@ class Layout:
         num_attention_heads: int | None = None,
         num_query_groups: int | None = None,
         seq_length: int | None = None,
+        num_experts: int | None = None,
     ) -> None:
         """Raise ValueError (one line, naming the flag) when the layout cannot work."""
         tp, pp, cp = self.tp, self.pp, self.cp
@@ -168,6 +180,32 @@ class Layout:
             raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+        self._validate_experts(world_size, num_experts)
+
+    def _validate_experts(self, world_size: int, num_experts: int | None) -> None:
+        ep, etp = self.ep, self.expert_tp
+        if ep < 1 or etp < 1:
+            raise ValueError(
+                "--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1"
+            )
+        if ep == 1 and self.etp in (None, self.tp):
+            return
+        if not num_experts:
+            raise ValueError(
+                "--expert-model-parallel-size/--expert-tensor-parallel-size need a MoE model: "
+                "add --num-experts"
+            )
+        if num_experts % ep:
+            raise ValueError(
+                f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}"
+            )
+        ranks = world_size // self.pp
+        if ranks % (ep * etp):
+            raise ValueError(
+                f"the {ranks} ranks of a pipeline stage are not divisible by "
+                f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp}: "
+                "change the sizes or the number of processes"
+            )
 
     def validate_for(self, world_size: int, model: Any, seq_length: int | None = None) -> None:
         """:meth:`validate` with the sizes read from ``model`` (a ``ModelConfig``, or a checked
@@ -178,6 +216,7 @@ class Layout:
             num_attention_heads=getattr(model, "num_attention_heads", None),
             num_query_groups=getattr(model, "num_query_groups", None),
             seq_length=seq_length,
+            num_experts=getattr(model, "num_experts", None),
         )
 
     def _validate_cp(self, tp: int, heads: int | None, seq_length: int | None) -> None:

@@ -78,7 +78,7 @@ def train_steps_cases(cases: list[dict]) -> list[list[dict]]:
     for case in cases:
         adaptor.undo()
         adaptor.apply(argv=case.get("argv", []))
-        out.append(train_steps(case["layout"], load=case.get("load")))
+        out.append(train_steps(case["layout"], load=case.get("load"), spec=case.get("spec")))
     return out
 
 

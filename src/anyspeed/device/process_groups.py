@@ -81,6 +81,7 @@ def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> N
     )
     if backend == "gloo":
         _register_gloo_avg(pm, feature)
+        _register_gloo_uneven(pm, feature)
 
 
 class _DivideOnWait:
@@ -158,3 +159,62 @@ def _register_gloo_avg(pm: PatchManager, feature: str) -> None:
         feature=feature,
         reason=why,
     )
+
+
+class _Done:
+    """The handle of a collective that already finished (emulations run synchronously)."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _register_gloo_uneven(pm: PatchManager, feature: str) -> None:
+    """gloo's list all-gather needs equal sizes and it has no list reduce-scatter; Megatron's
+    MoE dispatchers use both with per-rank token counts (expert tensor parallelism)."""
+    import torch.distributed as dist
+
+    def is_gloo(group: Any) -> bool:
+        try:
+            return dist.get_backend(group) == "gloo"
+        except Exception:
+            return False
+
+    def all_gather_wrapper(fn):
+        @functools.wraps(fn)
+        def all_gather(tensor_list, tensor, group=None, async_op=False):
+            shapes = {tuple(t.shape) for t in tensor_list}
+            if len(shapes) == 1 or not is_gloo(group):
+                return fn(tensor_list, tensor, group=group, async_op=async_op)
+            rows = max(t.shape[0] for t in tensor_list)
+            padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+            padded[: tensor.shape[0]] = tensor
+            parts = [torch.empty_like(padded) for _ in tensor_list]
+            fn(parts, padded.contiguous(), group=group)
+            for out, got in zip(tensor_list, parts, strict=True):
+                out.copy_(got[: out.shape[0]])
+            return _Done() if async_op else None
+
+        return all_gather
+
+    def reduce_scatter_wrapper(fn):
+        @functools.wraps(fn)
+        def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if not is_gloo(group):
+                return fn(output, input_list, op=op, group=group, async_op=async_op)
+            full = torch.cat([t.reshape(-1) for t in input_list])
+            dist.all_reduce(full, op=op, group=group)
+            rank = dist.get_rank(group)
+            start = sum(t.numel() for t in input_list[:rank])
+            output.copy_(full[start : start + output.numel()].view_as(output))
+            return _Done() if async_op else None
+
+        return reduce_scatter
+
+    why = "gloo: list all-gather of unequal sizes (padded) and list reduce-scatter (all-reduce)"
+    pm.register_wrap("torch.distributed.all_gather", all_gather_wrapper, feature=feature,
+                     reason=why)  # fmt: skip
+    pm.register_wrap("torch.distributed.reduce_scatter", reduce_scatter_wrapper,
+                     feature=feature, reason=why)  # fmt: skip

@@ -72,6 +72,8 @@ def transformer_config(
         context_parallel_size=layout.cp,
         cp_comm_type=layout.cp_algo.value,
         sequence_parallel=layout.sequence_parallel,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,

@@ -58,6 +58,8 @@ def init_distributed(layout: Layout, seed: int) -> None:
         virtual_pipeline_model_parallel_size=layout.vpp,
         hierarchical_context_parallel_sizes=layout.hierarchical_cp_sizes(),
         distributed_timeout_minutes=minutes,  # a float works: Megatron builds a timedelta
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)

@@ -18,6 +18,7 @@ from anyspeed.models.config import ModelConfig
 from anyspeed.training.config import TrainConfig
 from anyspeed.training.distributed import init_distributed, world_size
 from anyspeed.training.model_pipeline import Transform, build_model, build_optimizer
+from anyspeed.training.moe_metrics import MoEMetrics
 from anyspeed.training.tasks import PretrainTask, Task
 
 
@@ -42,6 +43,7 @@ class Trainer:
         self.model = build_model(model, layout, cfg, transforms)
         self.optimizer = build_optimizer(self.model, cfg, layout)
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
+        self.moe = MoEMetrics(self.model, layout, model.num_layers) if model.is_moe else None
         self.iteration = 0
 
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], forward_only: bool) -> float:
@@ -77,14 +79,19 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe is not None:
+            self.moe.reset()
         loss = self._run_schedule(microbatches, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.iteration += 1
-        return {
+        out = {
             "loss": loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "ok": bool(ok),
         }
+        if self.moe is not None:
+            out["moe"] = self.moe.collect(len(microbatches))
+        return out
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict[str, torch.Tensor]]) -> float:

@@ -19,7 +19,7 @@ from anyspeed.layout import Layout
 class LayoutCheck(Feature):
     name = "layout-check"
     level = 0
-    description = "checks TP/PP/VPP/CP sizes against world size, heads and layers before start-up"
+    description = "checks TP/PP/VPP/CP/EP sizes against world size, heads, layers and experts before start-up"
     flags = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size")
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
@@ -34,6 +34,7 @@ class LayoutCheck(Feature):
                 num_attention_heads=getattr(args, "num_attention_heads", None),
                 num_query_groups=getattr(args, "num_query_groups", None) if gqa else None,
                 seq_length=getattr(args, "seq_length", None),
+                num_experts=getattr(args, "num_experts", None),
             )
         except ValueError as exc:
             raise FeatureError(str(exc)) from None

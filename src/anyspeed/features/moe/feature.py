@@ -1,7 +1,8 @@
 """Level-0 MoE features: Megatron-Core's MoE layers without Transformer Engine, on every device.
 
-* ``moe-compat``: repairs Megatron-Core 0.16.1's non-TE MoE path (its router's gating matmul
-  names a TE function that is only defined when TE imports).
+* ``moe-compat``: repairs Megatron-Core 0.16.1's MoE path off CUDA and without TE: the router's
+  gating matmul names a TE function only defined when TE imports; the alltoall dispatcher's
+  split sizes reach ``all_to_all_single`` as tensors; ``jit_fuser`` is ``torch.compile``.
 * ``moe-grouped-gemm``: ``--moe-grouped-gemm`` experts (``GroupedMLP``) through PyTorch's
   grouped matmul instead of the CUDA-only ``grouped_gemm`` package.
 """
@@ -10,12 +11,19 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from typing import Any
 
 from anyspeed.device import DeviceInfo
 from anyspeed.features.base import Feature
 from anyspeed.patching import PatchManager
 
 _MOE = "megatron.core.transformer.moe."
+
+
+def unfused(fn: Any) -> Any:
+    """Stands in for ``jit_fuser``: the function runs eagerly. (Not Megatron's own no-op
+    decorator: undoing a patch rebinds every copy of the installed object.)"""
+    return fn
 
 
 class MoECompat(Feature):
@@ -29,11 +37,19 @@ class MoECompat(Feature):
         from megatron.core.transformer.moe import moe_utils
 
         if not device.is_cuda:
-            from megatron.core.jit import noop_decorator
+            from anyspeed.features.moe.dispatch import splits_to_host
+
+            pm.register_replace(
+                _MOE + "moe_utils.maybe_move_tensor_to_cpu",
+                splits_to_host,
+                feature=self.name,
+                reason="the alltoall dispatcher's split sizes become host numpy arrays only "
+                "from CUDA; elsewhere they stay tensors that all_to_all_single refuses",
+            )
 
             pm.register_replace(
                 "megatron.core.jit.jit_fuser",
-                noop_decorator,
+                unfused,
                 feature=self.name,
                 reason="GroupedMLP wraps its activation in jit_fuser (torch.compile) when built; "
                 "inductor off CUDA needs a C++ toolchain and real CUDA device properties",

@@ -1,0 +1,103 @@
+"""Per-step MoE statistics: the routers' auxiliary losses and how many tokens each expert got.
+
+Megatron keeps the aux and z losses per layer in its tracker (summed over micro-batches) and its
+``track_moe_metrics`` writes them with a literal ``device="cuda"``; tokens per expert it does not
+report at all. :class:`MoEMetrics` counts each router's routing decisions with a forward hook,
+sums them over the job (every token counted once, whatever the layout), and reads Megatron's
+tracker the way Megatron-LM's own logging does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from anyspeed.layout import Layout
+
+
+class MoEMetrics:
+    """Counts tokens routed to each expert of each MoE layer during one optimizer step."""
+
+    def __init__(self, model: list[torch.nn.Module], layout: Layout, num_layers: int) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.layout = layout
+        self.num_layers = num_layers
+        self.counts: dict[int, torch.Tensor] = {}
+        self.num_experts = 0
+        for chunk in model:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    self.num_experts = module.config.num_moe_experts
+                    module.register_forward_hook(self._count)
+
+    @property
+    def active(self) -> bool:
+        return self.num_experts > 0
+
+    def _count(self, router: Any, inputs: Any, outputs: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation and recomputation do not route training tokens
+        _, routing_map = outputs
+        got = routing_map.detach().sum(0).to("cpu", torch.float64)
+        layer = int(router.layer_number)
+        self.counts[layer] = self.counts.get(layer, 0) + got
+
+    def reset(self) -> None:
+        """Forget the counts and Megatron's tracked losses (call before a step)."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        self.counts.clear()
+        clear_aux_losses_tracker()
+
+    def collect(self, num_microbatches: int) -> dict[str, Any]:
+        """The step's job-wide figures (a collective: every rank calls it): tokens per expert
+        per MoE layer, the max/mean load, and each tracked loss averaged over MoE layers."""
+        table = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        for layer, got in self.counts.items():
+            table[layer - 1] += got
+        torch.distributed.all_reduce(table)
+        # Tensor-parallel ranks without sequence parallelism route the same tokens.
+        dup = 1 if self.layout.sequence_parallel else self.layout.tp
+        table /= dup
+        layers = [i for i in range(self.num_layers) if table[i].sum() > 0]
+        tokens = {i + 1: [int(round(x)) for x in table[i].tolist()] for i in layers}
+        loads = [max(v) / (sum(v) / len(v)) for v in tokens.values() if sum(v)]
+        out: dict[str, Any] = {
+            "tokens_per_expert": tokens,
+            "load_max_over_mean": max(loads) if loads else float("nan"),
+        }
+        out.update(self._losses(num_microbatches))
+        return out
+
+    def _losses(self, num_microbatches: int) -> dict[str, float]:
+        """Each loss in Megatron's tracker as Megatron-LM logs it: summed over the group whose
+        ranks each hold a share (the router's reduce group), averaged over the other ranks
+        that hold the layer, then over MoE layers, per micro-batch. Collective-safe when
+        pipeline stages hold different layers."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        mine = sorted(n for n, e in tracker.items() if e["values"].abs().sum() > 0)
+        everyone: list[list[str]] = [[] for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather_object(everyone, mine)
+        held = torch.zeros(self.num_layers, dtype=torch.float64)
+        for layer in self.counts:
+            held[layer - 1] = 1.0
+        torch.distributed.all_reduce(held)
+        out = {}
+        for name in sorted(set().union(*everyone)):
+            # [values..., size of the group that shares one loss between its ranks]
+            values = torch.zeros(self.num_layers + 1, dtype=torch.float64)
+            if name in tracker:
+                values[:-1] += tracker[name]["values"].to("cpu", torch.float64)
+                group = tracker[name].get("reduce_group")
+                values[-1] = group.size() if group is not None else 1
+            shared = values[-1:].clone()
+            torch.distributed.all_reduce(values)
+            torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
+            layers = held > 0
+            per_layer = values[:-1][layers] * shared / held[layers] / num_microbatches
+            out[name] = float(per_layer.mean()) if layers.any() else float("nan")
+        return out
