@@ -19,7 +19,9 @@ from anyspeed.layout import Layout
 class LayoutCheck(Feature):
     name = "layout-check"
     level = 0
-    description = "checks TP/PP/VPP/CP/EP sizes against world size, heads, layers and experts before start-up"
+    description = (
+        "checks TP/PP/VPP/CP/EP sizes against world size, heads, layers and experts before start-up"
+    )
     flags = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size")
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
