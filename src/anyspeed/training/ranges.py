@@ -74,6 +74,18 @@ RANGES: dict[str, Range] = {
     "--init-method-std": NONNEG,
     "--hidden-dropout": PROBABILITY,
     "--attention-dropout": PROBABILITY,
+    # mixture of experts
+    "--expert-model-parallel-size": POSITIVE,
+    "--expert-tensor-parallel-size": POSITIVE,
+    "--num-experts": POSITIVE,
+    "--moe-ffn-hidden-size": POSITIVE,
+    "--moe-router-topk": POSITIVE,
+    "--moe-shared-expert-intermediate-size": POSITIVE,
+    "--moe-router-topk-scaling-factor": STRICTLY_POSITIVE,
+    "--moe-router-num-groups": POSITIVE,
+    "--moe-router-group-topk": POSITIVE,
+    "--moe-aux-loss-coeff": NONNEG,
+    "--moe-z-loss-coeff": NONNEG,
     # training
     "--micro-batch-size": POSITIVE,
     "--global-batch-size": POSITIVE,

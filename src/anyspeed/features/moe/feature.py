@@ -14,7 +14,7 @@ import importlib.util
 from typing import Any
 
 from anyspeed.device import DeviceInfo
-from anyspeed.features.base import Feature
+from anyspeed.features.base import Feature, add_flag
 from anyspeed.patching import PatchManager
 
 _MOE = "megatron.core.transformer.moe."
@@ -29,7 +29,16 @@ def unfused(fn: Any) -> Any:
 class MoECompat(Feature):
     name = "moe-compat"
     level = 0
-    description = "Megatron-Core's MoE router runs without Transformer Engine"
+    description = (
+        "Megatron-Core's MoE layers, dispatchers and router off CUDA and without TE; "
+        "MindSpeed's --moe-tp-extend-ep"
+    )
+    flags = ("--moe-tp-extend-ep",)
+
+    def add_arguments(self, parser: argparse._ActionsContainer) -> None:
+        add_flag(parser, "--moe-tp-extend-ep", action="store_true",
+                 help="MindSpeed: experts are split over TP x EP ranks "
+                 "(= --expert-tensor-parallel-size 1)")  # fmt: skip
 
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
