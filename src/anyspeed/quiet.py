@@ -34,6 +34,8 @@ _WARNINGS: tuple[tuple[tuple[type[Warning], ...], re.Pattern[str], str | None], 
     ((UserWarning,), re.compile(r"absl\.logging is not installed"), _MEGATRON),
     ((UserWarning,), re.compile(r"CUDA_DEVICE_MAX_CONNECTIONS"), _MEGATRON),
     ((UserWarning,), re.compile(r"full scope is deprecated"), _MEGATRON),
+    # --moe-grouped-gemm runs the "legacy" GroupedMLP through anyspeed's portable kernel.
+    ((UserWarning,), re.compile(r"The legacy GroupedMLP will be deprecated"), _MEGATRON),
     ((UserWarning,), re.compile(r"The \.grad attribute of a Tensor that is not a leaf"), _MEGATRON),
     (_DEPRECATIONS, re.compile(""), _TORCH_DIST),
     (_DEPRECATIONS, re.compile(""), _MEGATRON),

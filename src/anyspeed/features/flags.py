@@ -41,6 +41,7 @@ MEGATRON_FLAGS: tuple[tuple[str, type], ...] = (
     ("--num-experts", int),
     ("--expert-model-parallel-size", int),
     ("--expert-tensor-parallel-size", int),
+    ("--moe-token-dispatcher-type", str),
     ("--fp8-format", str),
     ("--cuda-graph-impl", str),
     ("--enable-cuda-graph", bool),

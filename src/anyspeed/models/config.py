@@ -87,6 +87,28 @@ class ModelConfig:
             return [False] * self.num_layers
         return [bool(x) for x in moe_layer_pattern(self.moe_layer_freq, self.num_layers)]
 
+    def check(self) -> None:
+        """ValueError (one line, naming the flag) when the MoE settings cannot build."""
+        if not self.is_moe:
+            return
+        self.moe_layers()  # the --moe-layer-freq pattern fits --num-layers
+        e, k = self.num_experts or 0, self.moe_router_topk
+        if k > e:
+            raise ValueError(f"--moe-router-topk {k} exceeds --num-experts {e}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if groups or group_topk:
+            if not (groups and group_topk) or e % groups or group_topk > groups:
+                raise ValueError(
+                    "--moe-router-num-groups must divide --num-experts and "
+                    "--moe-router-group-topk must be <= it (both are needed)"
+                )
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(
+                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"
+            )
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+
     @property
     def gqa(self) -> bool:
         return self.num_query_groups != self.num_attention_heads
@@ -278,7 +300,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "--moe-token-dispatcher-type",
         str,
         "allgather",
-        choices=("allgather", "alltoall", "flex"),
+        choices=("allgather", "alltoall", "alltoall_seq", "flex"),
         arch=False,
     ),  # fmt: skip
     ArchFlag("moe_grouped_gemm", "--moe-grouped-gemm", None, arch=False),

@@ -107,7 +107,8 @@ def moe_config(model: ModelConfig) -> dict[str, Any]:
         moe_z_loss_coeff=model.moe_z_loss_coeff,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
         moe_router_dtype=model.moe_router_dtype,
-        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        # MindSpeed's alltoall_seq is Megatron's alltoall (sequence-parallel aware since 0.10)
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type.replace("_seq", ""),
         moe_grouped_gemm=model.moe_grouped_gemm,
     )
 

@@ -45,7 +45,7 @@ def _launch_and_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="tensor-parallel ranks inside an expert (default: the TP size)")  # fmt: skip
+                   help="tensor-parallel ranks in an expert (default: the TP size)")  # fmt: skip
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")

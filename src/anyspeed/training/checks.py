@@ -64,6 +64,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 are exclusive; choose one")
     _complete_architecture(args)
+    _check_features(args)
     try:
         layout = Layout.from_args(args)
         layout.validate_for(world_size, args, args.seq_length)
@@ -81,7 +82,19 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     _check_data(args)
     args.layout, args.train_config = layout, train
     args.model_config = ModelConfig.from_args(args)
+    try:
+        args.model_config.check()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     _check_load_fits(args)
+
+
+def _check_features(args: argparse.Namespace) -> None:
+    """The features' own checks (flags the device cannot honour), in the launcher too."""
+    from anyspeed import features
+    from anyspeed.device import detect
+
+    features.validate(args, detect())  # FeatureError is a UsageError: one line
 
 
 def _complete_architecture(args: argparse.Namespace) -> None:

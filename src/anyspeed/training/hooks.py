@@ -11,6 +11,7 @@ from typing import Any
 
 from anyspeed.training.distributed import is_rank0
 from anyspeed.training.loop import Hook, LoopState
+from anyspeed.training.moe_metrics import log_fields
 
 
 def print0(*parts: Any) -> None:
@@ -107,11 +108,12 @@ class LogHook(Hook):
         scale = float(opt.get_loss_scale()) if self.args.fp16 else None
         loss = self.loss / self.n
         mfu = self.mfu(tflops * 1e12)
+        moe_text, moe = log_fields(out["moe"]) if "moe" in out else ("", {})
         self.r.progress.clear()
         print0(
             f" iteration {it:>7d}/{state.train_iters} | consumed samples {state.consumed:>9d} | "
             f"elapsed time per iteration (ms): {dt * 1000:.1f} | learning rate: {out['lr']:.6E} | "
-            f"lm loss: {loss:.6E} | "
+            f"lm loss: {loss:.6E} | {moe_text}"
             + (f"loss scale: {scale:.1f} | " if scale is not None else "")
             + f"grad norm: {out['grad_norm']:.3f} | tokens/s: {tps:,.0f} | "
             f"TFLOP/s: {tflops:.3f} | MFU: {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
@@ -120,10 +122,13 @@ class LogHook(Hook):
         self.r.record({"iteration": it, "lm_loss": loss, "lr": out["lr"],
                        "skipped": len(state.history["skipped"]), "grad_norm": out["grad_norm"],
                        "tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "peak_mem_gib": mem,
-                       "ms_per_iter": dt * 1000})  # fmt: skip
+                       "ms_per_iter": dt * 1000, **moe,
+                       **({"expert_load_per_layer": out["moe"]["load_per_layer"]}
+                          if moe else {})})  # fmt: skip
         self.r.tb.scalars({"lm-loss": loss, "learning-rate": out["lr"],
                            "grad-norm": out["grad_norm"], "tokens-per-sec": tps, "tflops": tflops,
-                           "mem-peak-gib": mem, **({} if mfu is None else {"mfu": mfu})},
+                           "mem-peak-gib": mem, **({} if mfu is None else {"mfu": mfu}),
+                           **{f"moe/{k}": v for k, v in moe.items()}},
                           it)  # fmt: skip
         self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
 

@@ -63,10 +63,11 @@ class MoEMetrics:
         table /= dup
         layers = [i for i in range(self.num_layers) if table[i].sum() > 0]
         tokens = {i + 1: [int(round(x)) for x in table[i].tolist()] for i in layers}
-        loads = [max(v) / (sum(v) / len(v)) for v in tokens.values() if sum(v)]
+        per_layer = {i: max(v) / (sum(v) / len(v)) for i, v in tokens.items() if sum(v)}
         out: dict[str, Any] = {
             "tokens_per_expert": tokens,
-            "load_max_over_mean": max(loads) if loads else float("nan"),
+            "load_per_layer": per_layer,  # max over mean tokens per expert
+            "load_max_over_mean": max(per_layer.values()) if per_layer else float("nan"),
         }
         out.update(self._losses(num_microbatches))
         return out
@@ -101,3 +102,13 @@ class MoEMetrics:
             per_layer = values[:-1][layers] * shared / held[layers] / num_microbatches
             out[name] = float(per_layer.mean()) if layers.any() else float("nan")
         return out
+
+
+def log_fields(moe: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    """The iteration line's MoE part and its scalars (aux/z losses, worst expert load)."""
+    names = {"load_balancing_loss": "aux loss", "seq_load_balancing_loss": "seq aux loss",
+             "global_load_balancing_loss": "global aux loss", "z_loss": "z loss"}  # fmt: skip
+    scalars = {k: float(moe[k]) for k in names if k in moe}
+    scalars["expert_load_max_over_mean"] = float(moe["load_max_over_mean"])
+    text = "".join(f"{names[k]}: {v:.4E} | " for k, v in scalars.items() if k in names)
+    return text + f"expert load max/mean: {moe['load_max_over_mean']:.2f} | ", scalars

@@ -58,11 +58,15 @@ def _banner(args: argparse.Namespace, start: int, dp: int) -> str:
     from anyspeed.device import detect
 
     m, lay = args.model_config, args.layout
+    moe = ""
+    if m.is_moe:
+        moe = f"EP={lay.ep} ETP={lay.expert_tp} "
+    experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""
     return (
         f"anyspeed pretrain: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
-        f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} VPP={lay.chunks} "
+        f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} {moe}VPP={lay.chunks} "
         f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer} | {m.num_layers} "
-        f"layers, hidden {m.hidden_size}, vocab {m.vocab_size}, seq {args.seq_length} | "
+        f"layers{experts}, hidden {m.hidden_size}, vocab {m.vocab_size}, seq {args.seq_length} | "
         f"{args.train_config.precision} | iterations {start}->{args.train_iters}"
     )
 

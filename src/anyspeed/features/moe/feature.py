@@ -14,7 +14,7 @@ import importlib.util
 from typing import Any
 
 from anyspeed.device import DeviceInfo
-from anyspeed.features.base import Feature, add_flag
+from anyspeed.features.base import Feature, FeatureError, add_flag
 from anyspeed.patching import PatchManager
 
 _MOE = "megatron.core.transformer.moe."
@@ -39,6 +39,20 @@ class MoECompat(Feature):
         add_flag(parser, "--moe-tp-extend-ep", action="store_true",
                  help="MindSpeed: experts are split over TP x EP ranks "
                  "(= --expert-tensor-parallel-size 1)")  # fmt: skip
+
+    def flag_notes(self) -> dict[str, str]:
+        return {
+            "--moe-token-dispatcher-type alltoall_seq": "MindSpeed's name: runs as alltoall",
+            "--moe-token-dispatcher-type flex": "DeepEP/HybridEP: CUDA only, refused elsewhere",
+        }
+
+    def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
+        kind = getattr(args, "moe_token_dispatcher_type", None)
+        if kind == "flex" and not device.is_cuda:
+            raise FeatureError(
+                f"--moe-token-dispatcher-type flex needs DeepEP or HybridEP on CUDA; this device "
+                f"is {device.type}: use alltoall or allgather"
+            )
 
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
