@@ -73,7 +73,8 @@ class MegatronLMArgs(Feature):
                     steps.adapt_megatron_args(args, device)
                     feature.apply_args(args)  # anyspeed's checks first: they name the flag
                     steps.context_parallel_args(args)
-                    return validate_args(args, defaults or {})
+                    with steps.grouped_gemm_capability(args, device):
+                        return validate_args(args, defaults or {})
                 except FeatureError as exc:
                     _fail(str(exc))
                 except AssertionError as exc:

@@ -4,10 +4,11 @@ start-up steps replaced, a Triton-only module stood in for. Used by :mod:`.megat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from anyspeed.device import DeviceInfo
 from anyspeed.layout import CPAlgo
@@ -71,6 +72,21 @@ def context_parallel_args(args: argparse.Namespace) -> None:
     degree = getattr(args, "ulysses_degree_in_cp", None)
     if algo is CPAlgo.HYBRID and degree:
         args.hierarchical_context_parallel_sizes = [degree, cp // degree]
+
+
+@contextlib.contextmanager
+def grouped_gemm_capability(args: argparse.Namespace, device: DeviceInfo) -> Iterator[None]:
+    """Megatron-LM's ``validate_args`` asserts a GPU of compute capability >= 8 for
+    ``--moe-grouped-gemm`` (its CUDA grouped_gemm kernels); anyspeed's portable kernel needs none,
+    so off CUDA the flag is hidden from that one check and restored afterwards."""
+    hide = not device.is_cuda and bool(getattr(args, "moe_grouped_gemm", False))
+    if hide:
+        args.moe_grouped_gemm = False
+    try:
+        yield
+    finally:
+        if hide:
+            args.moe_grouped_gemm = True
 
 
 def compile_dataset_helpers() -> None:
