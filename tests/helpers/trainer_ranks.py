@@ -109,18 +109,18 @@ def attention_class() -> str:
     return type(layer.self_attention.core_attention).__name__
 
 
-def train_save_logits(layout: dict, load: str, save: str, tokens) -> object:
+def train_save_logits(layout: dict, load: str, save: str, tokens, spec: dict | None = None):
     """Load weights, train one step, save with dist_checkpointing, return logits of ``tokens``."""
-    t = _trainer(layout)
+    t = _trainer(layout, spec)
     load_weights(t, load)
     _steps(t, 1)
     save_weights(t, save)
     return logits(t, tokens)
 
 
-def load_logits(layout: dict, load: str, tokens) -> object:
+def load_logits(layout: dict, load: str, tokens, spec: dict | None = None) -> object:
     """Load a dist_checkpointing checkpoint at ``layout`` and return logits of ``tokens``."""
-    t = _trainer(layout)
+    t = _trainer(layout, spec)
     load_weights(t, load)
     return logits(t, tokens)
 
@@ -159,3 +159,8 @@ def megatron_preset_parameters(names: list[str]) -> dict[str, int]:
         model = gpt.build(preset, gpt.transformer_config(preset))
         counts[name] = sum(p.numel() for p in model.parameters())
     return counts
+
+
+def load_logits_cases(cases: list[dict], load: str, tokens) -> list:
+    """:func:`load_logits` for each case (``layout``, ``spec``) in one process group."""
+    return [load_logits(c["layout"], load, tokens, c.get("spec")) for c in cases]

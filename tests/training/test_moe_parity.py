@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from anyspeed.testing import run_distributed
 from helpers import trainer_ranks
@@ -106,3 +107,26 @@ def test_reference_routes_every_token(reference):
     assert all(sum(v) == 2 * 8 * 32 for v in tokens.values()), tokens
     assert ref[0]["moe"]["load_balancing_loss"] > 0 and ref[0]["moe"]["z_loss"] > 0
     assert len({round(r["loss"], 9) for r in ref}) > 1
+
+
+def test_moe_checkpoint_loads_across_expert_layouts(reference, tmp_path):
+    """Saved at EP2 with sequential experts (dist_checkpointing): one process with sequential
+    or grouped experts, and EP2 x TP2+SP with expert-TP 1, give the same logits."""
+    ckpt, _ = reference
+    saved = str(tmp_path / "ep2")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+    ep2 = run_distributed(trainer_ranks.train_save_logits, 2, layout=dict(ep=2), load=ckpt,
+                          save=saved, tokens=tokens, spec=SPEC, timeout=300)  # fmt: skip
+    single = [dict(layout={}, spec=SPEC), dict(layout={}, spec=dict(SPEC, moe_grouped_gemm=True))]
+    seq, grouped = run_distributed(trainer_ranks.load_logits_cases, 1, cases=single, load=saved,
+                                   tokens=tokens, timeout=300)[0]  # fmt: skip
+    tp = dict(layout=dict(ep=2, tp=2, sequence_parallel=True, etp=1), spec=SPEC)
+    (tp_ep,) = run_distributed(trainer_ranks.load_logits_cases, 2, cases=[tp], load=saved,
+                               tokens=tokens, timeout=300)[0]  # fmt: skip
+    close = dict(rtol=0, atol=1e-5)
+    torch.testing.assert_close(ep2[0], seq, **close)
+    torch.testing.assert_close(grouped, seq, **close)
+    torch.testing.assert_close(tp_ep, seq, **close)
+    init = run_distributed(trainer_ranks.load_logits, 1, layout={}, load=ckpt, tokens=tokens,
+                           spec=SPEC)[0]  # fmt: skip
+    assert (init - seq).abs().max() > 1e-4  # the checkpoint holds the trained weights
