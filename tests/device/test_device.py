@@ -131,6 +131,9 @@ def test_gloo_backend_avg_bf16_and_barrier():
         assert r["backend"] == "gloo" and r["sub"] == "gloo"
         assert r["avg"] == pytest.approx([1.5, 3.0])  # mean of [1,2] and [2,4]
         assert r["bf16"] == [1.0, 1.0, 1.0]
+        assert r["uneven"] == [[[1.0, 1.0]], [[2.0, 2.0], [2.0, 2.0]]]
+    assert res[0]["rs_list"] == [3.0]  # 1 + 2
+    assert res[1]["rs_list"] == [30.0, 30.0]  # 10 + 20
     # mean of arange(4)*1 and arange(4)*2 = [0, 1.5, 3, 4.5], scattered in halves
     assert res[0]["rs"] == pytest.approx([0.0, 1.5])
     assert res[1]["rs"] == pytest.approx([3.0, 4.5])

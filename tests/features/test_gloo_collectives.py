@@ -14,7 +14,7 @@ from anyspeed.testing import run_distributed
 from helpers import feature_ranks
 
 
-@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.parametrize("async_op", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_rewrites_equal_torch_collectives(async_op):
     for res in run_distributed(feature_ranks.gloo_collectives, 3, async_op=async_op, timeout=120):
         fell_back = res.pop("fell_back")

@@ -197,6 +197,18 @@ def test_pretrain_gpt_hybrid_context_parallel_matches_data_parallel(script):
         assert cp[it] == pytest.approx(dp[it], rel=1e-5), (it, cp, dp)
 
 
+def test_pretrain_gpt_trains_moe_with_expert_parallelism_and_grouped_gemm(script):
+    """MoE in Megatron-LM's own path: EP2, alltoall dispatcher, grouped GEMM (which Megatron-LM
+    otherwise gates on a GPU of compute capability >= 8), fp32."""
+    losses = torchrun(script, "--train-iters", "20", "--num-experts", "4",
+                      "--expert-model-parallel-size", "2", "--moe-grouped-gemm",
+                      "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01",
+                      "--disable-bias-linear")  # fmt: skip
+    assert sorted(losses) == list(range(1, 21))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[20] < losses[1] - 0.3, losses
+
+
 LLAMA_TP2 = ["--tensor-model-parallel-size", "2", "--position-embedding-type", "rope", "--swiglu",
              "--normalization", "RMSNorm", "--disable-bias-linear", "--group-query-attention",
              "--num-query-groups", "2", "--untie-embeddings-and-output-weights",

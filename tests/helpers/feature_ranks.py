@@ -21,12 +21,19 @@ def gloo_avg_and_backend() -> dict:
     z = torch.full((3,), float(rank), dtype=torch.bfloat16)
     dist.all_reduce(z)  # bf16 through gloo
     dist.barrier(device_ids=[torch.cuda.current_device()])
+    # Uneven list all-gather (rank r sends r + 1 rows) and list reduce-scatter (MoE, expert TP).
+    parts = [torch.empty(i + 1, 2) for i in range(2)]
+    dist.all_gather(parts, torch.full((rank + 1, 2), float(rank + 1)))
+    rs_out = torch.empty(rank + 1)
+    dist.reduce_scatter(rs_out, [torch.ones(1) * (rank + 1), torch.ones(2) * 10 * (rank + 1)])
     return {
         "backend": dist.get_backend(),
         "sub": dist.get_backend(sub),
         "avg": x.tolist(),
         "rs": out.tolist(),
         "bf16": z.float().tolist(),
+        "uneven": [p.tolist() for p in parts],
+        "rs_list": rs_out.tolist(),
     }
 
 

@@ -103,6 +103,7 @@ def test_layout_matches_single_process(reference, layout_runs, name):
         _assert_parity(ref, rank_result)
 
 
+@pytest.mark.slow  # resume at a new layout is in CI through test_pretrain.py; time budget
 def test_dist_checkpoint_tp2_to_tp1xpp2(reference, tmp_path):
     """Save at TP2 with Megatron's dist_checkpointing, load at TP1 x PP2: same logits."""
     ckpt, _ = reference

@@ -194,6 +194,7 @@ def test_kill_during_save_keeps_previous_checkpoint(setup, tmp_path):
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "5"
 
 
+@pytest.mark.slow  # two more 2-process runs; the suite's time budget
 def test_switching_optimizer_kind_needs_no_load_optim(setup, layout_runs):
     """Distributed-optimizer state does not load into the plain optimizer: a clear error."""
     _, prefix, _, ref = setup

@@ -76,6 +76,7 @@ def test_unknown_preset(capsys, corpus):
     assert "unknown preset" in err and "qwen2.5-7b" in err
 
 
+@pytest.mark.slow  # end to end; the NaN guard itself is tested in test_loop.py (time budget)
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus):
     save = str(tmp_path / "ck")
     argv = base_args(corpus, 6) + ["--save", save, "--save-interval", "2"]
@@ -89,6 +90,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus):
     assert hist["iterations"] == [3, 4, 5, 6]  # the good checkpoint resumes
 
 
+@pytest.mark.slow  # a whole training run; the suite's time budget
 def test_load_of_an_empty_directory_starts_from_scratch(tmp_path, corpus):
     """As in Megatron-LM, --load DIR --save DIR on the first run trains from scratch."""
     ck = str(tmp_path / "ck")

@@ -84,6 +84,16 @@ def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> N
         _register_gloo_uneven(pm, feature)
 
 
+def _is_gloo(group: Any) -> bool:
+    """Whether ``group`` (None: the default group) runs on gloo."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_backend(group) == "gloo"
+    except Exception:
+        return False
+
+
 class _DivideOnWait:
     """Async handle whose wait() finishes an emulated AVG by dividing the summed result."""
 
@@ -109,16 +119,10 @@ def _register_gloo_avg(pm: PatchManager, feature: str) -> None:
 
     avg = dist.ReduceOp.AVG
 
-    def is_gloo(group: Any) -> bool:
-        try:
-            return dist.get_backend(group) == "gloo"
-        except Exception:
-            return False
-
     def all_reduce_wrapper(fn):
         @functools.wraps(fn)
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            if op == avg and is_gloo(group):
+            if op == avg and _is_gloo(group):
                 n = dist.get_world_size(group)
                 work = fn(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
                 if async_op:
@@ -138,7 +142,7 @@ def _register_gloo_avg(pm: PatchManager, feature: str) -> None:
             group=None,  # noqa: A002
             async_op=False,
         ):
-            if op == avg and is_gloo(group):
+            if op == avg and _is_gloo(group):
                 n = dist.get_world_size(group)
                 work = fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
                 if async_op:
@@ -176,17 +180,11 @@ def _register_gloo_uneven(pm: PatchManager, feature: str) -> None:
     MoE dispatchers use both with per-rank token counts (expert tensor parallelism)."""
     import torch.distributed as dist
 
-    def is_gloo(group: Any) -> bool:
-        try:
-            return dist.get_backend(group) == "gloo"
-        except Exception:
-            return False
-
     def all_gather_wrapper(fn):
         @functools.wraps(fn)
         def all_gather(tensor_list, tensor, group=None, async_op=False):
             shapes = {tuple(t.shape) for t in tensor_list}
-            if len(shapes) == 1 or not is_gloo(group):
+            if len(shapes) == 1 or not _is_gloo(group):
                 return fn(tensor_list, tensor, group=group, async_op=async_op)
             rows = max(t.shape[0] for t in tensor_list)
             padded = tensor.new_zeros((rows, *tensor.shape[1:]))
@@ -202,7 +200,7 @@ def _register_gloo_uneven(pm: PatchManager, feature: str) -> None:
     def reduce_scatter_wrapper(fn):
         @functools.wraps(fn)
         def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            if not is_gloo(group):
+            if not _is_gloo(group):
                 return fn(output, input_list, op=op, group=group, async_op=async_op)
             full = torch.cat([t.reshape(-1) for t in input_list])
             dist.all_reduce(full, op=op, group=group)
