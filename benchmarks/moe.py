@@ -124,6 +124,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--skip-e2e", action="store_true")
     a = p.parse_args()
+    from anyspeed import quiet
+
+    quiet.install()
     print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, "
           f"threads {torch.get_num_threads()}")  # fmt: skip
     rows = run_distributed(expert_rows, 1, tokens=a.tokens, hidden=a.hidden, ffn=a.ffn,
