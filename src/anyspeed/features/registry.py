@@ -22,6 +22,7 @@ from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompa
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.moe.feature import MoECompat, MoEGroupedGemm
+from anyspeed.features.moe.mindspeed_flags import MindSpeedMoEFlags
 from anyspeed.features.ops.feature import (
     FlashAttention,
     FusedCrossEntropy,
@@ -45,6 +46,7 @@ def build() -> list[Feature]:
         MegatronLMCompat(),
         SafeLoading(),
         MegatronLMSafeLoading(),
+        MindSpeedMoEFlags(),
         MoECompat(),
         MoEGroupedGemm(),
         *kernels,

@@ -289,7 +289,15 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "--moe-router-load-balancing-type",
         str,
         "aux_loss",
-        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+        choices=(
+            "aux_loss",
+            "seq_aux_loss",
+            "global_aux_loss",
+            "sinkhorn",
+            "none",
+            "softmax_topk",
+            "group_limited_greedy",
+        ),  # MindSpeed-LLM's: mindspeed-moe-flags
         arch=False,
     ),  # fmt: skip
     ArchFlag(

@@ -86,6 +86,8 @@ RANGES: dict[str, Range] = {
     "--moe-router-group-topk": POSITIVE,
     "--moe-aux-loss-coeff": NONNEG,
     "--moe-z-loss-coeff": NONNEG,
+    "--n-shared-experts": POSITIVE,
+    "--first-k-dense-replace": COUNT,
     # training
     "--micro-batch-size": POSITIVE,
     "--global-batch-size": POSITIVE,

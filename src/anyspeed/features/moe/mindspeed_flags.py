@@ -1,0 +1,104 @@
+"""Level-0 feature ``mindspeed-moe-flags``: MindSpeed(-LLM)'s MoE flag names as Megatron's.
+
+MindSpeed-LLM launch scripts describe routers and shared experts with their own names. Each maps
+onto Megatron-Core's own options, rewritten in the parsed namespace before the model type reads
+it (idempotent: the checks run in the launcher and again in every rank):
+
+* ``--n-shared-experts N`` -> ``--moe-shared-expert-intermediate-size N x expert FFN``
+* ``--shared-expert-gate`` -> ``--moe-shared-expert-gate``
+* ``--first-k-dense-replace K`` -> ``--moe-layer-freq [0]*K+[1]*(L-K)``
+* ``--moe-router-load-balancing-type softmax_topk`` -> softmax over all experts, then top-k
+  (``--moe-router-pre-softmax``), no balancing loss; with ``--norm-topk-prob`` the top-k
+  probabilities are renormalised, which is Megatron's default (softmax after top-k)
+* ``group_limited_greedy`` -> the same scores, top-k within ``--moe-router-num-groups`` /
+  ``--moe-router-group-topk`` (both required)
+* ``--seq-aux`` -> ``seq_aux_loss``; ``--router-gating-in-fp32`` -> ``--moe-router-dtype fp32``
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features.base import Feature, FeatureError, add_flag
+
+_GREEDY = ("softmax_topk", "group_limited_greedy")
+
+
+class MindSpeedMoEFlags(Feature):
+    name = "mindspeed-moe-flags"
+    level = 0
+    description = "MindSpeed-LLM's MoE router and shared-expert flags, as Megatron's options"
+    flags = ("--n-shared-experts", "--shared-expert-gate", "--first-k-dense-replace",
+             "--seq-aux", "--norm-topk-prob", "--router-gating-in-fp32")  # fmt: skip
+
+    def add_arguments(self, parser: argparse._ActionsContainer) -> None:
+        add_flag(parser, "--n-shared-experts", type=int, default=None,
+                 help="MindSpeed: shared experts, each of the expert FFN size")  # fmt: skip
+        add_flag(parser, "--first-k-dense-replace", type=int, default=None,
+                 help="MindSpeed: the first K layers are dense, the rest MoE")  # fmt: skip
+        for flag, what in (("--shared-expert-gate", "= --moe-shared-expert-gate"),
+                           ("--seq-aux", "= --moe-router-load-balancing-type seq_aux_loss"),
+                           ("--norm-topk-prob", "renormalise the top-k probabilities"),
+                           ("--router-gating-in-fp32", "= --moe-router-dtype fp32")):  # fmt: skip
+            add_flag(parser, flag, action="store_true", help=f"MindSpeed: {what}")
+
+    def flag_notes(self) -> dict[str, str]:
+        return {
+            "--n-shared-experts N": "--moe-shared-expert-intermediate-size N x expert FFN",
+            "--shared-expert-gate": "--moe-shared-expert-gate",
+            "--first-k-dense-replace K": "--moe-layer-freq [0]*K+[1]*(L-K)",
+            "--moe-router-load-balancing-type softmax_topk": "softmax over all, top-k, no "
+            "balancing loss (--moe-router-pre-softmax; with --norm-topk-prob: softmax after "
+            "top-k)",
+            "--moe-router-load-balancing-type group_limited_greedy": "the same, top-k within "
+            "--moe-router-num-groups / --moe-router-group-topk",
+            "--seq-aux": "--moe-router-load-balancing-type seq_aux_loss",
+            "--router-gating-in-fp32": "--moe-router-dtype fp32",
+        }
+
+    def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
+        """Rewrite the MindSpeed names in ``args`` into Megatron's (one-line error if they
+        contradict an explicit Megatron flag)."""
+        shared = getattr(args, "n_shared_experts", None)
+        if shared:
+            ffn = getattr(args, "moe_ffn_hidden_size", None)
+            ffn = ffn or getattr(args, "ffn_hidden_size", None)
+            if ffn is None:
+                raise FeatureError("--n-shared-experts needs --moe-ffn-hidden-size")
+            args.moe_shared_expert_intermediate_size = shared * ffn
+        if getattr(args, "shared_expert_gate", False):
+            args.moe_shared_expert_gate = True
+        if getattr(args, "router_gating_in_fp32", False):
+            args.moe_router_dtype = "fp32"
+        self._dense_first(args)
+        self._router(args)
+
+    def _dense_first(self, args: argparse.Namespace) -> None:
+        k = getattr(args, "first_k_dense_replace", None)
+        if k is None:
+            return
+        layers = getattr(args, "num_layers", None) or 0
+        if not 0 <= k <= layers:
+            raise FeatureError(f"--first-k-dense-replace {k} must be within --num-layers {layers}")
+        pattern = f"[0]*{k}+[1]*{layers - k}" if k < layers else f"[0]*{k}"
+        if getattr(args, "moe_layer_freq", "1") not in ("1", 1, pattern):
+            raise FeatureError("--first-k-dense-replace and --moe-layer-freq contradict: give one")
+        args.moe_layer_freq = pattern
+
+    def _router(self, args: argparse.Namespace) -> None:
+        kind = getattr(args, "moe_router_load_balancing_type", None)
+        seq_aux = getattr(args, "seq_aux", False)
+        if kind in _GREEDY:
+            if kind == "group_limited_greedy" and not (
+                getattr(args, "moe_router_num_groups", None)
+                and getattr(args, "moe_router_group_topk", None)
+            ):
+                raise FeatureError(
+                    "--moe-router-load-balancing-type group_limited_greedy needs "
+                    "--moe-router-num-groups and --moe-router-group-topk"
+                )
+            args.moe_router_pre_softmax = not getattr(args, "norm_topk_prob", False)
+            kind = args.moe_router_load_balancing_type = "none"
+        if seq_aux and kind in (None, "none", "aux_loss", "seq_aux_loss"):
+            args.moe_router_load_balancing_type = "seq_aux_loss"

@@ -1,0 +1,74 @@
+"""MoE flags before anything starts: MindSpeed-LLM's names build the same model as Megatron's,
+and bad MoE settings are one line (in the launcher, before torchrun)."""
+
+from __future__ import annotations
+
+import pytest
+
+from anyspeed.errors import UsageError
+from anyspeed.training.arguments import parse_pretrain_args
+from anyspeed.training.checks import check_args
+
+RUN = ("--model tiny-qwen2.5 --mock-data --vocab-size 512 --seq-length 64 --train-iters 2 "
+       "--lr 1e-3 --global-batch-size 8 --micro-batch-size 2 --num-experts 4 "
+       "--moe-ffn-hidden-size 32").split()  # fmt: skip
+
+
+def _model(*flags: str, world: int = 1):
+    args = parse_pretrain_args([*RUN, *flags])
+    check_args(args, world)
+    return args.model_config
+
+
+@pytest.mark.parametrize(
+    "mindspeed,megatron",
+    [
+        ("--n-shared-experts 2 --shared-expert-gate",
+         "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate"),
+        ("--first-k-dense-replace 1", "--moe-layer-freq [0]*1+[1]*1"),
+        ("--moe-router-load-balancing-type softmax_topk",
+         "--moe-router-pre-softmax --moe-router-load-balancing-type none"),
+        ("--moe-router-load-balancing-type softmax_topk --norm-topk-prob",
+         "--moe-router-load-balancing-type none"),
+        ("--moe-router-load-balancing-type group_limited_greedy --moe-router-num-groups 2 "
+         "--moe-router-group-topk 1 --seq-aux",
+         "--moe-router-pre-softmax --moe-router-num-groups 2 --moe-router-group-topk 1 "
+         "--moe-router-load-balancing-type seq_aux_loss"),
+        ("--seq-aux --router-gating-in-fp32",
+         "--moe-router-load-balancing-type seq_aux_loss --moe-router-dtype fp32"),
+        ("--moe-token-dispatcher-type alltoall_seq", "--moe-token-dispatcher-type alltoall"),
+    ],
+)  # fmt: skip
+def test_mindspeed_names_build_the_same_model(mindspeed, megatron):
+    got, want = _model(*mindspeed.split()), _model(*megatron.split())
+    assert got.to_dict() == want.to_dict() or (
+        # MindSpeed's dispatcher name stays visible in the model type; it builds as alltoall
+        got.replace(moe_token_dispatcher_type="alltoall").to_dict() == want.to_dict()
+    )
+
+
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        ("--moe-router-topk 5", "--moe-router-topk 5 exceeds --num-experts 4"),
+        ("--moe-layer-freq [0]*1+[1]*2", "describes 3 layers; --num-layers is 2"),
+        ("--moe-router-num-groups 3 --moe-router-group-topk 1", "--moe-router-num-groups"),
+        ("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid"),
+        ("--moe-shared-expert-gate", "needs --moe-shared-expert-intermediate-size"),
+        ("--moe-token-dispatcher-type flex", "flex needs DeepEP or HybridEP on CUDA"),
+        ("--moe-router-load-balancing-type group_limited_greedy", "needs --moe-router-num-groups"),
+        ("--first-k-dense-replace 1 --moe-layer-freq 2", "contradict: give one"),
+        ("--expert-model-parallel-size 3", "--num-experts 4 is not divisible by"),
+    ],
+)  # fmt: skip
+def test_bad_moe_settings_are_one_line(flags, line):
+    with pytest.raises(UsageError, match=None) as err:
+        _model(*flags.split(), world=3 if "parallel-size 3" in flags else 1)
+    assert line in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_expert_parallel_needs_experts():
+    args = parse_pretrain_args([a for a in RUN if a not in ("--num-experts", "4")] +
+                               ["--expert-model-parallel-size", "2"])  # fmt: skip
+    with pytest.raises(UsageError, match="need a MoE model: add --num-experts"):
+        check_args(args, 2)
