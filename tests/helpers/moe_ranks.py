@@ -61,13 +61,52 @@ def _hf_block(family: str):
 
 
 def moe_layer_vs_hf_all() -> dict:
-    """Every (family, grouped) case of :func:`moe_layer_vs_hf` in one process."""
+    """Every (family, grouped) case of :func:`moe_layer_vs_hf` in one process, and the
+    capacity-factor case of :func:`capacity_vs_reference`."""
     _init_single_rank()
-    return {
+    out = {
         (family, grouped): moe_layer_vs_hf(family, grouped)
         for family in ("mixtral", "qwen2_moe")
         for grouped in (False, True)
     }
+    out["capacity"] = capacity_vs_reference()
+    return out
+
+
+def capacity_vs_reference(factor: float = 0.5) -> dict:
+    """Token dropping (``--moe-expert-capacity-factor``, drop policy ``probs``): Megatron's
+    layer against plain torch that keeps, per expert, the ``ceil(T*k/E*factor)`` routed tokens
+    with the highest routing probability."""
+    import math
+
+    import torch.nn.functional as F
+
+    from anyspeed.models.config import ModelConfig
+
+    model = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_experts=4,
+                        moe_expert_capacity_factor=factor)  # fmt: skip
+    layer = _moe_layer(model, grouped=False)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    x = torch.randn(10, 2, 32, generator=g)  # [s, b, h]: 20 tokens
+    out, _ = layer(x)
+    tokens, k, experts = x.reshape(-1, 32), 2, 4
+    top_v, top_i = (tokens @ layer.router.weight.T).topk(k, dim=-1)
+    probs = torch.zeros(20, experts).scatter(1, top_i, torch.softmax(top_v, dim=-1))
+    cap = math.ceil(20 * k / experts * factor)
+    ref = torch.zeros_like(tokens)
+    kept = 0
+    for e, mlp in enumerate(layer.experts.local_experts):
+        keep = probs[:, e].topk(cap).indices
+        keep = keep[probs[keep, e] > 0]
+        kept += len(keep)
+        gate, up = F.linear(tokens[keep], mlp.linear_fc1.weight).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, mlp.linear_fc2.weight)
+        ref[keep] += probs[keep, e, None] * y
+    return {"diff": (out.reshape(-1, 32) - ref).abs().max().item(), "kept": kept,
+            "routed": 20 * k, "cap": cap}  # fmt: skip
 
 
 def moe_layer_vs_hf(family: str, grouped: bool) -> dict:

@@ -2,6 +2,8 @@
 
 * One MoE layer equals transformers' ``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` on
   the same weights: outputs and input gradients within 1e-6, with sequential and grouped experts.
+* Token dropping with a capacity factor equals plain torch that keeps each expert's most
+  probable routed tokens.
 * The grouped matmul equals a per-expert loop, forward and backward, with an empty expert and
   with row sizes torch's kernel refuses (not 16-byte aligned).
 """
@@ -28,6 +30,12 @@ def test_moe_layer_matches_transformers(layer_results, family, grouped):
     res = layer_results[(family, grouped)]
     assert res["experts"] == ("GroupedMLP" if grouped else "SequentialMLP")
     assert res["out"] <= 1e-6 and res["grad"] <= 1e-6, res
+
+
+def test_capacity_factor_drops_the_least_likely_tokens(layer_results):
+    res = layer_results["capacity"]
+    assert res["kept"] < res["routed"]  # the factor 0.5 dropped tokens
+    assert res["diff"] <= 1e-6, res
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,8 @@ def test_mindspeed_names_build_the_same_model(mindspeed, megatron):
         ("--moe-router-load-balancing-type group_limited_greedy", "needs --moe-router-num-groups"),
         ("--first-k-dense-replace 1 --moe-layer-freq 2", "contradict: give one"),
         ("--expert-model-parallel-size 3", "--num-experts 4 is not divisible by"),
+        ("--moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor"),
+        ("--moe-expert-capacity-factor 0", "--moe-expert-capacity-factor must be > 0"),
     ],
 )  # fmt: skip
 def test_bad_moe_settings_are_one_line(flags, line):

@@ -64,6 +64,9 @@ class ModelConfig:
     moe_router_dtype: str | None = field(default=None, compare=False)
     moe_token_dispatcher_type: str = field(default="allgather", compare=False)
     moe_grouped_gemm: bool = field(default=False, compare=False)
+    moe_expert_capacity_factor: float | None = field(default=None, compare=False)
+    moe_pad_expert_input_to_capacity: bool = field(default=False, compare=False)
+    moe_token_drop_policy: str = field(default="probs", compare=False)
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -105,6 +108,14 @@ class ModelConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError(
                 "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"
+            )
+        if self.moe_expert_capacity_factor is not None and self.moe_router_load_balancing_type in (
+            "sinkhorn",
+        ):
+            raise ValueError("--moe-expert-capacity-factor does not work with sinkhorn routing")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError(
+                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"
             )
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
@@ -312,6 +323,21 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         arch=False,
     ),  # fmt: skip
     ArchFlag("moe_grouped_gemm", "--moe-grouped-gemm", None, arch=False),
+    ArchFlag("moe_expert_capacity_factor", "--moe-expert-capacity-factor", float, arch=False),
+    ArchFlag(
+        "moe_pad_expert_input_to_capacity",
+        "--moe-pad-expert-input-to-capacity",
+        None,
+        arch=False,
+    ),  # fmt: skip
+    ArchFlag(
+        "moe_token_drop_policy",
+        "--moe-token-drop-policy",
+        str,
+        "probs",
+        choices=("probs", "position"),
+        arch=False,
+    ),  # fmt: skip
 )
 
 

@@ -110,6 +110,9 @@ def moe_config(model: ModelConfig) -> dict[str, Any]:
         # MindSpeed's alltoall_seq is Megatron's alltoall (sequence-parallel aware since 0.10)
         moe_token_dispatcher_type=model.moe_token_dispatcher_type.replace("_seq", ""),
         moe_grouped_gemm=model.moe_grouped_gemm,
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=model.moe_token_drop_policy,
     )
 
 

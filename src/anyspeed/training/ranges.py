@@ -87,6 +87,7 @@ RANGES: dict[str, Range] = {
     "--moe-aux-loss-coeff": NONNEG,
     "--moe-z-loss-coeff": NONNEG,
     "--n-shared-experts": POSITIVE,
+    "--moe-expert-capacity-factor": STRICTLY_POSITIVE,
     "--first-k-dense-replace": COUNT,
     # training
     "--micro-batch-size": POSITIVE,
