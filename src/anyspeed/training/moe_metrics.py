@@ -19,22 +19,21 @@ from anyspeed.layout import Layout
 class MoEMetrics:
     """Counts tokens routed to each expert of each MoE layer during one optimizer step."""
 
-    def __init__(self, model: list[torch.nn.Module], layout: Layout, num_layers: int) -> None:
+    def __init__(
+        self, model: list[torch.nn.Module], layout: Layout, num_layers: int, num_experts: int
+    ) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
+        from anyspeed.device import torch_device
+
         self.layout = layout
-        self.num_layers = num_layers
+        self.num_layers, self.num_experts = num_layers, num_experts  # the same on every rank
+        self.device = torch_device()  # NCCL reduces device tensors only
         self.counts: dict[int, torch.Tensor] = {}
-        self.num_experts = 0
         for chunk in model:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
-                    self.num_experts = module.config.num_moe_experts
                     module.register_forward_hook(self._count)
-
-    @property
-    def active(self) -> bool:
-        return self.num_experts > 0
 
     def _count(self, router: Any, inputs: Any, outputs: Any) -> None:
         if not torch.is_grad_enabled():
@@ -57,7 +56,7 @@ class MoEMetrics:
         table = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
         for layer, got in self.counts.items():
             table[layer - 1] += got
-        torch.distributed.all_reduce(table)
+        table = self._sum(table)
         # Tensor-parallel ranks without sequence parallelism route the same tokens.
         dup = 1 if self.layout.sequence_parallel else self.layout.tp
         table /= dup
@@ -71,6 +70,12 @@ class MoEMetrics:
         }
         out.update(self._losses(num_microbatches))
         return out
+
+    def _sum(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """All-reduce a host tensor through the device (SUM unless ``op``); back on the host."""
+        on_device = t.to(self.device)
+        torch.distributed.all_reduce(on_device, op=op or torch.distributed.ReduceOp.SUM)
+        return on_device.cpu()
 
     def _losses(self, num_microbatches: int) -> dict[str, float]:
         """Each loss in Megatron's tracker as Megatron-LM logs it: summed over the group whose
@@ -86,7 +91,7 @@ class MoEMetrics:
         held = torch.zeros(self.num_layers, dtype=torch.float64)
         for layer in self.counts:
             held[layer - 1] = 1.0
-        torch.distributed.all_reduce(held)
+        held = self._sum(held)
         out = {}
         for name in sorted(set().union(*everyone)):
             # [values..., size of the group that shares one loss between its ranks]
@@ -95,9 +100,8 @@ class MoEMetrics:
                 values[:-1] += tracker[name]["values"].to("cpu", torch.float64)
                 group = tracker[name].get("reduce_group")
                 values[-1] = group.size() if group is not None else 1
-            shared = values[-1:].clone()
-            torch.distributed.all_reduce(values)
-            torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
+            shared = self._sum(values[-1:].clone(), torch.distributed.ReduceOp.MAX)
+            values = self._sum(values)
             layers = held > 0
             per_layer = values[:-1][layers] * shared / held[layers] / num_microbatches
             out[name] = float(per_layer.mean()) if layers.any() else float("nan")

@@ -43,7 +43,9 @@ class Trainer:
         self.model = build_model(model, layout, cfg, transforms)
         self.optimizer = build_optimizer(self.model, cfg, layout)
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
-        self.moe = MoEMetrics(self.model, layout, model.num_layers) if model.is_moe else None
+        self.moe = None
+        if model.is_moe:
+            self.moe = MoEMetrics(self.model, layout, model.num_layers, model.num_experts or 0)
         self.iteration = 0
 
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], forward_only: bool) -> float:
