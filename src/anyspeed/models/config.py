@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from anyspeed.models.moe import check_moe, layer_pattern
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -88,37 +90,11 @@ class ModelConfig:
         """Which layers are MoE layers (all False for a dense model)."""
         if not self.is_moe:
             return [False] * self.num_layers
-        return [bool(x) for x in moe_layer_pattern(self.moe_layer_freq, self.num_layers)]
+        return [bool(x) for x in layer_pattern(self.moe_layer_freq, self.num_layers)]
 
     def check(self) -> None:
         """ValueError (one line, naming the flag) when the MoE settings cannot build."""
-        if not self.is_moe:
-            return
-        self.moe_layers()  # the --moe-layer-freq pattern fits --num-layers
-        e, k = self.num_experts or 0, self.moe_router_topk
-        if k > e:
-            raise ValueError(f"--moe-router-topk {k} exceeds --num-experts {e}")
-        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
-        if groups or group_topk:
-            if not (groups and group_topk) or e % groups or group_topk > groups:
-                raise ValueError(
-                    "--moe-router-num-groups must divide --num-experts and "
-                    "--moe-router-group-topk must be <= it (both are needed)"
-                )
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-            raise ValueError(
-                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"
-            )
-        if self.moe_expert_capacity_factor is not None and self.moe_router_load_balancing_type in (
-            "sinkhorn",
-        ):
-            raise ValueError("--moe-expert-capacity-factor does not work with sinkhorn routing")
-        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
-            raise ValueError(
-                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"
-            )
-        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
-            raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+        check_moe(self)
 
     @property
     def gqa(self) -> bool:
@@ -369,30 +345,3 @@ def _infer_family(values: dict[str, Any]) -> str:
     bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
     ranked = sorted(FAMILIES.values(), key=lambda f: (f.qk_norm != norm, f.qkv_bias != bias))
     return ranked[0].name  # sorted() is stable: registry order breaks ties
-
-
-def moe_layer_pattern(freq: str | int, num_layers: int) -> list[int]:
-    """Megatron's ``--moe-layer-freq``: ``N`` (every N-th layer is MoE, from the first) or a
-    list expression such as ``([0]*1+[1]*3)``, read without ``eval``; 1 marks a MoE layer."""
-    text = str(freq).replace(" ", "")
-    if text.isdigit():
-        n = int(text)
-        if n < 1:
-            raise ValueError(f"--moe-layer-freq must be >= 1 (got {n})")
-        return [1 if i % n == 0 else 0 for i in range(num_layers)]
-    body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
-    pattern: list[int] = []
-    for term in body.split("+"):
-        values, _, times = term.partition("*")
-        if not (values.startswith("[") and values.endswith("]")) or (times and not times.isdigit()):
-            raise ValueError(f"--moe-layer-freq: cannot read {freq!r} (e.g. 2 or '[0]*1+[1]*3')")
-        items = [v for v in values[1:-1].split(",") if v]
-        if any(v not in ("0", "1") for v in items):
-            raise ValueError(f"--moe-layer-freq: entries must be 0 or 1 (got {freq!r})")
-        pattern += [int(v) for v in items] * int(times or 1)
-    if len(pattern) != num_layers:
-        raise ValueError(
-            f"--moe-layer-freq {freq!r} describes {len(pattern)} layers; "
-            f"--num-layers is {num_layers}"
-        )
-    return pattern
