@@ -45,6 +45,12 @@ NOOPS: dict[str, tuple[bool, str]] = {
     "--log-validation-ppl-to-tensorboard": (False, "anyspeed pretrain writes no separate "
                                             "validation-perplexity series"),
     "--num-workers": (True, "anyspeed pretrain reads samples in the training process"),
+    "--moe-permutation-async-comm": (False, "MindSpeed's asynchronous all-gathers around MoE "
+                                     "token permutation: the dispatchers here are synchronous "
+                                     "(gloo has no overlap to gain)"),
+    "--moe-alltoall-overlap-comm": (False, "MindSpeed's overlap of the MoE all-to-all with "
+                                    "expert compute is not implemented by anyspeed (it needs "
+                                    "CUDA streams): the all-to-all runs without overlap"),
 }  # fmt: skip
 
 
