@@ -62,12 +62,17 @@ _PARTIAL = re.compile(r"^\..+\.partial-(\d+)$")  # a conversion's staging dir, b
 _STAGED = re.compile(r"^(iter_\d+|release)\.(tmp|old)$")  # a checkpoint being saved or replaced
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (this one included): whose leftovers may be removed."""
+    if pid == os.getpid():
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except (OverflowError, ValueError):  # not a possible PID
+        return False
+    except PermissionError:  # another user's live process
         return True
     return True
 
@@ -92,7 +97,7 @@ def remove_stale(root: str | os.PathLike[str]) -> list[str]:
         partial = _PARTIAL.match(name)
         if partial:
             pid = int(partial.group(1))
-            stale = pid != os.getpid() and not _alive(pid)
+            stale = not pid_alive(pid)
         else:
             stale = name == TRACKER + ".tmp" or _STAGED.match(name) is not None
         if not stale:

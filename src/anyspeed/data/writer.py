@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from anyspeed.checkpoint_files import pid_alive
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = {
@@ -158,25 +160,11 @@ def remove_stale_temp_files(prefix: str) -> list[str]:
     for path in sorted(glob.glob(glob.escape(prefix) + ".*")):
         match = _TEMP_NAME.fullmatch(path[len(prefix) :])
         pids = [int(p) for p in match.groups() if p] if match else []
-        if pids and not any(_alive(pid) for pid in pids):
+        if pids and not any(pid_alive(pid) for pid in pids):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
                 removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OverflowError, ValueError):  # not a possible PID
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
 class IndexFileError(ValueError):

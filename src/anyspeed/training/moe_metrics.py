@@ -39,7 +39,7 @@ class MoEMetrics:
         if not torch.is_grad_enabled():
             return  # evaluation and recomputation do not route training tokens
         _, routing_map = outputs
-        got = routing_map.detach().sum(0).to("cpu", torch.float64)
+        got = routing_map.detach().sum(0, dtype=torch.float64)  # stays on the device: no sync
         layer = int(router.layer_number)
         self.counts[layer] = self.counts.get(layer, 0) + got
 
@@ -53,9 +53,10 @@ class MoEMetrics:
     def collect(self, num_microbatches: int) -> dict[str, Any]:
         """The step's job-wide figures (a collective: every rank calls it): tokens per expert
         per MoE layer, the max/mean load, and each tracked loss averaged over MoE layers."""
-        table = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        table = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64,
+                            device=self.device)  # fmt: skip
         for layer, got in self.counts.items():
-            table[layer - 1] += got
+            table[layer - 1] += got.to(self.device)
         table = self._sum(table)
         # Tensor-parallel ranks without sequence parallelism route the same tokens.
         dup = 1 if self.layout.sequence_parallel else self.layout.tp
