@@ -29,12 +29,11 @@ from anyspeed.convert.megatron_io import (
     model_in_common,
     read_common,
     read_legacy,
-    read_torch_dist,
     save_legacy,
-    save_torch_dist,
 )
 from anyspeed.convert.pipeline import prefetch
 from anyspeed.convert.stored_model import family_for
+from anyspeed.convert.torch_dist import read_torch_dist, save_torch_dist
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.families import mapping_for

@@ -30,6 +30,27 @@ def groups(preset: ModelConfig) -> list[Group]:
     return [EMBED, *range(preset.num_layers), HEAD]
 
 
+def _layer_entries(m: FamilyMapping, preset: ModelConfig, i: int) -> dict[str, str | Fused]:
+    """Layer ``i``'s names relative to the layer: a MoE layer's ``mlp.*`` are its router,
+    shared expert (when the model has one) and every expert's, ``{e}`` filled in."""
+    if not preset.moe_layers()[i]:
+        return dict(m.layer)
+    out = {k: v for k, v in m.layer.items() if not k.startswith("mlp.")}
+    for k, v in m.moe.items():
+        if k.startswith("mlp.shared_experts.") and not (
+            preset.moe_shared_expert_intermediate_size
+            and (preset.moe_shared_expert_gate or not k.endswith("gate_weight"))
+        ):
+            continue
+        out[k] = v
+    for e in range(preset.num_experts or 0):
+        for k, v in m.expert.items():
+            src = Fused(v.kind, tuple(p.format(e=e) for p in v.parts)) if isinstance(v, Fused) \
+                else v.format(e=e)  # fmt: skip
+            out[k.format(e=e)] = src
+    return out
+
+
 def entries(m: FamilyMapping, preset: ModelConfig, group: Group) -> dict[str, str | Fused]:
     """Megatron name -> HF name (or Fused of HF names) for one group."""
     if isinstance(group, int):
@@ -38,7 +59,7 @@ def entries(m: FamilyMapping, preset: ModelConfig, group: Group) -> dict[str, st
             mg + k: (
                 Fused(v.kind, tuple(hf + p for p in v.parts)) if isinstance(v, Fused) else hf + v
             )
-            for k, v in m.layer.items()
+            for k, v in _layer_entries(m, preset, group).items()
         }
     out = {}
     for k, v in m.top.items():
@@ -99,6 +120,12 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
         "q_layernorm.weight": (d,),
         "k_layernorm.weight": (d,),
     }
+    if ".mlp." in name and preset.is_moe:
+        ffn = preset.moe_shared_expert_intermediate_size if ".shared_experts." in name else ffn
+        ffn = preset.expert_ffn_size if ".experts.local_experts." in name else ffn
+        shapes.update({"linear_fc1.weight": (2 * ffn, h), "linear_fc2.weight": (h, ffn),
+                       "router.weight": (preset.num_experts, h), "gate_weight": (1, h),
+                       "router.expert_bias": (preset.num_experts,)})  # fmt: skip
     for suffix, shape in shapes.items():
         if name.endswith(suffix):
             return shape
@@ -261,8 +288,12 @@ def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor | Stacked:
 
 def tp_divisible(preset: ModelConfig, tp: int) -> None:
     """ValueError (one line) when Megatron cannot shard this model over ``tp`` ranks."""
-    if preset.ffn_hidden_size % tp:
-        raise ValueError(
-            f"ffn hidden size {preset.ffn_hidden_size} is not divisible by "
-            f"--target-tensor-parallel-size {tp}"
-        )
+    sizes = {"ffn hidden size": preset.ffn_hidden_size}
+    if preset.is_moe:
+        sizes["expert ffn hidden size"] = preset.expert_ffn_size
+        sizes["shared expert size"] = preset.moe_shared_expert_intermediate_size or 0
+    for what, size in sizes.items():
+        if size % tp:
+            raise ValueError(
+                f"{what} {size} is not divisible by --target-tensor-parallel-size {tp}"
+            )

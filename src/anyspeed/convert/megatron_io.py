@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from anyspeed import checkpoint_files
-from anyspeed.checkpoint_files import RELEASE, TRACKER
+from anyspeed.checkpoint_files import TRACKER
 from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_tp
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import FileSink
@@ -40,7 +40,7 @@ from anyspeed.models.config import ModelConfig
 
 LEGACY_ITERATION = 1
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def common_state(preset: ModelConfig, iteration: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -183,100 +183,6 @@ def empty_model(preset: ModelConfig, dtype: torch.dtype):
     return gpt.build(preset, cfg)
 
 
-# ------------------------------------------------------------------------------- torch_dist
-def _group_index(preset: ModelConfig) -> Callable[[str], int]:
-    """Megatron tensor name -> its position in :func:`engine.groups` order."""
-
-    def index(name: str) -> int:
-        if mt := _LAYER.match(name):
-            return 1 + int(mt.group(1))
-        return 0 if name.startswith("embedding.") else preset.num_layers + 1
-
-    return index
-
-
-def save_torch_dist(
-    out_dir: Path,
-    preset: ModelConfig,
-    dtype: torch.dtype,
-    tensor_groups: Iterator[dict[str, torch.Tensor]],
-    common: dict,
-) -> None:
-    """Write ``out_dir/release`` + tracker from the full Megatron tensors of every group, in
-    ``engine.groups`` order. Each group is converted when the writer reaches it and dropped
-    when written (see :mod:`.dcp_io`), so one group is in memory, not the model."""
-    from megatron.core import dist_checkpointing
-
-    from anyspeed.convert.dcp_io import streaming_save_strategy
-    from anyspeed.convert.pipeline import prefetch
-
-    with megatron_session():
-        model = empty_model(preset, dtype)  # uninitialised: placeholders, never touched
-        placeholders = dict(model.state_dict(keep_vars=True))
-        strategy = streaming_save_strategy(
-            {k: v for k, v in placeholders.items() if isinstance(v, torch.Tensor)},
-            _group_index(preset),
-            prefetch(tensor_groups),
-        )
-        release = Path(checkpoint_files.iteration_dir(out_dir, RELEASE))
-        release.mkdir()
-        dist_checkpointing.save(
-            {"model": model.sharded_state_dict(), **common}, str(release), strategy
-        )
-    checkpoint_files.write_tracker(out_dir, RELEASE)
-
-
-def _checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, int | None]]:
-    """Megatron tensor name -> (its sharded key in a checkpoint, its layer on the stacked axis).
-
-    The keys come from Megatron's own GPTModel (its spec renames some, e.g. the local spec saves
-    ``input_layernorm.weight`` as ``self_attention.linear_qkv.layer_norm_weight``); every layer
-    has the same, so a one-layer model is enough to ask.
-    """
-    with megatron_session():
-        sd = empty_model(dataclasses.replace(preset, num_layers=1), torch.float32)
-        keys = {n: e.key for n, e in sd.sharded_state_dict().items() if hasattr(e, "key")}
-
-    def key(name: str) -> tuple[str, int | None]:
-        mt = _LAYER.match(name)
-        probe = f"decoder.layers.0.{name[mt.end() :]}" if mt else name
-        if probe not in keys:
-            raise ConvertError(f"internal: Megatron's GPTModel has no tensor {name}")
-        return keys[probe], int(mt.group(1)) if mt else None
-
-    return key
-
-
-def read_torch_dist(
-    it_dir: Path,
-    preset: ModelConfig,
-    group_names: Callable[[Group], list[str]],
-    groups: list[Group],
-) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
-    """Full Megatron tensors, one group at a time, read straight from the checkpoint's files.
-
-    Each tensor is one region of the checkpoint's global tensor (a layer's slice of the
-    layer-stacked key), assembled from whatever chunks the saving layout wrote.
-    """
-    from anyspeed.convert.dcp_io import DcpReader
-
-    reader = DcpReader(it_dir)
-    checkpoint_key = _checkpoint_keys(preset)
-    for group in groups:
-        out = {}
-        for name in group_names(group):
-            key, layer = checkpoint_key(name)
-            shape = reader.shape(key)
-            if layer is None:
-                out[name] = reader.read(key, (0,) * len(shape), shape)
-            else:
-                if layer >= shape[0]:
-                    raise ConvertError(f"{it_dir}: {key} has {shape[0]} layers, not {layer + 1}")
-                at = (layer,) + (0,) * (len(shape) - 1)
-                out[name] = reader.read(key, at, (1, *shape[1:]), squeeze=1)
-        yield group, out
-
-
 # ----------------------------------------------------------------------------------- legacy
 def _extra_states(names: list[str], last_stage: bool) -> dict[str, None]:
     """The ``_extra_state`` entries Megatron's linear layers add to a state dict."""
@@ -308,7 +214,7 @@ def save_legacy(
     per_stage = preset.num_layers // pp
 
     def local(name: str, s: int) -> str:
-        if mt := _LAYER.match(name):
+        if mt := LAYER.match(name):
             return f"decoder.layers.{int(mt.group(1)) - s * per_stage}." + name[mt.end() :]
         return name
 
@@ -368,7 +274,7 @@ def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor | 
         names = [n for n, v in shards[0].items() if isinstance(v, torch.Tensor)]
         by_group: dict[Group, list[str]] = {}
         for n in names:
-            mt = _LAYER.match(n)
+            mt = LAYER.match(n)
             if mt:
                 by_group.setdefault(int(mt.group(1)), []).append(n)
             elif n.startswith("embedding."):
@@ -384,7 +290,7 @@ def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor | 
             for n in by_group[g]:
                 full = merge_tp(n, [sh[n] for sh in shards])
                 if isinstance(g, int):
-                    n = f"decoder.layers.{g + offset}." + n[_LAYER.match(n).end() :]
+                    n = f"decoder.layers.{g + offset}." + n[LAYER.match(n).end() :]
                 out[n] = full
             yield (g + offset if isinstance(g, int) else g), out
         offset += len(layers)

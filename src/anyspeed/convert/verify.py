@@ -15,8 +15,8 @@ from anyspeed.convert.megatron_io import (
     megatron_session,
     read_legacy,
     read_model_preset,
-    read_torch_dist,
 )
+from anyspeed.convert.torch_dist import read_torch_dist
 from anyspeed.models.families import mapping_for
 
 
@@ -49,6 +49,10 @@ def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
             return model(tokens, pos, None).float()
 
 
+def _has_experts(config) -> bool:
+    return any(getattr(config, k, None) for k in ("num_experts", "num_local_experts"))
+
+
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of the ``transformers`` model of ``hf_dir`` in fp32.
 
@@ -62,9 +66,15 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
 
     ck = HFCheckpoint(hf_dir)
     config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {n: ck.get(n).float() for n in ck.names}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    if _has_experts(config):  # transformers fuses the per-expert tensors of the files itself
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(hf_dir), dtype=torch.float32, local_files_only=True, output_loading_info=True
+        )
+        missing, unexpected = info["missing_keys"], info["unexpected_keys"]
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = {n: ck.get(n).float() for n in ck.names}
+        missing, unexpected = model.load_state_dict(state, strict=False)
     if getattr(config, "tie_word_embeddings", False):
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:

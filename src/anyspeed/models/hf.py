@@ -88,10 +88,12 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
     head_dim = _number(config, "head_dim", int, None)
     explicit = head_dim and (traits.qk_norm or head_dim != hidden // heads)
     base, scaling = _hf_rope(config)
-    return ModelConfig(
+    layers = _number(config, "num_hidden_layers", int)
+    moe = traits.moe_from_hf(config, layers) if traits.moe_from_hf else {}
+    model = ModelConfig(
         name=name or f"hf-{family}",
         family=family,
-        num_layers=_number(config, "num_hidden_layers", int),
+        num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=_number(config, "intermediate_size", int),
         num_attention_heads=heads,
@@ -105,7 +107,10 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         qk_layernorm=traits.qk_norm,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        **moe,
     )
+    model.check()
+    return model
 
 
 def hf_config(model: ModelConfig) -> dict[str, Any]:
@@ -131,4 +136,10 @@ def hf_config(model: ModelConfig) -> dict[str, Any]:
         cfg["attention_bias"] = model.add_qkv_bias
     if model.rope_scaling:
         cfg["rope_scaling"] = dict(model.rope_scaling)
+    if model.is_moe:
+        if not traits.moe_to_hf:
+            raise ValueError(f"{model.family}: its Hugging Face model has no experts")
+        cfg.update(traits.moe_to_hf(model))
+    elif traits.moe_to_hf:
+        raise ValueError(f"{model.family}: its Hugging Face model needs --num-experts")
     return cfg

@@ -7,11 +7,21 @@ up from there.
 
 from __future__ import annotations
 
-from anyspeed.models.families import llama, mistral, qwen2, qwen3
+from anyspeed.models.families import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from anyspeed.models.families.base import Family, FamilyMapping, Fused, gate_up, qkv
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                                    mistral.FAMILY)}  # fmt: skip
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        llama.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+        mistral.FAMILY,
+        mixtral.FAMILY,
+        qwen2_moe.FAMILY,
+        qwen3_moe.FAMILY,
+    )  # fmt: skip
+}
 
 
 def mapping_for(family: str) -> FamilyMapping:

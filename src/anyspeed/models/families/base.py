@@ -3,7 +3,9 @@ declarative HF <-> Megatron tensor-name mapping the converter's shared engine wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from anyspeed.models.config import ModelConfig
 
@@ -37,11 +39,17 @@ class FamilyMapping:
     mg_layer: str = "decoder.layers.{i}."
     # HF tensors that older checkpoints carry and the model recomputes (suffixes).
     ignored_hf: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
+    # A MoE layer: its ``mlp.*`` tensors are ``moe`` (router, shared experts) plus ``expert``
+    # once per expert, ``{e}`` standing for the (global) expert index on both sides.
+    moe: dict[str, str | Fused] = field(default_factory=dict)
+    expert: dict[str, str | Fused] = field(default_factory=dict)
 
-    def extend(self, family: str, layer: dict[str, str | Fused] | None = None) -> FamilyMapping:
-        """This mapping under another family name, with extra per-layer tensors."""
+    def extend(self, family: str, layer: dict[str, str | Fused] | None = None,
+               **moe: dict[str, str | Fused]) -> FamilyMapping:  # fmt: skip
+        """This mapping under another family name, with extra per-layer tensors (and, as
+        ``moe=`` / ``expert=``, the tensors of its MoE layers)."""
         return replace(self, family=family, top=dict(self.top),
-                       layer={**self.layer, **(layer or {})})  # fmt: skip
+                       layer={**self.layer, **(layer or {})}, **moe)  # fmt: skip
 
 
 # Megatron-Core GPTModel (local spec) names <- Hugging Face LLaMA-style names.
@@ -72,6 +80,9 @@ class Family:
     mapping: FamilyMapping
     presets: tuple[ModelConfig, ...]  # published sizes
     tiny: tuple[ModelConfig, ...]  # the family's traits at a size a CPU trains in seconds
+    # MoE families: ModelConfig fields from an HF config.json, and back (see families/moe_hf.py)
+    moe_from_hf: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
+    moe_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
     qkv_bias: bool = False  # HF configs of the family imply biases on Q, K, V
     qk_norm: bool = False  # ... RMSNorm on queries and keys
     head_dim_in_config: bool = False  # HF config.json writes head_dim

@@ -1,0 +1,144 @@
+"""Megatron-Core's torch_dist checkpoints: written from full tensors one layer group at a time,
+and read back region by region, with the sharded keys Megatron's own GPTModel gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from anyspeed import checkpoint_files
+from anyspeed.checkpoint_files import RELEASE
+from anyspeed.convert.engine import Group, Stacked
+from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.megatron_io import LAYER, empty_model, megatron_session
+from anyspeed.models.config import ModelConfig
+
+
+def _group_index(preset: ModelConfig) -> Callable[[str], int]:
+    """Megatron tensor name -> its position in :func:`engine.groups` order."""
+
+    def index(name: str) -> int:
+        if mt := LAYER.match(name):
+            return 1 + int(mt.group(1))
+        return 0 if name.startswith("embedding.") else preset.num_layers + 1
+
+    return index
+
+
+def save_torch_dist(
+    out_dir: Path,
+    preset: ModelConfig,
+    dtype: torch.dtype,
+    tensor_groups: Iterator[dict[str, torch.Tensor]],
+    common: dict,
+) -> None:
+    """Write ``out_dir/release`` + tracker from the full Megatron tensors of every group, in
+    ``engine.groups`` order. Each group is converted when the writer reaches it and dropped
+    when written (see :mod:`.dcp_io`), so one group is in memory, not the model."""
+    from megatron.core import dist_checkpointing
+
+    from anyspeed.convert.dcp_io import streaming_save_strategy
+    from anyspeed.convert.pipeline import prefetch
+
+    with megatron_session():
+        model = empty_model(preset, dtype)  # uninitialised: placeholders, never touched
+        placeholders = dict(model.state_dict(keep_vars=True))
+        strategy = streaming_save_strategy(
+            {k: v for k, v in placeholders.items() if isinstance(v, torch.Tensor)},
+            _group_index(preset),
+            prefetch(tensor_groups),
+        )
+        release = Path(checkpoint_files.iteration_dir(out_dir, RELEASE))
+        release.mkdir()
+        dist_checkpointing.save(
+            {"model": model.sharded_state_dict(), **common}, str(release), strategy
+        )
+    checkpoint_files.write_tracker(out_dir, RELEASE)
+
+
+def _probe(preset: ModelConfig) -> tuple[ModelConfig, dict[bool, int]]:
+    """A one- or two-layer model with the same kinds of layers as ``preset`` (dense and/or
+    MoE), and which of its layers is of each kind: every layer of a kind has the same tensors."""
+    kinds = preset.moe_layers()
+    if not any(kinds):
+        return dataclasses.replace(preset, num_layers=1), {False: 0}
+    if all(kinds):
+        return dataclasses.replace(preset, num_layers=1, moe_layer_freq="1"), {True: 0}
+    return dataclasses.replace(preset, num_layers=2, moe_layer_freq="[0]*1+[1]*1"), {
+        False: 0,
+        True: 1,
+    }
+
+
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int, ...]]]:
+    """Megatron tensor name -> (its sharded key in a checkpoint, its index on the key's leading
+    axes: the layer of a layer-stacked key, or the expert of an expert-stacked one).
+
+    The keys come from Megatron's own GPTModel (its spec renames some, e.g. the local spec saves
+    ``input_layernorm.weight`` as ``self_attention.linear_qkv.layer_norm_weight``), asked of a
+    model with one layer of each kind. A dense model stacks its layers on one key; a MoE model
+    keys each layer apart and stacks a layer's experts on one key.
+    """
+    probe, layer_of_kind = _probe(preset)
+    with megatron_session():
+        sd = empty_model(probe, torch.float32)
+        keys = {n: e.key for n, e in sd.sharded_state_dict().items() if hasattr(e, "key")}
+    kinds = preset.moe_layers()
+
+    def key(name: str) -> tuple[str, tuple[int, ...]]:
+        mt = LAYER.match(name)
+        if not mt:
+            probe_name, index = name, ()
+        else:
+            layer, rest = int(mt.group(1)), name[mt.end() :]
+            j = layer_of_kind[kinds[layer]]
+            expert = _EXPERT.match(rest)
+            if expert:
+                rest = f"mlp.experts.local_experts.0.{rest[expert.end() :]}"
+            probe_name = f"decoder.layers.{j}.{rest}"
+            index = (int(expert.group(1)),) if expert else () if preset.is_moe else (layer,)
+        if probe_name not in keys:
+            raise ConvertError(f"internal: Megatron's GPTModel has no tensor {name}")
+        found = keys[probe_name]
+        if mt and preset.is_moe:  # per-layer keys: the probe's layer number -> this layer's
+            found = found.replace(f"decoder.layers.{j}.", f"decoder.layers.{layer}.", 1)
+        return found, index
+
+    return key
+
+
+def read_torch_dist(
+    it_dir: Path,
+    preset: ModelConfig,
+    group_names: Callable[[Group], list[str]],
+    groups: list[Group],
+) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
+    """Full Megatron tensors, one group at a time, read straight from the checkpoint's files.
+
+    Each tensor is one region of the checkpoint's global tensor (a layer's or an expert's slice
+    of a stacked key), assembled from whatever chunks the saving layout wrote.
+    """
+    from anyspeed.convert.dcp_io import DcpReader
+
+    reader = DcpReader(it_dir)
+    checkpoint_key = _checkpoint_keys(preset)
+    for group in groups:
+        out = {}
+        for name in group_names(group):
+            key, index = checkpoint_key(name)
+            shape = reader.shape(key)
+            if not index:
+                out[name] = reader.read(key, (0,) * len(shape), shape)
+                continue
+            if index[0] >= shape[0]:
+                raise ConvertError(f"{it_dir}: {key} has {shape[0]} entries, not {index[0] + 1}")
+            at = index + (0,) * (len(shape) - 1)
+            out[name] = reader.read(key, at, (1, *shape[1:]), squeeze=1)
+        yield group, out
