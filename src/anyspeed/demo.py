@@ -32,6 +32,12 @@ DEMO_MODEL = [
     "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--split", "98,1,1", "--eval-interval", "100", "--eval-iters", "4", "--log-interval", "25",
 ]  # fmt: skip
+# With --moe: Qwen3-MoE's architecture (QK norm, 8 experts, top-2, aux loss) at CPU size,
+# experts spread over the processes (expert parallel) with the all-to-all dispatcher.
+DEMO_MOE = [
+    "--moe-ffn-hidden-size", "128", "--moe-aux-loss-coeff", "0.01",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
+]  # fmt: skip
 VOCAB = 1024
 PROMPT = "def read_file(path):\n    "
 
@@ -67,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--train-iters", type=int, default=400)
     p.add_argument("--corpus-mb", type=float, default=6.0)
+    p.add_argument("--moe", action="store_true",
+                   help="a Qwen3-MoE-style model, experts over the processes (EP=N)")  # fmt: skip
     args, extra = p.parse_known_args(argv)
     from anyspeed.data.cli import main as data_main
     from anyspeed.training.pretrain import main as pretrain_main
@@ -95,10 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.path.exists(metrics):
         os.remove(metrics)
     n = args.nproc_per_node
+    model = list(DEMO_MODEL)
+    layout = ["--tensor-model-parallel-size", str(n), *(["--sequence-parallel"] if n > 1 else [])]
+    if args.moe:
+        model[model.index("tiny-qwen2.5")] = "tiny-qwen3-moe"
+        layout = ["--expert-model-parallel-size", str(n), *DEMO_MOE]
     cmd = [
-        "--nproc-per-node", str(n), "--tensor-model-parallel-size", str(n),
-        *(["--sequence-parallel"] if n > 1 else []),
-        *DEMO_MODEL, "--padded-vocab-size", str(VOCAB), "--train-iters", str(args.train_iters),
+        "--nproc-per-node", str(n), *model, *layout, "--padded-vocab-size", str(VOCAB), "--train-iters", str(args.train_iters),
         "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir,
         "--data-path", data, "--save", save, "--save-interval", str(args.train_iters),
         "--generate-prompt", PROMPT, "--generate-tokens", "48", "--metrics-file", metrics,
@@ -113,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"demo: lm loss {first:.3f} (iteration {rows[0]['iteration']}) -> {last:.3f} "
               f"(iteration {rows[-1]['iteration']}): "
               + ("clearly falling, OK" if fell else "NOT clearly falling"))  # fmt: skip
+        if args.moe:
+            load = max(r["expert_load_max_over_mean"] for r in rows)
+            print(f"demo: expert load max/mean at most {load:.2f} over the logged iterations")
         rc = 0 if fell else 1
     print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
     return rc

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 from typing import Any
 
 from anyspeed.checkpoint_files import TRACKER, iteration_dir, read_tracker
@@ -162,7 +163,17 @@ _LAYER = "decoder.layers."
 
 
 def _shapes(meta: Any) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+    """Global shapes by key. A MoE model keys each layer apart (``decoder.layers.3.…``); those
+    are folded into the layer-stacked form a dense model saves, so one set of checks reads both."""
+    shapes = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+    per_layer: dict[str, list[tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        m = re.match(r"decoder\.layers\.\d+\.", key)
+        if m:
+            per_layer.setdefault(_LAYER + key[m.end() :], []).append(shape)
+    for key, found in per_layer.items():
+        shapes.setdefault(key, (len(found), *found[0]))
+    return shapes
 
 
 def _dim(shapes: dict[str, tuple[int, ...]], key: str, i: int) -> int | None:
@@ -177,6 +188,7 @@ def _differences(cfg: Any, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str
     proj, qkv = attn + "linear_proj.weight", attn + "linear_qkv"
     fc1, fc2 = _LAYER + "mlp.linear_fc1.weight", _LAYER + "mlp.linear_fc2.weight"
     emb = "embedding.word_embeddings.weight"
+    experts = _LAYER + "mlp.experts.experts.linear_fc2.weight"  # [layers, experts, h, ffn]
     d = cfg.head_dim
     q_width = _dim(shapes, proj, 2)
     rows = _dim(shapes, qkv + ".weight", 1)
@@ -199,6 +211,10 @@ def _differences(cfg: Any, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str
         ("--untie-embeddings-and-output-weights", not cfg.tie_embeddings,
          "output_layer.weight" in shapes),
         ("--padded-vocab-size", cfg.vocab_size, _dim(shapes, emb, 0)),
+        ("--num-experts", cfg.num_experts or 0,
+         _dim(shapes, experts, 1) if experts in shapes else 0 if fc2 in shapes else None),
+        ("--moe-ffn-hidden-size", cfg.expert_ffn_size if cfg.is_moe else None,
+         _dim(shapes, experts, 3)),
     ]  # fmt: skip
     return [(flag, ours, theirs) for flag, ours, theirs in checks
             if theirs is not None and ours != theirs]  # fmt: skip

@@ -31,6 +31,7 @@ from anyspeed.checkpoint_files import (
     write_tracker,
 )
 from anyspeed.training import checkpoint_checks as checks
+from anyspeed.training.optimizer_groups import needs_regroup, regroup
 
 CHECKPOINT_VERSION = 3.0
 
@@ -327,8 +328,17 @@ def _load(root: str, path: str, model: list[torch.nn.Module], optimizer: Any | N
     loaded = dist_checkpointing.load(state, path)
     _load_model_entries(model, loaded)
     if want_optim:
+        opt_state = loaded["optimizer"]
+        if needs_regroup(opt_state, optimizer):  # saved at another EP: expert optimizer or not
+            if not _is_distributed(optimizer):
+                raise CheckpointMismatch(
+                    f"--load {root!r}: its optimizer state was saved at another "
+                    "--expert-model-parallel-size; resume at that size, with "
+                    "--use-distributed-optimizer, or pass --no-load-optim"
+                )
+            opt_state = regroup(opt_state, optimizer)
         with torch.no_grad():  # the state is copied into views of the parameters
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(opt_state)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 master copies follow the loaded weights
     if scheduler is not None and not weights_only and load_optim:
