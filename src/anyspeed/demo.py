@@ -109,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model[model.index("tiny-qwen2.5")] = "tiny-qwen3-moe"
         layout = ["--expert-model-parallel-size", str(n), *DEMO_MOE]
     cmd = [
-        "--nproc-per-node", str(n), *model, *layout, "--padded-vocab-size", str(VOCAB), "--train-iters", str(args.train_iters),
+        "--nproc-per-node", str(n), *model, *layout, "--padded-vocab-size", str(VOCAB),
+        "--train-iters", str(args.train_iters),
         "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir,
         "--data-path", data, "--save", save, "--save-interval", str(args.train_iters),
         "--generate-prompt", PROMPT, "--generate-tokens", "48", "--metrics-file", metrics,
