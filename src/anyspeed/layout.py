@@ -68,6 +68,9 @@ class Layout:
     bucket_size: int | None = None
     ep: int = 1  # expert parallel: ranks that split the experts of a MoE layer
     etp: int | None = None  # expert tensor parallel (None: the same as tp)
+    # Uneven pipeline stages: layers of the first / last stage (None: an even share).
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         self.cp_algo = CPAlgo.parse(self.cp_algo)
@@ -88,6 +91,45 @@ class Layout:
     def chunks(self) -> int:
         """Model chunks per pipeline stage (1 without virtual pipelining)."""
         return self.vpp or 1
+
+    @property
+    def uneven(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers of each pipeline stage, as Megatron splits them: the first and last
+        stage as given (uneven stages), the others an even share of the rest."""
+        pp, first, last = self.pp, self.first_stage_layers, self.last_stage_layers
+        if not self.uneven:
+            if num_layers % (pp * self.chunks):
+                raise ValueError(
+                    f"--num-layers {num_layers} is not divisible by pipeline stages x virtual "
+                    f"chunks = {pp * self.chunks} (uneven stages: "
+                    "--decoder-first/last-pipeline-num-layers or --num-layer-list)"
+                )
+            return [num_layers // pp] * pp
+        flags = "--decoder-first/last-pipeline-num-layers (or --num-layer-list)"
+        if pp < 2 or self.vpp:
+            raise ValueError(f"{flags} need --pipeline-model-parallel-size >= 2 and no VPP")
+        fixed = [x for x in (first, last) if x is not None]
+        rest, others = num_layers - sum(fixed), pp - len(fixed)
+        if (
+            any(x < 1 for x in fixed)
+            or rest < others
+            or (others and rest % others)
+            or (not others and rest)
+        ):
+            raise ValueError(
+                f"{flags}: {first}/{last} cannot split --num-layers {num_layers} over {pp} "
+                "stages (the middle stages take equal shares of the rest, at least one layer)"
+            )
+        share = rest // others if others else 0
+        counts = [share] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
 
     def dp(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks."""
@@ -129,6 +171,16 @@ class Layout:
             overlap_grad_reduce=bool(get("overlap_grad_reduce", False)),
             overlap_param_gather=bool(get("overlap_param_gather", False)),
             bucket_size=get("ddp_bucket_size"),
+            **uneven_stages(
+                pp,
+                _opt_int(
+                    get("decoder_first_pipeline_num_layers"), "--decoder-first-pipeline-num-layers"
+                ),
+                _opt_int(
+                    get("decoder_last_pipeline_num_layers"), "--decoder-last-pipeline-num-layers"
+                ),
+                get("num_layer_list"),
+            ),  # fmt: skip
             ep=_int(get("expert_model_parallel_size", 1), "--expert-model-parallel-size"),
             etp=1  # MindSpeed's --moe-tp-extend-ep: the TP ranks widen EP instead
             if get("moe_tp_extend_ep", False)
@@ -169,11 +221,8 @@ class Layout:
                 f"--num-query-groups {num_query_groups} and --tensor-model-parallel-size {tp} "
                 "must divide one another"
             )
-        if num_layers is not None and num_layers % (pp * self.chunks):
-            raise ValueError(
-                f"--num-layers {num_layers} is not divisible by pipeline stages x virtual chunks "
-                f"= {pp * self.chunks}"
-            )
+        if num_layers is not None:
+            self.stage_layers(num_layers)  # ValueError naming the flags when they cannot split
         if self.sequence_parallel and tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if self.vpp and pp < 2:
@@ -273,3 +322,26 @@ def _int(value: Any, flag: str) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{flag} expects an integer (got {value!r})") from None
+
+
+def uneven_stages(pp: int, first: int | None, last: int | None, layer_list: Any) -> dict:
+    """First/last stage sizes from Megatron's flags or MindSpeed-LLM's ``--num-layer-list``
+    (one count per stage; Megatron-Core 0.16.1 gives the middle stages equal shares)."""
+    if layer_list in (None, ""):
+        return {"first_stage_layers": first, "last_stage_layers": last}
+    try:
+        counts = [int(x) for x in str(layer_list).split(",")]
+    except ValueError:
+        raise ValueError(f"--num-layer-list {layer_list!r}: give one whole number per stage, "
+                         "comma-separated (e.g. 3,5)") from None  # fmt: skip
+    if len(counts) != pp or first is not None or last is not None:
+        raise ValueError(
+            f"--num-layer-list {layer_list!r} needs one entry per pipeline stage "
+            f"({pp}) and no --decoder-first/last-pipeline-num-layers"
+        )
+    if pp > 2 and len(set(counts[1:-1])) > 1:
+        raise ValueError(f"--num-layer-list {layer_list!r}: the middle stages must be equal "
+                         "(Megatron-Core splits them evenly)")  # fmt: skip
+    if len(set(counts)) == 1:
+        return {}
+    return {"first_stage_layers": counts[0], "last_stage_layers": counts[-1]}

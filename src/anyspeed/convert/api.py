@@ -34,7 +34,7 @@ from anyspeed.convert.megatron_io import (
 from anyspeed.convert.pipeline import prefetch
 from anyspeed.convert.stored_model import family_for
 from anyspeed.convert.torch_dist import read_torch_dist, save_torch_dist
-from anyspeed.layout import Layout
+from anyspeed.layout import Layout, uneven_stages
 from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.families import mapping_for
 from anyspeed.models.hf import HF_ARCHITECTURES, preset_from_hf
@@ -80,15 +80,23 @@ def _preset(config: dict, model_type_hf: str | None) -> ModelConfig:
     return preset
 
 
-def check_target(preset: ModelConfig, tp: int, pp: int) -> None:
-    """One-line error when Megatron cannot lay the model out at TP x PP."""
+def check_target(
+    preset: ModelConfig, tp: int, pp: int, num_layer_list: str | None = None
+) -> list[int]:
+    """The layers of each pipeline stage; one-line error when Megatron cannot lay the model
+    out at TP x PP (with ``num_layer_list``, MindSpeed-LLM's uneven stages)."""
     if tp < 1 or pp < 1:
         raise ConvertError(
             "--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1"
         )
     try:
-        Layout(tp=tp, pp=pp).validate_for(tp * pp, preset)
+        layout = Layout(tp=tp, pp=pp, **uneven_stages(pp, None, None, num_layer_list))
+        if num_layer_list and sum(map(int, num_layer_list.split(","))) != preset.num_layers:
+            raise ValueError(f"--num-layer-list {num_layer_list} does not add up to the "
+                             f"model's {preset.num_layers} layers")  # fmt: skip
+        layout.validate_for(tp * pp, preset)
         engine.tp_divisible(preset, tp)
+        return layout.stage_layers(preset.num_layers)
     except ValueError as exc:
         msg = (
             str(exc)
@@ -130,6 +138,7 @@ def hf_to_megatron(
     model_type_hf: str | None = None,
     make_vocab_size_divisible_by: int = 1,
     params_dtype: str | None = None,
+    num_layer_list: str | None = None,
 ) -> Path:
     """Convert an HF directory into a Megatron checkpoint at ``save_dir``.
 
@@ -141,7 +150,7 @@ def hf_to_megatron(
         raise ConvertError(f"--ckpt-format {ckpt_format}: choose torch_dist or legacy")
     ck = HFCheckpoint(hf_dir)
     preset = _preset(ck.config, model_type_hf)
-    check_target(preset, tp, pp)
+    counts = check_target(preset, tp, pp, num_layer_list)
     _check_hf_tensors(ck, preset)
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
@@ -164,12 +173,12 @@ def hf_to_megatron(
                 tmp, mg_preset, dtype, (group(g, True) for g in engine.groups(preset)), common
             )
         else:
-            per = preset.num_layers // pp
+            starts = [sum(counts[:s]) for s in range(pp + 1)]
 
             def stage(s: int) -> Iterator[dict[str, torch.Tensor | engine.Stacked]]:
                 if s == 0:
                     yield group(engine.EMBED, True)
-                for i in range(s * per, (s + 1) * per):
+                for i in range(starts[s], starts[s + 1]):
                     yield group(i, True)
                 if s == pp - 1:
                     yield group(engine.HEAD, True)
@@ -177,7 +186,7 @@ def hf_to_megatron(
                         emb = group(engine.EMBED, True)["embedding.word_embeddings.weight"]
                         yield {"output_layer.weight": emb}
 
-            save_legacy(tmp, mg_preset, tp, pp, stage, common_state(mg_preset, 1, extra))
+            save_legacy(tmp, mg_preset, tp, counts, stage, common_state(mg_preset, 1, extra))
     return Path(save_dir)
 
 

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--ckpt-format", choices=["torch_dist", "legacy"], default="torch_dist")
+    p.add_argument("--num-layer-list", default=None,
+                   help="layers per pipeline stage, comma-separated (legacy)")  # fmt: skip
     p.add_argument(
         "--hf-cfg-dir",
         help="HF directory whose config.json and tokenizer files "
@@ -160,6 +162,7 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 model_type_hf=args.model_type_hf,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 params_dtype=args.params_dtype,
+                num_layer_list=args.num_layer_list,
             )
             hf_dir, mg_dir = args.load_dir, args.save_dir
         elif direction == ("mg", "hf"):

@@ -196,7 +196,7 @@ def save_legacy(
     out_dir: Path,
     preset: ModelConfig,
     tp: int,
-    pp: int,
+    stage_layers: list[int],
     stage_groups: Callable[[int], Iterator[dict[str, torch.Tensor | Stacked]]],
     common: dict,
 ) -> None:
@@ -211,11 +211,12 @@ def save_legacy(
     from concurrent.futures import ThreadPoolExecutor
 
     it_dir = Path(checkpoint_files.iteration_dir(out_dir, LEGACY_ITERATION))
-    per_stage = preset.num_layers // pp
+    pp = len(stage_layers)
 
     def local(name: str, s: int) -> str:
         if mt := LAYER.match(name):
-            return f"decoder.layers.{int(mt.group(1)) - s * per_stage}." + name[mt.end() :]
+            first = sum(stage_layers[:s])
+            return f"decoder.layers.{int(mt.group(1)) - first}." + name[mt.end() :]
         return name
 
     def save_rank(s: int, r: int) -> None:

@@ -28,6 +28,8 @@ MEGATRON_FLAGS: tuple[tuple[str, type], ...] = (
     ("--tensor-model-parallel-size", int),
     ("--pipeline-model-parallel-size", int),
     ("--num-layers-per-virtual-pipeline-stage", int),
+    ("--decoder-first-pipeline-num-layers", int),
+    ("--decoder-last-pipeline-num-layers", int),
     ("--num-layers", int),
     ("--num-attention-heads", int),
     ("--group-query-attention", bool),

@@ -19,6 +19,7 @@ from anyspeed.features.compat.cuda_only import CudaOnlyOptions
 from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
+from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.moe.feature import MoECompat, MoEGroupedGemm
@@ -40,6 +41,7 @@ def build() -> list[Feature]:
         DeviceCompat(),
         MegatronCoreCompat(),
         CudaOnlyOptions(),
+        NumLayerList(),  # rewrites the namespace the layout check reads
         LayoutCheck(),
         AcceptedFlags(kernels=kernels),
         MegatronLMArgs(),

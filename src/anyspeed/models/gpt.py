@@ -74,6 +74,8 @@ def transformer_config(
         sequence_parallel=layout.sequence_parallel,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,

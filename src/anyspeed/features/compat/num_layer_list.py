@@ -1,0 +1,53 @@
+"""Level-0 feature ``num-layer-list``: MindSpeed-LLM's ``--num-layer-list`` (layers per pipeline
+stage) as Megatron's ``--decoder-first/last-pipeline-num-layers``.
+
+Megatron-Core 0.16.1 sizes the first and last stage freely and splits the rest evenly, so a list
+whose middle entries differ is a one-line error; the namespace is rewritten before Megatron (or
+``anyspeed pretrain``) derives the layout, in every entry path.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features.base import Feature, FeatureError, add_flag
+from anyspeed.layout import uneven_stages
+
+
+class NumLayerList(Feature):
+    name = "num-layer-list"
+    level = 0
+    description = "MindSpeed-LLM's --num-layer-list as Megatron's uneven first/last stages"
+    flags = ("--num-layer-list",)
+
+    def add_arguments(self, parser: argparse._ActionsContainer) -> None:
+        add_flag(parser, "--num-layer-list", type=str, default=None,
+                 help="MindSpeed-LLM: layers per pipeline stage, comma-separated")  # fmt: skip
+
+    def flag_notes(self) -> dict[str, str]:
+        return {"--num-layer-list A,..,Z": "--decoder-first-pipeline-num-layers A "
+                "--decoder-last-pipeline-num-layers Z (middle stages equal)"}  # fmt: skip
+
+    def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
+        text = getattr(args, "num_layer_list", None)
+        if not text:
+            return
+        pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+        try:
+            stages = uneven_stages(
+                pp,
+                getattr(args, "decoder_first_pipeline_num_layers", None),
+                getattr(args, "decoder_last_pipeline_num_layers", None),
+                text,
+            )
+        except ValueError as exc:  # fmt: skip
+            raise FeatureError(str(exc)) from None
+        counts = [int(x) for x in text.split(",")]
+        layers = getattr(args, "num_layers", None)
+        if layers is not None and sum(counts) != layers:
+            raise FeatureError(f"--num-layer-list {text} adds up to {sum(counts)} layers; "
+                               f"--num-layers is {layers}")  # fmt: skip
+        args.decoder_first_pipeline_num_layers = stages.get("first_stage_layers")
+        args.decoder_last_pipeline_num_layers = stages.get("last_stage_layers")
+        args.num_layer_list = None  # rewritten: later checks read Megatron's flags only
