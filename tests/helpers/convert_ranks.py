@@ -34,7 +34,7 @@ def tiny_hf_model(
     return cfg
 
 
-def _build(ckpt: str, tp: int, pp: int):
+def _build(ckpt: str, tp: int, pp: int, ep: int = 1):
     from megatron.core import parallel_state as ps
 
     from anyspeed.convert import read_model_preset
@@ -44,7 +44,7 @@ def _build(ckpt: str, tp: int, pp: int):
     preset = read_model_preset(ckpt)
     model = gpt.build(
         preset,
-        gpt.transformer_config(preset, Layout(tp=tp, pp=pp)),
+        gpt.transformer_config(preset, Layout(tp=tp, pp=pp, ep=ep)),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
@@ -73,7 +73,7 @@ def _logits(model, tokens):
     return forward_logits([model], tokens)  # Megatron's schedule + TP gather, at any layout
 
 
-def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens) -> dict[str, dict]:
+def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1) -> dict:
     """For each case: logits of GPTModel at TP x PP loaded (a) with dist_checkpointing from the
     torch_dist checkpoint, as ``pretrain --load`` does, and (b) with ``load_state_dict(strict=
     True)`` from this rank's legacy file, if given; plus legacy shapes that differ from the
@@ -81,13 +81,14 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens) -> dict[str,
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
+    from anyspeed.convert.megatron_io import rank_dir_name
     from anyspeed.layout import Layout
     from anyspeed.training.distributed import init_distributed
 
-    init_distributed(Layout(tp=tp, pp=pp), seed=0)
+    init_distributed(Layout(tp=tp, pp=pp, ep=ep), seed=0)
     out = {}
     for name, case in cases.items():
-        model = _build(case["torch_dist"], tp, pp)
+        model = _build(case["torch_dist"], tp, pp, ep)
         release = str(Path(case["torch_dist"]) / "release")
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, release)
         model.load_state_dict(state["model"])
@@ -96,7 +97,8 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens) -> dict[str,
             _resave(model, case["torch_dist"], case["resave"])
         if case.get("legacy"):
             r, s = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-            rank_dir = f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else "")
+            x = ps.get_expert_model_parallel_rank()
+            rank_dir = rank_dir_name(r, s, x, pp, ep)
             path = Path(case["legacy"]) / "iter_0000001" / rank_dir / "model_optim_rng.pt"
             state = torch.load(path, weights_only=True)["model"]
             expect = model.state_dict()

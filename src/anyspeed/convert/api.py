@@ -26,6 +26,7 @@ from anyspeed.convert.megatron_io import (
     common_state,
     iteration_dir,
     json_config,
+    legacy_expert_parallel,
     model_in_common,
     read_common,
     read_legacy,
@@ -81,20 +82,21 @@ def _preset(config: dict, model_type_hf: str | None) -> ModelConfig:
 
 
 def check_target(
-    preset: ModelConfig, tp: int, pp: int, num_layer_list: str | None = None
+    preset: ModelConfig, tp: int, pp: int, num_layer_list: str | None = None, ep: int = 1
 ) -> list[int]:
     """The layers of each pipeline stage; one-line error when Megatron cannot lay the model
     out at TP x PP (with ``num_layer_list``, MindSpeed-LLM's uneven stages)."""
-    if tp < 1 or pp < 1:
+    if tp < 1 or pp < 1 or ep < 1:
         raise ConvertError(
-            "--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1"
+            "--target-tensor-parallel-size, --target-pipeline-parallel-size and "
+            "--target-expert-parallel-size must be >= 1"
         )
     try:
-        layout = Layout(tp=tp, pp=pp, **uneven_stages(pp, None, None, num_layer_list))
+        layout = Layout(tp=tp, pp=pp, ep=ep, **uneven_stages(pp, None, None, num_layer_list))
         if num_layer_list and sum(map(int, num_layer_list.split(","))) != preset.num_layers:
             raise ValueError(f"--num-layer-list {num_layer_list} does not add up to the "
                              f"model's {preset.num_layers} layers")  # fmt: skip
-        layout.validate_for(tp * pp, preset)
+        layout.validate_for(tp * pp * ep, preset)
         engine.tp_divisible(preset, tp)
         return layout.stage_layers(preset.num_layers)
     except ValueError as exc:
@@ -102,6 +104,7 @@ def check_target(
             str(exc)
             .replace("--tensor-model", "--target-tensor")
             .replace("--pipeline-model", "--target-pipeline")
+            .replace("--expert-model-parallel-size", "--target-expert-parallel-size")
         )
         raise ConvertError(msg) from None
 
@@ -139,6 +142,7 @@ def hf_to_megatron(
     make_vocab_size_divisible_by: int = 1,
     params_dtype: str | None = None,
     num_layer_list: str | None = None,
+    ep: int = 1,
 ) -> Path:
     """Convert an HF directory into a Megatron checkpoint at ``save_dir``.
 
@@ -150,7 +154,7 @@ def hf_to_megatron(
         raise ConvertError(f"--ckpt-format {ckpt_format}: choose torch_dist or legacy")
     ck = HFCheckpoint(hf_dir)
     preset = _preset(ck.config, model_type_hf)
-    counts = check_target(preset, tp, pp, num_layer_list)
+    counts = check_target(preset, tp, pp, num_layer_list, ep)
     _check_hf_tensors(ck, preset)
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
@@ -165,7 +169,8 @@ def hf_to_megatron(
     def group(g: engine.Group, stacked: bool = False) -> dict[str, torch.Tensor | engine.Stacked]:
         return engine.to_megatron(m, preset, g, read, padded, stacked)
 
-    extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": preset.vocab_size}
+    extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": preset.vocab_size,
+             "expert_model_parallel_size": ep}  # fmt: skip
     with staged_output(save_dir) as tmp:
         if ckpt_format == "torch_dist":
             common = common_state(mg_preset, 0, extra)
@@ -186,7 +191,7 @@ def hf_to_megatron(
                         emb = group(engine.EMBED, True)["embedding.word_embeddings.weight"]
                         yield {"output_layer.weight": emb}
 
-            save_legacy(tmp, mg_preset, tp, counts, stage, common_state(mg_preset, 1, extra))
+            save_legacy(tmp, mg_preset, tp, counts, stage, common_state(mg_preset, 1, extra), ep)
     return Path(save_dir)
 
 
@@ -253,7 +258,7 @@ def megatron_to_hf(
             it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
         )
     else:
-        groups = read_legacy(it_dir)
+        groups = read_legacy(it_dir, legacy_expert_parallel(common))
     groups = prefetch(groups)  # read group N+1 while group N is written
     with staged_output(save_dir) as tmp:
         writer = ShardedWriter(tmp, list(want.items()), max_shard_size)

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="expert-parallel ranks of the legacy layout (torch_dist: any)")  # fmt: skip
     p.add_argument("--ckpt-format", choices=["torch_dist", "legacy"], default="torch_dist")
     p.add_argument("--num-layer-list", default=None,
                    help="layers per pipeline stage, comma-separated (legacy)")  # fmt: skip
@@ -163,6 +165,7 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 params_dtype=args.params_dtype,
                 num_layer_list=args.num_layer_list,
+                ep=args.target_expert_parallel_size,
             )
             hf_dir, mg_dir = args.load_dir, args.save_dir
         elif direction == ("mg", "hf"):

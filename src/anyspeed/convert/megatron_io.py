@@ -39,7 +39,8 @@ from anyspeed.convert.torch_files import load_torch_file, weights_only_load
 from anyspeed.models.config import ModelConfig
 
 LEGACY_ITERATION = 1
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -88,12 +89,43 @@ def _torch_load(path: Path) -> dict[str, Any]:
     return load_torch_file(path, 0, path.stat().st_size, str(path))
 
 
-def _legacy_ranks(it_dir: Path) -> dict[tuple[int, int], Path]:
+def rank_dir_name(t: int, s: int, x: int, pp: int, ep: int) -> str:
+    """Megatron-LM's legacy rank directory: ``mp_rank_TT[_PPP][_EEE]`` (PP / EP when > 1)."""
+    return f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (f"_{x:03d}" if ep > 1 else "")
+
+
+def _legacy_ranks(it_dir: Path, expert_parallel: bool) -> dict[tuple[int, int, int], Path]:
+    """(tp, pp, ep) rank -> file. ``mp_rank_TT_NNN`` is a pipeline stage unless the checkpoint
+    was saved with expert parallelism and no pipeline (Megatron-LM writes both alike)."""
     ranks = {}
     for p in it_dir.iterdir():
         if mt := _RANK_DIR.match(p.name):
-            ranks[(int(mt.group(1)), int(mt.group(2) or 0))] = p / "model_optim_rng.pt"
+            t, a, b = int(mt.group(1)), int(mt.group(2) or 0), int(mt.group(3) or 0)
+            key = (t, 0, a) if expert_parallel and mt.group(3) is None else (t, a, b)
+            ranks[key] = p / "model_optim_rng.pt"
     return ranks
+
+
+def legacy_expert_parallel(common: dict[str, Any]) -> int:
+    """The EP size a legacy checkpoint was saved with (anyspeed's record, or Megatron-LM's
+    args; 1 when neither says)."""
+    mine = (common.get("anyspeed_convert") or {}).get("expert_model_parallel_size")
+    args = common.get("args")
+    return int(mine or getattr(args, "expert_model_parallel_size", None) or 1)
+
+
+def _expert_slice(names: list[str], x: int, per_rank: int) -> dict[str, str]:
+    """Full-model name -> rank ``x``'s name, for the tensors EP rank ``x`` holds (its experts
+    renumbered from 0, everything else as is)."""
+    out = {}
+    for n in names:
+        mt = _LOCAL_EXPERT.search(n)
+        if mt is None:
+            out[n] = n
+        elif x * per_rank <= int(mt.group(2)) < (x + 1) * per_rank:
+            local = int(mt.group(2)) - x * per_rank
+            out[n] = n[: mt.start()] + f"{mt.group(1)}{local}." + n[mt.end() :]
+    return out
 
 
 def read_common(ckpt_dir: str | Path) -> dict[str, Any]:
@@ -101,7 +133,7 @@ def read_common(ckpt_dir: str | Path) -> dict[str, Any]:
     it_dir = iteration_dir(ckpt_dir)
     if checkpoint_format(it_dir) == "torch_dist":
         return _torch_load(it_dir / "common.pt")
-    first = _legacy_ranks(it_dir)[(0, 0)]
+    first = _legacy_ranks(it_dir, False)[(0, 0, 0)]  # rank 0 is named alike in every layout
     return {k: v for k, v in _torch_load(first).items() if k != "model"}
 
 
@@ -199,8 +231,10 @@ def save_legacy(
     stage_layers: list[int],
     stage_groups: Callable[[int], Iterator[dict[str, torch.Tensor | Stacked]]],
     common: dict,
+    ep: int = 1,
 ) -> None:
-    """Megatron-LM's ``iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt``, one tensor at a time.
+    """Megatron-LM's ``iter_0000001/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, one tensor at
+    a time (EP rank ``E`` holding its experts, numbered from 0, and everything else).
 
     Each rank file is first written by ``torch.save`` with its tensors as untouched
     placeholders and ``skip_data`` (the archive with room for every tensor), then each
@@ -212,6 +246,7 @@ def save_legacy(
 
     it_dir = Path(checkpoint_files.iteration_dir(out_dir, LEGACY_ITERATION))
     pp = len(stage_layers)
+    per_rank = (preset.num_experts or 0) // ep
 
     def local(name: str, s: int) -> str:
         if mt := LAYER.match(name):
@@ -219,17 +254,21 @@ def save_legacy(
             return f"decoder.layers.{int(mt.group(1)) - first}." + name[mt.end() :]
         return name
 
-    def save_rank(s: int, r: int) -> None:
-        shapes = {
-            local(n, s): (tuple(shard_tp(n, t, tp, r).shape), t.dtype)
-            for group in stage_groups(s)
-            for n, t in group.items()
-        }
+    def rank_tensors(s: int, x: int) -> Iterator[tuple[str, torch.Tensor | Stacked]]:
+        """(name in the rank file, full tensor) of stage ``s`` for EP rank ``x``."""
+        for group in stage_groups(s):
+            names = _expert_slice(list(group), x, per_rank)
+            for n, t in group.items():
+                if n in names:
+                    yield local(names[n], s), t
+
+    def save_rank(s: int, r: int, x: int) -> None:
+        shapes = {n: (tuple(shard_tp(n, t, tp, r).shape), t.dtype) for n, t in rank_tensors(s, x)}
         model: dict[str, torch.Tensor | None] = {
             n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in shapes.items()
         }
         model.update(_extra_states(list(shapes), s == pp - 1))
-        rank_dir = it_dir / (f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else ""))
+        rank_dir = it_dir / rank_dir_name(r, s, x, pp, ep)
         rank_dir.mkdir(parents=True)
         path = rank_dir / "model_optim_rng.pt"
         with torch.serialization.skip_data():
@@ -241,40 +280,43 @@ def save_legacy(
         offsets = {n: records.get_record_offset(f"data/{i}") for i, n in enumerate(shapes)}
         del records
         with FileSink(path, truncate=False) as f:
-            for group in stage_groups(s):
-                for n, t in group.items():
-                    shard = shard_tp(n, t, tp, r)
-                    if (tuple(shard.shape), shard.dtype) != shapes[local(n, s)]:
-                        raise ConvertError(f"internal: {n} changed between the two passes")
-                    f.seek(offsets[local(n, s)])
-                    f.write_tensor(shard)
+            for n, t in rank_tensors(s, x):
+                shard = shard_tp(n, t, tp, r)
+                if (tuple(shard.shape), shard.dtype) != shapes[n]:
+                    raise ConvertError(f"internal: {n} changed between the two passes")
+                f.seek(offsets[n])
+                f.write_tensor(shard)
 
-    tasks = [(s, r) for s in range(pp) for r in range(tp)]
+    tasks = [(s, r, x) for s in range(pp) for r in range(tp) for x in range(ep)]
     # copy_file_range, pwrite and torch ops release the GIL: the ranks are written in parallel.
     with ThreadPoolExecutor(min(len(tasks), 4)) as pool:
         list(pool.map(lambda task: save_rank(*task), tasks))
     checkpoint_files.write_tracker(out_dir, LEGACY_ITERATION)
 
 
-def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
-    """Full Megatron tensors (TP shards merged, global layer numbers) one group at a time."""
-    ranks = _legacy_ranks(it_dir)
-    tp = 1 + max(t for t, _ in ranks)
-    pp = 1 + max(p for _, p in ranks)
-    missing = [
-        f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-        for t in range(tp)
-        for p in range(pp)
-        if (t, p) not in ranks or not ranks[(t, p)].is_file()
-    ]
+def read_legacy(
+    it_dir: Path, ep: int = 1
+) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
+    """Full Megatron tensors (TP shards merged, EP ranks' experts renumbered globally, global
+    layer numbers) one group at a time; ``ep``: the EP size it was saved with."""
+    ranks = _legacy_ranks(it_dir, ep > 1)
+    if not ranks:
+        raise ConvertError(f"{it_dir}: no mp_rank_* rank files")
+    tp = 1 + max(t for t, _, _ in ranks)
+    pp = 1 + max(p for _, p, _ in ranks)
+    ep = 1 + max(x for _, _, x in ranks)
+    want = [(t, p, x) for t in range(tp) for p in range(pp) for x in range(ep)]
+    missing = [rank_dir_name(*k, pp, ep) for k in want if k not in ranks or not ranks[k].is_file()]
     if missing:
         raise ConvertError(f"{it_dir}: missing rank files {', '.join(missing)}")
     offset = 0
     for s in range(pp):
-        shards = [_torch_load(ranks[(t, s)])["model"] for t in range(tp)]  # memory-mapped
-        names = [n for n, v in shards[0].items() if isinstance(v, torch.Tensor)]
+        shards = {
+            (t, x): _torch_load(ranks[(t, s, x)])["model"] for t in range(tp) for x in range(ep)
+        }  # fmt: skip  (memory-mapped)
+        sources = _stage_sources(shards, tp, ep)
         by_group: dict[Group, list[str]] = {}
-        for n in names:
+        for n in sources:
             mt = LAYER.match(n)
             if mt:
                 by_group.setdefault(int(mt.group(1)), []).append(n)
@@ -289,13 +331,34 @@ def read_legacy(it_dir: Path) -> Iterator[tuple[Group, dict[str, torch.Tensor | 
         for g in order:
             out = {}
             for n in by_group[g]:
-                full = merge_tp(n, [sh[n] for sh in shards])
+                x, local = sources[n]
+                full = merge_tp(n, [shards[(t, x)][local] for t in range(tp)])
                 if isinstance(g, int):
                     n = f"decoder.layers.{g + offset}." + n[LAYER.match(n).end() :]
                 out[n] = full
             yield (g + offset if isinstance(g, int) else g), out
         offset += len(layers)
         del shards
+
+
+def _stage_sources(shards: dict[tuple[int, int], dict], tp: int, ep: int) -> dict[str, tuple]:
+    """Stage-local name (experts numbered globally) -> (EP rank, name in that rank's file)."""
+    per_rank = None
+    out: dict[str, tuple[int, str]] = {}
+    for x in range(ep):
+        for n, v in shards[(0, x)].items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            mt = _LOCAL_EXPERT.search(n)
+            if mt is None:
+                out.setdefault(n, (0, n))
+                continue
+            if per_rank is None:
+                per_rank = 1 + max(int(m.group(2)) for k in shards[(0, x)]
+                                   if (m := _LOCAL_EXPERT.search(k)))  # fmt: skip
+            glob = x * per_rank + int(mt.group(2))
+            out[n[: mt.start()] + f"{mt.group(1)}{glob}." + n[mt.end() :]] = (x, n)
+    return out
 
 
 def json_config(common: dict) -> dict | None:

@@ -12,7 +12,9 @@ from anyspeed.convert.megatron_io import (
     checkpoint_format,
     empty_model,
     iteration_dir,
+    legacy_expert_parallel,
     megatron_session,
+    read_common,
     read_legacy,
     read_model_preset,
 )
@@ -33,7 +35,7 @@ def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
                 it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
             )
         else:
-            groups = read_legacy(it_dir)
+            groups = read_legacy(it_dir, legacy_expert_parallel(read_common(mg_dir)))
         state = {
             k: engine.materialize(v).float() for _, tensors in groups for k, v in tensors.items()
         }
