@@ -1,6 +1,9 @@
 """``anyspeed convert`` for the MoE families: Mixtral, Qwen1.5/2-MoE (shared expert and its gate,
 pre-softmax routing) and Qwen3-MoE (QK norm).
 
+DeepSeek-V2-Lite (multi-latent attention with YaRN RoPE, a dense first layer, always-on shared
+experts, an odd number of layers) is checked also at TP2 with sequence parallelism.
+
 Tiny random ``transformers`` models (every weight random, experts included) are converted to
 torch_dist and to the legacy layout with experts split over EP ranks
 (``--target-expert-parallel-size``). Megatron's GPTModel loads them at EP1 and EP2 (torch_dist
@@ -23,7 +26,12 @@ from anyspeed.convert.verify import hf_logits
 from anyspeed.testing import run_distributed
 from helpers import convert_ranks
 
-FAMILIES = {"mixtral": "tiny-mixtral", "qwen2-moe": "tiny-qwen2-moe", "qwen3-moe": "tiny-qwen3-moe"}
+FAMILIES = {
+    "mixtral": "tiny-mixtral",
+    "qwen2-moe": "tiny-qwen2-moe",
+    "qwen3-moe": "tiny-qwen3-moe",
+    "deepseek-v2-lite": "tiny-deepseek-v2-lite",  # MLA + YaRN, dense first layer, 3 layers
+}
 LEGACY = {"ep2": (1, 1, 2), "ep2-tp2-pp2": (2, 2, 2)}  # (tp, pp, ep)
 
 
@@ -38,18 +46,26 @@ def conv(tmp_path_factory):
         ref[name] = hf_logits(d / "hf", tokens)
         case = {"hf": str(d / "hf"), "torch_dist": str(d / "dist"),
                 "hf_from_dist": str(d / "hf_from_dist")}  # fmt: skip
+        if name == "deepseek-v2-lite":
+            case["stages"] = "1,2"  # 3 layers at PP2: uneven stages
         for tag, (tp, pp, ep) in LEGACY.items():  # legacy needs no process group: convert here
+            stages = "1,2" if pp == 2 and name == "deepseek-v2-lite" else None  # 3 layers
             hf_to_megatron(d / "hf", d / f"legacy_{tag}", tp=tp, pp=pp, ep=ep,
-                           ckpt_format="legacy")  # fmt: skip
+                           ckpt_format="legacy", num_layer_list=stages)  # fmt: skip
             megatron_to_hf(d / f"legacy_{tag}", d / f"hf_from_{tag}", d / "hf")
             case[f"legacy_{tag}"] = str(d / f"legacy_{tag}")
         cases[name] = case
     ep1 = run_distributed(convert_ranks.convert_all, 1, cases=cases, tokens=tokens,
                           cli_case="qwen3-moe", timeout=300)[0]  # fmt: skip
     with_legacy = {n: dict(c, legacy=c["legacy_ep2"]) for n, c in cases.items()}
-    ep2 = run_distributed(convert_ranks.layout_logits, 2, cases=with_legacy, tp=1, pp=1, ep=2,
-                          tokens=tokens, timeout=300)  # fmt: skip
-    return {"root": root, "cases": cases, "ref": ref, "ep1": ep1, "ep2": ep2, "tokens": tokens}
+    deepseek = {"deepseek-v2-lite": cases["deepseek-v2-lite"]}
+    runs = [dict(cases=with_legacy, tp=1, pp=1, ep=2),
+            dict(cases=deepseek, tp=2, pp=1, sp=True)]  # fmt: skip
+    ranks = run_distributed(convert_ranks.layouts_logits, 2, runs=runs, tokens=tokens,
+                            timeout=300)  # fmt: skip
+    ep2, tp2_sp = [r[0] for r in ranks], [r[1] for r in ranks]
+    return {"root": root, "cases": cases, "ref": ref, "ep1": ep1, "ep2": ep2, "tp2_sp": tp2_sp,
+            "tokens": tokens}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -70,6 +86,11 @@ def test_logits_match_transformers_ep2(conv, name):
         for kind in ("dist", "legacy"):
             _check(conv["ref"][name], rank[name][kind])
         assert rank[name]["shape_mismatch"] == []
+
+
+def test_deepseek_v2_lite_at_tp2_sequence_parallel(conv):
+    for rank in conv["tp2_sp"]:
+        _check(conv["ref"]["deepseek-v2-lite"], rank["deepseek-v2-lite"]["dist"])
 
 
 @pytest.mark.parametrize("source", ["dist", *LEGACY])

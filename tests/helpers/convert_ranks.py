@@ -34,17 +34,19 @@ def tiny_hf_model(
     return cfg
 
 
-def _build(ckpt: str, tp: int, pp: int, ep: int = 1):
+def _build(ckpt: str, tp: int, pp: int, ep: int = 1, sp: bool = False,
+           num_layer_list: str | None = None):  # fmt: skip
     from megatron.core import parallel_state as ps
 
     from anyspeed.convert import read_model_preset
-    from anyspeed.layout import Layout
+    from anyspeed.layout import Layout, uneven_stages
     from anyspeed.models import gpt
 
     preset = read_model_preset(ckpt)
+    stages = uneven_stages(pp, None, None, num_layer_list)
     model = gpt.build(
         preset,
-        gpt.transformer_config(preset, Layout(tp=tp, pp=pp, ep=ep)),
+        gpt.transformer_config(preset, Layout(tp=tp, pp=pp, ep=ep, sequence_parallel=sp, **stages)),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
@@ -73,7 +75,9 @@ def _logits(model, tokens):
     return forward_logits([model], tokens)  # Megatron's schedule + TP gather, at any layout
 
 
-def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1) -> dict:
+def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1,
+                  sp: bool = False) -> dict:  # fmt: skip
+    # a case's "stages": MindSpeed-LLM's --num-layer-list for uneven pipeline stages
     """For each case: logits of GPTModel at TP x PP loaded (a) with dist_checkpointing from the
     torch_dist checkpoint, as ``pretrain --load`` does, and (b) with ``load_state_dict(strict=
     True)`` from this rank's legacy file, if given; plus legacy shapes that differ from the
@@ -88,7 +92,7 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1)
     init_distributed(Layout(tp=tp, pp=pp, ep=ep), seed=0)
     out = {}
     for name, case in cases.items():
-        model = _build(case["torch_dist"], tp, pp, ep)
+        model = _build(case["torch_dist"], tp, pp, ep, sp, case.get("stages") if pp > 1 else None)
         release = str(Path(case["torch_dist"]) / "release")
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, release)
         model.load_state_dict(state["model"])
@@ -111,6 +115,11 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1)
             res["legacy"] = _logits(model, tokens)
         out[name] = res
     return out
+
+
+def layouts_logits(runs: list[dict], tokens) -> list[dict]:
+    """:func:`layout_logits` for several layouts in turn, in one process group."""
+    return [layout_logits(tokens=tokens, **run) for run in runs]
 
 
 def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict]:

@@ -21,7 +21,15 @@ Group = str | int
 
 # Tensors whose first dim is the (padded) vocabulary.
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+_COLUMN = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "word_embeddings.weight",
+    "output_layer.weight",
+    "linear_q_proj.weight",
+    "linear_kv_down_proj.weight",
+    "linear_kv_up_proj.weight",
+)
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _SWIGLU = ("linear_fc1.weight",)
 
@@ -120,6 +128,15 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
         "q_layernorm.weight": (d,),
         "k_layernorm.weight": (d,),
     }
+    if preset.multi_latent_attention:
+        n, rope, lora = preset.num_attention_heads, preset.qk_pos_emb_head_dim, preset.kv_lora_rank
+        shapes.update({
+            "linear_q_proj.weight": (n * (preset.qk_head_dim + rope), h),
+            "linear_kv_down_proj.weight": (lora + rope, h),
+            "kv_layernorm.weight": (lora,),
+            "linear_kv_up_proj.weight": (n * (preset.qk_head_dim + preset.v_head_dim), lora),
+            "linear_proj.weight": (h, n * preset.v_head_dim),
+        })  # fmt: skip
     if ".mlp." in name and preset.is_moe:
         ffn = preset.moe_shared_expert_intermediate_size if ".shared_experts." in name else ffn
         ffn = preset.expert_ffn_size if ".experts.local_experts." in name else ffn

@@ -15,7 +15,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from anyspeed.models.arch_flags import ARCH_FLAGS, ArchFlag, add_arguments  # noqa: F401
+from anyspeed.models.mla_checks import check_mla
 from anyspeed.models.moe import check_moe, layer_pattern
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,17 @@ class ModelConfig:
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_enable_expert_bias: bool = False
+    # Multi-latent attention (DeepSeek): low-rank Q and KV, separate rotary and value head sizes.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected at full rank
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  # per head, without the rotary part
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str = "rope"  # "yarn": YaRN-scaled RoPE (MLA)
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     # Training-time settings Megatron keeps in its TransformerConfig; not part of the identity.
     init_method_std: float = field(default=0.02, compare=False)
     hidden_dropout: float = field(default=0.0, compare=False)
@@ -95,6 +111,7 @@ class ModelConfig:
     def check(self) -> None:
         """ValueError (one line, naming the flag) when the MoE settings cannot build."""
         check_moe(self)
+        check_mla(self)
 
     @property
     def gqa(self) -> bool:
@@ -133,6 +150,8 @@ class ModelConfig:
         """The Megatron-LM / MindSpeed-LLM flags that describe this architecture."""
         out: list[str] = []
         for row in ARCH_FLAGS:
+            if row.field in MLA_FIELDS and not self.multi_latent_attention:
+                continue
             if row.arch and (row.field != "num_query_groups" or self.gqa):
                 out += row.emit(getattr(self, row.field))
         if self.gqa:
@@ -149,16 +168,28 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (embeddings included, tied ones counted once)."""
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        h, attn = self.hidden_size, self._attention_parameters()
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        mlps = sum(self._mlp_parameters(moe)[0] for moe in self.moe_layers())
+        return self.num_layers * (attn + 2 * h) + mlps + emb + h
+
+    def _attention_parameters(self) -> int:
+        """Parameters of one layer's attention (multi-latent: low-rank Q and KV projections)."""
+        h, d, n = self.hidden_size, self.head_dim, self.num_attention_heads
+        if self.multi_latent_attention:
+            qk, rope, r = self.qk_head_dim + self.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim, \
+                self.q_lora_rank  # fmt: skip
+            q = h * r + r + r * n * qk if r else h * n * qk
+            kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank
+            kv += self.kv_lora_rank * n * (self.qk_head_dim + self.v_head_dim)
+            return q + kv + n * self.v_head_dim * h
+        q, kv = n * d, self.num_query_groups * d
         attn = h * (q + 2 * kv) + q * h
         if self.add_qkv_bias:
             attn += q + 2 * kv
         if self.qk_layernorm:
             attn += 2 * d
-        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        mlps = sum(self._mlp_parameters(moe)[0] for moe in self.moe_layers())
-        return self.num_layers * (attn + 2 * h) + mlps + emb + h
+        return attn
 
     def _mlp_parameters(self, moe: bool) -> tuple[int, int]:
         """(all, active per token) parameters of one layer's MLP or MoE block."""
@@ -182,148 +213,6 @@ class ModelConfig:
         mlps = sum(self._mlp_parameters(moe)[1] for moe in self.moe_layers())
         matmul_params = self.num_layers * attn + mlps + h * self.vocab_size
         return 6.0 * matmul_params + 6.0 * self.num_layers * heads * d * seq_length
-
-
-@dataclass(frozen=True)
-class ArchFlag:
-    """One row of the flag table: a :class:`ModelConfig` field and its Megatron-LM flag."""
-
-    field: str
-    flag: str
-    type: type | None  # None: a switch (store_true)
-    default: Any = None  # Megatron-LM's default when the flag is absent
-    invert: bool = False  # the switch turns the field off (--disable-bias-linear)
-    choices: tuple[str, ...] | None = None
-    arch: bool = True  # part of the architecture (written by megatron_args)
-
-    def add_to(self, parser: argparse._ActionsContainer) -> None:
-        if self.type is None:
-            parser.add_argument(self.flag, action="store_true")
-        else:
-            parser.add_argument(self.flag, type=self.type, default=self.default,
-                                choices=self.choices)  # fmt: skip
-
-    def read(self, args: argparse.Namespace) -> Any:
-        value = getattr(args, self.flag[2:].replace("-", "_"), self.default)
-        if self.type is None:
-            return (not value) if self.invert else bool(value)
-        return value
-
-    def emit(self, value: Any) -> list[str]:
-        if self.type is None:
-            return [self.flag] if bool(value) != self.invert else []
-        if value is None:
-            return []
-        if self.type is int:
-            value = int(value)
-        return [self.flag, str(value)]
-
-
-ARCH_FLAGS: tuple[ArchFlag, ...] = (
-    ArchFlag("num_layers", "--num-layers", int),
-    ArchFlag("hidden_size", "--hidden-size", int),
-    ArchFlag("ffn_hidden_size", "--ffn-hidden-size", int),
-    ArchFlag("num_attention_heads", "--num-attention-heads", int),
-    ArchFlag("num_query_groups", "--num-query-groups", int),
-    ArchFlag("kv_channels", "--kv-channels", int),
-    ArchFlag("max_position_embeddings", "--max-position-embeddings", int),
-    ArchFlag(
-        "position_embedding_type",
-        "--position-embedding-type",
-        str,
-        "learned_absolute",
-        choices=("rope", "learned_absolute"),
-    ),  # fmt: skip
-    ArchFlag("rotary_base", "--rotary-base", int, 10000),
-    ArchFlag("rotary_percent", "--rotary-percent", float, 1.0),
-    ArchFlag(
-        "normalization", "--normalization", str, "LayerNorm", choices=("LayerNorm", "RMSNorm")
-    ),  # fmt: skip
-    ArchFlag("norm_epsilon", "--norm-epsilon", float, 1e-5),
-    ArchFlag("swiglu", "--swiglu", None),
-    ArchFlag("add_bias_linear", "--disable-bias-linear", None, invert=True),
-    ArchFlag("add_qkv_bias", "--add-qkv-bias", None),
-    ArchFlag("qk_layernorm", "--qk-layernorm", None),
-    ArchFlag("tie_embeddings", "--untie-embeddings-and-output-weights", None, invert=True),
-    ArchFlag("vocab_size", "--padded-vocab-size", int),
-    ArchFlag("num_experts", "--num-experts", int),
-    ArchFlag("moe_ffn_hidden_size", "--moe-ffn-hidden-size", int),
-    ArchFlag("moe_router_topk", "--moe-router-topk", int, 2),
-    ArchFlag("moe_layer_freq", "--moe-layer-freq", str, "1"),
-    ArchFlag(
-        "moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size", int
-    ),  # fmt: skip
-    ArchFlag("moe_shared_expert_gate", "--moe-shared-expert-gate", None),
-    ArchFlag(
-        "moe_router_score_function",
-        "--moe-router-score-function",
-        str,
-        "softmax",
-        choices=("softmax", "sigmoid"),
-    ),  # fmt: skip
-    ArchFlag("moe_router_pre_softmax", "--moe-router-pre-softmax", None),
-    ArchFlag("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor", float),
-    ArchFlag("moe_router_num_groups", "--moe-router-num-groups", int),
-    ArchFlag("moe_router_group_topk", "--moe-router-group-topk", int),
-    ArchFlag("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", None),
-    ArchFlag("init_method_std", "--init-method-std", float, 0.02, arch=False),
-    ArchFlag("hidden_dropout", "--hidden-dropout", float, 0.1, arch=False),
-    ArchFlag("attention_dropout", "--attention-dropout", float, 0.1, arch=False),
-    ArchFlag("moe_aux_loss_coeff", "--moe-aux-loss-coeff", float, 0.0, arch=False),
-    ArchFlag("moe_z_loss_coeff", "--moe-z-loss-coeff", float, arch=False),
-    ArchFlag(
-        "moe_router_load_balancing_type",
-        "--moe-router-load-balancing-type",
-        str,
-        "aux_loss",
-        choices=(
-            "aux_loss",
-            "seq_aux_loss",
-            "global_aux_loss",
-            "sinkhorn",
-            "none",
-            "softmax_topk",
-            "group_limited_greedy",
-        ),  # MindSpeed-LLM's: mindspeed-moe-flags
-        arch=False,
-    ),  # fmt: skip
-    ArchFlag(
-        "moe_router_dtype", "--moe-router-dtype", str, choices=("fp32", "fp64"), arch=False
-    ),  # fmt: skip
-    ArchFlag(
-        "moe_token_dispatcher_type",
-        "--moe-token-dispatcher-type",
-        str,
-        "allgather",
-        choices=("allgather", "alltoall", "alltoall_seq", "flex"),
-        arch=False,
-    ),  # fmt: skip
-    ArchFlag("moe_grouped_gemm", "--moe-grouped-gemm", None, arch=False),
-    ArchFlag("moe_expert_capacity_factor", "--moe-expert-capacity-factor", float, arch=False),
-    ArchFlag(
-        "moe_pad_expert_input_to_capacity",
-        "--moe-pad-expert-input-to-capacity",
-        None,
-        arch=False,
-    ),  # fmt: skip
-    ArchFlag(
-        "moe_token_drop_policy",
-        "--moe-token-drop-policy",
-        str,
-        "probs",
-        choices=("probs", "position"),
-        arch=False,
-    ),  # fmt: skip
-)
-
-
-def add_arguments(parser: argparse._ActionsContainer) -> None:
-    """Add the architecture flags (the table plus GQA and RoPE-scaling switches)."""
-    for row in ARCH_FLAGS:
-        row.add_to(parser)
-    parser.add_argument("--group-query-attention", action="store_true")
-    parser.add_argument("--use-rope-scaling", action="store_true")
-    parser.add_argument("--rope-scaling-factor", type=float, default=8.0)
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:

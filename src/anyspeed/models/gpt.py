@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
+from anyspeed.models.mla import mla_config, use_latent_core
 
 # Megatron config defaults that assume CUDA kernels (apex / TE / torch.compile fusions), off so
 # the portable path is used; the level-1 kernels switch their own seams back on. CPU
@@ -44,8 +45,12 @@ def transformer_config(
     fp16: bool = False,
     **overrides: Any,
 ):
-    """Megatron ``TransformerConfig`` for ``model`` at ``layout`` (overrides win)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """Megatron ``TransformerConfig`` (``MLATransformerConfig`` for multi-latent attention) for
+    ``model`` at ``layout`` (overrides win, except that MLA keeps RoPE fusion off)."""
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     layout = layout or Layout()
     dtype = params_dtype(bf16, fp16)
@@ -85,6 +90,9 @@ def transformer_config(
     )
     kw.update(moe_config(model))
     kw.update(overrides)
+    if model.multi_latent_attention:
+        kw.update(mla_config(model))
+        return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
 
 
@@ -123,14 +131,18 @@ def layer_spec(model: ModelConfig, config=None, vp_stage: int | None = None):
     dense model; for MoE, the block spec of this pipeline stage's dense and MoE layers."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    mla = model.multi_latent_attention
     if not model.is_moe:
-        return specs.get_gpt_layer_local_spec(
-            normalization=model.normalization, qk_layernorm=model.qk_layernorm
-        )
-    return specs.get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization=model.normalization,
-        vp_stage=vp_stage,
-    )  # fmt: skip
+        spec = specs.get_gpt_layer_local_spec(
+            normalization=model.normalization, qk_layernorm=model.qk_layernorm,
+            multi_latent_attention=mla,
+        )  # fmt: skip
+    else:
+        spec = specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization=model.normalization,
+            vp_stage=vp_stage,
+        )  # fmt: skip
+    return use_latent_core(spec) if mla else spec
 
 
 def build(

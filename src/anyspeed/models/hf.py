@@ -87,9 +87,22 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
     hidden, heads = _number(config, "hidden_size", int), _number(config, "num_attention_heads", int)
     head_dim = _number(config, "head_dim", int, None)
     explicit = head_dim and (traits.qk_norm or head_dim != hidden // heads)
-    base, scaling = _hf_rope(config)
+    if traits.mla:  # the family's hook reads its rope (YaRN); only the base here
+        params = config.get("rope_parameters") or {}
+        base, scaling = (
+            _number(config, "rope_theta", float, None) or _number(params, "rope_theta", float, 1e4),
+            None,
+        )
+    else:
+        base, scaling = _hf_rope(config)
     layers = _number(config, "num_hidden_layers", int)
     moe = traits.moe_from_hf(config, layers) if traits.moe_from_hf else {}
+    fields = dict(
+        kv_channels=head_dim if explicit else None,
+        num_query_groups=_number(config, "num_key_value_heads", int, heads),
+        qk_layernorm=traits.qk_norm,
+    )
+    fields.update({k: moe.pop(k) for k in list(fields) if k in moe})
     model = ModelConfig(
         name=name or f"hf-{family}",
         family=family,
@@ -97,14 +110,12 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         hidden_size=hidden,
         ffn_hidden_size=_number(config, "intermediate_size", int),
         num_attention_heads=heads,
-        num_query_groups=_number(config, "num_key_value_heads", int, heads),
         vocab_size=_number(config, "vocab_size", int),
         max_position_embeddings=_number(config, "max_position_embeddings", int, 4096),
         rotary_base=base,
         norm_epsilon=_number(config, "rms_norm_eps", float, 1e-6),
-        kv_channels=head_dim if explicit else None,
+        **fields,
         add_qkv_bias=traits.qkv_bias,
-        qk_layernorm=traits.qk_norm,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
         **moe,

@@ -97,7 +97,27 @@ class MegatronCoreCompat(Feature):
             reason="with torch's Adam, a loaded distributed optimizer shares one step tensor "
             "across parameters (advanced once per parameter); give each its own",
         )
+        from megatron.core.transformer import multi_latent_attention as mla
+
+        if mla.HAVE_TE and not isinstance(mla.TELinear, type):
+            pm.register_replace(
+                "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+                False,
+                feature=self.name,
+                reason="without Transformer Engine, MLA's HAVE_TE is True but TELinear is a "
+                "stand-in, not a class: isinstance() fails building multi-latent attention",
+            )
         if device.is_cpu:
+            for cls in ("rotary_pos_embedding.RotaryEmbedding",
+                        "yarn_rotary_pos_embedding.YarnRotaryEmbedding"):  # fmt: skip
+                pm.register_wrap(
+                    f"megatron.core.models.common.embeddings.{cls}.__init__",
+                    _cpu_initialized,
+                    feature=self.name,
+                    reason="multi-latent attention builds its rotary embedding without "
+                    "use_cpu_initialization, so its frequencies go to torch.cuda.current_device()",
+                )
+
             # On the CPU the device RNG *is* the CPU generator, so every tracker fork changes it
             # by design; Megatron's warning about that would fire on each dropout call.
             def quiet_fork(fork):
@@ -117,3 +137,14 @@ class MegatronCoreCompat(Feature):
                 reason="the device RNG is the CPU generator: silence the 'CPU RNG state changed' "
                 "warning that would fire on every fork",
             )
+
+
+def _cpu_initialized(init):
+    """A rotary embedding ``__init__`` that builds its frequency tables on the CPU."""
+
+    @functools.wraps(init)
+    def init_on_cpu(self, *args, **kwargs):
+        kwargs["use_cpu_initialization"] = True
+        return init(self, *args, **kwargs)
+
+    return init_on_cpu

@@ -114,12 +114,17 @@ class FusedSwiGLU(OpFeature):
 class FusedRoPE(OpFeature):
     name = "fused-rope"
     flags = ("--use-fused-rotary-pos-emb",)
-    description = "RoPE in one autograd node saving only cos/sin (rope scaling honoured)"
+    description = ("RoPE in one autograd node saving only cos/sin (rope scaling honoured; stands "
+                   "aside for multi-latent attention)")  # fmt: skip
     target = "megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_pos_emb"
     impl = "anyspeed.features.ops.rope:fused_apply_rotary_pos_emb"
     reason = "Megatron's fused RoPE entry (TE-only) -> anyspeed's one-pass RoPE"
 
     def config_fields(self, config: Any) -> dict[str, Any]:
+        # Multi-latent attention de-interleaves its rotary channels (and applies YaRN's mscale)
+        # on Megatron's unfused path only: the fused entry would rotate them wrongly.
+        if getattr(config, "multi_latent_attention", False):
+            return {}
         return {"apply_rope_fusion": True}
 
 

@@ -7,7 +7,16 @@ up from there.
 
 from __future__ import annotations
 
-from anyspeed.models.families import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from anyspeed.models.families import (
+    deepseek_v2,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from anyspeed.models.families.base import Family, FamilyMapping, Fused, gate_up, qkv
 
 FAMILIES: dict[str, Family] = {
@@ -20,6 +29,7 @@ FAMILIES: dict[str, Family] = {
         mixtral.FAMILY,
         qwen2_moe.FAMILY,
         qwen3_moe.FAMILY,
+        deepseek_v2.FAMILY,
     )  # fmt: skip
 }
 

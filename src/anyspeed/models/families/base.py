@@ -83,6 +83,7 @@ class Family:
     # MoE families: ModelConfig fields from an HF config.json, and back (see families/moe_hf.py)
     moe_from_hf: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
     moe_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
+    mla: bool = False  # multi-latent attention: the family's hook reads its rope and heads
     qkv_bias: bool = False  # HF configs of the family imply biases on Q, K, V
     qk_norm: bool = False  # ... RMSNorm on queries and keys
     head_dim_in_config: bool = False  # HF config.json writes head_dim

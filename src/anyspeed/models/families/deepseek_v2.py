@@ -1,0 +1,180 @@
+"""DeepSeek-V2(-Lite): multi-latent attention (low-rank KV with a shared rotary key, YaRN RoPE),
+the first layer dense, then fine-grained experts with always-on shared experts and softmax over
+all experts before top-k (no renormalisation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from anyspeed.models.config import ModelConfig
+from anyspeed.models.families.base import Family, FamilyMapping, gate_up, tiny
+from anyspeed.models.families.moe_hf import QWEN_EXPERT, _int, check_router, pattern_text
+
+# What Megatron-Core's MLATransformerConfig fixes for YaRN: configs that differ are refused.
+_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+
+PRESETS = (
+    ModelConfig(
+        "deepseek-v2-lite",
+        "deepseek_v2",
+        27,
+        2048,
+        10944,
+        16,
+        16,
+        102400,
+        163840,
+        10000.0,
+        1e-6,
+        qk_layernorm=True,
+        num_experts=64,
+        moe_router_topk=6,
+        moe_ffn_hidden_size=1408,
+        moe_layer_freq="[0]*1+[1]*26",
+        moe_shared_expert_intermediate_size=2 * 1408,
+        moe_router_pre_softmax=True,
+        moe_aux_loss_coeff=0.001,
+        multi_latent_attention=True,
+        kv_lora_rank=512,
+        qk_head_dim=128,
+        qk_pos_emb_head_dim=64,
+        v_head_dim=128,
+        rope_type="yarn",
+        rotary_scaling_factor=40.0,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+    ),  # fmt: skip
+)
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return {"rope_type": "rope"}
+    if kind != "yarn":
+        raise ValueError(f"deepseek_v2: rope scaling {kind!r} is not supported (rope or yarn)")
+    for key, want in _YARN_FIXED.items():
+        if params.get(key, want) != want:
+            raise ValueError(f"deepseek_v2: yarn {key}={params[key]} is not supported "
+                             f"(Megatron-Core fixes it to {want})")  # fmt: skip
+    return dict(rope_type="yarn", rotary_scaling_factor=float(params["factor"]),
+                mscale=float(params.get("mscale", 1.0)),
+                mscale_all_dim=float(params.get("mscale_all_dim", 0.0)))  # fmt: skip
+
+
+def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    if config.get("q_lora_rank"):
+        raise ValueError("deepseek_v2: q_lora_rank (DeepSeek-V2 full size) is not supported yet")
+    if config.get("topk_method", "greedy") != "greedy" or config.get("scoring_func", "softmax") \
+            != "softmax":  # fmt: skip
+        raise ValueError("deepseek_v2: only greedy top-k over softmax scores is supported")
+    dense = _int(config, "first_k_dense_replace", default=0)
+    shared = _int(config, "n_shared_experts", default=0)
+    expert_ffn = _int(config, "moe_intermediate_size")
+    scale = float(config.get("routed_scaling_factor") or 1.0)
+    return dict(
+        num_experts=_int(config, "n_routed_experts"),
+        moe_router_topk=_int(config, "num_experts_per_tok"),
+        moe_ffn_hidden_size=expert_ffn,
+        moe_layer_freq=pattern_text([int(i >= dense) for i in range(num_layers)]),
+        moe_shared_expert_intermediate_size=shared * expert_ffn or None,
+        moe_router_pre_softmax=not config.get("norm_topk_prob", False),
+        moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
+        moe_aux_loss_coeff=float(config.get("aux_loss_alpha") or 0.0),
+        multi_latent_attention=True,
+        qk_layernorm=True,  # kv_a_layernorm: Megatron builds it only with QK norm
+        kv_lora_rank=_int(config, "kv_lora_rank"),
+        qk_head_dim=_int(config, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_int(config, "qk_rope_head_dim"),
+        v_head_dim=_int(config, "v_head_dim"),
+        kv_channels=None,
+        num_query_groups=None,
+        **_rope(config),
+    )
+
+
+def _to_hf(model: ModelConfig) -> dict[str, Any]:
+    check_router(model, "deepseek_v2", "DeepseekV2ForCausalLM")
+    bits = model.moe_layers()
+    dense = bits.index(True) if True in bits else model.num_layers
+    if any(not b for b in bits[dense:]) or model.moe_shared_expert_gate:
+        raise ValueError("deepseek_v2: DeepseekV2ForCausalLM has dense layers first, then "
+                         "experts in every layer, and no shared-expert gate")  # fmt: skip
+    shared = model.moe_shared_expert_intermediate_size or 0
+    if shared % model.expert_ffn_size:
+        raise ValueError("deepseek_v2: the shared experts must be whole experts")
+    out: dict[str, Any] = {
+        "n_routed_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
+        "moe_intermediate_size": model.expert_ffn_size, "first_k_dense_replace": dense,
+        "n_shared_experts": shared // model.expert_ffn_size, "topk_method": "greedy",
+        "norm_topk_prob": not model.moe_router_pre_softmax,
+        "routed_scaling_factor": model.moe_router_topk_scaling_factor or 1.0,
+        "q_lora_rank": None, "kv_lora_rank": model.kv_lora_rank,
+        "qk_nope_head_dim": model.qk_head_dim, "qk_rope_head_dim": model.qk_pos_emb_head_dim,
+        "v_head_dim": model.v_head_dim, "num_key_value_heads": model.num_attention_heads,
+    }  # fmt: skip
+    if model.rope_type == "yarn":
+        out["rope_scaling"] = {"type": "yarn", "factor": model.rotary_scaling_factor,
+                               "mscale": model.mscale, "mscale_all_dim": model.mscale_all_dim,
+                               **_YARN_FIXED}  # fmt: skip
+    return out
+
+
+_ATTN = "self_attention."
+MAPPING = FamilyMapping(
+    family="deepseek_v2",
+    top={
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+        "output_layer.weight": "lm_head.weight",
+    },
+    layer={
+        "input_layernorm.weight": "input_layernorm.weight",
+        _ATTN + "linear_q_proj.weight": "self_attn.q_proj.weight",
+        _ATTN + "linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        _ATTN + "kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+        _ATTN + "linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+        _ATTN + "linear_proj.weight": "self_attn.o_proj.weight",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "mlp.linear_fc1.weight": gate_up("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    },
+    moe={
+        "mlp.router.weight": "mlp.gate.weight",
+        "mlp.shared_experts.linear_fc1.weight": gate_up(
+            "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"
+        ),
+        "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+    },
+    expert=QWEN_EXPERT,
+)
+
+FAMILY = Family(
+    name="deepseek_v2",
+    hf_architecture="DeepseekV2ForCausalLM",
+    mapping=MAPPING,
+    presets=PRESETS,
+    tiny=(
+        tiny(
+            PRESETS[0],
+            "tiny-deepseek-v2-lite",
+            num_layers=3,
+            ffn_hidden_size=96,
+            num_query_groups=4,
+            num_experts=8,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=32,
+            moe_layer_freq="[0]*1+[1]*2",
+            moe_shared_expert_intermediate_size=64,
+            kv_lora_rank=32,
+            qk_head_dim=16,
+            qk_pos_emb_head_dim=8,
+            v_head_dim=16,
+        ),  # fmt: skip
+    ),
+    moe_from_hf=_from_hf,
+    moe_to_hf=_to_hf,
+    mla=True,
+    qk_norm=True,  # Megatron's MLA has the latent KV norm only with --qk-layernorm
+)
