@@ -30,6 +30,7 @@ from anyspeed.features.ops.feature import (
     FusedRoPE,
     FusedSwiGLU,
 )
+from anyspeed.features.precision.feature import ReuseFP32Param
 
 
 def build() -> list[Feature]:
@@ -51,6 +52,7 @@ def build() -> list[Feature]:
         MoEGroupedGemm(),
         *kernels,
         GlooCollectives(),
+        ReuseFP32Param(),
         cp,
         AttentionCore(candidates=[cp, flash]),
     ]
