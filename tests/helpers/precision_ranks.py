@@ -69,3 +69,45 @@ def reuse_runs(cases: list[dict], steps: int) -> list[dict]:
             out[-1]["after_load"] = [synthetic.train_step(t)["loss"] for _ in range(2)]
     torch.distributed.barrier()
     return out
+
+
+def attention_dropout_parity() -> dict:
+    """SDPAttention with attention dropout on this device, inside Megatron's RNG-tracker fork,
+    vs plain math attention with the dropout mask of the seed that fork gives."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from anyspeed.features.ops.attention import SDPAttention
+    from anyspeed.features.ops.blocked_attention import full_keep
+
+    heads, groups, d, s, b = 4, 2, 16, 96, 2
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                            num_query_groups=groups, attention_dropout=0.1,
+                            masked_softmax_fusion=False)  # fmt: skip
+    core = SDPAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                        attention_type="self")  # fmt: skip
+    core.train()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, b, h, d, generator=gen) for h in (heads, groups, groups))
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    before = {n: t.clone() for n, t in tracker.get_states().items()}
+    out = core(q, k, v, None, AttnMaskType.causal)
+    advanced = any(not torch.equal(before[n], t) for n, t in tracker.get_states().items())
+    tracker.set_states(before)
+    with tracker.fork():  # the seed the blocked kernel drew
+        seed = int(torch.randint(0, 2**62, ()))
+    mult = full_keep(b, heads, s, s, 0.1, seed)
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(heads // groups, 1), vh.repeat_interleave(heads // groups, 1)
+    scores = (qh @ kh.transpose(-1, -2)) * d**-0.5
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    ref = (torch.softmax(scores, -1) * mult) @ vh
+    ref = ref.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+    return {"diff": float((out - ref).abs().max()), "seed": seed, "advanced": advanced}
+
+
+def rank_checks(cases: list[dict], steps: int) -> dict:
+    """Everything the precision tests need from one process group."""
+    runs = reuse_runs(cases, steps)
+    return {"reuse": runs, "attention": attention_dropout_parity()}

@@ -28,7 +28,7 @@ def _bits_equal(a: list, b: list) -> bool:
 
 
 @pytest.fixture(scope="module")
-def dp2_runs():
+def dp2_ranks():
     # the distributed case steps its masters 4 KiB at a time (many chunks)
     cases = [
         dict(argv=REF, layout={}, resume=True),
@@ -36,8 +36,13 @@ def dp2_runs():
         dict(argv=REF, layout=DISTOPT),
         dict(argv=REUSE, layout=DISTOPT, chunk_bytes=4096),
     ]
-    ranks = run_distributed(precision_ranks.reuse_runs, 2, cases=cases, steps=STEPS, timeout=400)
+    ranks = run_distributed(precision_ranks.rank_checks, 2, cases=cases, steps=STEPS, timeout=400)
     return ranks
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(dp2_ranks):
+    return [r["reuse"] for r in dp2_ranks]
 
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2-distopt"])
@@ -92,3 +97,12 @@ def test_needs_bf16():
     args = flags.parse_args(["--reuse-fp32-param"])
     with pytest.raises(FeatureError, match="--reuse-fp32-param needs --bf16"):
         registry.validate(args, detect())
+
+
+def test_attention_dropout_in_megatrons_rng_fork(dp2_ranks):
+    """SDPAttention with dropout on the CPU runs the blocked kernel with a seed drawn inside
+    Megatron's model-parallel RNG fork: equal to math attention with that seed's mask, the
+    tracker advanced, and the same mask on both DP ranks (they share the model-parallel RNG)."""
+    got = [r["attention"] for r in dp2_ranks]
+    assert all(g["diff"] < 1e-5 and g["advanced"] for g in got)
+    assert got[0]["seed"] == got[1]["seed"]
