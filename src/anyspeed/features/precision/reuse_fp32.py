@@ -10,9 +10,10 @@ master is rebuilt exactly, bit for bit, and the bf16 weight stays what ``copy_``
 nearest-even) gives, as on the regular path.
 
 Between steps each master tensor's storage is released. The optimizer step rebuilds the masters
-a chunk at a time (at most :data:`CHUNK_BYTES` of masters, or one tensor if larger), steps only
-those parameters (elementwise optimizers: the same numbers as one whole step), writes the bf16
-weight and residual back and releases them again. Checkpoint and reload methods see the masters
+a chunk at a time, smallest tensors first (at most :data:`CHUNK_BYTES` of masters, or one tensor
+if larger), steps only those parameters (elementwise optimizers: the same numbers as one whole
+step), writes the bf16 weight and residual back, releases them and drops the chunk's (dead) fp32
+gradient copies, which makes room for the next chunk. Checkpoint and reload methods see the masters
 rebuilt (``live``) and in the usual format; the next step releases them.
 """
 
@@ -126,10 +127,11 @@ class ResidualMasters:
             main.copy_(model)
 
     def chunks(self) -> Iterator[list[int]]:
-        """Pair indices grouped so each group's masters take at most ``chunk_bytes``."""
+        """Pair indices, smallest tensors first, grouped so each group's masters take at most
+        ``chunk_bytes`` (one tensor if bigger)."""
         group, size = [], 0
-        for i, (_, main) in enumerate(self.pairs):
-            nbytes = main.numel() * 4
+        for i in sorted(range(len(self.pairs)), key=lambda i: self.pairs[i][1].numel()):
+            nbytes = self.pairs[i][1].numel() * 4
             if group and size + nbytes > self.chunk_bytes:
                 yield group
                 group, size = [], 0
@@ -162,6 +164,9 @@ class ResidualMasters:
                 inner_step()
                 for i in chunk:
                     self._release(i)
+                    # the fp32 gradient copy is dead once stepped (Megatron drops it at the
+                    # next zero_grad): freeing it makes room for the next chunk's masters
+                    self.params[i].grad = None
         finally:
             for g, params in zip(groups, saved, strict=True):
                 g["params"] = params
