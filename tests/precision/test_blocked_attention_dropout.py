@@ -116,3 +116,12 @@ def test_saved_bytes_linear_in_sequence():
 def test_features_report_names_the_path():
     assert "blocked attention" in dropout_path("cpu")
     assert "fused" in dropout_path("cuda") and "blocked" not in dropout_path("cuda")
+
+
+def test_bf16_inputs_close_to_fp32():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, HQ, S, D, generator=gen) for _ in range(3))
+    ref = blocked_attention(q, k, v, causal=True, dropout_p=P, seed=SEED)
+    got = blocked_attention(*(t.bfloat16() for t in (q, k, v)), causal=True, dropout_p=P, seed=SEED)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=0, atol=3e-2)
