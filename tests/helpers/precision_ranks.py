@@ -97,7 +97,7 @@ def attention_dropout_parity() -> dict:
     tracker.set_states(before)
     with tracker.fork():  # the seed the blocked kernel drew
         seed = int(torch.randint(0, 2**62, ()))
-    mult = full_keep(b, heads, s, s, 0.1, seed)
+    mult = full_keep(b, heads, s, s, 0.1, seed, causal=True)
     qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     kh, vh = kh.repeat_interleave(heads // groups, 1), vh.repeat_interleave(heads // groups, 1)
     scores = (qh @ kh.transpose(-1, -2)) * d**-0.5

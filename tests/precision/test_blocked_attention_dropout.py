@@ -49,7 +49,7 @@ def test_equals_math_with_the_same_mask(kind, hkv):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, h, S, D, generator=gen) for h in (HQ, hkv, hkv))
     causal, keep = _masks(kind)
-    multiplier = full_keep(B, HQ, S, S, P, SEED, BLOCK)
+    multiplier = full_keep(B, HQ, S, S, P, SEED, BLOCK, causal)
     grad = torch.randn(B, HQ, S, D, generator=gen)
     outs = []
     for fn in (
@@ -77,11 +77,12 @@ def test_without_dropout_equals_sdpa():
 
 def test_dropout_rate_and_regeneration():
     shape = (2, 8, 256, 256)
-    drop = block_drop(shape, 0.1, SEED, 3, 5, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    drop = block_drop(shape, 0.1, SEED, 5, cpu)
     assert abs(drop.float().mean().item() - 0.1) < 0.002
-    assert torch.equal(drop, block_drop(shape, 0.1, SEED, 3, 5, torch.device("cpu")))
-    assert not torch.equal(drop, block_drop(shape, 0.1, SEED, 3, 6, torch.device("cpu")))
-    assert not torch.equal(drop, block_drop(shape, 0.1, SEED + 1, 3, 5, torch.device("cpu")))
+    assert torch.equal(drop, block_drop(shape, 0.1, SEED, 5, cpu))
+    assert not torch.equal(drop, block_drop(shape, 0.1, SEED, 6, cpu))
+    assert not torch.equal(drop, block_drop(shape, 0.1, SEED + 1, 5, cpu))
 
 
 def _saved_bytes(fn, s: int) -> int:

@@ -2,10 +2,11 @@
 
 PyTorch's fused CPU attention kernels refuse dropout, so ``scaled_dot_product_attention`` with
 ``dropout_p > 0`` falls back to the math kernel, which keeps the [b, heads, s, s] probabilities
-and dropout mask for backward. Here queries and keys are walked in blocks with an online
-softmax: forward keeps only q, k, v, the output and one log-sum-exp per query (memory linear in
+and dropout mask for backward. Here the keys are walked in blocks, each scored against all the
+query rows that can see it (an [s, block] slab: few, large ops), with an online softmax: forward
+keeps only q, k, v, the output and one log-sum-exp per query (memory linear in
 the sequence); backward recomputes each block's probabilities and regenerates its dropout mask
-from a per-block ``torch.Generator`` seeded from one seed drawn from the device's RNG (so
+from a per-key-block ``torch.Generator`` seeded from one seed drawn from the device's RNG (so
 Megatron's RNG-tracker fork still decides the masks: different per TP rank, advancing per call).
 Causal (top-left, as SDPA), boolean keep masks (padding, packed-document masks) and grouped-query
 attention are supported; dropout is applied to the normalised probabilities, as in the math path.
@@ -23,9 +24,9 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = 2**63 - 1
 
 
-def block_seed(seed: int, qi: int, ki: int) -> int:
-    """The generator seed of query block ``qi`` x key block ``ki``."""
-    return (seed + (qi * 65537 + ki + 1) * _GOLDEN) & _MASK63
+def block_seed(seed: int, ki: int) -> int:
+    """The generator seed of key block ``ki``."""
+    return (seed + (ki + 1) * _GOLDEN) & _MASK63
 
 
 def _threshold(p: float) -> int:
@@ -33,107 +34,97 @@ def _threshold(p: float) -> int:
     return round(p * 65536) - 32768
 
 
-def block_drop(shape: tuple[int, ...], p: float, seed: int, qi: int, ki: int,
+def block_drop(shape: tuple[int, ...], p: float, seed: int, ki: int,
                device: torch.device) -> torch.Tensor:  # fmt: skip
-    """Boolean drop-mask of one block (True = dropped), regenerated identically in backward:
-    uniform 16-bit draws (four per 64-bit draw of a generator seeded per block) below the
-    threshold of ``p``."""
+    """Boolean drop-mask of one key block (True = dropped), regenerated identically in
+    backward: uniform 16-bit draws (four per 64-bit draw of a generator seeded per block) below
+    the threshold of ``p``."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(block_seed(seed, qi, ki))
+    gen.manual_seed(block_seed(seed, ki))
     n = math.prod(shape)
     words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64,
                           generator=gen, device=device)  # fmt: skip
     return words.view(torch.int16)[:n].view(shape) < _threshold(p)
 
 
-def full_keep(b: int, heads: int, sq: int, sk: int, p: float, seed: int,
-              block: int = BLOCK, device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
-    """The whole [b, heads, sq, sk] dropout multiplier (0 or 1/(1-p)) the blocked kernel uses,
-    for references and tests."""
-    out = torch.empty(b, heads, sq, sk, device=device)
-    for qi, qs in enumerate(range(0, sq, block)):
-        qe = min(qs + block, sq)
-        for ki, ks in enumerate(range(0, sk, block)):
-            ke = min(ks + block, sk)
-            shape = (b, heads, qe - qs, ke - ks)
-            drop = block_drop(shape, p, seed, qi, ki, torch.device(device))
-            out[:, :, qs:qe, ks:ke] = (~drop).float() / (1.0 - p)
+def _first_row(ks: int, causal: bool) -> int:
+    """The first query row that can see key block ``ks`` (top-left causal: row >= key)."""
+    return ks if causal else 0
+
+
+def full_keep(b: int, heads: int, sq: int, sk: int, p: float, seed: int, block: int = BLOCK,
+              causal: bool = False, device: str = "cpu") -> torch.Tensor:  # fmt: skip
+    """The whole [b, heads, sq, sk] dropout multiplier (0 or 1/(1-p)) the blocked kernel uses
+    for a ``causal`` or non-causal call, for references and tests (rows a causal block cannot
+    reach are 1: they are masked anyway)."""
+    out = torch.ones(b, heads, sq, sk, device=device) / (1.0 - p)
+    for ki, ks in enumerate(range(0, sk, block)):
+        ke, r0 = min(ks + block, sk), _first_row(ks, causal)
+        if r0 < sq:
+            drop = block_drop((b, heads, sq - r0, ke - ks), p, seed, ki, torch.device(device))
+            out[:, :, r0:, ks:ke] = (~drop).float() / (1.0 - p)
     return out
 
 
-def _key_blocks(qs: int, qe: int, sk: int, causal: bool, block: int) -> Iterator[tuple[int, int]]:
-    """(index, start) of the key blocks query rows [qs, qe) can see."""
-    return enumerate(range(0, min(sk, qe) if causal else sk, block))
-
-
 class _Ctx:
-    """What both passes need to score one block pair."""
+    """What both passes need to score one key block against the query rows that see it."""
 
     def __init__(self, q5, k, v, keep, causal, scale, p, seed, block):
         self.q5, self.k, self.v, self.keep = q5, k, v, keep
         self.causal, self.scale, self.p, self.seed, self.block = causal, scale, p, seed, block
-        b, hkv, g = q5.shape[:3]
-        self.drop_shape = (b, hkv * g)
-        self._q_key, self._q = None, None
-        self._causal: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.qs = q5 * scale  # the softmax scale folded into q once
 
-    def scores(self, qs: int, qe: int, ks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Masked fp32 scores [b, hkv, g, bq, bk] of a block pair, with its k and v blocks."""
-        ke = min(ks + self.block, self.k.shape[2])
+    def blocks(self) -> Iterator[tuple[int, int, int, int]]:
+        """(index, first key, end key, first query row) of every key block some row sees."""
+        sq, sk = self.q5.shape[3], self.k.shape[2]
+        for ki, ks in enumerate(range(0, sk, self.block)):
+            r0 = _first_row(ks, self.causal)
+            if r0 < sq:
+                yield ki, ks, min(ks + self.block, sk), r0
+
+    def scores(self, ks: int, ke: int, r0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Masked fp32 scores [b, hkv, g, rows, bk] of rows r0.. vs keys [ks, ke), with the k
+        and v blocks."""
         kb = self.k[:, :, ks:ke].unsqueeze(2)
         vb = self.v[:, :, ks:ke].unsqueeze(2)
-        s = torch.matmul(self.q_block(qs, qe), kb.transpose(-1, -2)).float()
+        s = torch.matmul(self.qs[..., r0:, :], kb.transpose(-1, -2)).float()
         if self.keep is not None:
-            s.masked_fill_(~self.keep[..., qs:qe, ks:ke], float("-inf"))
-        if self.causal and ke > qs + 1:
-            s.masked_fill_(self._above(qs, qe, ks, ke, s.device), float("-inf"))
+            s.masked_fill_(~self.keep[..., r0:, ks:ke], float("-inf"))
+        if self.causal:  # only the first rows (r0 = ks) see part of the block
+            n = min(ke - ks, s.shape[-2])
+            above = torch.ones(n, ke - ks, dtype=torch.bool, device=s.device).triu_(1)
+            s[..., :n, :].masked_fill_(above, float("-inf"))
         return s, kb, vb
 
-    def _above(self, qs: int, qe: int, ks: int, ke: int, device: torch.device) -> torch.Tensor:
-        """Causal mask of a block pair (True above the diagonal), cached per offset and size."""
-        key = (ks - qs, qe - qs, ke - ks)
-        if key not in self._causal:
-            rows = torch.arange(qs, qe, device=device).unsqueeze(1)
-            self._causal[key] = torch.arange(ks, ke, device=device).unsqueeze(0) > rows
-        return self._causal[key]
-
-    def q_block(self, qs: int, qe: int) -> torch.Tensor:
-        """Query rows [qs, qe) times the softmax scale (cached for the current block)."""
-        if self._q_key != (qs, qe):
-            self._q_key, self._q = (qs, qe), self.q5[..., qs:qe, :] * self.scale
-        return self._q
-
-    def dropout(self, qi: int, ki: int, probs: torch.Tensor) -> torch.Tensor:
-        """Drop-mask of a block pair, shaped like ``probs``."""
-        bq, bk = probs.shape[-2:]
-        shape = (*self.drop_shape, bq, bk)
-        return block_drop(shape, self.p, self.seed, qi, ki, probs.device).view(probs.shape)
+    def dropout(self, ki: int, probs: torch.Tensor) -> torch.Tensor:
+        """Drop-mask of a key block, shaped like ``probs``."""
+        b, hkv, g, rows, bk = probs.shape
+        return block_drop((b, hkv * g, rows, bk), self.p, self.seed, ki, probs.device).view(
+            probs.shape
+        )
 
 
 def _forward(c: _Ctx) -> tuple[torch.Tensor, torch.Tensor]:
     q5, v = c.q5, c.v
-    out = torch.empty(*q5.shape[:-1], v.shape[-1], dtype=q5.dtype, device=q5.device)
-    lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q5.device)
-    for qi, qs in enumerate(range(0, q5.shape[3], c.block)):
-        qe = min(qs + c.block, q5.shape[3])
-        m = torch.full(q5.shape[:3] + (qe - qs,), float("-inf"), device=q5.device)
-        total = torch.zeros_like(m)
-        acc = torch.zeros(*m.shape, v.shape[-1], device=q5.device)
-        for ki, ks in _key_blocks(qs, qe, c.k.shape[2], c.causal, c.block):
-            s, _, vb = c.scores(qs, qe, ks)
-            m_new = torch.maximum(m, s.amax(-1))
-            m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
-            probs = s.sub_(m_safe.unsqueeze(-1)).exp_()
-            alpha = torch.exp(m - m_safe)
-            total.mul_(alpha).add_(probs.sum(-1))
-            if c.p > 0:
-                probs.masked_fill_(c.dropout(qi, ki, probs), 0.0)
-            acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(probs.to(vb.dtype), vb).float())
-            m = m_new
-        empty = total == 0  # a row that sees no key: output 0, no gradient
-        kept = total.masked_fill(empty, 1.0) * (1.0 - c.p)  # 1/(1-p) of the kept probabilities
-        out[..., qs:qe, :] = acc / kept.unsqueeze(-1)
-        lse[..., qs:qe] = (m + torch.log(total)).masked_fill(empty, float("inf"))
+    m = torch.full(q5.shape[:-1], float("-inf"), device=q5.device)
+    total = torch.zeros_like(m)
+    acc = torch.zeros(*m.shape, v.shape[-1], device=q5.device)
+    for ki, ks, ke, r0 in c.blocks():
+        s, _, vb = c.scores(ks, ke, r0)
+        m_old = m[..., r0:]
+        m_new = torch.maximum(m_old, s.amax(-1))
+        m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
+        probs = s.sub_(m_safe.unsqueeze(-1)).exp_()
+        alpha = torch.exp(m_old - m_safe)
+        total[..., r0:].mul_(alpha).add_(probs.sum(-1))
+        if c.p > 0:
+            probs.masked_fill_(c.dropout(ki, probs), 0.0)
+        acc[..., r0:, :].mul_(alpha.unsqueeze(-1)).add_(torch.matmul(probs.to(vb.dtype), vb))
+        m[..., r0:] = m_new
+    empty = total == 0  # a row that sees no key: output 0, no gradient
+    kept = total.masked_fill(empty, 1.0) * (1.0 - c.p)  # 1/(1-p) of the kept probabilities
+    out = (acc / kept.unsqueeze(-1)).to(q5.dtype)
+    lse = (m + torch.log(total)).masked_fill(empty, float("inf"))
     return out, lse
 
 
@@ -145,29 +136,28 @@ def _sum_groups(x: torch.Tensor) -> torch.Tensor:
 def _backward(c: _Ctx, out, lse, grad):
     q5, k, v = c.q5, c.k, c.v
     delta = (grad.float() * out.float()).sum(-1)
-    grad = grad * (1.0 / (1.0 - c.p))  # the dropout scale, folded into dO
+    grad = (grad * (1.0 / (1.0 - c.p))).float()  # the dropout scale, folded into dO
     dq = torch.zeros(q5.shape, device=q5.device)
-    dk = torch.zeros(k.shape, device=k.device)
-    dv = torch.zeros(v.shape, device=v.device)
-    for qi, qs in enumerate(range(0, q5.shape[3], c.block)):
-        qe = min(qs + c.block, q5.shape[3])
-        gb = grad[..., qs:qe, :]
-        for ki, ks in _key_blocks(qs, qe, k.shape[2], c.causal, c.block):
-            s, kb, vb = c.scores(qs, qe, ks)
-            ke = ks + s.shape[-1]
-            probs = s.sub_(lse[..., qs:qe].unsqueeze(-1)).exp_()
-            dprobs = torch.matmul(gb, vb.transpose(-1, -2)).float()
-            dropped = probs
-            if c.p > 0:
-                drop = c.dropout(qi, ki, probs)
-                dropped = probs.masked_fill(drop, 0.0)
-                dprobs.masked_fill_(drop, 0.0)
-            dv[:, :, ks:ke] += _sum_groups(torch.matmul(dropped.transpose(-1, -2), gb.float()))
-            ds = probs.mul_(dprobs.sub_(delta[..., qs:qe].unsqueeze(-1)))
-            dq[..., qs:qe, :] += torch.matmul(ds, kb.float())
-            dk[:, :, ks:ke] += _sum_groups(
-                torch.matmul(ds.transpose(-1, -2), c.q_block(qs, qe).float())
-            )
+    dk = torch.empty(k.shape, device=k.device)
+    dv = torch.empty(v.shape, device=v.device)
+    for ki, ks, ke, r0 in c.blocks():
+        s, kb, vb = c.scores(ks, ke, r0)
+        probs = s.sub_(lse[..., r0:].unsqueeze(-1)).exp_()
+        gb = grad[..., r0:, :]
+        dprobs = torch.matmul(gb, vb.transpose(-1, -2).float())
+        dropped = probs
+        if c.p > 0:
+            drop = c.dropout(ki, probs)
+            dropped = probs.masked_fill(drop, 0.0)
+            dprobs.masked_fill_(drop, 0.0)
+        dv[:, :, ks:ke] = _sum_groups(torch.matmul(dropped.transpose(-1, -2), gb))
+        ds = probs.mul_(dprobs.sub_(delta[..., r0:].unsqueeze(-1)))
+        dq[..., r0:, :] += torch.matmul(ds, kb.float())
+        dk[:, :, ks:ke] = _sum_groups(torch.matmul(ds.transpose(-1, -2), c.qs[..., r0:, :].float()))
+    if c.causal and q5.shape[3] < k.shape[2]:  # key blocks no row sees
+        first = -(-q5.shape[3] // c.block) * c.block
+        dk[:, :, first:] = 0
+        dv[:, :, first:] = 0
     return dq.mul_(c.scale), dk, dv
 
 
