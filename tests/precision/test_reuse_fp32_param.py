@@ -28,7 +28,7 @@ def _bits_equal(a: list, b: list) -> bool:
     )
 
 
-def _spawn(steps: int) -> list[dict]:
+def _spawn(steps: int, world: int = 2) -> list[dict]:
     # the distributed case steps its masters 4 KiB at a time (many chunks)
     cases = [
         dict(argv=REF, layout={}, resume=True),
@@ -36,7 +36,9 @@ def _spawn(steps: int) -> list[dict]:
         dict(argv=REF, layout=DISTOPT),
         dict(argv=REUSE, layout=DISTOPT, chunk_bytes=4096),
     ]
-    return run_distributed(precision_ranks.rank_checks, 2, cases=cases, steps=steps, timeout=600)
+    return run_distributed(
+        precision_ranks.rank_checks, world, cases=cases, steps=steps, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +68,9 @@ def test_bitwise_equal_to_fp32_masters(dp2_runs, layout):
 
 
 @pytest.mark.slow
-def test_bitwise_equal_over_20_steps():
-    runs = [r["reuse"] for r in _spawn(20)]
+@pytest.mark.parametrize("world", [1, 2])
+def test_bitwise_equal_over_20_steps(world):
+    runs = [r["reuse"] for r in _spawn(20, world)]
     for first in LAYOUTS.values():
         _assert_bitwise(runs, first, 20)
 
