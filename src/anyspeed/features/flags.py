@@ -48,6 +48,7 @@ MEGATRON_FLAGS: tuple[tuple[str, type], ...] = (
     ("--cuda-graph-impl", str),
     ("--enable-cuda-graph", bool),
     ("--tp-comm-overlap", bool),
+    ("--bf16", bool),
 )
 
 

@@ -31,6 +31,7 @@ from anyspeed.features.ops.feature import (
     FusedRoPE,
     FusedSwiGLU,
 )
+from anyspeed.features.precision.feature import ReuseFP32Param
 
 
 def build() -> list[Feature]:
@@ -53,6 +54,7 @@ def build() -> list[Feature]:
         MoEGroupedGemm(),
         *kernels,
         GlooCollectives(),
+        ReuseFP32Param(),
         cp,
         AttentionCore(candidates=[cp, flash]),
     ]

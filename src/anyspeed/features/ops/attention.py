@@ -16,6 +16,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from anyspeed.features.ops.blocked_attention import blocked_attention, fused_has_dropout
+
 
 class SDPAttention(DotProductAttention):
     """Megatron ``DotProductAttention`` computed with fused SDPA kernels."""
@@ -66,6 +68,10 @@ class SDPAttention(DotProductAttention):
         gqa = q.shape[1] != k.shape[1]
 
         def attend():
+            if dropout_p > 0 and not fused_has_dropout(q.device):
+                # the fused kernels refuse dropout here: blocked attention, not S x S math
+                return blocked_attention(q, k, v, mask, causal=is_causal,
+                                         scale=self.softmax_scale, dropout_p=dropout_p)  # fmt: skip
             return F.scaled_dot_product_attention(
                 q,
                 k,

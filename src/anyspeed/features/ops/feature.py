@@ -77,6 +77,11 @@ class FlashAttention(OpFeature):
         "CUDA): no S x S matrices, GQA without repeated K/V"
     )
 
+    def available(self, device: DeviceInfo) -> tuple[bool, str]:
+        from anyspeed.features.ops.blocked_attention import dropout_path
+
+        return True, dropout_path(device.type)
+
     def attention_core(self) -> tuple[type, str]:
         """The core class for the attention-core seam, and why."""
         from anyspeed.features.ops.attention import SDPAttention
