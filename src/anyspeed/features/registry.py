@@ -21,6 +21,13 @@ from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.context_parallel.feature import ContextParallel
+from anyspeed.features.memory.feature import (
+    RecomputeActivation,
+    RecomputeCompat,
+    RecomputeNorm,
+    SwapAttention,
+    SwapOptimizer,
+)
 from anyspeed.features.moe.feature import MoECompat, MoEGroupedGemm
 from anyspeed.features.moe.mindspeed_flags import MindSpeedMoEFlags
 from anyspeed.features.ops.feature import (
@@ -49,9 +56,14 @@ def build() -> list[Feature]:
         MindSpeedMoEFlags(),
         MoECompat(),
         MoEGroupedGemm(),
+        RecomputeCompat(),
         *kernels,
         GlooCollectives(),
         cp,
+        RecomputeActivation(),
+        RecomputeNorm(),
+        SwapAttention(),
+        SwapOptimizer(),
         AttentionCore(candidates=[cp, flash]),
     ]
 
