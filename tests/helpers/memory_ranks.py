@@ -24,7 +24,7 @@ def metered_run(layout: dict, model: dict | None = None, steps: int = 5, load: s
     meter = FirstForwardMeter([m.module for m in t.model])
     out = [synthetic.train_step(t) for _ in range(steps)]
     return {"loss": [o["loss"] for o in out], "grad_norm": [o["grad_norm"] for o in out],
-            "saved_bytes": meter.bytes}  # fmt: skip
+            "saved_bytes": meter.bytes, **held_bytes(t)}  # fmt: skip
 
 
 def metered_cases(cases: list[dict]) -> list[dict]:
@@ -40,3 +40,30 @@ def metered_cases(cases: list[dict]) -> list[dict]:
         out.append(metered_run(**case))
     adaptor.undo()
     return out
+
+
+def held_bytes(t: Trainer) -> dict:
+    """Bytes the trainer's tensors hold on this rank, counted from the tensors themselves:
+    parameters, the DDP gradient buffers, and the optimizer's states and main-parameter copies
+    (a main parameter that is a view of a model parameter counts nothing)."""
+    params = [p for chunk in t.model for p in chunk.parameters()]
+    model_storages = {p.untyped_storage().data_ptr() for p in params}
+    buffers = [b for chunk in t.model for b in chunk.buffers + chunk.expert_parallel_buffers]
+    seen: dict[int, int] = {}
+    for opt in getattr(t.optimizer, "chained_optimizers", [t.optimizer]):
+        inner = opt.optimizer
+        tensors = [v for state in inner.state.values() for v in state.values()]
+        tensors += [p for g in inner.param_groups for p in g["params"]]
+        for x in tensors:
+            if hasattr(x, "untyped_storage"):
+                st = x.untyped_storage()
+                if st.data_ptr() not in model_storages:
+                    seen[st.data_ptr()] = st.nbytes()
+    from megatron.core import parallel_state as ps
+
+    return {
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+        "optimizer_bytes": sum(seen.values()),
+    }

@@ -50,12 +50,6 @@ MOE_CASES = {
 }
 
 
-def _run(world: int, layout: dict, cases: dict) -> dict:
-    spec = [dict(dict(layout=layout, model=MODEL, **CFG), **case) for case in cases.values()]
-    per_rank = run_distributed(memory_ranks.metered_cases, world, cases=spec, timeout=600)
-    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(cases)}
-
-
 def _same_training(ref: dict, got: dict) -> None:
     for key in ("loss", "grad_norm"):
         assert len(got[key]) == 5
@@ -68,11 +62,6 @@ def _norm_bytes(tp: int = 1) -> int:
     torch's composite RMSNorm keeps (x * rstd and rstd [tokens]); its input is the residual
     stream, kept anyway. Under sequence parallelism each rank holds 1/tp of the tokens."""
     return (2 * S * B * H + S * B) * F32 // tp
-
-
-@pytest.fixture(scope="module")
-def one_process() -> dict:
-    return _run(1, {}, CASES)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "none"])
@@ -96,7 +85,7 @@ def test_saved_bytes_drop_by_the_formula(one_process):
 @pytest.mark.parametrize("world,layout", [(2, dict(tp=2, sequence_parallel=True)), (2, dict(pp=2))],
                          ids=["tp2-sp", "pp2"])  # fmt: skip
 def test_parallel_layouts(world, layout):
-    runs = _run(world, layout, {**CASES, **SLOW_CASES})
+    runs = run_cases(world, layout, {**CASES, **SLOW_CASES})
     for name, ranks in runs.items():
         ref = runs["gelu-none" if name.startswith("gelu") else "none"]
         for r, g in zip(ref, ranks, strict=True):
@@ -116,7 +105,7 @@ def test_parallel_layouts(world, layout):
 
 @pytest.mark.slow
 def test_moe_experts():
-    runs = _run(1, {}, MOE_CASES)
+    runs = run_cases(1, {}, MOE_CASES)
     for kind in ("moe", "moe-grouped"):
         _same_training(runs[f"{kind}-none"][0], runs[f"{kind}-act"][0])
         assert runs[f"{kind}-act"][0]["saved_bytes"] < runs[f"{kind}-none"][0]["saved_bytes"]
