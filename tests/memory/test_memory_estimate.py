@@ -4,8 +4,6 @@ gradients and optimizer state against the tensors a trainer holds after a step."
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ from anyspeed.models import ModelConfig
 from anyspeed.models.presets import get_preset
 from anyspeed.training.memory_estimate import Options, estimate_stage
 from anyspeed.training.recompute import Recompute
-from conftest import CASES, CFG, MODEL, run_cases
+from helpers.memory_cases import CASES, CFG, MODEL, run_cases
 
 REL = 0.10  # the acceptance bound; at one process activations agree within 0.1%
 
@@ -32,8 +30,9 @@ def _options(case: dict, cfg: dict) -> Options:
 
 def _check(measured: dict, model: dict, layout: dict, world: int, case: dict, cfg: dict,
            exact_activations: bool = True) -> None:  # fmt: skip
-    est = estimate_stage(ModelConfig(**model), Layout(**layout), world, _options(case, cfg),
-                         measured["stage"])
+    est = estimate_stage(
+        ModelConfig(**model), Layout(**layout), world, _options(case, cfg), measured["stage"]
+    )
     got = measured["saved_bytes"]
     if exact_activations:  # tensor by tensor: off by a few scalars at most
         assert est.activations_per_microbatch == pytest.approx(got, rel=1e-3, abs=0)
@@ -79,5 +78,12 @@ def test_layouts_of_two_presets(preset):
             runs = run_cases(2, {}, cases, steps=1, bf16=bf16, **{"model": model, **cfg})
             for n in group:
                 for measured in runs[n]:
-                    _check(measured, model, LAYOUTS[n][1], 2, LAYOUTS[n][2],
-                           dict(cfg, bf16=bf16), exact_activations=False)
+                    _check(
+                        measured,
+                        model,
+                        LAYOUTS[n][1],
+                        2,
+                        LAYOUTS[n][2],
+                        dict(cfg, bf16=bf16),
+                        exact_activations=False,
+                    )

@@ -10,29 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from anyspeed.testing import run_distributed
-from helpers import memory_ranks
+from helpers.memory_cases import ACT, CASES, MODEL, NORM, run_cases
 
 TOL = 1e-6  # fp32; most cases are bit-equal
 F32 = 4
-MODEL = dict(num_layers=2)  # hidden 64, ffn 128, SwiGLU, RMSNorm
-CFG = dict(seq_length=32, micro_batch_size=2, global_batch_size=2)
-S, B, H, FFN, L = 32, 2, 64, 128, 2
+S, B, H, FFN, L = 32, 2, 64, 128, 2  # CFG and MODEL's sizes
 
-ACT = ["--recompute-activation-function"]
-NORM = ["--recompute-norm"]
-CASES = {
-    "none": {},
-    "full-uniform": dict(recompute=dict(granularity="full", method="uniform", num_layers=1)),
-    "selective": dict(
-        recompute=dict(granularity="selective", modules=["core_attn", "mlp", "layernorm"])
-    ),  # fmt: skip
-    "act": dict(argv=ACT),
-    "norm": dict(argv=NORM),
-    "act+norm+swap": dict(argv=ACT + NORM + ["--swap-attention", "--swap-optimizer"]),
-    "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),
-    "gelu-none": dict(model=dict(MODEL, swiglu=False)),
-}
 SLOW_CASES = {
     "full-block": dict(recompute=dict(granularity="full", method="block", num_layers=1)),
     "act-1-layer": dict(argv=ACT + ["--recompute-activation-function-num-layers", "1"]),
