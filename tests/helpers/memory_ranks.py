@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
 from anyspeed.training.config import TrainConfig
@@ -22,9 +24,13 @@ def metered_run(layout: dict, model: dict | None = None, steps: int = 5, load: s
     if load:
         trainer_ranks.load_weights(t, load)
     meter = FirstForwardMeter([m.module for m in t.model])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     out = [synthetic.train_step(t) for _ in range(steps)]
+    peak = torch.cuda.max_memory_allocated() if cuda else None
     return {"loss": [o["loss"] for o in out], "grad_norm": [o["grad_norm"] for o in out],
-            "saved_bytes": meter.bytes, **held_bytes(t)}  # fmt: skip
+            "saved_bytes": meter.bytes, "device_peak": peak, **held_bytes(t)}  # fmt: skip
 
 
 def metered_cases(cases: list[dict]) -> list[dict]:

@@ -25,7 +25,7 @@ PROG = "anyspeed memory"
 GIB = 2**30
 RECOMPUTE_CHOICES = {
     "none": Recompute(),
-    "selective": Recompute(granularity="selective", modules=["core_attn"]),
+    "selective": Recompute(granularity="selective", modules=["core_attn", "mlp"]),
     "act+norm": Recompute(),  # anyspeed's activation-function and norm recompute
     "full": Recompute(granularity="full", method="uniform", num_layers=1),
 }
