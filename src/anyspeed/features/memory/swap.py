@@ -30,7 +30,7 @@ class _Swapped:
 
 
 class LayerSwap:
-    """The swap of one transformer layer's selected modules (``group`` orders the layers)."""
+    """The swap of one transformer layer's selected modules (``index``: its forward order)."""
 
     def __init__(self, swapper: Swapper, index: int, module: torch.nn.Module) -> None:
         self.swapper, self.index, self.module = swapper, index, module
@@ -63,6 +63,7 @@ class LayerSwap:
         s.prefetch(self.index - 1)
         torch.cuda.current_stream().wait_stream(s.stream)
         out, item.back = item.back, None
+        out.record_stream(torch.cuda.current_stream())  # allocated on the side stream
         if item in self.saved:
             self.saved.remove(item)
         return out
@@ -93,8 +94,7 @@ class Swapper:
 
 
 def wrap_module_forward(module: torch.nn.Module, layer: LayerSwap) -> None:
-    """Run ``module``'s forward under ``layer``'s saved-tensor hooks (each forward starts a
-    new list of the layer's swapped tensors when it is the layer's first swapped module)."""
+    """Run ``module``'s forward under ``layer``'s saved-tensor hooks."""
     forward = module.forward
 
     def swapped_forward(*args, **kwargs):
