@@ -18,6 +18,8 @@ CASES = {
     "act": dict(argv=ACT),
     "norm": dict(argv=NORM),
     "act+norm+swap": dict(argv=ACT + NORM + ["--swap-attention", "--swap-optimizer"]),
+}
+GELU_CASES = {  # -m slow (CI time)
     "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),
     "gelu-none": dict(model=dict(MODEL, swiglu=False)),
 }

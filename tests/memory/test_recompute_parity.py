@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.memory_cases import ACT, CASES, MODEL, NORM, run_cases
+from helpers.memory_cases import ACT, CASES, GELU_CASES, MODEL, NORM, run_cases
 
 TOL = 1e-6  # fp32; most cases are bit-equal
 F32 = 4
 S, B, H, FFN, L = 32, 2, 64, 128, 2  # CFG and MODEL's sizes
 
 SLOW_CASES = {
+    **GELU_CASES,
     "full-block": dict(recompute=dict(granularity="full", method="block", num_layers=1)),
     "act-1-layer": dict(argv=ACT + ["--recompute-activation-function-num-layers", "1"]),
     "norm-1-layer": dict(argv=NORM + ["--recompute-norm-num-layers", "1"]),
@@ -59,7 +60,6 @@ def test_saved_bytes_drop_by_the_formula(one_process):
     assert saved["none"] - saved["act"] == L * act
     assert saved["none"] - saved["norm"] == L * 2 * _norm_bytes()
     assert saved["none"] - saved["act+norm+swap"] == L * (act + 2 * _norm_bytes())
-    assert saved["gelu-none"] - saved["gelu-act"] == L * act  # GeLU keeps only its input
     # Full recompute keeps only the recomputed layers' inputs: far below the rest.
     assert saved["full-uniform"] < saved["selective"] < saved["none"]
 
@@ -80,10 +80,20 @@ def test_parallel_layouts(world, layout):
         norm = runs["norm"][rank]["saved_bytes"]
         assert none["saved_bytes"] - act == layers * S * B * FFN * F32 // tp
         assert none["saved_bytes"] - norm == layers * 2 * _norm_bytes(tp)
-        one = runs["act-1-layer"][rank]["saved_bytes"]
-        assert none["saved_bytes"] - one == (layers - 1 if layers > 1 else 1) * (
-            S * B * FFN * F32 // tp
-        )
+        one = runs["act-1-layer"][rank]["saved_bytes"]  # the first layer of each chunk
+        assert none["saved_bytes"] - one == S * B * FFN * F32 // tp
+
+
+@pytest.mark.slow
+def test_one_process_slow_cases():
+    runs = run_cases(1, {}, {"none": {}, **SLOW_CASES})
+    act = S * B * FFN * F32
+    for name, ranks in runs.items():
+        _same_training(runs["gelu-none" if name.startswith("gelu") else "none"][0], ranks[0])
+    saved = {n: r[0]["saved_bytes"] for n, r in runs.items()}
+    assert saved["gelu-none"] - saved["gelu-act"] == L * act  # GeLU keeps only its input
+    assert saved["none"] - saved["act-1-layer"] == act
+    assert saved["none"] - saved["norm-1-layer"] == 2 * _norm_bytes()
 
 
 @pytest.mark.slow
