@@ -73,6 +73,7 @@ COMMANDS = {
     "train-tokenizer": _run("anyspeed.data.cli", prefix=["train-tokenizer"]),
     "convert": _run("anyspeed.convert.cli"),
     "models": _models,
+    "memory": _run("anyspeed.training.memory_command"),
     "features": lambda argv: _features_report([a for a in argv if a != "--json"], "--json" in argv),
 }
 
@@ -92,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__.strip())
         print(
             "\ncommands: demo | pretrain [--nproc-per-node N] FLAGS... | preprocess ... | "
-            "train-tokenizer ... | convert ... | models | features [--json] [TRAINING FLAGS...]"
+            "train-tokenizer ... | convert ... | models | features [--json] [TRAINING FLAGS...] | "
+            "memory [--fits GiB] [--world-size N] TRAINING FLAGS..."
         )
         return 0
     cmd, rest = argv[0], argv[1:]

@@ -22,6 +22,13 @@ from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompa
 from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.context_parallel.feature import ContextParallel
+from anyspeed.features.memory.feature import (
+    RecomputeActivation,
+    RecomputeCompat,
+    RecomputeNorm,
+    SwapAttention,
+    SwapOptimizer,
+)
 from anyspeed.features.moe.feature import MoECompat, MoEGroupedGemm
 from anyspeed.features.moe.mindspeed_flags import MindSpeedMoEFlags
 from anyspeed.features.ops.feature import (
@@ -52,10 +59,15 @@ def build() -> list[Feature]:
         MindSpeedMoEFlags(),
         MoECompat(),
         MoEGroupedGemm(),
+        RecomputeCompat(),
         *kernels,
         GlooCollectives(),
         ReuseFP32Param(),
         cp,
+        RecomputeActivation(),
+        RecomputeNorm(),
+        SwapAttention(),
+        SwapOptimizer(),
         AttentionCore(candidates=[cp, flash]),
     ]
 

@@ -17,6 +17,7 @@ from anyspeed.argv import get_flag
 from anyspeed.errors import OneLineArgumentParser, UsageError
 from anyspeed.models import config as model_config
 from anyspeed.models.presets import apply_preset
+from anyspeed.training import recompute
 from anyspeed.training.distributed import DEFAULT_TIMEOUT_MINUTES
 from anyspeed.training.ranges import check_ranges
 
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="anyspeed pretrain", allow_abbrev=False,
                               description=__doc__.split("\n")[0])  # fmt: skip
     for add in (_launch_and_parallel, _architecture_and_tokenizer, _training,
-                _data_and_checkpoints, _logging):  # fmt: skip
+                _data_and_checkpoints, _logging, recompute.add_arguments):  # fmt: skip
         add(p)
     features.add_arguments(p)
     return p

@@ -75,6 +75,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     train = TrainConfig.from_args(args)
     try:
         train.check(args.data_parallel_size)
+        train.recompute.check(args.num_layers // layout.pp, layout.sequence_parallel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     _check_run(args)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from anyspeed.training.recompute import Recompute
 
 
 @dataclass
@@ -33,6 +35,12 @@ class TrainConfig:
     # Reduce gradients in fp32 (--accumulate-allreduce-grads-in-fp32). Default: Megatron-LM's,
     # i.e. in the parameters' dtype, so bf16 training reduces bf16 gradients.
     grad_reduce_in_fp32: bool = False
+    # Megatron's activation recompute (a Recompute or its fields as a dict)
+    recompute: Recompute = field(default_factory=Recompute)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, dict):
+            self.recompute = Recompute(**self.recompute)
 
     @property
     def precision(self) -> str:
@@ -54,4 +62,5 @@ class TrainConfig:
                  "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
                  "adam_beta1", "adam_beta2", "adam_eps", "optimizer")  # fmt: skip
         values = {n: getattr(args, n) for n in names}
-        return cls(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, **values)
+        return cls(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+                   recompute=Recompute.from_args(args), **values)  # fmt: skip

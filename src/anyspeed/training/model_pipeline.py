@@ -31,7 +31,8 @@ def build_chunks(
     with their TransformerConfig; Megatron's parallel state must be initialised."""
     from anyspeed.device import torch_device
 
-    config = gpt.transformer_config(model, layout, bf16=cfg.bf16, fp16=cfg.fp16)
+    config = gpt.transformer_config(model, layout, bf16=cfg.bf16, fp16=cfg.fp16,
+                                    **cfg.recompute.config_fields())  # fmt: skip
     chunks = gpt.build_chunks(model, config, layout)
     for transform in transforms:
         chunks = [transform(chunk, model) for chunk in chunks]

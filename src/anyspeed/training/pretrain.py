@@ -96,6 +96,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[st
     from anyspeed.device.flops import slow_precision_warning
     from anyspeed.training import hooks as H
     from anyspeed.training.loop import LoopState, run
+    from anyspeed.training.memory_hook import SavedBytesHook
     from anyspeed.training.metrics import peak_memory_bytes
     from anyspeed.training.step import Trainer
     from anyspeed.training.tasks import PretrainTask
@@ -123,6 +124,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[st
         print0(f"anyspeed pretrain: warning: {slow}")
     reporter = H.Reporter(args, state.iteration)
     hooks = [
+        SavedBytesHook(),  # first: it prints before the progress bar is drawn
         H.NanGuard(args.save),
         H.LogHook(reporter, args, args.model_config.flops_per_token(args.seq_length), peak),
         H.EvalHook(reporter, args, task, valid_ds, test_ds, device),

@@ -89,6 +89,11 @@ RANGES: dict[str, Range] = {
     "--n-shared-experts": POSITIVE,
     "--moe-expert-capacity-factor": STRICTLY_POSITIVE,
     "--first-k-dense-replace": COUNT,
+    # memory (recompute, swap)
+    "--recompute-num-layers": POSITIVE,
+    "--recompute-activation-function-num-layers": POSITIVE,
+    "--recompute-norm-num-layers": POSITIVE,
+    "--swap-optimizer-times": POSITIVE,
     # training
     "--micro-batch-size": POSITIVE,
     "--global-batch-size": POSITIVE,

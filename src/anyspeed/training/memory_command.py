@@ -1,0 +1,179 @@
+"""``anyspeed memory``: does a training layout fit? Per-rank memory before anything starts.
+
+Takes ``anyspeed pretrain``'s flags (``--model`` preset, layout, precision, micro-batch,
+sequence, recompute and memory features) plus ``--world-size N`` (default: one data-parallel
+replica) and prints the parameters, gradients, optimizer state and activations of the rank
+that needs the most. ``--fits GiB`` instead lists every layout of ``--world-size`` devices
+(TP x PP x DP, distributed optimizer, recompute) whose largest rank fits in that budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Sequence
+
+from anyspeed.argv import pop_flag
+from anyspeed.errors import UsageError, report
+from anyspeed.layout import Layout
+from anyspeed.models.config import ModelConfig, padded_vocab_size
+from anyspeed.training.memory_estimate import Options, RankMemory, estimate
+from anyspeed.training.recompute import Recompute
+
+PROG = "anyspeed memory"
+GIB = 2**30
+RECOMPUTE_CHOICES = {
+    "none": Recompute(),
+    "selective": Recompute(granularity="selective", modules=["core_attn", "mlp"]),
+    "act+norm": Recompute(),  # anyspeed's activation-function and norm recompute
+    "full": Recompute(granularity="full", method="uniform", num_layers=1),
+}
+
+
+def _number(flag: str, value: str | None, kind: type) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = kind(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise UsageError(f"{flag} must be a positive number (got {value!r})")
+    return number
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | None]:
+    """(pretraining flags, --world-size, --fits GiB); UsageError (one line) on bad input."""
+    from anyspeed.training.arguments import parse_pretrain_args
+
+    try:
+        world, argv = pop_flag(list(argv), "--world-size")
+        fits, argv = pop_flag(argv, "--fits")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    args = parse_pretrain_args(argv)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(args, name) is None:
+            raise UsageError(f"--{name.replace('_', '-')} is required (or use --model NAME)")
+    if args.padded_vocab_size is None:
+        if args.vocab_size is None:
+            raise UsageError("no vocabulary size: pass --model NAME, --vocab-size N or "
+                             "--padded-vocab-size N")  # fmt: skip
+        args.padded_vocab_size = padded_vocab_size(
+            args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        )
+    return args, _number("--world-size", world, int), _number("--fits", fits, float)
+
+
+def options(args: argparse.Namespace, dp: int, recompute: str | None = None) -> Options:
+    """The estimate's settings from the flags (``recompute``: one of RECOMPUTE_CHOICES)."""
+    gbs = args.global_batch_size or args.micro_batch_size * dp
+    act = args.recompute_activation_function_num_layers if args.recompute_activation_function else 0
+    norm = args.recompute_norm_num_layers if args.recompute_norm else 0
+    rec = Recompute.from_args(args)
+    if recompute is not None:
+        rec = RECOMPUTE_CHOICES[recompute]
+        act = norm = None if recompute == "act+norm" else 0
+    return Options(
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        num_microbatches=max(gbs // (args.micro_batch_size * dp), 1),
+        precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        optimizer=args.optimizer, recompute=rec, recompute_activation=act, recompute_norm=norm,
+    )  # fmt: skip
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.3f}"
+
+
+def describe(mem: RankMemory) -> str:
+    """The per-rank table of one estimate."""
+    rows = [("parameters", mem.parameters), ("gradients", mem.gradients),
+            ("optimizer state", mem.optimizer),
+            (f"activations ({mem.microbatches_in_flight:g} micro-batch(es) in flight; "
+             f"{mem.activations_per_microbatch / 2**20:.1f} MiB each)", mem.activations),
+            ("total", mem.total)]  # fmt: skip
+    return "\n".join(f"  {name:<62} {_gib(value)} GiB" for name, value in rows)
+
+
+def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
+    """Every (layout, recompute choice) of ``world`` devices that Megatron would accept."""
+    for tp, pp in itertools.product(range(1, world + 1), repeat=2):
+        if world % (tp * pp) or tp > 8:
+            continue
+        for distopt, rec in itertools.product((False, True), RECOMPUTE_CHOICES):
+            lay = Layout(tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=distopt)
+            if distopt and lay.dp(world) == 1:
+                continue
+            try:
+                lay.validate_for(world, model, args.seq_length)
+            except ValueError:
+                continue
+            if model.vocab_size % tp:
+                continue
+            yield lay, rec
+
+
+def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float) -> str:
+    """The layouts of ``world`` devices whose largest rank needs at most ``budget`` GiB."""
+    rows = []
+    for lay, rec in _layouts(args, model, world):
+        mem = estimate(model, lay, world, options(args, lay.dp(world), rec))
+        if mem.total <= budget * GIB:
+            rows.append((mem.total, lay, rec))
+    if not rows:
+        return f"no layout of {world} devices fits in {budget:g} GiB per rank"
+    out = [
+        f"layouts of {world} devices that fit in {budget:g} GiB per rank (smallest first):",
+        f"  {'TP':>3} {'PP':>3} {'DP':>3} {'distopt':<8} {'recompute':<10} {'GiB/rank':>9}",
+    ]
+    for total, lay, rec in sorted(rows, key=lambda r: r[0]):
+        distopt = "yes" if lay.distributed_optimizer else "no"
+        out.append(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp(world):>3} {distopt:<8} {rec:<10} "
+                   f"{_gib(total)}")  # fmt: skip
+    return "\n".join(out)
+
+
+def run(argv: Sequence[str]) -> str:
+    """The report ``anyspeed memory`` prints for ``argv``; UsageError on bad input."""
+    args, world, budget = parse(argv)
+    model = ModelConfig.from_args(args)
+    try:
+        lay = Layout.from_args(args)
+        world = world or lay.tp * lay.pp * lay.cp
+        lay.validate_for(world, model, args.seq_length)
+        Recompute.from_args(args).check(model.num_layers // lay.pp, lay.sequence_parallel)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if model.is_moe:
+        raise UsageError("anyspeed memory estimates dense models; MoE activations are not "
+                         "modelled yet (remove --num-experts)")  # fmt: skip
+    if budget is not None:
+        return fits(args, model, world, budget)
+    mem = estimate(model, lay, world, options(args, lay.dp(world)))
+    return (
+        f"{model.name} ({model.num_parameters() / 1e6:,.1f}M params), {world} devices: "
+        f"TP={lay.tp} PP={lay.pp} VPP={lay.chunks} CP={lay.cp} DP={lay.dp(world)} "
+        f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer}, seq "
+        f"{args.seq_length}, micro-batch {args.micro_batch_size}; the largest rank "
+        f"(pipeline stage {mem.stage}):\n" + describe(mem)
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``anyspeed memory``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__.strip())
+        return 0
+    try:
+        print(run(argv))
+    except UsageError as exc:
+        return report(PROG, exc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""Per-rank memory of a training layout, before anything starts: parameters, gradients,
+optimizer state and the activations autograd keeps for backward.
+
+The activation terms follow what Megatron-Core's local spec with anyspeed's default kernels
+(``--optimization-level`` 1 or 2: SDPA attention, one-node SwiGLU and RoPE, torch norms, the
+chunked fused cross-entropy) save for backward, tensor by tensor; the bytes meter
+(:mod:`anyspeed.features.memory.meter`) measures the same quantity, and the tests hold the two
+together. Dense models; MoE layers are counted for parameters only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from anyspeed.layout import Layout
+from anyspeed.models.config import ModelConfig
+from anyspeed.training.recompute import Recompute
+
+F32 = 4
+
+
+@dataclass
+class Options:
+    """What besides the model and the layout decides the memory of a rank."""
+
+    seq_length: int = 2048
+    micro_batch_size: int = 1
+    num_microbatches: int = 1  # per step on one data-parallel rank
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    grad_reduce_in_fp32: bool = False
+    optimizer: str = "adam"
+    recompute: Recompute = field(default_factory=Recompute)
+    recompute_activation: int | None = 0  # layers per chunk (None: all, 0: off)
+    recompute_norm: int | None = 0
+
+    @property
+    def dtype_bytes(self) -> int:
+        return F32 if self.precision == "fp32" else 2
+
+
+@dataclass
+class RankMemory:
+    """Bytes held by one rank (the largest pipeline stage)."""
+
+    stage: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations_per_microbatch: int
+    microbatches_in_flight: float
+
+    @property
+    def activations(self) -> int:
+        return int(self.activations_per_microbatch * self.microbatches_in_flight)
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+def _layer_params(m: ModelConfig, lay: Layout) -> int:
+    """Parameters of one transformer layer on one rank (dense or MoE)."""
+    h, d, tp = m.hidden_size, m.head_dim, lay.tp
+    q, kv = m.num_attention_heads * d, m.num_query_groups * d
+    n = (h * (q + 2 * kv) + q * h) // tp + 2 * h  # QKV, proj; two norms (replicated)
+    n += (q + 2 * kv) // tp if m.add_qkv_bias else 0
+    n += 2 * d if m.qk_layernorm else 0
+    mats = 3 if m.swiglu else 2
+    if m.add_bias_linear:
+        n += h + (mats - 1) * m.ffn_hidden_size // tp + h
+    return n
+
+
+def _mlp_params(m: ModelConfig, lay: Layout, moe: bool) -> int:
+    mats, h = (3 if m.swiglu else 2), m.hidden_size
+    if not moe:
+        return mats * h * m.ffn_hidden_size // lay.tp
+    experts = (m.num_experts or 0) // lay.ep
+    n = experts * mats * h * m.expert_ffn_size // lay.expert_tp + h * (m.num_experts or 0)
+    return n + mats * h * (m.moe_shared_expert_intermediate_size or 0) // lay.tp
+
+
+def stage_parameters(m: ModelConfig, lay: Layout, stage: int) -> int:
+    """Parameters held by one rank of pipeline stage ``stage`` (all its virtual chunks)."""
+    per_chunk = m.num_layers // (lay.pp * lay.chunks)
+    moe = m.moe_layers()
+    n = 0
+    for chunk in range(lay.chunks):
+        first = (chunk * lay.pp + stage) * per_chunk
+        for i in range(first, first + per_chunk):
+            n += _layer_params(m, lay) + _mlp_params(m, lay, moe[i])
+    emb = m.vocab_size * m.hidden_size // lay.tp
+    if stage == 0:
+        n += emb
+    if stage == lay.pp - 1:
+        n += m.hidden_size + (0 if m.tie_embeddings and lay.pp == 1 else emb)
+    return n
+
+
+def _norm(tokens: int, h: int, e: int, recomputed: bool) -> int:
+    """A norm and the output the next linear keeps: torch's composite RMSNorm/LayerNorm keeps
+    its (fp32) input, the normalised input (fp32) and 1/rms per token; recomputed, only the
+    input (in the activations' dtype) stays."""
+    if recomputed:
+        return tokens * h * e
+    return 2 * tokens * h * F32 + tokens * F32 + tokens * h * e
+
+
+def layer_activations(m: ModelConfig, lay: Layout, o: Options, act: bool, norm: bool) -> int:
+    """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
+    e, tp, b, d, h = o.dtype_bytes, lay.tp, o.micro_batch_size, m.head_dim, m.hidden_size
+    s = o.seq_length // lay.cp
+    tokens = s * b
+    normed = tokens // tp if lay.sequence_parallel else tokens  # sequence-parallel regions
+    heads, groups = m.num_attention_heads // tp, m.num_query_groups // tp
+    modules = o.recompute.modules if o.recompute.granularity == "selective" else []
+    norm = norm or "layernorm" in modules
+    total = 2 * _norm(normed, h, e, norm)
+    total += 4 * s * d * e  # RoPE: cos and sin, for q and for k
+    total += tokens * d * (heads + groups) * e  # rotated q and k
+    total += tokens * d * (heads + 2 * groups) * e  # the QKV output (v is a view of it)
+    total += tokens * d * heads * e  # attention output (linear_proj's input)
+    if "core_attn" not in modules:
+        total += b * heads * s * F32  # log-sum-exp of the fused attention
+    ffn = m.ffn_hidden_size // tp
+    if "mlp" not in modules:
+        total += tokens * ffn * (2 if m.swiglu else 1) * e  # fc1 output (activation's input)
+        total += 0 if act else tokens * ffn * e  # activation output (fc2's input)
+    return total
+
+
+def _full_recompute_units(o: Options, layers: int) -> int:
+    """Layers of a chunk that full recompute replaces by one saved input per unit."""
+    r = o.recompute
+    if r.granularity != "full":
+        return 0
+    return layers if r.method == "uniform" else min(r.num_layers or 0, layers)
+
+
+def _selected(flag: int | None, i: int) -> bool:
+    return flag is None or i < flag
+
+
+def chunk_activations(m: ModelConfig, lay: Layout, o: Options, first: bool, last: bool) -> int:
+    """Bytes one model chunk keeps for backward for one micro-batch on one rank."""
+    e, b = o.dtype_bytes, o.micro_batch_size
+    s, h = o.seq_length // lay.cp, m.hidden_size
+    tokens = s * b
+    normed = tokens // lay.tp if lay.sequence_parallel else tokens
+    layers = m.num_layers // lay.pp // lay.chunks
+    full = _full_recompute_units(o, layers)
+    total = 0
+    for i in range(full, layers):
+        act, norm = _selected(o.recompute_activation, i), _selected(o.recompute_norm, i)
+        total += layer_activations(m, lay, o, act and o.recompute_activation != 0,
+                                   norm and o.recompute_norm != 0)  # fmt: skip
+    if full:
+        per_unit = o.recompute.num_layers if o.recompute.method == "uniform" else 1
+        hidden = normed * h * e
+        if o.recompute.distribute_saved_activations and not lay.sequence_parallel:
+            hidden //= lay.tp
+        total += math.ceil(full / per_unit) * hidden + s * m.head_dim * F32  # + RoPE angles
+    if first:
+        total += tokens * 8 + (tokens if lay.tp > 1 else 0)  # token ids (+ vocab-range mask)
+    if last:
+        total += _norm(normed, h, e, False)  # final norm; its output is the output layer's
+        total += tokens * m.vocab_size // lay.tp * e  # logits
+        total += tokens * (8 + 1 + F32)  # cross-entropy: targets, mask, per-token values
+    return total
+
+
+def in_flight(lay: Layout, stage: int, microbatches: int) -> float:
+    """Micro-batches whose activations a rank of ``stage`` holds at once (1F1B warm-up; in
+    chunks' worth of a whole stage for the interleaved schedule)."""
+    if lay.pp == 1:
+        return 1.0
+    if lay.chunks == 1:
+        return float(min(lay.pp - stage, microbatches))
+    warmup = (lay.pp - stage - 1) * 2 + (lay.chunks - 1) * lay.pp + 1
+    return min(warmup, microbatches * lay.chunks) / lay.chunks
+
+
+def _state_bytes(o: Options, params: int, dp: int, distributed: bool) -> tuple[int, int]:
+    """(gradient, optimizer) bytes for ``params`` parameters on one rank."""
+    grads = params * (F32 if o.grad_reduce_in_fp32 or o.precision == "fp32" else 2)
+    per_param = (8 if o.optimizer == "adam" else 4) + (0 if o.precision == "fp32" else F32)
+    opt = params * per_param
+    return grads, (math.ceil(opt / dp) if distributed else opt)
+
+
+def estimate_stage(m: ModelConfig, lay: Layout, world_size: int, o: Options,
+                   stage: int) -> RankMemory:  # fmt: skip
+    """The memory of a rank of pipeline stage ``stage``."""
+    params = stage_parameters(m, lay, stage)
+    grads, opt = _state_bytes(o, params, lay.dp(world_size), lay.distributed_optimizer)
+    acts = 0
+    for chunk in range(lay.chunks):
+        first, last = stage == 0 and chunk == 0, stage == lay.pp - 1 and chunk == lay.chunks - 1
+        acts += chunk_activations(m, lay, o, first, last)
+    flight = in_flight(lay, stage, o.num_microbatches)
+    return RankMemory(stage, params * o.dtype_bytes, grads, opt, acts, flight)
+
+
+def estimate(m: ModelConfig, lay: Layout, world_size: int, o: Options) -> RankMemory:
+    """The memory of the rank that needs the most (over pipeline stages)."""
+    stages = [estimate_stage(m, lay, world_size, o, s) for s in range(lay.pp)]
+    return max(stages, key=lambda r: r.total)

@@ -1,0 +1,33 @@
+"""The memory tests' shared cases and their one-process-group runner (tests/memory)."""
+
+from __future__ import annotations
+
+from anyspeed.testing import run_distributed
+from helpers import memory_ranks
+
+MODEL = dict(num_layers=2)  # hidden 64, ffn 128, 4 heads, SwiGLU, RMSNorm, vocab 256
+CFG = dict(seq_length=32, micro_batch_size=2, global_batch_size=2)
+ACT = ["--recompute-activation-function"]
+NORM = ["--recompute-norm"]
+FULL = dict(granularity="full", method="uniform", num_layers=1)
+SELECTIVE = dict(granularity="selective", modules=["core_attn", "mlp", "layernorm"])
+CASES = {
+    "none": {},
+    "full-uniform": dict(recompute=FULL),
+    "selective": dict(recompute=SELECTIVE),
+    "act": dict(argv=ACT),
+    "norm": dict(argv=NORM),
+    "act+norm+swap": dict(argv=ACT + NORM + ["--swap-attention", "--swap-optimizer"]),
+}
+GELU_CASES = {  # -m slow (CI time)
+    "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),
+    "gelu-none": dict(model=dict(MODEL, swiglu=False)),
+}
+
+
+def run_cases(world: int, layout: dict, cases: dict, **common) -> dict:
+    """Every case of ``cases`` at ``layout`` in one process group: name -> per-rank results."""
+    base = {**dict(layout=layout, model=MODEL, **CFG), **common}
+    spec = [dict(base, **case) for case in cases.values()]
+    per_rank = run_distributed(memory_ranks.metered_cases, world, cases=spec, timeout=600)
+    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(cases)}

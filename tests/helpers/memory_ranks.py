@@ -1,0 +1,75 @@
+"""Functions spawned ranks run for the memory features' tests (tests/memory)."""
+
+from __future__ import annotations
+
+import torch
+
+from anyspeed.layout import Layout
+from anyspeed.models import ModelConfig
+from anyspeed.training.config import TrainConfig
+from anyspeed.training.step import Trainer
+from helpers import trainer_ranks
+
+
+def metered_run(layout: dict, model: dict | None = None, steps: int = 5, load: str | None = None,
+                save_init: str | None = None, **cfg) -> dict:  # fmt: skip
+    """``steps`` steps at ``layout``; losses, grad norms and the bytes autograd saved for
+    backward on this rank in the first step's first micro-batch (all model chunks)."""
+    from anyspeed.features.memory.meter import FirstForwardMeter
+    from anyspeed.training import synthetic
+
+    t = Trainer(ModelConfig(**(model or {})), Layout(**layout), TrainConfig(**cfg))
+    if save_init:
+        trainer_ranks.save_weights(t, save_init)
+    if load:
+        trainer_ranks.load_weights(t, load)
+    meter = FirstForwardMeter([m.module for m in t.model])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    out = [synthetic.train_step(t) for _ in range(steps)]
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return {"loss": [o["loss"] for o in out], "grad_norm": [o["grad_norm"] for o in out],
+            "saved_bytes": meter.bytes, "device_peak": peak, **held_bytes(t)}  # fmt: skip
+
+
+def metered_cases(cases: list[dict]) -> list[dict]:
+    """:func:`metered_run` per case (``argv`` for the adaptor, the rest its keywords) in one
+    process group; the adaptor is re-applied with each case's flags."""
+    from anyspeed import adaptor
+
+    out = []
+    for case in cases:
+        case = dict(case)
+        adaptor.undo()
+        adaptor.apply(argv=case.pop("argv", []))
+        out.append(metered_run(**case))
+    adaptor.undo()
+    return out
+
+
+def held_bytes(t: Trainer) -> dict:
+    """Bytes the trainer's tensors hold on this rank, counted from the tensors themselves:
+    parameters, the DDP gradient buffers, and the optimizer's states and main-parameter copies
+    (a main parameter that is a view of a model parameter counts nothing)."""
+    params = [p for chunk in t.model for p in chunk.parameters()]
+    model_storages = {p.untyped_storage().data_ptr() for p in params}
+    buffers = [b for chunk in t.model for b in chunk.buffers + chunk.expert_parallel_buffers]
+    seen: dict[int, int] = {}
+    for opt in getattr(t.optimizer, "chained_optimizers", [t.optimizer]):
+        inner = opt.optimizer
+        tensors = [v for state in inner.state.values() for v in state.values()]
+        tensors += [p for g in inner.param_groups for p in g["params"]]
+        for x in tensors:
+            if hasattr(x, "untyped_storage"):
+                st = x.untyped_storage()
+                if st.data_ptr() not in model_storages:
+                    seen[st.data_ptr()] = st.nbytes()
+    from megatron.core import parallel_state as ps
+
+    return {
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+        "optimizer_bytes": sum(seen.values()),
+    }

@@ -1,0 +1,12 @@
+"""The one-process runs of the memory features, shared by the parity and estimator tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.memory_cases import CASES, run_cases
+
+
+@pytest.fixture(scope="session")
+def one_process() -> dict:
+    return run_cases(1, {}, CASES)

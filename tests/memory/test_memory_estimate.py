@@ -1,0 +1,89 @@
+"""``anyspeed memory`` against measurements: activations against the bytes meter, parameters,
+gradients and optimizer state against the tensors a trainer holds after a step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from anyspeed.layout import Layout
+from anyspeed.models import ModelConfig
+from anyspeed.models.presets import get_preset
+from anyspeed.training.memory_estimate import Options, estimate_stage
+from anyspeed.training.recompute import Recompute
+from helpers.memory_cases import CASES, CFG, MODEL, run_cases
+
+REL = 0.10  # the acceptance bound; at one process activations agree within 0.1%
+
+
+def _options(case: dict, cfg: dict) -> Options:
+    argv = case.get("argv", [])
+    return Options(
+        seq_length=cfg["seq_length"], micro_batch_size=cfg["micro_batch_size"],
+        num_microbatches=1, precision="bf16" if cfg.get("bf16") else "fp32",
+        recompute=Recompute(**case.get("recompute", {})),
+        recompute_activation=None if "--recompute-activation-function" in argv else 0,
+        recompute_norm=None if "--recompute-norm" in argv else 0,
+    )  # fmt: skip
+
+
+def _check(measured: dict, model: dict, layout: dict, world: int, case: dict, cfg: dict,
+           exact_activations: bool = True) -> None:  # fmt: skip
+    est = estimate_stage(
+        ModelConfig(**model), Layout(**layout), world, _options(case, cfg), measured["stage"]
+    )
+    got = measured["saved_bytes"]
+    if exact_activations:  # tensor by tensor: off by a few scalars at most
+        assert est.activations_per_microbatch == pytest.approx(got, rel=1e-3, abs=0)
+    assert est.activations_per_microbatch == pytest.approx(got, rel=REL)
+    assert est.parameters == measured["param_bytes"]
+    assert est.gradients == pytest.approx(measured["grad_bytes"], rel=REL)
+    assert est.optimizer == pytest.approx(measured["optimizer_bytes"], rel=REL)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_process_cases(one_process, name):
+    case = CASES[name]
+    _check(one_process[name][0], case.get("model", MODEL), {}, 1, case, CFG)
+
+
+def _preset(name: str, **over) -> dict:
+    return dataclasses.asdict(dataclasses.replace(get_preset(name), **over))
+
+
+LAYOUTS = {  # name: (world, layout, case, bf16)
+    "tp2-sp": (2, dict(tp=2, sequence_parallel=True), {}, False),
+    "tp2": (2, dict(tp=2), {}, False),
+    "pp2": (2, dict(pp=2), {}, False),
+    "dp2-distopt": (2, dict(distributed_optimizer=True), {}, False),
+    "tp2-sp-full": (2, dict(tp=2, sequence_parallel=True),
+                    dict(recompute=dict(granularity="full", method="block", num_layers=1)), False),
+    "pp2-act-norm": (2, dict(pp=2), dict(argv=["--recompute-activation-function",
+                                               "--recompute-norm"]), False),
+    "dp2-distopt-bf16": (2, dict(distributed_optimizer=True), {}, True),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-qwen2.5", "tiny-llama3"])
+def test_layouts_of_two_presets(preset):
+    model = _preset(preset, num_layers=4)
+    cfg = dict(CFG, global_batch_size=4)
+    for bf16 in (False, True):
+        names = [n for n, v in LAYOUTS.items() if v[3] == bf16]
+        for layout in {str(LAYOUTS[n][1]) for n in names}:
+            group = [n for n in names if str(LAYOUTS[n][1]) == layout]
+            cases = {n: dict(LAYOUTS[n][2], layout=LAYOUTS[n][1]) for n in group}
+            runs = run_cases(2, {}, cases, steps=1, bf16=bf16, **{"model": model, **cfg})
+            for n in group:
+                for measured in runs[n]:
+                    _check(
+                        measured,
+                        model,
+                        LAYOUTS[n][1],
+                        2,
+                        LAYOUTS[n][2],
+                        dict(cfg, bf16=bf16),
+                        exact_activations=False,
+                    )
