@@ -73,6 +73,8 @@ COMMANDS = {
     "train-tokenizer": _run("anyspeed.data.cli", prefix=["train-tokenizer"]),
     "convert": _run("anyspeed.convert.cli"),
     "models": _models,
+    "generate": _run("anyspeed.commands.generate"),
+    "evaluate": _run("anyspeed.commands.evaluate"),
     "features": lambda argv: _features_report([a for a in argv if a != "--json"], "--json" in argv),
 }
 
@@ -93,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "\ncommands: demo | pretrain [--nproc-per-node N] FLAGS... | preprocess ... | "
             "train-tokenizer ... | convert ... | models | features [--json] [TRAINING FLAGS...]"
+            " | generate --load DIR ... | evaluate --load DIR --task T ..."
         )
         return 0
     cmd, rest = argv[0], argv[1:]

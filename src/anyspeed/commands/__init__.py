@@ -1,1 +1,1 @@
-"""Commands that use a trained or converted model: ``anyspeed generate`` and ``anyspeed evaluate``."""
+"""Commands that use a trained or converted model: ``anyspeed generate`` and ``evaluate``."""

@@ -31,7 +31,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc-per-node", type=int, default=None)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--max-length", "--seq-length", dest="max_length", type=int, default=None,
-                   help="context window in tokens (default: the model's max positions)")  # fmt: skip
+                   help="context window in tokens (default: max positions)")  # fmt: skip
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     for row in ARCH_FLAGS:  # accepted so a mismatch with the checkpoint is a clear error

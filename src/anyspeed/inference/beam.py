@@ -45,7 +45,7 @@ def beam_search(model: list[torch.nn.Module], prompt: Sequence[int], req: Reques
         n = int(share(torch.tensor([n]))[0])
         vals, rows, toks = _candidates(logits, scores, 2 * beams, n)
         keep_rows, keep_toks, keep_scores = [], [], []
-        for v, r, t in zip(vals.tolist(), rows.tolist(), toks.tolist()):
+        for v, r, t in zip(vals.tolist(), rows.tolist(), toks.tolist(), strict=True):
             if t in req.eos_ids:
                 seq = live[r] + [t]
                 finished.append((v / len(seq) ** length_penalty, seq))
@@ -59,10 +59,10 @@ def beam_search(model: list[torch.nn.Module], prompt: Sequence[int], req: Reques
         if len(finished) == beams and best_live <= finished[-1][0]:
             break
         rows_t = torch.tensor(keep_rows)
-        live = [live[r] + [t] for r, t in zip(keep_rows, keep_toks)]
+        live = [live[r] + [t] for r, t in zip(keep_rows, keep_toks, strict=True)]
         scores = torch.tensor(keep_scores)
         stepper.reorder(rows_t)
         stepper.append(torch.tensor(keep_toks))
     pool = finished + [(s / max(len(b), 1) ** length_penalty, b)
-                       for s, b in zip(scores.tolist(), live)]  # fmt: skip
+                       for s, b in zip(scores.tolist(), live, strict=True)]  # fmt: skip
     return max(pool, key=lambda f: f[0])[1]

@@ -66,7 +66,7 @@ def pipeline_forward(
             collect_non_loss_data=True,
         )
     finally:
-        for m, mode in zip(model, was_training):
+        for m, mode in zip(model, was_training, strict=True):
             m.train(mode)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None

@@ -102,6 +102,6 @@ def _kill(proc: subprocess.Popen) -> None:
 def check_completions(problems: list[dict], completions: list[str], timeout: float = 10.0,
                       workers: int | None = None) -> list[Outcome]:  # fmt: skip
     """Every problem's completion run in parallel (one child per program), in order."""
-    jobs = [(p["task_id"], program(p, c)) for p, c in zip(problems, completions)]
+    jobs = [(p["task_id"], program(p, c)) for p, c in zip(problems, completions, strict=True)]
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(pool.map(lambda j: run_program(j[0], j[1], timeout), jobs))
