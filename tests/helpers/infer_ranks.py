@@ -43,3 +43,22 @@ def generation_cases(ckpt: str, layouts: list[tuple[int, int]], prompts: list[li
             res[f"sample{run}"] = generate(model, prompts, req)
         out[f"tp{tp}pp{pp}"] = res
     return out
+
+
+def choice_picks(ckpt: str, layouts: list[tuple[int, int]], prompts: list[list[int]],
+                 candidates: list[int], batch_size: int) -> dict:  # fmt: skip
+    """Per layout: the answer each prompt's next-token logits pick among ``candidates``
+    (prompts batched, left-padded)."""
+    from anyspeed.inference.eval.scoring import model_next_logits, pick_choices
+
+    out = {}
+    for tp, pp in layouts:
+        model = _model(ckpt, tp, pp)
+        out[f"tp{tp}pp{pp}"] = pick_choices(model_next_logits(model), prompts, candidates,
+                                            batch_size)  # fmt: skip
+    return out
+
+
+def all_cases(gen: dict, choices: dict) -> dict:
+    """Generation and choice cases in one process group (spawning is the slow part)."""
+    return {"gen": generation_cases(**gen), "choices": choice_picks(**choices)}

@@ -1,6 +1,7 @@
-"""KV-cache generation at TP1, TP2 and PP2 against no-cache generation and transformers.
+"""KV-cache generation and answer-letter scoring at TP1, TP2 and PP2 against no-cache
+generation and transformers.
 
-One tiny random Qwen2.5 model (QKV bias, tied embeddings, GQA; vocabulary 500 padded to 512 so
+One tiny random Qwen2.5 model (QKV bias, tied embeddings, GQA; vocabulary 600 padded to 640 so
 the padded rows must never be chosen) is converted once; one 2-rank process group runs every
 layout (TP1 is then two data-parallel copies).
 """
@@ -13,21 +14,45 @@ import torch
 from anyspeed.convert import hf_to_megatron
 from anyspeed.testing import run_distributed
 from helpers import convert_ranks, infer_ranks
+from helpers.eval_fixtures import write_mmlu
 
 NEW = 64
-VOCAB = 500
+VOCAB = 600  # the shared test tokenizer's
+LAYOUT_ARGS = [(1, 1), (2, 1), (1, 2)]
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], [8, 9, 10, 11]]  # different lengths: padding
 
 
+def _mmlu_prompts(root, tok) -> tuple[list[list[int]], list[int]]:
+    """Few-shot MMLU prompts from a generated fixture, tokenized as ``anyspeed evaluate``
+    does, and the answer-letter tokens."""
+    from anyspeed.inference.eval import prompts, readers
+
+    write_mmlu(root, {"anatomy": 4, "virology": 3}, shots=2)
+    tests = readers.read_choices(str(root), "mmlu", "test")
+    dev = readers.read_choices(str(root), "mmlu", "dev")
+    texts = [prompts.choice_prompt(q, dev[s][:2]) for s, qs in sorted(tests.items()) for q in qs]
+    ids = [tok(t)["input_ids"] for t in texts]
+    return ids, [tok(" " + c)["input_ids"][-1] for c in "ABCD"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs(tmp_path_factory: pytest.TempPathFactory, auto_tok) -> dict:
     root = tmp_path_factory.mktemp("gen")
     convert_ranks.tiny_hf_model(root / "hf", "tiny-qwen2.5", seed=3, vocab_size=VOCAB)
     hf_to_megatron(root / "hf", root / "mg", make_vocab_size_divisible_by=128)
-    ranks = run_distributed(infer_ranks.generation_cases, 2, ckpt=str(root / "mg"),
-                            layouts=[(1, 1), (2, 1), (1, 2)], prompts=PROMPTS, new_tokens=NEW,
-                            vocab=VOCAB, timeout=600)  # fmt: skip
-    return {"hf": str(root / "hf"), "ranks": ranks}
+    mmlu, letters = _mmlu_prompts(root / "mmlu", auto_tok)
+    gen = dict(ckpt=str(root / "mg"), layouts=LAYOUT_ARGS, prompts=PROMPTS, new_tokens=NEW,
+               vocab=VOCAB)  # fmt: skip
+    choices = dict(ckpt=str(root / "mg"), layouts=LAYOUT_ARGS, prompts=mmlu,
+                   candidates=letters, batch_size=3)  # fmt: skip
+    ranks = run_distributed(infer_ranks.all_cases, 2, gen=gen, choices=choices, timeout=600)
+    return {
+        "hf": str(root / "hf"),
+        "ranks": [r["gen"] for r in ranks],
+        "choices": [r["choices"] for r in ranks],
+        "mmlu": mmlu,
+        "letters": letters,
+    }
 
 
 def _hf_model(path: str):
@@ -77,3 +102,14 @@ def test_seeded_sampling_is_reproducible_across_runs_and_tp(runs: dict) -> None:
     assert tp1["sample1"] == tp1["sample2"]
     assert tp1["sample1"] == tp2["sample1"] == runs["ranks"][0]["tp1pp2"]["sample1"]
     assert tp1["sample1"] != tp1["greedy_kv1"]  # it did sample
+
+
+def test_mmlu_choice_equals_transformers_scoring(runs: dict) -> None:
+    model = _hf_model(runs["hf"])
+    letters = torch.tensor(runs["letters"])
+    with torch.no_grad():
+        ref = [int(model(torch.tensor([p])).logits[0, -1, letters].argmax()) for p in runs["mmlu"]]
+    assert len(set(ref)) > 1  # the random model does not always pick the same letter
+    for rank in runs["choices"]:
+        for layout in LAYOUTS:
+            assert rank[layout] == ref, layout

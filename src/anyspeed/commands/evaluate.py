@@ -62,7 +62,7 @@ def table(task: str, res: dict[str, Any]) -> str:
         return (f"{'task':<12}{'tokens':>10}{'nll/token':>12}{'perplexity':>14}\n"
                 f"{task:<12}{res['tokens']:>10}{res['nll_per_token']:>12.4f}"
                 f"{res['perplexity']:>14.3f}")  # fmt: skip
-    width = max([len(g) for g in res["groups"]] + [len(task), 5]) + 2
+    width = max([len(g) for g in res["groups"]] + [len(task) + 6, 7]) + 2
     lines = [f"{'subject':<{width}}{'correct':>9}{'total':>7}{'accuracy':>10}"]
     for g, r in res["groups"].items():
         lines.append(f"{g:<{width}}{r['correct']:>9}{r['total']:>7}{r['accuracy']:>10.4f}")

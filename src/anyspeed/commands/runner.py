@@ -43,7 +43,7 @@ def _prepare(parser: argparse.ArgumentParser, argv: list[str],
     args = parser.parse_args(argv)
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 exclude each other")
-    model = session.resolve(args, argv)
+    model = session.resolve(args)
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.nproc_per_node not in (None, world):
         raise UsageError(f"--nproc-per-node {args.nproc_per_node} must equal TP x PP = {world} "
@@ -57,6 +57,8 @@ def _prepare(parser: argparse.ArgumentParser, argv: list[str],
                          f"vocabulary of {model.vocab_size}: wrong "
                          "--tokenizer-name-or-path?")  # fmt: skip
     check(args, tok)
+    if args.hf_dir:  # every check passed: now the (cached) conversion
+        model = session.materialize(args, argv)
     return args, model, tok
 
 

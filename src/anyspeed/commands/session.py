@@ -69,8 +69,9 @@ def check_flags(args: argparse.Namespace, model: ModelConfig) -> None:
                              "matching checkpoint")  # fmt: skip
 
 
-def resolve(args: argparse.Namespace, argv: list[str]) -> ModelConfig:
-    """Convert an HF ``--load`` (once), read and check the architecture; before any group."""
+def resolve(args: argparse.Namespace) -> ModelConfig:
+    """The architecture ``--load`` holds (an HF directory's from its config.json, padded as
+    its conversion will be), checked against the flags; cheap, before any process group."""
     import os
 
     from anyspeed.training import checkpoint_checks as checks
@@ -78,30 +79,64 @@ def resolve(args: argparse.Namespace, argv: list[str]) -> ModelConfig:
 
     if not os.path.isdir(args.load):
         raise UsageError(f"--load {args.load!r}: no such directory")
-    hf_dir = hf_load.hf_dir_of(["--load", args.load])
-    if hf_dir:
-        if args.tokenizer_name_or_path is None and _has_tokenizer(hf_dir):
-            args.tokenizer_name_or_path = hf_dir
-        args.load = hf_load.convert(argv, hf_dir)
-    try:
-        path = checks.tracked_dir(args.load)
-        if path is None:
-            raise UsageError(f"--load {args.load!r}: not a checkpoint or Hugging Face directory")
-        model = model_of(checks.read_common(path), args.load)
-    except checks.CheckpointFileError as exc:
-        raise UsageError(f"--load {args.load!r}: {exc}") from None
+    args.hf_dir = hf_load.hf_dir_of(["--load", args.load])
+    if args.hf_dir:
+        if args.tokenizer_name_or_path is None and _has_tokenizer(args.hf_dir):
+            args.tokenizer_name_or_path = args.hf_dir
+        model = _hf_model(args)
+    else:
+        try:
+            path = checks.tracked_dir(args.load)
+            if path is None:
+                raise UsageError(f"--load {args.load!r}: not a checkpoint or Hugging Face "
+                                 "directory")  # fmt: skip
+            model = model_of(checks.read_common(path), args.load)
+        except checks.CheckpointFileError as exc:
+            raise UsageError(f"--load {args.load!r}: {exc}") from None
     check_flags(args, model)
-    tp = args.tensor_model_parallel_size
+    _check_layout(args, model)
+    if args.max_length is None:
+        args.max_length = model.max_position_embeddings
+    return model
+
+
+def _hf_model(args: argparse.Namespace) -> ModelConfig:
+    import dataclasses
+
+    from anyspeed.convert.hf_io import read_config
+    from anyspeed.models.config import padded_vocab_size
+    from anyspeed.models.hf import preset_from_hf
+
+    try:
+        model = preset_from_hf(read_config(args.hf_dir))
+    except ValueError as exc:
+        raise UsageError(f"--load {args.hf_dir!r}: {exc}") from None
+    vocab = padded_vocab_size(model.vocab_size, args.make_vocab_size_divisible_by,
+                              args.tensor_model_parallel_size)  # fmt: skip
+    return dataclasses.replace(model, vocab_size=vocab)
+
+
+def _check_layout(args: argparse.Namespace, model: ModelConfig) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise UsageError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
+                         "must be positive")  # fmt: skip
     if model.vocab_size % tp or model.num_attention_heads % tp:
         raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the checkpoint's "
                          f"vocabulary ({model.vocab_size}) and heads "
                          f"({model.num_attention_heads})")  # fmt: skip
-    if model.num_layers % args.pipeline_model_parallel_size:
-        raise UsageError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
-                         f"does not divide the {model.num_layers} layers")  # fmt: skip
-    if args.max_length is None:
-        args.max_length = model.max_position_embeddings
-    return model
+    if model.num_layers % pp:
+        raise UsageError(f"--pipeline-model-parallel-size {pp} does not divide the "
+                         f"{model.num_layers} layers")  # fmt: skip
+
+
+def materialize(args: argparse.Namespace, argv: list[str]) -> ModelConfig:
+    """Convert an HF ``--load`` (once, cached) and return the architecture it now holds."""
+    from anyspeed.training import checkpoint_checks as checks
+    from anyspeed.training import hf_load
+
+    args.load = hf_load.convert(argv, args.hf_dir)
+    return model_of(checks.read_common(checks.tracked_dir(args.load)), args.load)
 
 
 def _has_tokenizer(d: str) -> bool:

@@ -67,7 +67,7 @@ def share(t: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
         return t
     from anyspeed.device import torch_device
 
