@@ -38,7 +38,7 @@ def _mmlu_prompts(root, tok) -> tuple[list[list[int]], list[int]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, auto_tok) -> dict:
     root = tmp_path_factory.mktemp("gen")
-    convert_ranks.tiny_hf_model(root / "hf", "tiny-qwen2.5", seed=3, vocab_size=VOCAB)
+    convert_ranks.tiny_hf_model(root / "hf", "tiny-qwen2.5", seed=1, vocab_size=VOCAB)
     hf_to_megatron(root / "hf", root / "mg", make_vocab_size_divisible_by=128)
     mmlu, letters = _mmlu_prompts(root / "mmlu", auto_tok)
     gen = dict(ckpt=str(root / "mg"), layouts=LAYOUT_ARGS, prompts=PROMPTS, new_tokens=NEW,
