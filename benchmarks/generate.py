@@ -1,0 +1,110 @@
+"""Decode speed: anyspeed's KV-cache generation vs no cache vs transformers' ``generate``.
+
+One random Llama-style model (default 4 layers, hidden 512, 8 heads / 4 KV groups, vocab 4096)
+is saved as a Hugging Face directory and converted to Megatron once. In one process (the same
+threads for every row) it greedily decodes ``--new-tokens`` (256) after a ``--prompt-tokens``
+prompt: with Megatron's static KV cache, without it (every step re-runs the whole sequence),
+and with transformers' ``generate(do_sample=False)`` (its default dynamic cache). Tokens are
+checked equal; the table gives new tokens per second and ratios.
+
+    python benchmarks/generate.py [--new-tokens 256] [--hidden 512] [--layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from anyspeed.testing import run_distributed
+
+
+def _hf_model(directory: str, a: argparse.Namespace) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anyspeed.models import get_preset
+
+    cfg = dict(get_preset("tiny-llama3").hf_config(), hidden_size=a.hidden,
+               intermediate_size=a.hidden * 8 // 3 // 64 * 64, num_hidden_layers=a.layers,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=a.hidden // 8,
+               vocab_size=a.vocab, max_position_embeddings=2048)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    model.save_pretrained(directory)
+
+
+def _timed(fn, repeats: int):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from anyspeed.commands.session import load_model, model_of
+    from anyspeed.inference.decode import Request, generate
+    from anyspeed.layout import Layout
+    from anyspeed.training import checkpoint_checks as checks
+    from anyspeed.training.distributed import init_distributed
+
+    init_distributed(Layout(), seed=0)
+    model = load_model(mg, model_of(checks.read_common(checks.tracked_dir(mg)), mg), Layout())
+    out = {"threads": torch.get_num_threads()}
+    for name, cache in (("kv", True), ("nokv", False)):
+        req = Request(new, use_kv_cache=cache)
+        out[name] = _timed(lambda req=req: generate(model, [prompt], req)[0], repeats)
+    hf_model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    hf_model.generation_config.eos_token_id = None
+
+    def hf_generate():
+        with torch.no_grad():
+            ids = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
+                                    min_new_tokens=new, pad_token_id=0)  # fmt: skip
+        return ids[0, len(prompt) :].tolist()
+
+    out["hf"] = _timed(hf_generate, repeats)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args()
+    from anyspeed.convert import hf_to_megatron
+
+    root = tempfile.mkdtemp(prefix="anyspeed-bench-gen-")
+    _hf_model(f"{root}/hf", a)
+    hf_to_megatron(f"{root}/hf", f"{root}/mg")
+    prompt = torch.randint(
+        0, a.vocab, (a.prompt_tokens,), generator=torch.Generator().manual_seed(1)
+    )
+    res = run_distributed(_run, 1, hf=f"{root}/hf", mg=f"{root}/mg", prompt=prompt.tolist(),
+                          new=a.new_tokens, repeats=a.repeats, timeout=3600)[0]  # fmt: skip
+    same = res["kv"][1] == res["nokv"][1] == res["hf"][1]
+    print(f"greedy decode, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, prompt "
+          f"{a.prompt_tokens} + {a.new_tokens} new tokens, fp32, {res['threads']} threads; "
+          f"tokens identical: {same}")  # fmt: skip
+    kv = a.new_tokens / res["kv"][0]
+    print(f"{'run':<34}{'seconds':>9}{'tokens/s':>10}{'KV cache is':>14}")
+    for label, key in (("anyspeed, KV cache", "kv"), ("anyspeed, no KV cache", "nokv"),
+                       ("transformers generate", "hf")):  # fmt: skip
+        tps = a.new_tokens / res[key][0]
+        print(f"{label:<34}{res[key][0]:>9.2f}{tps:>10.1f}{kv / tps:>13.2f}x")
+
+
+if __name__ == "__main__":
+    main()
