@@ -47,7 +47,7 @@ def _timed(fn, repeats: int):
     return best, out
 
 
-def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int) -> dict:
+def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int, threads: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from anyspeed.commands.session import load_model, model_of
@@ -56,6 +56,7 @@ def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int) -> dict:
     from anyspeed.training import checkpoint_checks as checks
     from anyspeed.training.distributed import init_distributed
 
+    torch.set_num_threads(threads)
     init_distributed(Layout(), seed=0)
     model = load_model(mg, model_of(checks.read_common(checks.tracked_dir(mg)), mg), Layout())
     out = {"threads": torch.get_num_threads()}
@@ -83,6 +84,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every row (1: steady on a shared machine)")  # fmt: skip
     a = p.parse_args()
     from anyspeed.convert import hf_to_megatron
 
@@ -93,7 +96,8 @@ def main() -> None:
         0, a.vocab, (a.prompt_tokens,), generator=torch.Generator().manual_seed(1)
     )
     res = run_distributed(_run, 1, hf=f"{root}/hf", mg=f"{root}/mg", prompt=prompt.tolist(),
-                          new=a.new_tokens, repeats=a.repeats, timeout=3600)[0]  # fmt: skip
+                          new=a.new_tokens, repeats=a.repeats, threads=a.threads,
+                          timeout=3600)[0]  # fmt: skip
     same = res["kv"][1] == res["nokv"][1] == res["hf"][1]
     print(f"greedy decode, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, prompt "
           f"{a.prompt_tokens} + {a.new_tokens} new tokens, fp32, {res['threads']} threads; "
