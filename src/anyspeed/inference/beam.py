@@ -27,7 +27,7 @@ def _candidates(logits: torch.Tensor | None, scores: torch.Tensor, k: int, n: in
     return vals, flat // n, flat % n
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(model: list[torch.nn.Module], prompt: Sequence[int], req: Request, beams: int,
                 length_penalty: float = 1.0) -> list[int]:  # fmt: skip
     """The best hypothesis' new tokens (identical on every rank)."""

@@ -145,7 +145,7 @@ def _budget(width: int, req: Request) -> int:
     return max(0, min(req.max_new_tokens, room))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: Request,
              on_tokens: OnTokens | None = None) -> list[list[int]]:  # fmt: skip
     """The new tokens of each prompt (ending at and including an EOS id), identical on every

@@ -49,8 +49,10 @@ def pipeline_forward(
 
         return out, collect
 
-    was_training = [m.training for m in model]
-    for m in model:
+    if ps.get_pipeline_model_parallel_world_size() == 1 and len(model) == 1:
+        return _direct(model[0], tokens, positions, mask, kwargs)  # no schedule to run
+    training = [m for m in model if m.training]  # eval() walks every module: only if needed
+    for m in training:
         m.eval()
     n_chunks = len(model)
     data = [iter([0]) for _ in range(n_chunks)] if n_chunks > 1 else iter([0])
@@ -66,8 +68,22 @@ def pipeline_forward(
             collect_non_loss_data=True,
         )
     finally:
-        for m, mode in zip(model, was_training, strict=True):
-            m.train(mode)
+        for m in training:
+            m.train()
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return out[0]
+
+
+def _direct(chunk: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:  # fmt: skip
+    """One un-pipelined chunk called directly: the schedule's per-call cost matters when
+    decoding one token at a time."""
+    training = chunk.training
+    if training:
+        chunk.eval()
+    try:
+        return chunk(tokens, positions, mask, **kwargs)
+    finally:
+        if training:
+            chunk.train()

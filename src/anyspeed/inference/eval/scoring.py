@@ -46,7 +46,7 @@ def pick_choices(next_logits: NextLogits, prompts: Sequence[Sequence[int]],
     return picks
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sequence_nll(model: list[torch.nn.Module], sequences: Sequence[Sequence[int]],
                  batch_size: int = 1, pad_id: int = 0) -> tuple[float, int]:  # fmt: skip
     """Summed negative log-likelihood of every token after the first, and their count."""
