@@ -29,7 +29,7 @@ def _hf_model(directory: str, a: argparse.Namespace) -> None:
     cfg = dict(get_preset("tiny-llama3").hf_config(), hidden_size=a.hidden,
                intermediate_size=a.hidden * 8 // 3 // 64 * 64, num_hidden_layers=a.layers,
                num_attention_heads=8, num_key_value_heads=4, head_dim=a.hidden // 8,
-               vocab_size=a.vocab, max_position_embeddings=2048)  # fmt: skip
+               vocab_size=a.vocab, max_position_embeddings=8192)  # fmt: skip
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
     torch.manual_seed(0)
     with torch.no_grad():
@@ -66,7 +66,7 @@ def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int, threads: i
     for name, cache in (("kv", True), ("nokv", False)):
         req = Request(new, use_kv_cache=cache)
         fns[name] = lambda req=req: generate(model, [prompt], req)[0]
-    hf_model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     hf_model.generation_config.eos_token_id = None
 
     def hf_generate():

@@ -62,3 +62,25 @@ def choice_picks(ckpt: str, layouts: list[tuple[int, int]], prompts: list[list[i
 def all_cases(gen: dict, choices: dict) -> dict:
     """Generation and choice cases in one process group (spawning is the slow part)."""
     return {"gen": generation_cases(**gen), "choices": choice_picks(**choices)}
+
+
+def family_greedy(ckpts: dict[str, str], new_tokens: int, prompt: list[int]) -> dict:
+    """Per converted checkpoint: KV-cache and no-cache greedy tokens at TP1; plus a random MoE
+    model (4 experts, top-2, every layer) built from a ModelConfig, with and without cache."""
+    from anyspeed.inference.decode import Request, generate
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt
+    from anyspeed.models.config import ModelConfig
+
+    out = {}
+    for name, ckpt in ckpts.items():
+        model = _model(ckpt, 1, 1)
+        out[name] = [generate(model, [prompt], Request(new_tokens, use_kv_cache=c))[0]
+                     for c in (True, False)]  # fmt: skip
+    moe = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                      num_query_groups=2, vocab_size=256, num_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=48)  # fmt: skip
+    chunks = [c.eval() for c in gpt.build_chunks(moe, gpt.transformer_config(moe), Layout())]
+    out["moe"] = [generate(chunks, [prompt], Request(new_tokens, use_kv_cache=c))[0]
+                  for c in (True, False)]  # fmt: skip
+    return out

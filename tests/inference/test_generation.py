@@ -8,6 +8,8 @@ layout (TP1 is then two data-parallel copies).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,7 +60,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, auto_tok) -> dict:
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # random weights: run the full budget
     model.generation_config.pad_token_id = 0
     return model
@@ -113,3 +115,27 @@ def test_mmlu_choice_equals_transformers_scoring(runs: dict) -> None:
     for rank in runs["choices"]:
         for layout in LAYOUTS:
             assert rank[layout] == ref, layout
+
+
+FAMILIES = ["tiny-llama2", "tiny-llama3", "tiny-mistral", "tiny-qwen3"]
+
+
+@pytest.mark.slow
+def test_every_family_and_moe(tmp_path: Path) -> None:
+    """Every dense family's KV-cache greedy equals no-cache and transformers; an MoE model's
+    KV-cache greedy equals its no-cache greedy."""
+    ckpts = {}
+    for preset in FAMILIES:
+        convert_ranks.tiny_hf_model(tmp_path / preset, preset, seed=1)
+        hf_to_megatron(tmp_path / preset, tmp_path / f"{preset}-mg")
+        ckpts[preset] = str(tmp_path / f"{preset}-mg")
+    prompt = [3, 14, 15, 92, 65]
+    got = run_distributed(infer_ranks.family_greedy, 1, ckpts=ckpts, new_tokens=32,
+                          prompt=prompt, timeout=900)[0]  # fmt: skip
+    for preset in FAMILIES:
+        kv, no_kv = got[preset]
+        ref = _hf_model(str(tmp_path / preset)).generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32
+        )
+        assert kv == no_kv == ref[0, len(prompt) :].tolist(), preset
+    assert got["moe"][0] == got["moe"][1] and len(got["moe"][0]) == 32
