@@ -32,20 +32,22 @@ def test_bad_completions_fail_within_the_timeout(problems: list[dict]) -> None:
         "    import subprocess\n    subprocess.run(['true'])\n",  # new processes
     ]
     start = time.monotonic()
-    out = check_completions(p, completions, timeout=3.0)
-    assert time.monotonic() - start < 15
+    loop = check_completions(p[1:2], completions[1:2], timeout=2.0)[0]
+    assert not loop.passed and "timed out after 2s" in loop.reason
+    assert time.monotonic() - start < 10  # the endless loop is killed at the timeout
+    # a generous timeout for the rest: a loaded machine starts Python slowly
+    out = check_completions(p, [completions[0], "    pass\n", *completions[2:]], timeout=30.0)
     assert [o.passed for o in out] == [True, False, False, False, False, False]
-    assert "timed out" in out[1].reason
     assert "blocked" in out[4].reason and "blocked" in out[5].reason
 
 
 def test_first_canonical_solutions_pass(problems: list[dict]) -> None:
     head = problems[:12]
-    out = check_completions(head, [p["canonical_solution"] for p in head])
+    out = check_completions(head, [p["canonical_solution"] for p in head], timeout=30.0)
     assert all(o.passed for o in out), [o for o in out if not o.passed]
 
 
 @pytest.mark.slow
 def test_all_164_canonical_solutions_pass(problems: list[dict]) -> None:
-    out = check_completions(problems, [p["canonical_solution"] for p in problems])
+    out = check_completions(problems, [p["canonical_solution"] for p in problems], timeout=30.0)
     assert all(o.passed for o in out), [o for o in out if not o.passed]
