@@ -23,6 +23,7 @@ LAYERS = {
     "features": 2,
     "adaptor": 3, "models": 3,
     "data": 4, "inference": 4, "convert": 5, "training": 6,
+    "commands": 7,
     "cli": 7, "demo": 7, "testing": 7, "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
 }  # fmt: skip
 MAX_FILE_LINES = 400

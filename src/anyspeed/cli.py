@@ -74,6 +74,8 @@ COMMANDS = {
     "convert": _run("anyspeed.convert.cli"),
     "models": _models,
     "memory": _run("anyspeed.training.memory_command"),
+    "generate": _run("anyspeed.commands.generate"),
+    "evaluate": _run("anyspeed.commands.evaluate"),
     "features": lambda argv: _features_report([a for a in argv if a != "--json"], "--json" in argv),
 }
 
@@ -94,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "\ncommands: demo | pretrain [--nproc-per-node N] FLAGS... | preprocess ... | "
             "train-tokenizer ... | convert ... | models | features [--json] [TRAINING FLAGS...] | "
-            "memory [--fits GiB] [--world-size N] TRAINING FLAGS..."
+            "memory [--fits GiB] [--world-size N] TRAINING FLAGS... | generate --load DIR ... | "
+            "evaluate --load DIR --task T ..."
         )
         return 0
     cmd, rest = argv[0], argv[1:]

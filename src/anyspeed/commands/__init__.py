@@ -1,0 +1,1 @@
+"""Commands that use a trained or converted model: ``anyspeed generate`` and ``evaluate``."""

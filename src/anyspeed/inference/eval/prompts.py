@@ -1,0 +1,56 @@
+"""Prompts of each benchmark, zero- or few-shot, as plain text (the command tokenizes)."""
+
+from __future__ import annotations
+
+import re
+
+from anyspeed.inference.eval.readers import LETTERS, Choice
+
+
+def _question(c: Choice) -> str:
+    lines = [c.question.strip()]
+    lines += [f"{LETTERS[i]}. {opt}" for i, opt in enumerate(c.options)]
+    return "\n".join(lines) + "\nAnswer:"
+
+
+def choice_prompt(c: Choice, shots: list[Choice], chinese: bool = False) -> str:
+    """The usual MMLU layout: a subject line, ``shots`` solved examples, then the question;
+    the model's next token is the answer letter."""
+    subject = c.subject.replace("_", " ")
+    head = (f"以下是关于{subject}的单项选择题，请直接给出正确答案的选项。\n\n" if chinese
+            else f"The following are multiple choice questions (with answers) about "
+                 f"{subject}.\n\n")  # fmt: skip
+    solved = "".join(f"{_question(s)} {LETTERS[s.answer]}\n\n" for s in shots)
+    return head + solved + _question(c)
+
+
+def boolq_prompt(passage: str, question: str) -> str:
+    """Passage, question, and "Answer:" before " yes" / " no"."""
+    q = question.strip()
+    return f"{passage.strip()}\nQuestion: {q[0].upper() + q[1:]}?\nAnswer:"
+
+
+def gsm8k_prompt(question: str, shots: list[tuple[str, str]]) -> str:
+    """Few-shot "Question: ... Answer: ... The answer is N." prompts."""
+    solved = "".join(f"Question: {q}\nAnswer: The answer is {a}.\n\n" for q, a in shots)
+    return f"{solved}Question: {question.strip()}\nAnswer:"
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_number(text: str) -> str | None:
+    """The final answer of a GSM8K completion: the number after "The answer is" (or "####"),
+    else the last number; commas and a trailing ".0" dropped."""
+    text = text.split("\n\nQuestion:")[0]
+    m = re.search(r"(?:answer is|####)\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", text, re.IGNORECASE)
+    found = m.group(1) if m else (_NUMBER.findall(text) or [None])[-1]
+    return None if found is None else normalize_number(found)
+
+
+def normalize_number(s: str) -> str:
+    """``"1,234.0"`` -> ``"1234"``: the form answers are compared in."""
+    s = s.replace(",", "").strip().rstrip(".")
+    if re.fullmatch(r"-?\d+\.0+", s):
+        s = s.split(".")[0]
+    return s

@@ -1,0 +1,89 @@
+"""One forward pass of token ids through the pipeline schedule, at any TP/PP layout.
+
+The one place inference runs the model: Megatron's forward-only schedule moves activations
+between pipeline stages, the last stage gathers the vocabulary shards across TP. An optional
+Megatron ``StaticInferenceContext`` turns it into a KV-cached prefill or decode step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+@torch.no_grad()
+def pipeline_forward(
+    model: list[torch.nn.Module],
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    context: Any = None,
+) -> torch.Tensor | None:
+    """Logits [b, s, vocab] of ``tokens`` [b, s] (only the last position's with ``context``).
+
+    ``mask`` is Megatron's boolean attention mask [b, 1, s, keys] (True = hidden); None means
+    causal. Returned on the last pipeline stage, None on the others.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from anyspeed.device import torch_device
+
+    dev = torch_device()
+    tokens = tokens.to(dev)
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=dev).expand(tokens.shape[0], -1)
+    positions = positions.to(dev)
+    mask = None if mask is None else mask.to(dev)
+    kwargs = {"runtime_gather_output": True}  # the output layer gathers the vocab shards
+    if context is not None:
+        kwargs["inference_context"] = context
+
+    def forward_step(data_iterator, chunk):
+        next(data_iterator)
+        out = chunk(tokens, positions, mask, **kwargs)
+
+        def collect(output_tensor, non_loss_data=True):
+            return output_tensor.clone()
+
+        return out, collect
+
+    if ps.get_pipeline_model_parallel_world_size() == 1 and len(model) == 1:
+        return _direct(model[0], tokens, positions, mask, kwargs)  # no schedule to run
+    training = [m for m in model if m.training]  # eval() walks every module: only if needed
+    for m in training:
+        m.eval()
+    n_chunks = len(model)
+    data = [iter([0]) for _ in range(n_chunks)] if n_chunks > 1 else iter([0])
+    try:
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=model if n_chunks > 1 else model[0],
+            num_microbatches=1,
+            seq_length=tokens.shape[1],
+            micro_batch_size=tokens.shape[0],
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    finally:
+        for m in training:
+            m.train()
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return out[0]
+
+
+def _direct(chunk: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:  # fmt: skip
+    """One un-pipelined chunk called directly: the schedule's per-call cost matters when
+    decoding one token at a time."""
+    training = chunk.training
+    if training:
+        chunk.eval()
+    try:
+        return chunk(tokens, positions, mask, **kwargs)
+    finally:
+        if training:
+            chunk.train()
