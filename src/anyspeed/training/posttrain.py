@@ -194,14 +194,22 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Any] = ()) -> dict[str
     from anyspeed.training.tasks import SFTTask
 
     task = SFTTask(packed=open_data(args.sft_prefix, args.seq_length).packed)
-    before_load = None
-    if args.lora_target_modules:
-        from anyspeed.training import lora
+    load = _lora_load if args.lora_target_modules else None
+    return pretrain.train(args, extra_hooks, task=task, transforms=_transforms(args), load=load)
 
-        before_load = lora.loader(args)
-    return pretrain.train(
-        args, extra_hooks, task=task, transforms=_transforms(args), before_load=before_load
-    )
+
+def _lora_load(args: argparse.Namespace, trainer: Any, scheduler: Any, state: Any) -> None:
+    """Base weights from ``--load`` (weights only), then adapters, optimizer and position from
+    ``--lora-load``; checkpoints written afterwards hold the adapters only."""
+    from anyspeed.training import checkpointing as ckpt
+    from anyspeed.training.lora import set_view
+
+    if args.load:
+        set_view(trainer.model, "base")
+        ckpt.load_checkpoint(args.load, trainer.model, None, None, finetune=True, load_rng=False)
+    set_view(trainer.model, "adapters")
+    if args.lora_load:
+        pretrain._load(args, trainer, scheduler, state, root=args.lora_load)
 
 
 def prepare(argv: list[str], where: str | None = None) -> tuple[argparse.Namespace, list[str]]:

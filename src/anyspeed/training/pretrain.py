@@ -71,27 +71,31 @@ def _banner(args: argparse.Namespace, start: int, dp: int) -> str:
     )
 
 
-def _load(args: argparse.Namespace, trainer: Any, scheduler: Any, state: Any) -> None:
+def _load(args: argparse.Namespace, trainer: Any, scheduler: Any, state: Any,
+          root: str | None = None) -> None:  # fmt: skip
+    """Resume from ``root`` (default ``--load``): weights, optimizer, scheduler, position."""
     from anyspeed.training import checkpointing as ckpt
 
-    common = ckpt.load_checkpoint(args.load, trainer.model, trainer.optimizer, scheduler,
-                                  finetune=args.finetune, load_optim=not args.no_load_optim,
+    root = root or args.load
+    common = ckpt.load_checkpoint(root, trainer.model, trainer.optimizer, scheduler,
+                                  finetune=args.finetune and root == args.load,
+                                  load_optim=not args.no_load_optim,
                                   load_rng=not args.no_load_rng)  # fmt: skip
     state.iteration = int(common.get("iteration", 0))
     state.consumed = int(common.get("consumed_train_samples",
                                     state.iteration * args.global_batch_size))  # fmt: skip
     state.consumed_valid = int(common.get("consumed_valid_samples", 0))
-    print0(f"anyspeed pretrain: loaded {args.load} at iteration {state.iteration}")
+    print0(f"anyspeed pretrain: loaded {root} at iteration {state.iteration}")
 
 
 def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = (), task: Any = None,
-          transforms: Sequence[Any] = (), before_load: Any = None) -> dict[str, Any]:  # fmt: skip
+          transforms: Sequence[Any] = (), load: Any = None) -> dict[str, Any]:  # fmt: skip
     """Run pretraining (or ``task``) for checked ``args`` in this process (one rank of the job).
 
     Returns the history (per-iteration losses, grad norms, learning rates, validation losses)
     with the trainer under ``"trainer"``. ``extra_hooks`` run after the built-in ones;
-    ``transforms`` change the model before DDP (LoRA); ``before_load(trainer)`` runs before
-    ``--load``.
+    ``transforms`` change the model before DDP (LoRA); ``load(args, trainer, scheduler,
+    state)`` replaces the ``--load`` step.
     """
     import torch
 
@@ -109,9 +113,9 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = (), task: Any 
     scheduler = build_scheduler(trainer.optimizer, args)
     state = LoopState(trainer, scheduler, args.train_iters, args.global_batch_size,
                       fp16=args.fp16)  # fmt: skip
-    if before_load is not None:
-        before_load(trainer)
-    if args.load:
+    if load is not None:
+        load(args, trainer, scheduler, state)
+    elif args.load:
         _load(args, trainer, scheduler, state)
     if args.mock_data:  # mock datasets have nothing to cache; Megatron warns per split
         import logging
@@ -131,7 +135,10 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = (), task: Any 
         H.NanGuard(args.save),
         H.LogHook(reporter, args, args.model_config.flops_per_token(args.seq_length), peak),
         H.EvalHook(reporter, args, task, valid_ds, test_ds, device),
-        H.CheckpointHook(args, {"anyspeed_args": args.model_config.to_dict()}),
+        H.CheckpointHook(
+            args,
+            {"anyspeed_args": args.model_config.to_dict(), **getattr(args, "checkpoint_extra", {})},
+        ),  # fmt: skip
         *extra_hooks,
     ]
     try:
