@@ -80,12 +80,14 @@ def runs(sft_data, tiny_qwen, tmp_path_factory) -> dict:
     return {"tp1": one[0], "first": one[1], "rest": one[2], "tp2": two, "dir": d / "half"}
 
 
+@pytest.mark.slow
 def test_lora_tp2_sp_equals_tp1(runs):
     assert runs["tp1"]["loss"][-1] < runs["tp1"]["loss"][0]  # the adapters learn
     assert runs["tp2"]["loss"] == pytest.approx(runs["tp1"]["loss"], rel=1e-5)
     assert runs["tp2"]["grad_norm"] == pytest.approx(runs["tp1"]["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_resume_is_exact_and_small(runs):
     assert runs["first"]["iterations"] == [1, 2] and runs["rest"]["iterations"] == [3, 4]
     assert runs["first"]["loss"] + runs["rest"]["loss"] == pytest.approx(

@@ -69,12 +69,14 @@ def cli(hf: str, prefix: str, *extra: str, seq: int = 96, gbs: int = 8) -> list[
     ]
 
 
+@pytest.mark.slow
 def test_padded_loss_equals_transformers(sft_data, tiny_qwen):
     argv = cli(tiny_qwen, sft_data["padded"])
     hist = run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)[0]
     assert hist["loss"][0] == pytest.approx(hf_token_mean(tiny_qwen, sft_data["padded"]), rel=TOL)
 
 
+@pytest.mark.slow
 def test_packed_loss_equals_samples_one_by_one(sft_data, tiny_qwen):
     rows = len(read_back(f"{sft_data['packed']}_packed_input_ids_document"))
     assert rows < 8  # several samples share a row
@@ -101,6 +103,7 @@ def layout_losses(sft_data, tiny_qwen) -> dict[str, float]:
     return {name: runs[0][i]["loss"][0] for i, name in enumerate(LAYOUTS)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_padded_loss_at_every_layout(layout, layout_losses, sft_data, tiny_qwen):
     want = hf_token_mean(tiny_qwen, sft_data["padded"])

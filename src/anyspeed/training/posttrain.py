@@ -120,6 +120,7 @@ def check(args: argparse.Namespace, world: int) -> None:
             )
     if args.mock_data or not args.data_path or len(args.data_path) != 1:
         raise UsageError("--data-path: give exactly one instruction dataset prefix")
+    _check_lora(args)
     prefix = args.data_path[0]
     sft_data.check_files(prefix)
     args.sft_prefix = prefix
@@ -130,7 +131,6 @@ def check(args: argparse.Namespace, world: int) -> None:
         args.data_path = [prefix]
     args.sft_pad_id = 0  # pads carry no loss and no real token attends to them
     _check_layout(args, sft_data.open_data(prefix, args.seq_length))
-    _check_lora(args)
 
 
 def _check_layout(args: argparse.Namespace, data: Any) -> None:
