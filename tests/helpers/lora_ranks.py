@@ -36,3 +36,13 @@ def zero_b_logits(preset: str, targets: list[str], r: int, tokens) -> dict:
         "names": names,
         "base_names": base_names,
     }
+
+
+def trained_logits(cli: list[str], tokens) -> object:
+    """Logits of the model ``anyspeed posttrain CLI`` resumes (base + adapters, no step run)."""
+    from anyspeed.inference.logits import forward_logits
+    from anyspeed.training.posttrain import prepare, train
+
+    args, _ = prepare(cli)
+    history = train(args)
+    return forward_logits(history["trainer"].model, tokens)

@@ -77,6 +77,7 @@ def _attach(
     # partial and must be summed over TP (Megatron does so for params tagged like this).
     replicated.sequence_parallel = mod.config.sequence_parallel
     mod.lora_scale = scale
+    mod.lora_key = key
     mod.lora_dropout = dropout
     mod.lora_comm = _comm(column, mod.config.sequence_parallel)
     mod.register_forward_hook(_hook)
@@ -110,10 +111,21 @@ def _sharded(mod: torch.nn.Module, base: Callable, column: bool) -> Callable:
 
     axes = {"lora_B": 0} if column else {"lora_A": 1}
 
+    # A gated fc1 holds [gate shard; up shard] per rank: its lora_B is saved as Megatron saves
+    # the weight (global [gate; up]), so the checkpoint reshards and merges like the weight.
+    gated = column and mod.config.gated_linear_unit and mod.lora_key.endswith("linear_fc1")
+
     def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
         out = base(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
         own = {"lora_A": mod.lora_A, "lora_B": mod.lora_B}
-        out.update(make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets))
+        own = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets)
+        if gated:
+            single = (metadata or {}).get("singleton_local_shards", False)
+            key = f"{prefix}lora_B"
+            own[key] = apply_swiglu_sharded_factory(own[key], sharded_offsets, single)
+        out.update(own)
         return out
 
     return sharded_state_dict

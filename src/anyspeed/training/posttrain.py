@@ -129,6 +129,8 @@ def check(args: argparse.Namespace, world: int) -> None:
         check_args(args, world)
     finally:
         args.data_path = [prefix]
+    if args.lora_target_modules:  # a LoRA checkpoint names its model, for anyspeed convert
+        args.checkpoint_extra["anyspeed_model"] = args.model_config.to_dict()
     args.sft_pad_id = 0  # pads carry no loss and no real token attends to them
     _check_layout(args, sft_data.open_data(prefix, args.seq_length))
 
