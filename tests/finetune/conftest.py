@@ -3,55 +3,13 @@ neat-packed) with the session's trained tokenizer, and a tiny random Qwen2 HF mo
 
 from __future__ import annotations
 
-import contextlib
-import io
-import random
-
 import pytest
 import torch
 
-from helpers.corpora import make_docs, write_jsonl
+from helpers.corpora import write_jsonl
+from helpers.instruction import alpaca_records, preprocess
 
 VOCAB = 768  # the tokenizer's 600 ids, padded for TP1 and TP2 alike (multiple of 2 x 128)
-
-
-def preprocess(src: str, prefix: str, tok: str, *flags: str) -> str:
-    """``anyspeed preprocess`` in-process (alpaca handler, ChatML prompt type)."""
-    from anyspeed.data.cli import main
-
-    with contextlib.redirect_stderr(io.StringIO()) as err:
-        rc = main(
-            [
-                "preprocess",
-                "--input",
-                src,
-                "--output-prefix",
-                prefix,
-                "--tokenizer-name-or-path",
-                tok,
-                "--handler-name",
-                "AlpacaStyleInstructionHandler",
-                "--prompt-type",
-                "qwen",
-                *flags,
-            ]
-        )
-    assert rc == 0, err.getvalue()
-    return prefix
-
-
-def alpaca_records(n: int, seed: int = 3) -> list[dict]:
-    """Short instruction/response pairs of widely varying lengths."""
-    words = make_docs(4 * n, seed=seed)
-    rng = random.Random(seed)
-    return [
-        {
-            "instruction": " ".join(words[4 * i].split()[: rng.randint(1, 6)]),
-            "input": "",
-            "output": " ".join(words[4 * i + 1].split()[: rng.randint(1, 12)]),
-        }
-        for i in range(n)
-    ]
 
 
 @pytest.fixture(scope="session")

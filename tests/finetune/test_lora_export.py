@@ -49,8 +49,19 @@ def trained(sft_data, tiny_qwen, tmp_path_factory) -> dict:
 
 def _export(trained: dict, out: str, *flags: str) -> int:
     """``anyspeed convert`` mg -> hf of the base checkpoint with the LoRA checkpoint."""
-    argv = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", trained["base"],
-            "--save-dir", out, "--lora-load", trained["lora"], *flags]  # fmt: skip
+    argv = [
+        "--load-model-type",
+        "mg",
+        "--save-model-type",
+        "hf",
+        "--load-dir",
+        trained["base"],
+        "--save-dir",
+        out,
+        "--lora-load",
+        trained["lora"],
+        *flags,
+    ]
     return convert(argv)
 
 

@@ -24,3 +24,22 @@ def posttrain_many(clis: list[list[str]]) -> list[dict]:
         adaptor.apply(argv=cli)
         out.append(posttrain(cli))
     return out
+
+
+def overfit(cli: list[str], prefix: str) -> dict:
+    """Train, then greedily decode every sample's prompt for as many tokens as its response."""
+    from anyspeed.inference.generate import generate_ids
+    from anyspeed.training.posttrain import prepare, train
+    from helpers.corpora import read_back
+
+    args, _ = prepare(cli)
+    history = train(args)
+    model = history.pop("trainer").model
+    pairs = []
+    ids = read_back(f"{prefix}_packed_input_ids_document")
+    labels = read_back(f"{prefix}_packed_labels_document")
+    for i, lab in zip(ids, labels, strict=True):
+        start = next(k for k, v in enumerate(lab) if v != -100)
+        out = generate_ids(model, i[:start], len(i) - start, args.seq_length)
+        pairs.append((out[start:], i[start:]))
+    return {"loss": history["loss"], "pairs": pairs}
