@@ -1,5 +1,6 @@
-"""Overfit: full SFT of the tiny model on 32 alpaca samples for 200 steps brings the response
-loss below 0.1, and greedy decoding of each prompt then reproduces its response exactly."""
+"""Overfit: full SFT of the tiny model on 32 alpaca samples for 200 steps (8 a step, 50 epochs)
+brings the response loss below 0.1, and greedy decoding of each prompt then reproduces its
+response exactly."""
 
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ def test_overfit_32_samples(hf_tok, tiny_qwen, tmp_path):
         "0",
         "--log-interval",
         "50",
-        gbs=32,
+        gbs=8,
     )
     argv[argv.index("--train-iters") + 1] = "200"
-    argv[argv.index("--lr") + 1] = "3e-3"
+    argv[argv.index("--lr") + 1] = "5e-3"
     argv[argv.index("--micro-batch-size") + 1] = "8"
-    out = run_distributed(sft_ranks.overfit, 1, argv=argv, cli=argv, prefix=prefix, timeout=900)[0]
+    out = run_distributed(sft_ranks.overfit, 1, argv=argv, cli=argv, prefix=prefix, timeout=2400)[0]
     assert out["loss"][-1] < 0.1, out["loss"][::20]
     wrong = [i for i, (got, want) in enumerate(out["pairs"]) if got != want]
     assert not wrong, f"{len(wrong)} of 32 responses differ, e.g. {out['pairs'][wrong[0]]}"

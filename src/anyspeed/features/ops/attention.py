@@ -11,6 +11,8 @@ honoured, and packed ``thd`` sequences attend within each ``cu_seqlens`` segment
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
@@ -102,20 +104,17 @@ class SDPAttention(DotProductAttention):
         dropout_p = self.attention_dropout.p if self.training else 0.0
         gqa = query.shape[1] != key.shape[1]
         parts = []
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            if hi <= lo:
-                continue
-            # [len, heads, d] -> [1, heads, len, d]
-            q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                dropout_p=dropout_p,
-                is_causal=True,
-                scale=self.softmax_scale,
-                enable_gqa=gqa,
-            )
-            parts.append(out.squeeze(0).transpose(0, 1))
+        fork = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                if hi <= lo:
+                    continue
+                # [len, heads, d] -> [1, heads, len, d]
+                q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                out = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale,
+                    enable_gqa=gqa,
+                )  # fmt: skip
+                parts.append(out.squeeze(0).transpose(0, 1))
         context = torch.cat(parts, dim=0)
         return context.reshape(context.shape[0], self.hidden_size_per_partition)
