@@ -60,6 +60,7 @@ def make_sets(d: str, seq: int, n: int) -> tuple[str, str, int]:
 
 def posttrain_run(cli: list[str]) -> dict:
     """One ``anyspeed posttrain`` run in this rank: step times after the first, peak memory."""
+    from anyspeed import quiet
     from anyspeed.training.loop import Hook
     from anyspeed.training.posttrain import prepare, train
 
@@ -70,6 +71,7 @@ def posttrain_run(cli: list[str]) -> dict:
         def after_step(self, state, out) -> None:
             self.times.append(time.perf_counter())
 
+    quiet.install()  # this rank's third-party notices, as the command hides them
     args, _ = prepare(cli)
     clock = Clock()
     hist = train(args, extra_hooks=[clock])
