@@ -1,4 +1,4 @@
-"""Overfit: full SFT of the tiny model on 32 alpaca samples for 200 steps (8 a step, 50 epochs)
+"""Overfit: full SFT of the tiny model on 32 alpaca samples for 200 full-batch steps
 brings the response loss below 0.1, and greedy decoding of each prompt then reproduces its
 response exactly."""
 
@@ -26,11 +26,11 @@ def test_overfit_32_samples(hf_tok, tiny_qwen, tmp_path):
         "0",
         "--log-interval",
         "50",
-        gbs=8,
+        gbs=32,
     )
     argv[argv.index("--train-iters") + 1] = "200"
     argv[argv.index("--lr") + 1] = "5e-3"
-    argv[argv.index("--micro-batch-size") + 1] = "8"
+    argv[argv.index("--micro-batch-size") + 1] = "32"
     out = run_distributed(sft_ranks.overfit, 1, argv=argv, cli=argv, prefix=prefix, timeout=2400)[0]
     assert out["loss"][-1] < 0.1, out["loss"][::20]
     wrong = [i for i, (got, want) in enumerate(out["pairs"]) if got != want]

@@ -71,9 +71,13 @@ def cli(hf: str, prefix: str, *extra: str, seq: int = 96, gbs: int = 8) -> list[
 
 @pytest.mark.slow
 def test_padded_loss_equals_transformers(sft_data, tiny_qwen):
-    argv = cli(tiny_qwen, sft_data["padded"])
-    hist = run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)[0]
-    assert hist["loss"][0] == pytest.approx(hf_token_mean(tiny_qwen, sft_data["padded"]), rel=TOL)
+    """Padded to --seq-length, and to each micro-batch's longest (--variable-seq-lengths)."""
+    fixed = cli(tiny_qwen, sft_data["padded"])
+    variable = cli(tiny_qwen, sft_data["padded"], "--variable-seq-lengths")
+    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=fixed, clis=[fixed, variable],
+                           timeout=300)[0]  # fmt: skip
+    want = hf_token_mean(tiny_qwen, sft_data["padded"])
+    assert [h["loss"][0] for h in runs] == pytest.approx([want, want], rel=TOL)
 
 
 @pytest.mark.slow
