@@ -41,5 +41,5 @@ def overfit(cli: list[str], prefix: str) -> dict:
     for i, lab in zip(ids, labels, strict=True):
         start = next(k for k, v in enumerate(lab) if v != -100)
         out = generate_ids(model, i[:start], len(i) - start, args.seq_length)
-        pairs.append((out[start:], i[start:]))
+        pairs.append((out, i[start:]))  # generate_ids returns the new tokens
     return {"loss": history["loss"], "pairs": pairs}
