@@ -15,7 +15,11 @@ from helpers.instruction import alpaca_records, preprocess
 
 @pytest.mark.slow
 def test_overfit_32_samples(hf_tok, tiny_qwen, tmp_path):
-    src = write_jsonl(str(tmp_path / "a.jsonl"), alpaca_records(32, seed=5))
+    # Distinct prompts only: two samples with one prompt and two responses cannot both be met.
+    unique = {r["instruction"]: r for r in alpaca_records(64, seed=5)}
+    records = list(unique.values())[:32]
+    assert len(records) == 32
+    src = write_jsonl(str(tmp_path / "a.jsonl"), records)
     prefix = preprocess(src, str(tmp_path / "o"), hf_tok)
     argv = cli(
         tiny_qwen,
