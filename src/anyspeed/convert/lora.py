@@ -58,7 +58,7 @@ class Adapters:
         given = {"r": r, "alpha": alpha, "target_modules": sorted(targets) if targets else None}
         flag = {"r": "--lora-r", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules"}
         for k, v in given.items():
-            if v is not None and v != self.config[k] and float(v or 0) != self.config[k]:
+            if v is not None and v != self.config[k]:  # 8 == 8.0: alpha may be int or float
                 raise ConvertError(
                     f"--lora-load {self.dir} was trained with {flag[k]} {self.config[k]}, not {v}"
                 )
