@@ -231,11 +231,14 @@ def megatron_to_hf(
     *,
     max_shard_size: str | int = "5GB",
     model_type_hf: str | None = None,
+    lora: dict | None = None,
 ) -> Path:
     """Convert a Megatron checkpoint (torch_dist or legacy, any TP/PP; anyspeed's or
     Megatron-LM's) into an HF directory: config.json, sharded safetensors + index, and
     ``hf_cfg_dir``'s tokenizer files. The architecture comes from the checkpoint (anyspeed's
-    model or Megatron-LM's args, family from ``model_type_hf``), else ``hf_cfg_dir``."""
+    model or Megatron-LM's args, family from ``model_type_hf``), else ``hf_cfg_dir``.
+    ``lora`` (``{"load": dir, "r", "alpha", "target_modules"}``) merges a LoRA checkpoint's
+    adapters into the weights first."""
     it_dir = iteration_dir(load_dir)
     fmt = checkpoint_format(it_dir)
     common = read_common(load_dir)
@@ -259,6 +262,12 @@ def megatron_to_hf(
         )
     else:
         groups = read_legacy(it_dir, legacy_expert_parallel(common))
+    if lora:
+        from anyspeed.convert.lora import Adapters
+
+        adapters = Adapters(lora["load"], preset)
+        adapters.check(lora.get("r"), lora.get("alpha"), lora.get("target_modules"))
+        groups = adapters.merged(groups)
     groups = prefetch(groups)  # read group N+1 while group N is written
     with staged_output(save_dir) as tmp:
         writer = ShardedWriter(tmp, list(want.items()), max_shard_size)

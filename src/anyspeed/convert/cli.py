@@ -68,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="run both models on the same random tokens; fail above the tolerance",
     )
     p.add_argument("--verify-tolerance", type=float, default=1e-4)
+    g = p.add_argument_group("LoRA (mg -> hf)")
+    g.add_argument(
+        "--lora-load",
+        help="a LoRA checkpoint of `anyspeed posttrain`: merged into "
+        "the --load-dir weights (or exported alone with --save-lora-to-hf)",
+    )
+    g.add_argument("--lora-r", type=int, default=None, help="checked against the checkpoint")
+    g.add_argument("--lora-alpha", type=float, default=None, help="checked against it")
+    g.add_argument("--lora-target-modules", nargs="*", default=None, help="checked against it")
+    g.add_argument(
+        "--save-lora-to-hf",
+        action="store_true",
+        help="write the adapters in PEFT's format instead of merging them",
+    )
     return p
 
 
@@ -119,6 +133,17 @@ def check_args(args: argparse.Namespace) -> None:
 
     parse_size(args.max_shard_size)
     check_save_dir(args.save_dir)
+    if (args.lora_load or args.save_lora_to_hf) and args.load_model_type != "mg":
+        raise UsageError(
+            "--lora-load/--save-lora-to-hf convert a Megatron checkpoint: use "
+            "--load-model-type mg --save-model-type hf"
+        )
+    if args.lora_load and args.verify:
+        raise UsageError(
+            "--verify compares against the unmerged checkpoint: drop it with --lora-load"
+        )
+    if args.save_lora_to_hf and not args.lora_load:
+        raise UsageError("--save-lora-to-hf needs --lora-load (the LoRA checkpoint)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,10 +193,20 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 ep=args.target_expert_parallel_size,
             )
             hf_dir, mg_dir = args.load_dir, args.save_dir
+        elif direction == ("mg", "hf") and args.save_lora_to_hf:
+            from anyspeed.convert.lora import save_lora_to_hf
+
+            save_lora_to_hf(_lora(args), args.save_dir, args.model_type_hf)
+            hf_dir, mg_dir = None, args.load_dir
         elif direction == ("mg", "hf"):
-            megatron_to_hf(args.load_dir, args.save_dir, args.hf_cfg_dir,
-                           max_shard_size=args.max_shard_size,
-                           model_type_hf=args.model_type_hf)  # fmt: skip
+            megatron_to_hf(
+                args.load_dir,
+                args.save_dir,
+                args.hf_cfg_dir,
+                max_shard_size=args.max_shard_size,
+                model_type_hf=args.model_type_hf,
+                lora=_lora(args) if args.lora_load else None,
+            )
             hf_dir, mg_dir = args.save_dir, args.load_dir
         else:
             raise ConvertError(
@@ -188,6 +223,15 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
     except (ConvertError, OSError) as exc:  # bad input, or a file that cannot be read/written
         return report(PROG, exc, code=1)
     return 0
+
+
+def _lora(args: argparse.Namespace) -> dict:
+    return {
+        "load": args.lora_load,
+        "r": args.lora_r,
+        "alpha": args.lora_alpha,
+        "target_modules": args.lora_target_modules,
+    }
 
 
 if __name__ == "__main__":

@@ -46,9 +46,22 @@ _CHATML = dict(
     assistant="{content}<|im_end|>\n",
 )
 
+_QWEN3_THINK = "<think>\n\n</think>\n\n"  # the empty thinking block Qwen3 renders
+
 TEMPLATES: dict[str, Template] = {
     "chatml": Template(**_CHATML),
     "qwen": Template(**_CHATML, default_system="You are a helpful assistant."),
+    "qwen2.5": Template(
+        **_CHATML,
+        default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    ),
+    # Qwen3, thinking on (its default): the response starts with the (empty) thinking block.
+    "qwen3": Template(**dict(_CHATML, assistant=_QWEN3_THINK + "{content}<|im_end|>\n")),
+    # Qwen3 with enable_thinking=False: the block closes the prompt, the response is the text.
+    "qwen3-nothink": Template(**dict(_CHATML, user=_CHATML["user"] + _QWEN3_THINK)),
+    "mistral": Template(
+        prefix="<s>", user="[INST] {content} [/INST]", assistant="{content}</s>", system=""
+    ),
     "llama3": Template(
         prefix="<|begin_of_text|>",
         system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",

@@ -194,7 +194,8 @@ def unsupported_flag(argv: Sequence[str], *parsers: argparse.ArgumentParser,
     return None
 
 
-def parse_pretrain_args(argv: Sequence[str]) -> argparse.Namespace:
+def parse_pretrain_args(argv: Sequence[str], parser: argparse.ArgumentParser | None = None,
+                        prog: str = "anyspeed pretrain") -> argparse.Namespace:  # fmt: skip
     """Parse a pretraining command line once; a preset expands first, unknown flags are
     errors, and so is a numeric flag out of its range. ``args.model`` keeps the preset's name."""
     try:
@@ -202,8 +203,8 @@ def parse_pretrain_args(argv: Sequence[str]) -> argparse.Namespace:
         argv = apply_preset(list(argv))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    parser = build_parser()
-    bad = unsupported_flag(argv, parser)
+    parser = parser or build_parser()
+    bad = unsupported_flag(argv, parser, prog=prog)
     if bad:
         raise UsageError(bad)
     args = parser.parse_args(argv)

@@ -71,24 +71,31 @@ def _banner(args: argparse.Namespace, start: int, dp: int) -> str:
     )
 
 
-def _load(args: argparse.Namespace, trainer: Any, scheduler: Any, state: Any) -> None:
+def _load(args: argparse.Namespace, trainer: Any, scheduler: Any, state: Any,
+          root: str | None = None) -> None:  # fmt: skip
+    """Resume from ``root`` (default ``--load``): weights, optimizer, scheduler, position."""
     from anyspeed.training import checkpointing as ckpt
 
-    common = ckpt.load_checkpoint(args.load, trainer.model, trainer.optimizer, scheduler,
-                                  finetune=args.finetune, load_optim=not args.no_load_optim,
+    root = root or args.load
+    common = ckpt.load_checkpoint(root, trainer.model, trainer.optimizer, scheduler,
+                                  finetune=args.finetune and root == args.load,
+                                  load_optim=not args.no_load_optim,
                                   load_rng=not args.no_load_rng)  # fmt: skip
     state.iteration = int(common.get("iteration", 0))
     state.consumed = int(common.get("consumed_train_samples",
                                     state.iteration * args.global_batch_size))  # fmt: skip
     state.consumed_valid = int(common.get("consumed_valid_samples", 0))
-    print0(f"anyspeed pretrain: loaded {args.load} at iteration {state.iteration}")
+    print0(f"anyspeed pretrain: loaded {root} at iteration {state.iteration}")
 
 
-def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[str, Any]:
-    """Run pretraining for checked ``args`` in this process (one rank of the job).
+def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = (), task: Any = None,
+          transforms: Sequence[Any] = (), load: Any = None) -> dict[str, Any]:  # fmt: skip
+    """Run pretraining (or ``task``) for checked ``args`` in this process (one rank of the job).
 
     Returns the history (per-iteration losses, grad norms, learning rates, validation losses)
-    with the trainer under ``"trainer"``. ``extra_hooks`` run after the built-in ones.
+    with the trainer under ``"trainer"``. ``extra_hooks`` run after the built-in ones;
+    ``transforms`` change the model before DDP (LoRA); ``load(args, trainer, scheduler,
+    state)`` replaces the ``--load`` step.
     """
     import torch
 
@@ -102,12 +109,14 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[st
     from anyspeed.training.tasks import PretrainTask
 
     set_timeout(args.distributed_timeout_minutes)
-    task = PretrainTask()
-    trainer = Trainer(args.model_config, args.layout, args.train_config, task)
+    task = task or PretrainTask()
+    trainer = Trainer(args.model_config, args.layout, args.train_config, task, transforms)
     scheduler = build_scheduler(trainer.optimizer, args)
     state = LoopState(trainer, scheduler, args.train_iters, args.global_batch_size,
                       fp16=args.fp16)  # fmt: skip
-    if args.load:
+    if load is not None:
+        load(args, trainer, scheduler, state)
+    elif args.load:
         _load(args, trainer, scheduler, state)
     if args.mock_data:  # mock datasets have nothing to cache; Megatron warns per split
         import logging
@@ -128,7 +137,10 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[st
         H.NanGuard(args.save),
         H.LogHook(reporter, args, args.model_config.flops_per_token(args.seq_length), peak),
         H.EvalHook(reporter, args, task, valid_ds, test_ds, device),
-        H.CheckpointHook(args, {"anyspeed_args": args.model_config.to_dict()}),
+        H.CheckpointHook(
+            args,
+            {"anyspeed_args": args.model_config.to_dict(), **getattr(args, "checkpoint_extra", {})},
+        ),  # fmt: skip
         *extra_hooks,
     ]
     try:
@@ -141,7 +153,8 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = ()) -> dict[st
     return history
 
 
-def prepare(argv: list[str], where: str | None = None) -> tuple[argparse.Namespace, list[str]]:
+def prepare(argv: list[str], where: str | None = None, parse: Any = parse_pretrain_args,
+            check: Any = check_args) -> tuple[argparse.Namespace, list[str]]:  # fmt: skip
     """Parse and check a command line (UsageError on any problem), before process groups.
 
     ``--load <HF dir>`` brings the architecture and tokenizer flags from the directory and
@@ -154,22 +167,22 @@ def prepare(argv: list[str], where: str | None = None) -> tuple[argparse.Namespa
     hf_dir = hf_load.hf_dir_of(argv)
     if hf_dir:
         argv = hf_load.expand(argv, hf_dir)
-    args = parse_pretrain_args(argv)
+    args = parse(argv)
     world = (args.nproc_per_node or 1) if where == "launcher" else int(os.environ["WORLD_SIZE"])
-    check_args(args, world)
+    check(args, world)
     if hf_dir:
         args.load = hf_load.convert(argv, hf_dir)
         argv = set_flag(argv, "--load", args.load)
     return args, argv
 
 
-def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+def _launch(args: argparse.Namespace, argv: list[str], command: str = "pretrain") -> int:
     """Start ``--nproc-per-node`` local ranks with torchrun (flags already checked); a signal
     to this process ends torchrun and every rank (exit 128 + signal, one line)."""
     from anyspeed.launch import supervise, torchrun_command, torchrun_env
 
-    cmd = torchrun_command(args.nproc_per_node, "anyspeed", ["pretrain", *argv])
-    return supervise(cmd, torchrun_env(args.nproc_per_node), PROG)
+    cmd = torchrun_command(args.nproc_per_node, "anyspeed", [command, *argv])
+    return supervise(cmd, torchrun_env(args.nproc_per_node), f"anyspeed {command}")
 
 
 def _sample(args: argparse.Namespace, history: dict[str, Any]) -> None:
@@ -181,21 +194,24 @@ def _sample(args: argparse.Namespace, history: dict[str, Any]) -> None:
         print0(f"\nprompt: {args.generate_prompt!r}\nsample: {text!r}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse, check (before any process group), launch or run, report."""
+def main(argv: Sequence[str] | None = None, command: str = "pretrain", prepare_fn: Any = prepare,
+         train_fn: Any = None, help_fn: Any = None) -> int:  # fmt: skip
+    """Entry point: parse, check (before any process group), launch or run, report.
+    ``anyspeed posttrain`` runs through here with its own prepare/train functions."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    prog = f"anyspeed {command}"
     if "-h" in argv or "--help" in argv:
         from anyspeed.training.arguments import build_parser
 
-        build_parser().print_help()
+        (help_fn or build_parser)().print_help()
         return 0
     under_launcher = "WORLD_SIZE" in os.environ
     try:
-        args, argv = prepare(argv, None if under_launcher else "launcher")
+        args, argv = prepare_fn(argv, None if under_launcher else "launcher")
     except UsageError as exc:
-        return report(PROG, exc) if is_rank0() else 2
+        return report(prog, exc) if is_rank0() else 2
     if not under_launcher and (args.nproc_per_node or 1) > 1:
-        return _launch(args, argv)
+        return _launch(args, argv, command)
     if not under_launcher:  # one process, no launcher: be rank 0 of a world of one
         from anyspeed.launch import single_process_env
 
@@ -204,18 +220,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     adaptor.apply(args)
     try:
-        history = train(args)
+        history = (train_fn or train)(args)
     except (NonFiniteLoss, CheckpointError, DataExhausted) as exc:  # rank 0 says why
-        return report(PROG, exc, code=1) if is_rank0() else 1
+        return report(prog, exc, code=1) if is_rank0() else 1
     except RuntimeError as exc:
         if not stall.is_timeout(exc):
             raise
-        stall.exit_on_stall(PROG, args.distributed_timeout_minutes)  # one line; exits
+        stall.exit_on_stall(prog, args.distributed_timeout_minutes)  # one line; exits
     if args.generate_prompt:
         _sample(args, history)
     losses = history["loss"]
     if losses:
-        print0(f"anyspeed pretrain: done, iteration {history['iterations'][-1]}, lm loss "
+        print0(f"{prog}: done, iteration {history['iterations'][-1]}, lm loss "
                f"{losses[0]:.4f} -> {losses[-1]:.4f}")  # fmt: skip
     import torch.distributed as dist
 

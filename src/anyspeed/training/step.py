@@ -40,7 +40,7 @@ class Trainer:
         self.model_config, self.layout, self.cfg = model, layout, cfg
         self.task = task or PretrainTask()
         init_distributed(layout, cfg.seed)
-        self.model = build_model(model, layout, cfg, transforms)
+        self.model = build_model(model, layout, cfg, [*self.task.transforms(), *transforms])
         self.optimizer = build_optimizer(self.model, cfg, layout)
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
         self.moe = None
@@ -56,13 +56,14 @@ class Trainer:
         from anyspeed.device import torch_device
 
         data = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
+        seq, mbs_size = self.task.schedule_shape(self.cfg.seq_length, self.cfg.micro_batch_size)
         losses = get_forward_backward_func()(
             forward_step_func=self.task.forward_step,
             data_iterator=data,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(mbs),
-            seq_length=self.cfg.seq_length,
-            micro_batch_size=self.cfg.micro_batch_size,
+            seq_length=seq,
+            micro_batch_size=mbs_size,
             forward_only=forward_only,
         )
         # The loss on every rank: the last stage averages its micro-batch losses.
@@ -70,10 +71,17 @@ class Trainer:
             ps.is_pipeline_last_stage(ignore_virtual=True)
             and ps.get_tensor_model_parallel_rank() == 0
         )
-        total = torch.zeros(1, dtype=torch.float64, device=torch_device())
+        total = torch.zeros(2, dtype=torch.float64, device=torch_device())
         if last and losses:
-            total[0] = sum(float(x[self.task.loss_key]) for x in losses) / len(losses)
+            vals = torch.stack([x[self.task.loss_key].detach().double().reshape(-1).cpu()
+                                for x in losses])  # fmt: skip
+            if vals.shape[1] == 2:  # (token-loss sum, token count) per micro-batch
+                total += vals.sum(0).to(total.device)
+            else:
+                total[0] = vals.mean()
         torch.distributed.all_reduce(total)
+        if total[1] > 0:  # a global token mean over every rank's tokens
+            return float(total[0] / total[1])
         return float(total[0]) / self.dp  # CP ranks' shares sum to the replica's mean
 
     def step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:

@@ -5,10 +5,13 @@ state): instead of materialising the [b, heads, s, s] score and probability matr
 ``torch.nn.functional.scaled_dot_product_attention``, which picks the flash / memory-efficient
 kernel of the device (CUDA, and the flash kernel on CPU). Causal attention needs no mask tensor;
 grouped-query attention is passed through without repeating K/V in memory; Megatron's boolean
-attention masks (True = masked: padding, ``--reset-attention-mask`` document masks) are honoured.
+attention masks (True = masked: padding, ``--reset-attention-mask`` document masks) are
+honoured, and packed ``thd`` sequences attend within each ``cu_seqlens`` segment only.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,13 @@ class SDPAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
+        plain = (
+            attention_bias is None
+            and self.softmax_offset is None
+            and self.scale_mask_softmax.window_size is None
+        )
+        if plain and packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed(query, key, value, packed_seq_params)
         if (
             packed_seq_params is not None
             or attention_bias is not None
@@ -90,3 +100,27 @@ class SDPAttention(DotProductAttention):
             context = attend()
         # [b, heads, s, d] -> [s, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                params) -> torch.Tensor:  # fmt: skip
+        """Packed (``thd``) sequences [t, heads, d]: causal SDPA within each cu_seqlens
+        segment, so no token attends across a sample boundary and no [t, t] mask exists."""
+        cu = params.cu_seqlens_q_padded
+        bounds = (cu if cu is not None else params.cu_seqlens_q).tolist()
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        gqa = query.shape[1] != key.shape[1]
+        parts = []
+        fork = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                if hi <= lo:
+                    continue
+                # [len, heads, d] -> [1, heads, len, d]
+                q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                out = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale,
+                    enable_gqa=gqa,
+                )  # fmt: skip
+                parts.append(out.squeeze(0).transpose(0, 1))
+        context = torch.cat(parts, dim=0)
+        return context.reshape(context.shape[0], self.hidden_size_per_partition)

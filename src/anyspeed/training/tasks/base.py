@@ -21,3 +21,11 @@ class Task:
     def forward_step(self, data_iterator: Iterator[dict[str, Any]],
                      model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
         raise NotImplementedError
+
+    def transforms(self) -> list[Any]:
+        """Model transforms the task needs (applied before the caller's, before DDP)."""
+        return []
+
+    def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
+        """(sequence length, micro-batch size) of the tensors pipeline stages exchange."""
+        return seq_length, micro_batch_size

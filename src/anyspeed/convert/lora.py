@@ -1,0 +1,156 @@
+"""LoRA checkpoints in ``anyspeed convert``: merge the adapters into the base weights, or
+export them in PEFT's format.
+
+A LoRA checkpoint (``anyspeed posttrain --lora-target-modules ...``) is a torch_dist checkpoint
+holding each adapted layer's ``lora_A`` and ``lora_B`` beside the base tensor names, sharded as
+the layer is, with ``anyspeed_lora`` (r, alpha, targets) in its common state. The merge adds
+``(alpha / r) * B @ A`` to each Megatron weight *before* the engine re-lays it out (QKV groups
+un-interleaved, gate/up split): on the assembled tensors this equals merging every TP shard on
+its own, since B's rows (column layers) or A's columns (row layers) follow the weight's shards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anyspeed.convert.errors import ConvertError
+from anyspeed.models.config import ModelConfig
+
+_TARGET = re.compile(
+    r"decoder\.layers\.\d+\..*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)"
+    r"\.weight$"
+)
+PEFT_PREFIX = "base_model.model."
+
+
+class Adapters:
+    """The adapters of one LoRA checkpoint, read per Megatron weight name."""
+
+    def __init__(self, lora_dir: str | Path, preset: ModelConfig) -> None:
+        from anyspeed.convert.dcp_io import DcpReader
+        from anyspeed.convert.megatron_io import (
+            _checkpoint_keys,
+            checkpoint_format,
+            iteration_dir,
+            read_common,
+        )
+
+        it_dir = iteration_dir(lora_dir)
+        common = read_common(lora_dir)
+        self.config = common.get("anyspeed_lora")
+        if self.config is None or checkpoint_format(it_dir) != "torch_dist":
+            raise ConvertError(
+                f"--lora-load {lora_dir}: not a LoRA checkpoint of anyspeed "
+                "posttrain (no anyspeed_lora record)"
+            )
+        self.dir, self.reader, self.key_of = lora_dir, DcpReader(it_dir), _checkpoint_keys(preset)
+        self.scale = float(self.config["alpha"]) / int(self.config["r"])
+        self.targets = set(self.config["target_modules"])
+
+    def check(self, r: int | None, alpha: float | None, targets: list[str] | None) -> None:
+        """The flags given must describe this checkpoint (MindSpeed-LLM passes them)."""
+        given = {"r": r, "alpha": alpha, "target_modules": sorted(targets) if targets else None}
+        flag = {"r": "--lora-r", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules"}
+        for k, v in given.items():
+            if v is not None and v != self.config[k]:  # 8 == 8.0: alpha may be int or float
+                raise ConvertError(
+                    f"--lora-load {self.dir} was trained with {flag[k]} {self.config[k]}, not {v}"
+                )
+
+    def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of Megatron weight ``name``; None when it has no adapter."""
+        mt = _TARGET.match(name)
+        if mt is None or mt.group(1) not in self.targets:
+            return None
+        from anyspeed.convert.engine import materialize
+
+        key, layer = self.key_of(name)
+        out = []
+        for part in ("lora_A", "lora_B"):
+            k = key[: -len("weight")] + part
+            shape = self.reader.shape(k)
+            at = (layer,) + (0,) * (len(shape) - 1)
+            out.append(materialize(self.reader.read(k, at, (1, *shape[1:]), squeeze=1)))
+        return out[0], out[1]
+
+    def merged(self, groups: Iterator[tuple[Any, dict]]) -> Iterator[tuple[Any, dict]]:
+        """``groups`` with every adapted weight replaced by W + scale * B @ A (in fp32)."""
+        from anyspeed.convert.engine import materialize
+
+        for group, tensors in groups:
+            for name in list(tensors):
+                ab = self.pair(name)
+                if ab is not None:
+                    w = materialize(tensors[name])
+                    delta = ab[1].float() @ ab[0].float() * self.scale
+                    tensors[name] = (w.float() + delta).to(w.dtype)
+            yield group, tensors
+
+
+def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig, m: Any) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT saves them: a
+    fused Megatron adapter becomes one per HF projection (A shared, B split like the weight)."""
+    from safetensors.torch import save_file
+
+    from anyspeed.convert import engine
+    from anyspeed.models.families.base import Fused
+
+    adapters = Adapters(lora_dir, preset)
+    out: dict[str, torch.Tensor] = {}
+    modules: set[str] = set()
+    for group in engine.groups(preset):
+        for mg, dst in engine.entries(m, preset, group).items():
+            ab = adapters.pair(mg)
+            if ab is None:
+                continue
+            a, b = ab
+            if isinstance(dst, Fused):
+                parts = zip(dst.parts, engine._split(dst, b, preset), strict=True)
+            else:
+                parts = [(dst, b)]
+            for hf_name, b_part in parts:
+                stem = PEFT_PREFIX + hf_name.removesuffix(".weight")
+                out[f"{stem}.lora_A.weight"] = a.contiguous().clone()
+                out[f"{stem}.lora_B.weight"] = engine.materialize(b_part).contiguous().clone()
+                modules.add(hf_name.removesuffix(".weight").rsplit(".", 1)[-1])
+    if not out:
+        raise ConvertError(f"--lora-load {lora_dir}: no adapters found")
+    save = Path(save_dir)
+    save.mkdir(parents=True)
+    save_file(out, str(save / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": int(adapters.config["r"]),
+        "lora_alpha": adapters.config["alpha"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(modules),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": None,
+        "modules_to_save": None,
+    }
+    (save / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def save_lora_to_hf(lora: dict, save_dir: str | Path, model_type_hf: str | None = None) -> None:
+    """``--save-lora-to-hf``: the LoRA checkpoint ``lora["load"]`` as a PEFT adapter."""
+    from anyspeed.convert.megatron_io import model_in_common, read_common
+    from anyspeed.models.families import mapping_for
+
+    preset = model_in_common(read_common(lora["load"]), lora["load"], model_type_hf)
+    if preset is None:
+        raise ConvertError(f"--lora-load {lora['load']}: no anyspeed_model record")
+    Adapters(lora["load"], preset).check(
+        lora.get("r"), lora.get("alpha"), lora.get("target_modules")
+    )
+    if Path(save_dir).exists():
+        raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
+    export_peft(lora["load"], save_dir, preset, mapping_for(preset.family))

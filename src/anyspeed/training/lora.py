@@ -1,0 +1,263 @@
+"""LoRA on Megatron's tensor-parallel layers, as a model transform applied before DDP.
+
+Each target ``ColumnParallelLinear`` / ``RowParallelLinear`` keeps its own parameters and names
+and gains two more, ``lora_A`` [r, in] and ``lora_B`` [out, r], sharded as the layer is: a
+column layer's ``lora_A`` is replicated and its ``lora_B`` split along the output like its
+weight; a row layer's ``lora_A`` is split along the input and its ``lora_B`` replicated. The
+adapter output ``(alpha / r) * B A x`` is added by a forward hook, with the same tensor/sequence
+parallel communication as the layer (on the rank-r activations, which are small). ``lora_A``
+is drawn from a generator seeded by (seed, global layer, module), full-size, and this rank's
+shard taken, so every TP layout starts from the same adapters; ``lora_B`` starts at zero, so
+the adapted model is the base model until it trains.
+
+Written here rather than through PEFT's Megatron backend: PEFT wraps each layer under
+``base_layer`` (renaming every parameter, so Megatron's distributed checkpoints of the base model
+no longer load) and initialises the replicated ``lora_A`` per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from anyspeed.errors import UsageError
+
+ADAPTER = ".lora_"
+VIEWS = ("all", "base", "adapters")
+
+
+def _layers(chunk: torch.nn.Module):
+    """(global key, module) of every linear layer in ``chunk``'s transformer layers."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    for layer in chunk.decoder.layers:
+        for name, mod in layer.named_modules():
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                yield f"{layer.layer_number}.{name}", name.rsplit(".", 1)[-1], mod
+
+
+def target_names(chunk: torch.nn.Module) -> set[str]:
+    """The adaptable module names (last component) of ``chunk``."""
+    return {short for _, short, _ in _layers(chunk)}
+
+
+def _init_a(key: str, r: int, fan_in: int, seed: int) -> torch.Tensor:
+    """The full ``lora_A`` of one layer: uniform(+-1/sqrt(in)) (nn.Linear's default), drawn
+    from a generator seeded by the seed and the layer's global key."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    bound = 1.0 / math.sqrt(fan_in)
+    return (torch.rand(r, fan_in, generator=g, dtype=torch.float64) * 2 - 1).mul(bound)
+
+
+def _attach(
+    mod: torch.nn.Module, key: str, r: int, scale: float, dropout: float, seed: int
+) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as tpl
+
+    column = isinstance(mod, tpl.ColumnParallelLinear)
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    out_local, in_local = mod.weight.shape
+    fan_in = in_local if column else in_local * tp
+    a = _init_a(key, r, fan_in, seed)
+    if not column:
+        a = a.chunk(tp, dim=1)[rank]
+    dtype, dev = mod.weight.dtype, mod.weight.device
+    mod.lora_A = torch.nn.Parameter(a.to(dtype).to(dev).contiguous())
+    mod.lora_B = torch.nn.Parameter(torch.zeros(out_local, r, dtype=dtype, device=dev))
+    sharded, replicated = (mod.lora_B, mod.lora_A) if column else (mod.lora_A, mod.lora_B)
+    tpl.set_tensor_model_parallel_attributes(sharded, True, 0 if column else 1, 1)
+    # Each rank sees only its sequence shard under SP: the replicated factor's gradient is
+    # partial and must be summed over TP (Megatron does so for params tagged like this).
+    replicated.sequence_parallel = mod.config.sequence_parallel
+    mod.lora_scale = scale
+    mod.lora_key = key
+    mod.lora_dropout = dropout
+    mod.lora_comm = _comm(column, mod.config.sequence_parallel)
+    mod.register_forward_hook(_hook)
+    mod.sharded_state_dict = _sharded(mod, mod.sharded_state_dict, column)
+
+
+def _comm(column: bool, sequence_parallel: bool) -> Callable:
+    """The collective on the rank-r activations: a column layer's input is replicated (or
+    sequence-sharded under SP), a row layer's product is a partial sum over input shards."""
+    from megatron.core import tensor_parallel as tpl
+
+    if column:
+        if sequence_parallel:
+            return tpl.gather_from_sequence_parallel_region
+        return tpl.copy_to_tensor_model_parallel_region
+    if sequence_parallel:
+        return tpl.reduce_scatter_to_sequence_parallel_region
+    return tpl.reduce_from_tensor_model_parallel_region
+
+
+def _hook(mod: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+    """Add ``scale * B A x`` to the layer's output (its bias, if returned apart, unchanged)."""
+    x = F.dropout(args[0], mod.lora_dropout, mod.training) if mod.lora_dropout else args[0]
+    h = mod.lora_comm(F.linear(x, mod.lora_A))
+    return (output[0] + F.linear(h, mod.lora_B) * mod.lora_scale, *output[1:])
+
+
+def _sharded(mod: torch.nn.Module, base: Callable, column: bool) -> Callable:
+    """The layer's sharded state dict with the adapters sharded as they are held."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    axes = {"lora_B": 0} if column else {"lora_A": 1}
+
+    # A gated fc1 holds [gate shard; up shard] per rank: its lora_B is saved as Megatron saves
+    # the weight (global [gate; up]), so the checkpoint reshards and merges like the weight.
+    gated = column and mod.config.gated_linear_unit and mod.lora_key.endswith("linear_fc1")
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        out = base(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+        own = {"lora_A": mod.lora_A, "lora_B": mod.lora_B}
+        own = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets)
+        if gated:
+            single = (metadata or {}).get("singleton_local_shards", False)
+            key = f"{prefix}lora_B"
+            own[key] = apply_swiglu_sharded_factory(own[key], sharded_offsets, single)
+        out.update(own)
+        return out
+
+    return sharded_state_dict
+
+
+def _is_kept(key: str, keep: tuple[str, ...]) -> bool:
+    return ADAPTER in key or any(f"{m}." in key or key.startswith(m) for m in keep)
+
+
+def _views(chunk: torch.nn.Module, keep: tuple[str, ...]) -> None:
+    """``chunk.lora_view``: "adapters" (the default) saves and loads only the adapters and the
+    modules to save, "base" only the rest, "all" everything."""
+    full_sharded, full_load = chunk.sharded_state_dict, chunk.load_state_dict
+    chunk.lora_view = "adapters"
+
+    def part(key: str) -> bool:
+        kept = _is_kept(key, keep)
+        return {"all": True, "adapters": kept, "base": not kept}[chunk.lora_view]
+
+    def sharded_state_dict(prefix: str = "", *args: Any, **kwargs: Any) -> dict:
+        out = full_sharded(prefix, *args, **kwargs)
+        return {k: v for k, v in out.items() if part(k)}
+
+    def load_state_dict(state: dict, strict: bool = True):
+        res = full_load(state, strict=False)
+        missing = [k for k in res.missing_keys if part(k) and not k.endswith("_extra_state")]
+        if strict and (missing or res.unexpected_keys):
+            raise RuntimeError(
+                f"LoRA {chunk.lora_view} load: missing {missing[:3]}, "
+                f"unexpected {res.unexpected_keys[:3]}"
+            )
+        return res
+
+    chunk.sharded_state_dict = sharded_state_dict
+    chunk.load_state_dict = load_state_dict
+
+
+def apply_lora(
+    chunk: torch.nn.Module,
+    targets: list[str],
+    r: int,
+    alpha: float,
+    dropout: float = 0.0,
+    seed: int = 1234,
+    modules_to_save: tuple[str, ...] = (),
+) -> torch.nn.Module:
+    """Freeze ``chunk`` except ``modules_to_save`` and add adapters on ``targets``."""
+    for name, p in chunk.named_parameters():
+        p.requires_grad = any(f"{m}." in name or name.startswith(m) for m in modules_to_save)
+    found = False
+    for key, short, mod in _layers(chunk):
+        if short in targets:
+            _attach(mod, key, r, alpha / r, dropout, seed)
+            found = True
+    if not found and chunk.decoder.layers:
+        raise ValueError(f"no layer named {targets} in this model")
+    _views(chunk, tuple(modules_to_save))
+    return chunk
+
+
+def set_view(model: list[torch.nn.Module], view: str) -> None:
+    """Which part of every chunk (DDP and precision wrappers included) checkpoints see."""
+    for m in model:
+        while not hasattr(m, "lora_view") and hasattr(m, "module"):
+            m = m.module
+        m.lora_view = view
+
+
+def transform_from_args(args: argparse.Namespace) -> Callable:
+    """The model transform the LoRA flags of checked ``args`` describe."""
+
+    def transform(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
+        return apply_lora(
+            chunk,
+            args.lora_target_modules,
+            args.lora_r,
+            args.lora_alpha,
+            args.lora_dropout,
+            args.seed,
+            tuple(args.lora_modules_to_save),
+        )
+
+    return transform
+
+
+def lora_config(args: argparse.Namespace) -> dict[str, Any]:
+    """What a LoRA checkpoint records, so a mismatched --lora-load is refused up front."""
+    return {
+        "r": args.lora_r,
+        "alpha": args.lora_alpha,
+        "target_modules": sorted(args.lora_target_modules),
+    }
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The LoRA flags: known targets, sane sizes, a --lora-load that fits (UsageError)."""
+    from anyspeed.training.posttrain import LORA_TARGETS
+
+    bad = [t for t in args.lora_target_modules if t not in LORA_TARGETS]
+    if bad:
+        raise UsageError(
+            f"--lora-target-modules {bad[0]!r} is not a layer of this model; "
+            f"choose from {' '.join(LORA_TARGETS)}"
+        )
+    if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
+        raise UsageError("--lora-r must be >= 1, --lora-alpha > 0 and --lora-dropout in [0, 1)")
+    args.checkpoint_extra = {"anyspeed_lora": lora_config(args)}
+    if args.lora_load:
+        _check_lora_load(args)
+
+
+def _check_lora_load(args: argparse.Namespace) -> None:
+    from anyspeed.training import checkpoint_checks as checks
+
+    try:
+        path = checks.tracked_dir(args.lora_load)
+        common = checks.read_common(path) if path else None
+    except (checks.CheckpointFileError, OSError, ValueError) as exc:
+        raise UsageError(f"--lora-load {args.lora_load!r}: {exc}") from None
+    if common is None:
+        raise UsageError(f"--lora-load {args.lora_load!r}: not a checkpoint directory")
+    saved = common.get("anyspeed_lora")
+    if saved is None:
+        raise UsageError(
+            f"--lora-load {args.lora_load!r} is not a LoRA checkpoint "
+            "(saved without --lora-target-modules)"
+        )
+    want = lora_config(args)
+    for k in ("r", "target_modules"):
+        if saved[k] != want[k]:
+            flag = "--lora-r" if k == "r" else "--lora-target-modules"
+            raise UsageError(
+                f"--lora-load {args.lora_load!r} was trained with {flag} "
+                f"{saved[k]}, not {want[k]}; pass the same {flag}"
+            )

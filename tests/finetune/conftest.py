@@ -1,0 +1,48 @@
+"""Shared fixtures of the fine-tuning tests: a small alpaca set preprocessed (padded and
+neat-packed) with the session's trained tokenizer, and a tiny random Qwen2 HF model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.corpora import write_jsonl
+from helpers.instruction import alpaca_records, preprocess
+
+VOCAB = 768  # the tokenizer's 600 ids, padded for TP1 and TP2 alike (multiple of 2 x 128)
+
+
+@pytest.fixture(scope="session")
+def sft_data(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Eight alpaca samples, preprocessed unpacked and neat-packed (seq 192)."""
+    d = tmp_path_factory.mktemp("sft")
+    src = write_jsonl(str(d / "a.jsonl"), alpaca_records(8))
+    return {
+        "padded": preprocess(src, str(d / "pad"), hf_tok),
+        "packed": preprocess(
+            src, str(d / "pack"), hf_tok, "--pack", "--neat-pack", "--seq-length", "192"
+        ),
+        "tok": hf_tok,
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random tiny Qwen2 (fp32) saved as a Hugging Face directory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = str(tmp_path_factory.mktemp("hf"))
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    return d

@@ -1,0 +1,45 @@
+"""``anyspeed posttrain`` runs inside spawned ranks (importable by name for spawn)."""
+
+from __future__ import annotations
+
+
+def posttrain(cli: list[str]) -> dict:
+    """Run ``anyspeed posttrain`` with ``cli`` in this rank; its history (no trainer)."""
+    from anyspeed.training.posttrain import prepare, train
+
+    args, _ = prepare(cli)
+    history = train(args)
+    history.pop("trainer")
+    return history
+
+
+def posttrain_many(clis: list[list[str]]) -> list[dict]:
+    """:func:`posttrain` for each command line in turn in one process group; the adaptor is
+    re-applied with each case's flags (context parallelism is a feature)."""
+    from anyspeed import adaptor
+
+    out = []
+    for cli in clis:
+        adaptor.undo()
+        adaptor.apply(argv=cli)
+        out.append(posttrain(cli))
+    return out
+
+
+def overfit(cli: list[str], prefix: str) -> dict:
+    """Train, then greedily decode every sample's prompt for as many tokens as its response."""
+    from anyspeed.inference.generate import generate_ids
+    from anyspeed.training.posttrain import prepare, train
+    from helpers.corpora import read_back
+
+    args, _ = prepare(cli)
+    history = train(args)
+    model = history.pop("trainer").model
+    pairs = []
+    ids = read_back(f"{prefix}_packed_input_ids_document")
+    labels = read_back(f"{prefix}_packed_labels_document")
+    for i, lab in zip(ids, labels, strict=True):
+        start = next(k for k, v in enumerate(lab) if v != -100)
+        out = generate_ids(model, i[:start], len(i) - start, args.seq_length)
+        pairs.append((out, i[start:]))  # generate_ids returns the new tokens
+    return {"loss": history["loss"], "pairs": pairs}
