@@ -70,7 +70,51 @@ def moe_layer_vs_hf_all() -> dict:
         for grouped in (False, True)
     }
     out["capacity"] = capacity_vs_reference()
+    out["expert_bias"] = expert_bias_vs_reference()
     return out
+
+
+def expert_bias_vs_reference() -> dict:
+    """Sigmoid scores with ``--moe-router-enable-expert-bias`` (aux-loss-free balancing), in
+    training mode: the bias moves the top-k choice but not the weights (normalised sigmoid
+    scores of the chosen experts), and the layer counts the tokens each expert got for the bias
+    update. Against plain torch on the same weights and bias."""
+    import torch.nn.functional as F
+
+    from anyspeed.models.config import ModelConfig
+
+    model = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_experts=4,
+                        moe_router_score_function="sigmoid",
+                        moe_router_enable_expert_bias=True)  # fmt: skip
+    layer = _moe_layer(model, grouped=False).train()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        layer.router.expert_bias.copy_(torch.tensor([0.3, -0.3, 0.0, 0.1]))
+    x = torch.randn(10, 2, 32, generator=g, requires_grad=True)
+    out, _ = layer(x)
+    out.sum().backward()
+    tokens = x.detach().reshape(-1, 32)
+    scores = torch.sigmoid(tokens @ layer.router.weight.detach().T)
+    chosen = (scores + layer.router.expert_bias).topk(2, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    weights = weights / weights.sum(-1, keepdim=True)
+    ref = torch.zeros_like(tokens)
+    for e, mlp in enumerate(layer.experts.local_experts):
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        gate, up = F.linear(tokens[rows], mlp.linear_fc1.weight.detach()).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, mlp.linear_fc2.weight.detach())
+        ref[rows] += weights[rows, slot, None] * y
+    counts = torch.bincount(chosen.flatten(), minlength=4).float()
+    without_bias = scores.topk(2, dim=-1).indices
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    compiled = hasattr(TopKRouter._apply_expert_bias, "_torchdynamo_orig_callable")
+    return {"diff": (out.detach().reshape(-1, 32) - ref).abs().max().item(), "eager": not compiled,
+            "counts": layer.router.local_tokens_per_expert.tolist(), "want": counts.tolist(),
+            "bias_moved_choice": not torch.equal(chosen.sort(-1).values,
+                                                 without_bias.sort(-1).values)}  # fmt: skip
 
 
 def capacity_vs_reference(factor: float = 0.5) -> dict:

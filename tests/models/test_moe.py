@@ -39,6 +39,16 @@ def test_capacity_factor_drops_the_least_likely_tokens(layer_results):
     assert res["diff"] <= 1e-6, res
 
 
+def test_expert_bias_routing_matches_plain_torch(layer_results):
+    """Training with sigmoid scores and expert bias runs off CUDA (its bias bookkeeping is
+    torch.compile'd in Megatron-Core) and routes as the reference does."""
+    res = layer_results["expert_bias"]
+    assert res["eager"]  # inductor off CUDA fails in torchrun ranks (CUDA device properties)
+    assert res["bias_moved_choice"]  # the planted bias changes which experts are chosen
+    assert res["counts"] == res["want"]
+    assert res["diff"] <= 1e-6, res
+
+
 @pytest.mark.parametrize(
     "k,n,counts",
     [(16, 24, [5, 0, 9, 2]), (12, 6, [3, 4, 0, 7]), (16, 8, [0, 0, 0, 0])],

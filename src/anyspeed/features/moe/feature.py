@@ -77,6 +77,18 @@ class MoECompat(Feature):
                 reason="GroupedMLP wraps its activation in jit_fuser (torch.compile) when built; "
                 "inductor off CUDA needs a C++ toolchain and real CUDA device properties",
             )
+            from megatron.core.transformer.moe.router import TopKRouter
+
+            compiled = TopKRouter.__dict__["_apply_expert_bias"]
+            eager = getattr(compiled, "_torchdynamo_orig_callable", None)
+            if eager is not None:  # decorated with jit_fuser when the module was imported
+                pm.register_replace(
+                    _MOE + "router.TopKRouter._apply_expert_bias",
+                    eager,
+                    feature=self.name,
+                    reason="--moe-router-enable-expert-bias: the bias update is torch.compile'd "
+                    "at import; inductor fails off CUDA (it reads CUDA device properties)",
+                )
         if hasattr(moe_utils, "te_general_gemm"):
             return  # TE imported: the name exists and the fused GEMM is used
         pm.register_replace(
