@@ -51,11 +51,17 @@ def _fails(fn, match: str, out: Path, *args, **kwargs) -> str:
 
 
 def test_unsupported_architecture_lists_the_supported(hf, tmp_path):
-    _edit_config(hf, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
-    msg = _fails(hf_to_megatron, "unsupported architecture Qwen3MoeForCausalLM", tmp_path / "mg",
+    _edit_config(hf, architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe")
+    msg = _fails(hf_to_megatron, "unsupported architecture Glm4MoeForCausalLM", tmp_path / "mg",
                  hf, tmp_path / "mg")  # fmt: skip
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM"):  # fmt: skip
         assert arch in msg
+
+
+def test_moe_config_without_experts_is_one_line(hf, tmp_path):
+    _edit_config(hf, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    _fails(hf_to_megatron, "config.json has no num_experts", tmp_path / "mg", hf, tmp_path / "mg")
 
 
 def test_missing_shard(hf, tmp_path):

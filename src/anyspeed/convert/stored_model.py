@@ -26,6 +26,13 @@ MODEL_TYPE_HF = {
     "qwen2": "qwen2",
     "qwen25": "qwen2",
     "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen2-moe": "qwen2_moe",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3-moe": "qwen3_moe",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek2-lite": "deepseek_v2",
+    "deepseek_v2": "deepseek_v2",
 }
 
 # What every supported HF family is: Megatron-LM argument -> the value it must have.

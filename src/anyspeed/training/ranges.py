@@ -74,6 +74,18 @@ RANGES: dict[str, Range] = {
     "--init-method-std": NONNEG,
     "--hidden-dropout": PROBABILITY,
     "--attention-dropout": PROBABILITY,
+    # uneven pipeline stages
+    "--decoder-first-pipeline-num-layers": POSITIVE,
+    "--decoder-last-pipeline-num-layers": POSITIVE,
+    # multi-latent attention
+    "--q-lora-rank": POSITIVE,
+    "--kv-lora-rank": POSITIVE,
+    "--qk-head-dim": POSITIVE,
+    "--qk-pos-emb-head-dim": POSITIVE,
+    "--v-head-dim": POSITIVE,
+    "--rotary-scaling-factor": STRICTLY_POSITIVE,
+    "--mscale": STRICTLY_POSITIVE,
+    "--mscale-all-dim": NONNEG,
     # mixture of experts
     "--expert-model-parallel-size": POSITIVE,
     "--expert-tensor-parallel-size": POSITIVE,
