@@ -14,6 +14,8 @@ import pytest
 import torch
 from test_pretrain import _close, run_many, write_corpus
 
+pytestmark = pytest.mark.slow  # three process groups: kept out of CI's time budget
+
 COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
           "--train-iters", "3", "--lr", "1e-3", "--split", "100,0,0", "--hidden-dropout", "0",
           "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
