@@ -37,6 +37,9 @@ def _model(*flags: str, world: int = 1):
         ("--seq-aux --router-gating-in-fp32",
          "--moe-router-load-balancing-type seq_aux_loss --moe-router-dtype fp32"),
         ("--moe-token-dispatcher-type alltoall_seq", "--moe-token-dispatcher-type alltoall"),
+        ("--rope-scaling-type yarn --rope-scaling-factor 40 --rope-scaling-mscale 0.707 "
+         "--rope-scaling-mscale-all-dim 0.707 --rope-scaling-beta-fast 32",
+         "--rope-type yarn --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707"),
     ],
 )  # fmt: skip
 def test_mindspeed_names_build_the_same_model(mindspeed, megatron):
@@ -61,6 +64,10 @@ def test_mindspeed_names_build_the_same_model(mindspeed, megatron):
         ("--expert-model-parallel-size 3", "--num-experts 4 is not divisible by"),
         ("--moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor"),
         ("--moe-expert-capacity-factor 0", "--moe-expert-capacity-factor must be > 0"),
+        ("--rope-scaling-type yarn --rope-scaling-original-max-position-embeddings 8192",
+         "Megatron-Core 0.16.1 fixes it to 4096"),
+        ("--multi-latent-attention", "--multi-latent-attention needs --qk-layernorm"),
+        ("--decoder-first-pipeline-num-layers 1", "need --pipeline-model-parallel-size >= 2"),
     ],
 )  # fmt: skip
 def test_bad_moe_settings_are_one_line(flags, line):

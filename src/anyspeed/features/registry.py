@@ -20,6 +20,7 @@ from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCom
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
 from anyspeed.features.compat.num_layer_list import NumLayerList
+from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.memory.feature import (
@@ -50,6 +51,7 @@ def build() -> list[Feature]:
         MegatronCoreCompat(),
         CudaOnlyOptions(),
         NumLayerList(),  # rewrites the namespace the layout check reads
+        MindSpeedRopeFlags(),
         LayoutCheck(),
         AcceptedFlags(kernels=kernels),
         MegatronLMArgs(),

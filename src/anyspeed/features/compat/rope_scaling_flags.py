@@ -1,0 +1,60 @@
+"""Level-0 feature ``mindspeed-rope-flags``: MindSpeed-LLM's YaRN flags as Megatron's.
+
+MindSpeed-LLM's DeepSeek scripts describe YaRN RoPE with ``--rope-scaling-type yarn`` and
+``--rope-scaling-*`` values; Megatron-Core's multi-latent attention reads ``--rope-type yarn``,
+``--rotary-scaling-factor``, ``--mscale`` and ``--mscale-all-dim``. The namespace is rewritten
+before the model type reads it, in every entry path. Megatron-Core 0.16.1 fixes YaRN's original
+context (4096) and its beta values (32, 1): other values are a one-line error, not ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features.base import Feature, FeatureError, add_flag
+
+_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+class MindSpeedRopeFlags(Feature):
+    name = "mindspeed-rope-flags"
+    level = 0
+    description = "MindSpeed-LLM's --rope-scaling-* YaRN flags as Megatron's MLA rope options"
+    flags = ("--rope-scaling-type",)
+
+    def add_arguments(self, parser: argparse._ActionsContainer) -> None:
+        add_flag(parser, "--rope-scaling-type", type=str, default=None, choices=("yarn",),
+                 help="MindSpeed-LLM: = --rope-type yarn")  # fmt: skip
+        add_flag(parser, "--rope-scaling-mscale", type=float, default=None,
+                 help="MindSpeed-LLM: = --mscale")  # fmt: skip
+        add_flag(parser, "--rope-scaling-mscale-all-dim", type=float, default=None,
+                 help="MindSpeed-LLM: = --mscale-all-dim")  # fmt: skip
+        for key, want in _FIXED.items():
+            flag = f"--rope-scaling-{key.replace('_', '-')}"
+            note = f"MindSpeed-LLM: must be {want:g} (Megatron-Core fixes it)"
+            add_flag(parser, flag, type=float, default=None, help=note)
+
+    def flag_notes(self) -> dict[str, str]:
+        return {
+            "--rope-scaling-type yarn": "--rope-type yarn, --rope-scaling-factor -> "
+            "--rotary-scaling-factor, --rope-scaling-mscale(-all-dim) -> --mscale(-all-dim)"
+        }
+
+    def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
+        if getattr(args, "rope_scaling_type", None) != "yarn":
+            return
+        for key, want in _FIXED.items():
+            given = getattr(args, f"rope_scaling_{key}", None)
+            if given is not None and float(given) != want:
+                raise FeatureError(f"--rope-scaling-{key.replace('_', '-')} {given:g}: "
+                                   f"Megatron-Core 0.16.1 fixes it to {want:g}")  # fmt: skip
+        args.rope_type = "yarn"
+        factor = getattr(args, "rope_scaling_factor", None)
+        if factor is not None:
+            args.rotary_scaling_factor = factor
+        for src, dst in (("rope_scaling_mscale", "mscale"),
+                         ("rope_scaling_mscale_all_dim", "mscale_all_dim")):  # fmt: skip
+            if getattr(args, src, None) is not None:
+                setattr(args, dst, getattr(args, src))
+        args.rope_scaling_type = None  # rewritten: later checks read Megatron's flags only
