@@ -11,7 +11,8 @@ run ``--repeat`` times, each next to a fresh copy of the weight files it reads: 
 median of the runs' conversion/copy ratios, "best x" the fastest conversion over the fastest
 copy.
 Goal (issue 5): peak RSS <= 1.5 x the largest safetensors shard + one layer, time <= 2 x copying
-the bytes.
+the bytes. MoE (issue 15): ``--preset qwen3-30b-a3b --layers 2 --hf-shard-size 2GB --ep 2``
+(3.7 GB: every expert of two layers, the legacy layout split over 2 EP ranks).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -84,10 +86,8 @@ def make_hf(directory: Path, preset_name: str, layers: int | None, shard: str) -
                dtype="bfloat16")  # fmt: skip
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     (directory / "tokenizer.json").write_text("{}")
-    h, d = preset.hidden_size, preset.head_dim
-    layer = (h * (preset.num_attention_heads + 2 * preset.num_query_groups) * d
-             + preset.num_attention_heads * d * h + 3 * h * preset.ffn_hidden_size + 2 * h
-             + (preset.num_attention_heads + 2 * preset.num_query_groups) * d)  # fmt: skip
+    layer = max(sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"model.layers.{i}."))
+                for i in range(preset.num_layers))  # fmt: skip
     return {"preset": preset.name, "layers": preset.num_layers, "layer_bytes": 2 * layer}
 
 
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
     ap.add_argument("--hf-shard-size", default="5GB")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks of the legacy layout")
     ap.add_argument("--repeat", type=int, default=5, help="runs per direction (median)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     args = ap.parse_args()
@@ -137,9 +138,10 @@ def main() -> None:
     steps = [
         ("hf -> torch_dist", "dist", ["--load-model-type", "hf", "--save-model-type", "mg",
                                       "--load-dir", str(hf), "--target-tensor-parallel-size", tp]),
-        ("hf -> legacy TP" + tp, "legacy", ["--load-model-type", "hf", "--save-model-type", "mg",
-                                            "--load-dir", str(hf), "--target-tensor-parallel-size",
-                                            tp, "--ckpt-format", "legacy"]),
+        ("hf -> legacy TP" + tp + (f" EP{args.ep}" if args.ep > 1 else ""), "legacy",
+         ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
+          "--target-tensor-parallel-size", tp, "--target-expert-parallel-size", str(args.ep),
+          "--ckpt-format", "legacy"]),
         ("torch_dist -> hf", "hf_dist", ["--load-model-type", "mg", "--save-model-type", "hf",
                                          "--load-dir", str(root / "dist"), "--hf-cfg-dir",
                                          str(hf)]),

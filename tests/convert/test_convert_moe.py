@@ -26,6 +26,9 @@ from anyspeed.convert.verify import hf_logits
 from anyspeed.testing import run_distributed
 from helpers import convert_ranks
 
+# Two process groups: -m slow (test_convert_moe_quick.py runs in CI).
+pytestmark = pytest.mark.slow
+
 FAMILIES = {
     "mixtral": "tiny-mixtral",
     "qwen2-moe": "tiny-qwen2-moe",

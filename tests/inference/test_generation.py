@@ -37,6 +37,10 @@ def _mmlu_prompts(root, tok) -> tuple[list[list[int]], list[int]]:
     return ids, [tok(" " + c)["input_ids"][-1] for c in "ABCD"]
 
 
+# One process group for TP1/TP2/PP2: kept out of CI's time budget (run with -m slow).
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, auto_tok) -> dict:
     root = tmp_path_factory.mktemp("gen")

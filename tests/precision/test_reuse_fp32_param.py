@@ -62,6 +62,7 @@ def _assert_bitwise(runs: list[list[dict]], first: int, steps: int) -> None:
         assert _bits_equal(ref["masters"], got["masters"])
 
 
+@pytest.mark.slow  # one DP=2 process group: kept out of CI's time budget
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bitwise_equal_to_fp32_masters(dp2_runs, layout):
     _assert_bitwise(dp2_runs, LAYOUTS[layout], STEPS)
@@ -75,6 +76,7 @@ def test_bitwise_equal_over_20_steps(world):
         _assert_bitwise(runs, first, 20)
 
 
+@pytest.mark.slow  # one DP=2 process group: kept out of CI's time budget
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_bytes_per_parameter_less(dp2_runs, layout):
     first = LAYOUTS[layout]
@@ -88,6 +90,7 @@ def test_two_bytes_per_parameter_less(dp2_runs, layout):
         assert got["held"]["residual"] == pytest.approx(ref["held"]["masters"] / 2, rel=1e-3)
 
 
+@pytest.mark.slow  # one DP=2 process group: kept out of CI's time budget
 def test_checkpointed_masters_load_back(dp2_runs):
     """The optimizer state saved and loaded back, training continues as on the regular path."""
     for rank in dp2_runs:
@@ -117,6 +120,7 @@ def test_needs_bf16():
         registry.validate(args, detect())
 
 
+@pytest.mark.slow  # one DP=2 process group: kept out of CI's time budget
 def test_attention_dropout_in_megatrons_rng_fork(dp2_ranks):
     """SDPAttention with dropout on the CPU runs the blocked kernel with a seed drawn inside
     Megatron's model-parallel RNG fork: equal to math attention with that seed's mask, the

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 from test_pretrain import _close, base_args, run_many, write_corpus
 
+pytestmark = pytest.mark.slow  # two process groups
+
 MOE = ["--model", "tiny-qwen3-moe", "--num-layers", "2", "--num-experts", "8",
        "--moe-aux-loss-coeff", "0.01",
        "--moe-z-loss-coeff", "0.001"]  # fmt: skip

@@ -86,6 +86,11 @@ RANGES: dict[str, Range] = {
     "--rotary-scaling-factor": STRICTLY_POSITIVE,
     "--mscale": STRICTLY_POSITIVE,
     "--mscale-all-dim": NONNEG,
+    "--rope-scaling-mscale": STRICTLY_POSITIVE,
+    "--rope-scaling-mscale-all-dim": NONNEG,
+    "--rope-scaling-original-max-position-embeddings": STRICTLY_POSITIVE,
+    "--rope-scaling-beta-fast": STRICTLY_POSITIVE,
+    "--rope-scaling-beta-slow": STRICTLY_POSITIVE,
     # mixture of experts
     "--expert-model-parallel-size": POSITIVE,
     "--expert-tensor-parallel-size": POSITIVE,
