@@ -32,13 +32,19 @@ def test_continue_pretraining_from_hf_directory(tmp_path, monkeypatch):
     assert hist["iterations"] == [1, 2]
 
     # Independent reference: transformers on the first global batch of the same dataset.
+    want, args = hf_first_loss(model, argv, monkeypatch, world=2)
+    assert args.load.startswith(str(tmp_path / "ck")) and args.padded_vocab_size == 512
+    assert hist["loss"][0] == pytest.approx(want, rel=1e-5)
+
+
+def hf_first_loss(model, argv: list[str], monkeypatch, world: int = 1) -> tuple[float, object]:
+    """transformers' loss on the first global batch (two micro-batches of 2) of the dataset
+    ``anyspeed pretrain argv`` builds; and the run's parsed args."""
+    from anyspeed.training.datasets import build_datasets
     from anyspeed.training.pretrain import prepare
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
     args, _ = prepare(argv)
-    assert args.load.startswith(str(tmp_path / "ck")) and args.padded_vocab_size == 512
-    from anyspeed.training.datasets import build_datasets
-
     train = build_datasets(args)[0]
     losses = []
     with torch.no_grad():
@@ -47,8 +53,7 @@ def test_continue_pretraining_from_hf_directory(tmp_path, monkeypatch):
             labels = torch.stack([train[i]["labels"] for i in mb])
             logits = model(input_ids=tokens).logits
             losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
-    want = float(sum(losses) / len(losses))
-    assert hist["loss"][0] == pytest.approx(want, rel=1e-5)
+    return float(sum(losses) / len(losses)), args
 
 
 def test_new_weights_under_an_unchanged_config_are_converted_again(tmp_path, monkeypatch):

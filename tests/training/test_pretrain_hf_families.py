@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_pretrain import _close, run_many, write_corpus
+from test_pretrain_hf import hf_first_loss
 
 pytestmark = pytest.mark.slow  # three process groups: kept out of CI's time budget
 
@@ -103,30 +104,12 @@ def runs(tmp_path_factory):
     return models, argvs, dict(zip(argvs, two, strict=True)), dict(zip(UNEVEN, pp1, strict=True))
 
 
-def _hf_first_loss(model, argv: list[str], monkeypatch) -> float:
-    """transformers' loss on the first global batch of the run's own dataset."""
-    from anyspeed.training.datasets import build_datasets
-    from anyspeed.training.pretrain import prepare
-
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    args, _ = prepare(argv)
-    train = build_datasets(args)[0]
-    losses = []
-    with torch.no_grad():
-        for mb in ([0, 1], [2, 3]):
-            tokens = torch.stack([train[i]["tokens"] for i in mb])
-            labels = torch.stack([train[i]["labels"] for i in mb])
-            logits = model(input_ids=tokens).logits
-            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
-    return float(sum(losses) / len(losses))
-
-
 @pytest.mark.parametrize("name", list(_models()))
 def test_first_loss_equals_transformers(runs, name, monkeypatch):
     models, argvs, hists, _ = runs
     hist = hists[name]
     assert hist["iterations"] == [1, 2, 3]
-    want = _hf_first_loss(models[name], argvs[name], monkeypatch)
+    want, _ = hf_first_loss(models[name], argvs[name], monkeypatch)
     assert hist["loss"][0] == pytest.approx(want, rel=1e-5)
 
 

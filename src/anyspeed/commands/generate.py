@@ -151,11 +151,7 @@ def _file_prompts(args: argparse.Namespace) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``anyspeed generate``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if "-h" in argv or "--help" in argv:
-        parser.print_help()
-        return 0
-    return runner.run(PROG, parser, argv, _check, _body)
+    return runner.run(PROG, build_parser(), argv, _check, _body)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,12 @@ def _prepare(parser: argparse.ArgumentParser, argv: list[str],
 
 def run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str],
         check: Callable[[argparse.Namespace, Any], None], body: Body) -> int:  # fmt: skip
-    """Parse, check, launch or run ``body(args, model chunks, model config, tokenizer)``."""
+    """Parse, check, launch or run ``body(args, model chunks, model config, tokenizer)``
+    (``-h`` / ``--help`` prints the parser's help)."""
     argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        return 0
     under_launcher = "WORLD_SIZE" in os.environ
     try:
         args, config, tok = _prepare(parser, argv, check)
