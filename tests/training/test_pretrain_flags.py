@@ -180,3 +180,15 @@ def test_data_path_weights_must_be_a_blend(weights):
     with pytest.raises(UsageError, match=r"^--data-path: the weights .* must be >= 0 and not all"):
         data_blend(argparse.Namespace(data_path=path))
     assert data_blend(argparse.Namespace(data_path=["0", "a", "2", "b"])) == (["a", "b"], [0, 2])
+
+
+def test_expert_bias_update_rate_reaches_megatron():
+    """``--moe-router-bias-update-rate`` (Megatron's flag) sets the step of the aux-loss-free
+    bias update in Megatron's config; without it Megatron's default 1e-3 holds."""
+    from anyspeed.models import gpt
+
+    base = ["--model", "tiny-qwen3-moe", "--moe-router-score-function", "sigmoid",
+            "--moe-router-enable-expert-bias"]  # fmt: skip
+    for extra, want in (([], 1e-3), (["--moe-router-bias-update-rate", "0.05"], 0.05)):
+        model = ModelConfig.from_args(parse_pretrain_args(base + extra))
+        assert gpt.transformer_config(model).moe_router_bias_update_rate == want

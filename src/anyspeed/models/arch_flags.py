@@ -107,6 +107,9 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
     ArchFlag("moe_aux_loss_coeff", "--moe-aux-loss-coeff", float, 0.0, arch=False),
     ArchFlag("moe_z_loss_coeff", "--moe-z-loss-coeff", float, arch=False),
     ArchFlag(
+        "moe_router_bias_update_rate", "--moe-router-bias-update-rate", float, 1e-3, arch=False
+    ),  # fmt: skip
+    ArchFlag(
         "moe_router_load_balancing_type",
         "--moe-router-load-balancing-type",
         str,

@@ -78,6 +78,7 @@ class ModelConfig:
     attention_dropout: float = field(default=0.0, compare=False)
     moe_aux_loss_coeff: float = field(default=0.0, compare=False)
     moe_z_loss_coeff: float | None = field(default=None, compare=False)
+    moe_router_bias_update_rate: float = field(default=1e-3, compare=False)
     moe_router_load_balancing_type: str = field(default="aux_loss", compare=False)
     moe_router_dtype: str | None = field(default=None, compare=False)
     moe_token_dispatcher_type: str = field(default="allgather", compare=False)

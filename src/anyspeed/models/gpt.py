@@ -115,6 +115,7 @@ def moe_config(model: ModelConfig) -> dict[str, Any]:
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=model.moe_z_loss_coeff,
+        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
         moe_router_dtype=model.moe_router_dtype,
         # MindSpeed's alltoall_seq is Megatron's alltoall (sequence-parallel aware since 0.10)
