@@ -267,6 +267,11 @@ class Layout:
             seq_length=seq_length,
             num_experts=getattr(model, "num_experts", None),
         )
+        if getattr(model, "multi_latent_attention", False) and self.cp > 1:
+            raise ValueError(
+                "--multi-latent-attention does not run with --context-parallel-size "
+                f"{self.cp} (anyspeed's MLA core has no context-parallel form): use CP 1"
+            )
 
     def _validate_cp(self, tp: int, heads: int | None, seq_length: int | None) -> None:
         cp = self.cp

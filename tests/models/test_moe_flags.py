@@ -91,3 +91,11 @@ def test_experts_with_biases_are_refused():
     args.disable_bias_linear = False  # the preset turned biases off; Megatron's default is on
     with pytest.raises(UsageError, match="add --disable-bias-linear"):
         check_args(args, 1)
+
+
+def test_latent_attention_with_context_parallel_is_one_line_before_start():
+    """MLA has no context-parallel core: refused by the layout check, not by the built model."""
+    with pytest.raises(UsageError) as err:
+        _model("--multi-latent-attention", "--qk-layernorm", "--context-parallel-size", "2",
+               world=2)  # fmt: skip
+    assert "--context-parallel-size 2" in str(err.value) and "\n" not in str(err.value)
