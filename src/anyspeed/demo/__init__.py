@@ -7,7 +7,8 @@
    parallel), with validation, a checkpoint and a generated sample.
 
 It fails (exit 1) unless the loss has clearly fallen. Extra flags go to ``anyspeed pretrain``
-and win over the demo's.
+and win over the demo's. ``--sft`` fine-tunes instead (``anyspeed.demo.sft``), ``--moe`` trains
+a mixture-of-experts model.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import time
 from collections.abc import Sequence
 
 # Qwen2.5's architecture (GQA, QKV bias, RMSNorm, SwiGLU, RoPE, tied embeddings) at CPU size.
-DEMO_MODEL = [
+DEMO_ARCH = [
     "--model", "tiny-qwen2.5", "--num-layers", "4", "--hidden-size", "128",
     "--ffn-hidden-size", "352", "--num-attention-heads", "4", "--num-query-groups", "2",
     "--seq-length", "128", "--max-position-embeddings", "128",
-    "--micro-batch-size", "8", "--global-batch-size", "16",
+]  # fmt: skip
+DEMO_MODEL = [
+    *DEMO_ARCH, "--micro-batch-size", "8", "--global-batch-size", "16",
     "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
     "--lr-warmup-iters", "20", "--weight-decay", "0.1", "--adam-beta2", "0.95",
     "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -42,16 +45,21 @@ VOCAB = 1024
 PROMPT = "def read_file(path):\n    "
 
 
-def build_corpus(path: str, max_bytes: int) -> tuple[int, int]:
-    """Write stdlib ``.py`` files (sorted, so every machine builds the same order) as jsonl."""
+def stdlib_files() -> list[str]:
+    """The standard library's ``.py`` files (top level and one folder down, tests left out),
+    sorted, so every machine with this Python reads them in the same order."""
     stdlib = sysconfig.get_paths()["stdlib"]
     files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
     files += sorted(glob.glob(os.path.join(stdlib, "*", "*.py")))
+    return [f for f in files if "site-packages" not in f
+            and "test" not in os.path.basename(os.path.dirname(f))]  # fmt: skip
+
+
+def build_corpus(path: str, max_bytes: int) -> tuple[int, int]:
+    """Write stdlib ``.py`` files (see :func:`stdlib_files`) as jsonl, up to ``max_bytes``."""
     n = size = 0
     with open(path, "w", encoding="utf-8") as out:
-        for f in files:
-            if "site-packages" in f or "test" in os.path.basename(os.path.dirname(f)):
-                continue
+        for f in stdlib_files():
             try:
                 text = open(f, encoding="utf-8").read()
             except (UnicodeDecodeError, OSError):
@@ -66,30 +74,89 @@ def build_corpus(path: str, max_bytes: int) -> tuple[int, int]:
     return n, size
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def tokenizer_steps(workdir: str, corpus_mb: float, steps: int) -> tuple[int, str]:
+    """Steps 1 and 2 of every demo: the stdlib corpus and a BPE tokenizer trained on it.
+    Returns (exit code, tokenizer directory)."""
+    from anyspeed.data.cli import main as data_main
+
+    os.makedirs(workdir, exist_ok=True)
+    corpus = os.path.join(workdir, "stdlib.jsonl")
+    docs, size = build_corpus(corpus, int(corpus_mb * 2**20))
+    print(f"[1/{steps}] corpus: {docs} Python standard-library files, "
+          f"{size / 2**20:.1f} MB -> {corpus}")  # fmt: skip
+    tok_dir = os.path.join(workdir, "tokenizer")
+    rc = data_main(["train-tokenizer", "--input", corpus, "--vocab-size", str(VOCAB),
+                    "--output-dir", tok_dir, "--overwrite"])  # fmt: skip
+    if rc == 0:
+        print(f"[2/{steps}] tokenizer: byte-level BPE, {VOCAB} tokens -> {tok_dir}")
+    return rc, tok_dir
+
+
+def fresh_metrics(path: str) -> str:
+    """``path``, emptied: ``--metrics-file`` appends, and a demo reads only its own run."""
+    if os.path.exists(path):
+        os.remove(path)
+    return path
+
+
+def loss_fell(metrics: str, what: str) -> tuple[bool, list[dict]]:
+    """Whether the logged loss clearly fell (last < 0.75 x first), said in one line; the rows."""
+    rows = [json.loads(line) for line in open(metrics)]
+    first, last = rows[0]["lm_loss"], rows[-1]["lm_loss"]
+    fell = last < 0.75 * first
+    print(f"demo: {what} {first:.3f} (iteration {rows[0]['iteration']}) -> {last:.3f} "
+          f"(iteration {rows[-1]['iteration']}): "
+          + ("clearly falling, OK" if fell else "NOT clearly falling"))  # fmt: skip
+    return fell, rows
+
+
+def tp_layout(n: int) -> list[str]:
+    """The demos' layout on ``n`` processes: tensor parallel over all, sequence parallel."""
+    return ["--tensor-model-parallel-size", str(n), *(["--sequence-parallel"] if n > 1 else [])]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The demo's own flags; every other flag goes to ``anyspeed pretrain``/``posttrain``."""
     p = argparse.ArgumentParser(prog="anyspeed demo", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", default="anyspeed-demo", help="where data and checkpoints go")
     p.add_argument("--nproc-per-node", type=int, default=2)
-    p.add_argument("--train-iters", type=int, default=400)
+    p.add_argument("--train-iters", type=int, default=None,
+                   help="training iterations (default 400; 100 with --sft)")  # fmt: skip
     p.add_argument("--corpus-mb", type=float, default=6.0)
     p.add_argument("--moe", action="store_true",
                    help="a Qwen3-MoE-style model, experts over the processes (EP=N)")  # fmt: skip
-    args, extra = p.parse_known_args(argv)
+    p.add_argument("--sft", action="store_true",
+                   help="supervised fine-tuning on an instruction set from the stdlib, then "
+                   "answer one of its prompts")  # fmt: skip
+    p.add_argument("--sft-samples", type=int, default=32,
+                   help="with --sft: the instructions trained on (and answered)")  # fmt: skip
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``anyspeed demo``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser().parse_known_args(argv)
+    if args.sft and args.moe:
+        print("anyspeed demo: error: --sft fine-tunes the dense demo model; drop --moe",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.sft:
+        from anyspeed.demo.sft import run
+
+        return run(args, extra)
+    return _pretrain(args, extra)
+
+
+def _pretrain(args: argparse.Namespace, extra: list[str]) -> int:
     from anyspeed.data.cli import main as data_main
     from anyspeed.training.pretrain import main as pretrain_main
 
     t0 = time.perf_counter()
-    os.makedirs(args.workdir, exist_ok=True)
-    corpus = os.path.join(args.workdir, "stdlib.jsonl")
-    docs, size = build_corpus(corpus, int(args.corpus_mb * 2**20))
-    print(f"[1/4] corpus: {docs} Python standard-library files, {size / 2**20:.1f} MB -> {corpus}")
-    tok_dir = os.path.join(args.workdir, "tokenizer")
-    rc = data_main(["train-tokenizer", "--input", corpus, "--vocab-size", str(VOCAB),
-                    "--output-dir", tok_dir, "--overwrite"])  # fmt: skip
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, 4)
     if rc:
         return rc
-    print(f"[2/4] tokenizer: byte-level BPE, {VOCAB} tokens -> {tok_dir}")
+    corpus = os.path.join(args.workdir, "stdlib.jsonl")
     prefix = os.path.join(args.workdir, "stdlib")
     rc = data_main(["preprocess", "--input", corpus, "--output-prefix", prefix,
                     "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir,
@@ -99,32 +166,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = prefix + "_text_document"
     print(f"[3/4] preprocess: {data}.bin/.idx")
     save = os.path.join(args.workdir, "checkpoints")
-    metrics = os.path.join(args.workdir, "metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    n = args.nproc_per_node
+    metrics = fresh_metrics(os.path.join(args.workdir, "metrics.jsonl"))
+    n, iters = args.nproc_per_node, args.train_iters or 400
     model = list(DEMO_MODEL)
-    layout = ["--tensor-model-parallel-size", str(n), *(["--sequence-parallel"] if n > 1 else [])]
+    layout = tp_layout(n)
     if args.moe:
         model[model.index("tiny-qwen2.5")] = "tiny-qwen3-moe"
         layout = ["--expert-model-parallel-size", str(n), *DEMO_MOE]
     cmd = [
         "--nproc-per-node", str(n), *model, *layout, "--padded-vocab-size", str(VOCAB),
-        "--train-iters", str(args.train_iters),
+        "--train-iters", str(iters),
         "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir,
-        "--data-path", data, "--save", save, "--save-interval", str(args.train_iters),
+        "--data-path", data, "--save", save, "--save-interval", str(iters),
         "--generate-prompt", PROMPT, "--generate-tokens", "48", "--metrics-file", metrics,
         *extra,
     ]  # fmt: skip
     print(f"[4/4] anyspeed pretrain {' '.join(cmd)}", flush=True)
     rc = pretrain_main(cmd)
     if rc == 0:
-        rows = [json.loads(line) for line in open(metrics)]
-        first, last = rows[0]["lm_loss"], rows[-1]["lm_loss"]
-        fell = last < 0.75 * first
-        print(f"demo: lm loss {first:.3f} (iteration {rows[0]['iteration']}) -> {last:.3f} "
-              f"(iteration {rows[-1]['iteration']}): "
-              + ("clearly falling, OK" if fell else "NOT clearly falling"))  # fmt: skip
+        fell, rows = loss_fell(metrics, "lm loss")
         if args.moe:
             load = max(r["expert_load_max_over_mean"] for r in rows)
             print(f"demo: expert load max/mean at most {load:.2f} over the logged iterations")
