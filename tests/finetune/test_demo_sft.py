@@ -67,10 +67,9 @@ def test_sft_and_moe_exclude_each_other(capsys):
 def test_sft_demo_answers_a_trained_prompt(tmp_path):
     """Eight samples, 60 steps: exit 0, the printed answer is the expected response, and the
     output is the demo's own lines (no third-party warnings)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "anyspeed", "demo", "--sft", "--workdir", str(tmp_path),
            "--corpus-mb", "0.5", "--sft-samples", "8", "--train-iters", "60"]  # fmt: skip
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     said = {line[:16]: line[16:] for line in out.stdout.splitlines()}
     expected, answer = said["demo: expected: "], said["demo: answer:   "]
