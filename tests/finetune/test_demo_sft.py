@@ -56,11 +56,16 @@ def test_whole_stdlib_gives_a_few_hundred_spread_over_modules():
     assert len(modules) > 40, sorted(modules)
 
 
-def test_sft_and_moe_exclude_each_other(capsys):
-    assert demo.main(["--sft", "--moe"]) == 2
+def test_bad_demo_flags_are_one_line_before_any_work(capsys, tmp_path):
+    work = str(tmp_path / "w")
+    assert demo.main(["--sft", "--moe", "--workdir", work]) == 2
     assert capsys.readouterr().err == (
         "anyspeed demo: error: --sft fine-tunes the dense demo model; drop --moe\n"
     )
+    assert demo.main(["--sft", "--sft-samples", "0", "--workdir", work]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("anyspeed demo: error: --sft-samples 0:") and err.count("\n") == 1
+    assert not os.path.exists(work)
 
 
 @pytest.mark.slow

@@ -137,10 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``anyspeed demo``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser().parse_known_args(argv)
+    from anyspeed.errors import UsageError, report
+
     if args.sft and args.moe:
-        print("anyspeed demo: error: --sft fine-tunes the dense demo model; drop --moe",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        return report("anyspeed demo", UsageError("--sft fine-tunes the dense demo model; "
+                                                  "drop --moe"))  # fmt: skip
+    if args.sft_samples < 1:
+        return report("anyspeed demo", UsageError(f"--sft-samples {args.sft_samples}: give at "
+                                                  "least 1 instruction to train on"))  # fmt: skip
     if args.sft:
         from anyspeed.demo.sft import run
 

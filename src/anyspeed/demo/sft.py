@@ -85,7 +85,11 @@ def _answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict
     env = {k: v for k, v in os.environ.items() if k not in single_process_env()}
     out = subprocess.run([sys.executable, "-m", "anyspeed", *cmd], env=env,
                          stdout=subprocess.PIPE, text=True)  # fmt: skip
-    return _parse(out.stdout, [r["instruction"] for r in train]) if out.returncode == 0 else []
+    try:
+        return _parse(out.stdout, [r["instruction"] for r in train]) if out.returncode == 0 else []
+    except ValueError:  # a prompt's answer is missing from the output
+        print(f"demo: anyspeed generate did not answer every prompt:\n{out.stdout}", flush=True)
+        return []
 
 
 def _parse(text: str, prompts: list[str]) -> list[str]:
