@@ -129,7 +129,8 @@ def parser() -> argparse.ArgumentParser:
                    help="supervised fine-tuning on an instruction set from the stdlib, then "
                    "answer one of its prompts")  # fmt: skip
     p.add_argument("--sft-samples", type=int, default=32,
-                   help="with --sft: the instructions trained on (and answered)")  # fmt: skip
+                   help="with --sft: how many instructions to train on and answer "
+                   "(default 32)")  # fmt: skip
     return p
 
 
