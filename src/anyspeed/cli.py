@@ -95,8 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         print(
-            "\ncommands: demo | pretrain [--nproc-per-node N] FLAGS... | preprocess ... | "
-            "train-tokenizer ... | convert ... | models | features [--json] [TRAINING FLAGS...] | "
+            "\ncommands: demo [--sft | --moe] | pretrain [--nproc-per-node N] FLAGS... | "
+            "preprocess ... | train-tokenizer ... | convert ... | models | "
+            "features [--json] [TRAINING FLAGS...] | "
             "memory [--fits GiB] [--world-size N] TRAINING FLAGS... | generate --load DIR ... | "
             "evaluate --load DIR --task T ..."
         )

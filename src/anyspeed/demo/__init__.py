@@ -1,0 +1,202 @@
+"""``anyspeed demo``: the whole LLM workflow offline, on files every machine has.
+
+1. corpus: the Python standard library's own source files, as jsonl;
+2. ``anyspeed train-tokenizer``: a byte-level BPE tokenizer (a standard HF directory);
+3. ``anyspeed preprocess``: Megatron ``.bin/.idx``;
+4. ``anyspeed pretrain``: a small Qwen2.5-architecture model on N CPU processes (TP=N, sequence
+   parallel), with validation, a checkpoint and a generated sample.
+
+It fails (exit 1) unless the loss has clearly fallen. Extra flags go to ``anyspeed pretrain``
+and win over the demo's. ``--sft`` fine-tunes instead (``anyspeed.demo.sft``), ``--moe`` trains
+a mixture-of-experts model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import sysconfig
+import time
+from collections.abc import Sequence
+
+# Qwen2.5's architecture (GQA, QKV bias, RMSNorm, SwiGLU, RoPE, tied embeddings) at CPU size.
+DEMO_ARCH = [
+    "--model", "tiny-qwen2.5", "--num-layers", "4", "--hidden-size", "128",
+    "--ffn-hidden-size", "352", "--num-attention-heads", "4", "--num-query-groups", "2",
+    "--seq-length", "128", "--max-position-embeddings", "128",
+]  # fmt: skip
+DEMO_MODEL = [
+    *DEMO_ARCH, "--micro-batch-size", "8", "--global-batch-size", "16",
+    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "20", "--weight-decay", "0.1", "--adam-beta2", "0.95",
+    "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--split", "98,1,1", "--eval-interval", "100", "--eval-iters", "4", "--log-interval", "25",
+]  # fmt: skip
+# With --moe: Qwen3-MoE's architecture (QK norm, 8 experts, top-2, aux loss) at CPU size,
+# experts spread over the processes (expert parallel) with the all-to-all dispatcher.
+DEMO_MOE = [
+    "--moe-ffn-hidden-size", "128", "--moe-aux-loss-coeff", "0.01",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
+]  # fmt: skip
+VOCAB = 1024
+PROMPT = "def read_file(path):\n    "
+
+
+def stdlib_files() -> list[str]:
+    """The standard library's ``.py`` files (top level and one folder down, tests left out),
+    sorted, so every machine with this Python reads them in the same order."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+    files += sorted(glob.glob(os.path.join(stdlib, "*", "*.py")))
+    return [f for f in files if "site-packages" not in f
+            and "test" not in os.path.basename(os.path.dirname(f))]  # fmt: skip
+
+
+def build_corpus(path: str, max_bytes: int) -> tuple[int, int]:
+    """Write stdlib ``.py`` files (see :func:`stdlib_files`) as jsonl, up to ``max_bytes``."""
+    n = size = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for f in stdlib_files():
+            try:
+                text = open(f, encoding="utf-8").read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if len(text) < 200:
+                continue
+            out.write(json.dumps({"text": text}) + "\n")
+            n += 1
+            size += len(text.encode())
+            if size >= max_bytes:
+                break
+    return n, size
+
+
+def tokenizer_steps(workdir: str, corpus_mb: float, steps: int) -> tuple[int, str]:
+    """Steps 1 and 2 of every demo: the stdlib corpus and a BPE tokenizer trained on it.
+    Returns (exit code, tokenizer directory)."""
+    from anyspeed.data.cli import main as data_main
+
+    os.makedirs(workdir, exist_ok=True)
+    corpus = os.path.join(workdir, "stdlib.jsonl")
+    docs, size = build_corpus(corpus, int(corpus_mb * 2**20))
+    print(f"[1/{steps}] corpus: {docs} Python standard-library files, "
+          f"{size / 2**20:.1f} MB -> {corpus}")  # fmt: skip
+    tok_dir = os.path.join(workdir, "tokenizer")
+    rc = data_main(["train-tokenizer", "--input", corpus, "--vocab-size", str(VOCAB),
+                    "--output-dir", tok_dir, "--overwrite"])  # fmt: skip
+    if rc == 0:
+        print(f"[2/{steps}] tokenizer: byte-level BPE, {VOCAB} tokens -> {tok_dir}")
+    return rc, tok_dir
+
+
+def fresh_metrics(path: str) -> str:
+    """``path``, emptied: ``--metrics-file`` appends, and a demo reads only its own run."""
+    if os.path.exists(path):
+        os.remove(path)
+    return path
+
+
+def loss_fell(metrics: str, what: str) -> tuple[bool, list[dict]]:
+    """Whether the logged loss clearly fell (last < 0.75 x first), said in one line; the rows."""
+    rows = [json.loads(line) for line in open(metrics)]
+    first, last = rows[0]["lm_loss"], rows[-1]["lm_loss"]
+    fell = last < 0.75 * first
+    print(f"demo: {what} {first:.3f} (iteration {rows[0]['iteration']}) -> {last:.3f} "
+          f"(iteration {rows[-1]['iteration']}): "
+          + ("clearly falling, OK" if fell else "NOT clearly falling"))  # fmt: skip
+    return fell, rows
+
+
+def tp_layout(n: int) -> list[str]:
+    """The demos' layout on ``n`` processes: tensor parallel over all, sequence parallel."""
+    return ["--tensor-model-parallel-size", str(n), *(["--sequence-parallel"] if n > 1 else [])]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The demo's own flags; every other flag goes to ``anyspeed pretrain``/``posttrain``."""
+    p = argparse.ArgumentParser(prog="anyspeed demo", description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", default="anyspeed-demo", help="where data and checkpoints go")
+    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--train-iters", type=int, default=None,
+                   help="training iterations (default 400; 100 with --sft)")  # fmt: skip
+    p.add_argument("--corpus-mb", type=float, default=6.0)
+    p.add_argument("--moe", action="store_true",
+                   help="a Qwen3-MoE-style model, experts over the processes (EP=N)")  # fmt: skip
+    p.add_argument("--sft", action="store_true",
+                   help="supervised fine-tuning on an instruction set from the stdlib, then "
+                   "answer one of its prompts")  # fmt: skip
+    p.add_argument("--sft-samples", type=int, default=32,
+                   help="with --sft: how many instructions to train on and answer "
+                   "(default 32)")  # fmt: skip
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``anyspeed demo``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser().parse_known_args(argv)
+    from anyspeed.errors import UsageError, report
+
+    if args.sft and args.moe:
+        return report("anyspeed demo", UsageError("--sft fine-tunes the dense demo model; "
+                                                  "drop --moe"))  # fmt: skip
+    if args.sft_samples < 1:
+        return report("anyspeed demo", UsageError(f"--sft-samples {args.sft_samples}: give at "
+                                                  "least 1 instruction to train on"))  # fmt: skip
+    if args.sft:
+        from anyspeed.demo.sft import run
+
+        return run(args, extra)
+    return _pretrain(args, extra)
+
+
+def _pretrain(args: argparse.Namespace, extra: list[str]) -> int:
+    from anyspeed.data.cli import main as data_main
+    from anyspeed.training.pretrain import main as pretrain_main
+
+    t0 = time.perf_counter()
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, 4)
+    if rc:
+        return rc
+    corpus = os.path.join(args.workdir, "stdlib.jsonl")
+    prefix = os.path.join(args.workdir, "stdlib")
+    rc = data_main(["preprocess", "--input", corpus, "--output-prefix", prefix,
+                    "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir,
+                    "--append-eod", "--workers", "2", "--overwrite", "--quiet"])  # fmt: skip
+    if rc:
+        return rc
+    data = prefix + "_text_document"
+    print(f"[3/4] preprocess: {data}.bin/.idx")
+    save = os.path.join(args.workdir, "checkpoints")
+    metrics = fresh_metrics(os.path.join(args.workdir, "metrics.jsonl"))
+    n, iters = args.nproc_per_node, args.train_iters or 400
+    model = list(DEMO_MODEL)
+    layout = tp_layout(n)
+    if args.moe:
+        model[model.index("tiny-qwen2.5")] = "tiny-qwen3-moe"
+        layout = ["--expert-model-parallel-size", str(n), *DEMO_MOE]
+    cmd = [
+        "--nproc-per-node", str(n), *model, *layout, "--padded-vocab-size", str(VOCAB),
+        "--train-iters", str(iters),
+        "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir,
+        "--data-path", data, "--save", save, "--save-interval", str(iters),
+        "--generate-prompt", PROMPT, "--generate-tokens", "48", "--metrics-file", metrics,
+        *extra,
+    ]  # fmt: skip
+    print(f"[4/4] anyspeed pretrain {' '.join(cmd)}", flush=True)
+    rc = pretrain_main(cmd)
+    if rc == 0:
+        fell, rows = loss_fell(metrics, "lm loss")
+        if args.moe:
+            load = max(r["expert_load_max_over_mean"] for r in rows)
+            print(f"demo: expert load max/mean at most {load:.2f} over the logged iterations")
+        rc = 0 if fell else 1
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
