@@ -16,8 +16,9 @@ from anyspeed.training.loop import Hook, LoopState
 class SavedBytesHook(Hook):
     """Meters the first step's first micro-batch; prints rank 0's and the largest rank's."""
 
-    def __init__(self) -> None:
+    def __init__(self, prog: str = "anyspeed pretrain") -> None:
         self.meter: Any = None
+        self.prog = prog
 
     def on_start(self, state: LoopState) -> None:
         from anyspeed.features.memory.meter import FirstForwardMeter
@@ -39,6 +40,6 @@ class SavedBytesHook(Hook):
         if dist.is_initialized():
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
         state.history["saved_bytes"] = mine
-        print0(f"anyspeed pretrain: activations saved for backward per micro-batch: "
+        print0(f"{self.prog}: activations saved for backward per micro-batch: "
                f"{mine / 2**20:.2f} MiB on rank 0, {float(most[0]) / 2**20:.2f} MiB on the "
                "largest rank")  # fmt: skip

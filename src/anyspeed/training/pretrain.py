@@ -63,7 +63,7 @@ def _banner(args: argparse.Namespace, start: int, dp: int) -> str:
         moe = f"EP={lay.ep} ETP={lay.expert_tp} "
     experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""
     return (
-        f"anyspeed pretrain: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
+        f"{getattr(args, 'prog', 'anyspeed pretrain')}: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
         f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} {moe}VPP={lay.chunks} "
         f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer} | {m.num_layers} "
         f"layers{experts}, hidden {m.hidden_size}, vocab {m.vocab_size}, seq {args.seq_length} | "
@@ -130,10 +130,10 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = (), task: Any 
     print0(_banner(args, state.iteration, trainer.dp))
     slow = slow_precision_warning(dtype)  # e.g. bf16 on a CPU without bf16 matmul kernels
     if slow:
-        print0(f"anyspeed pretrain: warning: {slow}")
+        print0(f"{getattr(args, 'prog', 'anyspeed pretrain')}: warning: {slow}")
     reporter = H.Reporter(args, state.iteration)
     hooks = [
-        SavedBytesHook(),  # first: it prints before the progress bar is drawn
+        SavedBytesHook(getattr(args, "prog", "anyspeed pretrain")),  # first: it prints before the progress bar is drawn
         H.NanGuard(args.save),
         H.LogHook(reporter, args, args.model_config.flops_per_token(args.seq_length), peak),
         H.EvalHook(reporter, args, task, valid_ds, test_ds, device),
@@ -210,6 +210,7 @@ def main(argv: Sequence[str] | None = None, command: str = "pretrain", prepare_f
         args, argv = prepare_fn(argv, None if under_launcher else "launcher")
     except UsageError as exc:
         return report(prog, exc) if is_rank0() else 2
+    args.prog = prog  # the banner and warnings name the command that runs
     if not under_launcher and (args.nproc_per_node or 1) > 1:
         return _launch(args, argv, command)
     if not under_launcher:  # one process, no launcher: be rank 0 of a world of one
