@@ -62,8 +62,9 @@ def _banner(args: argparse.Namespace, start: int, dp: int) -> str:
     if m.is_moe:
         moe = f"EP={lay.ep} ETP={lay.expert_tp} "
     experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""
+    prog = getattr(args, "prog", "anyspeed pretrain")
     return (
-        f"{getattr(args, 'prog', 'anyspeed pretrain')}: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
+        f"{prog}: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
         f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} {moe}VPP={lay.chunks} "
         f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer} | {m.num_layers} "
         f"layers{experts}, hidden {m.hidden_size}, vocab {m.vocab_size}, seq {args.seq_length} | "
@@ -128,12 +129,13 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = (), task: Any 
                                                                torch.float32)  # fmt: skip
     peak = peak_flops(dtype) * int(os.environ.get("WORLD_SIZE", "1"))
     print0(_banner(args, state.iteration, trainer.dp))
+    prog = getattr(args, "prog", "anyspeed pretrain")
     slow = slow_precision_warning(dtype)  # e.g. bf16 on a CPU without bf16 matmul kernels
     if slow:
-        print0(f"{getattr(args, 'prog', 'anyspeed pretrain')}: warning: {slow}")
+        print0(f"{prog}: warning: {slow}")
     reporter = H.Reporter(args, state.iteration)
     hooks = [
-        SavedBytesHook(getattr(args, "prog", "anyspeed pretrain")),  # first: it prints before the progress bar is drawn
+        SavedBytesHook(prog),  # first: it prints before the progress bar is drawn
         H.NanGuard(args.save),
         H.LogHook(reporter, args, args.model_config.flops_per_token(args.seq_length), peak),
         H.EvalHook(reporter, args, task, valid_ds, test_ds, device),
