@@ -12,12 +12,15 @@ NORM = ["--recompute-norm"]
 FULL = dict(granularity="full", method="uniform", num_layers=1)
 SELECTIVE = dict(granularity="selective", modules=["core_attn", "mlp", "layernorm"])
 CASES = {
-    "none": {},
+    "none": dict(trace=True),  # also the allocator's measured bytes (the estimator test)
     "full-uniform": dict(recompute=FULL),
     "selective": dict(recompute=SELECTIVE),
     "act": dict(argv=ACT),
     "norm": dict(argv=NORM),
-    "act+norm+swap": dict(argv=ACT + NORM + ["--swap-attention", "--swap-optimizer"]),
+    "act+norm+swap": dict(
+        argv=ACT + NORM + ["--swap-attention", "--swap-optimizer"], offload=True
+    ),  # the offload's copies, CPU to CPU
+    "offload": dict(offload=True),
 }
 GELU_CASES = {  # -m slow (CI time)
     "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),

@@ -40,6 +40,9 @@ def _check(measured: dict, model: dict, layout: dict, world: int, case: dict, cf
     assert est.parameters == measured["param_bytes"]
     assert est.gradients == pytest.approx(measured["grad_bytes"], rel=REL)
     assert est.optimizer == pytest.approx(measured["optimizer_bytes"], rel=REL)
+    if "live_after_step" in measured:  # the allocator's bytes, traced from before the build
+        static = est.parameters + est.gradients + est.optimizer
+        assert static == pytest.approx(measured["live_after_step"], rel=REL)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -68,14 +71,15 @@ LAYOUTS = {  # name: (world, layout, case, bf16)
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-qwen2.5", "tiny-llama3"])
 def test_layouts_of_two_presets(preset):
-    model = _preset(preset, num_layers=4)
+    model = _preset(preset, num_layers=4, hidden_size=128, ffn_hidden_size=352)
     cfg = dict(CFG, global_batch_size=4)
     for bf16 in (False, True):
         names = [n for n, v in LAYOUTS.items() if v[3] == bf16]
         for layout in {str(LAYOUTS[n][1]) for n in names}:
             group = [n for n in names if str(LAYOUTS[n][1]) == layout]
             cases = {n: dict(LAYOUTS[n][2], layout=LAYOUTS[n][1]) for n in group}
-            runs = run_cases(2, {}, cases, steps=1, bf16=bf16, **{"model": model, **cfg})
+            common = dict(cfg, model=model, steps=2, trace=True, bf16=bf16)
+            runs = run_cases(2, {}, cases, **common)
             for n in group:
                 for measured in runs[n]:
                     _check(

@@ -182,11 +182,18 @@ def in_flight(lay: Layout, stage: int, microbatches: int) -> float:
 
 
 def _state_bytes(o: Options, params: int, dp: int, distributed: bool) -> tuple[int, int]:
-    """(gradient, optimizer) bytes for ``params`` parameters on one rank."""
-    grads = params * (F32 if o.grad_reduce_in_fp32 or o.precision == "fp32" else 2)
+    """(gradient, optimizer) bytes for ``params`` parameters on one rank. Gradients: the DDP
+    buffer, plus the fp32 copies the optimizer steps on when that buffer is in 16 bits (held
+    from the optimizer step to the next step's zero_grad; sharded like the optimizer)."""
+    fp32_grads = o.grad_reduce_in_fp32 or o.precision == "fp32"
     per_param = (8 if o.optimizer == "adam" else 4) + (0 if o.precision == "fp32" else F32)
+    main_grads = 0 if fp32_grads else params * F32
     opt = params * per_param
-    return grads, (math.ceil(opt / dp) if distributed else opt)
+
+    def shard(n: int) -> int:
+        return math.ceil(n / dp) if distributed else n
+
+    return params * (F32 if fp32_grads else 2) + shard(main_grads), shard(opt)
 
 
 def estimate_stage(m: ModelConfig, lay: Layout, world_size: int, o: Options,
