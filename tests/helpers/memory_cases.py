@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from anyspeed.models.presets import get_preset
 from anyspeed.testing import run_distributed
 from helpers import memory_ranks
 
@@ -21,6 +24,12 @@ CASES = {
         argv=ACT + NORM + ["--swap-attention", "--swap-optimizer"], offload=True
     ),  # the offload's copies, CPU to CPU
     "offload": dict(offload=True),
+}
+MOE_MODEL = dataclasses.asdict(get_preset("tiny-qwen3-moe"))  # MoE layers and q/k norms
+EXTRA_CASES = {  # run with CASES in the same process group (CI time), not recompute parity cases
+    "bf16-none": dict(bf16=True),
+    "bf16-offload": dict(bf16=True, offload=True),
+    "moe": dict(model=MOE_MODEL),
 }
 GELU_CASES = {  # -m slow (CI time)
     "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),

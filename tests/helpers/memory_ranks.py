@@ -34,10 +34,11 @@ def metered_run(layout: dict, model: dict | None = None, steps: int = 5, load: s
         meter = FirstForwardMeter([m.module for m in t.model])
         moved = OptimizerOffload(t.optimizer, torch_device(), "cpu") if offload else None
         out = [synthetic.train_step(t)]
-        AllocationTrace.mark("step1")
-        out.append(synthetic.train_step(t))
-        AllocationTrace.mark("step2")
-    out += [synthetic.train_step(t) for _ in range(steps - 2)]
+        if trace:
+            AllocationTrace.mark("step1")
+            out.append(synthetic.train_step(t))
+            AllocationTrace.mark("step2")
+    out += [synthetic.train_step(t) for _ in range(steps - len(out))]
     measured = {"offload_copies": moved.copies if moved else 0}
     if trace:  # the second step: the optimizer states exist before it
         measured |= {"live_after_step": tracer.live_at("step2"),

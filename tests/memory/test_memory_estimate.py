@@ -12,7 +12,7 @@ from anyspeed.models import ModelConfig
 from anyspeed.models.presets import get_preset
 from anyspeed.training.memory_estimate import Options, estimate_stage
 from anyspeed.training.recompute import Recompute
-from helpers.memory_cases import CASES, CFG, MODEL, run_cases
+from helpers.memory_cases import CASES, CFG, MODEL, MOE_MODEL, run_cases
 
 REL = 0.10  # the acceptance bound; at one process activations agree within 0.1%
 
@@ -91,3 +91,26 @@ def test_layouts_of_two_presets(preset):
                         dict(cfg, bf16=bf16),
                         exact_activations=False,
                     )
+
+
+MOE_LAYOUTS = {  # name: (world, layout); the all-gather dispatcher, fp32
+    "ep1": (1, {}),
+    "ep2-distopt": (2, dict(ep=2, distributed_optimizer=True)),
+    "tp2-sp-ep2": (2, dict(tp=2, sequence_parallel=True, ep=2, etp=1)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_moe_presets_at_ep1_and_ep2(preset):
+    model = _preset(preset, hidden_size=128)
+    cfg = dict(CFG, seq_length=64, global_batch_size=4)  # 128 tokens: a stable routing share
+    for name, (world, layout) in MOE_LAYOUTS.items():
+        runs = run_cases(world, {}, {name: dict(layout=layout)}, steps=2, trace=True,
+                         model=model, **cfg)  # fmt: skip
+        for measured in runs[name]:
+            _check(measured, model, layout, world, {}, cfg, exact_activations=False)
+
+
+def test_moe_at_one_process_tensor_by_tensor(one_process):
+    _check(one_process["moe"][0], MOE_MODEL, {}, 1, {}, CFG)

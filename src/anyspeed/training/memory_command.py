@@ -90,11 +90,13 @@ def _gib(n: float) -> str:
 
 def describe(mem: RankMemory) -> str:
     """The per-rank table of one estimate."""
-    rows = [("parameters", mem.parameters), ("gradients", mem.gradients),
+    grads = "gradients" + (f" ({mem.main_gradients / GIB:.3f} GiB fp32 copies: not with "
+                           "activations)" if mem.main_gradients else "")  # fmt: skip
+    rows = [("parameters", mem.parameters), (grads, mem.gradients),
             ("optimizer state", mem.optimizer),
             (f"activations ({mem.microbatches_in_flight:g} micro-batch(es) in flight; "
              f"{mem.activations_per_microbatch / 2**20:.1f} MiB each)", mem.activations),
-            ("total", mem.total)]  # fmt: skip
+            ("peak (total)", mem.total)]  # fmt: skip
     return "\n".join(f"  {name:<62} {_gib(value)} GiB" for name, value in rows)
 
 
@@ -147,9 +149,6 @@ def run(argv: Sequence[str]) -> str:
         Recompute.from_args(args).check(model.num_layers // lay.pp, lay.sequence_parallel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if model.is_moe:
-        raise UsageError("anyspeed memory estimates dense models; MoE activations are not "
-                         "modelled yet (remove --num-experts)")  # fmt: skip
     if budget is not None:
         return fits(args, model, world, budget)
     mem = estimate(model, lay, world, options(args, lay.dp(world)))
