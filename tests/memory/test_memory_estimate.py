@@ -103,7 +103,7 @@ MOE_LAYOUTS = {  # name: (world, layout); the all-gather dispatcher, fp32
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
 def test_moe_presets_at_ep1_and_ep2(preset):
-    model = _preset(preset, hidden_size=128)
+    model = _preset(preset, hidden_size=128, moe_ffn_hidden_size=128)
     cfg = dict(CFG, seq_length=64, global_batch_size=4)  # 128 tokens: a stable routing share
     for name, (world, layout) in MOE_LAYOUTS.items():
         runs = run_cases(world, {}, {name: dict(layout=layout)}, steps=2, trace=True,

@@ -85,7 +85,7 @@ class OptimizerOffload:
             buf = self._host_buffer(t)
             buf.copy_(t.data, non_blocking=True)
             t.data = buf
-            if isinstance(t, torch.nn.Parameter):
+            if t.grad is not None:
                 t.grad = None  # the fp32 main gradient: rebuilt from the DDP buffer each step
         self.copies += len(moved)
         self._at_host = {id(t) for t in moved}
