@@ -41,7 +41,7 @@ def test_fits_lists_only_layouts_within_the_budget():
                                       "--fits", "6"])  # fmt: skip
     rows = [line.split() for line in text.splitlines()[2:]]
     assert rows and all(float(r[-1]) <= 6 for r in rows)
-    assert {r[4] for r in rows} <= set(memory_command.RECOMPUTE_CHOICES)
+    assert {r[5] for r in rows} <= set(memory_command.RECOMPUTE_CHOICES)
     assert "no layout" in memory_command.run(BASE + ["--world-size", "2", "--fits", "0.01"])
 
 
@@ -88,3 +88,5 @@ def test_moe_experts_split_over_ep():
     two = memory_command.run(moe + ["--expert-model-parallel-size", "2"])
     assert _gib(two, "parameters") < _gib(one, "parameters")
     assert _gib(two, "total") < _gib(one, "total")
+    fits = memory_command.run(moe + ["--global-batch-size", "8", "--fits", "1000"])
+    assert {r.split()[3] for r in fits.splitlines()[2:]} == {"1", "2"}  # both EP sizes listed

@@ -101,12 +101,15 @@ def describe(mem: RankMemory) -> str:
 
 
 def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
-    """Every (layout, recompute choice) of ``world`` devices that Megatron would accept."""
-    for tp, pp in itertools.product(range(1, world + 1), repeat=2):
+    """Every (layout, recompute choice) of ``world`` devices that Megatron would accept (MoE:
+    every expert-parallel size too)."""
+    eps = [e for e in range(1, world + 1) if model.num_experts and model.num_experts % e == 0]
+    for tp, pp, ep in itertools.product(range(1, world + 1), range(1, world + 1), eps or [1]):
         if world % (tp * pp) or tp > 8:
             continue
         for distopt, rec in itertools.product((False, True), RECOMPUTE_CHOICES):
-            lay = Layout(tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=distopt)
+            lay = Layout(tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=distopt,
+                         ep=ep)  # fmt: skip
             if distopt and lay.dp(world) == 1:
                 continue
             try:
@@ -129,12 +132,13 @@ def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float
         return f"no layout of {world} devices fits in {budget:g} GiB per rank"
     out = [
         f"layouts of {world} devices that fit in {budget:g} GiB per rank (smallest first):",
-        f"  {'TP':>3} {'PP':>3} {'DP':>3} {'distopt':<8} {'recompute':<10} {'GiB/rank':>9}",
+        f"  {'TP':>3} {'PP':>3} {'DP':>3} {'EP':>3} {'distopt':<8} {'recompute':<10} "
+        f"{'GiB/rank':>9}",
     ]
     for total, lay, rec in sorted(rows, key=lambda r: r[0]):
         distopt = "yes" if lay.distributed_optimizer else "no"
-        out.append(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp(world):>3} {distopt:<8} {rec:<10} "
-                   f"{_gib(total)}")  # fmt: skip
+        out.append(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp(world):>3} {lay.ep:>3} {distopt:<8} "
+                   f"{rec:<10} {_gib(total)}")  # fmt: skip
     return "\n".join(out)
 
 
