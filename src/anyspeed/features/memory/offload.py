@@ -66,7 +66,8 @@ class OptimizerOffload:
         """The tensors that move: optimizer states (not scalars such as Adam's step count)
         and fp32 main parameters."""
         for opt in _inner_optimizers(self.optimizer):
-            for state in opt.optimizer.state.values():
+            inner = getattr(opt, "optimizer", None)  # None on a rank without parameters
+            for state in inner.state.values() if inner is not None else []:
                 yield from (v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
             yield from _main_params(opt)
 
@@ -79,7 +80,7 @@ class OptimizerOffload:
 
     def to_host(self) -> None:
         """Copy every moving tensor to its host buffer and release its device memory."""
-        moved = [t for t in self.tensors() if t.device == self.device]
+        moved = [t for t in self.tensors() if t.device.type == self.device.type]
         moved = [t for t in moved if id(t) not in self._at_host]
         for t in moved:
             buf = self._host_buffer(t)
