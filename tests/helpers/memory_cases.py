@@ -30,6 +30,7 @@ EXTRA_CASES = {  # run with CASES in the same process group (CI time), not recom
     "bf16-none": dict(bf16=True),
     "bf16-offload": dict(bf16=True, offload=True),
     "moe": dict(model=MOE_MODEL),
+    "moe-act": dict(model=MOE_MODEL, argv=ACT),
 }
 GELU_CASES = {  # -m slow (CI time)
     "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),

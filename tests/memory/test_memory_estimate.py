@@ -12,7 +12,7 @@ from anyspeed.models import ModelConfig
 from anyspeed.models.presets import get_preset
 from anyspeed.training.memory_estimate import Options, estimate_stage
 from anyspeed.training.recompute import Recompute
-from helpers.memory_cases import CASES, CFG, MODEL, MOE_MODEL, run_cases
+from helpers.memory_cases import CASES, CFG, EXTRA_CASES, MODEL, MOE_MODEL, run_cases
 
 REL = 0.10  # the acceptance bound; at one process activations agree within 0.1%
 
@@ -112,5 +112,6 @@ def test_moe_presets_at_ep1_and_ep2(preset):
             _check(measured, model, layout, world, {}, cfg, exact_activations=False)
 
 
-def test_moe_at_one_process_tensor_by_tensor(one_process):
-    _check(one_process["moe"][0], MOE_MODEL, {}, 1, {}, CFG)
+@pytest.mark.parametrize("name", ["moe", "moe-act"])
+def test_moe_at_one_process_tensor_by_tensor(one_process, name):
+    _check(one_process[name][0], MOE_MODEL, {}, 1, EXTRA_CASES[name], CFG)

@@ -163,7 +163,8 @@ def moe_activations(m: ModelConfig, lay: Layout, o: Options, tokens: int, act: b
     indices twice, fp32 top-k probabilities and scores), the routing map and probabilities
     of the gathered tokens for the local experts, the permuted tokens with their order and
     probabilities, and per routed token the expert's fc1 output, activation output and its
-    probability-scaled copy; shared experts as a dense MLP."""
+    probability-scaled copy (activation recompute: fc1 output only); shared experts as a dense
+    MLP."""
     e, k, experts = o.dtype_bytes, m.moe_router_topk, m.num_experts or 0
     gathered = tokens * lay.expert_tp * lay.ep  # over the expert-TP x EP group
     routed = gathered * k // lay.ep  # expected tokens for this rank's experts
@@ -171,7 +172,7 @@ def moe_activations(m: ModelConfig, lay: Layout, o: Options, tokens: int, act: b
     total += experts // lay.ep * gathered * (1 + F32)  # routing map (bool) and probabilities
     total += routed * (8 + m.hidden_size * e + F32)  # order, permuted tokens, probabilities
     ffn = m.expert_ffn_size // lay.expert_tp
-    total += routed * ffn * e * ((2 if m.swiglu else 1) + (1 if act else 2))
+    total += routed * ffn * e * ((2 if m.swiglu else 1) + (0 if act else 2))  # act: fc1 only
     shared = (m.moe_shared_expert_intermediate_size or 0) // lay.tp
     return total + (_mlp(m, tokens, shared, e, act) if shared else 0)
 
