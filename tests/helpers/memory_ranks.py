@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
 from anyspeed.training.config import TrainConfig
@@ -33,13 +35,17 @@ def metered_run(layout: dict, model: dict | None = None, steps: int = 5, load: s
             trainer_ranks.load_weights(t, load)
         meter = FirstForwardMeter([m.module for m in t.model])
         moved = OptimizerOffload(t.optimizer, torch_device(), "cpu") if offload else None
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         out = [synthetic.train_step(t)]
         if trace:
             AllocationTrace.mark("step1")
             out.append(synthetic.train_step(t))
             AllocationTrace.mark("step2")
     out += [synthetic.train_step(t) for _ in range(steps - len(out))]
-    measured = {"offload_copies": moved.copies if moved else 0}
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    measured = {"offload_copies": moved.copies if moved else 0, "device_peak": peak}
     if trace:  # the second step: the optimizer states exist before it
         measured |= {"live_after_step": tracer.live_at("step2"),
                     "step_peak": tracer.peak("step1", "step2")}  # fmt: skip
