@@ -29,7 +29,6 @@ class AllocationTrace:
         self.times: list[int] = []  # allocation event times (ns), sorted
         self.totals: list[int] = []  # the allocator's running total after each event
         self.marks: dict[str, int] = {}
-        self.blocks: dict[int, int] = {}  # at the end: address -> bytes of each live block
 
     def __enter__(self) -> AllocationTrace:
         from torch.profiler import ProfilerActivity, profile
@@ -71,7 +70,6 @@ class AllocationTrace:
                 live[ptr] = size
             self.times.append(t)
             self.totals.append(total)
-        self.blocks = live
 
     def live_at(self, name: str) -> int:
         """Bytes allocated (and not freed) since the start, at mark ``name``."""
