@@ -89,7 +89,7 @@ class OptimizerOffload:
             if t.grad is not None:
                 t.grad = None  # the fp32 main gradient: rebuilt from the DDP buffer each step
         self.copies += len(moved)
-        self._at_host = {id(t) for t in moved}
+        self._at_host |= {id(t) for t in moved}
         self.offloaded_bytes = sum(b.nbytes for _, b in self._buffers.values())
         if moved and self.device.type != "cpu":
             torch.accelerator.synchronize()  # host buffers valid before anyone reads them
