@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from anyspeed.models.presets import get_preset
 from anyspeed.testing import run_distributed
 from helpers import memory_ranks
 
@@ -12,12 +15,22 @@ NORM = ["--recompute-norm"]
 FULL = dict(granularity="full", method="uniform", num_layers=1)
 SELECTIVE = dict(granularity="selective", modules=["core_attn", "mlp", "layernorm"])
 CASES = {
-    "none": {},
+    "none": dict(trace=True),  # also the allocator's measured bytes (the estimator test)
     "full-uniform": dict(recompute=FULL),
     "selective": dict(recompute=SELECTIVE),
     "act": dict(argv=ACT),
     "norm": dict(argv=NORM),
-    "act+norm+swap": dict(argv=ACT + NORM + ["--swap-attention", "--swap-optimizer"]),
+    "act+norm+swap": dict(
+        argv=ACT + NORM + ["--swap-attention", "--swap-optimizer"], offload=True
+    ),  # the offload's copies, CPU to CPU
+    "offload": dict(offload=True),
+}
+MOE_MODEL = dataclasses.asdict(get_preset("tiny-qwen3-moe"))  # MoE layers and q/k norms
+EXTRA_CASES = {  # run with CASES in the same process group (CI time), not recompute parity cases
+    "bf16-none": dict(bf16=True),
+    "bf16-offload": dict(bf16=True, offload=True),
+    "moe": dict(model=MOE_MODEL),
+    "moe-act": dict(model=MOE_MODEL, argv=ACT),
 }
 GELU_CASES = {  # -m slow (CI time)
     "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),

@@ -16,14 +16,16 @@ BASE = ["--model", "qwen2.5-0.5b", "--seq-length", "4096", "--micro-batch-size",
 
 
 def _gib(text: str, row: str) -> float:
-    return float(re.search(rf"{row}.*?([0-9.]+) GiB", text).group(1))
+    return float(re.search(rf"{row}.*?([0-9.]+) GiB$", text, re.M).group(1))  # the row's last
 
 
 def test_report_rows_add_up_and_features_lower_activations():
     plain = memory_command.run(BASE + ["--tensor-model-parallel-size", "2"])
     parts = [_gib(plain, r) for r in ("parameters", "gradients", "optimizer state",
                                       r"activations \(")]  # fmt: skip
-    assert _gib(plain, "total") == pytest.approx(sum(parts), abs=2e-3)
+    main = float(re.search(r"([0-9.]+) GiB fp32 copies", plain).group(1))
+    assert main == pytest.approx(2 * parts[0], rel=1e-3)  # bf16 buffer -> fp32 for the update
+    assert _gib(plain, "total") == pytest.approx(sum(parts) - main, abs=2e-3)
     # bf16 Adam: 2-byte weights and gradients, 12 bytes of optimizer state per parameter
     assert parts[2] == pytest.approx(6 * parts[0], rel=1e-3)
     flags = ["--recompute-activation-function", "--recompute-norm"]
@@ -39,7 +41,7 @@ def test_fits_lists_only_layouts_within_the_budget():
                                       "--fits", "6"])  # fmt: skip
     rows = [line.split() for line in text.splitlines()[2:]]
     assert rows and all(float(r[-1]) <= 6 for r in rows)
-    assert {r[4] for r in rows} <= set(memory_command.RECOMPUTE_CHOICES)
+    assert {r[5] for r in rows} <= set(memory_command.RECOMPUTE_CHOICES)
     assert "no layout" in memory_command.run(BASE + ["--world-size", "2", "--fits", "0.01"])
 
 
@@ -48,7 +50,7 @@ def test_fits_lists_only_layouts_within_the_budget():
     (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
       "--seq-length", "32"], "no vocabulary size"),
     (BASE + ["--recompute-granularity", "full"], "--recompute-method"),
-    (BASE + ["--num-experts", "4"], "MoE"),
+    (BASE + ["--num-experts", "4", "--expert-model-parallel-size", "3"], "not divisible"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(argv, needle):
     with pytest.raises(UsageError) as err:
@@ -78,3 +80,13 @@ def test_recompute_flag_errors(rec, needle):
 def test_feature_flag_errors(argv, needle):
     with pytest.raises(FeatureError, match=needle):
         validate(parse_args(argv), detect())
+
+
+def test_moe_experts_split_over_ep():
+    moe = BASE + ["--num-experts", "8", "--world-size", "2"]
+    one = memory_command.run(moe)
+    two = memory_command.run(moe + ["--expert-model-parallel-size", "2"])
+    assert _gib(two, "parameters") < _gib(one, "parameters")
+    assert _gib(two, "total") < _gib(one, "total")
+    fits = memory_command.run(moe + ["--global-batch-size", "8", "--fits", "1000"])
+    assert {r.split()[3] for r in fits.splitlines()[2:]} == {"1", "2"}  # both EP sizes listed

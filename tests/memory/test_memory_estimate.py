@@ -12,7 +12,7 @@ from anyspeed.models import ModelConfig
 from anyspeed.models.presets import get_preset
 from anyspeed.training.memory_estimate import Options, estimate_stage
 from anyspeed.training.recompute import Recompute
-from helpers.memory_cases import CASES, CFG, MODEL, run_cases
+from helpers.memory_cases import CASES, CFG, EXTRA_CASES, MODEL, MOE_MODEL, run_cases
 
 REL = 0.10  # the acceptance bound; at one process activations agree within 0.1%
 
@@ -40,6 +40,9 @@ def _check(measured: dict, model: dict, layout: dict, world: int, case: dict, cf
     assert est.parameters == measured["param_bytes"]
     assert est.gradients == pytest.approx(measured["grad_bytes"], rel=REL)
     assert est.optimizer == pytest.approx(measured["optimizer_bytes"], rel=REL)
+    if "live_after_step" in measured:  # the allocator's bytes, traced from before the build
+        static = est.parameters + est.gradients + est.optimizer
+        assert static == pytest.approx(measured["live_after_step"], rel=REL)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -68,14 +71,15 @@ LAYOUTS = {  # name: (world, layout, case, bf16)
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-qwen2.5", "tiny-llama3"])
 def test_layouts_of_two_presets(preset):
-    model = _preset(preset, num_layers=4)
+    model = _preset(preset, num_layers=4, hidden_size=128, ffn_hidden_size=352)
     cfg = dict(CFG, global_batch_size=4)
     for bf16 in (False, True):
         names = [n for n, v in LAYOUTS.items() if v[3] == bf16]
         for layout in {str(LAYOUTS[n][1]) for n in names}:
             group = [n for n in names if str(LAYOUTS[n][1]) == layout]
             cases = {n: dict(LAYOUTS[n][2], layout=LAYOUTS[n][1]) for n in group}
-            runs = run_cases(2, {}, cases, steps=1, bf16=bf16, **{"model": model, **cfg})
+            common = dict(cfg, model=model, steps=2, trace=True, bf16=bf16)
+            runs = run_cases(2, {}, cases, **common)
             for n in group:
                 for measured in runs[n]:
                     _check(
@@ -87,3 +91,27 @@ def test_layouts_of_two_presets(preset):
                         dict(cfg, bf16=bf16),
                         exact_activations=False,
                     )
+
+
+MOE_LAYOUTS = {  # name: (world, layout); the all-gather dispatcher, fp32
+    "ep1": (1, {}),
+    "ep2-distopt": (2, dict(ep=2, distributed_optimizer=True)),
+    "tp2-sp-ep2": (2, dict(tp=2, sequence_parallel=True, ep=2, etp=1)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_moe_presets_at_ep1_and_ep2(preset):
+    model = _preset(preset, hidden_size=128, moe_ffn_hidden_size=128)
+    cfg = dict(CFG, seq_length=64, global_batch_size=4)  # 128 tokens: a stable routing share
+    for name, (world, layout) in MOE_LAYOUTS.items():
+        runs = run_cases(world, {}, {name: dict(layout=layout)}, steps=2, trace=True,
+                         model=model, **cfg)  # fmt: skip
+        for measured in runs[name]:
+            _check(measured, model, layout, world, {}, cfg, exact_activations=False)
+
+
+@pytest.mark.parametrize("name", ["moe", "moe-act"])
+def test_moe_at_one_process_tensor_by_tensor(one_process, name):
+    _check(one_process[name][0], MOE_MODEL, {}, 1, EXTRA_CASES[name], CFG)

@@ -90,21 +90,26 @@ def _gib(n: float) -> str:
 
 def describe(mem: RankMemory) -> str:
     """The per-rank table of one estimate."""
-    rows = [("parameters", mem.parameters), ("gradients", mem.gradients),
+    grads = "gradients" + (f" ({mem.main_gradients / GIB:.3f} GiB fp32 copies: not with "
+                           "activations)" if mem.main_gradients else "")  # fmt: skip
+    rows = [("parameters", mem.parameters), (grads, mem.gradients),
             ("optimizer state", mem.optimizer),
             (f"activations ({mem.microbatches_in_flight:g} micro-batch(es) in flight; "
              f"{mem.activations_per_microbatch / 2**20:.1f} MiB each)", mem.activations),
-            ("total", mem.total)]  # fmt: skip
+            ("peak (total)", mem.total)]  # fmt: skip
     return "\n".join(f"  {name:<62} {_gib(value)} GiB" for name, value in rows)
 
 
 def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
-    """Every (layout, recompute choice) of ``world`` devices that Megatron would accept."""
-    for tp, pp in itertools.product(range(1, world + 1), repeat=2):
+    """Every (layout, recompute choice) of ``world`` devices that Megatron would accept (MoE:
+    every expert-parallel size too)."""
+    eps = [e for e in range(1, world + 1) if model.num_experts and model.num_experts % e == 0]
+    for tp, pp, ep in itertools.product(range(1, world + 1), range(1, world + 1), eps or [1]):
         if world % (tp * pp) or tp > 8:
             continue
         for distopt, rec in itertools.product((False, True), RECOMPUTE_CHOICES):
-            lay = Layout(tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=distopt)
+            lay = Layout(tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=distopt,
+                         ep=ep)  # fmt: skip
             if distopt and lay.dp(world) == 1:
                 continue
             try:
@@ -127,12 +132,13 @@ def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float
         return f"no layout of {world} devices fits in {budget:g} GiB per rank"
     out = [
         f"layouts of {world} devices that fit in {budget:g} GiB per rank (smallest first):",
-        f"  {'TP':>3} {'PP':>3} {'DP':>3} {'distopt':<8} {'recompute':<10} {'GiB/rank':>9}",
+        f"  {'TP':>3} {'PP':>3} {'DP':>3} {'EP':>3} {'distopt':<8} {'recompute':<10} "
+        f"{'GiB/rank':>9}",
     ]
     for total, lay, rec in sorted(rows, key=lambda r: r[0]):
         distopt = "yes" if lay.distributed_optimizer else "no"
-        out.append(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp(world):>3} {distopt:<8} {rec:<10} "
-                   f"{_gib(total)}")  # fmt: skip
+        out.append(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp(world):>3} {lay.ep:>3} {distopt:<8} "
+                   f"{rec:<10} {_gib(total)}")  # fmt: skip
     return "\n".join(out)
 
 
@@ -147,9 +153,6 @@ def run(argv: Sequence[str]) -> str:
         Recompute.from_args(args).check(model.num_layers // lay.pp, lay.sequence_parallel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if model.is_moe:
-        raise UsageError("anyspeed memory estimates dense models; MoE activations are not "
-                         "modelled yet (remove --num-experts)")  # fmt: skip
     if budget is not None:
         return fits(args, model, world, budget)
     mem = estimate(model, lay, world, options(args, lay.dp(world)))

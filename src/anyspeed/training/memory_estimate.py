@@ -5,7 +5,10 @@ The activation terms follow what Megatron-Core's local spec with anyspeed's defa
 (``--optimization-level`` 1 or 2: SDPA attention, one-node SwiGLU and RoPE, torch norms, the
 chunked fused cross-entropy) save for backward, tensor by tensor; the bytes meter
 (:mod:`anyspeed.features.memory.meter`) measures the same quantity, and the tests hold the two
-together. Dense models; MoE layers are counted for parameters only.
+together. MoE layers (Megatron's all-gather token dispatcher, sequential experts): the router's
+scores and routing maps, the permuted tokens and each expert's MLP on the tokens routed to it,
+counted at the expected share (tokens x top-k, split evenly over the EP ranks); the exact count
+depends on the routing.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class RankMemory:
     optimizer: int
     activations_per_microbatch: int
     microbatches_in_flight: float
+    main_gradients: int = 0  # of ``gradients``: fp32 copies, alive only around the update
 
     @property
     def activations(self) -> int:
@@ -56,7 +60,10 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        """The peak: the fp32 main gradients (made at the optimizer step, dropped at the next
+        step's zero_grad) and the activations (alive from forward to backward) never meet."""
+        shared = min(self.main_gradients, self.activations)
+        return self.parameters + self.gradients + self.optimizer + self.activations - shared
 
 
 def _layer_params(m: ModelConfig, lay: Layout) -> int:
@@ -72,30 +79,43 @@ def _layer_params(m: ModelConfig, lay: Layout) -> int:
     return n
 
 
+def _expert_params(m: ModelConfig, lay: Layout) -> int:
+    """The routed experts of one MoE layer on one rank (split over EP and expert-TP)."""
+    mats, experts = (3 if m.swiglu else 2), (m.num_experts or 0) // lay.ep
+    return experts * mats * m.hidden_size * m.expert_ffn_size // lay.expert_tp
+
+
 def _mlp_params(m: ModelConfig, lay: Layout, moe: bool) -> int:
     mats, h = (3 if m.swiglu else 2), m.hidden_size
     if not moe:
         return mats * h * m.ffn_hidden_size // lay.tp
-    experts = (m.num_experts or 0) // lay.ep
-    n = experts * mats * h * m.expert_ffn_size // lay.expert_tp + h * (m.num_experts or 0)
+    n = _expert_params(m, lay) + h * (m.num_experts or 0)  # + the router
+    n += h if m.moe_shared_expert_gate else 0
     return n + mats * h * (m.moe_shared_expert_intermediate_size or 0) // lay.tp
 
 
-def stage_parameters(m: ModelConfig, lay: Layout, stage: int) -> int:
-    """Parameters held by one rank of pipeline stage ``stage`` (all its virtual chunks)."""
+def _stage_layers(m: ModelConfig, lay: Layout, stage: int) -> list[range]:
+    """The decoder layers (global indices) of each model chunk of pipeline stage ``stage``."""
     per_chunk = m.num_layers // (lay.pp * lay.chunks)
+    starts = [(chunk * lay.pp + stage) * per_chunk for chunk in range(lay.chunks)]
+    return [range(first, first + per_chunk) for first in starts]
+
+
+def stage_parameters(m: ModelConfig, lay: Layout, stage: int) -> tuple[int, int]:
+    """(all, routed-expert) parameters held by one rank of pipeline stage ``stage`` (all its
+    virtual chunks); expert parameters are reduced and sharded over expert-DP."""
     moe = m.moe_layers()
-    n = 0
-    for chunk in range(lay.chunks):
-        first = (chunk * lay.pp + stage) * per_chunk
-        for i in range(first, first + per_chunk):
+    n = experts = 0
+    for layers in _stage_layers(m, lay, stage):
+        for i in layers:
             n += _layer_params(m, lay) + _mlp_params(m, lay, moe[i])
+            experts += _expert_params(m, lay) if moe[i] else 0
     emb = m.vocab_size * m.hidden_size // lay.tp
     if stage == 0:
         n += emb
     if stage == lay.pp - 1:
         n += m.hidden_size + (0 if m.tie_embeddings and lay.pp == 1 else emb)
-    return n
+    return n, experts
 
 
 def _norm(tokens: int, h: int, e: int, recomputed: bool) -> int:
@@ -107,7 +127,8 @@ def _norm(tokens: int, h: int, e: int, recomputed: bool) -> int:
     return 2 * tokens * h * F32 + tokens * F32 + tokens * h * e
 
 
-def layer_activations(m: ModelConfig, lay: Layout, o: Options, act: bool, norm: bool) -> int:
+def layer_activations(m: ModelConfig, lay: Layout, o: Options, act: bool, norm: bool,
+                      moe: bool = False) -> int:  # fmt: skip
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
     e, tp, b, d, h = o.dtype_bytes, lay.tp, o.micro_batch_size, m.head_dim, m.hidden_size
     s = o.seq_length // lay.cp
@@ -121,13 +142,39 @@ def layer_activations(m: ModelConfig, lay: Layout, o: Options, act: bool, norm: 
     total += tokens * d * (heads + groups) * e  # rotated q and k
     total += tokens * d * (heads + 2 * groups) * e  # the QKV output (v is a view of it)
     total += tokens * d * heads * e  # attention output (linear_proj's input)
+    if m.qk_layernorm:  # q copied out of the QKV output; both norms' fp32 x * rstd and rstd
+        total += tokens * d * heads * e + tokens * (heads + groups) * (d + 1) * F32
     if "core_attn" not in modules:
         total += b * heads * s * F32  # log-sum-exp of the fused attention
-    ffn = m.ffn_hidden_size // tp
-    if "mlp" not in modules:
-        total += tokens * ffn * (2 if m.swiglu else 1) * e  # fc1 output (activation's input)
-        total += 0 if act else tokens * ffn * e  # activation output (fc2's input)
-    return total
+    if "mlp" in modules:
+        return total
+    if not moe:
+        return total + _mlp(m, tokens, m.ffn_hidden_size // tp, e, act)
+    return total + moe_activations(m, lay, o, normed, act)
+
+
+def _mlp(m: ModelConfig, tokens: int, ffn: int, e: int, act: bool) -> int:
+    """A dense MLP's fc1 output (the activation's input) and activation output (fc2's)."""
+    return tokens * ffn * (2 if m.swiglu else 1) * e + (0 if act else tokens * ffn * e)
+
+
+def moe_activations(m: ModelConfig, lay: Layout, o: Options, tokens: int, act: bool) -> int:
+    """A MoE layer (all-gather dispatcher) on ``tokens`` local tokens: router (int64 top-k
+    indices twice, fp32 top-k probabilities and scores), the routing map and probabilities
+    of the gathered tokens for the local experts, the permuted tokens with their order and
+    probabilities, and per routed token the expert's fc1 output, activation output and its
+    probability-scaled copy (activation recompute: fc1 output only); shared experts as a dense
+    MLP."""
+    e, k, experts = o.dtype_bytes, m.moe_router_topk, m.num_experts or 0
+    gathered = tokens * lay.expert_tp * lay.ep  # over the expert-TP x EP group
+    routed = gathered * k // lay.ep  # expected tokens for this rank's experts
+    total = tokens * k * (2 * 8 + F32) + tokens * experts * F32 + experts * 8 + F32
+    total += experts // lay.ep * gathered * (1 + F32)  # routing map (bool) and probabilities
+    total += routed * (8 + m.hidden_size * e + F32)  # order, permuted tokens, probabilities
+    ffn = m.expert_ffn_size // lay.expert_tp
+    total += routed * ffn * e * ((2 if m.swiglu else 1) + (0 if act else 2))  # act: fc1 only
+    shared = (m.moe_shared_expert_intermediate_size or 0) // lay.tp
+    return total + (_mlp(m, tokens, shared, e, act) if shared else 0)
 
 
 def _full_recompute_units(o: Options, layers: int) -> int:
@@ -142,19 +189,22 @@ def _selected(flag: int | None, i: int) -> bool:
     return flag is None or i < flag
 
 
-def chunk_activations(m: ModelConfig, lay: Layout, o: Options, first: bool, last: bool) -> int:
-    """Bytes one model chunk keeps for backward for one micro-batch on one rank."""
+def chunk_activations(m: ModelConfig, lay: Layout, o: Options, first: bool, last: bool,
+                      layers: range | None = None) -> int:  # fmt: skip
+    """Bytes one model chunk (decoder ``layers``, default the first) keeps for backward for
+    one micro-batch on one rank."""
     e, b = o.dtype_bytes, o.micro_batch_size
     s, h = o.seq_length // lay.cp, m.hidden_size
     tokens = s * b
     normed = tokens // lay.tp if lay.sequence_parallel else tokens
-    layers = m.num_layers // lay.pp // lay.chunks
-    full = _full_recompute_units(o, layers)
+    layers = layers or _stage_layers(m, lay, 0)[0]
+    moe = m.moe_layers()
+    full = _full_recompute_units(o, len(layers))
     total = 0
-    for i in range(full, layers):
+    for i in range(full, len(layers)):
         act, norm = _selected(o.recompute_activation, i), _selected(o.recompute_norm, i)
         total += layer_activations(m, lay, o, act and o.recompute_activation != 0,
-                                   norm and o.recompute_norm != 0)  # fmt: skip
+                                   norm and o.recompute_norm != 0, moe[layers[i]])  # fmt: skip
     if full:
         per_unit = o.recompute.num_layers if o.recompute.method == "uniform" else 1
         hidden = normed * h * e
@@ -181,25 +231,36 @@ def in_flight(lay: Layout, stage: int, microbatches: int) -> float:
     return min(warmup, microbatches * lay.chunks) / lay.chunks
 
 
-def _state_bytes(o: Options, params: int, dp: int, distributed: bool) -> tuple[int, int]:
-    """(gradient, optimizer) bytes for ``params`` parameters on one rank."""
-    grads = params * (F32 if o.grad_reduce_in_fp32 or o.precision == "fp32" else 2)
+def _state_bytes(o: Options, params: int, dp: int, distributed: bool) -> tuple[int, int, int]:
+    """(gradient, optimizer, main gradient) bytes for ``params`` parameters on one rank.
+    Gradients: the DDP
+    buffer, plus the fp32 copies the optimizer steps on when that buffer is in 16 bits (held
+    from the optimizer step to the next step's zero_grad; sharded like the optimizer)."""
+    fp32_grads = o.grad_reduce_in_fp32 or o.precision == "fp32"
     per_param = (8 if o.optimizer == "adam" else 4) + (0 if o.precision == "fp32" else F32)
+    main_grads = 0 if fp32_grads else params * F32
     opt = params * per_param
-    return grads, (math.ceil(opt / dp) if distributed else opt)
+
+    def shard(n: int) -> int:
+        return math.ceil(n / dp) if distributed else n
+
+    return params * (F32 if fp32_grads else 2) + shard(main_grads), shard(opt), shard(main_grads)
 
 
 def estimate_stage(m: ModelConfig, lay: Layout, world_size: int, o: Options,
                    stage: int) -> RankMemory:  # fmt: skip
     """The memory of a rank of pipeline stage ``stage``."""
-    params = stage_parameters(m, lay, stage)
-    grads, opt = _state_bytes(o, params, lay.dp(world_size), lay.distributed_optimizer)
+    params, experts = stage_parameters(m, lay, stage)
+    distopt, expert_dp = lay.distributed_optimizer, world_size // (lay.ep * lay.expert_tp * lay.pp)
+    dense = _state_bytes(o, params - experts, lay.dp(world_size), distopt)
+    expert = _state_bytes(o, experts, expert_dp, distopt)
+    grads, opt, main = (a + b for a, b in zip(dense, expert, strict=True))
     acts = 0
-    for chunk in range(lay.chunks):
+    for chunk, layers in enumerate(_stage_layers(m, lay, stage)):
         first, last = stage == 0 and chunk == 0, stage == lay.pp - 1 and chunk == lay.chunks - 1
-        acts += chunk_activations(m, lay, o, first, last)
+        acts += chunk_activations(m, lay, o, first, last, layers)
     flight = in_flight(lay, stage, o.num_microbatches)
-    return RankMemory(stage, params * o.dtype_bytes, grads, opt, acts, flight)
+    return RankMemory(stage, params * o.dtype_bytes, grads, opt, acts, flight, main)
 
 
 def estimate(m: ModelConfig, lay: Layout, world_size: int, o: Options) -> RankMemory:

@@ -8,8 +8,9 @@
   pre-MLP norm outputs are released and recomputed, also under TP + sequence parallel.
 * ``swap-attention`` (``--swap-attention``, ``--swap-modules``): saved activations of the
   chosen modules go to pinned host memory, prefetched back in backward; on the CPU a no-op.
-* ``swap-optimizer`` (``--swap-optimizer``, Megatron's ``--optimizer-cpu-offload``): accepted
-  on the CPU, where optimizer state already lives in host memory.
+* ``swap-optimizer`` (``--swap-optimizer``, Megatron's ``--optimizer-cpu-offload``): optimizer
+  states and fp32 main parameters wait in host memory between steps (:mod:`.offload`); on the
+  CPU, where they already live in host memory, a no-op.
 
 Megatron's own recompute (``--recompute-granularity`` ...) is passed through, not a feature.
 """
@@ -234,13 +235,13 @@ class SwapOptimizer(Feature):
             "--swap-optimizer-times",
             type=int,
             default=16,
-            help="MindSpeed: copy the state in this many pieces",
+            help="MindSpeed's copy granularity (accepted; anyspeed copies tensor by tensor)",
         )
         add_flag(
             parser,
             "--optimizer-cpu-offload",
             action="store_true",
-            help="Megatron: the optimizer step on the host",
+            help="Megatron's name for the same: states in host memory between steps",
         )
 
     def requested(self, args: argparse.Namespace) -> bool:
@@ -249,12 +250,35 @@ class SwapOptimizer(Feature):
         )
 
     def available(self, device: DeviceInfo) -> tuple[bool, str]:
-        if device.is_cuda:
-            return False, (
-                "not implemented by anyspeed yet (Megatron's own offload needs "
-                "Transformer Engine's precision-aware optimizer): remove the flag"
-            )
+        if device.type != "cpu":
+            return True, ""
         return True, (
             f"accepted, no effect on {device.type}: optimizer state already lives in "
             "host memory (and pinned memory is unavailable)"
         )
+
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        if device.type == "cpu":
+            return
+        pm.register_wrap(
+            "megatron.core.optimizer.get_megatron_optimizer",
+            _offloaded_optimizer,
+            feature=self.name,
+            reason="keep the new optimizer's states and main parameters in host memory "
+            "between steps",
+        )
+
+
+def _offloaded_optimizer(get_megatron_optimizer):
+    @functools.wraps(get_megatron_optimizer)
+    def build(*args, **kwargs):
+        from anyspeed.device import torch_device
+        from anyspeed.features.memory.offload import OptimizerOffload
+
+        optimizer = get_megatron_optimizer(*args, **kwargs)
+        optimizer.offload = OptimizerOffload(optimizer, torch_device())
+        return optimizer
+
+    return build
