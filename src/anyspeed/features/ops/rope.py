@@ -38,23 +38,28 @@ def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
         o2.addcmul_(x1, s2)
 
 
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``t`` rotated by the angles whose ``cos``/``sin`` [.., rot] are given (the rest passes)."""
+    rot = cos.shape[-1]
+    head, tail = t[..., :rot], t[..., rot:]
+    if interleaved:
+        out = head * cos + _rotate(head, interleaved, 1.0) * sin
+        return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    _rotate_into(out[..., :rot], head, cos, sin, transpose=False)
+    if tail.shape[-1]:
+        out[..., rot:] = tail
+    return out
+
+
 class _RoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        rot = freqs.shape[-1]
         cos = torch.cos(freqs).to(t.dtype)
         sin = torch.sin(freqs).to(t.dtype)
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
-        head, tail = t[..., :rot], t[..., rot:]
-        if interleaved:
-            out = head * cos + _rotate(head, interleaved, 1.0) * sin
-            return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
-        out = torch.empty_like(t, memory_format=torch.contiguous_format)
-        _rotate_into(out[..., :rot], head, cos, sin, transpose=False)
-        if tail.shape[-1]:
-            out[..., rot:] = tail
-        return out
+        return _rope(t, cos, sin, interleaved)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -71,9 +76,49 @@ class _RoPE(torch.autograd.Function):
         return out, None, None
 
 
+_TABLES = "_anyspeed_rope_tables"  # attribute of a rotary table: its cos and signed sin
+
+
+def _signed_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``[-sin | sin]`` of ``freqs``: rotate_half's signs folded into the sine."""
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    h = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+
+
+def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_signed_tables` of ``freqs``, computed once per rotary table that ``freqs`` views
+    (Megatron caches one per length and slices it per step) and viewed the way ``freqs`` is."""
+    base = freqs if freqs._base is None else freqs._base
+    if not base.is_contiguous() or base.shape[-1] != freqs.shape[-1] or freqs.stride(-1) != 1:
+        return _signed_tables(freqs, dtype)
+    tables = getattr(base, _TABLES, None)
+    if tables is None or tables[0].dtype != dtype:
+        tables = _signed_tables(base, dtype)
+        setattr(base, _TABLES, tables)
+    at = freqs.storage_offset() - base.storage_offset()
+    cos, sin = (x.as_strided(freqs.shape, freqs.stride(), x.storage_offset() + at) for x in tables)
+    return cos, sin
+
+
+def _rope_no_grad(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``t * cos + rotate_half(t) * sin`` in four tensor ops, with cached tables (decoding)."""
+    if interleaved:
+        return _rope(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype), interleaved)
+    cos, sin = _tables(freqs, t.dtype)
+    rot = cos.shape[-1]
+    head = t[..., :rot] if rot < t.shape[-1] else t
+    out = head * cos
+    out.add_(head.roll(rot // 2, dims=-1) * sin)  # roll: [x2, x1]; sin holds the signs
+    return torch.cat((out, t[..., rot:]), dim=-1) if rot < t.shape[-1] else out
+
+
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate ``t`` [s, b, heads, d] by ``freqs`` [s, 1, 1, rot] (rot <= d; the rest passes)."""
-    return _RoPE.apply(t, freqs, interleaved)
+    """Rotate ``t`` [s, b, heads, d] by ``freqs`` [s, 1, 1, rot] (rot <= d; the rest passes).
+    Under no-grad (decoding) the same rotation runs without the autograd node."""
+    if torch.is_grad_enabled():
+        return _RoPE.apply(t, freqs, interleaved)
+    return _rope_no_grad(t, freqs, interleaved)
 
 
 def fused_apply_rotary_pos_emb(

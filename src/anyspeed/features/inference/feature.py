@@ -1,0 +1,122 @@
+"""Level-1 feature ``no-grad-fast-path``: Megatron's forward without training-only work when no
+gradient is recorded (generation, evaluation, the no-grad pass of recomputation).
+
+Megatron routes every linear layer and every tensor-parallel copy / reduce / gather through an
+``autograd.Function`` even under ``torch.no_grad``; in a one-token decode step that per-call
+Python work costs about as much as the matmuls of a small model. With grad off these wraps run
+the functions' forward bodies directly: the same tensor ops in the same order, so outputs are
+bit-identical. With Megatron's static KV cache, keys are stored already rotated (RoPE applied
+once, to the new tokens) instead of re-rotating the whole cache at every step; attention then
+sees exactly the keys it saw before. Grad-enabled calls go to Megatron's own code untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features.base import Feature
+from anyspeed.patching import PatchManager
+
+_LAYERS = "megatron.core.tensor_parallel.layers."
+_MAPPINGS = "megatron.core.tensor_parallel.mappings."
+_ADJUST = "megatron.core.transformer.attention.Attention._adjust_key_value_for_inference"
+
+
+def _linear(previous: Callable) -> Callable:
+    """Megatron's linear entry point: a plain matmul under no-grad without sequence parallelism
+    (the forward of its autograd function, minus saving tensors for a backward that never runs)."""
+
+    @functools.wraps(previous)
+    def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+               sequence_parallel, *args, **kwargs):  # fmt: skip
+        if torch.is_grad_enabled() or sequence_parallel:
+            return previous(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                            sequence_parallel, *args, **kwargs)  # fmt: skip
+        out = torch.matmul(input, weight.t())
+        return out if bias is None else out + bias
+
+    return linear
+
+
+def _region(forward: str) -> Callable[[Callable], Callable]:
+    """A tensor-parallel region mapping that, under no-grad, calls ``forward`` (the module's
+    plain function its autograd function runs forward) on the same group; "" is the identity."""
+
+    def wrap(previous: Callable) -> Callable:
+        from megatron.core import utils
+        from megatron.core.tensor_parallel import mappings
+
+        body = getattr(mappings, forward) if forward else None
+
+        @functools.wraps(previous)
+        def region(input_, group=None):
+            if torch.is_grad_enabled():
+                return previous(input_, group)
+            if body is None:
+                return input_
+            return body(input_, utils.get_tensor_model_parallel_group_if_none(group))
+
+        return region
+
+    return wrap
+
+
+def _store_rotated_keys(previous: Callable) -> Callable:
+    """Megatron's static-cache bookkeeping, fed keys already rotated to their positions; the
+    returned key rotary embedding is None, so the attention does not rotate the cache again."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.transformer import attention
+
+    @functools.wraps(previous)
+    def adjust(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs):
+        ctx = inference_context
+        if (ctx is None or kwargs.get("inference_params") is not None
+                or not ctx.is_static_batching() or self.config.flash_decode
+                or not isinstance(rotary_pos_emb, tuple) or rotary_pos_emb[1] is None):  # fmt: skip
+            return previous(self, inference_context, query, key, value, rotary_pos_emb, *args,
+                            **kwargs)  # fmt: skip
+        start = ctx.sequence_len_offset
+        freqs = rotary_pos_emb[1][start : start + key.shape[0]]
+        mscale = attention._yarn_get_concentration_factor_from_config(self.config)
+        key = apply_rotary_pos_emb(key, freqs, config=self.config, mscale=mscale,
+                                   cp_group=self.pg_collection.cp)  # fmt: skip
+        query, key, value, emb, mask_type, table = previous(
+            self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
+        )
+        return query, key, value, (emb[0], None), mask_type, table
+
+    return adjust
+
+
+class NoGradFastPath(Feature):
+    name = "no-grad-fast-path"
+    level = 1
+    description = (
+        "under no-grad, Megatron's linear layers and TP region mappings run their forward "
+        "directly (no autograd-function work per call), and the static KV cache stores rotated "
+        "keys instead of re-rotating the whole cache each step"
+    )
+
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        why = "no-grad: a plain matmul instead of the autograd function"
+        for name in ("linear_with_grad_accumulation_and_async_allreduce",
+                     "linear_with_frozen_weight"):  # fmt: skip
+            pm.register_wrap(_LAYERS + name, _linear, feature=self.name, reason=why)
+        regions: dict[str, Any] = {
+            "copy_to_tensor_model_parallel_region": "",
+            "reduce_from_tensor_model_parallel_region": "_reduce",
+            "gather_from_tensor_model_parallel_region": "_gather_along_last_dim",
+        }
+        for name, body in regions.items():
+            why = f"no-grad: {body or 'identity'} without the autograd function"
+            pm.register_wrap(_MAPPINGS + name, _region(body), feature=self.name, reason=why)
+        why = "static KV cache: rotate each key once when stored, not the whole cache every step"
+        pm.register_wrap(_ADJUST, _store_rotated_keys, feature=self.name, reason=why)
