@@ -4,7 +4,8 @@ One random Llama-style model (default 4 layers, hidden 512, 8 heads / 4 KV group
 is saved as a Hugging Face directory and converted to Megatron once. In one process (the same
 threads for every row) it greedily decodes ``--new-tokens`` (256) after a ``--prompt-tokens``
 prompt: with Megatron's static KV cache, without it (every step re-runs the whole sequence),
-and with transformers' ``generate(do_sample=False)`` (its default dynamic cache). Tokens are
+and with transformers' ``generate(do_sample=False)`` (its default dynamic cache, SDPA
+attention, under ``torch.inference_mode`` like anyspeed's loop). Tokens are
 checked equal; the table gives new tokens per second and ratios.
 
     python benchmarks/generate.py [--new-tokens 256] [--hidden 512] [--layers 4]
@@ -66,11 +67,12 @@ def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int, threads: i
     for name, cache in (("kv", True), ("nokv", False)):
         req = Request(new, use_kv_cache=cache)
         fns[name] = lambda req=req: generate(model, [prompt], req)[0]
-    hf_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
+                                                    attn_implementation="sdpa").eval()  # fmt: skip
     hf_model.generation_config.eos_token_id = None
 
     def hf_generate():
-        with torch.no_grad():
+        with torch.inference_mode():  # the mode anyspeed's generate runs in
             ids = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
                                     min_new_tokens=new, pad_token_id=0)  # fmt: skip
         return ids[0, len(prompt) :].tolist()

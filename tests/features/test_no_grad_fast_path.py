@@ -1,6 +1,6 @@
 """``no-grad-fast-path``: under no-grad Megatron's linear entry point is a plain matmul (and
-untouched with grad on); with the static KV cache, keys stored rotated give attention the same
-keys as Megatron's re-rotation of the whole cache, step after step."""
+untouched with grad on); with the static KV cache, queries and keys rotated when stored give
+attention the same tensors as Megatron's re-rotation of the whole cache, step after step."""
 
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def _attention_stub(config, groups: int):
                            _allocate_memory=allocate)  # fmt: skip
 
 
-def _keys_seen(adjust, stub, steps: list[int], freqs: torch.Tensor) -> list[torch.Tensor]:
-    """The keys attention gets at each step of a static-cache run (prefill, then decode)."""
+def _seen(adjust, stub, steps: list[int], freqs: torch.Tensor) -> list[torch.Tensor]:
+    """The queries and keys attention gets at each step of a static-cache run (prefill, then
+    decode)."""
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
@@ -57,15 +58,16 @@ def _keys_seen(adjust, stub, steps: list[int], freqs: torch.Tensor) -> list[torc
     seen = []
     for n in steps:
         q, k, v = (torch.randn(n, 2, 2, 16, generator=gen) for _ in range(3))
-        _, key, _, emb, _, _ = adjust(stub, ctx, q, k, v, (freqs, freqs))
-        if emb[1] is not None:  # what Megatron's attention does with the key embedding
-            key = apply_rotary_pos_emb(key, emb[1], config=stub.config, cp_group=object())
-        seen.append(key.clone())
+        query, key, _, emb, _, _ = adjust(stub, ctx, q, k, v, (freqs, freqs))
+        if emb is not None:  # what Megatron's attention then does with the embeddings
+            query, key = (apply_rotary_pos_emb(x, e, config=stub.config, cp_group=object())
+                          for x, e in zip((query, key), emb, strict=True))  # fmt: skip
+        seen += [query.clone(), key.clone()]
         ctx.sequence_len_offset += n
     return seen
 
 
-def test_static_cache_keys_stored_rotated_equal_megatrons_rerotation(applied) -> None:
+def test_static_cache_rotated_at_store_equals_megatrons_rerotation(applied) -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.attention import Attention
@@ -79,8 +81,8 @@ def test_static_cache_keys_stored_rotated_equal_megatrons_rerotation(applied) ->
                                apply_rope_fusion=True)  # fmt: skip
     freqs = RotaryEmbedding(16, rotary_percent=1.0, use_cpu_initialization=True)(12)
     steps = [5, 1, 1, 1]
-    ref = _keys_seen(megatron, _attention_stub(config, 2), steps, freqs)
-    got = _keys_seen(_store_rotated_keys(megatron), _attention_stub(config, 2), steps, freqs)
-    assert [k.shape[0] for k in got] == [5, 6, 7, 8]
+    ref = _seen(megatron, _attention_stub(config, 2), steps, freqs)
+    got = _seen(_store_rotated_keys(megatron), _attention_stub(config, 2), steps, freqs)
+    assert [x.shape[0] for x in got] == [5, 5, 1, 6, 1, 7, 1, 8]
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)

@@ -67,29 +67,50 @@ def _region(forward: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
-def _store_rotated_keys(previous: Callable) -> Callable:
-    """Megatron's static-cache bookkeeping, fed keys already rotated to their positions; the
-    returned key rotary embedding is None, so the attention does not rotate the cache again."""
+_TABLES = "_anyspeed_rope_tables"  # {dtype: (cos, signed sin)} kept on a rotary table
+
+
+def _rotated(t: torch.Tensor, emb: torch.Tensor, start: int, config: Any, cp: Any) -> torch.Tensor:
+    """``t`` [s, b, heads, d] rotated to positions ``start``.. by Megatron's rotary ``emb``,
+    from cos / sin computed once per table (Megatron caches one table per length)."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.transformer import attention
+
+    from anyspeed.features.ops.rope import rotate, signed_tables
+
+    freqs = emb[start : start + t.shape[0]]
+    mscale = attention._yarn_get_concentration_factor_from_config(config)
+    if config.rotary_interleaved or config.multi_latent_attention or mscale != 1.0:
+        return apply_rotary_pos_emb(t, freqs, config=config, mscale=mscale, cp_group=cp)
+    cache = emb.__dict__.setdefault(_TABLES, {})
+    if t.dtype not in cache:
+        cache[t.dtype] = signed_tables(emb, t.dtype)
+    cos, sin = cache[t.dtype]
+    n = start + t.shape[0]
+    return rotate(t, cos[start:n], sin[start:n])
+
+
+def _store_rotated_keys(previous: Callable) -> Callable:
+    """Megatron's static-cache bookkeeping fed the query and keys already rotated to their
+    positions; no rotary embedding goes back, so the attention does not rotate the whole cache
+    again (each key is rotated once, when stored)."""
 
     @functools.wraps(previous)
     def adjust(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs):
         ctx = inference_context
         if (ctx is None or kwargs.get("inference_params") is not None
                 or not ctx.is_static_batching() or self.config.flash_decode
-                or not isinstance(rotary_pos_emb, tuple) or rotary_pos_emb[1] is None):  # fmt: skip
+                or not isinstance(rotary_pos_emb, tuple) or rotary_pos_emb[1] is None
+                or rotary_pos_emb[0] is None):  # fmt: skip
             return previous(self, inference_context, query, key, value, rotary_pos_emb, *args,
                             **kwargs)  # fmt: skip
-        start = ctx.sequence_len_offset
-        freqs = rotary_pos_emb[1][start : start + key.shape[0]]
-        mscale = attention._yarn_get_concentration_factor_from_config(self.config)
-        key = apply_rotary_pos_emb(key, freqs, config=self.config, mscale=mscale,
-                                   cp_group=self.pg_collection.cp)  # fmt: skip
-        query, key, value, emb, mask_type, table = previous(
+        start, cp = ctx.sequence_len_offset, self.pg_collection.cp
+        query = _rotated(query, rotary_pos_emb[0], start, self.config, cp)
+        key = _rotated(key, rotary_pos_emb[1], start, self.config, cp)
+        query, key, value, _, mask_type, table = previous(
             self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
         )
-        return query, key, value, (emb[0], None), mask_type, table
+        return query, key, value, None, mask_type, table
 
     return adjust
 

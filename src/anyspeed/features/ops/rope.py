@@ -76,40 +76,21 @@ class _RoPE(torch.autograd.Function):
         return out, None, None
 
 
-_TABLES = "_anyspeed_rope_tables"  # attribute of a rotary table: its cos and signed sin
-
-
-def _signed_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``[-sin | sin]`` of ``freqs``: rotate_half's signs folded into the sine."""
+def signed_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``[-sin | sin]`` of ``freqs`` in ``dtype``: rotate_half's signs folded into
+    the sine, for :func:`rotate` (compute once per rotary table when decoding)."""
     cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
     h = sin.shape[-1] // 2
     return cos, torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
 
 
-def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_signed_tables` of ``freqs``, computed once per rotary table that ``freqs`` views
-    (Megatron caches one per length and slices it per step) and viewed the way ``freqs`` is."""
-    base = freqs if freqs._base is None else freqs._base
-    if not base.is_contiguous() or base.shape[-1] != freqs.shape[-1] or freqs.stride(-1) != 1:
-        return _signed_tables(freqs, dtype)
-    tables = getattr(base, _TABLES, None)
-    if tables is None or tables[0].dtype != dtype:
-        tables = _signed_tables(base, dtype)
-        setattr(base, _TABLES, tables)
-    at = freqs.storage_offset() - base.storage_offset()
-    cos, sin = (x.as_strided(freqs.shape, freqs.stride(), x.storage_offset() + at) for x in tables)
-    return cos, sin
-
-
-def _rope_no_grad(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``t * cos + rotate_half(t) * sin`` in four tensor ops, with cached tables (decoding)."""
-    if interleaved:
-        return _rope(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype), interleaved)
-    cos, sin = _tables(freqs, t.dtype)
+def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``t * cos + rotate_half(t) * sin`` (non-interleaved; dims past ``cos``'s pass) in four
+    tensor ops, from :func:`signed_tables`; no autograd node (for no-grad paths)."""
     rot = cos.shape[-1]
     head = t[..., :rot] if rot < t.shape[-1] else t
     out = head * cos
-    out.add_(head.roll(rot // 2, dims=-1) * sin)  # roll: [x2, x1]; sin holds the signs
+    out.add_(head.roll(rot // 2, dims=-1) * signed_sin)  # roll: [x2, x1]; the sine has the signs
     return torch.cat((out, t[..., rot:]), dim=-1) if rot < t.shape[-1] else out
 
 
@@ -118,7 +99,9 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) 
     Under no-grad (decoding) the same rotation runs without the autograd node."""
     if torch.is_grad_enabled():
         return _RoPE.apply(t, freqs, interleaved)
-    return _rope_no_grad(t, freqs, interleaved)
+    if interleaved:
+        return _rope(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype), interleaved)
+    return rotate(t, *signed_tables(freqs, t.dtype))
 
 
 def fused_apply_rotary_pos_emb(
