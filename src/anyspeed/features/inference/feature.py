@@ -5,9 +5,11 @@ Megatron routes every linear layer and every tensor-parallel copy / reduce / gat
 ``autograd.Function`` even under ``torch.no_grad``; in a one-token decode step that per-call
 Python work costs about as much as the matmuls of a small model. With grad off these wraps run
 the functions' forward bodies directly: the same tensor ops in the same order, so outputs are
-bit-identical. With Megatron's static KV cache, keys are stored already rotated (RoPE applied
-once, to the new tokens) instead of re-rotating the whole cache at every step; attention then
-sees exactly the keys it saw before. Grad-enabled calls go to Megatron's own code untouched.
+bit-identical. With Megatron's static KV cache, the new query and keys are rotated once, before
+the keys are stored, from cos / sin tables computed once per rotary table, instead of Megatron
+re-rotating the whole cached key sequence in every layer at every step (the rotation is
+``t * cos + rotate_half(t) * sin``, Megatron's unfused formula). Grad-enabled calls go to
+Megatron's own code untouched.
 """
 
 from __future__ import annotations
@@ -120,8 +122,8 @@ class NoGradFastPath(Feature):
     level = 1
     description = (
         "under no-grad, Megatron's linear layers and TP region mappings run their forward "
-        "directly (no autograd-function work per call), and the static KV cache stores rotated "
-        "keys instead of re-rotating the whole cache each step"
+        "directly (no autograd-function work per call); the static KV cache stores keys rotated "
+        "once instead of re-rotating the whole cache each step"
     )
 
     def register_patches(
