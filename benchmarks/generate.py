@@ -4,7 +4,8 @@ One random Llama-style model (default 4 layers, hidden 512, 8 heads / 4 KV group
 is saved as a Hugging Face directory and converted to Megatron once. In one process (the same
 threads for every row) it greedily decodes ``--new-tokens`` (256) after a ``--prompt-tokens``
 prompt: with Megatron's static KV cache, without it (every step re-runs the whole sequence),
-and with transformers' ``generate(do_sample=False)`` (its default dynamic cache). Tokens are
+and with transformers' ``generate(do_sample=False)`` (its default dynamic cache, SDPA
+attention, under ``torch.inference_mode`` like anyspeed's loop). Tokens are
 checked equal; the table gives new tokens per second and ratios.
 
     python benchmarks/generate.py [--new-tokens 256] [--hidden 512] [--layers 4]
@@ -50,9 +51,30 @@ def _timed(fns: dict, repeats: int) -> dict:
     return best
 
 
-def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int, threads: int) -> dict:
+def _hf_generate(hf: str, prompt: list[int], new: int, copied: bool):
+    """transformers' greedy ``generate`` on the model in ``hf``. Its weights are views of the
+    memory-mapped safetensors file (the page cache);
+    ``copied`` gives it private copies, held like anyspeed's (ordinary process memory)."""
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()  # fmt: skip
+    model.generation_config.eos_token_id = None
+    if copied:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
+
+    def run() -> list[int]:
+        with torch.inference_mode():  # the mode anyspeed's generate runs in
+            ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
+                                 min_new_tokens=new, pad_token_id=0)  # fmt: skip
+        return ids[0, len(prompt) :].tolist()
+
+    return run
+
+
+def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int, threads: int) -> dict:
     from anyspeed.commands.session import load_model, model_of
     from anyspeed.inference.decode import Request, generate
     from anyspeed.layout import Layout
@@ -66,16 +88,8 @@ def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int, threads: i
     for name, cache in (("kv", True), ("nokv", False)):
         req = Request(new, use_kv_cache=cache)
         fns[name] = lambda req=req: generate(model, [prompt], req)[0]
-    hf_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    hf_model.generation_config.eos_token_id = None
-
-    def hf_generate():
-        with torch.no_grad():
-            ids = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
-                                    min_new_tokens=new, pad_token_id=0)  # fmt: skip
-        return ids[0, len(prompt) :].tolist()
-
-    fns["hf"] = hf_generate
+    for key, copied in (("hf", False), ("hf_copied", True)):
+        fns[key] = _hf_generate(hf, prompt, new, copied)
     out = _timed(fns, repeats)
     out["threads"] = torch.get_num_threads()
     return out
@@ -103,14 +117,15 @@ def main() -> None:
     res = run_distributed(_run, 1, hf=f"{root}/hf", mg=f"{root}/mg", prompt=prompt.tolist(),
                           new=a.new_tokens, repeats=a.repeats, threads=a.threads,
                           timeout=3600)[0]  # fmt: skip
-    same = res["kv"][1] == res["nokv"][1] == res["hf"][1]
+    same = res["kv"][1] == res["nokv"][1] == res["hf"][1] == res["hf_copied"][1]
     print(f"greedy decode, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, prompt "
           f"{a.prompt_tokens} + {a.new_tokens} new tokens, fp32, {res['threads']} threads; "
           f"tokens identical: {same}")  # fmt: skip
     kv = a.new_tokens / res["kv"][0]
     print(f"{'run':<34}{'seconds':>9}{'tokens/s':>10}{'KV cache is':>14}")
     for label, key in (("anyspeed, KV cache", "kv"), ("anyspeed, no KV cache", "nokv"),
-                       ("transformers generate", "hf")):  # fmt: skip
+                       ("transformers generate (mmap'd)", "hf"),
+                       ("transformers generate (copied)", "hf_copied")):  # fmt: skip
         tps = a.new_tokens / res[key][0]
         print(f"{label:<34}{res[key][0]:>9.2f}{tps:>10.1f}{kv / tps:>13.2f}x")
 

@@ -67,6 +67,8 @@ def test_swiglu_matches_unfused(dtype):
     out.backward(g)
     assert (ref.float() - out.float()).abs().max() <= TOL[dtype]
     assert (a.grad.float() - b.grad.float()).abs().max() <= TOL[dtype] * 4
+    with torch.no_grad():
+        assert (ref.detach().float() - bias_swiglu(x, None).float()).abs().max() <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -95,6 +97,11 @@ def test_rope_matches_megatron(dtype, interleaved, rotary_percent, scaling, devi
     out.backward(g)
     assert (ref.float() - out.float()).abs().max() <= TOL[dtype]
     assert (a.grad.float() - b.grad.float()).abs().max() <= TOL[dtype]
+    with torch.no_grad():  # decoding's path: tables cached per rotary table, sliced per step
+        whole = apply_rope(t, freqs, interleaved)
+        part = apply_rope(t[3:7], freqs[3:7], interleaved)
+    assert (ref.detach().float() - whole.float()).abs().max() <= TOL[dtype]
+    assert (ref.detach()[3:7].float() - part.float()).abs().max() <= TOL[dtype]
 
 
 @pytest.mark.parametrize(

@@ -38,23 +38,28 @@ def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
         o2.addcmul_(x1, s2)
 
 
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``t`` rotated by the angles whose ``cos``/``sin`` [.., rot] are given (the rest passes)."""
+    rot = cos.shape[-1]
+    head, tail = t[..., :rot], t[..., rot:]
+    if interleaved:
+        out = head * cos + _rotate(head, interleaved, 1.0) * sin
+        return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    _rotate_into(out[..., :rot], head, cos, sin, transpose=False)
+    if tail.shape[-1]:
+        out[..., rot:] = tail
+    return out
+
+
 class _RoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        rot = freqs.shape[-1]
         cos = torch.cos(freqs).to(t.dtype)
         sin = torch.sin(freqs).to(t.dtype)
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
-        head, tail = t[..., :rot], t[..., rot:]
-        if interleaved:
-            out = head * cos + _rotate(head, interleaved, 1.0) * sin
-            return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
-        out = torch.empty_like(t, memory_format=torch.contiguous_format)
-        _rotate_into(out[..., :rot], head, cos, sin, transpose=False)
-        if tail.shape[-1]:
-            out[..., rot:] = tail
-        return out
+        return _rope(t, cos, sin, interleaved)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -71,9 +76,32 @@ class _RoPE(torch.autograd.Function):
         return out, None, None
 
 
+def signed_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``[-sin | sin]`` of ``freqs`` in ``dtype``: rotate_half's signs folded into
+    the sine, for :func:`rotate` (compute once per rotary table when decoding)."""
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    h = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``t * cos + rotate_half(t) * sin`` (non-interleaved; dims past ``cos``'s pass) in four
+    tensor ops, from :func:`signed_tables`; no autograd node (for no-grad paths)."""
+    rot = cos.shape[-1]
+    head = t[..., :rot] if rot < t.shape[-1] else t
+    out = head * cos
+    out.add_(head.roll(rot // 2, dims=-1) * signed_sin)  # roll: [x2, x1]; the sine has the signs
+    return torch.cat((out, t[..., rot:]), dim=-1) if rot < t.shape[-1] else out
+
+
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate ``t`` [s, b, heads, d] by ``freqs`` [s, 1, 1, rot] (rot <= d; the rest passes)."""
-    return _RoPE.apply(t, freqs, interleaved)
+    """Rotate ``t`` [s, b, heads, d] by ``freqs`` [s, 1, 1, rot] (rot <= d; the rest passes).
+    Under no-grad (decoding) the same rotation runs without the autograd node."""
+    if torch.is_grad_enabled():
+        return _RoPE.apply(t, freqs, interleaved)
+    if interleaved:
+        return _rope(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype), interleaved)
+    return rotate(t, *signed_tables(freqs, t.dtype))
 
 
 def fused_apply_rotary_pos_emb(

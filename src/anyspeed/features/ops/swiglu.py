@@ -12,12 +12,16 @@ import torch
 import torch.nn.functional as F
 
 
+def _forward(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return F.silu(a).mul_(b)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        a, b = x.chunk(2, dim=-1)
-        return F.silu(a).mul_(b)
+        return _forward(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -37,8 +41,11 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :n]) * x[..., n:]`` with input-only saved state."""
-    return _SwiGLU.apply(x)
+    """``silu(x[..., :n]) * x[..., n:]`` with input-only saved state (under no-grad, the same
+    forward without the autograd node)."""
+    if torch.is_grad_enabled():
+        return _SwiGLU.apply(x)
+    return _forward(x)
 
 
 def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None, *args, **kwargs) -> torch.Tensor:
