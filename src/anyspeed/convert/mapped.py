@@ -274,11 +274,13 @@ class FileSink(PositionedFile):
     def _flush_small(self) -> None:
         """Queue the small writes, one ``pwrite`` per run of adjacent ones."""
         runs: list[tuple[int, list[bytes]]] = []
+        end = -1  # where the last run ends
         for at, data in sorted(self._small, key=lambda x: x[0]):
-            if runs and runs[-1][0] + sum(len(d) for d in runs[-1][1]) == at:
+            if at == end:
                 runs[-1][1].append(data)
             else:
                 runs.append((at, [data]))
+            end = at + len(data)
         for at, datas in runs:
             self._submit(self._pwrite, [memoryview(b"".join(datas))], at)
         self._small, self._small_bytes = [], 0

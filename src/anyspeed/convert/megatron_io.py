@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import json
 import re
-import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -188,15 +188,16 @@ def megatron_session() -> Iterator[None]:
     from anyspeed import adaptor
 
     adaptor.apply(argv=[])
-    with tempfile.TemporaryDirectory() as store:
-        dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
-        try:
-            ps.initialize_model_parallel()
-            tensor_parallel.model_parallel_cuda_manual_seed(0)
-            yield
-        finally:
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
+    # An in-memory store: a rendezvous file's removal at the end can wait behind the
+    # conversion's own writes (0.6 s measured after 3.7 GB).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def empty_model(preset: ModelConfig, dtype: torch.dtype):
@@ -204,14 +205,16 @@ def empty_model(preset: ModelConfig, dtype: torch.dtype):
     is the checkpoint's key layout."""
     from anyspeed.models import gpt
 
-    cfg = gpt.transformer_config(
-        preset,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        perform_initialization=False,
-    )
+    with warnings.catch_warnings():  # advice on routing numerics, for a model that never runs
+        warnings.filterwarnings("ignore", "Using a large number of experts", UserWarning)
+        cfg = gpt.transformer_config(
+            preset,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            perform_initialization=False,
+        )
     return gpt.build(preset, cfg)
 
 
