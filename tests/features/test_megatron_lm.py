@@ -349,3 +349,22 @@ def test_pretrain_gpt_load_never_runs_code_from_a_checkpoint(script, tmp_path, f
         launcher = 'Traceback (most recent call last):\n  File "<frozen runpy>"'  # torchrun's
         assert proc.stderr.count("Traceback") == proc.stderr.count(launcher), proc.stderr[-4000:]
         assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_uneven_pipeline_stages_match_one_stage(script, tmp_path):
+    """PP2 with uneven stages (3 layers: MindSpeed-LLM's --num-layer-list 1,2, and Megatron's
+    --decoder-last-pipeline-num-layers 1) gives the PP1 run's losses within 1e-5. Megatron seeds
+    each stage's initialisation apart, so every run starts (--finetune) from one PP1 save."""
+    ckpt = str(tmp_path / "ckpt")
+    model = ["--num-layers", "3", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    torchrun(script, *model, "--train-iters", "1", "--save", ckpt, "--save-interval", "1",
+             nproc=1)  # fmt: skip
+    tune = [*model, "--train-iters", "4", "--load", ckpt, "--finetune"]
+    one = torchrun(script, *tune, nproc=1)
+    assert sorted(one) == list(range(1, 5))
+    for stages in (["--num-layer-list", "1,2"], ["--decoder-last-pipeline-num-layers", "1"]):
+        two = torchrun(script, *tune, "--pipeline-model-parallel-size", "2", *stages)
+        assert sorted(two) == list(range(1, 5)), (stages, two)
+        for it in range(1, 5):
+            assert two[it] == pytest.approx(one[it], rel=1e-5), (stages, it, two, one)

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -166,8 +166,10 @@ def hf_to_megatron(
     def read(name: str) -> torch.Tensor:
         return ck.get(name, mapped=True).to(dtype)
 
-    def group(g: engine.Group, stacked: bool = False) -> dict[str, torch.Tensor | engine.Stacked]:
-        return engine.to_megatron(m, preset, g, read, padded, stacked)
+    def group(
+        g: engine.Group, stacked: bool = False, keep: Callable[[str], bool] | None = None
+    ) -> dict[str, torch.Tensor | engine.Stacked]:
+        return engine.to_megatron(m, preset, g, read, padded, stacked, keep)
 
     extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": preset.vocab_size,
              "expert_model_parallel_size": ep}  # fmt: skip
@@ -180,13 +182,15 @@ def hf_to_megatron(
         else:
             starts = [sum(counts[:s]) for s in range(pp + 1)]
 
-            def stage(s: int) -> Iterator[dict[str, torch.Tensor | engine.Stacked]]:
+            def stage(
+                s: int, keep: Callable[[str], bool] | None = None
+            ) -> Iterator[dict[str, torch.Tensor | engine.Stacked]]:
                 if s == 0:
-                    yield group(engine.EMBED, True)
+                    yield group(engine.EMBED, True, keep)
                 for i in range(starts[s], starts[s + 1]):
-                    yield group(i, True)
+                    yield group(i, True, keep)
                 if s == pp - 1:
-                    yield group(engine.HEAD, True)
+                    yield group(engine.HEAD, True, keep)
                     if preset.tie_embeddings and pp > 1:  # the last stage's copy of the tie
                         emb = group(engine.EMBED, True)["embedding.word_embeddings.weight"]
                         yield {"output_layer.weight": emb}

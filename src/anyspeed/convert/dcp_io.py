@@ -217,6 +217,20 @@ class DcpReader:
             raise ConvertError(f"{path}: not torch.distributed.checkpoint metadata")
         self.tensors = self.meta.state_dict_metadata
         self.storage = self.meta.storage_data
+        self._index: dict[str, tuple[list[int], list, int]] = {}
+        self._sizes: dict[Path, int] = {}
+
+    def _chunks_near(self, key: str, lo: int, hi: int) -> list:
+        """The chunks of ``key`` that may overlap rows ``[lo, hi)`` of its first dim: found by
+        bisection (a layer's or an expert's region is a few of a stacked key's many chunks)."""
+        if key not in self._index:
+            chunks = sorted(self.tensors[key].chunks, key=lambda c: c.offsets[0] if c.offsets
+                            else 0)  # fmt: skip
+            starts = [c.offsets[0] if c.offsets else 0 for c in chunks]
+            longest = max((c.sizes[0] if c.sizes else 1 for c in chunks), default=1)
+            self._index[key] = (starts, chunks, longest)
+        starts, chunks, longest = self._index[key]
+        return chunks[bisect.bisect_left(starts, lo - longest + 1) : bisect.bisect_left(starts, hi)]
 
     def shape(self, key: str) -> tuple[int, ...]:
         if key not in self.tensors or not hasattr(self.tensors[key], "chunks"):
@@ -233,7 +247,9 @@ class DcpReader:
             raise ConvertError(f"{self.dir}: {key} is stored transformed "
                                f"({info.transform_descriptors}); not supported")  # fmt: skip
         path = self.dir / info.relative_path
-        if not path.is_file() or path.stat().st_size < info.offset + info.length:
+        if path not in self._sizes:
+            self._sizes[path] = path.stat().st_size if path.is_file() else -1
+        if self._sizes[path] < info.offset + info.length:
             raise ConvertError(f"{path}: missing or truncated ({key})")
         if not info.length:
             raise ConvertError(f"{path}: empty record for {key}")
@@ -252,7 +268,8 @@ class DcpReader:
         if any(n != 1 for n in size[:squeeze]):
             raise ConvertError(f"internal: cannot drop dims of size {list(size[:squeeze])}")
         pieces = []  # (region-global lower and upper bounds, view of the chunk)
-        for ch in md.chunks:
+        near = self._chunks_near(key, offset[0], offset[0] + size[0]) if size else md.chunks
+        for ch in near:
             lo = [max(o, c) for o, c in zip(offset, ch.offsets, strict=True)]
             hi = [min(o + s, c + n) for o, s, c, n in zip(offset, size, ch.offsets, ch.sizes,
                                                           strict=True)]  # fmt: skip

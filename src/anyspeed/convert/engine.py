@@ -208,13 +208,16 @@ def to_megatron(
     read: Callable[[str], torch.Tensor],
     vocab_rows: int,
     stacked: bool = False,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor | Stacked]:
-    """The Megatron tensors of ``group`` from HF tensors ``read(name)``; vocab padded with
-    zero rows to ``vocab_rows``. With ``stacked``, fused tensors (QKV in Megatron's
-    per-group order, SwiGLU's [gate; up]) and padded vocabularies are :class:`Stacked` views
-    of the HF tensors: nothing is copied until a writer needs it."""
+    """The Megatron tensors of ``group`` (those named ``keep`` accepts) from HF tensors
+    ``read(name)``; vocab padded with zero rows to ``vocab_rows``. With ``stacked``, fused
+    tensors (QKV in Megatron's per-group order, SwiGLU's [gate; up]) and padded vocabularies
+    are :class:`Stacked` views of the HF tensors: nothing is copied until a writer needs it."""
     out: dict[str, torch.Tensor | Stacked] = {}
     for mg, src in entries(m, preset, group).items():
+        if keep is not None and not keep(mg):
+            continue
         if isinstance(src, Fused):
             parts = [read(p) for p in src.parts]
             t = _fuse_lazy(src, parts, preset) if stacked else _fuse(src, parts, preset)
@@ -288,6 +291,16 @@ def shard_tp(name: str, t: torch.Tensor | Stacked, tp: int, rank: int) -> torch.
         half, f = n // 2, n // 2 // tp
         return take_rows(t, [(rank * f, (rank + 1) * f), (half + rank * f, half + (rank + 1) * f)])
     return materialize(t).chunk(tp, dim=1)[rank].contiguous()
+
+
+def shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape of every rank's :func:`shard_tp` of a tensor of ``shape`` (nothing copied)."""
+    rule = _rule(name)
+    if tp == 1 or rule == "replicated":
+        return tuple(shape)
+    if rule == "row":
+        return (shape[0], shape[1] // tp, *shape[2:])
+    return (shape[0] // tp, *shape[1:])
 
 
 def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor | Stacked:

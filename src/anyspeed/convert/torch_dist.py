@@ -60,10 +60,21 @@ def save_torch_dist(
     checkpoint_files.write_tracker(out_dir, RELEASE)
 
 
+def _few_experts(preset: ModelConfig) -> ModelConfig:
+    """``preset`` with the fewest experts its router accepts: a layer's experts share one
+    checkpoint key whatever their number, and building 128 of them took 0.3 s."""
+    if not preset.is_moe:
+        return preset
+    groups = preset.moe_router_num_groups or 1
+    per_group = -(-preset.moe_router_topk // (preset.moe_router_group_topk or groups))
+    return dataclasses.replace(preset, num_experts=min(preset.num_experts, groups * per_group))
+
+
 def _probe(preset: ModelConfig) -> tuple[ModelConfig, dict[bool, int]]:
     """A one- or two-layer model with the same kinds of layers as ``preset`` (dense and/or
     MoE), and which of its layers is of each kind: every layer of a kind has the same tensors."""
     kinds = preset.moe_layers()
+    preset = _few_experts(preset)
     if not any(kinds):
         return dataclasses.replace(preset, num_layers=1), {False: 0}
     if all(kinds):
