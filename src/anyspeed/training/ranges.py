@@ -103,6 +103,7 @@ RANGES: dict[str, Range] = {
     "--moe-router-group-topk": POSITIVE,
     "--moe-aux-loss-coeff": NONNEG,
     "--moe-z-loss-coeff": NONNEG,
+    "--moe-router-bias-update-rate": STRICTLY_POSITIVE,
     "--n-shared-experts": POSITIVE,
     "--moe-expert-capacity-factor": STRICTLY_POSITIVE,
     "--first-k-dense-replace": COUNT,
