@@ -28,6 +28,27 @@ def adaptor_with(*argv: str, env: dict | None = None) -> subprocess.CompletedPro
     return run(PY, "-c", code, *argv, env=env)
 
 
+def error_in_process(argv: list[str], capsys, monkeypatch, world: str | None = None) -> str:
+    """The shim's check for ``argv`` run in this process (the shim itself is run in a fresh
+    interpreter by test_features_flags): exit status 2 and one ``anyspeed: error:`` line,
+    raised by validation before anything is patched or any process group exists."""
+    from anyspeed.adaptor import apply_command_line, state, undo
+
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    fresh = state() is None
+    before = [] if fresh else list(state().applied)
+    with pytest.raises(SystemExit) as exc:
+        apply_command_line(argv)
+    assert exc.value.code == 2
+    assert (list(state().applied) if state() is not None else []) == before  # nothing applied
+    if fresh:
+        undo()  # leave the adaptor as the test found it (not yet applied)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("anyspeed: error:")]
+    assert len(lines) == 1
+    return lines[0]
+
+
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyspeed: error:")]
@@ -99,10 +120,10 @@ def test_unknown_optimization_level():
         (["--enable-cuda-graph"], "--enable-cuda-graph"),
     ],
 )
-def test_feature_flag_unavailable_on_this_device(argv, flag):
+def test_feature_flag_unavailable_on_this_device(argv, flag, capsys, monkeypatch):
     if detect().is_cuda:
         pytest.skip("these flags are available on CUDA")
-    line = one_line_error(adaptor_with(*argv))
+    line = error_in_process(argv, capsys, monkeypatch)
     assert flag in line and detect().type in line
 
 
@@ -197,8 +218,8 @@ def test_feature_flag_unavailable_on_this_device(argv, flag):
         ),
     ],
 )
-def test_bad_layout_stops_before_process_groups(argv, world, needle):
+def test_bad_layout_stops_before_process_groups(argv, world, needle, capsys, monkeypatch):
     t0 = time.monotonic()
-    line = one_line_error(adaptor_with(*argv, env={"WORLD_SIZE": world}))
+    line = error_in_process(argv, capsys, monkeypatch, world=world)
     assert needle in line
     assert time.monotonic() - t0 < 60
