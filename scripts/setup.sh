@@ -15,8 +15,8 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   elif [ -n "${ANYSPEED_TORCH_INDEX:-}" ]; then
     "$VPY" -m pip install -q torch==2.13.0 --index-url "$ANYSPEED_TORCH_INDEX"
   else
-    "$VPY" -m pip install -q --no-compile torch==2.13.0
+    "$VPY" -m pip install -q torch==2.13.0
   fi
 fi
-"$VPY" -m pip install -q --no-compile -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+"$VPY" -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 "$VPY" -W ignore -c "import torch, megatron.core, anyspeed; print('anyspeed ready: torch', torch.__version__)"
