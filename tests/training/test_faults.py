@@ -89,6 +89,7 @@ def _gone(processes: list[psutil.Process]) -> list[int]:
     return alive
 
 
+@pytest.mark.slow  # 20 s end to end; CI keeps the stall report's unit test (time budget)
 def test_stalled_rank_ends_the_job_naming_it(job):
     start, started = job
     proc, out, err = start([*JOB, "--distributed-timeout-minutes", "0.1"])
