@@ -35,6 +35,7 @@ def _third_party(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if "Warning" in ln or "warn(" in ln]
 
 
+@pytest.mark.slow  # two fresh interpreters, 12 s; the record filters stay in CI
 def test_features_is_quiet_and_verbose_brings_warnings_back():
     proc = _run(["-m", "anyspeed", "features"])
     assert not _third_party(proc.stdout + proc.stderr), proc.stderr

@@ -208,6 +208,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # 9 s in a fresh interpreter (CI time budget)
 def test_device_context_and_from_pretrained_survive_the_adaptor():
     """``with torch.device('meta')`` and transformers' loading still work once patched."""
     import subprocess

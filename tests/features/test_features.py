@@ -73,6 +73,7 @@ def test_levels_and_registry():
         assert expected in names
 
 
+@pytest.mark.slow  # 13 s; the registry and level tests stay in CI
 def test_features_command_lists_features_and_patches():
     out = run(PY, "-m", "anyspeed.cli", "features", "--json", "--optimization-level", "0")
     assert out.returncode == 0, out.stderr

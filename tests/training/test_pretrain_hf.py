@@ -12,6 +12,7 @@ import torch
 from test_pretrain import run, write_corpus
 
 
+@pytest.mark.slow  # 21 s; the HF-load runs of every family are slow too (CI time budget)
 def test_continue_pretraining_from_hf_directory(tmp_path, monkeypatch):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
