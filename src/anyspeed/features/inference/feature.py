@@ -28,6 +28,7 @@ from anyspeed.patching import PatchManager
 _LAYERS = "megatron.core.tensor_parallel.layers."
 _MAPPINGS = "megatron.core.tensor_parallel.mappings."
 _ADJUST = "megatron.core.transformer.attention.Attention._adjust_key_value_for_inference"
+_GPT_FORWARD = "megatron.core.models.gpt.gpt_model.GPTModel.forward"
 
 
 def _linear(previous: Callable) -> Callable:
@@ -117,13 +118,34 @@ def _store_rotated_keys(previous: Callable) -> Callable:
     return adjust
 
 
+def _lean_decode(previous: Callable) -> Callable:
+    """``GPTModel.forward`` for a one-token static-cache decode step under no-grad in eval mode:
+    :func:`decode_step` when the model's layers are plain, Megatron's forward otherwise."""
+    from anyspeed.features.inference.decode_step import decode_step
+
+    @functools.wraps(previous)
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        ctx = kwargs.get("inference_context")
+        if (ctx is not None and not args and not self.training and not torch.is_grad_enabled()
+                and ctx.is_static_batching() and ctx.is_decode_only()
+                and kwargs.get("runtime_gather_output")
+                and set(kwargs) <= {"inference_context", "runtime_gather_output"}):  # fmt: skip
+            out = decode_step(self, input_ids, position_ids, attention_mask, ctx)
+            if out is not None:
+                return out
+        return previous(self, input_ids, position_ids, attention_mask, *args, **kwargs)
+
+    return forward
+
+
 class NoGradFastPath(Feature):
     name = "no-grad-fast-path"
     level = 1
     description = (
         "under no-grad, Megatron's linear layers and TP region mappings run their forward "
         "directly (no autograd-function work per call); the static KV cache stores keys rotated "
-        "once instead of re-rotating the whole cache each step"
+        "once instead of re-rotating the whole cache each step; a one-token decode step of plain "
+        "dense/MoE layers runs from the weights without Megatron's per-module Python"
     )
 
     def register_patches(
@@ -143,3 +165,5 @@ class NoGradFastPath(Feature):
             pm.register_wrap(_MAPPINGS + name, _region(body), feature=self.name, reason=why)
         why = "static KV cache: rotate each key once when stored, not the whole cache every step"
         pm.register_wrap(_ADJUST, _store_rotated_keys, feature=self.name, reason=why)
+        why = "one-token static-cache decode: the layers' math from their weights, no module calls"
+        pm.register_wrap(_GPT_FORWARD, _lean_decode, feature=self.name, reason=why)

@@ -1,0 +1,225 @@
+"""A one-token decode step of a Megatron ``GPTModel`` through its own weights and static KV
+cache, without its per-module Python.
+
+Decoding one token runs ~17 small matmuls per step; Megatron's layer, attention, MLP and
+bias-dropout-add modules around them cost as much Python per step as the math of a small model.
+For the common dense layer (pre-norm, RoPE, GQA self-attention with optional qk-norm, gated or
+plain MLP; a MoE block is called as its own module) this step does the same tensor math straight
+from the module parameters, writes the new key/value into Megatron's ``StaticInferenceContext``
+(keys rotated when stored, as ``no-grad-fast-path`` stores them) and calls the embedding, norm
+and output modules as they are. Anything else (MLA, pipeline stages, interleaved or scaled RoPE,
+sliding windows, gated attention, ...) returns None and Megatron's forward runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_PLAN = "_anyspeed_decode_plan"
+# TransformerConfig fields whose non-default value changes the layer's math beyond this step
+_PLAIN = {
+    "multi_latent_attention": False, "rotary_interleaved": False, "flash_decode": False,
+    "fp32_residual_connection": False, "apply_residual_connection_post_layernorm": False,
+    "sequence_parallel": False, "apply_query_key_layer_scaling": False, "window_size": None,
+    "softmax_type": "vanilla", "attention_output_gate": False, "qk_l2_norm": False,
+    "no_rope_freq": None, "experimental_attention_variant": None, "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None, "mtp_num_layers": None, "use_te_activation_func": False,
+    "context_parallel_size": 1, "inference_fuse_tp_communication": False,
+}  # fmt: skip
+
+
+@dataclass
+class _Layer:
+    number: int
+    norm1: Any
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    q_norm: Any
+    k_norm: Any
+    proj: tuple[torch.Tensor, torch.Tensor | None]
+    norm2: Any
+    fc1: tuple[torch.Tensor, torch.Tensor | None] | None  # None: call ``mlp`` (MoE)
+    fc2: tuple[torch.Tensor, torch.Tensor | None] | None
+    mlp: Any
+
+
+@dataclass
+class _Plan:
+    layers: list[_Layer]
+    groups: int  # query groups on this TP rank
+    per_group: int  # query heads per group
+    dim: int
+    scale: float
+    gated: bool
+    act: Any
+    tp_group: Any  # None at TP1
+    softmax_fp32: bool
+    tables: dict  # (length, dtype) -> (cos, signed sin)
+
+
+def _wb(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    bias = getattr(linear, "bias", None)
+    return linear.weight, bias if isinstance(bias, torch.Tensor) and bias.numel() else None
+
+
+def _layer(layer: Any) -> _Layer | None:
+    """The weights and norm modules of one plain dense (or MoE-block) layer; None otherwise."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+
+    attn = getattr(layer, "self_attention", None)
+    if attn is None or not hasattr(attn, "linear_qkv") or not hasattr(attn, "linear_proj"):
+        return None
+    if attn.config.num_query_groups < attn.world_size:  # KV heads replicated over TP ranks
+        return None
+    if not isinstance(getattr(layer, "cross_attention", IdentityOp()), IdentityOp):
+        return None
+    norms = (layer.input_layernorm, layer.pre_mlp_layernorm)
+    if any(isinstance(n, IdentityOp) for n in norms):  # a norm fused into the next linear
+        return None
+    dense = type(layer.mlp) is MLP
+    if dense and layer.mlp.config.activation_func not in (torch.nn.functional.silu,
+                                                          torch.nn.functional.gelu):  # fmt: skip
+        return None
+    return _Layer(
+        number=attn.layer_number, norm1=norms[0], qkv=_wb(attn.linear_qkv),
+        q_norm=attn.q_layernorm, k_norm=attn.k_layernorm, proj=_wb(attn.linear_proj),
+        norm2=norms[1], fc1=_wb(layer.mlp.linear_fc1) if dense else None,
+        fc2=_wb(layer.mlp.linear_fc2) if dense else None, mlp=None if dense else layer.mlp,
+    )  # fmt: skip
+
+
+def _build(model: Any) -> _Plan | None:
+    """What the step needs from ``model``, or None when its layers are not all plain."""
+    config = model.config
+    if not (model.pre_process and model.post_process) or getattr(model, "mtp_process", False):
+        return None
+    if model.position_embedding_type != "rope":
+        return None
+    if any(getattr(config, k, v) != v for k, v in _PLAIN.items()):
+        return None
+    from megatron.core.transformer import attention
+
+    if attention._yarn_get_concentration_factor_from_config(config) != 1.0:
+        return None
+    layers = [_layer(layer) for layer in model.decoder.layers]
+    if not layers or any(x is None for x in layers):
+        return None
+    attn = model.decoder.layers[0].self_attention
+    dim = attn.hidden_size_per_attention_head
+    groups = attn.num_query_groups_per_partition
+    tp = attn.pg_collection.tp
+    return _Plan(
+        layers=layers, groups=groups,
+        per_group=attn.num_attention_heads_per_partition // groups, dim=dim,
+        scale=config.softmax_scale or 1.0 / math.sqrt(dim), gated=config.gated_linear_unit,
+        act=config.activation_func, tp_group=tp if tp.size() > 1 else None,
+        softmax_fp32=config.attention_softmax_in_fp32, tables={},
+    )  # fmt: skip
+
+
+def plan_of(model: Any) -> _Plan | None:
+    """The model's decode plan, built once (False is cached as "not supported")."""
+    plan = model.__dict__.get(_PLAN)
+    if plan is None:
+        plan = _build(model) or False
+        model.__dict__[_PLAN] = plan
+    return plan or None
+
+
+def _linear(x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], group: Any = None
+            ) -> torch.Tensor:  # fmt: skip
+    """``x @ w.T`` (summed over the TP ``group`` for a row-parallel weight) ``+ b``."""
+    out = torch.matmul(x, wb[0].t())
+    if group is not None:
+        torch.distributed.all_reduce(out, group=group)
+    return out if wb[1] is None else out + wb[1]
+
+
+def _tables(plan: _Plan, model: Any, length: int, dtype: torch.dtype) -> tuple:
+    """cos / signed sin [length, 1, 1, rot] of the rotary table Megatron uses for a static
+    cache of ``length`` slots (the rotation is by slot, as Megatron's static cache does)."""
+    key = (length, dtype)
+    if key not in plan.tables:
+        from anyspeed.features.ops.rope import signed_tables
+
+        plan.tables[key] = signed_tables(model.rotary_pos_emb(length), dtype)
+    return plan.tables[key]
+
+
+def _attend(plan: _Plan, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """One query per row over ``n`` cached slots: q [b, g, per_group, d], keys / values
+    [n, b, g, d] (views of the cache) -> [b, g * per_group * d]; each query group shares its
+    key/value head without repeating it. ``mask`` [b, 1, 1, >= n] hides True slots."""
+    scores = torch.matmul(q * plan.scale, keys.permute(1, 2, 3, 0))  # [b, g, per_group, n]
+    if mask is not None:
+        scores = scores.masked_fill(mask[..., : keys.shape[0]], float("-inf"))
+    if plan.softmax_fp32 and scores.dtype != torch.float32:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values.permute(1, 2, 0, 3)).flatten(1)
+
+
+def _attention(plan: _Plan, lay: _Layer, h: torch.Tensor, ctx: Any, rope: tuple,
+               mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """Self-attention of one new token per row [1, b, hidden] through the static cache."""
+    from anyspeed.features.ops.rope import rotate
+
+    b, g, d = h.shape[1], plan.groups, plan.dim
+    qkv = _linear(h, lay.qkv).view(1, b, g, (plan.per_group + 2) * d)
+    q, k, v = qkv.split([plan.per_group * d, d, d], dim=-1)
+    q = q.reshape(1, b, g * plan.per_group, d)
+    if lay.q_norm is not None:
+        q = lay.q_norm(q)
+    if lay.k_norm is not None:
+        k = lay.k_norm(k)
+    q, k = rotate(q, *rope), rotate(k, *rope)
+    keys, values = ctx.key_value_memory_dict[lay.number]
+    start, rows = ctx.sequence_len_offset, slice(ctx.batch_size_offset, ctx.batch_size_offset + b)
+    keys[start, rows] = k[0]
+    values[start, rows] = v[0]
+    out = _attend(plan, q[0].view(b, g, plan.per_group, d), keys[: start + 1, rows],
+                  values[: start + 1, rows], mask)  # fmt: skip
+    return _linear(out[None], lay.proj, plan.tp_group)
+
+
+def _mlp(plan: _Plan, lay: _Layer, h: torch.Tensor) -> torch.Tensor:
+    if lay.fc1 is None:  # a MoE block: its own module
+        out, bias = lay.mlp(h)
+        return out if bias is None else out + bias
+    y = _linear(h, lay.fc1)
+    if plan.gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = plan.act(gate) * up
+    else:
+        y = plan.act(y)
+    return _linear(y, lay.fc2, plan.tp_group)
+
+
+def decode_step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None, ctx: Any) -> torch.Tensor | None:  # fmt: skip
+    """Logits [b, 1, vocab] (gathered over TP) of one new token per row, the cache advanced
+    as Megatron's forward would; None when this model or call needs Megatron's forward."""
+    plan = plan_of(model)
+    if plan is None or input_ids.shape[1] != 1:
+        return None
+    if any(lay.number not in ctx.key_value_memory_dict for lay in plan.layers):
+        return None  # no prefill through Megatron yet: it allocates the cache
+    x = model.embedding(input_ids=input_ids, position_ids=position_ids)  # [1, b, hidden]
+    cos, sin = _tables(plan, model, ctx.max_sequence_length, x.dtype)
+    start = ctx.sequence_len_offset
+    rope = (cos[start : start + 1], sin[start : start + 1])
+    mask = None if attention_mask is None else attention_mask[:, :, -1:]
+    for lay in plan.layers:
+        x = x + _attention(plan, lay, lay.norm1(x), ctx, rope, mask)
+        x = x + _mlp(plan, lay, lay.norm2(x))
+    x = model.decoder.final_layernorm(x)
+    weight = model.shared_embedding_or_output_weight() if (
+        model.share_embeddings_and_output_weights) else None  # fmt: skip
+    logits, _ = model.output_layer(x, weight=weight, runtime_gather_output=True)
+    return logits.transpose(0, 1).contiguous()

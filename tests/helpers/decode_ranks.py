@@ -1,0 +1,78 @@
+"""Ranks of the lean decode-step test: random models of several layer kinds, decoded step by
+step through Megatron's static cache twice, once with each step through ``decode_step`` and
+once through Megatron's own forward; the logits of every step are returned side by side."""
+
+from __future__ import annotations
+
+import torch
+
+CASES = {
+    "gqa-swiglu": dict(num_query_groups=2),
+    "qkv-bias-tied": dict(num_query_groups=2, add_qkv_bias=True, tie_embeddings=True),
+    "qk-norm": dict(qk_layernorm=True, kv_channels=24),
+    "layernorm-gelu-bias": dict(
+        normalization="LayerNorm", swiglu=False, add_bias_linear=True, rotary_percent=0.5
+    ),  # fmt: skip
+    "moe": dict(
+        num_query_groups=2, num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq="[0]+[1]"
+    ),  # fmt: skip
+    "mla": dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        kv_lora_rank=16,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=16,
+    ),  # fmt: skip
+}
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [30, 12]]  # padded batch: the decode mask matters
+
+
+def _steps(model: list, lean: bool, steps: int) -> list[torch.Tensor]:
+    """Next-token logits of each step (greedy), every decode step lean or Megatron's."""
+    from anyspeed.features.inference import decode_step
+    from anyspeed.inference.decode import Batch, Stepper
+
+    chunk = model[0]
+    if not lean:
+        chunk.__dict__[decode_step._PLAN] = False  # "not supported": Megatron's forward
+    stepper = Stepper(model, Batch.left_padded(PROMPTS, 0), len(PROMPTS[0]) + steps, True)
+    out = []
+    for _ in range(steps):
+        logits = stepper.logits()
+        out.append(logits)
+        stepper.append(logits.argmax(-1))
+    chunk.__dict__.pop(decode_step._PLAN, None)
+    return out
+
+
+def lean_vs_megatron(tp: int, steps: int) -> dict:
+    """Per case: (lean logits, Megatron logits, decode steps that ran lean)."""
+    from anyspeed.features.inference import decode_step
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt
+    from anyspeed.models.config import ModelConfig
+    from anyspeed.training.distributed import init_distributed
+
+    layout = Layout(tp=tp)
+    init_distributed(layout, seed=0)
+    calls = []
+    attention = decode_step._attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return attention(*args, **kwargs)
+
+    decode_step._attention = counted
+    out = {}
+    for name, fields in CASES.items():
+        cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                          vocab_size=256, **fields)  # fmt: skip
+        torch.manual_seed(0)
+        model = [c.eval() for c in gpt.build_chunks(cfg, gpt.transformer_config(cfg), layout)]
+        with torch.inference_mode():
+            calls.clear()
+            lean = _steps(model, True, steps)
+            n = len(calls)
+            out[name] = (lean, _steps(model, False, steps), n)
+    return out
