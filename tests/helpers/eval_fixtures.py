@@ -78,3 +78,56 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def write_bbh(root: Path, tasks: dict[str, int], seed: int = 0, cot: bool = False) -> Path:
+    """BIG-Bench Hard: ``bbh/{task}.json`` = ``{"examples": [{"input", "target"}]}`` with
+    "(X)" targets (tasks named ``*choice*``) or free-form ones, each question carrying its
+    planted key; ``cot-prompts/{task}.txt`` beside it when ``cot``. Returns ``bbh/``."""
+    rng = random.Random(seed)
+    (root / "bbh").mkdir(parents=True, exist_ok=True)
+    for task, n in tasks.items():
+        examples = []
+        for i in range(n):
+            if "choice" in task:
+                target = f"({'ABCDE'[rng.randrange(5)]})"
+                opts = "\n".join(f"({c}) {task} thing {rng.randrange(99)}" for c in "ABCDE")
+                text = f"Question {i}: pick one (key: {target})\nOptions:\n{opts}"
+            else:
+                target = rng.choice(["True", "False", "valid", "invalid", str(rng.randrange(99))])
+                text = f"Question {i}: evaluate (key: {target})"
+            examples.append({"input": text, "target": target})
+        (root / "bbh" / f"{task}.json").write_text(json.dumps({"examples": examples}))
+        if cot:
+            (root / "cot-prompts").mkdir(exist_ok=True)
+            solved = f"Q: {task} example\nA: Let's think step by step. So the answer is no."
+            (root / "cot-prompts" / f"{task}.txt").write_text(f"{task} description\n\n{solved}")
+    return root / "bbh"
+
+
+def write_agieval(root: Path, seed: int = 0) -> dict[str, list[str]]:
+    """AGIEval v1_1: ``{task}.jsonl`` for an English multiple-choice task with passages (five
+    options written "(A)..."), a Chinese one with a multi-answer label, and a cloze task; each
+    question carries its planted key. Returns the answers."""
+    rng, answers = random.Random(seed), {}
+    root.mkdir(parents=True, exist_ok=True)
+    for task in ("lsat-ar", "gaokao-physics", "gaokao-mathcloze"):
+        recs = []
+        for i in range(4):
+            if task == "gaokao-mathcloze":
+                ans = f"\\frac{{{rng.randrange(9) + 1}}}{{2}}"
+                recs.append({"passage": None, "question": f"求值 {i} (key: {ans})",
+                             "options": None, "label": None, "answer": f"${ans}$"})  # fmt: skip
+                answers.setdefault(task, []).append(ans)
+                continue
+            n = 5 if task == "lsat-ar" else 4
+            label = "ABCDE"[rng.randrange(n)] if task == "lsat-ar" else sorted(
+                rng.sample("ABCD", 2))  # fmt: skip
+            key = label if isinstance(label, str) else "".join(label)
+            recs.append({"passage": f"Passage {i} of {task}." if task == "lsat-ar" else None,
+                         "question": f"Which {i}? (key: {key})",
+                         "options": [f"({c}){task} choice {j}" for j, c in enumerate("ABCDE"[:n])],
+                         "label": label, "answer": None, "other": None})  # fmt: skip
+            answers.setdefault(task, []).append(key)
+        write_jsonl(root / f"{task}.jsonl", recs)
+    return answers

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anyspeed.errors import UsageError
+from anyspeed.inference.eval import exams as X
 from anyspeed.inference.eval import prompts as P
 from anyspeed.inference.eval import readers as R
 
@@ -117,9 +118,40 @@ def _prepare_ppl(args: argparse.Namespace, tok: Any) -> Prepared:
     return Prepared(prompts=seqs, groups=["ppl"] * len(seqs))
 
 
+def _prepare_exams(args: argparse.Namespace, tok: Any) -> Prepared:
+    """BBH / AGIEval: per task, ``--num-fewshot`` solved examples from the head of its file
+    (not scored; BBH with --chain-of-thought uses the task's CoT prompt instead)."""
+    bbh = args.task == "bbh"
+    tasks = (X.read_bbh if bbh else X.read_agieval)(args.task_data_path)
+    cot = X.bbh_cot_prompts(args.task_data_path) if bbh and args.chain_of_thought else None
+    out, texts = Prepared(), []
+    for task, items in sorted(tasks.items()):
+        if cot is not None and task not in cot:
+            raise UsageError(f"--chain-of-thought: no cot-prompts/{task}.txt")
+        shots = [] if cot is not None else items[: args.num_fewshot]
+        scored = items[len(shots) :][: args.max_eval_samples or None]  # per task
+        for item in scored:
+            if bbh:
+                texts.append(X.bbh_prompt(item, shots, None if cot is None else cot[task]))
+            else:
+                texts.append(X.agieval_prompt(item, shots))
+            out.answers.append(item)
+            out.groups.append(task)
+    if not texts:
+        raise UsageError(f"--task {args.task}: no question left to score after "
+                         f"--num-fewshot {args.num_fewshot}")  # fmt: skip
+    saved, args.max_eval_samples = args.max_eval_samples, None
+    try:
+        return _limit(args, out, texts, tok)
+    finally:
+        args.max_eval_samples = saved
+
+
 PREPARE = {"mmlu": _prepare_choices, "cmmlu": _prepare_choices, "ceval": _prepare_choices,
            "boolq": _prepare_boolq, "gsm8k": _prepare_gsm8k, "human_eval": _prepare_humaneval,
-           "ppl": _prepare_ppl}  # fmt: skip
+           "ppl": _prepare_ppl, "bbh": _prepare_exams, "agieval": _prepare_exams}  # fmt: skip
+FEWSHOT = {"mmlu": 5, "cmmlu": 5, "ceval": 5, "bbh": 3}  # default --num-fewshot (else 0)
+NEW_TOKENS = {"bbh": 32, "agieval": 32}  # default --max-new-tokens (else 256)
 
 
 def accuracy_table(groups: list[str], correct: list[bool]) -> dict[str, Any]:
@@ -171,6 +203,10 @@ def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
         got = [P.extract_number(t) for t in texts]
         hits = [g == a for g, a in zip(got, prep.answers, strict=True)]
         return dict(accuracy_table(prep.groups, hits), predictions=got)
+    if args.task in ("bbh", "agieval"):
+        hits = [X.bbh_correct(t, e.target) if args.task == "bbh" else X.agieval_correct(t, e)
+                for t, e in zip(texts, prep.answers, strict=True)]  # fmt: skip
+        return dict(accuracy_table(prep.groups, hits), predictions=texts)
     from anyspeed.inference.eval.execution import check_completions
 
     completions = [truncate_code(t) for t in texts]

