@@ -87,7 +87,11 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
     runner.print0(table(args.task, res))
     if args.output_json and runner.is_rank0():
         with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump({"task": args.task, "load": args.load, **res}, f, indent=1)
+            json.dump(
+                {"task": args.task, "load": getattr(args, "hf_dir", None) or args.load, **res},
+                f,
+                indent=1,
+            )
         runner.print0(f"{PROG}: wrote {args.output_json}")
 
 
