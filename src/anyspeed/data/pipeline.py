@@ -20,7 +20,7 @@ from anyspeed.data.packing import Packer
 from anyspeed.data.progress import Progress, Stats
 from anyspeed.data.readers import InputFile, Item, Reader, decode_item, resolve_inputs
 from anyspeed.data.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
-from anyspeed.data.workers import init_worker, mp_context
+from anyspeed.data.workers import init_worker, mp_context, stop_pool
 from anyspeed.data.writer import (
     IndexedWriter,
     dataset_paths,
@@ -253,8 +253,7 @@ def _results(job: Job, chunks: Iterator) -> Iterator[ChunkResult]:
             yield pending.popleft().get()
         pool.close()
     finally:
-        pool.terminate()
-        pool.join()
+        stop_pool(pool)
 
 
 def check_written(stats: Stats, cfg: Config) -> None:

@@ -21,7 +21,7 @@ from anyspeed.data.pipeline import (
 )
 from anyspeed.data.progress import Stats, summary
 from anyspeed.data.readers import InputFile
-from anyspeed.data.workers import init_worker, mp_context
+from anyspeed.data.workers import init_worker, mp_context, stop_pool
 from anyspeed.data.writer import dataset_paths, merge_datasets
 
 
@@ -72,8 +72,7 @@ def run_partitioned(job: Job) -> Stats:
                         )
                 pool.close()
             finally:
-                pool.terminate()
-                pool.join()
+                stop_pool(pool)
         check_written(stats, job.cfg)
         for key, prefix in job.prefixes.items():
             merge_datasets([p.prefixes[key] for p in parts], prefix, np.dtype(job.dtypes[key]))

@@ -27,6 +27,24 @@ def mp_context() -> Any:
     return mp.get_context("fork" if "fork" in methods else "spawn")
 
 
+def stop_pool(pool: Any, grace_s: float = 5.0) -> None:
+    """Terminate ``pool`` and wait for it, never forever. A SIGTERM that reaches a new worker
+    before :func:`init_worker` runs trips the parent's inherited Python handler, and resetting
+    the handler then drops the pending signal: the worker lives on, waiting on a task queue the
+    terminating pool holds locked, and ``Pool.terminate`` joins it forever (a test hung so).
+    Workers alive after ``grace_s`` get SIGKILL (they write only temp files the parent
+    removes)."""
+    stopper = threading.Thread(target=pool.terminate, daemon=True)
+    stopper.start()
+    stopper.join(grace_s)
+    while stopper.is_alive():
+        for proc in list(getattr(pool, "_pool", ())):
+            if proc.exitcode is None:
+                proc.kill()
+        stopper.join(1.0)
+    pool.join()
+
+
 def init_worker(parent: int, outputs: list[str] | None = None) -> None:
     """Pool initializer: signal handling plus the parent watchdog.
 
