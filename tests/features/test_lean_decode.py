@@ -1,6 +1,7 @@
 """The lean one-token decode step (``no-grad-fast-path``) against Megatron's own forward:
 for each layer kind it supports the logits of every decode step match within 1e-5 (fp32) at TP1
-and TP2, with the same greedy tokens; models it does not support (MLA) run Megatron's forward."""
+and TP2, with the same greedy tokens; models it does not support (MLA) run Megatron's forward.
+Stop strings of the decode loop are checked here too (they need a model to decode with)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,14 @@ def test_lean_step_equals_megatron_forward(ranks: list[dict], case: str) -> None
         for step, (a, b) in enumerate(zip(lean, megatron, strict=True)):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"{case} step {step}")
             assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_stop_strings_end_each_row_where_its_text_first_holds_one(ranks: list[dict]) -> None:
+    """Against the run without a stop string: each row ends at the first token whose text
+    contains the stop string (leading whitespace dropped), the other rows run on."""
+    free, stop, got = ranks[-1]["stop"]
+    for row, tokens in zip(free, got, strict=True):
+        n = next((n for n in range(1, len(row) + 1)
+                  if stop in decode_ranks.detokenize(row[:n]).lstrip()), len(row))  # fmt: skip
+        assert tokens == row[:n]
+    assert len(got[0]) <= 6 < len(free[0])

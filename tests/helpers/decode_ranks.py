@@ -75,4 +75,22 @@ def lean_vs_megatron(tp: int, steps: int) -> dict:
             lean = _steps(model, True, steps)
             n = len(calls)
             out[name] = (lean, _steps(model, False, steps), n)
+        if name == "gqa-swiglu":
+            out["stop"] = _stopped(model)
     return out
+
+
+def detokenize(ids: list[int]) -> str:
+    """A stand-in detokenizer: the ids as text."""
+    return " ".join(map(str, ids)) + " "
+
+
+def _stopped(model: list) -> tuple[list[list[int]], str, list[list[int]]]:
+    """Greedy tokens of PROMPTS without a stop string, the stop string (row 0's tokens 3-5 as
+    text), and the tokens with it."""
+    from anyspeed.inference.decode import Request, generate
+
+    free = generate(model, PROMPTS, Request(12))
+    stop = detokenize(free[0][3:6])
+    req = Request(12, stop=(stop,), detokenize=detokenize)
+    return free, stop, generate(model, PROMPTS, req)

@@ -152,6 +152,9 @@ PREPARE = {"mmlu": _prepare_choices, "cmmlu": _prepare_choices, "ceval": _prepar
            "ppl": _prepare_ppl, "bbh": _prepare_exams, "agieval": _prepare_exams}  # fmt: skip
 FEWSHOT = {"mmlu": 5, "cmmlu": 5, "ceval": 5, "bbh": 3}  # default --num-fewshot (else 0)
 NEW_TOKENS = {"bbh": 32, "agieval": 32}  # default --max-new-tokens (else 256)
+# Where a generated answer is over: the next few-shot question, or the next top-level code
+STOPS = {"gsm8k": ("\n\nQuestion:",), "bbh": ("\n\nQ:",), "agieval": ("\n\n",),
+         "human_eval": STOP_CODE}  # fmt: skip
 
 
 def accuracy_table(groups: list[str], correct: list[bool]) -> dict[str, Any]:
@@ -191,10 +194,12 @@ def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
                     tok: Any) -> dict[str, Any]:  # fmt: skip
     from anyspeed.commands.generate import end_ids, text_of
     from anyspeed.inference.decode import Request, generate
+    from anyspeed.inference.generate import decode
 
     eos = end_ids(tok)
     req = Request(args.max_new_tokens, eos_ids=eos, pad_id=tok.pad_id or 0,
-                  max_length=args.max_length, vocab_size=tok.vocab_size)  # fmt: skip
+                  max_length=args.max_length, vocab_size=tok.vocab_size,
+                  stop=STOPS[args.task], detokenize=lambda ids: decode(tok, ids))  # fmt: skip
     texts = []
     for start in range(0, len(prep.prompts), args.evaluation_batch_size):
         chunk = prep.prompts[start : start + args.evaluation_batch_size]

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-beams", type=int, default=4)
     g.add_argument("--length-penalty", type=float, default=1.0)
     g.add_argument("--use-kv-cache", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end an answer once its text contains TEXT (repeatable; greedy, "
+                        "do_sample, chat)")  # fmt: skip
     g.add_argument("--hf-chat-template", action="store_true",
                    help="render prompts with the tokenizer's chat template")  # fmt: skip
     g.add_argument("--prompt-type", choices=sorted(TEMPLATES), default=None)
@@ -76,6 +79,8 @@ def _check(args: argparse.Namespace, tok: Any) -> None:
     for flag in ("max_new_tokens", "num_beams", "history_turns"):
         if getattr(args, flag) < (0 if flag == "history_turns" else 1):
             raise UsageError(f"--{flag.replace('_', '-')} must be positive")
+    if any(not s for s in args.stop) or (args.stop and args.task == "beam_search"):
+        raise UsageError("--stop needs a non-empty text, and is not for --task beam_search")
     if args.hf_chat_template and not tok.has_chat_template:
         raise UsageError(f"--hf-chat-template: tokenizer {tok.name} has no chat template; "
                          "pass --prompt-type")  # fmt: skip
@@ -108,10 +113,12 @@ def _params(args: argparse.Namespace):
 def request(args: argparse.Namespace, tok: Any):
     """The decode request the flags describe."""
     from anyspeed.inference.decode import Request
+    from anyspeed.inference.generate import decode
 
     return Request(args.max_new_tokens, _params(args), eos_ids=end_ids(tok),
                    pad_id=tok.pad_id or 0, use_kv_cache=args.use_kv_cache, seed=args.seed,
-                   max_length=args.max_length, vocab_size=tok.vocab_size)  # fmt: skip
+                   max_length=args.max_length, vocab_size=tok.vocab_size,
+                   stop=tuple(args.stop), detokenize=lambda ids: decode(tok, ids))  # fmt: skip
 
 
 def text_of(tok: Any, ids: list[int], eos: tuple[int, ...]) -> str:

@@ -135,6 +135,19 @@ class Request:
     seed: int = 1234
     max_length: int | None = None  # the context window (prompt + new tokens)
     vocab_size: int | None = None  # real vocabulary: padded rows of the embedding never chosen
+    # A row stops once its text (``detokenize`` of its new tokens, leading whitespace dropped)
+    # contains one of ``stop`` (the tokens that complete it are kept, as at an EOS).
+    stop: tuple[str, ...] = ()
+    detokenize: Callable[[list[int]], str] | None = None
+
+    def stops(self, new: list[int]) -> bool:
+        """Whether a row with new tokens ``new`` ends here (an EOS or a stop string)."""
+        if new and new[-1] in self.eos_ids:
+            return True
+        if not self.stop or self.detokenize is None:
+            return False
+        text = self.detokenize(new).lstrip()
+        return any(s in text for s in self.stop)
 
 
 def _budget(width: int, req: Request) -> int:
@@ -148,8 +161,9 @@ def _budget(width: int, req: Request) -> int:
 @torch.inference_mode()
 def generate(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: Request,
              on_tokens: OnTokens | None = None) -> list[list[int]]:  # fmt: skip
-    """The new tokens of each prompt (ending at and including an EOS id), identical on every
-    rank; ``on_tokens`` hears each step's tokens as they come (for streaming)."""
+    """The new tokens of each prompt (ending at and including an EOS id or the tokens that
+    complete a stop string), identical on every rank; ``on_tokens`` hears each step's tokens as
+    they come (for streaming)."""
     batch = Batch.left_padded(prompts, req.pad_id)
     steps = _budget(batch.tokens.shape[1], req)
     stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache,
@@ -168,7 +182,7 @@ def generate(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req
             fresh.append(None if done[i] else tok)
             if not done[i]:
                 out[i].append(tok)
-                done[i] = tok in req.eos_ids
+                done[i] = req.stops(out[i])
         stepper.append(chosen)
         if on_tokens is not None:
             on_tokens(fresh)
