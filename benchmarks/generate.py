@@ -8,7 +8,7 @@ and with transformers' ``generate(do_sample=False)`` (its default dynamic cache,
 attention, under ``torch.inference_mode`` like anyspeed's loop). Tokens are
 checked equal; the table gives new tokens per second and ratios.
 
-    python benchmarks/generate.py [--new-tokens 256] [--hidden 512] [--layers 4]
+    python benchmarks/generate.py [--new-tokens 256] [--hidden 512] [--layers 4] [--batch 1]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _timed(fns: dict, repeats: int) -> dict:
     return best
 
 
-def _hf_generate(hf: str, prompt: list[int], new: int, copied: bool):
+def _hf_generate(hf: str, prompts: list[list[int]], new: int, copied: bool):
     """transformers' greedy ``generate`` on the model in ``hf``. Its weights are views of the
     memory-mapped safetensors file (the page cache);
     ``copied`` gives it private copies, held like anyspeed's (ordinary process memory)."""
@@ -65,16 +65,17 @@ def _hf_generate(hf: str, prompt: list[int], new: int, copied: bool):
             for p in model.parameters():
                 p.data = p.data.clone()
 
-    def run() -> list[int]:
+    def run() -> list[list[int]]:
         with torch.inference_mode():  # the mode anyspeed's generate runs in
-            ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
+            ids = model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=new,
                                  min_new_tokens=new, pad_token_id=0)  # fmt: skip
-        return ids[0, len(prompt) :].tolist()
+        return ids[:, len(prompts[0]) :].tolist()
 
     return run
 
 
-def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int, threads: int) -> dict:
+def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int,
+         threads: int) -> dict:  # fmt: skip
     from anyspeed.commands.session import load_model, model_of
     from anyspeed.inference.decode import Request, generate
     from anyspeed.layout import Layout
@@ -87,9 +88,9 @@ def _run(hf: str, mg: str, prompt: list[int], new: int, repeats: int, threads: i
     fns = {}
     for name, cache in (("kv", True), ("nokv", False)):
         req = Request(new, use_kv_cache=cache)
-        fns[name] = lambda req=req: generate(model, [prompt], req)[0]
+        fns[name] = lambda req=req: generate(model, prompts, req)
     for key, copied in (("hf", False), ("hf_copied", True)):
-        fns[key] = _hf_generate(hf, prompt, new, copied)
+        fns[key] = _hf_generate(hf, prompts, new, copied)
     out = _timed(fns, repeats)
     out["threads"] = torch.get_num_threads()
     return out
@@ -103,6 +104,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1,
+                   help="prompts decoded together (same length: no padding)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every row (1: steady on a shared machine)")  # fmt: skip
     a = p.parse_args()
@@ -111,22 +114,23 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="anyspeed-bench-gen-")
     _hf_model(f"{root}/hf", a)
     hf_to_megatron(f"{root}/hf", f"{root}/mg")
-    prompt = torch.randint(
-        0, a.vocab, (a.prompt_tokens,), generator=torch.Generator().manual_seed(1)
+    prompts = torch.randint(
+        0, a.vocab, (a.batch, a.prompt_tokens), generator=torch.Generator().manual_seed(1)
     )
-    res = run_distributed(_run, 1, hf=f"{root}/hf", mg=f"{root}/mg", prompt=prompt.tolist(),
+    res = run_distributed(_run, 1, hf=f"{root}/hf", mg=f"{root}/mg", prompts=prompts.tolist(),
                           new=a.new_tokens, repeats=a.repeats, threads=a.threads,
                           timeout=3600)[0]  # fmt: skip
     same = res["kv"][1] == res["nokv"][1] == res["hf"][1] == res["hf_copied"][1]
-    print(f"greedy decode, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, prompt "
-          f"{a.prompt_tokens} + {a.new_tokens} new tokens, fp32, {res['threads']} threads; "
-          f"tokens identical: {same}")  # fmt: skip
-    kv = a.new_tokens / res["kv"][0]
+    print(f"greedy decode, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, batch "
+          f"{a.batch}, prompt {a.prompt_tokens} + {a.new_tokens} new tokens, fp32, "
+          f"{res['threads']} threads; tokens identical: {same}")  # fmt: skip
+    new = a.new_tokens * a.batch  # tokens/s counts every row's new tokens
+    kv = new / res["kv"][0]
     print(f"{'run':<34}{'seconds':>9}{'tokens/s':>10}{'KV cache is':>14}")
     for label, key in (("anyspeed, KV cache", "kv"), ("anyspeed, no KV cache", "nokv"),
                        ("transformers generate (mmap'd)", "hf"),
                        ("transformers generate (copied)", "hf_copied")):  # fmt: skip
-        tps = a.new_tokens / res[key][0]
+        tps = new / res[key][0]
         print(f"{label:<34}{res[key][0]:>9.2f}{tps:>10.1f}{kv / tps:>13.2f}x")
 
 

@@ -16,6 +16,7 @@ CASES = {
     "moe": dict(
         num_query_groups=2, num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq="[0]+[1]"
     ),  # fmt: skip
+    "learned-positions": dict(position_embedding_type="learned_absolute"),
     "mla": dict(
         multi_latent_attention=True,
         qk_layernorm=True,

@@ -3,12 +3,14 @@ cache, without its per-module Python.
 
 Decoding one token runs ~17 small matmuls per step; Megatron's layer, attention, MLP and
 bias-dropout-add modules around them cost as much Python per step as the math of a small model.
-For the common dense layer (pre-norm, RoPE, GQA self-attention with optional qk-norm, gated or
-plain MLP; a MoE block is called as its own module) this step does the same tensor math straight
-from the module parameters, writes the new key/value into Megatron's ``StaticInferenceContext``
-(keys rotated when stored, as ``no-grad-fast-path`` stores them) and calls the embedding, norm
-and output modules as they are. Anything else (MLA, pipeline stages, interleaved or scaled RoPE,
-sliding windows, gated attention, ...) returns None and Megatron's forward runs.
+For the common layer (pre-norm, RoPE, GQA self-attention with optional qk-norm, gated or plain
+MLP) this step does the same tensor math straight from the module parameters, writes the new
+key/value into Megatron's ``StaticInferenceContext`` (keys rotated when stored, as
+``no-grad-fast-path`` stores them) and calls the embedding, norm and output modules as they
+are; a MoE block and multi-latent attention are called as their own modules (the layer around
+them still runs here). Anything else (pipeline stages, learned positions, interleaved or scaled
+RoPE on plain attention, sliding windows, gated attention, ...) returns None and Megatron's
+forward runs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 _PLAN = "_anyspeed_decode_plan"
 # TransformerConfig fields whose non-default value changes the layer's math beyond this step
 _PLAIN = {
-    "multi_latent_attention": False, "rotary_interleaved": False, "flash_decode": False,
+    "flash_decode": False,
     "fp32_residual_connection": False, "apply_residual_connection_post_layernorm": False,
     "sequence_parallel": False, "apply_query_key_layer_scaling": False, "window_size": None,
     "softmax_type": "vanilla", "attention_output_gate": False, "qk_l2_norm": False,
@@ -36,14 +38,15 @@ _PLAIN = {
 class _Layer:
     number: int
     norm1: Any
-    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: tuple[torch.Tensor, torch.Tensor | None] | None  # None: call ``attention`` (MLA)
     q_norm: Any
     k_norm: Any
-    proj: tuple[torch.Tensor, torch.Tensor | None]
+    proj: tuple[torch.Tensor, torch.Tensor | None] | None
     norm2: Any
     fc1: tuple[torch.Tensor, torch.Tensor | None] | None  # None: call ``mlp`` (MoE)
     fc2: tuple[torch.Tensor, torch.Tensor | None] | None
     mlp: Any
+    attention: Any = None
 
 
 @dataclass
@@ -66,14 +69,18 @@ def _wb(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _layer(layer: Any) -> _Layer | None:
-    """The weights and norm modules of one plain dense (or MoE-block) layer; None otherwise."""
+    """The weights and norm modules of one layer whose attention is plain (or multi-latent,
+    then called as its module) and whose MLP is plain (or a MoE block); None otherwise."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     attn = getattr(layer, "self_attention", None)
-    if attn is None or not hasattr(attn, "linear_qkv") or not hasattr(attn, "linear_proj"):
+    latent = isinstance(attn, MLASelfAttention)
+    if not latent and (attn is None or not hasattr(attn, "linear_qkv")
+                       or not hasattr(attn, "linear_proj")):  # fmt: skip
         return None
-    if attn.config.num_query_groups < attn.world_size:  # KV heads replicated over TP ranks
+    if not latent and attn.config.num_query_groups < attn.world_size:  # KV heads replicated
         return None
     if not isinstance(getattr(layer, "cross_attention", IdentityOp()), IdentityOp):
         return None
@@ -85,15 +92,17 @@ def _layer(layer: Any) -> _Layer | None:
                                                           torch.nn.functional.gelu):  # fmt: skip
         return None
     return _Layer(
-        number=attn.layer_number, norm1=norms[0], qkv=_wb(attn.linear_qkv),
-        q_norm=attn.q_layernorm, k_norm=attn.k_layernorm, proj=_wb(attn.linear_proj),
-        norm2=norms[1], fc1=_wb(layer.mlp.linear_fc1) if dense else None,
+        number=attn.layer_number, norm1=norms[0], qkv=None if latent else _wb(attn.linear_qkv),
+        q_norm=None if latent else attn.q_layernorm, k_norm=None if latent else attn.k_layernorm,
+        proj=None if latent else _wb(attn.linear_proj), norm2=norms[1],
+        fc1=_wb(layer.mlp.linear_fc1) if dense else None,
         fc2=_wb(layer.mlp.linear_fc2) if dense else None, mlp=None if dense else layer.mlp,
+        attention=attn if latent else None,
     )  # fmt: skip
 
 
 def _build(model: Any) -> _Plan | None:
-    """What the step needs from ``model``, or None when its layers are not all plain."""
+    """What the step needs from ``model``, or None when a layer is not of a kind it runs."""
     config = model.config
     if not (model.pre_process and model.post_process) or getattr(model, "mtp_process", False):
         return None
@@ -101,20 +110,24 @@ def _build(model: Any) -> _Plan | None:
         return None
     if any(getattr(config, k, v) != v for k, v in _PLAIN.items()):
         return None
-    from megatron.core.transformer import attention
-
-    if attention._yarn_get_concentration_factor_from_config(config) != 1.0:
-        return None
     layers = [_layer(layer) for layer in model.decoder.layers]
     if not layers or any(x is None for x in layers):
         return None
-    attn = model.decoder.layers[0].self_attention
-    dim = attn.hidden_size_per_attention_head
-    groups = attn.num_query_groups_per_partition
-    tp = attn.pg_collection.tp
+    plain = [m.self_attention for m, x in zip(model.decoder.layers, layers, strict=True)
+             if x.attention is None]  # fmt: skip
+    if plain:  # RoPE applied here: the kinds no-grad-fast-path stores rotated
+        from megatron.core.transformer import attention
+
+        mscale = attention._yarn_get_concentration_factor_from_config(config)
+        if config.multi_latent_attention or config.rotary_interleaved or mscale != 1.0:
+            return None
+    attn = plain[0] if plain else None
+    dim = attn.hidden_size_per_attention_head if attn else 1
+    groups = attn.num_query_groups_per_partition if attn else 1
+    tp = model.decoder.layers[0].self_attention.pg_collection.tp
     return _Plan(
         layers=layers, groups=groups,
-        per_group=attn.num_attention_heads_per_partition // groups, dim=dim,
+        per_group=attn.num_attention_heads_per_partition // groups if attn else 1, dim=dim,
         scale=config.softmax_scale or 1.0 / math.sqrt(dim), gated=config.gated_linear_unit,
         act=config.activation_func, tp_group=tp if tp.size() > 1 else None,
         softmax_fp32=config.attention_softmax_in_fp32, tables={},
@@ -170,6 +183,10 @@ def _attention(plan: _Plan, lay: _Layer, h: torch.Tensor, ctx: Any, rope: tuple,
     """Self-attention of one new token per row [1, b, hidden] through the static cache."""
     from anyspeed.features.ops.rope import rotate
 
+    if lay.attention is not None:  # multi-latent attention: its own module and cache layout
+        out, bias = lay.attention(h, attention_mask=mask, inference_context=ctx)
+        return out if bias is None else out + bias
+
     b, g, d = h.shape[1], plan.groups, plan.dim
     qkv = _linear(h, lay.qkv).view(1, b, g, (plan.per_group + 2) * d)
     q, k, v = qkv.split([plan.per_group * d, d, d], dim=-1)
@@ -211,10 +228,12 @@ def decode_step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
     if any(lay.number not in ctx.key_value_memory_dict for lay in plan.layers):
         return None  # no prefill through Megatron yet: it allocates the cache
     x = model.embedding(input_ids=input_ids, position_ids=position_ids)  # [1, b, hidden]
-    cos, sin = _tables(plan, model, ctx.max_sequence_length, x.dtype)
-    start = ctx.sequence_len_offset
-    rope = (cos[start : start + 1], sin[start : start + 1])
-    mask = None if attention_mask is None else attention_mask[:, :, -1:]
+    rope = None
+    if any(lay.attention is None for lay in plan.layers):
+        cos, sin = _tables(plan, model, ctx.max_sequence_length, x.dtype)
+        start = ctx.sequence_len_offset
+        rope = (cos[start : start + 1], sin[start : start + 1])
+    mask = attention_mask  # [b, 1, 1, keys]: one query per row
     for lay in plan.layers:
         x = x + _attention(plan, lay, lay.norm1(x), ctx, rope, mask)
         x = x + _mlp(plan, lay, lay.norm2(x))
