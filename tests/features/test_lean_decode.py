@@ -2,7 +2,8 @@
 for each layer kind it supports (MLA and MoE blocks called as modules) the logits of every decode
 step match within 1e-5 (fp32) at TP1 and TP2, with the same greedy tokens; a model it does not
 support (learned absolute positions) runs Megatron's forward.
-Stop strings of the decode loop are checked here too (they need a model to decode with)."""
+Stop strings of the decode loop and the evaluation likelihood scorer are checked here too (they
+need a model to run)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def test_stop_strings_end_each_row_where_its_text_first_holds_one(ranks: list[di
                   if stop in decode_ranks.detokenize(row[:n]).lstrip()), len(row))  # fmt: skip
         assert tokens == row[:n]
     assert len(got[0]) <= 6 < len(free[0])
+
+
+def test_continuation_likelihoods_batched_equal_one_pair_at_a_time(ranks: list[dict]) -> None:
+    """``anyspeed evaluate``'s likelihood scorer (left-padded batches, TP1 and TP2) against
+    plain log-softmax of each pair's own unpadded forward."""
+    for rank in ranks:
+        got, ref = rank["likelihood"]
+        assert [n for _, n in got] == [2, 1, 3, 2]
+        for (total, _), want in zip(got, ref, strict=True):
+            assert abs(total - want) < 1e-4, (total, want)

@@ -78,6 +78,7 @@ def lean_vs_megatron(tp: int, steps: int) -> dict:
             out[name] = (lean, _steps(model, False, steps), n)
         if name == "gqa-swiglu":
             out["stop"] = _stopped(model)
+            out["likelihood"] = _likelihoods(model)
     return out
 
 
@@ -95,3 +96,20 @@ def _stopped(model: list) -> tuple[list[list[int]], str, list[list[int]]]:
     stop = detokenize(free[0][3:6])
     req = Request(12, stop=(stop,), detokenize=detokenize)
     return free, stop, generate(model, PROMPTS, req)
+
+
+def _likelihoods(model: list) -> tuple[list, list]:
+    """Continuation log-probabilities scored batched (left-padded, batch 3) and one pair at a
+    time from plain log-softmax of an unpadded forward."""
+    from anyspeed.inference.eval.scoring import continuation_logprobs
+    from anyspeed.inference.forward import pipeline_forward
+
+    pairs = [([5, 17, 99, 3], [150, 41]), ([30, 12], [7]), ([8, 9, 10, 11, 12], [13, 14, 15]),
+             ([1], [2, 3])]  # fmt: skip
+    got = continuation_logprobs(model, pairs, batch_size=3, vocab_size=200)
+    ref = []
+    for ctx, cont in pairs:
+        logits = pipeline_forward(model, torch.tensor([ctx + cont]))[0, :, :200].double()
+        logp = logits.log_softmax(-1)
+        ref.append(sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)))
+    return got, ref

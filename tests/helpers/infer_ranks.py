@@ -49,13 +49,20 @@ def choice_picks(ckpt: str, layouts: list[tuple[int, int]], prompts: list[list[i
                  candidates: list[int], batch_size: int) -> dict:  # fmt: skip
     """Per layout: the answer each prompt's next-token logits pick among ``candidates``
     (prompts batched, left-padded)."""
-    from anyspeed.inference.eval.scoring import model_next_logits, pick_choices
+    from anyspeed.inference.eval.scoring import (
+        continuation_logprobs,
+        model_next_logits,
+        pick_choices,
+    )
 
     out = {}
+    pairs = [(p[:-3], p[-3:]) for p in prompts]  # the last 3 tokens as the continuation
     for tp, pp in layouts:
         model = _model(ckpt, tp, pp)
         out[f"tp{tp}pp{pp}"] = pick_choices(model_next_logits(model), prompts, candidates,
                                             batch_size)  # fmt: skip
+        out[f"tp{tp}pp{pp}-likelihood"] = continuation_logprobs(model, pairs, batch_size,
+                                                                vocab_size=600)  # fmt: skip
     return out
 
 

@@ -132,3 +132,56 @@ def test_planted_answers_score_100_percent(tmp_path: Path, hf_tok: str, monkeypa
         res = eval_tasks.run(args, prep, None, tok)
         assert res["accuracy"] == want and res["total"] == len(prep.prompts), (mode, res)
         assert set(res["groups"]) == set(prep.groups)
+
+
+def test_hellaswag_reader_and_bad_label(tmp_path: Path) -> None:
+    from anyspeed.inference.eval.readers import read_hellaswag
+
+    recs = [{"activity_label": "Baking", "ctx_a": "She mixes flour.", "ctx_b": "then she",
+             "endings": ["bakes it.", "swims.", "flies.", "sings."], "label": "0"},
+            {"ctx": "A man walks.", "endings": ["a", "b", "c", "d"], "label": 3}]  # fmt: skip
+    write_jsonl(tmp_path / "hellaswag_val.jsonl", recs)
+    assert read_hellaswag(str(tmp_path)) == [
+        ("Baking: She mixes flour. Then she", ("bakes it.", "swims.", "flies.", "sings."), 0),
+        ("A man walks.", ("a", "b", "c", "d"), 3),
+    ]
+    write_jsonl(tmp_path / "hellaswag_val.jsonl", [dict(recs[1], label=4)])
+    with pytest.raises(TaskDataError, match=r"hellaswag_val.jsonl:1: label 4 is not an index"):
+        read_hellaswag(str(tmp_path))
+
+
+@pytest.mark.parametrize("task", ["mmlu_ppl", "hellaswag"])
+def test_likelihood_tasks_pick_the_best_mean_per_token(tmp_path: Path, hf_tok: str, monkeypatch,
+                                                       task: str) -> None:  # fmt: skip
+    """Reader -> context and option tokens -> scores -> pick: a stub scorer gives the planted
+    option the best mean log-probability per token but a lower sum than the others, so only a
+    per-token pick scores 100%."""
+    from anyspeed.commands import eval_tasks
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+    from anyspeed.inference.eval import scoring
+    from anyspeed.inference.generate import decode as detokenize
+    from helpers.eval_fixtures import write_mmlu
+
+    tok = load_tokenizer(TokenizerSpec("PretrainedFromHF", hf_tok))
+    if task == "mmlu_ppl":
+        write_mmlu(tmp_path, {"anatomy": 3, "virology": 2}, shots=1, planted=True)
+    else:
+        endings = ["w x", "y", "z z z", "v"]
+        write_jsonl(tmp_path / "hellaswag_val.jsonl", [
+            {"ctx": f"Scene {i} (key: {i % 4})", "endings": endings, "label": i % 4}
+            for i in range(5)])  # fmt: skip
+    args = _args(task, tmp_path, num_fewshot=1, evaluation_batch_size=2)
+    prep = eval_tasks.PREPARE[task](args, tok)
+    assert len(prep.prompts) == 5 and all(len(x) == 4 for x in prep.extra)
+
+    def stub(model, pairs, batch_size, pad_id, vocab_size):
+        out = []
+        for k, (ctx, _) in enumerate(pairs):
+            key = re.findall(r"\(key: ([ABCD0-3])\)", detokenize(tok, ctx))[-1]
+            right = "ABCD0123".index(key) % 4 == k % 4
+            out.append((-3.0, 3) if right else (-2.0, 1))
+        return out
+
+    monkeypatch.setattr(scoring, "continuation_logprobs", stub)
+    res = eval_tasks.run(args, prep, None, tok)
+    assert res["accuracy"] == 1.0 and res["total"] == 5, res

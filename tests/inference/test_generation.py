@@ -121,6 +121,21 @@ def test_mmlu_choice_equals_transformers_scoring(runs: dict) -> None:
             assert rank[layout] == ref, layout
 
 
+def test_continuation_likelihood_equals_transformers(runs: dict) -> None:
+    """``evaluate``'s likelihood scorer (mmlu_ppl / hellaswag) at every layout, batched and
+    left-padded, against transformers' log-softmax of each sequence alone."""
+    model = _hf_model(runs["hf"])
+    ref = []
+    with torch.no_grad():
+        for p in runs["mmlu"]:
+            logp = model(torch.tensor([p])).logits[0].double().log_softmax(-1)
+            ref.append(sum(float(logp[len(p) - 4 + i, t]) for i, t in enumerate(p[-3:])))
+    for rank in runs["choices"]:
+        for layout in LAYOUTS:
+            got = [total for total, _ in rank[f"{layout}-likelihood"]]
+            assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-4, layout
+
+
 FAMILIES = ["tiny-llama2", "tiny-llama3", "tiny-mistral", "tiny-qwen3"]
 
 

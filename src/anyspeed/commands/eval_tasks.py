@@ -69,6 +69,53 @@ def _limit(args: argparse.Namespace, out: Prepared, texts: list[str], tok: Any) 
     return out
 
 
+def _prepare_likelihood(args: argparse.Namespace, tok: Any) -> Prepared:
+    """mmlu_ppl / hellaswag: a context per item and each option as its continuation (plain
+    text: likelihoods are read without a chat template); the pick is the option with the
+    highest mean log-probability per token."""
+    if args.task == "hellaswag":
+        rows = R.read_hellaswag(args.task_data_path)
+        out = Prepared(answers=[a for _, _, a in rows], groups=["hellaswag"] * len(rows))
+        texts, options = [c for c, _, _ in rows], [e for _, e, _ in rows]
+    else:
+        tests = R.read_choices(args.task_data_path, "mmlu", "test")
+        dev = R.read_choices(args.task_data_path, "mmlu", "dev") if args.num_fewshot else {}
+        out, texts, options = Prepared(), [], []
+        for subject, questions in sorted(tests.items()):
+            for q in questions:
+                texts.append(P.cloze_prompt(q, dev.get(subject, [])[: args.num_fewshot]))
+                options.append(q.options)
+                out.answers.append(q.answer)
+                out.groups.append(subject)
+    n = args.max_eval_samples or len(texts)
+    out.answers, out.groups = out.answers[:n], out.groups[:n]
+    out.prompts = tok.encode(texts[:n], special=True)
+    out.extra = [tok.encode([" " + o.strip() for o in opts], special=False)
+                 for opts in options[:n]]  # fmt: skip
+    for ctx, conts in zip(out.prompts, out.extra, strict=True):
+        if len(ctx) + max(len(c) for c in conts) > args.max_length:
+            raise UsageError(f"a {args.task} item is {len(ctx) + max(map(len, conts))} tokens, "
+                             f"over the context of {args.max_length} (--max-length; fewer "
+                             "--num-fewshot)")  # fmt: skip
+    return out
+
+
+def _run_likelihood(args: argparse.Namespace, prep: Prepared, model: list,
+                    tok: Any) -> dict[str, Any]:  # fmt: skip
+    from anyspeed.inference.eval.scoring import continuation_logprobs
+
+    pairs = [(ctx, c) for ctx, conts in zip(prep.prompts, prep.extra, strict=True) for c in conts]
+    scores = continuation_logprobs(model, pairs, args.evaluation_batch_size, tok.pad_id or 0,
+                                   tok.vocab_size)  # fmt: skip
+    picks, i = [], 0
+    for conts in prep.extra:
+        mean = [total / max(count, 1) for total, count in scores[i : i + len(conts)]]
+        picks.append(max(range(len(mean)), key=mean.__getitem__))
+        i += len(conts)
+    hits = [p == a for p, a in zip(picks, prep.answers, strict=True)]
+    return dict(accuracy_table(prep.groups, hits), picks=picks)
+
+
 def _prepare_boolq(args: argparse.Namespace, tok: Any) -> Prepared:
     rows = R.read_boolq(args.task_data_path)
     out = Prepared(answers=[0 if a else 1 for _, _, a in rows], groups=["boolq"] * len(rows))
@@ -149,8 +196,15 @@ def _prepare_exams(args: argparse.Namespace, tok: Any) -> Prepared:
 
 PREPARE = {"mmlu": _prepare_choices, "cmmlu": _prepare_choices, "ceval": _prepare_choices,
            "boolq": _prepare_boolq, "gsm8k": _prepare_gsm8k, "human_eval": _prepare_humaneval,
-           "ppl": _prepare_ppl, "bbh": _prepare_exams, "agieval": _prepare_exams}  # fmt: skip
-FEWSHOT = {"mmlu": 5, "cmmlu": 5, "ceval": 5, "bbh": 3}  # default --num-fewshot (else 0)
+           "ppl": _prepare_ppl, "bbh": _prepare_exams, "agieval": _prepare_exams,
+           "mmlu_ppl": _prepare_likelihood, "hellaswag": _prepare_likelihood}  # fmt: skip
+FEWSHOT = {
+    "mmlu": 5,
+    "cmmlu": 5,
+    "ceval": 5,
+    "bbh": 3,
+    "mmlu_ppl": 5,
+}  # default --num-fewshot (else 0)
 NEW_TOKENS = {"bbh": 32, "agieval": 32}  # default --max-new-tokens (else 256)
 # Where a generated answer is over: the next few-shot question, or the next top-level code
 STOPS = {"gsm8k": ("\n\nQuestion:",), "bbh": ("\n\nQ:",), "agieval": ("\n\n",),
@@ -179,6 +233,8 @@ def run(args: argparse.Namespace, prep: Prepared, model: list, tok: Any) -> dict
         nll, count = sequence_nll(model, prep.prompts, bs, tok.pad_id or 0)
         return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count,
                 "tokens": count}  # fmt: skip
+    if args.task in ("mmlu_ppl", "hellaswag"):
+        return _run_likelihood(args, prep, model, tok)
     if prep.candidates:
         from anyspeed.inference.eval.scoring import model_next_logits, pick_choices
 

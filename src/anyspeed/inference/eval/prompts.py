@@ -24,6 +24,15 @@ def choice_prompt(c: Choice, shots: list[Choice], chinese: bool = False) -> str:
     return head + solved + _question(c)
 
 
+def cloze_prompt(c: Choice, shots: list[Choice]) -> str:
+    """MMLU scored by each option's likelihood (``mmlu_ppl``): solved examples answered with the
+    option's text, then "Question: ... Answer:"; each option's text is the continuation."""
+    head = f"The following are questions (with answers) about {c.subject.replace('_', ' ')}.\n\n"
+    solved = "".join(f"Question: {s.question.strip()}\nAnswer: {s.options[s.answer].strip()}\n\n"
+                     for s in shots)  # fmt: skip
+    return f"{head}{solved}Question: {c.question.strip()}\nAnswer:"
+
+
 def boolq_prompt(passage: str, question: str) -> str:
     """Passage, question, and "Answer:" before " yes" / " no"."""
     q = question.strip()

@@ -8,6 +8,8 @@
   ``id,question,A,B,C,D,answer[,explanation]`` (its public test split has no answers).
 * BoolQ: jsonl ``{"question", "passage", "answer": true|false}`` (or SuperGLUE's ``label``).
 * GSM8K: jsonl ``{"question", "answer": "... #### 42"}``.
+* HellaSwag: jsonl ``{"ctx" (or "ctx_a", "ctx_b"), "endings": [4 texts], "label",
+  "activity_label"}`` (the released ``hellaswag_val.jsonl``).
 * HumanEval: jsonl(.gz) ``{"task_id", "prompt", "canonical_solution", "test", "entry_point"}``.
 """
 
@@ -141,6 +143,25 @@ def read_gsm8k(root: str) -> list[tuple[str, str]]:
     for rec in read_jsonl(path):
         _need(rec, ("question", "answer"), path)
         out.append((rec["question"], str(rec["answer"]).split("####")[-1].strip()))
+    return out
+
+
+def read_hellaswag(root: str) -> list[tuple[str, tuple[str, ...], int]]:
+    """(context, endings, index of the right ending) triples."""
+    path = _one_file(root, ("val", "dev", "test"))
+    out = []
+    for i, rec in enumerate(read_jsonl(path), 1):
+        _need(rec, ("endings", "label"), f"{path}:{i}")
+        ctx = rec.get("ctx") or f"{rec.get('ctx_a', '')} {str(rec.get('ctx_b', '')).capitalize()}"
+        if not ctx.strip():
+            raise TaskDataError(f"{path}:{i}: a record has no ctx (or ctx_a / ctx_b)")
+        endings = tuple(str(e) for e in rec["endings"])
+        label = rec["label"]
+        if not str(label).isdigit() or not 0 <= int(label) < len(endings):
+            raise TaskDataError(f"{path}:{i}: label {label!r} is not an index of its "
+                                f"{len(endings)} endings")  # fmt: skip
+        head = f"{rec['activity_label']}: " if rec.get("activity_label") else ""
+        out.append((head + ctx.strip(), endings, int(label)))
     return out
 
 

@@ -69,3 +69,30 @@ def sequence_nll(model: list[torch.nn.Module], sequences: Sequence[Sequence[int]
         total += float(share(nll)[0])
         count += sum(len(s) - 1 for s in chunk)
     return total, count
+
+
+@torch.inference_mode()
+def continuation_logprobs(model: list[torch.nn.Module],
+                          pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                          batch_size: int = 1, pad_id: int = 0,
+                          vocab_size: int | None = None) -> list[tuple[float, int]]:  # fmt: skip
+    """For each (context, continuation) pair: the summed log-probability of the continuation's
+    tokens after the context, and their count (``vocab_size``: the real vocabulary, without the
+    embedding's padded rows)."""
+    out: list[tuple[float, int]] = []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        batch = Batch.left_padded([list(c) + list(x) for c, x in chunk], pad_id)
+        width = batch.tokens.shape[1]
+        logits = pipeline_forward(model, batch.tokens, batch.positions(0, width),
+                                  batch.mask(0, width))  # fmt: skip
+        sums = torch.zeros(len(chunk), dtype=torch.float64)
+        if logits is not None:
+            for row, (_, cont) in enumerate(chunk):
+                n = len(cont)  # logits at slot p predict the token at slot p + 1
+                logp = logits[row, width - 1 - n : width - 1, :vocab_size].float().log_softmax(-1)
+                target = batch.tokens[row, width - n :].to(logp.device)
+                sums[row] = float(logp.gather(-1, target[:, None]).sum())
+        sums = share(sums)
+        out += [(float(s), len(x)) for s, (_, x) in zip(sums, chunk, strict=True)]
+    return out
