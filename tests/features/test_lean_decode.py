@@ -55,3 +55,11 @@ def test_continuation_likelihoods_batched_equal_one_pair_at_a_time(ranks: list[d
         assert [n for _, n in got] == [2, 1, 3, 2]
         for (total, _), want in zip(got, ref, strict=True):
             assert abs(total - want) < 1e-4, (total, want)
+
+
+def test_beam_search_with_sampling_is_seeded(ranks: list[dict]) -> None:
+    """The same seed draws the same beams; another seed, and plain beam search, differ."""
+    for rank in ranks:
+        beams, sampled, again, other = rank["beams"]
+        assert len(sampled) == 10 and sampled == again
+        assert sampled != beams and other != sampled

@@ -79,6 +79,7 @@ def lean_vs_megatron(tp: int, steps: int) -> dict:
         if name == "gqa-swiglu":
             out["stop"] = _stopped(model)
             out["likelihood"] = _likelihoods(model)
+            out["beams"] = _beams(model)
     return out
 
 
@@ -113,3 +114,16 @@ def _likelihoods(model: list) -> tuple[list, list]:
         logp = logits.log_softmax(-1)
         ref.append(sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)))
     return got, ref
+
+
+def _beams(model: list) -> list[list[int]]:
+    """Beam search, then beam search with sampling at seeds 7, 7 and 8 (temperature 1)."""
+    from anyspeed.inference.beam import beam_search
+    from anyspeed.inference.decode import Request
+    from anyspeed.inference.sampling import SamplingParams
+
+    out = [beam_search(model, PROMPTS[0], Request(10), beams=3)]
+    params = SamplingParams(greedy=False)
+    for seed in (7, 7, 8):
+        out.append(beam_search(model, PROMPTS[0], Request(10, params=params, seed=seed), beams=3))
+    return out

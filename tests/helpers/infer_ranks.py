@@ -21,7 +21,7 @@ def _model(ckpt: str, tp: int, pp: int):
 def generation_cases(ckpt: str, layouts: list[tuple[int, int]], prompts: list[list[int]],
                      new_tokens: int, vocab: int, beam_tokens: int = 12) -> dict:  # fmt: skip
     """Per layout: greedy tokens with and without the cache (the batch, left-padded), seeded
-    samples (twice), beam search with and without the cache."""
+    samples (twice), beam search with and without the cache, seeded beam sampling (twice)."""
     from anyspeed.inference.beam import beam_search
     from anyspeed.inference.decode import Request, generate
     from anyspeed.inference.sampling import SamplingParams
@@ -41,6 +41,8 @@ def generation_cases(ckpt: str, layouts: list[tuple[int, int]], prompts: list[li
         for run in (1, 2):
             req = Request(new_tokens, params=params, seed=7, vocab_size=vocab)
             res[f"sample{run}"] = generate(model, prompts, req)
+            req = Request(beam_tokens, params=params, seed=7, vocab_size=vocab)
+            res[f"beam_sample{run}"] = beam_search(model, prompts[0], req, beams=3)
         out[f"tp{tp}pp{pp}"] = res
     return out
 

@@ -108,6 +108,9 @@ def test_seeded_sampling_is_reproducible_across_runs_and_tp(runs: dict) -> None:
     assert tp1["sample1"] == tp1["sample2"]
     assert tp1["sample1"] == tp2["sample1"] == runs["ranks"][0]["tp1pp2"]["sample1"]
     assert tp1["sample1"] != tp1["greedy_kv1"]  # it did sample
+    assert tp1["beam_sample1"] == tp1["beam_sample2"] == tp2["beam_sample1"]
+    assert tp1["beam_sample1"] == runs["ranks"][0]["tp1pp2"]["beam_sample1"]
+    assert tp1["beam_sample1"] != tp1["beam_kv1"]  # beam search with sampling did sample
 
 
 def test_mmlu_choice_equals_transformers_scoring(runs: dict) -> None:

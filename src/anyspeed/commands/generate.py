@@ -1,6 +1,7 @@
 """``anyspeed generate``: text from a Megatron checkpoint (any saved layout) or an HF directory.
 
-MindSpeed-LLM's inference flags: ``--task greedy|do_sample|beam_search|chat``,
+MindSpeed-LLM's inference flags: ``--task greedy|do_sample|beam_search|beam_search_with_sampling|
+chat``,
 ``--max-new-tokens``, ``--temperature``, ``--top-k``, ``--top-p``, ``--hf-chat-template`` or
 ``--prompt-type``, ``--history-turns``, ``--use-kv-cache`` (on by default here), ``--seed``.
 Prompts come from ``--prompt`` (repeatable) or ``--prompts-file`` (one per line) and run as one
@@ -19,7 +20,7 @@ from anyspeed.commands import runner, session
 from anyspeed.errors import OneLineArgumentParser, UsageError
 
 PROG = "anyspeed generate"
-TASKS = ("greedy", "do_sample", "beam_search", "chat")
+TASKS = ("greedy", "do_sample", "beam_search", "beam_search_with_sampling", "chat")
 _END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
 
 
@@ -79,8 +80,8 @@ def _check(args: argparse.Namespace, tok: Any) -> None:
     for flag in ("max_new_tokens", "num_beams", "history_turns"):
         if getattr(args, flag) < (0 if flag == "history_turns" else 1):
             raise UsageError(f"--{flag.replace('_', '-')} must be positive")
-    if any(not s for s in args.stop) or (args.stop and args.task == "beam_search"):
-        raise UsageError("--stop needs a non-empty text, and is not for --task beam_search")
+    if any(not s for s in args.stop) or (args.stop and args.task.startswith("beam_search")):
+        raise UsageError("--stop needs a non-empty text, and is not for beam search")
     if args.hf_chat_template and not tok.has_chat_template:
         raise UsageError(f"--hf-chat-template: tokenizer {tok.name} has no chat template; "
                          "pass --prompt-type")  # fmt: skip
@@ -105,7 +106,8 @@ def _check(args: argparse.Namespace, tok: Any) -> None:
 def _params(args: argparse.Namespace):
     from anyspeed.inference.sampling import SamplingParams
 
-    return SamplingParams(greedy=args.task not in ("do_sample", "chat"),
+    return SamplingParams(greedy=args.task not in ("do_sample", "beam_search_with_sampling",
+                                                    "chat"),
                           temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p)  # fmt: skip
 
@@ -138,7 +140,7 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
     from anyspeed.inference.decode import generate
 
     req = request(args, tok)
-    if args.task == "beam_search":
+    if args.task.startswith("beam_search"):
         outs = [beam_search(model, ids, req, args.num_beams, args.length_penalty)
                 for ids in args.prompt_ids]  # fmt: skip
     else:
