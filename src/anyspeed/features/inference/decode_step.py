@@ -237,7 +237,8 @@ def decode_step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
     for lay in plan.layers:
         x = x + _attention(plan, lay, lay.norm1(x), ctx, rope, mask)
         x = x + _mlp(plan, lay, lay.norm2(x))
-    x = model.decoder.final_layernorm(x)
+    if model.decoder.final_layernorm is not None:
+        x = model.decoder.final_layernorm(x)
     weight = model.shared_embedding_or_output_weight() if (
         model.share_embeddings_and_output_weights) else None  # fmt: skip
     logits, _ = model.output_layer(x, weight=weight, runtime_gather_output=True)
