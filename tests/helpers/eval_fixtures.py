@@ -131,3 +131,26 @@ def write_agieval(root: Path, seed: int = 0) -> dict[str, list[str]]:
             answers.setdefault(task, []).append(key)
         write_jsonl(root / f"{task}.jsonl", recs)
     return answers
+
+
+NEEDLES = [("The secret ingredient of the harbor cake is saffron.", "What is the secret ingredient "
+            "of the harbor cake?", "saffron", "English"),
+           ("Mira's bicycle is painted turquoise.", "What colour is Mira's bicycle?", "turquoise",
+            "English"),
+           ("仓库的密码是四七二一。", "仓库的密码是什么？", "四七二一", "Chinese")]  # fmt: skip
+
+
+def write_needlebench(root: Path) -> Path:
+    """NeedleBench's layout: ``needles.jsonl`` and two haystacks of numbered sentences
+    (``essays.jsonl`` in English, ``zh_notes.jsonl`` in Chinese)."""
+    root.mkdir(parents=True, exist_ok=True)
+    write_jsonl(root / "needles.jsonl", [
+        {"needle": n, "retrieval_question": q, "arg2": k, "language": lang}
+        for n, q, k, lang in NEEDLES])  # fmt: skip
+    write_jsonl(root / "essays.jsonl", [
+        {"text": " ".join(f"Sentence {i}.{j} is about the weather on day {j}." for j in range(30))}
+        for i in range(20)])  # fmt: skip
+    write_jsonl(
+        root / "zh_notes.jsonl", [{"text": "".join(f"第{i}天的天气很好。" for i in range(200))}]
+    )
+    return root

@@ -100,6 +100,32 @@ def _prepare_likelihood(args: argparse.Namespace, tok: Any) -> Prepared:
     return out
 
 
+def _prepare_needle(args: argparse.Namespace, tok: Any) -> Prepared:
+    """NeedleBench single-needle retrieval: an item per haystack x length x depth."""
+    from anyspeed.inference.eval import needle as N
+    from anyspeed.inference.generate import decode
+
+    needles, stacks = N.read_needlebench(args.task_data_path)
+    top = args.max_length - args.max_new_tokens - 16  # chat-template turns fit too
+    lengths = args.needle_lengths or [top * i // 4 for i in range(1, 5)]
+    if max(lengths) > top:
+        raise UsageError(f"--needle-lengths {max(lengths)}: over the {top} tokens the context "
+                         f"leaves (--max-length {args.max_length} - --max-new-tokens)")  # fmt: skip
+
+    def encode(text: str) -> list[int]:
+        return tok.encode([text], special=False)[0]
+
+    hay = {s.name: encode(s.text[: 8 * max(lengths)] + "\n") for s in stacks}  # ~4 chars/token
+    out, texts = Prepared(), []
+    for stack, nd, length, depth in N.needle_items(needles, stacks, lengths, args.needle_depths):
+        texts.append(N.build_prompt(hay[stack.name], nd, length, depth, lambda t: len(encode(t)),
+                                    lambda ids: decode(tok, ids)))  # fmt: skip
+        out.answers.append(nd)
+        out.groups.append(f"{stack.name} {length} tokens")
+        out.extra.append(depth)
+    return _limit(args, out, texts, tok)
+
+
 def _run_likelihood(args: argparse.Namespace, prep: Prepared, model: list,
                     tok: Any) -> dict[str, Any]:  # fmt: skip
     from anyspeed.inference.eval.scoring import continuation_logprobs
@@ -197,7 +223,8 @@ def _prepare_exams(args: argparse.Namespace, tok: Any) -> Prepared:
 PREPARE = {"mmlu": _prepare_choices, "cmmlu": _prepare_choices, "ceval": _prepare_choices,
            "boolq": _prepare_boolq, "gsm8k": _prepare_gsm8k, "human_eval": _prepare_humaneval,
            "ppl": _prepare_ppl, "bbh": _prepare_exams, "agieval": _prepare_exams,
-           "mmlu_ppl": _prepare_likelihood, "hellaswag": _prepare_likelihood}  # fmt: skip
+           "mmlu_ppl": _prepare_likelihood, "hellaswag": _prepare_likelihood,
+           "needlebench": _prepare_needle}  # fmt: skip
 FEWSHOT = {
     "mmlu": 5,
     "cmmlu": 5,
@@ -205,10 +232,10 @@ FEWSHOT = {
     "bbh": 3,
     "mmlu_ppl": 5,
 }  # default --num-fewshot (else 0)
-NEW_TOKENS = {"bbh": 32, "agieval": 32}  # default --max-new-tokens (else 256)
+NEW_TOKENS = {"bbh": 32, "agieval": 32, "needlebench": 64}  # default --max-new-tokens (or 256)
 # Where a generated answer is over: the next few-shot question, or the next top-level code
 STOPS = {"gsm8k": ("\n\nQuestion:",), "bbh": ("\n\nQ:",), "agieval": ("\n\n",),
-         "human_eval": STOP_CODE}  # fmt: skip
+         "needlebench": ("\n\n",), "human_eval": STOP_CODE}  # fmt: skip
 
 
 def accuracy_table(groups: list[str], correct: list[bool]) -> dict[str, Any]:
@@ -264,10 +291,14 @@ def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
         got = [P.extract_number(t) for t in texts]
         hits = [g == a for g, a in zip(got, prep.answers, strict=True)]
         return dict(accuracy_table(prep.groups, hits), predictions=got)
-    if args.task in ("bbh", "agieval"):
-        hits = [X.bbh_correct(t, e.target) if args.task == "bbh" else X.agieval_correct(t, e)
-                for t, e in zip(texts, prep.answers, strict=True)]  # fmt: skip
-        return dict(accuracy_table(prep.groups, hits), predictions=texts)
+    if args.task in ("bbh", "agieval", "needlebench"):
+        from anyspeed.inference.eval.needle import found
+
+        check = {"bbh": lambda t, e: X.bbh_correct(t, e.target), "agieval": X.agieval_correct,
+                 "needlebench": found}[args.task]  # fmt: skip
+        hits = [check(t, e) for t, e in zip(texts, prep.answers, strict=True)]
+        res = dict(accuracy_table(prep.groups, hits), predictions=texts)
+        return dict(res, depths=prep.extra) if args.task == "needlebench" else res
     from anyspeed.inference.eval.execution import check_completions
 
     completions = [truncate_code(t) for t in texts]

