@@ -1,6 +1,6 @@
 """The lean one-token decode step (``no-grad-fast-path``) against Megatron's own forward:
 for each layer kind it supports (MLA and MoE blocks called as modules) the logits of every decode
-step match within 1e-5 (fp32) at TP1 and TP2, with the same greedy tokens; a model it does not
+step match within 1e-5 (fp32) at TP1, TP2 and PP2, with the same greedy tokens; a model it does not
 support (learned absolute positions) runs Megatron's forward.
 Stop strings of the decode loop and the evaluation likelihood scorer are checked here too (they
 need a model to run)."""
@@ -18,22 +18,37 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_distributed(decode_ranks.lean_vs_megatron, 2, tp=2, steps=STEPS, timeout=300) + [
-        run_distributed(decode_ranks.lean_vs_megatron, 1, tp=1, steps=STEPS, timeout=300)[0]
+    two = [(2, 1), (1, 2)]
+    return run_distributed(
+        decode_ranks.lean_vs_megatron, 2, layouts=two, steps=STEPS, timeout=300
+    ) + [  # fmt: skip
+        run_distributed(
+            decode_ranks.lean_vs_megatron, 1, layouts=[(1, 1)], steps=STEPS, timeout=300
+        )[0]  # fmt: skip
     ]
 
 
 @pytest.mark.parametrize("case", sorted(decode_ranks.CASES))
 def test_lean_step_equals_megatron_forward(ranks: list[dict], case: str) -> None:
+    seen = 0
     for rank in ranks:
-        lean, megatron, lean_calls = rank[case]
-        if case == "learned-positions":
-            assert lean_calls == 0  # not supported: Megatron's forward ran every step
-        else:  # every decode step (not the prefill) of every layer ran lean
-            assert lean_calls == (STEPS - 1) * 2, case
-        for step, (a, b) in enumerate(zip(lean, megatron, strict=True)):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"{case} step {step}")
-            assert torch.equal(a.argmax(-1), b.argmax(-1))
+        for key, value in rank.items():
+            if not isinstance(key, tuple) or key[1] != case:
+                continue
+            layout, (lean, megatron, lean_calls) = key[0], value
+            seen += 1
+            if case == "learned-positions":
+                assert lean_calls == 0  # not supported: Megatron's forward ran every step
+            else:  # every decode step (not the prefill) of every layer of the stage ran lean
+                layers = 1 if layout == "tp1pp2" else 2
+                assert lean_calls == (STEPS - 1) * layers, (case, layout)
+            for step, (a, b) in enumerate(zip(lean, megatron, strict=True)):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    msg = f"{case} {layout} step {step}"
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=msg)
+                    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert seen == 5  # TP2 and PP2 on two ranks, TP1
 
 
 def test_stop_strings_end_each_row_where_its_text_first_holds_one(ranks: list[dict]) -> None:

@@ -29,10 +29,11 @@ CASES = {
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [30, 12]]  # padded batch: the decode mask matters
 
 
-def _steps(model: list, lean: bool, steps: int) -> list[torch.Tensor]:
-    """Next-token logits of each step (greedy), every decode step lean or Megatron's."""
+def _steps(model: list, lean: bool, steps: int) -> list[torch.Tensor | None]:
+    """Next-token logits of each step (greedy; None off the last pipeline stage), every decode
+    step lean or Megatron's."""
     from anyspeed.features.inference import decode_step
-    from anyspeed.inference.decode import Batch, Stepper
+    from anyspeed.inference.decode import Batch, Stepper, share
 
     chunk = model[0]
     if not lean:
@@ -42,21 +43,19 @@ def _steps(model: list, lean: bool, steps: int) -> list[torch.Tensor]:
     for _ in range(steps):
         logits = stepper.logits()
         out.append(logits)
-        stepper.append(logits.argmax(-1))
+        chosen = torch.zeros(len(PROMPTS), dtype=torch.int64)
+        if logits is not None:
+            chosen = logits.argmax(-1)
+        stepper.append(share(chosen))
     chunk.__dict__.pop(decode_step._PLAN, None)
     return out
 
 
-def lean_vs_megatron(tp: int, steps: int) -> dict:
-    """Per case: (lean logits, Megatron logits, decode steps that ran lean)."""
+def lean_vs_megatron(layouts: list[tuple[int, int]], steps: int) -> dict:
+    """Per layout "tpXppY" and case: (lean logits, Megatron logits, decode steps that ran
+    lean on this rank); plus the stop-string, likelihood and beam checks at the first."""
     from anyspeed.features.inference import decode_step
-    from anyspeed.layout import Layout
-    from anyspeed.models import gpt
-    from anyspeed.models.config import ModelConfig
-    from anyspeed.training.distributed import init_distributed
 
-    layout = Layout(tp=tp)
-    init_distributed(layout, seed=0)
     calls = []
     attention = decode_step._attention
 
@@ -66,21 +65,35 @@ def lean_vs_megatron(tp: int, steps: int) -> dict:
 
     decode_step._attention = counted
     out = {}
+    for tp, pp in layouts:
+        for name, model in _models(tp, pp):
+            with torch.inference_mode():
+                calls.clear()
+                lean = _steps(model, True, steps)
+                n = len(calls)
+                out[f"tp{tp}pp{pp}", name] = (lean, _steps(model, False, steps), n)
+            if name == "gqa-swiglu" and (tp, pp) == layouts[0]:
+                out["stop"] = _stopped(model)
+                out["likelihood"] = _likelihoods(model)
+                out["beams"] = _beams(model)
+    return out
+
+
+def _models(tp: int, pp: int):
+    """Each case's random model at TP x PP (the same seed for every case)."""
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt
+    from anyspeed.models.config import ModelConfig
+    from anyspeed.training.distributed import init_distributed
+
+    layout = Layout(tp=tp, pp=pp)
+    init_distributed(layout, seed=0)
     for name, fields in CASES.items():
         cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                           vocab_size=256, **fields)  # fmt: skip
         torch.manual_seed(0)
-        model = [c.eval() for c in gpt.build_chunks(cfg, gpt.transformer_config(cfg), layout)]
-        with torch.inference_mode():
-            calls.clear()
-            lean = _steps(model, True, steps)
-            n = len(calls)
-            out[name] = (lean, _steps(model, False, steps), n)
-        if name == "gqa-swiglu":
-            out["stop"] = _stopped(model)
-            out["likelihood"] = _likelihoods(model)
-            out["beams"] = _beams(model)
-    return out
+        config = gpt.transformer_config(cfg, layout)
+        yield name, [c.eval() for c in gpt.build_chunks(cfg, config, layout)]
 
 
 def detokenize(ids: list[int]) -> str:

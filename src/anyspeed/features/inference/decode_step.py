@@ -8,8 +8,9 @@ MLP) this step does the same tensor math straight from the module parameters, wr
 key/value into Megatron's ``StaticInferenceContext`` (keys rotated when stored, as
 ``no-grad-fast-path`` stores them) and calls the embedding, norm and output modules as they
 are; a MoE block and multi-latent attention are called as their own modules (the layer around
-them still runs here). Anything else (pipeline stages, learned positions, interleaved or scaled
-RoPE on plain attention, sliding windows, gated attention, ...) returns None and Megatron's
+them still runs here). Pipeline stages run their own layers (the schedule moves the hidden
+states). Anything else (learned positions, interleaved or scaled RoPE on plain attention,
+sliding windows, gated attention, multi-token prediction, ...) returns None and Megatron's
 forward runs.
 """
 
@@ -104,7 +105,7 @@ def _layer(layer: Any) -> _Layer | None:
 def _build(model: Any) -> _Plan | None:
     """What the step needs from ``model``, or None when a layer is not of a kind it runs."""
     config = model.config
-    if not (model.pre_process and model.post_process) or getattr(model, "mtp_process", False):
+    if getattr(model, "mtp_process", False):
         return None
     if model.position_embedding_type != "rope":
         return None
@@ -220,14 +221,20 @@ def _mlp(plan: _Plan, lay: _Layer, h: torch.Tensor) -> torch.Tensor:
 
 def decode_step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None, ctx: Any) -> torch.Tensor | None:  # fmt: skip
-    """Logits [b, 1, vocab] (gathered over TP) of one new token per row, the cache advanced
-    as Megatron's forward would; None when this model or call needs Megatron's forward."""
+    """Logits [b, 1, vocab] (gathered over TP) of one new token per row (a stage before the
+    last returns its hidden states, as Megatron's forward does), the cache advanced as
+    Megatron's forward would; None when this model or call needs Megatron's forward."""
     plan = plan_of(model)
     if plan is None or input_ids.shape[1] != 1:
         return None
     if any(lay.number not in ctx.key_value_memory_dict for lay in plan.layers):
         return None  # no prefill through Megatron yet: it allocates the cache
-    x = model.embedding(input_ids=input_ids, position_ids=position_ids)  # [1, b, hidden]
+    if model.pre_process:
+        x = model.embedding(input_ids=input_ids, position_ids=position_ids)  # [1, b, hidden]
+    else:  # a later pipeline stage: the previous stage's output, set by the schedule
+        x = model.decoder.input_tensor
+        if x is None:
+            return None
     rope = None
     if any(lay.attention is None for lay in plan.layers):
         cos, sin = _tables(plan, model, ctx.max_sequence_length, x.dtype)
@@ -239,6 +246,8 @@ def decode_step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
         x = x + _mlp(plan, lay, lay.norm2(x))
     if model.decoder.final_layernorm is not None:
         x = model.decoder.final_layernorm(x)
+    if not model.post_process:
+        return x  # hidden states [1, b, hidden] for the next pipeline stage
     weight = model.shared_embedding_or_output_weight() if (
         model.share_embeddings_and_output_weights) else None  # fmt: skip
     logits, _ = model.output_layer(x, weight=weight, runtime_gather_output=True)
