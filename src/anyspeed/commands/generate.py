@@ -1,9 +1,9 @@
 """``anyspeed generate``: text from a Megatron checkpoint (any saved layout) or an HF directory.
 
-MindSpeed-LLM's inference flags: ``--task greedy|do_sample|beam_search|beam_search_with_sampling|
-chat``,
-``--max-new-tokens``, ``--temperature``, ``--top-k``, ``--top-p``, ``--hf-chat-template`` or
-``--prompt-type``, ``--history-turns``, ``--use-kv-cache`` (on by default here), ``--seed``.
+MindSpeed-LLM's inference flags: ``--task`` (greedy, do_sample, beam_search,
+beam_search_with_sampling, chat), ``--max-new-tokens``, ``--temperature``, ``--top-k``,
+``--top-p``, ``--hf-chat-template`` or ``--prompt-type``, ``--history-turns``,
+``--use-kv-cache`` (on by default here), ``--seed``; and ``--stop`` strings.
 Prompts come from ``--prompt`` (repeatable) or ``--prompts-file`` (one per line) and run as one
 left-padded batch; ``chat`` reads turns from stdin and streams the answer. TP x PP ranks are
 started with torchrun (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``).
