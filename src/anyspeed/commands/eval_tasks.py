@@ -39,16 +39,22 @@ def _token(tok: Any, text: str) -> int:
     return tok.encode([text], special=False)[0][-1]
 
 
+def _shots(dev: dict, subject: str, n: int) -> list:
+    """The first ``n`` dev questions of ``subject`` (an error when it has none)."""
+    shots = dev.get(subject, [])[:n]
+    if n and not shots:
+        raise UsageError(f"--num-fewshot {n}: no dev questions for {subject!r} (add its dev "
+                         "CSV or pass --num-fewshot 0)")  # fmt: skip
+    return shots
+
+
 def _prepare_choices(args: argparse.Namespace, tok: Any) -> Prepared:
     layout, split = CHOICE_LAYOUTS[args.task]
     tests = R.read_choices(args.task_data_path, layout, split)
     dev = R.read_choices(args.task_data_path, layout, "dev") if args.num_fewshot else {}
     out, texts = Prepared(), []
     for subject, questions in sorted(tests.items()):
-        shots = dev.get(subject, [])[: args.num_fewshot]
-        if args.num_fewshot and not shots:
-            raise UsageError(f"--num-fewshot {args.num_fewshot}: no dev questions for "
-                             f"{subject!r} (add its dev CSV or pass --num-fewshot 0)")  # fmt: skip
+        shots = _shots(dev, subject, args.num_fewshot)
         for q in questions:
             texts.append(P.choice_prompt(q, shots, chinese=args.task != "mmlu"))
             out.answers.append(q.answer)
@@ -82,8 +88,9 @@ def _prepare_likelihood(args: argparse.Namespace, tok: Any) -> Prepared:
         dev = R.read_choices(args.task_data_path, "mmlu", "dev") if args.num_fewshot else {}
         out, texts, options = Prepared(), [], []
         for subject, questions in sorted(tests.items()):
+            shots = _shots(dev, subject, args.num_fewshot)
             for q in questions:
-                texts.append(P.cloze_prompt(q, dev.get(subject, [])[: args.num_fewshot]))
+                texts.append(P.cloze_prompt(q, shots))
                 options.append(q.options)
                 out.answers.append(q.answer)
                 out.groups.append(subject)
