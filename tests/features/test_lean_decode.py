@@ -44,10 +44,12 @@ def test_lean_step_equals_megatron_forward(ranks: list[dict], case: str) -> None
                 assert lean_calls == (STEPS - 1) * layers, (case, layout)
             for step, (a, b) in enumerate(zip(lean, megatron, strict=True)):
                 assert (a is None) == (b is None)
-                if a is not None:
+                if a is not None:  # bf16: within a few bf16 steps of the logits' size
                     msg = f"{case} {layout} step {step}"
-                    torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=msg)
-                    assert torch.equal(a.argmax(-1), b.argmax(-1))
+                    atol = 3e-2 if case == "bf16" else 1e-5
+                    torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=msg)
+                    if case != "bf16":  # both runs are fed the lean run's tokens
+                        assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert seen == 5  # TP2 and PP2 on two ranks, TP1
 
 

@@ -8,6 +8,7 @@ import torch
 
 CASES = {
     "gqa-swiglu": dict(num_query_groups=2),
+    "bf16": dict(num_query_groups=2),  # weights and activations in bf16
     "qkv-bias-tied": dict(num_query_groups=2, add_qkv_bias=True, tie_embeddings=True),
     "qk-norm": dict(qk_layernorm=True, kv_channels=24),
     "layernorm-gelu-bias": dict(
@@ -29,9 +30,10 @@ CASES = {
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [30, 12]]  # padded batch: the decode mask matters
 
 
-def _steps(model: list, lean: bool, steps: int) -> list[torch.Tensor | None]:
-    """Next-token logits of each step (greedy; None off the last pipeline stage), every decode
-    step lean or Megatron's."""
+def _steps(model: list, lean: bool, steps: int,
+           forced: list[torch.Tensor] | None = None) -> tuple[list, list]:  # fmt: skip
+    """Next-token logits of each step (None off the last pipeline stage) and the tokens fed
+    (greedy, or ``forced``), every decode step lean or Megatron's."""
     from anyspeed.features.inference import decode_step
     from anyspeed.inference.decode import Batch, Stepper, share
 
@@ -39,16 +41,17 @@ def _steps(model: list, lean: bool, steps: int) -> list[torch.Tensor | None]:
     if not lean:
         chunk.__dict__[decode_step._PLAN] = False  # "not supported": Megatron's forward
     stepper = Stepper(model, Batch.left_padded(PROMPTS, 0), len(PROMPTS[0]) + steps, True)
-    out = []
-    for _ in range(steps):
+    out, fed = [], []
+    for i in range(steps):
         logits = stepper.logits()
         out.append(logits)
         chosen = torch.zeros(len(PROMPTS), dtype=torch.int64)
         if logits is not None:
             chosen = logits.argmax(-1)
-        stepper.append(share(chosen))
+        fed.append(share(chosen) if forced is None else forced[i])
+        stepper.append(fed[-1])
     chunk.__dict__.pop(decode_step._PLAN, None)
-    return out
+    return out, fed
 
 
 def lean_vs_megatron(layouts: list[tuple[int, int]], steps: int) -> dict:
@@ -69,9 +72,9 @@ def lean_vs_megatron(layouts: list[tuple[int, int]], steps: int) -> dict:
         for name, model in _models(tp, pp):
             with torch.inference_mode():
                 calls.clear()
-                lean = _steps(model, True, steps)
-                n = len(calls)
-                out[f"tp{tp}pp{pp}", name] = (lean, _steps(model, False, steps), n)
+                lean, fed = _steps(model, True, steps)
+                n = len(calls)  # Megatron's run is fed the same tokens (bf16 near-ties)
+                out[f"tp{tp}pp{pp}", name] = (lean, _steps(model, False, steps, fed)[0], n)
             if name == "gqa-swiglu" and (tp, pp) == layouts[0]:
                 out["stop"] = _stopped(model)
                 out["likelihood"] = _likelihoods(model)
@@ -92,7 +95,7 @@ def _models(tp: int, pp: int):
         cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                           vocab_size=256, **fields)  # fmt: skip
         torch.manual_seed(0)
-        config = gpt.transformer_config(cfg, layout)
+        config = gpt.transformer_config(cfg, layout, bf16=name == "bf16")
         yield name, [c.eval() for c in gpt.build_chunks(cfg, config, layout)]
 
 
