@@ -6,6 +6,8 @@
 2. ``anyspeed pretrain`` on one GPU (nccl, bf16, mock data): the loss must fall.
 3. The tiny Qwen3-MoE run with the all-to-all dispatcher and grouped GEMM (issue 14), tokens/s.
 4. ``--swap-attention``: lower peak device memory, bit-equal losses (issue 16).
+5. The lean one-token decode step on this device against Megatron's forward, every layer kind
+   of ``tests/helpers/decode_ranks.py`` (fp32 within 1e-4, bf16 within 5e-2; issue 18).
 
     PYTHONPATH=src python scripts/gpu_check.py
 """
@@ -145,8 +147,26 @@ def swap_attention() -> bool:
     return ok
 
 
+def decode() -> bool:
+    """Issue 18: the lean decode step's logits against Megatron's forward on this device."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from anyspeed.testing import run_distributed
+    from helpers import decode_ranks
+
+    res = run_distributed(decode_ranks.lean_vs_megatron, 1, layouts=[(1, 1)], steps=8,
+                          timeout=900)[0]  # fmt: skip
+    ok = True
+    for key, (lean, megatron, calls) in ((k, v) for k, v in res.items() if isinstance(k, tuple)):
+        diff = max(float((a - b).abs().max()) for a, b in zip(lean, megatron, strict=True))
+        good = diff < (5e-2 if key[1] == "bf16" else 1e-4)
+        ok &= good
+        print(f"lean decode {key[1]:<22} max |diff| {diff:.2e}, lean steps {calls} "
+              f"{'OK' if good else 'FAIL'}", flush=True)  # fmt: skip
+    return ok
+
+
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(0), flush=True)
-    results = [block_kernels(), pretrain(), moe(), swap_attention()]
+    results = [block_kernels(), pretrain(), moe(), swap_attention(), decode()]
     print("GPU CHECK", "PASSED" if all(results) else "FAILED", flush=True)
     sys.exit(0 if all(results) else 1)
