@@ -64,8 +64,11 @@ def _prepare_choices(args: argparse.Namespace, tok: Any) -> Prepared:
     return _limit(args, out, texts, tok)
 
 
-def _limit(args: argparse.Namespace, out: Prepared, texts: list[str], tok: Any) -> Prepared:
-    n = args.max_eval_samples or len(texts)
+def _limit(args: argparse.Namespace, out: Prepared, texts: list[str], tok: Any,
+           per_task: bool = False) -> Prepared:  # fmt: skip
+    """The first --max-eval-samples items (all when ``per_task``: already cut per task),
+    tokenized; a prompt over the context is an error."""
+    n = len(texts) if per_task else args.max_eval_samples or len(texts)
     out.answers, out.groups, out.extra = out.answers[:n], out.groups[:n], out.extra[:n]
     out.prompts = _wrap(args, tok, texts[:n])
     for ids in out.prompts:
@@ -220,11 +223,7 @@ def _prepare_exams(args: argparse.Namespace, tok: Any) -> Prepared:
     if not texts:
         raise UsageError(f"--task {args.task}: no question left to score after "
                          f"--num-fewshot {args.num_fewshot}")  # fmt: skip
-    saved, args.max_eval_samples = args.max_eval_samples, None
-    try:
-        return _limit(args, out, texts, tok)
-    finally:
-        args.max_eval_samples = saved
+    return _limit(args, out, texts, tok, per_task=True)
 
 
 PREPARE = {"mmlu": _prepare_choices, "cmmlu": _prepare_choices, "ceval": _prepare_choices,

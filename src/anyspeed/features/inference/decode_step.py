@@ -61,7 +61,6 @@ class _Plan:
     act: Any
     tp_group: Any  # None at TP1
     softmax_fp32: bool
-    tables: dict  # (length, dtype) -> (cos, signed sin)
 
 
 def _wb(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,7 +130,7 @@ def _build(model: Any) -> _Plan | None:
         per_group=attn.num_attention_heads_per_partition // groups if attn else 1, dim=dim,
         scale=config.softmax_scale or 1.0 / math.sqrt(dim), gated=config.gated_linear_unit,
         act=config.activation_func, tp_group=tp if tp.size() > 1 else None,
-        softmax_fp32=config.attention_softmax_in_fp32, tables={},
+        softmax_fp32=config.attention_softmax_in_fp32,
     )  # fmt: skip
 
 
@@ -151,17 +150,6 @@ def _linear(x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], group
     if group is not None:
         torch.distributed.all_reduce(out, group=group)
     return out if wb[1] is None else out + wb[1]
-
-
-def _tables(plan: _Plan, model: Any, length: int, dtype: torch.dtype) -> tuple:
-    """cos / signed sin [length, 1, 1, rot] of the rotary table Megatron uses for a static
-    cache of ``length`` slots (the rotation is by slot, as Megatron's static cache does)."""
-    key = (length, dtype)
-    if key not in plan.tables:
-        from anyspeed.features.ops.rope import signed_tables
-
-        plan.tables[key] = signed_tables(model.rotary_pos_emb(length), dtype)
-    return plan.tables[key]
 
 
 def _attend(plan: _Plan, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -237,7 +225,11 @@ def decode_step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
             return None
     rope = None
     if any(lay.attention is None for lay in plan.layers):
-        cos, sin = _tables(plan, model, ctx.max_sequence_length, x.dtype)
+        from anyspeed.features.ops.rope import cached_signed_tables
+
+        # Megatron's rotary table for a static cache of this length (rotation by slot)
+        emb = model.rotary_pos_emb(ctx.max_sequence_length)
+        cos, sin = cached_signed_tables(emb, x.dtype)
         start = ctx.sequence_len_offset
         rope = (cos[start : start + 1], sin[start : start + 1])
     mask = attention_mask  # [b, 1, 1, keys]: one query per row

@@ -70,25 +70,19 @@ def _region(forward: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
-_TABLES = "_anyspeed_rope_tables"  # {dtype: (cos, signed sin)} kept on a rotary table
-
-
 def _rotated(t: torch.Tensor, emb: torch.Tensor, start: int, config: Any, cp: Any) -> torch.Tensor:
     """``t`` [s, b, heads, d] rotated to positions ``start``.. by Megatron's rotary ``emb``,
     from cos / sin computed once per table (Megatron caches one table per length)."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.transformer import attention
 
-    from anyspeed.features.ops.rope import rotate, signed_tables
+    from anyspeed.features.ops.rope import cached_signed_tables, rotate
 
     freqs = emb[start : start + t.shape[0]]
     mscale = attention._yarn_get_concentration_factor_from_config(config)
     if config.rotary_interleaved or config.multi_latent_attention or mscale != 1.0:
         return apply_rotary_pos_emb(t, freqs, config=config, mscale=mscale, cp_group=cp)
-    cache = emb.__dict__.setdefault(_TABLES, {})
-    if t.dtype not in cache:
-        cache[t.dtype] = signed_tables(emb, t.dtype)
-    cos, sin = cache[t.dtype]
+    cos, sin = cached_signed_tables(emb, t.dtype)
     n = start + t.shape[0]
     return rotate(t, cos[start:n], sin[start:n])
 

@@ -84,6 +84,15 @@ def signed_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
     return cos, torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
 
 
+def cached_signed_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`signed_tables` of ``freqs``, computed once per dtype and kept on the tensor
+    (Megatron caches one rotary table per length, so decoding computes each table once)."""
+    cache = freqs.__dict__.setdefault("_anyspeed_signed_tables", {})
+    if dtype not in cache:
+        cache[dtype] = signed_tables(freqs, dtype)
+    return cache[dtype]
+
+
 def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """``t * cos + rotate_half(t) * sin`` (non-interleaved; dims past ``cos``'s pass) in four
     tensor ops, from :func:`signed_tables`; no autograd node (for no-grad paths)."""
