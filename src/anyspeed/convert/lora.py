@@ -34,12 +34,8 @@ class Adapters:
 
     def __init__(self, lora_dir: str | Path, preset: ModelConfig) -> None:
         from anyspeed.convert.dcp_io import DcpReader
-        from anyspeed.convert.megatron_io import (
-            _checkpoint_keys,
-            checkpoint_format,
-            iteration_dir,
-            read_common,
-        )
+        from anyspeed.convert.megatron_io import checkpoint_format, iteration_dir, read_common
+        from anyspeed.convert.torch_dist import _checkpoint_keys
 
         it_dir = iteration_dir(lora_dir)
         common = read_common(lora_dir)
