@@ -61,8 +61,9 @@ def make_sets(d: str, seq: int, n: int) -> tuple[str, str, int]:
 def posttrain_run(cli: list[str]) -> dict:
     """One ``anyspeed posttrain`` run in this rank: step times after the first, peak memory."""
     from anyspeed import quiet
+    from anyspeed.training.engine import train
     from anyspeed.training.loop import Hook
-    from anyspeed.training.posttrain import prepare, train
+    from anyspeed.training.prepare import prepare
 
     class Clock(Hook):
         def __init__(self) -> None:
@@ -72,7 +73,7 @@ def posttrain_run(cli: list[str]) -> dict:
             self.times.append(time.perf_counter())
 
     quiet.install()  # this rank's third-party notices, as the command hides them
-    args, _ = prepare(cli)
+    args, _ = prepare(cli, command="posttrain")
     clock = Clock()
     hist = train(args, extra_hooks=[clock])
     trainer = hist.pop("trainer")
@@ -143,7 +144,7 @@ def packed_vs_padded(a: argparse.Namespace, d: str) -> None:
     )
     rates = {}
     for name, (prefix, _) in rows.items():
-        from anyspeed.training.sft_data import open_data, sample_order
+        from anyspeed.training.tasks.sft_data import open_data, sample_order
 
         data = open_data(prefix, a.seq)
         order = sample_order((0, len(data)), 8 * a.iters, 1234)[8:]

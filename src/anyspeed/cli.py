@@ -68,8 +68,8 @@ def _run(module: str, function: str = "main", prefix: Sequence[str] = ()):
 
 COMMANDS = {
     "demo": _run("anyspeed.demo"),
-    "pretrain": _run("anyspeed.training.pretrain"),
-    "posttrain": _run("anyspeed.training.posttrain"),
+    "pretrain": _run("anyspeed.commands.train", "pretrain"),
+    "posttrain": _run("anyspeed.commands.train", "posttrain"),
     "preprocess": _run("anyspeed.data.cli", prefix=["preprocess"]),
     "train-tokenizer": _run("anyspeed.data.cli", prefix=["train-tokenizer"]),
     "convert": _run("anyspeed.convert.cli"),

@@ -259,7 +259,7 @@ def _dataset(prefix: str, lengths: list[int], seed: int = 0) -> str:
 
 
 def _pretrain_error(capsys, prefix: str) -> str:
-    from anyspeed.training.pretrain import main
+    from anyspeed.commands.train import pretrain as main
 
     argv = ["--model", "tiny-qwen2.5", "--num-layers", "2", "--padded-vocab-size", "512",
             "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1",

@@ -8,7 +8,7 @@ import os
 import torch
 from test_sft_loss import cli
 
-from anyspeed.training.posttrain import main
+from anyspeed.commands.train import posttrain as main
 
 LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "--lora-r", "4"]
 

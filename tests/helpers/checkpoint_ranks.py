@@ -99,7 +99,7 @@ def run_cases(cases: list[dict]) -> list[dict]:
     rank); per case the exit code and what this rank wrote to stderr. Cases must fail: a
     success ends the group, and the cases after it are not run."""
     from anyspeed import quiet
-    from anyspeed.training.pretrain import main
+    from anyspeed.commands.train import pretrain as main
 
     os.environ["ANYSPEED_QUIET_NOTICE_SHOWN"] = "1"  # stderr holds only what main says
     quiet.install()  # as the command line does: third-party notices stay hidden

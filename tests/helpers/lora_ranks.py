@@ -41,8 +41,9 @@ def zero_b_logits(preset: str, targets: list[str], r: int, tokens) -> dict:
 def trained_logits(cli: list[str], tokens) -> object:
     """Logits of the model ``anyspeed posttrain CLI`` resumes (base + adapters, no step run)."""
     from anyspeed.inference.logits import forward_logits
-    from anyspeed.training.posttrain import prepare, train
+    from anyspeed.training.engine import train
+    from anyspeed.training.prepare import prepare
 
-    args, _ = prepare(cli)
+    args, _ = prepare(cli, command="posttrain")
     history = train(args)
     return forward_logits(history["trainer"].model, tokens)

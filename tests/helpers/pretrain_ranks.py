@@ -10,8 +10,9 @@ def pretrain(cli: list[str], crash_on_save: int | None = None, nan_at: int | Non
     (``os._exit(17)``) after the N-th checkpoint's data is written but before it is renamed into
     place; ``nan_at=N`` turns one weight into NaN just before iteration N (a diverging run).
     """
+    from anyspeed.training.engine import train
     from anyspeed.training.hooks import FaultInjection
-    from anyspeed.training.pretrain import prepare, train
+    from anyspeed.training.prepare import prepare
 
     args, _ = prepare(cli)
     faults = FaultInjection(nan_at=nan_at, crash_on_save=crash_on_save)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 def posttrain(cli: list[str]) -> dict:
     """Run ``anyspeed posttrain`` with ``cli`` in this rank; its history (no trainer)."""
-    from anyspeed.training.posttrain import prepare, train
+    from anyspeed.training.engine import train
+    from anyspeed.training.prepare import prepare
 
-    args, _ = prepare(cli)
+    args, _ = prepare(cli, command="posttrain")
     history = train(args)
     history.pop("trainer")
     return history
@@ -29,10 +30,11 @@ def posttrain_many(clis: list[list[str]]) -> list[dict]:
 def overfit(cli: list[str], prefix: str) -> dict:
     """Train, then greedily decode every sample's prompt for as many tokens as its response."""
     from anyspeed.inference.generate import generate_ids
-    from anyspeed.training.posttrain import prepare, train
+    from anyspeed.training.engine import train
+    from anyspeed.training.prepare import prepare
     from helpers.corpora import read_back
 
-    args, _ = prepare(cli)
+    args, _ = prepare(cli, command="posttrain")
     history = train(args)
     model = history.pop("trainer").model
     pairs = []

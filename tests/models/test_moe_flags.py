@@ -7,7 +7,16 @@ import pytest
 
 from anyspeed.errors import UsageError
 from anyspeed.training.arguments import parse_pretrain_args
-from anyspeed.training.checks import check_args
+from anyspeed.training.checks import check, complete, gpt_data_prefixes
+from anyspeed.training.run import freeze
+
+
+def check_args(args, world: int):
+    """The checks ``anyspeed pretrain`` runs before start (complete, freeze, check)."""
+    tok = complete(args)
+    freeze(args)
+    return check(args, world, gpt_data_prefixes(args), tok)
+
 
 RUN = ("--model tiny-qwen2.5 --mock-data --vocab-size 512 --seq-length 64 --train-iters 2 "
        "--lr 1e-3 --global-batch-size 8 --micro-batch-size 2 --num-experts 4 "
@@ -15,9 +24,7 @@ RUN = ("--model tiny-qwen2.5 --mock-data --vocab-size 512 --seq-length 64 --trai
 
 
 def _model(*flags: str, world: int = 1):
-    args = parse_pretrain_args([*RUN, *flags])
-    check_args(args, world)
-    return args.model_config
+    return check_args(parse_pretrain_args([*RUN, *flags]), world).model
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,8 @@ import pytest
 from test_pretrain import base_args, write_corpus
 
 from anyspeed.checkpoint_files import TRACKER
+from anyspeed.commands.train import pretrain as main
 from anyspeed.testing import run_distributed
-from anyspeed.training.pretrain import main
 from helpers import checkpoint_ranks
 
 ITER = "iter_0000001"
@@ -233,7 +233,7 @@ def test_checkpoint_of_another_architecture(capsys, faults, flags, says):
     ck = faults["disk"]
     argv = _args(faults["prefix"], 3) + ["--load", ck, *flags]
     if says is None:  # tiny-qwen2.5 already has no linear biases: the flag changes nothing
-        from anyspeed.training.pretrain import prepare
+        from anyspeed.training.prepare import prepare
 
         prepare(argv, "launcher")
         return

@@ -8,8 +8,8 @@ import os
 import pytest
 from test_pretrain import base_args, write_corpus
 
+from anyspeed.commands.train import pretrain as main
 from anyspeed.testing import DistributedError, run_distributed
-from anyspeed.training.pretrain import main
 from helpers import pretrain_ranks
 
 

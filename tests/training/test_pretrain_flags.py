@@ -148,7 +148,7 @@ def test_a_value_out_of_range_is_one_line_naming_the_flag(flag, rng):
 def test_issue_numbers_stop_before_anything_starts(capsys, flag, value, line):
     """The issue's command lines, each once a traceback (or a silent SIGFPE): exit 2 with one
     line, in the process that parses, before any process group or model exists."""
-    from anyspeed.training.pretrain import main
+    from anyspeed.commands.train import pretrain as main
 
     assert main(_with(flag, value) + ["--nproc-per-node", "2"]) == 2
     err = capsys.readouterr().err

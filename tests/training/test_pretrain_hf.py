@@ -4,6 +4,7 @@ fly; the first training loss equals transformers' own loss of the same model on 
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -33,8 +34,9 @@ def test_continue_pretraining_from_hf_directory(tmp_path, monkeypatch):
     assert hist["iterations"] == [1, 2]
 
     # Independent reference: transformers on the first global batch of the same dataset.
-    want, args = hf_first_loss(model, argv, monkeypatch, world=2)
-    assert args.load.startswith(str(tmp_path / "ck")) and args.padded_vocab_size == 512
+    want, checked = hf_first_loss(model, argv, monkeypatch, world=2)
+    assert checked.load.startswith(str(tmp_path / "ck"))
+    assert checked.args.padded_vocab_size == 512
     assert hist["loss"][0] == pytest.approx(want, rel=1e-5)
 
 
@@ -42,11 +44,11 @@ def hf_first_loss(model, argv: list[str], monkeypatch, world: int = 1) -> tuple[
     """transformers' loss on the first global batch (two micro-batches of 2) of the dataset
     ``anyspeed pretrain argv`` builds; and the run's parsed args."""
     from anyspeed.training.datasets import build_datasets
-    from anyspeed.training.pretrain import prepare
+    from anyspeed.training.prepare import prepare
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    args, _ = prepare(argv)
-    train = build_datasets(args)[0]
+    run, _ = prepare(argv)
+    train = build_datasets(run.args, run.tokenizer)[0]
     losses = []
     with torch.no_grad():
         for mb in ([0, 1], [2, 3]):
@@ -54,7 +56,7 @@ def hf_first_loss(model, argv: list[str], monkeypatch, world: int = 1) -> tuple[
             labels = torch.stack([train[i]["labels"] for i in mb])
             logits = model(input_ids=tokens).logits
             losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
-    return float(sum(losses) / len(losses)), args
+    return float(sum(losses) / len(losses)), run
 
 
 def test_new_weights_under_an_unchanged_config_are_converted_again(tmp_path, monkeypatch):
@@ -91,7 +93,7 @@ def test_new_weights_under_an_unchanged_config_are_converted_again(tmp_path, mon
             models[0] = Qwen2ForCausalLM(cfg)
             models[0].save_pretrained(hf)
             os.utime(hf / "config.json", ns=(stamp, stamp))  # config.json as it was
-        ckpt = hf_load.convert(["--load", str(hf), "--save", str(tmp_path / "ck")], str(hf))
+        ckpt = hf_load.convert(_conv(tmp_path / "ck"), str(hf))
         state = torch.load(f"{ckpt}/iter_0000001/mp_rank_00/model_optim_rng.pt")
         want = models[0].model.embed_tokens.weight.detach()
         return want, state["model"]["embedding.word_embeddings.weight"][: cfg.vocab_size]
@@ -127,4 +129,16 @@ def test_conversion_cache_that_cannot_be_created_is_one_line(tmp_path):
     ro.chmod(0o555)
     save = (ro if not os.access(ro, os.W_OK) else Path("/sys")) / "ck"  # root ignores the mode
     with pytest.raises(UsageError, match=f"cannot create {save} for its conversion"):
-        hf_load.convert(["--load", str(hf), "--save", str(save)], str(hf))
+        hf_load.convert(_conv(save), str(hf))
+
+
+def _conv(save) -> argparse.Namespace:
+    """The flags a conversion reads (defaults of ``anyspeed pretrain`` but --save)."""
+    return argparse.Namespace(
+        save=str(save),
+        padded_vocab_size=None,
+        bf16=False,
+        fp16=False,
+        tensor_model_parallel_size=1,
+        make_vocab_size_divisible_by=128,
+    )

@@ -39,7 +39,7 @@ def load_tokenizer(args: argparse.Namespace):
 
 
 def _prepare(parser: argparse.ArgumentParser, argv: list[str],
-             check: Callable[[argparse.Namespace, Any], None]):  # fmt: skip
+             check: Callable[[argparse.Namespace, Any], None], prog: str):  # fmt: skip
     args = parser.parse_args(argv)
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 exclude each other")
@@ -58,7 +58,7 @@ def _prepare(parser: argparse.ArgumentParser, argv: list[str],
                          "--tokenizer-name-or-path?")  # fmt: skip
     check(args, tok)
     if args.hf_dir:  # every check passed: now the (cached) conversion
-        model = session.materialize(args, argv)
+        model = session.materialize(args, argv, prog)
     return args, model, tok
 
 
@@ -72,7 +72,7 @@ def run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str],
         return 0
     under_launcher = "WORLD_SIZE" in os.environ
     try:
-        args, config, tok = _prepare(parser, argv, check)
+        args, config, tok = _prepare(parser, argv, check, prog)
     except (UsageError, ValueError) as exc:  # TaskDataError and the readers' errors too
         return report(prog, exc) if is_rank0() else 2
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size

@@ -130,12 +130,21 @@ def _check_layout(args: argparse.Namespace, model: ModelConfig) -> None:
                          f"{model.num_layers} layers")  # fmt: skip
 
 
-def materialize(args: argparse.Namespace, argv: list[str]) -> ModelConfig:
+def materialize(args: argparse.Namespace, argv: list[str],
+                prog: str = "anyspeed generate") -> ModelConfig:  # fmt: skip
     """Convert an HF ``--load`` (once, cached) and return the architecture it now holds."""
     from anyspeed.training import checkpoint_checks as checks
     from anyspeed.training import hf_load
 
-    args.load = hf_load.convert(argv, args.hf_dir)
+    conv = argparse.Namespace(
+        padded_vocab_size=None,
+        save=None,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
+    args.load = hf_load.convert(conv, args.hf_dir, prog)
     return model_of(checks.read_common(checks.tracked_dir(args.load)), args.load)
 
 

@@ -154,8 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _pretrain(args: argparse.Namespace, extra: list[str]) -> int:
+    from anyspeed.commands.train import pretrain as pretrain_main
     from anyspeed.data.cli import main as data_main
-    from anyspeed.training.pretrain import main as pretrain_main
 
     t0 = time.perf_counter()
     rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, 4)

@@ -119,7 +119,7 @@ def _show(train: list[dict], answers: list[str]) -> None:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """The whole SFT demo for the parsed demo flags; ``extra`` goes to ``anyspeed posttrain``."""
-    from anyspeed.training.posttrain import main as posttrain_main
+    from anyspeed.commands.train import posttrain as posttrain_main
 
     t0 = time.perf_counter()
     rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, 6)

@@ -7,6 +7,7 @@ layout-agnostic, fine for the short samples a demo prints.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
@@ -41,10 +42,9 @@ def generate_ids(model: list, prompt_ids: list[int], new_tokens: int, max_len: i
 
 
 def generate_text(
-    model: list, args: argparse.Namespace, prompt: str, new_tokens: int
+    model: list, args: argparse.Namespace, prompt: str, new_tokens: int, tok: Any = None
 ) -> str | None:
     """Greedy continuation of ``prompt`` decoded with the run's tokenizer (None without one)."""
-    tok = getattr(args, "tokenizer", None)
     if tok is None or getattr(args, "context_parallel_size", 1) > 1:
         return None
     ids = tok.encode([prompt], special=False)[0]

@@ -1,16 +1,19 @@
-"""Checks of a parsed ``anyspeed pretrain`` command line, all before any process group starts.
+"""Checks of a parsed training command line, all before any process group starts.
 
-Each problem is one :class:`UsageError` line naming the flag or file and what would fix it.
-The layout is checked by :class:`anyspeed.layout.Layout` (the same check the adaptor runs), the
-batch split by :class:`TrainConfig`.
+:func:`complete` fills in derived flag values (the namespace is frozen afterwards);
+:func:`check` reads the frozen flags and builds the typed parts of the run. Each problem is one
+:class:`UsageError` line naming the flag or file and what would fix it. The layout is checked
+by :class:`anyspeed.layout.Layout` (the same check the adaptor runs), the batch split by
+:class:`TrainConfig`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,37 +29,9 @@ def _require(args: argparse.Namespace, *names: str) -> None:
             raise UsageError(f"--{name.replace('_', '-')} is required (or use --model NAME)")
 
 
-def data_blend(args: argparse.Namespace) -> tuple[list[str], list[float] | None]:
-    """``--data-path`` as (prefixes, weights); weights None when only prefixes are given."""
-    items = list(args.data_path or [])
-    if len(items) > 1 and _is_number(items[0]):
-        if len(items) % 2:
-            raise UsageError("--data-path: give WEIGHT PREFIX pairs (an odd number of items)")
-        weights = [float(w) for w in items[0::2]]
-        if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-            raise UsageError(f"--data-path: the weights {items[0::2]} must be >= 0 and not all "
-                             "zero")  # fmt: skip
-        return items[1::2], weights
-    if any(_is_number(x) for x in items):
-        raise UsageError("--data-path: either all PREFIX or WEIGHT PREFIX pairs, not a mix")
-    return items, None
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
-
-
-def check_args(args: argparse.Namespace, world_size: int) -> None:
-    """Validate and complete ``args`` in place; UsageError (one line) on any problem.
-
-    Runs before process groups start: sizes, layout, files, tokenizer, vocabulary vs. data.
-    Afterwards ``args.model_config``, ``args.layout`` and ``args.train_config`` hold the run's
-    model type, layout and training settings.
-    """
+def complete(args: argparse.Namespace) -> Any:
+    """Complete the derived flag values (the one place that writes the parsed namespace,
+    before it is frozen) and return the tokenizer (or None); UsageError on a bad request."""
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "train_iters", "global_batch_size")  # fmt: skip
     if args.lr is None:
@@ -64,30 +39,60 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 are exclusive; choose one")
     _complete_architecture(args)
-    _check_features(args)
+    _check_features(args)  # the features' own flag rewrites (MindSpeed names) happen here
+    return _complete_vocab(args)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the generic checks build from the frozen flags."""
+
+    model: ModelConfig
+    layout: Layout
+    train: TrainConfig
+    load: str | None
+
+
+def check(args: argparse.Namespace, world_size: int, data_prefixes: list[str] | None,
+          tokenizer: Any = None) -> Checked:  # fmt: skip
+    """Every generic problem as one UsageError line, before process groups start: layout,
+    batch split, paths, the ``.bin/.idx`` files ``data_prefixes`` name (None: no files, e.g.
+    mock data), and a --load checkpoint that fits. Reads ``args``; writes nothing."""
     try:
         layout = Layout.from_args(args)
         layout.validate_for(world_size, args, args.seq_length)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    args.virtual_pipeline_model_parallel_size = layout.vpp
-    args.data_parallel_size = layout.dp(world_size)
     train = TrainConfig.from_args(args)
     try:
-        train.check(args.data_parallel_size)
+        train.check(layout.dp(world_size))
         train.recompute.check(args.num_layers // layout.pp, layout.sequence_parallel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    _check_run(args)
-    _check_tokenizer_and_vocab(args)
-    _check_data(args)
-    args.layout, args.train_config = layout, train
-    args.model_config = ModelConfig.from_args(args)
+    load = _check_run(args, layout.dp(world_size))
+    for prefix in data_prefixes or ():
+        _check_data_files(args, prefix)
+    model = ModelConfig.from_args(args)
     try:
-        args.model_config.check()
+        model.check()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    _check_load_fits(args)
+    if load:
+        _check_load_fits(args, load, model, layout, world_size)
+    return Checked(model, layout, train, load)
+
+
+def gpt_data_prefixes(args: argparse.Namespace) -> list[str] | None:
+    """The pretraining stage's data: --data-path's prefixes, or None with --mock-data."""
+    from anyspeed.training.datasets import data_blend
+
+    if args.mock_data:
+        if args.data_path:
+            raise UsageError("--mock-data and --data-path are exclusive")
+        return None
+    if not args.data_path:
+        raise UsageError("--data-path PREFIX is required (or --mock-data for synthetic tokens)")
+    return data_blend(args)[0]
 
 
 def _check_features(args: argparse.Namespace) -> None:
@@ -119,14 +124,14 @@ def _complete_architecture(args: argparse.Namespace) -> None:
         raise UsageError("--group-query-attention needs --num-query-groups")
 
 
-def _check_run(args: argparse.Namespace) -> None:
-    """Checkpoint and output paths (the numbers' ranges: :mod:`anyspeed.training.ranges`)."""
+def _check_run(args: argparse.Namespace, dp: int) -> str | None:
+    """Checkpoint and output paths (the numbers' ranges: :mod:`anyspeed.training.ranges`);
+    the checkpoint to start from (None when there is none)."""
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
     if args.save:
         _check_writable(args.save, "--save")
-    if args.load:
-        _check_load(args)
+    load = _check_load(args, dp) if args.load else None
     if args.metrics_file:
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
     if args.tensorboard_dir:
@@ -137,9 +142,10 @@ def _check_run(args: argparse.Namespace) -> None:
             raise UsageError(
                 "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"
             ) from None
+    return load
 
 
-def _check_load(args: argparse.Namespace) -> None:
+def _check_load(args: argparse.Namespace, dp: int) -> str | None:
     """Megatron-LM's rule: a --load directory with no checkpoint yet (scripts pass --load and
     --save the same directory from the first run on) starts from scratch, with a warning. A
     checkpoint is checked file by file (:mod:`anyspeed.training.checkpoint_checks`)."""
@@ -148,7 +154,7 @@ def _check_load(args: argparse.Namespace) -> None:
     from anyspeed.training import checkpoint_checks
 
     if is_hf_dir(args.load):
-        return  # a Hugging Face directory: converted by the caller
+        return args.load  # a Hugging Face directory: converted by the caller
     if os.path.exists(args.load) and not os.path.isdir(args.load):
         raise UsageError(f"--load {args.load!r}: not a directory")
     try:
@@ -160,24 +166,25 @@ def _check_load(args: argparse.Namespace) -> None:
             raise UsageError(f"--finetune needs a checkpoint, but --load {args.load!r} has no "
                              f"{TRACKER}")  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"anyspeed pretrain: warning: --load {args.load!r} holds no checkpoint yet "
+            print(f"anyspeed: warning: --load {args.load!r} holds no checkpoint yet "
                   f"(no {TRACKER}); starting from scratch", file=sys.stderr)  # fmt: skip
-        args.load = None
-        return
+        return None
     try:
-        checkpoint_checks.check_load(args)
+        checkpoint_checks.check_load(argparse.Namespace(**{**vars(args), "data_parallel_size": dp}))
     except checkpoint_checks.CheckpointFileError as exc:
         raise UsageError(f"--load {args.load!r}: {exc}") from None
+    return args.load
 
 
-def _check_load_fits(args: argparse.Namespace) -> None:
+def _check_load_fits(args: argparse.Namespace, load: str, model: ModelConfig, layout: Layout,
+                     world: int) -> None:  # fmt: skip
     """The --load checkpoint's tensor shapes are those of the model the flags describe."""
     from anyspeed.training import checkpoint_checks
 
     try:
-        checkpoint_checks.check_fits(args)
+        checkpoint_checks.check_fits(argparse.Namespace(load=load, model_config=model))
     except checkpoint_checks.CheckpointFileError as exc:
-        raise UsageError(f"--load {args.load!r}: {exc}") from None
+        raise UsageError(f"--load {load!r}: {exc}") from None
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -188,8 +195,9 @@ def _check_writable(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path!r}: directory is not writable")
 
 
-def _check_tokenizer_and_vocab(args: argparse.Namespace) -> None:
-    args.tokenizer = None
+def _complete_vocab(args: argparse.Namespace) -> Any:
+    """Load the tokenizer (or None) and complete --padded-vocab-size from it."""
+    tokenizer = None
     tp = args.tensor_model_parallel_size
     if args.tokenizer_type in ("PretrainedFromHF", "HuggingFaceTokenizer"):
         if not args.tokenizer_name_or_path:
@@ -199,10 +207,10 @@ def _check_tokenizer_and_vocab(args: argparse.Namespace) -> None:
         from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
 
         try:
-            args.tokenizer = load_tokenizer(TokenizerSpec(name_or_path=args.tokenizer_name_or_path))
+            tokenizer = load_tokenizer(TokenizerSpec(name_or_path=args.tokenizer_name_or_path))
         except DataUsageError as exc:
             raise UsageError(f"--tokenizer-name-or-path: {exc}") from None
-        vocab = args.tokenizer.vocab_size
+        vocab = tokenizer.vocab_size
     elif args.tokenizer_name_or_path:
         raise UsageError("--tokenizer-name-or-path needs --tokenizer-type PretrainedFromHF")
     else:
@@ -224,43 +232,36 @@ def _check_tokenizer_and_vocab(args: argparse.Namespace) -> None:
             f"--padded-vocab-size {args.padded_vocab_size} is not divisible by "
             f"--tensor-model-parallel-size {tp}"
         )
+    return tokenizer
 
 
-def _check_data(args: argparse.Namespace) -> None:
-    """Each --data-path prefix: both files present, the ``.idx`` whole and consistent, the
-    ``.bin`` exactly the size it describes, token ids within the vocabulary, every split
-    non-empty. Each index is read once, by anyspeed's validating reader."""
-    if args.mock_data:
-        if args.data_path:
-            raise UsageError("--mock-data and --data-path are exclusive")
-        return
-    if not args.data_path:
-        raise UsageError("--data-path PREFIX is required (or --mock-data for synthetic tokens)")
-    prefixes, _ = data_blend(args)
+def _check_data_files(args: argparse.Namespace, prefix: str) -> None:
+    """One data prefix: both files present, the ``.idx`` whole and consistent, the ``.bin``
+    exactly the size it describes, token ids within the vocabulary, every split non-empty.
+    The index is read once, by anyspeed's validating reader."""
     from anyspeed.data.writer import IndexFileError, check_dataset
     from anyspeed.training.datasets import max_token_id
 
-    for prefix in prefixes:
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(prefix + ext):
-                if os.path.isfile(prefix) or prefix.endswith((".bin", ".idx")):
-                    raise UsageError(
-                        f"--data-path {prefix!r}: give the prefix without .bin/.idx "
-                        f"(e.g. {prefix.rsplit('.', 1)[0]!r})"
-                    )
-                raise UsageError(f"--data-path {prefix!r}: {prefix + ext} does not exist")
-        try:
-            index = check_dataset(prefix)
-        except (IndexFileError, OSError) as exc:
-            raise UsageError(f"--data-path {prefix!r}: {exc}") from None
-        top = max_token_id(prefix + ".bin", index.dtype)
-        if top >= args.padded_vocab_size:
-            raise UsageError(
-                f"--data-path {prefix!r} holds token id {top}, at or above the model's "
-                f"vocabulary size {args.padded_vocab_size} (wrong tokenizer or "
-                "--padded-vocab-size?)"
-            )
-        _check_split(args, prefix, index.lengths)
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            if os.path.isfile(prefix) or prefix.endswith((".bin", ".idx")):
+                raise UsageError(
+                    f"--data-path {prefix!r}: give the prefix without .bin/.idx "
+                    f"(e.g. {prefix.rsplit('.', 1)[0]!r})"
+                )
+            raise UsageError(f"--data-path {prefix!r}: {prefix + ext} does not exist")
+    try:
+        index = check_dataset(prefix)
+    except (IndexFileError, OSError) as exc:
+        raise UsageError(f"--data-path {prefix!r}: {exc}") from None
+    top = max_token_id(prefix + ".bin", index.dtype)
+    if top >= args.padded_vocab_size:
+        raise UsageError(
+            f"--data-path {prefix!r} holds token id {top}, at or above the model's "
+            f"vocabulary size {args.padded_vocab_size} (wrong tokenizer or "
+            "--padded-vocab-size?)"
+        )
+    _check_split(args, prefix, index.lengths)
 
 
 def _check_split(args: argparse.Namespace, prefix: str, lengths: np.ndarray) -> None:

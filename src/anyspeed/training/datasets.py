@@ -8,12 +8,15 @@ data position is one number (consumed samples) that stays valid when the layout 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
+
+from anyspeed.errors import UsageError
 
 
 class DatasetTokenizer:
@@ -65,8 +68,31 @@ def split_tokens(lengths: np.ndarray, split: str) -> list[int | None]:
     return out
 
 
-def dataset_tokenizer(args: argparse.Namespace) -> DatasetTokenizer:
-    tok = getattr(args, "tokenizer", None)
+def data_blend(args: argparse.Namespace) -> tuple[list[str], list[float] | None]:
+    """``--data-path`` as (prefixes, weights); weights None when only prefixes are given."""
+    items = list(args.data_path or [])
+    if len(items) > 1 and _is_number(items[0]):
+        if len(items) % 2:
+            raise UsageError("--data-path: give WEIGHT PREFIX pairs (an odd number of items)")
+        weights = [float(w) for w in items[0::2]]
+        if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+            raise UsageError(f"--data-path: the weights {items[0::2]} must be >= 0 and not all "
+                             "zero")  # fmt: skip
+        return items[1::2], weights
+    if any(_is_number(x) for x in items):
+        raise UsageError("--data-path: either all PREFIX or WEIGHT PREFIX pairs, not a mix")
+    return items, None
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def dataset_tokenizer(args: argparse.Namespace, tok: Any = None) -> DatasetTokenizer:
     if tok is not None:
         eod = tok.eod_id if tok.eod_id is not None else args.padded_vocab_size - 1
         return DatasetTokenizer(tok.vocab_size, eod, tok.pad_id)
@@ -80,14 +106,12 @@ def num_samples(args: argparse.Namespace) -> list[int]:
     return [args.train_iters * g, evals * g, args.eval_iters * g]
 
 
-def build_datasets(args: argparse.Namespace) -> list[Any]:
+def build_datasets(args: argparse.Namespace, tokenizer: Any = None) -> list[Any]:
     """(train, valid, test) datasets; None for a split with no share of the data."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-
-    from anyspeed.training.checks import data_blend
 
     blend = None if args.mock_data else data_blend(args)
     config = GPTDatasetConfig(
@@ -96,7 +120,7 @@ def build_datasets(args: argparse.Namespace) -> list[Any]:
         blend=blend,
         split=args.split,
         path_to_cache=args.data_cache_path,
-        tokenizer=dataset_tokenizer(args),
+        tokenizer=dataset_tokenizer(args, tokenizer),
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,

@@ -8,6 +8,7 @@ iteration 0. Conversion runs before any process group exists (it starts its own)
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import subprocess
@@ -75,23 +76,26 @@ def weights_identity(hf_dir: str) -> list[str]:
     return out
 
 
-def converted_dir(argv: list[str], hf_dir: str) -> str:
+def converted_dir(args: argparse.Namespace, hf_dir: str) -> str:
     """Where the converted checkpoint for this run lives (under --save, else a temp dir),
     named after the weights' identity and the run's vocabulary padding and dtype."""
-    key = "|".join([os.path.abspath(hf_dir), *weights_identity(hf_dir),
-                    _flag(argv, "--padded-vocab-size") or "", _dtype(argv)])  # fmt: skip
+    padded = "" if args.padded_vocab_size is None else str(args.padded_vocab_size)
+    key = "|".join([os.path.abspath(hf_dir), *weights_identity(hf_dir), padded,
+                    _dtype(args)])  # fmt: skip
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    root = _flag(argv, "--save") or os.path.join(tempfile.gettempdir(), "anyspeed-hf")
+    root = args.save or os.path.join(tempfile.gettempdir(), "anyspeed-hf")
     return os.path.join(root, f"from-hf-{os.path.basename(os.path.abspath(hf_dir))}-{digest}")
 
 
-def _dtype(argv: list[str]) -> str:
-    return "bf16" if "--bf16" in argv else "fp16" if "--fp16" in argv else "fp32"
+def _dtype(args: argparse.Namespace) -> str:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
-def convert(argv: list[str], hf_dir: str, timeout: float = 3600.0) -> str:
-    """Convert (once; local rank 0 under a launcher, others wait) and return the directory."""
-    out = converted_dir(argv, hf_dir)
+def convert(args: argparse.Namespace, hf_dir: str, prog: str = "anyspeed pretrain",
+            timeout: float = 3600.0) -> str:  # fmt: skip
+    """Convert for parsed ``args`` (once; local rank 0 under a launcher, others wait) and
+    return the directory; ``prog`` names the command that runs in its progress line."""
+    out = converted_dir(args, hf_dir)
     done = os.path.join(out, TRACKER)
     if os.path.isfile(done):
         return out
@@ -103,13 +107,12 @@ def convert(argv: list[str], hf_dir: str, timeout: float = 3600.0) -> str:
                 f"--load {hf_dir!r}: cannot create {os.path.dirname(out)} for its conversion "
                 f"({exc.strerror}); check --save"
             ) from None
-        tp = _flag(argv, "--tensor-model-parallel-size", "1")
         cmd = [sys.executable, "-m", "anyspeed.convert.cli", "--load-model-type", "hf",
                "--save-model-type", "mg", "--load-dir", hf_dir, "--save-dir", out,
-               "--target-tensor-parallel-size", tp, "--make-vocab-size-divisible-by",
-               _flag(argv, "--make-vocab-size-divisible-by", "128"),
-               "--params-dtype", _dtype(argv)]  # fmt: skip
-        print(f"anyspeed pretrain: converting {hf_dir} -> {out}", flush=True)
+               "--target-tensor-parallel-size", str(args.tensor_model_parallel_size),
+               "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by),
+               "--params-dtype", _dtype(args)]  # fmt: skip
+        print(f"{prog}: converting {hf_dir} -> {out}", flush=True)
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             msg = (res.stderr.strip().splitlines() or ["conversion failed"])[-1]

@@ -69,11 +69,13 @@ class Reporter:
 class LogHook(Hook):
     """Megatron-LM's iteration line every ``--log-interval`` steps, plus metrics and TB."""
 
-    def __init__(self, reporter: Reporter, args: argparse.Namespace, flops_per_token: float,
-                 peak_flops: float) -> None:  # fmt: skip
-        self.r, self.args = reporter, args
+    def __init__(self, reporter: Reporter, run: Any, flops_per_token: float,
+                 peak_flops: float, label: str = "lm loss") -> None:  # fmt: skip
+        self.r, self.args, self.prog = reporter, run.args, run.prog
+        self.label = label  # the task's loss name (pretraining: Megatron-LM's "lm loss")
         self.flops_tok, self.peak = flops_per_token, peak_flops
         self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
+        self.metrics: dict[str, float] = {}
         self.warned = False
 
     def mfu(self, flops: float) -> float | None:
@@ -83,7 +85,7 @@ class LogHook(Hook):
             return flops / self.peak
         if not self.warned:
             self.warned = True
-            print0(f"anyspeed pretrain: warning: {flops / 1e12:.3g} TFLOP/s achieved exceeds "
+            print0(f"{self.prog}: warning: {flops / 1e12:.3g} TFLOP/s achieved exceeds "
                    f"the peak {self.peak / 1e12:.3g} TFLOP/s measured for this device, so MFU is "
                    "not shown (set ANYSPEED_PEAK_TFLOPS to its real peak)")  # fmt: skip
         return None
@@ -94,6 +96,8 @@ class LogHook(Hook):
     def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
         self.loss += out["loss"]
         self.n += 1
+        for k, v in out.get("metrics", {}).items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + v
         it = state.iteration
         self.r.progress.update(it)
         if it % self.args.log_interval and it != state.train_iters:
@@ -109,28 +113,31 @@ class LogHook(Hook):
         loss = self.loss / self.n
         mfu = self.mfu(tflops * 1e12)
         moe_text, moe = log_fields(out["moe"]) if "moe" in out else ("", {})
+        named = {k: v / self.n for k, v in self.metrics.items()}
+        moe_text = "".join(f"{k}: {v:.6E} | " for k, v in named.items()) + moe_text
         self.r.progress.clear()
         print0(
             f" iteration {it:>7d}/{state.train_iters} | consumed samples {state.consumed:>9d} | "
             f"elapsed time per iteration (ms): {dt * 1000:.1f} | learning rate: {out['lr']:.6E} | "
-            f"lm loss: {loss:.6E} | {moe_text}"
+            f"{self.label}: {loss:.6E} | {moe_text}"
             + (f"loss scale: {scale:.1f} | " if scale is not None else "")
             + f"grad norm: {out['grad_norm']:.3f} | tokens/s: {tps:,.0f} | "
             f"TFLOP/s: {tflops:.3f} | MFU: {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
             f"peak mem: {mem:.2f} GiB/rank | {self.r.progress.tag(it)}"
         )
-        self.r.record({"iteration": it, "lm_loss": loss, "lr": out["lr"],
+        self.r.record({"iteration": it, self.label.replace(" ", "_"): loss, "lr": out["lr"],
                        "skipped": len(state.history["skipped"]), "grad_norm": out["grad_norm"],
                        "tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "peak_mem_gib": mem,
-                       "ms_per_iter": dt * 1000, **moe,
+                       "ms_per_iter": dt * 1000, **named, **moe,
                        **({"expert_load_per_layer": out["moe"]["load_per_layer"]}
                           if moe else {})})  # fmt: skip
-        self.r.tb.scalars({"lm-loss": loss, "learning-rate": out["lr"],
+        self.r.tb.scalars({self.label.replace(" ", "-"): loss, "learning-rate": out["lr"],
                            "grad-norm": out["grad_norm"], "tokens-per-sec": tps, "tflops": tflops,
                            "mem-peak-gib": mem, **({} if mfu is None else {"mfu": mfu}),
-                           **{f"moe/{k}": v for k, v in moe.items()}},
+                           **named, **{f"moe/{k}": v for k, v in moe.items()}},
                           it)  # fmt: skip
         self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
+        self.metrics = {}
 
     def on_end(self, state: LoopState, completed: bool) -> None:
         self.r.progress.clear()
@@ -139,16 +146,16 @@ class LogHook(Hook):
 class EvalHook(Hook):
     """Validation every ``--eval-interval`` steps and at the end; the test split at the end."""
 
-    def __init__(self, reporter: Reporter, args: argparse.Namespace, task: Any,
+    def __init__(self, reporter: Reporter, run: Any, task: Any,
                  valid: Any, test: Any, device: Any) -> None:  # fmt: skip
-        self.r, self.args, self.task = reporter, args, task
+        self.r, self.run, self.args, self.task = reporter, run, run.args, task
         self.valid_ds, self.test_ds, self.device = valid, test, device
         self.valid_iter = None
 
     def on_start(self, state: LoopState) -> None:
         if self.valid_ds is not None:
-            self.valid_iter = self.task.batches(self.valid_ds, self.args, state.consumed_valid,
-                                                self.device)  # fmt: skip
+            self.valid_iter = self.task.batches(self.valid_ds, self.run, state.consumed_valid,
+                                                self.device, state.trainer)  # fmt: skip
 
     def _evaluate(self, state: LoopState, label: str, source: Any) -> float | None:
         if source is None or not self.args.eval_iters:
@@ -184,7 +191,7 @@ class EvalHook(Hook):
             return
         self._validate(state)
         if self.test_ds is not None:
-            source = self.task.batches(self.test_ds, self.args, 0, self.device)
+            source = self.task.batches(self.test_ds, self.run, 0, self.device, state.trainer)
             state.history["test"] = self._evaluate(state, "test", source)
 
 
@@ -192,12 +199,12 @@ class CheckpointHook(Hook):
     """Saves every ``--save-interval`` steps and at the end; stops at ``--exit-interval``. At
     the start, rank 0 clears the ``--save`` directory of what killed runs left half-written."""
 
-    def __init__(self, args: argparse.Namespace, extra: dict[str, Any]) -> None:
-        self.args, self.extra = args, extra
+    def __init__(self, run: Any, extra: dict[str, Any]) -> None:
+        self.run, self.args, self.extra = run, run.args, extra
         self.last_saved: int | None = None
 
     def on_start(self, state: LoopState) -> None:
-        resumed = self.args.load and not self.args.finetune
+        resumed = self.run.load and not self.args.finetune
         self.last_saved = state.iteration if resumed else None
         if self.args.save and is_rank0():  # what killed runs left there (never a checkpoint)
             from anyspeed.checkpoint_files import remove_stale

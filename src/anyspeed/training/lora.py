@@ -18,9 +18,11 @@ no longer load) and initialises the replicated ``lora_A`` per rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from anyspeed.errors import UsageError
 
 ADAPTER = ".lora_"
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 VIEWS = ("all", "base", "adapters")
 
 
@@ -40,11 +43,6 @@ def _layers(chunk: torch.nn.Module):
         for name, mod in layer.named_modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
                 yield f"{layer.layer_number}.{name}", name.rsplit(".", 1)[-1], mod
-
-
-def target_names(chunk: torch.nn.Module) -> set[str]:
-    """The adaptable module names (last component) of ``chunk``."""
-    return {short for _, short, _ in _layers(chunk)}
 
 
 def _init_a(key: str, r: int, fan_in: int, seed: int) -> torch.Tensor:
@@ -100,6 +98,8 @@ def _comm(column: bool, sequence_parallel: bool) -> Callable:
 
 def _hook(mod: torch.nn.Module, args: tuple, output: tuple) -> tuple:
     """Add ``scale * B A x`` to the layer's output (its bias, if returned apart, unchanged)."""
+    if getattr(mod, "lora_off", False):
+        return output
     x = F.dropout(args[0], mod.lora_dropout, mod.training) if mod.lora_dropout else args[0]
     h = mod.lora_comm(F.linear(x, mod.lora_A))
     return (output[0] + F.linear(h, mod.lora_B) * mod.lora_scale, *output[1:])
@@ -194,36 +194,41 @@ def set_view(model: list[torch.nn.Module], view: str) -> None:
         m.lora_view = view
 
 
-def transform_from_args(args: argparse.Namespace) -> Callable:
-    """The model transform the LoRA flags of checked ``args`` describe."""
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The LoRA flags of a run, checked."""
 
-    def transform(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
-        return apply_lora(
-            chunk,
-            args.lora_target_modules,
-            args.lora_r,
-            args.lora_alpha,
-            args.lora_dropout,
-            args.seed,
-            tuple(args.lora_modules_to_save),
-        )
+    target_modules: tuple[str, ...]
+    r: int
+    alpha: float
+    dropout: float
+    modules_to_save: tuple[str, ...]
+    load: str | None  # --lora-load: adapters (optimizer, position) to start from
+    seed: int
 
-    return transform
+    def record(self) -> dict[str, Any]:
+        """What a LoRA checkpoint records, so a mismatched --lora-load is refused up front."""
+        return {"r": self.r, "alpha": self.alpha, "target_modules": sorted(self.target_modules)}
+
+    def transform(self) -> Callable:
+        """The model transform adding these adapters (applied before DDP)."""
+
+        def transform(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
+            return apply_lora(chunk, list(self.target_modules), self.r, self.alpha,
+                              self.dropout, self.seed, self.modules_to_save)  # fmt: skip
+
+        return transform
 
 
-def lora_config(args: argparse.Namespace) -> dict[str, Any]:
-    """What a LoRA checkpoint records, so a mismatched --lora-load is refused up front."""
-    return {
-        "r": args.lora_r,
-        "alpha": args.lora_alpha,
-        "target_modules": sorted(args.lora_target_modules),
-    }
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """The LoRA flags: known targets, sane sizes, a --lora-load that fits (UsageError)."""
-    from anyspeed.training.posttrain import LORA_TARGETS
-
+def from_args(args: argparse.Namespace) -> LoRAConfig | None:
+    """The checked LoRA flags of ``args`` (None without --lora-target-modules); UsageError on
+    an unknown target, bad sizes or a --lora-load that does not fit."""
+    if not args.lora_target_modules:
+        if args.lora_load:
+            raise UsageError(
+                "--lora-load needs --lora-target-modules (and the --lora-r it was trained with)"
+            )
+        return None
     bad = [t for t in args.lora_target_modules if t not in LORA_TARGETS]
     if bad:
         raise UsageError(
@@ -232,32 +237,49 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
         raise UsageError("--lora-r must be >= 1, --lora-alpha > 0 and --lora-dropout in [0, 1)")
-    args.checkpoint_extra = {"anyspeed_lora": lora_config(args)}
-    if args.lora_load:
-        _check_lora_load(args)
+    cfg = LoRAConfig(tuple(args.lora_target_modules), args.lora_r, args.lora_alpha,
+                     args.lora_dropout, tuple(args.lora_modules_to_save), args.lora_load,
+                     args.seed)  # fmt: skip
+    if cfg.load:
+        _check_lora_load(cfg)
+    return cfg
 
 
-def _check_lora_load(args: argparse.Namespace) -> None:
+@contextlib.contextmanager
+def adapters_off(model: list[torch.nn.Module]) -> Iterator[None]:
+    """Run ``model`` as its base inside the block: every adapter adds nothing (the frozen
+    reference of a LoRA run, without a second copy of the weights)."""
+    mods = [m for chunk in model for m in chunk.modules() if hasattr(m, "lora_A")]
+    for m in mods:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.lora_off = False
+
+
+def _check_lora_load(cfg: LoRAConfig) -> None:
     from anyspeed.training import checkpoint_checks as checks
 
     try:
-        path = checks.tracked_dir(args.lora_load)
+        path = checks.tracked_dir(cfg.load)
         common = checks.read_common(path) if path else None
     except (checks.CheckpointFileError, OSError, ValueError) as exc:
-        raise UsageError(f"--lora-load {args.lora_load!r}: {exc}") from None
+        raise UsageError(f"--lora-load {cfg.load!r}: {exc}") from None
     if common is None:
-        raise UsageError(f"--lora-load {args.lora_load!r}: not a checkpoint directory")
+        raise UsageError(f"--lora-load {cfg.load!r}: not a checkpoint directory")
     saved = common.get("anyspeed_lora")
     if saved is None:
         raise UsageError(
-            f"--lora-load {args.lora_load!r} is not a LoRA checkpoint "
+            f"--lora-load {cfg.load!r} is not a LoRA checkpoint "
             "(saved without --lora-target-modules)"
         )
-    want = lora_config(args)
+    want = cfg.record()
     for k in ("r", "target_modules"):
         if saved[k] != want[k]:
             flag = "--lora-r" if k == "r" else "--lora-target-modules"
             raise UsageError(
-                f"--lora-load {args.lora_load!r} was trained with {flag} "
+                f"--lora-load {cfg.load!r} was trained with {flag} "
                 f"{saved[k]}, not {want[k]}; pass the same {flag}"
             )

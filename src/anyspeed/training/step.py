@@ -8,7 +8,8 @@ logging, checkpoints and stopping belong to the loop (:mod:`anyspeed.training.lo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,43 +47,53 @@ class Trainer:
         self.moe = None
         if model.is_moe:
             self.moe = MoEMetrics(self.model, layout, model.num_layers, model.num_experts or 0)
+        self.frozen: dict[str, Any] = {}  # the task's frozen models (engine-built)
         self.iteration = 0
 
-    def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], forward_only: bool) -> float:
-        """Run the pipeline schedule over ``mbs``; return the loss averaged over DP replicas."""
+    def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], forward_only: bool,
+                      task: Task | None = None, model: list[Any] | None = None,
+                      ) -> tuple[float, dict[str, float]]:  # fmt: skip
+        """Run the pipeline schedule over ``mbs``; the loss and every named metric, each
+        averaged over DP replicas (a ``[sum, count]`` metric: one global ratio)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from anyspeed.device import torch_device
 
-        data = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
-        seq, mbs_size = self.task.schedule_shape(self.cfg.seq_length, self.cfg.micro_batch_size)
+        task, model = task or self.task, model or self.model
+        data = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
+        seq, mbs_size = task.schedule_shape(self.cfg.seq_length, self.cfg.micro_batch_size)
         losses = get_forward_backward_func()(
-            forward_step_func=self.task.forward_step,
+            forward_step_func=task.forward_step,
             data_iterator=data,
-            model=self.model if len(self.model) > 1 else self.model[0],
+            model=model if len(model) > 1 else model[0],
             num_microbatches=len(mbs),
             seq_length=seq,
             micro_batch_size=mbs_size,
             forward_only=forward_only,
         )
-        # The loss on every rank: the last stage averages its micro-batch losses.
+        keys = [task.loss_key, *task.metrics]
+        # Every rank takes part in the reduction; the last stage's TP rank 0 contributes.
         last = (
             ps.is_pipeline_last_stage(ignore_virtual=True)
             and ps.get_tensor_model_parallel_rank() == 0
         )
-        total = torch.zeros(2, dtype=torch.float64, device=torch_device())
+        total = torch.zeros(len(keys), 3, dtype=torch.float64, device=torch_device())
         if last and losses:
-            vals = torch.stack([x[self.task.loss_key].detach().double().reshape(-1).cpu()
-                                for x in losses])  # fmt: skip
-            if vals.shape[1] == 2:  # (token-loss sum, token count) per micro-batch
-                total += vals.sum(0).to(total.device)
-            else:
-                total[0] = vals.mean()
+            for i, key in enumerate(keys):
+                vals = torch.stack([x[key].detach().double().reshape(-1).cpu() for x in losses])
+                if vals.shape[1] == 2:  # (sum, count) per micro-batch
+                    total[i, :2] += vals.sum(0).to(total.device)
+                else:
+                    total[i, 2] = vals.mean()
         torch.distributed.all_reduce(total)
-        if total[1] > 0:  # a global token mean over every rank's tokens
-            return float(total[0] / total[1])
-        return float(total[0]) / self.dp  # CP ranks' shares sum to the replica's mean
+        out = {}
+        for i, key in enumerate(keys):
+            if total[i, 1] > 0:  # a global ratio over every rank's tokens or pairs
+                out[key] = float(total[i, 0] / total[i, 1])
+            else:  # CP ranks' shares sum to the replica's mean
+                out[key] = float(total[i, 2]) / self.dp
+        return out.pop(task.loss_key), out
 
     def step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step on this rank's ``microbatches``; the loss is the DP mean."""
@@ -91,13 +102,14 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.moe is not None:
             self.moe.reset()
-        loss = self._run_schedule(microbatches, forward_only=False)
+        loss, metrics = self._run_schedule(microbatches, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.iteration += 1
         out = {
             "loss": loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "ok": bool(ok),
+            "metrics": metrics,
         }
         if self.moe is not None:
             out["moe"] = self.moe.collect(len(microbatches))
@@ -106,10 +118,54 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict[str, torch.Tensor]]) -> float:
         """Mean loss of ``microbatches`` without updating anything."""
-        for m in self.model:
-            m.eval()
-        try:
+        return self.evaluate_metrics(microbatches)[0]
+
+    @torch.no_grad()
+    def evaluate_metrics(self, microbatches: list[dict[str, torch.Tensor]],
+                         ) -> tuple[float, dict[str, float]]:  # fmt: skip
+        """(mean loss, named metrics) of ``microbatches`` without updating anything."""
+        with eval_mode(self.model):
             return self._run_schedule(microbatches, forward_only=True)
-        finally:
-            for m in self.model:
-                m.train()
+
+    @torch.no_grad()
+    def logprobs(self, microbatches: list[dict[str, torch.Tensor]], model: str | None = None,
+                 vocab_size: int | None = None) -> list[torch.Tensor] | None:  # fmt: skip
+        """Per-token log-probabilities of each micro-batch's labels ([b, s] each, this rank's
+        CP share) by the training model or the frozen model ``model``, forward only: a
+        reference or old-policy pass. On the last pipeline stage; None on the others."""
+        from anyspeed.training.logprob_pass import logprob_pass
+
+        chunks, ctx = (self.model, contextlib.nullcontext()) if model is None else (
+            self.frozen[model].chunks, self.frozen[model].context())  # fmt: skip
+        with eval_mode(chunks), ctx:
+            return logprob_pass(self, chunks, microbatches, vocab_size)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], request: Any) -> list[list[int]]:
+        """New tokens for each prompt from the training model at the training layout (the
+        KV-cache decoder of :mod:`anyspeed.inference`), the model in eval mode and back;
+        the same tokens on every rank."""
+        from anyspeed.inference.decode import generate
+
+        with eval_mode(self.model):
+            return generate([unwrap(m) for m in self.model], prompts, request)
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model chunk inside DDP and precision wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+@contextlib.contextmanager
+def eval_mode(model: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """``model`` in eval mode inside the block; the chunks that were training train again."""
+    training = [m for m in model if m.training]
+    for m in training:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m in training:
+            m.train()

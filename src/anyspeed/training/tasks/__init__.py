@@ -1,8 +1,8 @@
-"""Training tasks: what is learned (datasets, forward step, loss), apart from how (the step,
-the loop). Pretraining now; SFT, DPO and GRPO add a module each."""
+"""Training tasks: what is learned (data, forward step, loss and metrics, frozen models),
+apart from how (the step, the loop). One module per stage (+ its data module); the stage table
+(:mod:`anyspeed.training.stages`) names them."""
 
-from anyspeed.training.tasks.base import Task
+from anyspeed.training.tasks.base import FrozenModel, Task
 from anyspeed.training.tasks.pretrain import PretrainTask
-from anyspeed.training.tasks.sft import SFTTask
 
-__all__ = ["PretrainTask", "SFTTask", "Task"]
+__all__ = ["FrozenModel", "PretrainTask", "Task"]

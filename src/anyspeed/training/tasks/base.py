@@ -1,31 +1,74 @@
-"""The task interface the training step drives."""
+"""The task interface the engine drives: what is learned, apart from how (step, loop, hooks).
+
+A task supplies Megatron's forward step and loss (with named metrics), its data (which may see
+the model: a policy's own samples), model transforms, and extra frozen models built at the
+training layout (a reference policy). docs/architecture.md says what a new stage touches.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossFunc = Callable[[torch.Tensor], tuple]
+
+
+@dataclass(frozen=True)
+class FrozenModel:
+    """A frozen model a task asks for, built at the training layout: the weights of checkpoint
+    ``load``, or with ``adapters_off`` the trained model itself with its LoRA adapters off
+    (no second copy)."""
+
+    load: str | None = None
+    adapters_off: bool = False
+    transforms: tuple[Any, ...] = ()  # model transforms of the copy (e.g. packed-RoPE)
 
 
 class Task:
-    """Supplies the forward step and loss for Megatron's schedules (and, for a command, the
-    data). ``forward_step`` follows Megatron's contract: ``(data_iterator, model) ->
-    (output, loss_func)``, where ``loss_func(output) -> (loss, {"lm loss": value})``."""
+    """``forward_step`` follows Megatron's contract ``(data_iterator, model) -> (output,
+    loss_func)``; ``loss_func(output)`` returns ``(loss, metrics)`` or, for a global token mean,
+    ``(loss_sum, count, metrics)``. ``metrics`` maps ``loss_key`` and every name in
+    ``metrics`` to a scalar (averaged over micro-batches and data-parallel replicas; CP shares
+    summed) or a ``[sum, count]`` pair (one global ratio: exact at every layout). Each reaches
+    the log line, TensorBoard and the metrics file under its own name."""
 
     name: str = "task"
     loss_key: str = "lm loss"
+    metrics: tuple[str, ...] = ()
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]],
                      model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
         raise NotImplementedError
 
     def transforms(self) -> list[Any]:
-        """Model transforms the task needs (applied before the caller's, before DDP)."""
+        """Model transforms the task needs (applied in order, before DDP)."""
         return []
 
     def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
         """(sequence length, micro-batch size) of the tensors pipeline stages exchange."""
         return seq_length, micro_batch_size
+
+    def frozen_models(self) -> dict[str, FrozenModel]:
+        """Extra frozen models by name; the engine builds them into ``trainer.frozen``."""
+        return {}
+
+    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+        """Load the task's starting point; False: the engine's resume from ``run.load``."""
+        return False
+
+    def setup(self, trainer: Any) -> None:
+        """Called once the model, the optimizer, the frozen models and the load are in place."""
+
+    def datasets(self, run: Any) -> list[Any]:
+        """(train, valid, test) data sources; None for an empty split."""
+        raise NotImplementedError
+
+    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
+                trainer: Any = None) -> Iterator[list[dict[str, Any]]]:  # fmt: skip
+        """This rank's micro-batches of each next global batch, from ``consumed`` samples on.
+        ``trainer`` is the training model's owner: a task may generate from it here, between
+        optimizer steps (:meth:`Trainer.generate`)."""
+        raise NotImplementedError

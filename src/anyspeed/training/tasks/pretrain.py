@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from anyspeed.training.stages import StagePlan
 from anyspeed.training.tasks.base import LossFunc, Task
 
 
@@ -49,15 +50,26 @@ class PretrainTask(Task):
 
         return output, loss_func
 
-    def datasets(self, args: argparse.Namespace) -> list[Any]:
-        """(train, valid, test) datasets for checked ``args``; None for an empty split."""
+    def datasets(self, run: Any) -> list[Any]:
+        """(train, valid, test) datasets of a checked run; None for an empty split."""
         from anyspeed.training.datasets import build_datasets
 
-        return build_datasets(args)
+        return build_datasets(run.args, run.tokenizer)
 
-    def batches(self, dataset: Any, args: argparse.Namespace, consumed: int,
-                device: torch.device) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
+                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
         """This rank's micro-batches of each next global batch, from ``consumed`` on."""
         from anyspeed.training.datasets import batches
 
-        return batches(dataset, args, consumed, device)
+        return batches(dataset, run.args, consumed, device)
+
+
+def plan(args: argparse.Namespace) -> StagePlan:
+    """The pretraining stage's data: --data-path's prefixes (checked), or mock tokens."""
+    from anyspeed.training.checks import gpt_data_prefixes
+
+    return StagePlan(data_prefixes=gpt_data_prefixes(args))
+
+
+def make_task(run: Any) -> PretrainTask:
+    return PretrainTask()

@@ -1,26 +1,156 @@
-"""Supervised fine-tuning: response tokens only, one global token mean per global batch.
+"""Supervised fine-tuning (the ``sft`` stage): response tokens only, one global token mean per
+global batch; full or LoRA.
 
 The loss function hands Megatron's schedule (token-loss sum, token count); with the config's
 ``calculate_per_token_loss`` Megatron sums gradients over micro-batches and data/context
 replicas and divides by the global count, so the loss is the mean over every response token of
 the global batch at any TP/PP/CP/DP layout (never a mean of per-sample or per-micro-batch means).
+The data: :mod:`anyspeed.training.tasks.sft_data`.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from anyspeed.errors import UsageError
 from anyspeed.models.config import ModelConfig
+from anyspeed.models.logprobs import packed_params, token_logprobs
+from anyspeed.training.stages import StagePlan
 from anyspeed.training.tasks.base import LossFunc, Task
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The SFT flags (MindSpeed-LLM's names and defaults)."""
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument(
+        "--is-instruction-dataset",
+        action="store_true",
+        help="--data-path names a preprocessed instruction dataset",
+    )
+    g.add_argument(
+        "--prompt-type",
+        default=None,
+        help="the chat template the data was preprocessed with (checked)",
+    )
+    g.add_argument(
+        "--variable-seq-lengths",
+        action="store_true",
+        help="pad each micro-batch to its longest sample, not --seq-length",
+    )
+    g.add_argument(
+        "--no-pad-to-seq-lengths", action="store_true", help="same as --variable-seq-lengths"
+    )
+    g.add_argument(
+        "--neat-pack",
+        action="store_true",
+        help="packed rows carry per-sample segment ids (preprocess --neat-pack)",
+    )
+    g.add_argument(
+        "--padded-samples",
+        action="store_true",
+        help="accepted: packed rows are already padded to --seq-length",
+    )
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="accepted: the SFT loss is always the global token mean",
+    )
+    g.add_argument(
+        "--tokenizer-not-use-fast",
+        action="store_true",
+        help="accepted: the data is already tokenized",
+    )
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """The checked SFT flags: the dataset prefix, padding and LoRA."""
+
+    prefix: str
+    packed: bool
+    variable_lengths: bool
+    pad_id: int = 0  # pads carry no loss and no real token attends to them
+    lora: Any = None  # anyspeed.training.lora.LoRAConfig
+
+
+def plan(args: argparse.Namespace) -> StagePlan:
+    """The SFT checks (before the generic ones); the instruction data, opened once."""
+    from anyspeed.training import lora
+    from anyspeed.training.tasks import sft_data
+
+    if not args.is_instruction_dataset:
+        raise UsageError(
+            "--stage sft trains on instruction datasets: add "
+            "--is-instruction-dataset (and preprocess with an instruction handler)"
+        )
+    if args.prompt_type is not None:
+        from anyspeed.data.templates import TEMPLATES
+
+        if args.prompt_type not in TEMPLATES:
+            raise UsageError(
+                f"--prompt-type {args.prompt_type!r} is unknown; choose one of "
+                f"{', '.join(sorted(TEMPLATES))}"
+            )
+    if args.mock_data or not args.data_path or len(args.data_path) != 1:
+        raise UsageError("--data-path: give exactly one instruction dataset prefix")
+    lora_cfg = lora.from_args(args)
+    prefix = args.data_path[0]
+    sft_data.check_files(prefix)
+    data = sft_data.open_data(prefix, args.seq_length)
+    variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
+    cfg = SFTConfig(prefix, data.packed, variable, lora=lora_cfg)
+    _check_layout(args, cfg, data)
+    records = {"anyspeed_lora": lora_cfg.record()} if lora_cfg else {}
+    return StagePlan([sft_data.file_prefix(prefix, "input_ids")], cfg, data, records)
+
+
+def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any) -> None:
+    from anyspeed.features.base import level_of
+
+    if cfg.variable_lengths and args.pipeline_model_parallel_size > 1:
+        raise UsageError(
+            "--variable-seq-lengths with --pipeline-model-parallel-size > 1 is not "
+            "supported; pad to --seq-length (drop the flag)"
+        )
+    if not data.packed:
+        if args.neat_pack or args.reset_attention_mask:
+            raise UsageError(
+                f"--data-path {cfg.prefix!r} is not packed (rows are not all "
+                f"--seq-length {args.seq_length}); drop --neat-pack/"
+                "--reset-attention-mask or preprocess with --pack"
+            )
+        return
+    seg = max(int(data.segments[i].max()) for i in range(min(len(data), 64)))
+    if (args.neat_pack or args.reset_attention_mask) and seg <= 1:
+        raise UsageError(
+            f"--data-path {cfg.prefix!r} has no per-sample segment ids, so "
+            "attention cannot restart per sample; preprocess with --neat-pack"
+        )
+    if args.context_parallel_size > 1:
+        raise UsageError(
+            "packed SFT data with --context-parallel-size > 1 is not supported; "
+            "use unpacked data (padded) or CP 1"
+        )
+    if level_of(args) < 1:
+        raise UsageError(
+            "packed SFT data needs the flash-attention feature (per-sample "
+            "attention): use --optimization-level 1 or higher"
+        )
+
+
+def make_task(run: Any) -> SFTTask:
+    """The SFT task of a checked run."""
+    return SFTTask(run.config)
+
+
 def token_loss(losses: torch.Tensor, mask: torch.Tensor):
-    """(sum of masked token losses, token count, {"lm loss": [sum, count]}) of one micro-batch
-    (this rank's share of it under context parallelism)."""
+    """(sum of masked token losses, token count, [sum, count]) of one micro-batch (this
+    rank's share of it under context parallelism)."""
     mask = mask.reshape(-1).float()
     total = (losses.float().reshape(-1) * mask).sum()
     count = mask.sum()
@@ -44,11 +174,13 @@ class SFTTask(Task):
 
     name = "sft"
 
-    def __init__(self, packed: bool = False) -> None:
-        self.packed = packed
+    def __init__(self, cfg: SFTConfig) -> None:
+        self.cfg = cfg
+        self.packed = cfg.packed
 
     def transforms(self) -> list[Any]:
-        return [_per_token_loss, _unfused_rope] if self.packed else [_per_token_loss]
+        own = [_per_token_loss, _unfused_rope] if self.packed else [_per_token_loss]
+        return own + ([self.cfg.lora.transform()] if self.cfg.lora else [])
 
     def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
         # A packed micro-batch is one sequence of all its rows' tokens.
@@ -56,50 +188,47 @@ class SFTTask(Task):
             return seq_length * micro_batch_size, 1
         return seq_length, micro_batch_size
 
-    def forward_step(
-        self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
-    ) -> tuple[torch.Tensor, LossFunc]:
-        batch = next(data_iterator)
-        packed = None
-        if "cu_seqlens" in batch:
-            from megatron.core.packed_seq_params import PackedSeqParams
+    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+        """Under LoRA: base weights from ``--load`` (weights only), then adapters, optimizer
+        and position from ``--lora-load``; checkpoints written afterwards hold the adapters."""
+        if self.cfg.lora is None:
+            return False
+        from anyspeed.training import checkpointing as ckpt
+        from anyspeed.training.engine import resume
+        from anyspeed.training.lora import set_view
 
-            cu = batch["cu_seqlens"]
-            longest = int((cu[1:] - cu[:-1]).max())
-            packed = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                max_seqlen_q=longest,
-                max_seqlen_kv=longest,
-            )
-        output = model(
-            batch["tokens"],
-            batch["position_ids"],
-            None,
-            labels=batch["labels"],
-            packed_seq_params=packed,
-        )
+        if run.load:
+            set_view(trainer.model, "base")
+            ckpt.load_checkpoint(run.load, trainer.model, None, None, finetune=True,
+                                 load_rng=False)  # fmt: skip
+        set_view(trainer.model, "adapters")
+        if self.cfg.lora.load:
+            resume(run, trainer, scheduler, state, root=self.cfg.lora.load)
+        return True
+
+    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
+                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+        batch = next(data_iterator)
+        output = token_logprobs(model, batch["tokens"], batch["position_ids"], batch["labels"],
+                                packed_seq_params=packed_params(batch))  # fmt: skip
         mask = batch["loss_mask"]
 
-        def loss_func(output_tensor: torch.Tensor):
-            total, count, report = token_loss(output_tensor, mask)
+        def loss_func(logprobs: torch.Tensor):
+            total, count, report = token_loss(-logprobs, mask)
             return total, count, {self.loss_key: report}
 
         return output, loss_func
 
-    def datasets(self, args: argparse.Namespace) -> list[Any]:
+    def datasets(self, run: Any) -> list[Any]:
         """(train, valid, test): the instruction data with each split's row range (or None)."""
-        from anyspeed.training.sft_data import open_data, split_rows
+        from anyspeed.training.tasks.sft_data import split_rows
 
-        data = open_data(args.sft_prefix, args.seq_length)
-        return [None if r is None else (data, r) for r in split_rows(len(data), args.split)]
+        data = run.data
+        return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
-    def batches(
-        self, dataset: Any, args: argparse.Namespace, consumed: int, device: torch.device
-    ) -> Iterator[list[dict[str, torch.Tensor]]]:
-        """This rank's micro-batches of each next global batch, from ``consumed`` on."""
-        from anyspeed.training.sft_data import batches
+    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
+                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+        from anyspeed.training.tasks.sft_data import batches
 
         data, rows = dataset
-        return batches(data, args, rows, consumed, device)
+        return batches(data, run.args, rows, consumed, device, self.cfg.pad_id)

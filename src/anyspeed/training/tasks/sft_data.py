@@ -188,6 +188,7 @@ def batches(
     rows: tuple[int, int],
     consumed: int,
     device: torch.device,
+    pad_id: int = 0,
 ) -> Iterator[list[dict[str, Any]]]:
     """Per iteration, this rank's micro-batches of the next global batch (samples in Megatron's
     order: global batch i is samples [i*G, (i+1)*G), DP rank k takes every DP-th slice)."""
@@ -211,7 +212,7 @@ def batches(
                 n = pad_length(
                     [len(data.input_ids[i]) for i in idx], args.seq_length, multiple, variable
                 )
-                batch = padded_batch(data, idx, n, args.sft_pad_id)
+                batch = padded_batch(data, idx, n, pad_id)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             if "cu_seqlens" not in batch:
                 batch = get_batch_on_this_cp_rank(batch)

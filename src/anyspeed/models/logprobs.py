@@ -1,0 +1,54 @@
+"""The one per-token log-probability forward: the labels' log-probabilities through Megatron's
+vocab-parallel cross-entropy, at any TP/SP/CP, with gradients. Used by SFT, by reference and
+old-policy passes, and by ``anyspeed evaluate``'s likelihood scoring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _core(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "post_process") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
+                   labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   packed_seq_params: Any = None, vocab_size: int | None = None,
+                   **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """log p(labels[b, s] | tokens[b, :s+1]) as [b, s] (fp32) on a chunk that ends the
+    pipeline; on an earlier chunk, its output (hidden states for the next stage).
+
+    ``vocab_size``: the real vocabulary; the embedding's padded rows are then excluded from the
+    normaliser (as a Hugging Face model without them would), else all rows count, as in
+    Megatron's training loss.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    out = model(tokens, position_ids, attention_mask, packed_seq_params=packed_seq_params,
+                **kwargs)  # fmt: skip
+    if not _core(model).post_process:
+        return out
+    logits = out.float()  # [b, s, vocab / TP]
+    local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * local
+    if vocab_size is not None and start + local > vocab_size:
+        cols = torch.arange(start, start + local, device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
+    return -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
+
+
+def packed_params(batch: dict[str, Any]) -> Any:
+    """Megatron's ``thd`` PackedSeqParams of a packed micro-batch; None for a padded one."""
+    if "cu_seqlens" not in batch:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch["cu_seqlens"]
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip

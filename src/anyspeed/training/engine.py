@@ -1,0 +1,150 @@
+"""The engine: one checked :class:`~anyspeed.training.run.Run` trained in this rank.
+
+The stage's task supplies the data, forward step, loss and metrics (and any frozen models);
+the trainer runs steps, the loop drives them with the hooks (logging, evaluation, checkpoints,
+NaN guard). Megatron's schedules, DDP, (distributed) optimizer and OptimizerParamScheduler do
+the work; checkpoints are atomic dist_checkpointing saves that resume under another layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from anyspeed.training.hooks import print0
+from anyspeed.training.loop import Hook
+from anyspeed.training.run import Run
+
+
+def build_scheduler(optimizer: Any, run: Run):
+    """Megatron's OptimizerParamScheduler, stepped in samples as Megatron-LM does."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    args = run.args
+    g = args.global_batch_size
+    decay_iters = args.lr_decay_iters or args.train_iters
+    warmup = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * decay_iters)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup * g,
+        lr_decay_steps=max(decay_iters * g, warmup * g + 1),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=max(args.train_iters * g, 1),
+        wd_incr_style="constant",
+        wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * g or None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def banner(run: Run, start: int, dp: int) -> str:
+    """The run's first line: device, layout, model, precision, iterations."""
+    from anyspeed.device import detect
+
+    m, lay = run.model, run.layout
+    moe = f"EP={lay.ep} ETP={lay.expert_tp} " if m.is_moe else ""
+    experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""
+    stage = "" if run.stage == "pretrain" else f" --stage {run.stage}"
+    return (
+        f"{run.prog}{stage}: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
+        f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} {moe}VPP={lay.chunks} "
+        f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer} | {m.num_layers} "
+        f"layers{experts}, hidden {m.hidden_size}, vocab {m.vocab_size}, seq {run.seq_length} | "
+        f"{run.train.precision} | iterations {start}->{run.args.train_iters}"
+    )
+
+
+def resume(run: Run, trainer: Any, scheduler: Any, state: Any, root: str | None = None) -> None:
+    """Resume from ``root`` (default: the run's checkpoint): weights, optimizer, scheduler,
+    RNG and the data position."""
+    from anyspeed.training import checkpointing as ckpt
+
+    args = run.args
+    root = root or run.load
+    common = ckpt.load_checkpoint(root, trainer.model, trainer.optimizer, scheduler,
+                                  finetune=args.finetune and root == run.load,
+                                  load_optim=not args.no_load_optim,
+                                  load_rng=not args.no_load_rng)  # fmt: skip
+    state.iteration = int(common.get("iteration", 0))
+    state.consumed = int(common.get("consumed_train_samples",
+                                    state.iteration * args.global_batch_size))  # fmt: skip
+    state.consumed_valid = int(common.get("consumed_valid_samples", 0))
+    print0(f"{run.prog}: loaded {root} at iteration {state.iteration}")
+
+
+def _start(run: Run, task: Any) -> tuple[Any, Any, Any]:
+    """Trainer, scheduler and loop state, loaded; the task's frozen models built."""
+    from anyspeed.training.distributed import set_timeout
+    from anyspeed.training.frozen import build_frozen
+    from anyspeed.training.loop import LoopState
+    from anyspeed.training.step import Trainer
+
+    set_timeout(run.args.distributed_timeout_minutes)
+    trainer = Trainer(run.model, run.layout, run.train, task)
+    scheduler = build_scheduler(trainer.optimizer, run)
+    state = LoopState(trainer, scheduler, run.args.train_iters, run.args.global_batch_size,
+                      fp16=run.train.fp16)  # fmt: skip
+    if not task.load(run, trainer, scheduler, state) and run.load:
+        resume(run, trainer, scheduler, state)
+    trainer.frozen = build_frozen(trainer, task.frozen_models())
+    task.setup(trainer)
+    return trainer, scheduler, state
+
+
+def train(run: Run, extra_hooks: Sequence[Hook] = (), task: Any = None) -> dict[str, Any]:
+    """Train checked ``run`` in this process (one rank of the job); its stage's task unless
+    ``task`` is given.
+
+    Returns the history (per-iteration losses, metrics, grad norms, learning rates,
+    validation losses) with the trainer under ``"trainer"``. ``extra_hooks`` run after the
+    built-in ones.
+    """
+    import torch
+
+    from anyspeed.device import peak_flops, torch_device
+    from anyspeed.device.flops import slow_precision_warning
+    from anyspeed.training import hooks as H
+    from anyspeed.training.loop import run as run_loop
+    from anyspeed.training.memory_hook import SavedBytesHook
+    from anyspeed.training.metrics import peak_memory_bytes
+    from anyspeed.training.stages import STAGES
+
+    task = task or STAGES[run.stage]().task(run)
+    trainer, scheduler, state = _start(run, task)
+    if run.args.mock_data:  # mock datasets have nothing to cache; Megatron warns per split
+        import logging
+
+        logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
+    train_ds, valid_ds, test_ds = task.datasets(run)
+    device = torch_device()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision,
+                                                               torch.float32)  # fmt: skip
+    peak = peak_flops(dtype) * int(os.environ.get("WORLD_SIZE", "1"))
+    print0(banner(run, state.iteration, trainer.dp))
+    slow = slow_precision_warning(dtype)  # e.g. bf16 on a CPU without bf16 matmul kernels
+    if slow:
+        print0(f"{run.prog}: warning: {slow}")
+    reporter = H.Reporter(run.args, state.iteration)
+    hooks = [
+        SavedBytesHook(run.prog),  # first: it prints before the progress bar is drawn
+        H.NanGuard(run.args.save),
+        H.LogHook(reporter, run, run.model.flops_per_token(run.seq_length), peak, task.loss_key),
+        H.EvalHook(reporter, run, task, valid_ds, test_ds, device),
+        H.CheckpointHook(run, {"anyspeed_model": run.model.to_dict(), **run.records}),
+        *extra_hooks,
+    ]
+    try:
+        run_loop(state, task.batches(train_ds, run, state.consumed, device, trainer), hooks)
+    finally:
+        reporter.close()
+    history = state.history
+    history["trainer"] = trainer
+    history["peak_memory_bytes"] = peak_memory_bytes()
+    return history

@@ -1,0 +1,55 @@
+"""Extra frozen models a task asks for (a reference policy), built at the training layout."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from anyspeed.training.tasks.base import FrozenModel
+
+
+@dataclass
+class Frozen:
+    """A frozen model's chunks; with ``adapters_off`` they are the training model's own,
+    run with their LoRA adapters off inside :meth:`context`."""
+
+    chunks: list[torch.nn.Module]
+    adapters_off: bool = False
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        if not self.adapters_off:
+            yield
+            return
+        from anyspeed.training.lora import adapters_off
+
+        with adapters_off(self.chunks):
+            yield
+
+
+def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Frozen]:
+    """One :class:`Frozen` per spec: the training model with adapters off, or a new copy of
+    the architecture at the training layout with a checkpoint's weights (no grad, eval)."""
+    from anyspeed.training import checkpointing as ckpt
+    from anyspeed.training.model_pipeline import build_chunks
+
+    out = {}
+    for name, spec in specs.items():
+        if spec.adapters_off:
+            out[name] = Frozen(trainer.model, adapters_off=True)
+            continue
+        chunks, _ = build_chunks(trainer.model_config, trainer.layout, trainer.cfg,
+                                 spec.transforms)  # fmt: skip
+        for c in chunks:
+            c.eval().requires_grad_(False)
+        if spec.load:
+            holders = [types.SimpleNamespace(module=c) for c in chunks]  # what it unwraps
+            ckpt.load_checkpoint(spec.load, holders, None, None, finetune=True,
+                                 load_optim=False, load_rng=False)  # fmt: skip
+        out[name] = Frozen(chunks)
+    return out

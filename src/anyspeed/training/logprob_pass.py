@@ -1,0 +1,42 @@
+"""A forward-only pass through the pipeline schedule that returns each micro-batch's labels'
+log-probabilities (the reference / old-policy pass of preference and RL stages)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def logprob_pass(trainer: Any, chunks: list[torch.nn.Module], microbatches: list[dict],
+                 vocab_size: int | None = None) -> list[torch.Tensor] | None:  # fmt: skip
+    """[b, s] log-probabilities per micro-batch on the last pipeline stage (None elsewhere),
+    through :func:`anyspeed.models.logprobs.token_logprobs` (vocab-parallel, any TP/PP/CP)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from anyspeed.models.logprobs import packed_params, token_logprobs
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        out = token_logprobs(model, b["tokens"], b["position_ids"], b["labels"],
+                             b.get("attention_mask"), packed_params(b), vocab_size)  # fmt: skip
+
+        def collect(output_tensor, non_loss_data=True):
+            return output_tensor.detach().clone()
+
+        return out, collect
+
+    data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
+    seq, mbs = trainer.task.schedule_shape(trainer.cfg.seq_length, trainer.cfg.micro_batch_size)
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(microbatches),
+        seq_length=seq,
+        micro_batch_size=mbs,
+        forward_only=True,
+        collect_non_loss_data=True,
+    )
+    return list(out) if ps.is_pipeline_last_stage(ignore_virtual=True) else None

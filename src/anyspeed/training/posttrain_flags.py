@@ -1,0 +1,38 @@
+"""The flags every ``anyspeed posttrain`` stage shares: ``--stage`` and LoRA (MindSpeed-LLM's
+names and defaults). Each stage adds its own in its task module."""
+
+from __future__ import annotations
+
+import argparse
+
+from anyspeed.training.lora import LORA_TARGETS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``--stage`` and the LoRA flags."""
+    from anyspeed.training.stages import POSTTRAIN_STAGES
+
+    g = p.add_argument_group("post-training")
+    g.add_argument(
+        "--stage",
+        choices=POSTTRAIN_STAGES,
+        default=None,
+        help=f"what to train: {', '.join(POSTTRAIN_STAGES)}",
+    )  # fmt: skip
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--lora-r", type=int, default=16)
+    g.add_argument("--lora-alpha", type=float, default=32)
+    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="*",
+        default=[],
+        help=f"layers to adapt, of {' '.join(LORA_TARGETS)}",
+    )
+    g.add_argument("--lora-load", default=None, help="a LoRA checkpoint to start the adapters from")
+    g.add_argument(
+        "--lora-modules-to-save",
+        nargs="*",
+        default=[],
+        help="modules trained in full beside the adapters (e.g. output_layer)",
+    )

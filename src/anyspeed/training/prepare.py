@@ -1,0 +1,51 @@
+"""From a command line to a checked, typed :class:`~anyspeed.training.run.Run`, before any
+process group: parse once, complete the derived flags, freeze, the stage's checks, the
+generic checks, and (for ``--load <HF dir>``) the cached conversion."""
+
+from __future__ import annotations
+
+import os
+
+from anyspeed.argv import get_flag, set_flag
+from anyspeed.training import checks, hf_load
+from anyspeed.training.arguments import parse_pretrain_args
+from anyspeed.training.run import Run, freeze
+from anyspeed.training.stages import STAGES, Stage, build_stage_parser, get_stage
+
+
+def stage_of(argv: list[str], command: str) -> Stage:
+    """The stage a command line names: ``pretrain`` for ``anyspeed pretrain``, ``--stage``'s
+    row for ``anyspeed posttrain`` (UsageError listing the known stages otherwise)."""
+    if command == "pretrain":
+        return STAGES["pretrain"]()
+    return get_stage(get_flag(argv, "--stage"), command)
+
+
+def prepare(argv: list[str], where: str | None = None,
+            command: str = "pretrain") -> tuple[Run, list[str]]:  # fmt: skip
+    """Parse and check a command line (UsageError on any problem), before process groups.
+
+    ``--load <HF dir>`` brings the architecture and tokenizer flags from the directory and
+    converts its weights (once); the returned argv (for the launched ranks) names the
+    converted checkpoint. ``where`` is "launcher" when no launcher set WORLD_SIZE (the world
+    is --nproc-per-node).
+    """
+    prog = f"anyspeed {command}"
+    stage = stage_of(argv, command)
+    hf_dir = hf_load.hf_dir_of(argv)
+    if hf_dir:
+        argv = hf_load.expand(argv, hf_dir)
+    args = parse_pretrain_args(argv, build_stage_parser(stage), prog=prog)
+    world = (args.nproc_per_node or 1) if where == "launcher" else int(os.environ["WORLD_SIZE"])
+    tokenizer = checks.complete(args)
+    freeze(args)
+    plan = stage.plan(args)
+    checked = checks.check(args, world, plan.data_prefixes, tokenizer)
+    load = checked.load
+    if hf_dir:
+        load = hf_load.convert(args, hf_dir, prog)
+        argv = set_flag(argv, "--load", load)
+    run = Run(stage=stage.name, prog=prog, args=args, model=checked.model, layout=checked.layout,
+              train=checked.train, world=world, tokenizer=tokenizer, load=load, hf_dir=hf_dir,
+              config=plan.config, data=plan.data, records=dict(plan.records))  # fmt: skip
+    return run, argv

@@ -1,0 +1,85 @@
+"""The stage table: what ``anyspeed pretrain`` and ``anyspeed posttrain --stage S`` train.
+
+A stage is one row: its own flags, its checks (which return the data it opened, its config and
+the records its checkpoints carry) and its task. The parse, the generic checks, the launcher,
+the engine and the hooks are shared; a new stage adds its task module (and data module) and a
+row here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from anyspeed.errors import UsageError
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What a stage's checks produce from the frozen flags (before the generic checks):
+    the ``.bin/.idx`` prefixes the generic checks validate (None: none, e.g. mock data), the
+    stage's config and opened data, and records for every checkpoint of the run."""
+
+    data_prefixes: list[str] | None = None
+    config: Any = None
+    data: Any = None
+    records: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of the table (``command``: the CLI command that runs it)."""
+
+    name: str
+    command: str
+    help: str
+    flags: Sequence[Callable[[argparse.ArgumentParser], None]]
+    plan: Callable[[argparse.Namespace], StagePlan]
+    task: Callable[[Any], Any]  # (Run) -> Task
+
+
+def _pretrain() -> Stage:
+    from anyspeed.training.tasks import pretrain
+
+    return Stage("pretrain", "pretrain", "next-token prediction on Megatron's GPT datasets",
+                 (), pretrain.plan, pretrain.make_task)  # fmt: skip
+
+
+def _sft() -> Stage:
+    from anyspeed.training import posttrain_flags
+    from anyspeed.training.tasks import sft
+
+    return Stage("sft", "posttrain", "supervised fine-tuning (full or LoRA) on instruction data",
+                 (posttrain_flags.add_arguments, sft.add_arguments), sft.plan,
+                 sft.make_task)  # fmt: skip
+
+
+# name -> row builder (imports stay lazy: `anyspeed --help` must start fast)
+STAGES: dict[str, Callable[[], Stage]] = {
+    "pretrain": _pretrain,
+    "sft": _sft,
+}
+POSTTRAIN_STAGES = ("sft",)
+
+
+def get_stage(name: str | None, command: str = "posttrain") -> Stage:
+    """The row for ``name``; a UsageError listing the known stages otherwise."""
+    known = POSTTRAIN_STAGES if command == "posttrain" else ("pretrain",)
+    if name is None:
+        raise UsageError(f"--stage is required ({', '.join(known)})")
+    if name not in known:
+        raise UsageError(f"--stage {name!r} is unknown; choose one of {', '.join(known)}")
+    return STAGES[name]()
+
+
+def build_stage_parser(stage: Stage) -> argparse.ArgumentParser:
+    """The pretraining parser plus the stage's own flags, named for its command."""
+    from anyspeed.training.arguments import build_parser
+
+    p = build_parser()
+    p.prog = f"anyspeed {stage.command}"
+    for add in stage.flags:
+        add(p)
+    return p
