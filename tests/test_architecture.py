@@ -24,7 +24,7 @@ LAYERS = {
     "adaptor": 3, "models": 3,
     "data": 4, "inference": 4, "convert": 5, "training": 6,
     "commands": 7,
-    "cli": 7, "demo": 7, "testing": 7, "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
+    "cli": 7, "testing": 7, "demo": 8, "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
 }  # fmt: skip
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
@@ -132,3 +132,66 @@ def test_file_and_function_sizes():
                     )
     assert not long_files, f"files over {MAX_FILE_LINES} lines: {long_files}"
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+
+
+# The parse itself, the functions that complete the parsed flags before they are frozen, and
+# the freezer; every other write to a parsed namespace in the training path is a bug (keep
+# derived state in the Run).
+PARSE_TIME = {
+    ("training/arguments.py", "parse_pretrain_args"),
+    ("training/checks.py", "complete"),
+    ("training/checks.py", "_complete_architecture"),
+    ("training/checks.py", "_complete_vocab"),
+    ("training/run.py", "freeze"),
+    ("training/memory_command.py", "parse"),  # `anyspeed memory`'s own parse
+}
+TRAINING_PATH = ("training", "commands/train.py")
+
+
+def _writes_to_args(tree: ast.AST) -> list[tuple[str, int]]:
+    """(enclosing function, line) of each ``args.x = ...``, ``args.x += ...`` or
+    ``setattr(args, ...)`` in ``tree``."""
+    found = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            func = node.name
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and (sub.value.id == "args")
+                ):
+                    found.append((func, node.lineno))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "args":
+                found.append((func, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_no_write_to_the_parsed_flags_after_parsing():
+    bad = []
+    for path in SRC.rglob("*.py"):
+        rel = str(path.relative_to(SRC))
+        if not rel.startswith(TRAINING_PATH):
+            continue
+        for func, line in _writes_to_args(ast.parse(path.read_text())):
+            if (rel, func) not in PARSE_TIME:
+                bad.append(f"{rel}:{line} ({func})")
+    assert not bad, "writes to the parsed namespace after parsing (use the Run):\n" + "\n".join(bad)
+
+
+def test_the_write_check_sees_writes():
+    """The check above is not vacuous: it finds each form of write."""
+    code = "def f(args):\n    args.a = 1\n    args.b += 1\n    setattr(args, 'c', 2)\n"
+    assert [line for _, line in _writes_to_args(ast.parse(code))] == [2, 3, 4]

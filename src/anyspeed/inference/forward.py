@@ -26,7 +26,6 @@ def pipeline_forward(
     causal. Returned on the last pipeline stage, None on the others.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from anyspeed.device import torch_device
 
@@ -40,17 +39,48 @@ def pipeline_forward(
     if context is not None:
         kwargs["inference_context"] = context
 
+    if ps.get_pipeline_model_parallel_world_size() == 1 and len(model) == 1:
+        return _direct(model[0], tokens, positions, mask, kwargs)  # no schedule to run
+    return _scheduled(model, tokens, lambda chunk: chunk(tokens, positions, mask, **kwargs))
+
+
+@torch.no_grad()
+def pipeline_logprobs(model: list[torch.nn.Module], tokens: torch.Tensor, labels: torch.Tensor,
+                      positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                      vocab_size: int | None = None) -> torch.Tensor | None:  # fmt: skip
+    """log p(labels[b, s]) after ``tokens[b, :s+1]`` [b, s] (fp32) through the shared
+    log-prob forward (:func:`anyspeed.models.logprobs.token_logprobs`); ``vocab_size``
+    excludes the embedding's padded rows. On the last pipeline stage, None elsewhere."""
+    from anyspeed.device import torch_device
+    from anyspeed.models.logprobs import token_logprobs
+
+    dev = torch_device()
+    tokens, labels = tokens.to(dev), labels.to(dev)
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=dev).expand(tokens.shape[0], -1)
+    positions, mask = positions.to(dev), None if mask is None else mask.to(dev)
+
+    def call(chunk: torch.nn.Module) -> torch.Tensor:
+        return token_logprobs(chunk, tokens, positions, labels, mask, vocab_size=vocab_size)
+
+    return _scheduled(model, tokens, call)
+
+
+def _scheduled(model: list[torch.nn.Module], tokens: torch.Tensor, call: Any) -> Any:
+    """``call(chunk)`` on every chunk through Megatron's forward-only schedule, in eval mode;
+    the last stage's output (None on the other stages)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     def forward_step(data_iterator, chunk):
         next(data_iterator)
-        out = chunk(tokens, positions, mask, **kwargs)
+        out = call(chunk)
 
         def collect(output_tensor, non_loss_data=True):
             return output_tensor.clone()
 
         return out, collect
 
-    if ps.get_pipeline_model_parallel_world_size() == 1 and len(model) == 1:
-        return _direct(model[0], tokens, positions, mask, kwargs)  # no schedule to run
     training = [m for m in model if m.training]  # eval() walks every module: only if needed
     for m in training:
         m.eval()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from anyspeed.inference.decode import Batch, share
-from anyspeed.inference.forward import pipeline_forward
+from anyspeed.inference.forward import pipeline_forward, pipeline_logprobs
 
 NextLogits = Callable[[Sequence[Sequence[int]]], torch.Tensor | None]
 
@@ -57,13 +57,11 @@ def sequence_nll(model: list[torch.nn.Module], sequences: Sequence[Sequence[int]
             continue
         batch = Batch.left_padded(chunk, pad_id)
         width = batch.tokens.shape[1]
-        out = pipeline_forward(model, batch.tokens, batch.positions(0, width),
-                               batch.mask(0, width))  # fmt: skip
+        out = pipeline_logprobs(model, batch.tokens, _next_tokens(batch.tokens),
+                                batch.positions(0, width), batch.mask(0, width))  # fmt: skip
         nll = torch.zeros(1, dtype=torch.float64)
         if out is not None:
-            logp = out[:, :-1].float().cpu().log_softmax(dim=-1)
-            target = batch.tokens[:, 1:]
-            got = logp.gather(-1, target[..., None])[..., 0]
+            got = out[:, :-1].cpu()  # slot p scores the token at slot p + 1
             real = torch.arange(1, width)[None] > batch.pad[:, None]  # targets that are text
             nll[0] = -float(got[real].double().sum())
         total += float(share(nll)[0])
@@ -84,15 +82,19 @@ def continuation_logprobs(model: list[torch.nn.Module],
         chunk = pairs[start : start + batch_size]
         batch = Batch.left_padded([list(c) + list(x) for c, x in chunk], pad_id)
         width = batch.tokens.shape[1]
-        logits = pipeline_forward(model, batch.tokens, batch.positions(0, width),
-                                  batch.mask(0, width))  # fmt: skip
+        logp = pipeline_logprobs(model, batch.tokens, _next_tokens(batch.tokens),
+                                 batch.positions(0, width), batch.mask(0, width),
+                                 vocab_size)  # fmt: skip
         sums = torch.zeros(len(chunk), dtype=torch.float64)
-        if logits is not None:
+        if logp is not None:
             for row, (_, cont) in enumerate(chunk):
-                n = len(cont)  # logits at slot p predict the token at slot p + 1
-                logp = logits[row, width - 1 - n : width - 1, :vocab_size].float().log_softmax(-1)
-                target = batch.tokens[row, width - n :].to(logp.device)
-                sums[row] = float(logp.gather(-1, target[:, None]).sum())
+                n = len(cont)  # slot p scores the token at slot p + 1
+                sums[row] = float(logp[row, width - 1 - n : width - 1].double().sum())
         sums = share(sums)
         out += [(float(s), len(x)) for s, (_, x) in zip(sums, chunk, strict=True)]
     return out
+
+
+def _next_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """Each slot's label: the next token (the last slot's, unused, is the pad 0)."""
+    return torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
