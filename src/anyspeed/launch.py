@@ -39,7 +39,19 @@ def torchrun_env(nproc: int) -> dict[str, str]:
     env = dict(os.environ)
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
+    env[LAUNCHED] = "1"  # the launcher already printed the pre-start notices
     return env
+
+
+LAUNCHED = "ANYSPEED_LAUNCHED"
+
+
+def reports_here() -> bool:
+    """Whether this process prints a pre-start notice: the launcher, a lone process, or rank 0
+    under a launcher the user started (not under ours, which already printed it)."""
+    if os.environ.get(LAUNCHED):
+        return False
+    return os.environ.get("RANK", "0") == "0"
 
 
 def single_process_env() -> dict[str, str]:

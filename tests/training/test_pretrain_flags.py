@@ -174,7 +174,7 @@ def test_data_path_weights_must_be_a_blend(weights):
     import argparse
 
     from anyspeed.errors import UsageError
-    from anyspeed.training.checks import data_blend
+    from anyspeed.training.datasets import data_blend
 
     path = [weights[0], "a", weights[1], "b"]
     with pytest.raises(UsageError, match=r"^--data-path: the weights .* must be >= 0 and not all"):

@@ -165,7 +165,9 @@ def _check_load(args: argparse.Namespace, dp: int) -> str | None:
         if args.finetune:
             raise UsageError(f"--finetune needs a checkpoint, but --load {args.load!r} has no "
                              f"{TRACKER}")  # fmt: skip
-        if int(os.environ.get("RANK", "0")) == 0:
+        from anyspeed.launch import reports_here
+
+        if reports_here():
             print(f"anyspeed: warning: --load {args.load!r} holds no checkpoint yet "
                   f"(no {TRACKER}); starting from scratch", file=sys.stderr)  # fmt: skip
         return None

@@ -11,6 +11,7 @@ The data: :mod:`anyspeed.training.tasks.sft_data`.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -102,14 +103,43 @@ def plan(args: argparse.Namespace) -> StagePlan:
     prefix = args.data_path[0]
     sft_data.check_files(prefix)
     data = sft_data.open_data(prefix, args.seq_length)
+    seen = sft_data.survey(data, args.seq_length)
+    _check_lengths(args, prefix, seen)
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
     cfg = SFTConfig(prefix, data.packed, variable, lora=lora_cfg)
-    _check_layout(args, cfg, data)
+    _check_layout(args, cfg, data, seen)
     records = {"anyspeed_lora": lora_cfg.record()} if lora_cfg else {}
     return StagePlan([sft_data.file_prefix(prefix, "input_ids")], cfg, data, records)
 
 
-def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any) -> None:
+def _check_lengths(args: argparse.Namespace, prefix: str, seen: Any) -> None:
+    """Packed at another --seq-length: refused (rows would be cut and samples mixed). Samples
+    longer than --seq-length: counted and reported; nothing left to learn: refused."""
+    from anyspeed.launch import reports_here
+    from anyspeed.training.tasks.sft_data import split_rows
+
+    s = args.seq_length
+    if seen.packed_at is not None and seen.packed_at != s:
+        raise UsageError(
+            f"--data-path {prefix!r} was packed to sequences of {seen.packed_at} tokens, not "
+            f"--seq-length {s}: train with --seq-length {seen.packed_at} or preprocess again "
+            f"with --seq-length {s}"
+        )
+    rows = split_rows(len(seen.learnable), args.split)[0]
+    if rows is None or not seen.learnable[rows[0] : rows[1]].any():
+        raise UsageError(
+            f"--data-path {prefix!r}: no training sample keeps a response token within "
+            f"--seq-length {s} (the longest sample has {seen.longest} tokens): nothing to "
+            "learn; raise --seq-length or shorten the prompts"
+        )
+    empty = int((~seen.learnable).sum())
+    if (seen.cut or empty) and reports_here():
+        print(f"anyspeed posttrain: warning: {seen.cut} of {len(seen.learnable)} samples of "
+              f"--data-path {prefix!r} are longer than --seq-length {s} and cut to it; "
+              f"{empty} keep no response token and add no loss", file=sys.stderr)  # fmt: skip
+
+
+def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any, seen: Any) -> None:
     from anyspeed.features.base import level_of
 
     if cfg.variable_lengths and args.pipeline_model_parallel_size > 1:
@@ -125,12 +155,14 @@ def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any) -> None:
                 "--reset-attention-mask or preprocess with --pack"
             )
         return
-    seg = max(int(data.segments[i].max()) for i in range(min(len(data), 64)))
-    if (args.neat_pack or args.reset_attention_mask) and seg <= 1:
-        raise UsageError(
-            f"--data-path {cfg.prefix!r} has no per-sample segment ids, so "
-            "attention cannot restart per sample; preprocess with --neat-pack"
-        )
+    if (args.neat_pack or args.reset_attention_mask) and seen.one_segment:
+        from anyspeed.launch import reports_here
+
+        if reports_here():  # one sample per row, or packed without --neat-pack: alike here
+            print(f"anyspeed posttrain: note: --data-path {cfg.prefix!r} holds one segment "
+                  "per row: each row attends as one sample (rows packed without --neat-pack "
+                  "would let their samples see each other; preprocess with --neat-pack)",
+                  file=sys.stderr)  # fmt: skip
     if args.context_parallel_size > 1:
         raise UsageError(
             "packed SFT data with --context-parallel-size > 1 is not supported; "

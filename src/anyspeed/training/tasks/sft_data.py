@@ -91,6 +91,38 @@ def open_data(prefix: str, seq_length: int) -> InstructionData:
     return InstructionData(cols["input_ids"], cols["labels"], cols["attention_mask"], packed)
 
 
+@dataclass(frozen=True)
+class Survey:
+    """What training at ``seq_length`` will do to an instruction dataset, known before start:
+    the length rows were packed at (None: not packed), how many samples are cut to
+    ``seq_length``, and which keep a response token after the cut (a loss to learn from)."""
+
+    packed_at: int | None
+    longest: int
+    cut: int
+    learnable: np.ndarray  # bool per row
+    one_segment: bool  # packed rows that each carry one segment id (max id <= 1)
+
+
+def survey(data: InstructionData, seq_length: int) -> Survey:
+    """Scan the rows once (memory-mapped): packing, truncation, rows with nothing to learn."""
+    lengths = np.asarray(data.input_ids.sequence_lengths, dtype=np.int64)
+    n = len(lengths)
+    packed_at, one_segment = None, False
+    if n and (lengths == lengths[0]).all():
+        first = [np.asarray(data.segments[i]) for i in range(min(n, 64))]
+        marked = any((m == 0).any() or (m > 1).any() for m in first)  # padding or sample ids
+        if marked or lengths[0] == seq_length:
+            packed_at = int(lengths[0])
+            one_segment = all(int(m.max()) <= 1 for m in first)
+    learnable = np.zeros(n, dtype=bool)
+    for i in range(n):
+        lab = np.asarray(data.labels[i][1 : min(int(lengths[i]), seq_length)])
+        learnable[i] = bool((lab != IGNORE).any())
+    cut = 0 if packed_at else int((lengths > seq_length).sum())
+    return Survey(packed_at, int(lengths.max()) if n else 0, cut, learnable, one_segment)
+
+
 def split_rows(n: int, split: str) -> list[tuple[int, int] | None]:
     """Row ranges of (train, valid, test) under Megatron's ``--split`` rule."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
