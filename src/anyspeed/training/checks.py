@@ -142,10 +142,11 @@ def _check_run(args: argparse.Namespace) -> None:
 def _check_load(args: argparse.Namespace) -> None:
     """Megatron-LM's rule: a --load directory with no checkpoint yet (scripts pass --load and
     --save the same directory from the first run on) starts from scratch, with a warning. A
-    checkpoint is checked file by file (:mod:`anyspeed.training.checkpoint_checks`)."""
-    from anyspeed.checkpoint_files import TRACKER, read_tracker
+    checkpoint is checked file by file (:mod:`anyspeed.checkpoint.checks`)."""
+    from anyspeed.checkpoint import checks as checkpoint_checks
+    from anyspeed.checkpoint.errors import CheckpointFileError
+    from anyspeed.checkpoint.files import TRACKER, read_tracker
     from anyspeed.convert import is_hf_dir
-    from anyspeed.training import checkpoint_checks
 
     if is_hf_dir(args.load):
         return  # a Hugging Face directory: converted by the caller
@@ -165,18 +166,25 @@ def _check_load(args: argparse.Namespace) -> None:
         args.load = None
         return
     try:
-        checkpoint_checks.check_load(args)
-    except checkpoint_checks.CheckpointFileError as exc:
+        checkpoint_checks.check_load(
+            args.load,
+            Layout.from_args(args),
+            args.data_parallel_size,
+            finetune=args.finetune,
+            load_rng=not args.no_load_rng,
+        )
+    except CheckpointFileError as exc:
         raise UsageError(f"--load {args.load!r}: {exc}") from None
 
 
 def _check_load_fits(args: argparse.Namespace) -> None:
     """The --load checkpoint's tensor shapes are those of the model the flags describe."""
-    from anyspeed.training import checkpoint_checks
+    from anyspeed.checkpoint import checks as checkpoint_checks
+    from anyspeed.checkpoint.errors import CheckpointFileError
 
     try:
-        checkpoint_checks.check_fits(args)
-    except checkpoint_checks.CheckpointFileError as exc:
+        checkpoint_checks.check_fits(args.load, args.model_config)
+    except CheckpointFileError as exc:
         raise UsageError(f"--load {args.load!r}: {exc}") from None
 
 

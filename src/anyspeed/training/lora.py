@@ -238,12 +238,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _check_lora_load(args: argparse.Namespace) -> None:
-    from anyspeed.training import checkpoint_checks as checks
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
 
     try:
-        path = checks.tracked_dir(args.lora_load)
-        common = checks.read_common(path) if path else None
-    except (checks.CheckpointFileError, OSError, ValueError) as exc:
+        path = tracked_dir(args.lora_load)
+        common = read_common(path) if path else None
+    except (OSError, ValueError) as exc:  # CheckpointFileError is a ValueError
         raise UsageError(f"--lora-load {args.lora_load!r}: {exc}") from None
     if common is None:
         raise UsageError(f"--lora-load {args.lora_load!r}: not a checkpoint directory")

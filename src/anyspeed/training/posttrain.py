@@ -129,8 +129,6 @@ def check(args: argparse.Namespace, world: int) -> None:
         check_args(args, world)
     finally:
         args.data_path = [prefix]
-    if args.lora_target_modules:  # a LoRA checkpoint names its model, for anyspeed convert
-        args.checkpoint_extra["anyspeed_model"] = args.model_config.to_dict()
     args.sft_pad_id = 0  # pads carry no loss and no real token attends to them
     _check_layout(args, sft_data.open_data(prefix, args.seq_length))
 
@@ -203,7 +201,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Any] = ()) -> dict[str
 def _lora_load(args: argparse.Namespace, trainer: Any, scheduler: Any, state: Any) -> None:
     """Base weights from ``--load`` (weights only), then adapters, optimizer and position from
     ``--lora-load``; checkpoints written afterwards hold the adapters only."""
-    from anyspeed.training import checkpointing as ckpt
+    from anyspeed.checkpoint import save_load as ckpt
     from anyspeed.training.lora import set_view
 
     if args.load:

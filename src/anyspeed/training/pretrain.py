@@ -16,10 +16,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from anyspeed.checkpoint.errors import CheckpointError
 from anyspeed.errors import UsageError, report
 from anyspeed.training import stall
 from anyspeed.training.arguments import parse_pretrain_args
-from anyspeed.training.checkpointing import CheckpointError
 from anyspeed.training.checks import check_args
 from anyspeed.training.distributed import is_rank0, set_timeout
 from anyspeed.training.hooks import NonFiniteLoss, print0
@@ -75,7 +75,7 @@ def _banner(args: argparse.Namespace, start: int, dp: int) -> str:
 def _load(args: argparse.Namespace, trainer: Any, scheduler: Any, state: Any,
           root: str | None = None) -> None:  # fmt: skip
     """Resume from ``root`` (default ``--load``): weights, optimizer, scheduler, position."""
-    from anyspeed.training import checkpointing as ckpt
+    from anyspeed.checkpoint import save_load as ckpt
 
     root = root or args.load
     common = ckpt.load_checkpoint(root, trainer.model, trainer.optimizer, scheduler,
@@ -100,6 +100,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = (), task: Any 
     """
     import torch
 
+    from anyspeed.checkpoint.record import model_record
     from anyspeed.device import peak_flops, torch_device
     from anyspeed.device.flops import slow_precision_warning
     from anyspeed.training import hooks as H
@@ -141,7 +142,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[Hook] = (), task: Any 
         H.EvalHook(reporter, args, task, valid_ds, test_ds, device),
         H.CheckpointHook(
             args,
-            {"anyspeed_args": args.model_config.to_dict(), **getattr(args, "checkpoint_extra", {})},
+            {**model_record(args.model_config), **getattr(args, "checkpoint_extra", {})},
         ),  # fmt: skip
         *extra_hooks,
     ]
