@@ -38,11 +38,11 @@ def _build(ckpt: str, tp: int, pp: int, ep: int = 1, sp: bool = False,
            num_layer_list: str | None = None):  # fmt: skip
     from megatron.core import parallel_state as ps
 
-    from anyspeed.convert import read_model_preset
+    from anyspeed.checkpoint.record import read_model
     from anyspeed.layout import Layout, uneven_stages
     from anyspeed.models import gpt
 
-    preset = read_model_preset(ckpt)
+    preset = read_model(ckpt)
     stages = uneven_stages(pp, None, None, num_layer_list)
     model = gpt.build(
         preset,
@@ -58,7 +58,7 @@ def _resave(model, source: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from anyspeed.convert.megatron_io import read_common
+    from anyspeed.checkpoint.reads import read_common
 
     release = Path(out) / "release"
     if dist.get_rank() == 0:
@@ -85,7 +85,7 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1,
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from anyspeed.convert.megatron_io import rank_dir_name
+    from anyspeed.checkpoint.files import rank_dir_name
     from anyspeed.layout import Layout
     from anyspeed.training.distributed import init_distributed
 
