@@ -162,3 +162,24 @@ def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict
         res.update(layout_logits({name: case}, 1, 1, tokens)[name])
         out[name] = res
     return out
+
+
+def checkpoint_logits(ckpt: str, model: dict, tokens) -> torch.Tensor:
+    """Logits of GPTModel (TP1/PP1) built from ``model`` (``ModelConfig.to_dict()`` of the
+    architecture the test asked for, not the checkpoint's record) and loaded with Megatron's
+    own ``dist_checkpointing.load`` from the iteration directory ``ckpt``'s tracker names."""
+    from megatron.core import dist_checkpointing
+
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt
+    from anyspeed.models.config import ModelConfig
+    from anyspeed.training.distributed import init_distributed
+
+    init_distributed(Layout(), seed=0)
+    cfg = ModelConfig.from_dict(model)
+    net = gpt.build(cfg, gpt.transformer_config(cfg, Layout()))
+    it = (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text().strip()
+    state = dist_checkpointing.load({"model": net.sharded_state_dict()},
+                                    str(Path(ckpt) / f"iter_{int(it):07d}"))  # fmt: skip
+    net.load_state_dict(state["model"])
+    return _logits(net, tokens)
