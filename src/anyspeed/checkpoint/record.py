@@ -28,16 +28,19 @@ def model_record(model: ModelConfig) -> dict[str, Any]:
 
 
 def model_in_common(common: dict[str, Any], where: str | os.PathLike[str],
-                    model_type_hf: str | None = None) -> ModelConfig | None:  # fmt: skip
+                    model_type_hf: str | None = None, *,
+                    as_hf: bool = True) -> ModelConfig | None:  # fmt: skip
     """The model a checkpoint's common state records (``model_type_hf`` picks or checks the
-    family); None when it holds no record. An unreadable record is a ModelRecordError."""
+    family); None when it holds no record. An unreadable record is a ModelRecordError, and so
+    is, with ``as_hf`` (conversion), an anyspeed model its HF family's traits contradict
+    (generate and evaluate run any model)."""
     for key in (MODEL_KEY, LEGACY_MODEL_KEY):
         if key in common:
             try:
                 model = ModelConfig.from_dict(common[key])
             except (TypeError, ValueError) as exc:
                 raise ModelRecordError(f"{where}: {key}: {exc}") from None
-            return check_family(model, where, model_type_hf)
+            return check_family(model, where, model_type_hf) if as_hf else model
     if isinstance(common.get("args"), argparse.Namespace):
         return megatron_lm_model(common["args"], where, model_type_hf)
     return None

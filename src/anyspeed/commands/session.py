@@ -45,7 +45,7 @@ def model_of(ckpt: str) -> ModelConfig:
 
     try:
         path = tracked_dir(ckpt)
-        model = model_in_common(read_common(path), ckpt) if path is not None else None
+        model = model_in_common(read_common(path), ckpt, as_hf=False) if path else None
     except UsageError as exc:  # a broken file or model record
         raise UsageError(f"--load {ckpt!r}: {exc}") from None
     if path is None:
