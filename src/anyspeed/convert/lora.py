@@ -66,13 +66,13 @@ class Adapters:
             return None
         from anyspeed.convert.engine import materialize
 
-        key, layer = self.key_of(name)
-        out = []
+        key, index = self.key_of(name)  # index: the layer (or expert) on the key's leading axes
+        n, out = len(index), []
         for part in ("lora_A", "lora_B"):
             k = key[: -len("weight")] + part
             shape = self.reader.shape(k)
-            at = (layer,) + (0,) * (len(shape) - 1)
-            out.append(materialize(self.reader.read(k, at, (1, *shape[1:]), squeeze=1)))
+            at, size = index + (0,) * (len(shape) - n), (1,) * n + shape[n:]
+            out.append(materialize(self.reader.read(k, at, size, squeeze=n)))
         return out[0], out[1]
 
     def merged(self, groups: Iterator[tuple[Any, dict]]) -> Iterator[tuple[Any, dict]]:
