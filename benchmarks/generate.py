@@ -83,12 +83,11 @@ def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int,
     from anyspeed.commands.session import load_model, model_of
     from anyspeed.inference.decode import Request, generate
     from anyspeed.layout import Layout
-    from anyspeed.training import checkpoint_checks as checks
     from anyspeed.training.distributed import init_distributed
 
     torch.set_num_threads(threads)
     init_distributed(Layout(), seed=0)
-    model = load_model(mg, model_of(checks.read_common(checks.tracked_dir(mg)), mg), Layout())
+    model = load_model(mg, model_of(mg), Layout())
     fns = {}
     for name, cache in (("kv", True), ("nokv", False)):
         req = Request(new, use_kv_cache=cache)

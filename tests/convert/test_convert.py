@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from anyspeed.convert import hf_to_megatron, is_hf_dir, mapped, megatron_to_hf, read_model_preset
+from anyspeed.checkpoint.record import read_model
+from anyspeed.convert import hf_to_megatron, is_hf_dir, mapped, megatron_to_hf
 from anyspeed.convert.verify import hf_logits
 from anyspeed.testing import run_distributed
 from helpers import convert_ranks
@@ -200,14 +201,14 @@ def test_checkpoint_contract_for_pretrain(conv):
     assert is_hf_dir(case["hf"]) and not is_hf_dir(dist)
     common = torch.load(dist / "release" / "common.pt", weights_only=True)
     assert common["iteration"] == 0 and common["checkpoint_version"] == 3.0
-    preset = read_model_preset(dist)
+    preset = read_model(dist)
     assert preset.vocab_size == 512 and preset.qk_layernorm and preset.kv_channels == 32
     assert preset.tie_embeddings
     legacy = Path(case["legacy_tp2pp2"])
     assert (legacy / "latest_checkpointed_iteration.txt").read_text() == "1"
     ranks = sorted(p.name for p in (legacy / "iter_0000001").iterdir())
     assert ranks == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    assert read_model_preset(legacy) == preset
+    assert read_model(legacy) == preset
     assert sorted(
         p.name for p in (Path(conv["cases"]["llama2"]["legacy_tp2"]) / "iter_0000001").iterdir()
     ) == ["mp_rank_00", "mp_rank_01"]

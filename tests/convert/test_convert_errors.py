@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from anyspeed import quiet
+from anyspeed.checkpoint.errors import CheckpointFileError
 from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
 from anyspeed.convert.cli import main as cli_main
 from helpers import convert_ranks
@@ -40,8 +41,8 @@ def _edit_config(d: Path, **fields) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
-def _fails(fn, match: str, out: Path, *args, **kwargs) -> str:
-    with pytest.raises(ConvertError, match=match) as info:
+def _fails(fn, match: str, out: Path, *args, error=ConvertError, **kwargs) -> str:
+    with pytest.raises(error, match=match) as info:
         fn(*args, **kwargs)
     msg = str(info.value)
     assert "\n" not in msg
@@ -118,10 +119,11 @@ def test_pickled_objects_are_refused_and_failures_leave_no_output(hf, tmp_path):
     state["args"] = _RunsCode(marker)  # a class no checkpoint holds
     torch.save(state, rank1)
     _fails(megatron_to_hf, r"mp_rank_01.*refusing (posix|nt)\.system", tmp_path / "out", legacy,
-           tmp_path / "out")  # fmt: skip
+           tmp_path / "out", error=CheckpointFileError)  # fmt: skip
     assert not marker.exists()
     rank1.write_bytes(rank1.read_bytes()[:1000])  # truncated: fails mid-conversion
-    _fails(megatron_to_hf, "mp_rank_01", tmp_path / "out", legacy, tmp_path / "out")
+    _fails(megatron_to_hf, "mp_rank_01", tmp_path / "out", legacy, tmp_path / "out",
+           error=CheckpointFileError)  # fmt: skip
 
 
 def test_truncated_safetensors_shard(hf, tmp_path):
@@ -135,7 +137,7 @@ def test_truncated_safetensors_shard(hf, tmp_path):
 def test_torch_dist_metadata_is_never_unpickled_blindly(hf, tmp_path):
     """``.metadata`` of a torch_dist checkpoint is a pickle: only the checkpoint-metadata
     classes are allowed, so a crafted one is refused before any of its code runs."""
-    from anyspeed.convert.megatron_io import read_common
+    from anyspeed.checkpoint.reads import read_common
 
     legacy = hf_to_megatron(hf, tmp_path / "legacy", ckpt_format="legacy")
     ckpt = tmp_path / "dist"
@@ -146,22 +148,24 @@ def test_torch_dist_metadata_is_never_unpickled_blindly(hf, tmp_path):
     marker = tmp_path / "code-ran"
     (ckpt / "release" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     _fails(megatron_to_hf, r"\.metadata: refusing (posix|nt)\.system", tmp_path / "out", ckpt,
-           tmp_path / "out")  # fmt: skip
+           tmp_path / "out", error=CheckpointFileError)  # fmt: skip
     assert not marker.exists()
 
 
 @pytest.mark.parametrize("text, match", [
     ("latest", "expected an iteration number or 'release', got 'latest'"),
-    ("7", "latest_checkpointed_iteration.txt says '7' but iter_0000007/ is missing"),
+    ("7", "latest_checkpointed_iteration.txt names 7 but .*/iter_0000007 does not exist"),
 ])  # fmt: skip
 def test_bad_tracker_is_one_line(hf, tmp_path, text, match):
     legacy = hf_to_megatron(hf, tmp_path / "legacy", ckpt_format="legacy")
     (legacy / "latest_checkpointed_iteration.txt").write_text(text + "\n")
-    _fails(megatron_to_hf, match, tmp_path / "out", legacy, tmp_path / "out")
+    _fails(
+        megatron_to_hf, match, tmp_path / "out", legacy, tmp_path / "out", error=CheckpointFileError
+    )
 
 
 def test_tracker_files(tmp_path):
-    from anyspeed import checkpoint_files as cf
+    from anyspeed.checkpoint import files as cf
 
     assert cf.read_tracker(tmp_path) is None
     cf.write_tracker(tmp_path, 20)

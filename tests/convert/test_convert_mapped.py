@@ -11,7 +11,9 @@ import os
 import pytest
 import torch
 
-from anyspeed.convert import ConvertError, mapped, torch_files
+from anyspeed.checkpoint import file_maps, torch_files
+from anyspeed.checkpoint.errors import CheckpointFileError
+from anyspeed.convert import mapped
 
 
 @pytest.fixture
@@ -25,9 +27,9 @@ def blob(tmp_path):
 def test_sink_copies_mapped_bytes_file_to_file(blob, tmp_path):
     path, data = blob
     lo, n = 4099, 2 * mapped.MIN_RANGE + 7  # not page aligned
-    view = mapped.map_file(path, lo, n)
-    assert mapped.file_range(view.numpy()) == (str(path), lo)
-    assert mapped.file_range(view[10:].numpy()) == (str(path), lo + 10)
+    view = file_maps.map_file(path, lo, n)
+    assert file_maps.file_range(view.numpy()) == (str(path), lo)
+    assert file_maps.file_range(view[10:].numpy()) == (str(path), lo + 10)
     out = tmp_path / "out.bin"
     with mapped.FileSink(out) as f:
         f.write(b"head")
@@ -40,7 +42,7 @@ def test_sink_copies_mapped_bytes_file_to_file(blob, tmp_path):
 def test_sink_parts_in_order_whatever_their_source(blob, tmp_path):
     """Mapped and in-memory, large and small buffers, written as one concatenation."""
     path, data = blob
-    mv = mapped.map_file(path, 0, len(data))
+    mv = file_maps.map_file(path, 0, len(data))
     mem = torch.randint(0, 255, (mapped.MIN_RANGE * 2,), dtype=torch.uint8)
     big = mapped.MIN_RANGE
     parts = [mv[:100], mem[:5], mv[200 : 200 + big], mem, mv[7:9], mv[-big:]]
@@ -58,15 +60,15 @@ def test_sink_parts_in_order_whatever_their_source(blob, tmp_path):
 def test_map_is_forgotten_with_its_last_tensor(blob):
     path, _ = blob
     gc.collect()
-    before = len(mapped._regions)
-    t = mapped.map_file(path, 0, 1000)
+    before = len(file_maps._regions)
+    t = file_maps.map_file(path, 0, 1000)
     part = t[10:20].view(torch.int16)
     del t
     gc.collect()
-    assert len(mapped._regions) == before + 1  # a view still holds the map
+    assert len(file_maps._regions) == before + 1  # a view still holds the map
     del part
     gc.collect()
-    assert len(mapped._regions) == before
+    assert len(file_maps._regions) == before
 
 
 def test_mapped_torch_file_equals_torch_load(tmp_path):
@@ -103,7 +105,7 @@ def test_mapped_torch_file_equals_torch_load(tmp_path):
         assert w.dtype == v.dtype and w.shape == v.shape and w.stride() == v.stride()
         assert torch.equal(w, v)
     # mapped, not copied: the bytes are the file's, and views share their storage as saved
-    assert mapped.file_range(got["model"]["w"].view(torch.uint8).numpy()) is not None
+    assert file_maps.file_range(got["model"]["w"].view(torch.uint8).numpy()) is not None
     assert got["model"]["view"].untyped_storage().data_ptr() == (
         got["model"]["same"].untyped_storage().data_ptr()
     )
@@ -114,11 +116,11 @@ def test_mapped_torch_file_refuses_objects_and_truncation(tmp_path):
     torch.save({"args": argparse.Namespace(tp=2), "w": torch.ones(3)}, path)  # plain data: read
     assert torch_files.load_torch_file(path, 0, path.stat().st_size, "x.pt")["args"].tp == 2
     torch.save({"bad": collections.Counter(a=1), "w": torch.ones(3)}, path)  # a class not allowed
-    with pytest.raises(ConvertError, match="x.pt: refusing collections.Counter"):
+    with pytest.raises(CheckpointFileError, match="x.pt: refusing collections.Counter"):
         torch_files.load_torch_file(path, 0, path.stat().st_size, "x.pt")
     torch.save({"w": torch.ones(1000)}, path)
     size = path.stat().st_size
-    with pytest.raises(ConvertError, match="x.pt: not a torch.save zip archive, or truncated"):
+    with pytest.raises(CheckpointFileError, match="x.pt: not a torch.save zip archive, or trunc"):
         torch_files.load_torch_file(path, 0, size - 100, "x.pt")
 
 
@@ -128,7 +130,7 @@ def test_deferred_placeholder_is_written_as_its_parts(blob, tmp_path):
     from anyspeed.convert.engine import Stacked
 
     path, _ = blob
-    rows = mapped.map_file(path, 0, 4096 * 30).view(torch.int32).view(-1, 64)  # random bits
+    rows = file_maps.map_file(path, 0, 4096 * 30).view(torch.int32).view(-1, 64)  # random bits
     parts = [rows[:10], torch.randint(-9, 9, (3, 64), dtype=torch.int32), rows[300:480]]
     ref = torch.cat(parts)
     ph = mapped.deferred(Stacked(parts))

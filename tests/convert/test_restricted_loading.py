@@ -6,9 +6,9 @@ style legacy ``model_optim_rng.pt`` with ``torch.save``. A payload that would cr
 file is planted in ``.metadata``, ``common.pt``, the sharded objects and the legacy file; every
 reader -- Megatron's load as anyspeed's training calls it (through the ``safe-loading``
 patches), torch's ``FileSystemReader``, ``anyspeed convert`` -- refuses with one line of
-:class:`UnsafePickleError` (or ConvertError), and the marker never appears. A fuzz run mutates a
-valid ``.metadata`` 200 ways: each either loads or is that one error, and nothing is executed,
-imported or opened (checked by an audit hook).
+:class:`UnsafePickleError` (or CheckpointFileError), and the marker never appears. A fuzz run
+mutates a valid ``.metadata`` 200 ways: each either loads or is that one error, and nothing is
+executed, imported or opened (checked by an audit hook).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from anyspeed import safe_pickle
-from anyspeed.convert import ConvertError
+from anyspeed.checkpoint.errors import CheckpointFileError, ModelRecordError
 from anyspeed.features.compat.safe_loading import scan_checkpoint
 from anyspeed.safe_pickle import UnsafePickleError
 
@@ -98,7 +98,7 @@ def _load(ckpt: Path) -> dict:
 def _one_line(exc: BaseException, match: str) -> None:
     import re
 
-    assert isinstance(exc, (UnsafePickleError, ConvertError)), repr(exc)
+    assert isinstance(exc, (UnsafePickleError, CheckpointFileError)), repr(exc)
     assert "\n" not in str(exc) and re.search(match, str(exc)), str(exc)
 
 
@@ -153,7 +153,7 @@ def test_torch_reader_and_convert_refuse_planted_metadata(session, good, tmp_pat
     with pytest.raises(UnsafePickleError) as info:
         FileSystemReader(str(ckpt)).read_metadata()
     _one_line(info.value, r"\.metadata: " + REFUSED)
-    with pytest.raises(ConvertError) as info:
+    with pytest.raises(CheckpointFileError) as info:
         DcpReader(ckpt)  # how anyspeed convert reads a torch_dist checkpoint's tensors
     _one_line(info.value, r"\.metadata: " + REFUSED)
     assert not marker.exists()
@@ -161,13 +161,13 @@ def test_torch_reader_and_convert_refuse_planted_metadata(session, good, tmp_pat
 
 def test_rng_file_and_legacy_checkpoint_refuse_planted_code(tmp_path):
     """anyspeed's per-rank RNG file and a Megatron-LM legacy ``model_optim_rng.pt``."""
-    from anyspeed.convert.megatron_io import read_common
-    from anyspeed.convert.torch_files import weights_only_load
+    from anyspeed.checkpoint.reads import read_common
+    from anyspeed.checkpoint.torch_files import weights_only_load
 
     marker = tmp_path / "code-ran"
     rng = tmp_path / "pp0_tp0_cp0_dp0.pt"
     torch.save({"torch": torch.get_rng_state(), "python": RunsCode(marker)}, rng)
-    with pytest.raises(ConvertError) as info:
+    with pytest.raises(CheckpointFileError) as info:
         weights_only_load(rng, str(rng))  # what the training load reads RNG files with
     _one_line(info.value, "pp0_tp0_cp0_dp0.pt: " + REFUSED)
     rank = tmp_path / "mlm" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
@@ -176,7 +176,7 @@ def test_rng_file_and_legacy_checkpoint_refuse_planted_code(tmp_path):
     state = {"args": argparse.Namespace(num_layers=2), "iteration": 2, "model": {},
              "optimizer": {"optimizer": {"param_groups": [RunsCode(marker)]}}}  # fmt: skip
     torch.save(state, rank)
-    with pytest.raises(ConvertError) as info:
+    with pytest.raises(CheckpointFileError) as info:
         read_common(tmp_path / "mlm")
     _one_line(info.value, "model_optim_rng.pt: " + REFUSED)
     assert not marker.exists()
@@ -320,7 +320,7 @@ def test_checkpoint_with_megatron_lm_args_converts_to_hf(tmp_path):
     tok = tmp_path / "tok"
     tok.mkdir()
     shutil.copy(tmp_path / "hf" / "tokenizer.json", tok)
-    with pytest.raises(ConvertError, match="llama models have add_qkv_bias=False, the checkp"):
+    with pytest.raises(ModelRecordError, match="llama models have add_qkv_bias=False, the che"):
         megatron_to_hf(mg, tmp_path / "wrong", tok, model_type_hf="llama2")
     out = megatron_to_hf(mg, tmp_path / "out", tok, model_type_hf="qwen25")
     want, got = load_file(tmp_path / "hf" / "model.safetensors"), {}

@@ -254,12 +254,12 @@ def anyspeed_convert(*args: str) -> None:
 
 def _model_tensors(ckpt: Path, fmt: str) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint: per rank file (legacy) or whole (torch_dist)."""
+    from anyspeed.checkpoint.reads import checkpoint_dir
     from anyspeed.convert.dcp_io import DcpReader
     from anyspeed.convert.engine import materialize
-    from anyspeed.convert.megatron_io import iteration_dir
     from anyspeed.safe_pickle import load_torch
 
-    it = iteration_dir(ckpt)
+    it = checkpoint_dir(ckpt)
     if fmt == "torch":
         return {f"{rank.name}/{k}": v for rank in sorted(it.glob("mp_rank_*"))
                 for k, v in load_torch(rank / "model_optim_rng.pt")["model"].items()

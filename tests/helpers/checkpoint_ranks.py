@@ -55,9 +55,9 @@ def _read_only(directory: str) -> Iterator[None]:
 
 def _armed(kind: str, rank: int, at_save: int, save_dir: str):  # noqa: ANN202
     """A wrapper of ``save_checkpoint`` that arms the fault around save number ``at_save``."""
-    from anyspeed.training import checkpointing
+    from anyspeed.checkpoint import save_load
 
-    real, count = checkpointing.save_checkpoint, [0]
+    real, count = save_load.save_checkpoint, [0]
 
     def save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         count[0] += 1
@@ -68,7 +68,7 @@ def _armed(kind: str, rank: int, at_save: int, save_dir: str):  # noqa: ANN202
         with fault:
             return real(*args, **kwargs)
 
-    return mock.patch.object(checkpointing, "save_checkpoint", save)
+    return mock.patch.object(save_load, "save_checkpoint", save)
 
 
 def _break_rng(source: str, load_dir: str, rank: int) -> None:
@@ -79,7 +79,7 @@ def _break_rng(source: str, load_dir: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from anyspeed.checkpoint_files import iteration_dir, read_tracker
+    from anyspeed.checkpoint.files import iteration_dir, read_tracker
 
     if int(os.environ["RANK"]) == 0:
         shutil.copytree(source, load_dir)

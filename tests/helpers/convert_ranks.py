@@ -38,11 +38,11 @@ def _build(ckpt: str, tp: int, pp: int, ep: int = 1, sp: bool = False,
            num_layer_list: str | None = None):  # fmt: skip
     from megatron.core import parallel_state as ps
 
-    from anyspeed.convert import read_model_preset
+    from anyspeed.checkpoint.record import read_model
     from anyspeed.layout import Layout, uneven_stages
     from anyspeed.models import gpt
 
-    preset = read_model_preset(ckpt)
+    preset = read_model(ckpt)
     stages = uneven_stages(pp, None, None, num_layer_list)
     model = gpt.build(
         preset,
@@ -58,7 +58,7 @@ def _resave(model, source: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from anyspeed.convert.megatron_io import read_common
+    from anyspeed.checkpoint.reads import read_common
 
     release = Path(out) / "release"
     if dist.get_rank() == 0:
@@ -85,7 +85,7 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1,
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from anyspeed.convert.megatron_io import rank_dir_name
+    from anyspeed.checkpoint.files import rank_dir_name
     from anyspeed.layout import Layout
     from anyspeed.training.distributed import init_distributed
 
@@ -162,3 +162,24 @@ def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict
         res.update(layout_logits({name: case}, 1, 1, tokens)[name])
         out[name] = res
     return out
+
+
+def checkpoint_logits(ckpt: str, model: dict, tokens) -> torch.Tensor:
+    """Logits of GPTModel (TP1/PP1) built from ``model`` (``ModelConfig.to_dict()`` of the
+    architecture the test asked for, not the checkpoint's record) and loaded with Megatron's
+    own ``dist_checkpointing.load`` from the iteration directory ``ckpt``'s tracker names."""
+    from megatron.core import dist_checkpointing
+
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt
+    from anyspeed.models.config import ModelConfig
+    from anyspeed.training.distributed import init_distributed
+
+    init_distributed(Layout(), seed=0)
+    cfg = ModelConfig.from_dict(model)
+    net = gpt.build(cfg, gpt.transformer_config(cfg, Layout()))
+    it = (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text().strip()
+    state = dist_checkpointing.load({"model": net.sharded_state_dict()},
+                                    str(Path(ckpt) / f"iter_{int(it):07d}"))  # fmt: skip
+    net.load_state_dict(state["model"])
+    return _logits(net, tokens)

@@ -9,12 +9,11 @@ import time
 def _model(ckpt: str, tp: int, pp: int):
     from anyspeed.commands.session import load_model, model_of
     from anyspeed.layout import Layout
-    from anyspeed.training import checkpoint_checks as checks
     from anyspeed.training.distributed import init_distributed
 
     layout = Layout(tp=tp, pp=pp)
     init_distributed(layout, seed=0)
-    model = model_of(checks.read_common(checks.tracked_dir(ckpt)), ckpt)
+    model = model_of(ckpt)
     return load_model(ckpt, model, layout)
 
 

@@ -10,7 +10,6 @@ group starts.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import shutil
@@ -20,7 +19,7 @@ import sys
 import pytest
 from test_pretrain import base_args, write_corpus
 
-from anyspeed.checkpoint_files import TRACKER
+from anyspeed.checkpoint.files import TRACKER
 from anyspeed.commands.train import pretrain as main
 from anyspeed.testing import run_distributed
 from helpers import checkpoint_ranks
@@ -210,9 +209,10 @@ def test_unreadable_rng_state(capsys, monkeypatch, faults, copy):
     assert f"{path}: " in _refused(capsys, faults, copy[0])
     # --no-load-rng does not read it: the check passes and the run would launch, so only the
     # check is called here.
-    from anyspeed.training import checkpoint_checks
+    from anyspeed.checkpoint.checks import check_load
+    from anyspeed.layout import Layout
 
-    checkpoint_checks.check_load(argparse.Namespace(load=copy[0], finetune=False, no_load_rng=True))
+    check_load(copy[0], Layout(), 2, load_rng=False)
 
 
 @pytest.mark.parametrize(
@@ -245,8 +245,8 @@ def test_checkpoint_of_another_architecture(capsys, faults, flags, says):
 
 def test_record_broken_inside_a_whole_file_is_named(faults, copy):
     """Damage that only shows while loading (sizes intact) is named by record and file."""
+    from anyspeed.checkpoint import checks as checkpoint_checks
     from anyspeed.convert.dcp_io import DcpReader
-    from anyspeed.training import checkpoint_checks
 
     _, it = copy
     reader = DcpReader(it)

@@ -1,7 +1,7 @@
 """A loaded model to run inference on: checkpoint (any saved layout) or HF directory -> chunks.
 
 Shared by ``anyspeed generate`` and ``anyspeed evaluate``: the architecture comes from the
-checkpoint (anyspeed's ``anyspeed_model`` / ``anyspeed_args`` or Megatron-LM's ``args``); an
+checkpoint's model record (:mod:`anyspeed.checkpoint.record`); an
 HF directory is converted once (cached) as ``anyspeed pretrain --load`` does; the weights load
 at the layout asked for, whatever layout saved them.
 """
@@ -9,8 +9,6 @@ at the layout asked for, whatever layout saved them.
 from __future__ import annotations
 
 import argparse
-import types
-from typing import Any
 
 import torch
 
@@ -40,22 +38,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                            help=argparse.SUPPRESS)  # fmt: skip
 
 
-def model_of(common: dict[str, Any], where: str) -> ModelConfig:
-    """The architecture a checkpoint's common state describes."""
-    for key in ("anyspeed_model", "anyspeed_args"):
-        if isinstance(common.get(key), dict):
-            try:
-                return ModelConfig.from_dict(common[key])
-            except (TypeError, ValueError) as exc:
-                raise UsageError(f"--load {where!r}: {key}: {exc}") from None
-    from anyspeed.convert.megatron_io import model_in_common
+def model_of(ckpt: str) -> ModelConfig:
+    """The architecture the checkpoint under ``ckpt`` records (UsageError naming ``--load``)."""
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+    from anyspeed.checkpoint.record import model_in_common
 
     try:
-        model = model_in_common(common, where)
-    except ValueError as exc:
-        raise UsageError(f"--load {where!r}: {exc}") from None
+        path = tracked_dir(ckpt)
+        model = model_in_common(read_common(path), ckpt, as_hf=False) if path else None
+    except UsageError as exc:  # a broken file or model record
+        raise UsageError(f"--load {ckpt!r}: {exc}") from None
+    if path is None:
+        raise UsageError(f"--load {ckpt!r}: not a checkpoint or Hugging Face directory")
     if model is None:
-        raise UsageError(f"--load {where!r}: the checkpoint does not describe its architecture")
+        raise UsageError(f"--load {ckpt!r}: the checkpoint does not describe its architecture")
     return model
 
 
@@ -74,7 +70,6 @@ def resolve(args: argparse.Namespace) -> ModelConfig:
     its conversion will be), checked against the flags; cheap, before any process group."""
     import os
 
-    from anyspeed.training import checkpoint_checks as checks
     from anyspeed.training import hf_load
 
     if not os.path.isdir(args.load):
@@ -85,14 +80,7 @@ def resolve(args: argparse.Namespace) -> ModelConfig:
             args.tokenizer_name_or_path = args.hf_dir
         model = _hf_model(args)
     else:
-        try:
-            path = checks.tracked_dir(args.load)
-            if path is None:
-                raise UsageError(f"--load {args.load!r}: not a checkpoint or Hugging Face "
-                                 "directory")  # fmt: skip
-            model = model_of(checks.read_common(path), args.load)
-        except checks.CheckpointFileError as exc:
-            raise UsageError(f"--load {args.load!r}: {exc}") from None
+        model = model_of(args.load)
     check_flags(args, model)
     _check_layout(args, model)
     if args.max_length is None:
@@ -133,7 +121,6 @@ def _check_layout(args: argparse.Namespace, model: ModelConfig) -> None:
 def materialize(args: argparse.Namespace, argv: list[str],
                 prog: str = "anyspeed generate") -> ModelConfig:  # fmt: skip
     """Convert an HF ``--load`` (once, cached) and return the architecture it now holds."""
-    from anyspeed.training import checkpoint_checks as checks
     from anyspeed.training import hf_load
 
     conv = argparse.Namespace(
@@ -145,7 +132,7 @@ def materialize(args: argparse.Namespace, argv: list[str],
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
     )
     args.load = hf_load.convert(conv, args.hf_dir, prog)
-    return model_of(checks.read_common(checks.tracked_dir(args.load)), args.load)
+    return model_of(args.load)
 
 
 def _has_tokenizer(d: str) -> bool:
@@ -157,16 +144,15 @@ def _has_tokenizer(d: str) -> bool:
 def load_model(ckpt: str, model: ModelConfig, layout: Layout, bf16: bool = False,
                fp16: bool = False) -> list[torch.nn.Module]:  # fmt: skip
     """This rank's chunks with the checkpoint's weights, in eval mode (parallel state set)."""
+    from anyspeed.checkpoint.errors import CheckpointMismatch
+    from anyspeed.checkpoint.save_load import load_weights
     from anyspeed.device import torch_device
     from anyspeed.models import gpt
-    from anyspeed.training.checkpointing import CheckpointMismatch, load_checkpoint
 
     config = gpt.transformer_config(model, layout, bf16=bf16, fp16=fp16)
     chunks = [c.to(torch_device()).eval() for c in gpt.build_chunks(model, config, layout)]
-    holders = [types.SimpleNamespace(module=c) for c in chunks]  # what the loader unwraps
     try:
-        load_checkpoint(ckpt, holders, None, None, finetune=True, load_optim=False,
-                        load_rng=False)  # fmt: skip
+        load_weights(ckpt, chunks)
     except CheckpointMismatch as exc:
         raise UsageError(str(exc)) from None
     return chunks

@@ -56,8 +56,8 @@ def _sample(run: Any, history: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None, command: str = "pretrain") -> int:
     """Entry point: parse, check (before any process group), launch or run, report."""
+    from anyspeed.checkpoint.errors import CheckpointError
     from anyspeed.training import stall
-    from anyspeed.training.checkpointing import CheckpointError
     from anyspeed.training.distributed import is_rank0
     from anyspeed.training.hooks import NonFiniteLoss, print0
     from anyspeed.training.loop import DataExhausted

@@ -2,12 +2,12 @@
 
 One declarative mapping per family (:mod:`anyspeed.models.families`), one shared tensor engine
 (:mod:`.engine`), readers/writers for HF safetensors (:mod:`.hf_io`) and Megatron's torch_dist
-and legacy layouts (:mod:`.megatron_io`).
+and legacy layouts (:mod:`.megatron_io`); where a checkpoint is, its format and model record:
+:mod:`anyspeed.checkpoint`.
 """
 
 from anyspeed.convert.api import hf_to_megatron, is_hf_dir, megatron_to_hf
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.megatron_io import read_model_preset
 from anyspeed.convert.verify import verify
 
 __all__ = [
@@ -15,6 +15,5 @@ __all__ = [
     "hf_to_megatron",
     "is_hf_dir",
     "megatron_to_hf",
-    "read_model_preset",
     "verify",
 ]

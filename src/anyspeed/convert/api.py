@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from anyspeed.checkpoint.megatron_lm_args import family_for
+from anyspeed.checkpoint.reads import checkpoint_dir, checkpoint_format, read_common
+from anyspeed.checkpoint.record import MODEL_KEY, model_in_common
 from anyspeed.convert import engine
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.hf_io import (
@@ -22,18 +25,13 @@ from anyspeed.convert.hf_io import (
     read_config,
 )
 from anyspeed.convert.megatron_io import (
-    checkpoint_format,
     common_state,
-    iteration_dir,
     json_config,
     legacy_expert_parallel,
-    model_in_common,
-    read_common,
     read_legacy,
     save_legacy,
 )
 from anyspeed.convert.pipeline import prefetch
-from anyspeed.convert.stored_model import family_for
 from anyspeed.convert.torch_dist import read_torch_dist, save_torch_dist
 from anyspeed.layout import Layout, uneven_stages
 from anyspeed.models.config import ModelConfig, padded_vocab_size
@@ -243,15 +241,15 @@ def megatron_to_hf(
     model or Megatron-LM's args, family from ``model_type_hf``), else ``hf_cfg_dir``.
     ``lora`` (``{"load": dir, "r", "alpha", "target_modules"}``) merges a LoRA checkpoint's
     adapters into the weights first."""
-    it_dir = iteration_dir(load_dir)
+    it_dir = checkpoint_dir(load_dir)
     fmt = checkpoint_format(it_dir)
-    common = read_common(load_dir)
+    common = read_common(it_dir)
     preset = model_in_common(common, load_dir, model_type_hf)
     if preset is None and hf_cfg_dir and (Path(hf_cfg_dir) / "config.json").is_file():
         preset = _preset(read_config(hf_cfg_dir), model_type_hf)
     elif preset is None:
         raise ConvertError(
-            f"{load_dir}: no anyspeed_model or Megatron-LM args in the checkpoint: pass "
+            f"{load_dir}: no {MODEL_KEY} or Megatron-LM args in the checkpoint: pass "
             "--hf-cfg-dir with the model's config.json"
         )
     cfg = _output_config(common, preset, hf_cfg_dir)

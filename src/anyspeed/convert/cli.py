@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from anyspeed import quiet
+from anyspeed.checkpoint.megatron_lm_args import MODEL_TYPE_HF
 from anyspeed.convert.api import DTYPES
-from anyspeed.convert.stored_model import MODEL_TYPE_HF
 from anyspeed.errors import OneLineArgumentParser, UsageError, report
 
 PROG = "anyspeed convert"
@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 f"anyspeed convert: verify max-abs logits difference {diff:.3g} "
                 f"(tolerance {args.verify_tolerance:g})"
             )
-    except (ConvertError, OSError) as exc:  # bad input, or a file that cannot be read/written
+    except (UsageError, OSError) as exc:  # bad input (a checkpoint's too), or a file error
         return report(PROG, exc, code=1)
     return 0
 

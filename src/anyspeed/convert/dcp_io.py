@@ -10,8 +10,9 @@ head) at a time, so:
   the writer reaches it, in group order, and dropped once written. The files, ``.metadata`` and
   key layout are what Megatron's own strategy writes, so Megatron loads them at any layout.
 * :class:`DcpReader` reads a region (a layer's slice of a layer-stacked key) straight from the
-  files, whatever layout wrote the chunks, as views of the mapped files (:mod:`.mapped`).
-  ``.metadata`` and the chunks are unpickled by :mod:`anyspeed.safe_pickle` (plain data only).
+  files, whatever layout wrote the chunks, as views of the mapped files. ``.metadata`` and the
+  chunks are read by :mod:`anyspeed.checkpoint` through :mod:`anyspeed.safe_pickle` (plain data
+  only).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from anyspeed import safe_pickle
+from anyspeed.checkpoint.reads import read_metadata
+from anyspeed.checkpoint.torch_files import load_torch_file
 from anyspeed.convert.engine import Stacked, own_storage, take_rows
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import FileSink, deferred
-from anyspeed.convert.torch_files import load_torch_file
 
 
 @contextlib.contextmanager
@@ -204,17 +205,7 @@ class DcpReader:
 
     def __init__(self, it_dir: str | Path) -> None:
         self.dir = Path(it_dir)
-        path = self.dir / ".metadata"
-        if not path.is_file():
-            raise ConvertError(f"{self.dir}: no .metadata (not a complete torch_dist checkpoint)")
-        try:
-            self.meta = safe_pickle.load(path)
-        except safe_pickle.UnsafePickleError as exc:
-            raise ConvertError(str(exc)) from None
-        from torch.distributed.checkpoint.metadata import Metadata
-
-        if not isinstance(self.meta, Metadata) or not isinstance(self.meta.storage_data, dict):
-            raise ConvertError(f"{path}: not torch.distributed.checkpoint metadata")
+        self.meta = read_metadata(self.dir)
         self.tensors = self.meta.state_dict_metadata
         self.storage = self.meta.storage_data
         self._index: dict[str, tuple[list[int], list, int]] = {}

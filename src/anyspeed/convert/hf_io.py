@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
+from anyspeed.checkpoint.file_maps import map_file
 from anyspeed.convert.engine import Stacked
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapped import FileSink, byte_view, map_file
+from anyspeed.convert.mapped import FileSink, byte_view
 from anyspeed.convert.safetensors_check import Entry, read_header
 
 INDEX = "model.safetensors.index.json"

@@ -33,12 +33,12 @@ class Adapters:
     """The adapters of one LoRA checkpoint, read per Megatron weight name."""
 
     def __init__(self, lora_dir: str | Path, preset: ModelConfig) -> None:
+        from anyspeed.checkpoint.reads import checkpoint_dir, checkpoint_format, read_common
         from anyspeed.convert.dcp_io import DcpReader
-        from anyspeed.convert.megatron_io import checkpoint_format, iteration_dir, read_common
         from anyspeed.convert.torch_dist import _checkpoint_keys
 
-        it_dir = iteration_dir(lora_dir)
-        common = read_common(lora_dir)
+        it_dir = checkpoint_dir(lora_dir)
+        common = read_common(it_dir)
         self.config = common.get("anyspeed_lora")
         if self.config is None or checkpoint_format(it_dir) != "torch_dist":
             raise ConvertError(
@@ -66,13 +66,13 @@ class Adapters:
             return None
         from anyspeed.convert.engine import materialize
 
-        key, layer = self.key_of(name)
-        out = []
+        key, index = self.key_of(name)  # index: the layer (or expert) on the key's leading axes
+        n, out = len(index), []
         for part in ("lora_A", "lora_B"):
             k = key[: -len("weight")] + part
             shape = self.reader.shape(k)
-            at = (layer,) + (0,) * (len(shape) - 1)
-            out.append(materialize(self.reader.read(k, at, (1, *shape[1:]), squeeze=1)))
+            at, size = index + (0,) * (len(shape) - n), (1,) * n + shape[n:]
+            out.append(materialize(self.reader.read(k, at, size, squeeze=n)))
         return out[0], out[1]
 
     def merged(self, groups: Iterator[tuple[Any, dict]]) -> Iterator[tuple[Any, dict]]:
@@ -138,12 +138,10 @@ def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig,
 
 def save_lora_to_hf(lora: dict, save_dir: str | Path, model_type_hf: str | None = None) -> None:
     """``--save-lora-to-hf``: the LoRA checkpoint ``lora["load"]`` as a PEFT adapter."""
-    from anyspeed.convert.megatron_io import model_in_common, read_common
+    from anyspeed.checkpoint.record import read_model
     from anyspeed.models.families import mapping_for
 
-    preset = model_in_common(read_common(lora["load"]), lora["load"], model_type_hf)
-    if preset is None:
-        raise ConvertError(f"--lora-load {lora['load']}: no anyspeed_model record")
+    preset = read_model(lora["load"], model_type_hf)
     Adapters(lora["load"], preset).check(
         lora.get("r"), lora.get("alpha"), lora.get("target_modules")
     )

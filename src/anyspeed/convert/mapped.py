@@ -3,8 +3,8 @@
 A conversion mostly moves bytes unchanged from one file to another. Reading them into process
 memory and writing them back costs two copies and a page fault per 4 KiB; instead:
 
-* :func:`map_file` maps a file region copy-on-write as a tensor and records which file bytes
-  it shows (:mod:`.torch_files` reads ``torch.save`` records as such views).
+* :func:`anyspeed.checkpoint.file_maps.map_file` maps a file region copy-on-write as a tensor
+  and records which file bytes it shows (the checkpoint readers build tensors as such views).
 * :class:`FileSink` is the output file. A buffer that is a view of a mapped file region (how
   ``torch.save`` and the safetensors writer hand over tensor bytes) is copied file to file with
   ``copy_file_range``, inside the kernel and in a background thread; other bytes are written
@@ -14,10 +14,8 @@ memory and writing them back costs two copies and a page fault per 4 KiB; instea
 from __future__ import annotations
 
 import collections
-import io
 import itertools
 import math
-import mmap
 import os
 import weakref
 from collections.abc import Sequence
@@ -25,9 +23,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from anyspeed.checkpoint.file_maps import PositionedFile, address, file_range
 from anyspeed.convert.errors import ConvertError
 
 # Buffers at least this large are copied file to file; smaller ones are not worth a syscall each.
@@ -37,38 +35,9 @@ _WRITE_MAX = 2 << 20  # bytes per write call from memory
 _SMALL, _SMALL_MAX = 4096, 1 << 20  # writes up to _SMALL are gathered, up to _SMALL_MAX
 _HELD_MAX = 1 << 26  # memory that queued writes may hold before the producer waits
 
-_regions: dict[int, tuple[int, int, str, int]] = {}  # token -> (start, end, path, file offset)
-# No lock guards the registries: the finalizers that drop entries may run inside any allocation
-# (garbage collection), even one made while a lock is held. Single dict operations are atomic
-# under the GIL, and lookups scan a copy.
+# No lock guards the registry (see :mod:`anyspeed.checkpoint.file_maps`): the finalizers that
+# drop entries may run inside any allocation, even one made while a lock is held.
 _tokens = itertools.count()
-
-
-def _forget(token: int) -> None:
-    _regions.pop(token, None)
-
-
-def map_file(path: str | Path, offset: int, length: int) -> torch.Tensor:
-    """Bytes ``[offset, offset + length)`` of ``path`` as a uint8 tensor over a copy-on-write map.
-
-    The map lives as long as any tensor or storage made from it; until then :func:`file_range`
-    knows which file bytes its memory shows. Mapped tensors must not be written in place (the
-    copy-on-write pages would then differ from the file, and the sink copies from the file).
-    """
-    if length <= 0:
-        return torch.empty(0, dtype=torch.uint8)
-    base = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), offset + length - base, offset=base, access=mmap.ACCESS_COPY)
-    # The tensor's storage starts at ``offset`` (a later ``.view(dtype)`` needs no alignment).
-    out = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset - base)
-    token = next(_tokens)
-    start = out.data_ptr() - (offset - base)
-    _regions[token] = (start, start + len(mm), os.path.abspath(path), base)
-    weakref.finalize(mm, _forget, token)  # runs when the last tensor over the map is freed
-    return out
-
-
 _deferred: dict[int, tuple[int, int, list, weakref.ref]] = {}  # token -> (start, end, parts, ph)
 
 
@@ -102,7 +71,7 @@ def _forget_deferred(token: int) -> None:
 def _deferred_parts(buf: Any) -> list | None:
     """The parts a placeholder stands for when ``buf`` is all of it; a placeholder written in
     pieces is filled with its parts first, and then written from memory (None)."""
-    addr, size = _address(buf)
+    addr, size = address(buf)
     hits = [(s, e, parts, ph) for s, e, parts, ph in _deferred.copy().values() if s <= addr < e]
     if not hits:
         return None
@@ -123,40 +92,6 @@ def _deferred_parts(buf: Any) -> list | None:
 def byte_view(t: torch.Tensor) -> Any:
     """A byte view (writable numpy array) of a contiguous tensor's memory."""
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
-
-
-def _address(buf: Any) -> tuple[int, int]:
-    """(address, size in bytes) of a C-contiguous buffer."""
-    arr = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-    return (arr.ctypes.data if arr.size else 0), arr.size
-
-
-def file_range(buf: Any) -> tuple[str, int] | None:
-    """(path, file offset) when ``buf``'s bytes are those of a region mapped by :func:`map_file`."""
-    addr, size = _address(buf)
-    hits = [(p, base + addr - s) for s, e, p, base in _regions.copy().values()
-            if s <= addr and addr + size <= e]  # fmt: skip
-    return hits[0] if len(hits) == 1 else None
-
-
-class PositionedFile(io.RawIOBase):
-    """A file whose position is a number kept here: every read or write says where it goes."""
-
-    pos = 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos}.get(whence)
-        self.pos = max(0, (self._end() if base is None else base) + pos)
-        return self.pos
-
-    def _end(self) -> int:
-        raise io.UnsupportedOperation(f"{type(self).__name__} does not seek from its end")
 
 
 class FileSink(PositionedFile):

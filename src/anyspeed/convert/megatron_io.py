@@ -2,7 +2,7 @@
 
 torch_dist: ``<dir>/latest_checkpointed_iteration.txt`` = ``release`` and ``<dir>/release/`` a
 ``dist_checkpointing`` checkpoint of ``{"model": GPTModel.sharded_state_dict(), "iteration": 0,
-"checkpoint_version": 3.0, "anyspeed_model": asdict(preset), "anyspeed_convert": {...}}``. The
+"checkpoint_version": 3.0, "anyspeed_model": preset.to_dict(), "anyspeed_convert": {...}}``. The
 keys come from Megatron-Core's own GPTModel (built empty, at TP1/PP1, by the one builder), so
 the checkpoint loads at any TP/PP layout. Reading loads one layer at a time.
 
@@ -10,16 +10,14 @@ legacy: ``<dir>/iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt`` per target TP
 rank, holding the rank's GPTModel ``state_dict()`` (local layer numbers per stage, ``_extra_state``
 entries included) so Megatron-LM's loader takes it with ``strict=True``.
 
-Both layouts as Megatron-LM's ``pretrain_gpt.py`` writes them are read too: the model then comes
-from its stored ``args`` (:mod:`.stored_model`). Every pickle goes through
-:mod:`anyspeed.safe_pickle`.
+Both layouts as Megatron-LM's ``pretrain_gpt.py`` writes them are read too. Where a checkpoint
+is, its format, common state and model record: :mod:`anyspeed.checkpoint` (every pickle through
+:mod:`anyspeed.safe_pickle`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import json
 import re
 import warnings
@@ -29,17 +27,15 @@ from typing import Any
 
 import torch
 
-from anyspeed import checkpoint_files
-from anyspeed.checkpoint_files import TRACKER
+from anyspeed.checkpoint.files import iteration_dir, legacy_ranks, rank_dir_name, write_tracker
+from anyspeed.checkpoint.reads import torch_load
+from anyspeed.checkpoint.record import model_record
 from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_shape, shard_tp
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.mapped import FileSink
-from anyspeed.convert.stored_model import check_family, megatron_lm_model
-from anyspeed.convert.torch_files import load_torch_file, weights_only_load
 from anyspeed.models.config import ModelConfig
 
 LEGACY_ITERATION = 1
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -48,62 +44,9 @@ def common_state(preset: ModelConfig, iteration: int, extra: dict[str, Any]) -> 
     return {
         "iteration": iteration,
         "checkpoint_version": 3.0,
-        "anyspeed_model": dataclasses.asdict(preset),
+        **model_record(preset),
         "anyspeed_convert": extra,
     }
-
-
-# ------------------------------------------------------------------------------ locating
-def iteration_dir(ckpt_dir: str | Path) -> Path:
-    """The directory holding the checkpoint itself (``release/``, ``iter_N/`` or ``ckpt_dir``)."""
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        raise ConvertError(f"{d}: no such checkpoint directory")
-    try:
-        tracked = checkpoint_files.read_tracker(d)
-    except ValueError as exc:
-        raise ConvertError(str(exc)) from None
-    if tracked is None:
-        return d
-    sub = Path(checkpoint_files.iteration_dir(d, tracked))
-    if not sub.is_dir():
-        raise ConvertError(f"{d}: {TRACKER} says {str(tracked)!r} but {sub.name}/ is missing")
-    return sub
-
-
-def checkpoint_format(it_dir: Path) -> str:
-    if (it_dir / "metadata.json").is_file():
-        return "torch_dist"
-    if any(_RANK_DIR.match(p.name) for p in it_dir.iterdir()):
-        return "legacy"
-    raise ConvertError(f"{it_dir}: neither a torch_dist nor a legacy (mp_rank_*) checkpoint")
-
-
-def _torch_load(path: Path) -> dict[str, Any]:
-    """Plain checkpoint data only (:mod:`anyspeed.safe_pickle`), the tensors views of the
-    mapped file (a pre-1.6 non-zip file is read into memory)."""
-    with open(path, "rb") as f:
-        is_zip = f.read(4) == b"PK\x03\x04"
-    if not is_zip:
-        return weights_only_load(path, str(path))
-    return load_torch_file(path, 0, path.stat().st_size, str(path))
-
-
-def rank_dir_name(t: int, s: int, x: int, pp: int, ep: int) -> str:
-    """Megatron-LM's legacy rank directory: ``mp_rank_TT[_PPP][_EEE]`` (PP / EP when > 1)."""
-    return f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (f"_{x:03d}" if ep > 1 else "")
-
-
-def _legacy_ranks(it_dir: Path, expert_parallel: bool) -> dict[tuple[int, int, int], Path]:
-    """(tp, pp, ep) rank -> file. ``mp_rank_TT_NNN`` is a pipeline stage unless the checkpoint
-    was saved with expert parallelism and no pipeline (Megatron-LM writes both alike)."""
-    ranks = {}
-    for p in it_dir.iterdir():
-        if mt := _RANK_DIR.match(p.name):
-            t, a, b = int(mt.group(1)), int(mt.group(2) or 0), int(mt.group(3) or 0)
-            key = (t, 0, a) if expert_parallel and mt.group(3) is None else (t, a, b)
-            ranks[key] = p / "model_optim_rng.pt"
-    return ranks
 
 
 def legacy_expert_parallel(common: dict[str, Any]) -> int:
@@ -132,46 +75,6 @@ def _expert_slice(names: list[str], x: int, per_rank: int) -> dict[str, str]:
             local = int(mt.group(2)) - x * per_rank
             out[n] = n[: mt.start()] + f"{mt.group(1)}{local}." + n[mt.end() :]
     return out
-
-
-def read_common(ckpt_dir: str | Path) -> dict[str, Any]:
-    """The non-tensor state of a checkpoint of either layout."""
-    it_dir = iteration_dir(ckpt_dir)
-    if checkpoint_format(it_dir) == "torch_dist":
-        return _torch_load(it_dir / "common.pt")
-    first = _legacy_ranks(it_dir, False)[(0, 0, 0)]  # rank 0 is named alike in every layout
-    return {k: v for k, v in _torch_load(first).items() if k != "model"}
-
-
-def read_model_preset(ckpt_dir: str | Path, model_type_hf: str | None = None) -> ModelConfig:
-    """The model a checkpoint holds: anyspeed's ``anyspeed_model`` or Megatron-LM's ``args``."""
-    model = model_in_common(read_common(ckpt_dir), ckpt_dir, model_type_hf)
-    if model is None:
-        raise ConvertError(
-            f"{ckpt_dir}: no anyspeed_model or Megatron-LM args in the checkpoint (pass "
-            "--hf-cfg-dir with the model's config.json)"
-        )
-    return model
-
-
-def model_in_common(
-    common: dict[str, Any], ckpt_dir: str | Path, model_type_hf: str | None = None
-) -> ModelConfig | None:
-    """The model the common state describes (``model_type_hf`` picks or checks the family),
-    None when it holds neither ``anyspeed_model`` nor Megatron-LM's ``args``."""
-    if "anyspeed_model" in common:
-        return check_family(model_from_common(common, ckpt_dir), ckpt_dir, model_type_hf)
-    if isinstance(common.get("args"), argparse.Namespace):
-        return megatron_lm_model(common["args"], ckpt_dir, model_type_hf)
-    return None
-
-
-def model_from_common(common: dict[str, Any], ckpt_dir: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` stored under ``anyspeed_model``; ConvertError when unreadable."""
-    try:
-        return ModelConfig.from_dict(common["anyspeed_model"])
-    except (TypeError, ValueError) as exc:
-        raise ConvertError(f"{ckpt_dir}: anyspeed_model: {exc}") from None
 
 
 # ------------------------------------------------------------------- Megatron in one process
@@ -254,7 +157,7 @@ def save_legacy(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    it_dir = Path(checkpoint_files.iteration_dir(out_dir, LEGACY_ITERATION))
+    it_dir = Path(iteration_dir(out_dir, LEGACY_ITERATION))
     pp = len(stage_layers)
     per_rank = (preset.num_experts or 0) // ep
 
@@ -301,7 +204,7 @@ def save_legacy(
     # copy_file_range, pwrite and torch ops release the GIL: the ranks are written in parallel.
     with ThreadPoolExecutor(min(len(tasks), 4)) as pool:
         list(pool.map(lambda task: save_rank(*task), tasks))
-    checkpoint_files.write_tracker(out_dir, LEGACY_ITERATION)
+    write_tracker(out_dir, LEGACY_ITERATION)
 
 
 def read_legacy(
@@ -309,7 +212,7 @@ def read_legacy(
 ) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
     """Full Megatron tensors (TP shards merged, EP ranks' experts renumbered globally, global
     layer numbers) one group at a time; ``ep``: the EP size it was saved with."""
-    ranks = _legacy_ranks(it_dir, ep > 1)
+    ranks = legacy_ranks(it_dir, ep > 1)
     if not ranks:
         raise ConvertError(f"{it_dir}: no mp_rank_* rank files")
     tp = 1 + max(t for t, _, _ in ranks)
@@ -322,7 +225,7 @@ def read_legacy(
     offset = 0
     for s in range(pp):
         shards = {
-            (t, x): _torch_load(ranks[(t, s, x)])["model"] for t in range(tp) for x in range(ep)
+            (t, x): torch_load(ranks[(t, s, x)])["model"] for t in range(tp) for x in range(ep)
         }  # fmt: skip  (memory-mapped)
         sources = _stage_sources(shards, tp, ep)
         by_group: dict[Group, list[str]] = {}

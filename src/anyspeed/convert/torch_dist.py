@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from anyspeed import checkpoint_files
-from anyspeed.checkpoint_files import RELEASE
+from anyspeed.checkpoint.files import RELEASE, iteration_dir, write_tracker
 from anyspeed.convert.engine import Group, Stacked
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.megatron_io import LAYER, empty_model, megatron_session
@@ -52,12 +51,12 @@ def save_torch_dist(
             _group_index(preset),
             prefetch(tensor_groups),
         )
-        release = Path(checkpoint_files.iteration_dir(out_dir, RELEASE))
+        release = Path(iteration_dir(out_dir, RELEASE))
         release.mkdir()
         dist_checkpointing.save(
             {"model": model.sharded_state_dict(), **common}, str(release), strategy
         )
-    checkpoint_files.write_tracker(out_dir, RELEASE)
+    write_tracker(out_dir, RELEASE)
 
 
 def _few_experts(preset: ModelConfig) -> ModelConfig:

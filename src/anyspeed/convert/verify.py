@@ -6,17 +6,15 @@ from pathlib import Path
 
 import torch
 
+from anyspeed.checkpoint.reads import checkpoint_dir, checkpoint_format, read_common
+from anyspeed.checkpoint.record import read_model
 from anyspeed.convert import engine
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.megatron_io import (
-    checkpoint_format,
     empty_model,
-    iteration_dir,
     legacy_expert_parallel,
     megatron_session,
-    read_common,
     read_legacy,
-    read_model_preset,
 )
 from anyspeed.convert.torch_dist import read_torch_dist
 from anyspeed.models.families import mapping_for
@@ -25,9 +23,9 @@ from anyspeed.models.families import mapping_for
 def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [b, s, padded vocab] of Megatron's GPTModel (TP1/PP1, fp32) from a checkpoint of
     either layout."""
-    preset = read_model_preset(mg_dir)
+    preset = read_model(mg_dir)
     m = mapping_for(preset.family)
-    it_dir = iteration_dir(mg_dir)
+    it_dir = checkpoint_dir(mg_dir)
     with megatron_session():
         model = empty_model(preset, torch.float32)
         if checkpoint_format(it_dir) == "torch_dist":
@@ -35,7 +33,7 @@ def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
                 it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
             )
         else:
-            groups = read_legacy(it_dir, legacy_expert_parallel(read_common(mg_dir)))
+            groups = read_legacy(it_dir, legacy_expert_parallel(read_common(it_dir)))
         state = {
             k: engine.materialize(v).float() for _, tensors in groups for k, v in tensors.items()
         }

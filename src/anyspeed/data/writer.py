@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from anyspeed.checkpoint_files import pid_alive
+from anyspeed.checkpoint.files import pid_alive
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -69,7 +69,7 @@ def check(args: argparse.Namespace, world_size: int, data_prefixes: list[str] | 
         train.recompute.check(args.num_layers // layout.pp, layout.sequence_parallel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    load = _check_run(args, layout.dp(world_size))
+    load = _check_run(args, layout, world_size)
     for prefix in data_prefixes or ():
         _check_data_files(args, prefix)
     model = ModelConfig.from_args(args)
@@ -78,7 +78,7 @@ def check(args: argparse.Namespace, world_size: int, data_prefixes: list[str] | 
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if load:
-        _check_load_fits(args, load, model, layout, world_size)
+        _check_load_fits(load, model)
     return Checked(model, layout, train, load)
 
 
@@ -124,14 +124,14 @@ def _complete_architecture(args: argparse.Namespace) -> None:
         raise UsageError("--group-query-attention needs --num-query-groups")
 
 
-def _check_run(args: argparse.Namespace, dp: int) -> str | None:
+def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | None:
     """Checkpoint and output paths (the numbers' ranges: :mod:`anyspeed.training.ranges`);
     the checkpoint to start from (None when there is none)."""
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
     if args.save:
         _check_writable(args.save, "--save")
-    load = _check_load(args, dp) if args.load else None
+    load = _check_load(args, layout, world) if args.load else None
     if args.metrics_file:
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
     if args.tensorboard_dir:
@@ -145,13 +145,14 @@ def _check_run(args: argparse.Namespace, dp: int) -> str | None:
     return load
 
 
-def _check_load(args: argparse.Namespace, dp: int) -> str | None:
+def _check_load(args: argparse.Namespace, layout: Layout, world: int) -> str | None:
     """Megatron-LM's rule: a --load directory with no checkpoint yet (scripts pass --load and
     --save the same directory from the first run on) starts from scratch, with a warning. A
-    checkpoint is checked file by file (:mod:`anyspeed.training.checkpoint_checks`)."""
-    from anyspeed.checkpoint_files import TRACKER, read_tracker
+    checkpoint is checked file by file (:mod:`anyspeed.checkpoint.checks`)."""
+    from anyspeed.checkpoint import checks as checkpoint_checks
+    from anyspeed.checkpoint.errors import CheckpointFileError
+    from anyspeed.checkpoint.files import TRACKER, read_tracker
     from anyspeed.convert import is_hf_dir
-    from anyspeed.training import checkpoint_checks
 
     if is_hf_dir(args.load):
         return args.load  # a Hugging Face directory: converted by the caller
@@ -172,20 +173,23 @@ def _check_load(args: argparse.Namespace, dp: int) -> str | None:
                   f"(no {TRACKER}); starting from scratch", file=sys.stderr)  # fmt: skip
         return None
     try:
-        checkpoint_checks.check_load(argparse.Namespace(**{**vars(args), "data_parallel_size": dp}))
-    except checkpoint_checks.CheckpointFileError as exc:
+        checkpoint_checks.check_load(
+            args.load, layout, layout.dp(world), finetune=args.finetune,
+            load_rng=not args.no_load_rng,
+        )  # fmt: skip
+    except CheckpointFileError as exc:
         raise UsageError(f"--load {args.load!r}: {exc}") from None
     return args.load
 
 
-def _check_load_fits(args: argparse.Namespace, load: str, model: ModelConfig, layout: Layout,
-                     world: int) -> None:  # fmt: skip
+def _check_load_fits(load: str, model: ModelConfig) -> None:
     """The --load checkpoint's tensor shapes are those of the model the flags describe."""
-    from anyspeed.training import checkpoint_checks
+    from anyspeed.checkpoint import checks as checkpoint_checks
+    from anyspeed.checkpoint.errors import CheckpointFileError
 
     try:
-        checkpoint_checks.check_fits(argparse.Namespace(load=load, model_config=model))
-    except checkpoint_checks.CheckpointFileError as exc:
+        checkpoint_checks.check_fits(load, model)
+    except CheckpointFileError as exc:
         raise UsageError(f"--load {load!r}: {exc}") from None
 
 

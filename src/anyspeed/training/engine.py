@@ -64,7 +64,7 @@ def banner(run: Run, start: int, dp: int) -> str:
 def resume(run: Run, trainer: Any, scheduler: Any, state: Any, root: str | None = None) -> None:
     """Resume from ``root`` (default: the run's checkpoint): weights, optimizer, scheduler,
     RNG and the data position."""
-    from anyspeed.training import checkpointing as ckpt
+    from anyspeed.checkpoint import save_load as ckpt
 
     args = run.args
     root = root or run.load
@@ -108,6 +108,7 @@ def train(run: Run, extra_hooks: Sequence[Hook] = (), task: Any = None) -> dict[
     """
     import torch
 
+    from anyspeed.checkpoint.record import model_record
     from anyspeed.device import peak_flops, torch_device
     from anyspeed.device.flops import slow_precision_warning
     from anyspeed.training import hooks as H
@@ -137,7 +138,7 @@ def train(run: Run, extra_hooks: Sequence[Hook] = (), task: Any = None) -> dict[
         H.NanGuard(run.args.save),
         H.LogHook(reporter, run, run.model.flops_per_token(run.seq_length), peak, task.loss_key),
         H.EvalHook(reporter, run, task, valid_ds, test_ds, device),
-        H.CheckpointHook(run, {"anyspeed_model": run.model.to_dict(), **run.records}),
+        H.CheckpointHook(run, {**model_record(run.model), **run.records}),
         *extra_hooks,
     ]
     try:

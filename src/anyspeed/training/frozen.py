@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ class Frozen:
 def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Frozen]:
     """One :class:`Frozen` per spec: the training model with adapters off, or a new copy of
     the architecture at the training layout with a checkpoint's weights (no grad, eval)."""
-    from anyspeed.training import checkpointing as ckpt
+    from anyspeed.checkpoint.save_load import load_weights
     from anyspeed.training.model_pipeline import build_chunks
 
     out = {}
@@ -48,8 +47,6 @@ def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Froze
         for c in chunks:
             c.eval().requires_grad_(False)
         if spec.load:
-            holders = [types.SimpleNamespace(module=c) for c in chunks]  # what it unwraps
-            ckpt.load_checkpoint(spec.load, holders, None, None, finetune=True,
-                                 load_optim=False, load_rng=False)  # fmt: skip
+            load_weights(spec.load, chunks)
         out[name] = Frozen(chunks)
     return out

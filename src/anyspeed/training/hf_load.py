@@ -18,7 +18,7 @@ import time
 
 from anyspeed.argv import get_flag as _flag
 from anyspeed.argv import merge_flags, set_flag
-from anyspeed.checkpoint_files import TRACKER
+from anyspeed.checkpoint.files import TRACKER
 from anyspeed.errors import UsageError
 from anyspeed.models.config import padded_vocab_size
 

@@ -33,7 +33,7 @@ class NanGuard(Hook):
     def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
         if math.isfinite(out["loss"]):
             return
-        from anyspeed.checkpoint_files import read_tracker
+        from anyspeed.checkpoint.files import read_tracker
 
         state.notify("abort")
         good = read_tracker(self.save_dir) if self.save_dir else None
@@ -207,12 +207,12 @@ class CheckpointHook(Hook):
         resumed = self.run.load and not self.args.finetune
         self.last_saved = state.iteration if resumed else None
         if self.args.save and is_rank0():  # what killed runs left there (never a checkpoint)
-            from anyspeed.checkpoint_files import remove_stale
+            from anyspeed.checkpoint.files import remove_stale
 
             remove_stale(self.args.save)
 
     def save(self, state: LoopState) -> None:
-        from anyspeed.training.checkpointing import save_checkpoint
+        from anyspeed.checkpoint.save_load import save_checkpoint
 
         args, t = self.args, time.perf_counter()
         extra = dict(self.extra, consumed_train_samples=state.consumed,

@@ -260,12 +260,12 @@ def adapters_off(model: list[torch.nn.Module]) -> Iterator[None]:
 
 
 def _check_lora_load(cfg: LoRAConfig) -> None:
-    from anyspeed.training import checkpoint_checks as checks
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
 
     try:
-        path = checks.tracked_dir(cfg.load)
-        common = checks.read_common(path) if path else None
-    except (checks.CheckpointFileError, OSError, ValueError) as exc:
+        path = tracked_dir(cfg.load)
+        common = read_common(path) if path else None
+    except (OSError, ValueError) as exc:  # CheckpointFileError is a ValueError
         raise UsageError(f"--lora-load {cfg.load!r}: {exc}") from None
     if common is None:
         raise UsageError(f"--lora-load {cfg.load!r}: not a checkpoint directory")

@@ -155,7 +155,7 @@ def scan_checkpoint(it_dir: str) -> None:
 
 def _checkpoint_dir(load_dir: Any, args: Any) -> str | None:
     """The iteration directory Megatron-LM is about to load from ``load_dir``, if any."""
-    from anyspeed.checkpoint_files import iteration_dir, read_tracker
+    from anyspeed.checkpoint.files import iteration_dir, read_tracker
 
     if not isinstance(load_dir, str) or not os.path.isdir(load_dir):
         return None

@@ -225,7 +225,7 @@ class SFTTask(Task):
         and position from ``--lora-load``; checkpoints written afterwards hold the adapters."""
         if self.cfg.lora is None:
             return False
-        from anyspeed.training import checkpointing as ckpt
+        from anyspeed.checkpoint import save_load as ckpt
         from anyspeed.training.engine import resume
         from anyspeed.training.lora import set_view
 

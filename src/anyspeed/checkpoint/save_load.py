@@ -14,24 +14,30 @@ position is the number of consumed samples, which no layout change alters.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from anyspeed.checkpoint_files import (
+from anyspeed.checkpoint import checks
+from anyspeed.checkpoint.errors import (
+    CheckpointFileError,
+    CheckpointMismatch,
+    CheckpointSaveError,
+)
+from anyspeed.checkpoint.files import (
+    RELEASE,
     TRACKER,
     iteration_dir,
     read_tracker,
     remove_stale,
     write_tracker,
 )
-from anyspeed.training import checkpoint_checks as checks
-from anyspeed.training.optimizer_groups import needs_regroup, regroup
+from anyspeed.checkpoint.optimizer_groups import needs_regroup, regroup
+from anyspeed.checkpoint.reads import read_common, read_rng, tracked_dir, within
+from anyspeed.checkpoint.rng import rank_key, rng_state, set_rng_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -61,67 +67,26 @@ def _metadata(sharding: str = "fully_reshardable") -> dict[str, Any]:
     }
 
 
-def model_state(model: list[torch.nn.Module]) -> dict[str, Any]:
-    """Megatron-LM's model entries: ``model`` (or ``model0``, ``model1`` for virtual stages)."""
+def _unwrapped(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The chunks inside training's DDP wrappers (what holds the sharded state dict)."""
+    return [m.module for m in model]
+
+
+def model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """Megatron-LM's model entries of bare chunks: ``model`` (``model0``, ``model1`` for
+    virtual stages)."""
     meta = {"dp_cp_group": _metadata()["dp_cp_group"]}
-    if len(model) == 1:
-        return {"model": model[0].module.sharded_state_dict(metadata=meta)}
-    return {f"model{i}": m.module.sharded_state_dict(metadata=meta) for i, m in enumerate(model)}
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=meta)}
+    return {f"model{i}": c.sharded_state_dict(metadata=meta) for i, c in enumerate(chunks)}
 
 
-def _load_model_entries(model: list[torch.nn.Module], state: dict[str, Any]) -> None:
-    if len(model) == 1:
-        model[0].module.load_state_dict(state["model"])
+def _load_model_entries(chunks: list[torch.nn.Module], state: dict[str, Any]) -> None:
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state["model"])
     else:
-        for i, m in enumerate(model):
-            m.module.load_state_dict(state[f"model{i}"])
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    from anyspeed.device import detect
-
-    info = detect()
-    out: dict[str, torch.Tensor] = {"torch": torch.get_rng_state()}
-    if not info.is_cpu:
-        out["device"] = getattr(torch, info.type).get_rng_state()
-    np_state = np.random.get_state()
-    out["numpy_keys"] = torch.from_numpy(np.asarray(np_state[1], dtype=np.int64))
-    out["numpy_pos"] = torch.tensor([np_state[2], np_state[3]], dtype=torch.float64)
-    py = random.getstate()
-    out["python"] = torch.tensor(list(py[1]), dtype=torch.int64)
-    for name, st in get_cuda_rng_tracker().get_states().items():
-        out[f"tracker.{name}"] = st
-    return out
-
-
-def _set_rng_state(st: dict[str, torch.Tensor]) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    from anyspeed.device import detect
-
-    info = detect()
-    torch.set_rng_state(st["torch"])
-    if "device" in st and not info.is_cpu:
-        getattr(torch, info.type).set_rng_state(st["device"])
-    pos = st["numpy_pos"].tolist()
-    np.random.set_state(
-        ("MT19937", st["numpy_keys"].numpy().astype(np.uint32), int(pos[0]), 0, pos[1])
-    )
-    random.setstate((3, tuple(int(x) for x in st["python"].tolist()), None))
-    tracker = {k.split(".", 1)[1]: v for k, v in st.items() if k.startswith("tracker.")}
-    if tracker:
-        get_cuda_rng_tracker().set_states(tracker)
-
-
-def _rank_key() -> str:
-    from megatron.core import parallel_state as ps
-
-    return (
-        f"pp{ps.get_pipeline_model_parallel_rank()}_tp{ps.get_tensor_model_parallel_rank()}"
-        f"_cp{ps.get_context_parallel_rank()}_dp{ps.get_data_parallel_rank()}"
-    )
+        for i, c in enumerate(chunks):
+            c.load_state_dict(state[f"model{i}"])
 
 
 def layout_signature() -> dict[str, int]:
@@ -139,19 +104,6 @@ def layout_signature() -> dict[str, int]:
 # What a failed save or load raises: torch.distributed.checkpoint gathers its ranks' errors into
 # a CheckpointException, which derives from BaseException.
 _FAILURES = (Exception, CheckpointException)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint could not be loaded or saved: one line, raised on every rank alike."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """The checkpoint under ``--load`` does not fit this run or a file of it is broken (one line
-    naming the fix or the file)."""
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save failed (disk full, permission): the last good checkpoint and tracker stand."""
 
 
 def agree(error: str | None) -> str | None:
@@ -232,7 +184,7 @@ def _write(tmp: str, iteration: int, model: list[torch.nn.Module], optimizer: An
            scheduler: Any | None, extra: dict[str, Any], save_rng: bool) -> None:  # fmt: skip
     from megatron.core import dist_checkpointing
 
-    state: dict[str, Any] = model_state(model)
+    state: dict[str, Any] = model_state(_unwrapped(model))
     state.update(
         iteration=iteration,
         checkpoint_version=CHECKPOINT_VERSION,
@@ -251,7 +203,7 @@ def _write(tmp: str, iteration: int, model: list[torch.nn.Module], optimizer: An
     if save_rng:
         rng_dir = os.path.join(tmp, "anyspeed_rng")
         os.makedirs(rng_dir, exist_ok=True)
-        torch.save(_rng_state(), os.path.join(rng_dir, f"{_rank_key()}.pt"))
+        torch.save(rng_state(), os.path.join(rng_dir, f"{rank_key()}.pt"))
 
 
 def _commit(root: str, tmp: str, final: str, iteration: int) -> None:
@@ -289,15 +241,34 @@ def load_checkpoint(
     fails on any rank raises :class:`CheckpointMismatch` on every rank, one line naming the
     file and the cause.
     """
+    return _agreed_load(
+        root,
+        lambda path: _load(
+            root, path, _unwrapped(model), optimizer, scheduler, finetune, load_optim, load_rng
+        ),
+    )
+
+
+def load_weights(root: str, chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """The model weights of the checkpoint under ``root`` into bare ``chunks`` (this rank's
+    model, any layout; no optimizer or RNG state): inference's load. Returns the common
+    state; a failure is :class:`CheckpointMismatch` on every rank, as for
+    :func:`load_checkpoint`."""
+    return _agreed_load(root, lambda path: _load(root, path, chunks, None, None, True, False,
+                                                 False))  # fmt: skip
+
+
+def _agreed_load(root: str, load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """``load(iteration dir)`` on every rank; any rank's failure is one line on all."""
     error, out, path = None, {}, None
     try:
-        path = checks.tracked_dir(root)
+        path = tracked_dir(root)
         if path is None:
             raise CheckpointMismatch(f"--load {root!r}: no {TRACKER} (not a checkpoint directory)")
-        out = _load(root, path, model, optimizer, scheduler, finetune, load_optim, load_rng)
+        out = load(path)
     except CheckpointMismatch as exc:
         error = str(exc)
-    except checks.CheckpointFileError as exc:
+    except CheckpointFileError as exc:
         error = f"--load {root!r}: {exc}"
     except _FAILURES as exc:  # whatever a broken file raises: one line, on all ranks
         error = f"--load {root!r}: {checks.describe_failure(path, exc) if path else exc}"
@@ -307,14 +278,14 @@ def load_checkpoint(
     return out
 
 
-def _load(root: str, path: str, model: list[torch.nn.Module], optimizer: Any | None,
+def _load(root: str, path: str, chunks: list[torch.nn.Module], optimizer: Any | None,
           scheduler: Any | None, finetune: bool, load_optim: bool,
           load_rng: bool) -> dict[str, Any]:  # fmt: skip
     from megatron.core import dist_checkpointing
 
-    common = checks.read_common(path)
-    weights_only = finetune or os.path.basename(path) == "release"
-    state: dict[str, Any] = model_state(model)
+    common = read_common(path)
+    weights_only = finetune or os.path.basename(path) == RELEASE
+    state: dict[str, Any] = model_state(chunks)
     has_optim = common.get("has_optimizer")
     if has_optim is None:  # a checkpoint not written by anyspeed (e.g. Megatron-LM's)
         has_optim = "optimizer" in _sharded_keys(path)
@@ -326,7 +297,7 @@ def _load(root: str, path: str, model: list[torch.nn.Module], optimizer: Any | N
             state, is_loading=True, metadata=_metadata(sharding)
         )
     loaded = dist_checkpointing.load(state, path)
-    _load_model_entries(model, loaded)
+    _load_model_entries(chunks, loaded)
     if want_optim:
         opt_state = loaded["optimizer"]
         if needs_regroup(opt_state, optimizer):  # saved at another EP: expert optimizer or not
@@ -346,13 +317,13 @@ def _load(root: str, path: str, model: list[torch.nn.Module], optimizer: Any | N
             scheduler.load_state_dict(common["opt_param_scheduler"])
     if load_rng and not weights_only:
         same = common.get("anyspeed_layout") == layout_signature()
-        rng_file = checks.within(path, os.path.join("anyspeed_rng", f"{_rank_key()}.pt"))
+        rng_file = within(path, os.path.join("anyspeed_rng", f"{rank_key()}.pt"))
         if same and os.path.isfile(rng_file):
             try:
-                _set_rng_state(checks.read_rng(rng_file))
+                set_rng_state(read_rng(rng_file))
             except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
                 msg = f"{rng_file}: not a usable RNG state ({exc})"
-                raise checks.CheckpointFileError(msg) from None
+                raise CheckpointFileError(msg) from None
     out = dict(common)
     if weights_only:
         out["iteration"] = 0

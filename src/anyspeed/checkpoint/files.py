@@ -1,10 +1,14 @@
-"""Megatron's checkpoint-directory convention in one place: the tracker file and iteration dirs.
+"""Megatron's checkpoint-directory convention in one place: tracker, iteration and rank dirs.
 
 ``<dir>/latest_checkpointed_iteration.txt`` names the checkpoint a load takes: an iteration
 number (the data in ``<dir>/iter_0000020/``) or ``release`` (``<dir>/release/``, a converted,
 iteration-less checkpoint). Training, conversion and the HF import all read and write it here.
 Writers stage under temporary names (``iter_0000020.tmp``, the tracker's ``.tmp``, a
 conversion's ``.NAME.partial-PID``); :func:`remove_stale` clears what killed runs left of them.
+A legacy checkpoint holds one ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per rank.
+
+Only the standard library: the lowest layers (the Megatron-LM loader guard in ``features/``,
+``data/``) use it too.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import contextlib
 import os
 import re
 import shutil
+from pathlib import Path
 
-__all__ = ["RELEASE", "TRACKER", "iteration_dir", "read_tracker", "remove_stale", "write_tracker"]
+__all__ = ["RELEASE", "TRACKER", "iteration_dir", "legacy_ranks", "pid_alive", "rank_dir_name",
+           "read_tracker", "remove_stale", "write_tracker"]  # fmt: skip
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -110,3 +116,24 @@ def remove_stale(root: str | os.PathLike[str]) -> list[str]:
         if not os.path.lexists(path):
             removed.append(name)
     return removed
+
+
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def rank_dir_name(t: int, s: int, x: int, pp: int, ep: int) -> str:
+    """Megatron-LM's legacy rank directory: ``mp_rank_TT[_PPP][_EEE]`` (PP / EP when > 1)."""
+    return f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (f"_{x:03d}" if ep > 1 else "")
+
+
+def legacy_ranks(it_dir: str | os.PathLike[str],
+                 expert_parallel: bool) -> dict[tuple[int, int, int], Path]:  # fmt: skip
+    """(tp, pp, ep) rank -> file. ``mp_rank_TT_NNN`` is a pipeline stage unless the checkpoint
+    was saved with expert parallelism and no pipeline (Megatron-LM writes both alike)."""
+    ranks = {}
+    for p in Path(it_dir).iterdir():
+        if mt := RANK_DIR.match(p.name):
+            t, a, b = int(mt.group(1)), int(mt.group(2) or 0), int(mt.group(3) or 0)
+            key = (t, 0, a) if expert_parallel and mt.group(3) is None else (t, a, b)
+            ranks[key] = p / "model_optim_rng.pt"
+    return ranks

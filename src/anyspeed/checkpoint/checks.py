@@ -1,5 +1,5 @@
 """The checkpoint under ``--load``, checked without trusting it before any process group starts,
-and one line saying which file broke when a load fails anyway.
+and one line saying which file broke when a load or save fails anyway.
 
 A ``torch_dist`` checkpoint is read here only through :mod:`anyspeed.safe_pickle`'s restricted
 unpickler (``.metadata``, ``common.pt``, the RNG files: plain data only). Every data file the
@@ -10,45 +10,18 @@ difference names the flag and the checkpoint's value).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import re
 from typing import Any
 
-from anyspeed.checkpoint_files import TRACKER, iteration_dir, read_tracker
-
-
-class CheckpointFileError(ValueError):
-    """One file of a checkpoint is missing, truncated or unreadable (one line naming it)."""
-
-
-def tracked_dir(root: str) -> str | None:
-    """The iteration directory the tracker of ``root`` names (None: no tracker); a tracker
-    naming a directory that is not there is a CheckpointFileError."""
-    try:
-        it = read_tracker(root)
-    except ValueError as exc:
-        raise CheckpointFileError(str(exc)) from None
-    if it is None:
-        return None
-    path = iteration_dir(root, it)
-    if not os.path.isdir(path):
-        raise CheckpointFileError(
-            f"{TRACKER} names {it!r} but {path} does not exist (a run stopped before saving "
-            "it?); point the tracker at an existing iter_* directory"
-        )
-    return path
-
-
-def _read_metadata(it_dir: str) -> Any:
-    from anyspeed.convert.dcp_io import DcpReader
-
-    try:
-        return DcpReader(it_dir).meta
-    except (ValueError, OSError) as exc:  # the readers' one-line errors
-        raise CheckpointFileError(str(exc)) from None
+from anyspeed.checkpoint.errors import CheckpointFileError, first_line
+from anyspeed.checkpoint.files import RELEASE
+from anyspeed.checkpoint.reads import read_common, read_metadata, read_rng, tracked_dir, within
+from anyspeed.checkpoint.torch_files import load_torch_file
+from anyspeed.layout import Layout
+from anyspeed.models.config import ModelConfig
 
 
 def _check_format(it_dir: str) -> None:
@@ -65,15 +38,6 @@ def _check_format(it_dir: str) -> None:
         raise CheckpointFileError(f"{path}: unreadable ({exc})") from None
     if backend != "torch_dist":
         raise CheckpointFileError(f"{path}: sharded_backend {backend!r}, expected 'torch_dist'")
-
-
-def within(it_dir: str, name: str) -> str:
-    """``it_dir/name``, refused when a link takes it outside ``it_dir``."""
-    path = os.path.join(it_dir, name)
-    inside = os.path.realpath(it_dir)
-    if os.path.commonpath([inside, os.path.realpath(path)]) != inside:
-        raise CheckpointFileError(f"{path} is a link leading outside the checkpoint")
-    return path
 
 
 def _check_data_files(it_dir: str, meta: Any) -> None:
@@ -96,62 +60,31 @@ def _check_data_files(it_dir: str, meta: Any) -> None:
             )
 
 
-def read_common(it_dir: str) -> dict[str, Any]:
-    """``common.pt`` (the checkpoint's non-tensor state), plain data only."""
-    from anyspeed.convert.megatron_io import read_common as read
-
-    path = os.path.join(it_dir, "common.pt")
-    if not os.path.isfile(path):
-        raise CheckpointFileError(f"{path} is missing")
-    try:
-        common = read(it_dir)
-    except (ValueError, OSError) as exc:  # the readers' one-line errors
-        raise CheckpointFileError(first_line(exc)) from None
-    if not isinstance(common, dict):
-        raise CheckpointFileError(f"{path}: not a checkpoint's common state")
-    return common
-
-
-RNG_KEYS = ("torch", "numpy_keys", "numpy_pos", "python")
-
-
-def read_rng(path: str) -> dict[str, Any]:
-    """One rank's saved RNG state (plain data only); CheckpointFileError otherwise."""
-    from anyspeed.convert.torch_files import weights_only_load
-
-    try:
-        state = weights_only_load(path, path)
-    except (ValueError, OSError) as exc:  # the readers' one-line errors
-        raise CheckpointFileError(str(exc)) from None
-    if not isinstance(state, dict) or any(k not in state for k in RNG_KEYS):
-        raise CheckpointFileError(f"{path}: not an RNG state (expected {', '.join(RNG_KEYS)})")
-    return state
-
-
 def verify(it_dir: str) -> tuple[Any, dict[str, Any]]:
     """The metadata and common state of a torch_dist checkpoint whose files all check out."""
     for name in ("metadata.json", ".metadata", "common.pt"):
         within(it_dir, name)
     _check_format(it_dir)
-    meta = _read_metadata(it_dir)
+    meta = read_metadata(it_dir)
     _check_data_files(it_dir, meta)
     return meta, read_common(it_dir)
 
 
-def check_load(args: argparse.Namespace) -> None:
-    """Every file the load of ``args.load`` reads is there, whole and readable (one
-    CheckpointFileError line otherwise). The RNG files this run restores (one per rank) are
-    read once, by the launcher or a lone process: ranks started by torchrun, which would each
-    read all of them, leave them to the load, where a bad one stops every rank alike."""
-    it_dir = tracked_dir(args.load)
+def check_load(load_dir: str, layout: Layout, dp: int, *, finetune: bool = False,
+               load_rng: bool = True) -> None:  # fmt: skip
+    """Every file the load of ``load_dir`` reads is there, whole and readable (one
+    CheckpointFileError line otherwise). The RNG files (restored only at the saved ``layout``
+    and ``dp`` size, without ``finetune``) are read once, by the launcher or a lone process:
+    ranks started by torchrun, which would each read all of them, leave them to the load,
+    where a bad one stops every rank alike."""
+    it_dir = tracked_dir(load_dir)
     if it_dir is None:
         return
     _, common = verify(it_dir)
     rng_dir = os.path.join(it_dir, "anyspeed_rng")
-    if args.finetune or args.no_load_rng or os.path.basename(it_dir) == "release":
+    if finetune or not load_rng or os.path.basename(it_dir) == RELEASE:
         return
-    now = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-           "cp": args.context_parallel_size, "dp": args.data_parallel_size}  # fmt: skip
+    now = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": dp}
     restored = common.get("anyspeed_layout") == now and os.path.isdir(rng_dir)
     if restored and "RANK" not in os.environ:
         for name in sorted(os.listdir(rng_dir)):
@@ -181,7 +114,8 @@ def _dim(shapes: dict[str, tuple[int, ...]], key: str, i: int) -> int | None:
     return shape[i] if shape is not None and -len(shape) <= i < len(shape) else None
 
 
-def _differences(cfg: Any, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, Any, Any]]:
+def _differences(cfg: ModelConfig,
+                 shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, Any, Any]]:  # fmt: skip
     """(flag, this run's value, the checkpoint's value) for each architecture flag the
     checkpoint's global shapes contradict, in the flag table's order."""
     attn = _LAYER + "self_attention."
@@ -227,15 +161,16 @@ def _say(flag: str, ours: Any, theirs: Any) -> str:
     return f"the checkpoint has {flag} {theirs}, this run has {ours}"
 
 
-def check_fits(args: argparse.Namespace) -> None:
-    """The checkpoint's global tensor shapes are those of ``args.model_config``; else one
-    CheckpointFileError line naming the first flag that differs and the checkpoint's value."""
-    if not args.load:
+def check_fits(load_dir: str | None, model: ModelConfig) -> None:
+    """The global tensor shapes of the checkpoint under ``load_dir`` are those of ``model``;
+    else one CheckpointFileError line naming the first flag that differs and the checkpoint's
+    value."""
+    if not load_dir:
         return
-    it_dir = tracked_dir(args.load)
+    it_dir = tracked_dir(load_dir)
     if it_dir is None or not os.path.isfile(os.path.join(it_dir, ".metadata")):
         return  # an HF directory (converted from these flags) or nothing to load
-    diffs = _differences(args.model_config, _shapes(_read_metadata(it_dir)))
+    diffs = _differences(model, _shapes(read_metadata(it_dir)))
     if diffs:
         raise CheckpointFileError(
             f"{it_dir} holds another architecture: {_say(*diffs[0])} (pass the checkpoint's "
@@ -244,12 +179,6 @@ def check_fits(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------ failed loads
-def first_line(exc: BaseException) -> str:
-    """The first line of an error's message (its type's name when it has none)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def root_cause(exc: BaseException) -> BaseException:
     """The innermost error: through a distributed checkpoint's per-rank failures and causes."""
     seen = set()
@@ -283,8 +212,6 @@ def describe_failure(it_dir: str, exc: BaseException) -> str:
 
 def _check_records(it_dir: str, meta: Any) -> None:
     """Every tensor record of the data files unpickles (plain data only)."""
-    from anyspeed.convert.torch_files import load_torch_file
-
     tensors = meta.state_dict_metadata
     for index, info in meta.storage_data.items():
         if not hasattr(tensors.get(index.fqn), "size"):

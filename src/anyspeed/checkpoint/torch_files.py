@@ -4,7 +4,7 @@
 chunk of a ``.distcp``) as views of the mapped file, unpickling with anyspeed's restricted
 :class:`anyspeed.safe_pickle.Unpickler`; :func:`weights_only_load` reads what is not a zip
 archive through :func:`anyspeed.safe_pickle.load_torch`. Every failure is one
-:class:`ConvertError` line.
+:class:`CheckpointFileError` line.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from anyspeed import safe_pickle
-from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.mapped import PositionedFile, map_file
+from anyspeed.checkpoint.errors import CheckpointFileError
+from anyspeed.checkpoint.file_maps import PositionedFile, map_file
 
 
 class _Bytes(PositionedFile):
@@ -42,17 +42,18 @@ class _Bytes(PositionedFile):
 
 def weights_only_load(source: Any, what: str) -> Any:
     """A ``torch.save`` file or buffer read into memory by the restricted unpickler (for what is
-    not a zip archive :func:`load_torch_file` can map); ConvertError naming ``what`` otherwise."""
+    not a zip archive :func:`load_torch_file` can map); CheckpointFileError naming ``what``
+    otherwise."""
     try:
         return safe_pickle.load_torch(source, what)
     except safe_pickle.UnsafePickleError as exc:
-        raise ConvertError(str(exc)) from None
+        raise CheckpointFileError(str(exc)) from None
 
 
 def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> Any:
     """The object ``torch.save`` wrote at ``[offset, offset + length)`` of ``path``, its tensors
     views of the mapped file (no copy), unpickled by :class:`anyspeed.safe_pickle.Unpickler`.
-    A one-line :class:`ConvertError` otherwise."""
+    A one-line :class:`CheckpointFileError` otherwise."""
     raw = map_file(path, offset, length)
     view = memoryview(raw.numpy())
     src = _Bytes(view)
@@ -61,11 +62,12 @@ def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> An
             zf = torch._C.PyTorchFileReader(src)
             records = set(zf.get_all_records())
         except RuntimeError:
-            raise ConvertError(f"{what}: not a torch.save zip archive, or truncated") from None
+            msg = f"{what}: not a torch.save zip archive, or truncated"
+            raise CheckpointFileError(msg) from None
         if "data.pkl" not in records:
-            raise ConvertError(f"{what}: no data.pkl in the archive")
+            raise CheckpointFileError(f"{what}: no data.pkl in the archive")
         if "byteorder" in records and zf.get_record("byteorder") != b"little":
-            raise ConvertError(f"{what}: saved big-endian; only little-endian is read")
+            raise CheckpointFileError(f"{what}: saved big-endian; only little-endian is read")
         storages: dict[str, torch.storage.TypedStorage] = {}
 
         def persistent_load(pid: tuple) -> torch.storage.TypedStorage:
@@ -76,7 +78,7 @@ def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> An
                 nbytes = numel * torch._utils._element_size(dtype)
                 at = zf.get_record_offset(name) if name in records else -1
                 if at < 0 or at + nbytes > length:
-                    raise ConvertError(f"{what}: storage {key} is missing or truncated")
+                    raise CheckpointFileError(f"{what}: storage {key} is missing or truncated")
                 untyped = raw.untyped_storage()[at : at + nbytes]
                 storages[key] = torch.storage.TypedStorage(
                     wrap_storage=untyped, dtype=dtype, _internal=True
@@ -87,10 +89,10 @@ def load_torch_file(path: str | Path, offset: int, length: int, what: str) -> An
         unpickler.persistent_load = persistent_load
         try:
             return unpickler.load()
-        except ConvertError:
+        except CheckpointFileError:
             raise
         except Exception as exc:  # noqa: BLE001 - one line naming the file
-            raise ConvertError(str(safe_pickle.refusal(what, exc))) from None
+            raise CheckpointFileError(str(safe_pickle.refusal(what, exc))) from None
     finally:
         src.close()
         view.release()

@@ -1,9 +1,9 @@
-"""Which model a Megatron checkpoint holds, read from the checkpoint itself.
+"""The model Megatron-LM's stored ``args`` describe, and the family ``--model-type-hf`` names.
 
-anyspeed writes its :class:`ModelConfig` under ``anyspeed_model``; Megatron-LM's
-``pretrain_gpt.py`` (with or without the one line) stores its parsed ``args``, whose
-architecture fields are Megatron-LM's argument names. The HF family is not in the args (LLaMA
-and Mistral share them): ``--model-type-hf`` names it, else the closest family is inferred.
+Megatron-LM's ``pretrain_gpt.py`` (with or without the one line) stores its parsed ``args``,
+whose architecture fields are Megatron-LM's argument names (anyspeed's own record:
+:mod:`.record`). The HF family is not in the args (LLaMA and Mistral share them):
+``--model-type-hf`` names it, else the closest family is inferred.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from anyspeed.convert.errors import ConvertError
+from anyspeed.checkpoint.errors import ModelRecordError
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import FAMILIES
 
@@ -41,10 +41,10 @@ _REQUIRED = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swi
 
 
 def family_for(model_type_hf: str) -> str:
-    """The family ``--model-type-hf`` names; ConvertError listing the choices otherwise."""
+    """The family ``--model-type-hf`` names; ModelRecordError listing the choices otherwise."""
     family = MODEL_TYPE_HF.get(model_type_hf.lower())
     if family is None:
-        raise ConvertError(
+        raise ModelRecordError(
             f"--model-type-hf {model_type_hf}: choose from {', '.join(MODEL_TYPE_HF)}"
         )
     return family
@@ -54,11 +54,11 @@ def megatron_lm_model(
     args: argparse.Namespace, where: str | Path, model_type_hf: str | None = None
 ) -> ModelConfig:
     """The architecture Megatron-LM's stored ``args`` describe (its argument names), in the
-    family ``model_type_hf`` names; ConvertError naming the argument when none fits."""
+    family ``model_type_hf`` names; ModelRecordError naming the argument when none fits."""
     for name, want in _REQUIRED.items():
         have = getattr(args, name, None)
         if have != want:
-            raise ConvertError(
+            raise ModelRecordError(
                 f"{where}: the checkpoint's args have {name}={have!r}; the supported HF "
                 f"families need {want!r}"
             )
@@ -68,11 +68,11 @@ def megatron_lm_model(
     values.setdefault("norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5))
     values["model"] = None
     if not isinstance(values.get("padded_vocab_size"), int):
-        raise ConvertError(f"{where}: the checkpoint's args have no padded_vocab_size")
+        raise ModelRecordError(f"{where}: the checkpoint's args have no padded_vocab_size")
     try:
         model = ModelConfig.from_args(argparse.Namespace(**values))
     except (TypeError, ValueError) as exc:
-        raise ConvertError(f"{where}: the checkpoint's args: {exc}") from None
+        raise ModelRecordError(f"{where}: the checkpoint's args: {exc}") from None
     if model.kv_channels == model.hidden_size // model.num_attention_heads:
         model = dataclasses.replace(model, kv_channels=None)  # Megatron-LM stores the default
     if model_type_hf:
@@ -81,15 +81,15 @@ def megatron_lm_model(
 
 
 def check_family(model: ModelConfig, where: str | Path, model_type_hf: str | None) -> ModelConfig:
-    """``model`` when its family's traits (QKV bias, QK norm) match it, else ConvertError."""
+    """``model`` when its family's traits (QKV bias, QK norm) match it, else ModelRecordError."""
     if model_type_hf and family_for(model_type_hf) != model.family:
-        raise ConvertError(f"--model-type-hf {model_type_hf}: {where} holds a {model.family} "
+        raise ModelRecordError(f"--model-type-hf {model_type_hf}: {where} holds a {model.family} "
                            "model")  # fmt: skip
     traits = FAMILIES[model.family]
     for have, want, arg in ((model.add_qkv_bias, traits.qkv_bias, "add_qkv_bias"),
                             (model.qk_layernorm, traits.qk_norm, "qk_layernorm")):  # fmt: skip
         if have != want:
-            raise ConvertError(
+            raise ModelRecordError(
                 f"{where}: {model.family} models have {arg}={want}, the checkpoint's args "
                 f"{have} (pass the right --model-type-hf)"
             )
