@@ -50,14 +50,14 @@ def _pretrain(argv: list[str]) -> subprocess.CompletedProcess:
 def trained(tmp_path_factory):
     """The checkpoint, and the architecture the flags describe (parsed as pretrain parses
     them, independently of what the checkpoint recorded)."""
-    from anyspeed.training.pretrain import prepare
+    from anyspeed.training.prepare import prepare
 
     root = tmp_path_factory.mktemp("pretrained")
     ck = root / "ck"
     _pretrain(_flags(3) + ["--save", str(ck), "--save-interval", "3"])
-    args, _ = prepare(_flags(3), "launcher")
+    run, _ = prepare(_flags(3), "launcher")
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
-    return ck, args.model_config, tokens
+    return ck, run.model, tokens
 
 
 def _converts(ck: Path, out: Path, model, tokens) -> None:
