@@ -184,3 +184,29 @@ def test_probe_names_each_missing_protection_with_a_reason() -> None:
     lines = missing_protections()
     assert len(lines) == len(probe())
     assert all("\n" not in line and line.startswith("HumanEval sandbox: no ") for line in lines)
+
+
+def test_a_refused_protection_is_named_and_the_rest_still_hold(tmp_path: Path) -> None:
+    """As root of a user namespace (a rootless container) no other uid exists: separate-user
+    is reported missing with the kernel's reason, while the mount namespace still keeps files
+    outside the work dir and the dropped capabilities keep it from being remounted."""
+    if not shutil.which("unshare") or subprocess.run(
+        ["unshare", "--user", "--map-root-user", "true"], capture_output=True
+    ).returncode:  # fmt: skip
+        pytest.skip("no unprivileged user namespaces here")
+    victim = tmp_path / "victim"
+    victim.write_text("original")
+    os.chmod(tmp_path, 0o777)
+    os.chmod(victim, 0o666)
+    code = (
+        "import json\nfrom anyspeed.inference.eval import execution as E\n"
+        f"o = E.run_program('t', {f'open({str(victim)!r}, chr(119)).write(chr(120))'!r})\n"
+        "print(json.dumps({'lines': E.missing_protections(), 'reason': o.reason}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", code],
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert any(line.startswith("HumanEval sandbox: no separate-user (") for line in out["lines"])
+    assert "Read-only file system" in out["reason"] and victim.read_text() == "original"

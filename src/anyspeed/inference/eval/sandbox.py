@@ -38,7 +38,7 @@ CLONE = {"read-only-filesystem": 0x00020000, "pid-namespace": 0x20000000,
 CLONE_NEWUSER = 0x10000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x4000, 1 << 18, 2, 4, 8
 AT_RECURSIVE, MOUNT_ATTR_RDONLY, SYS_MOUNT_SETATTR = 0x8000, 1, 442
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 1, 36, 38, 24
 UID_BASE = 1_000_000_000  # far above any real user; unique per launcher pid
 PROTECTIONS = ("pid-namespace", "network-namespace", "read-only-filesystem", "separate-user")
 # Runs in the program's interpreter before the program: a clearer message for the common
@@ -156,13 +156,30 @@ def setup_child(cfg: dict, use: list[str], strict: bool) -> dict[str, str]:
                 raise OSError(f"separate-user: {why}")
             missing["separate-user"] = why
         else:
-            uid = cfg["uid"]
-            resource.setrlimit(resource.RLIMIT_NPROC, (lim["processes"], lim["processes"]))
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+            try:  # root inside a user namespace may have no other uid mapped (EINVAL)
+                os.setgroups([])
+                os.setgid(cfg["uid"])
+                os.setuid(cfg["uid"])
+                resource.setrlimit(resource.RLIMIT_NPROC, (lim["processes"],) * 2)
+            except OSError as exc:
+                if strict or os.getuid() != 0:  # half changed: never run the program
+                    raise
+                missing["separate-user"] = f"setuid({cfg['uid']}): {exc.strerror}"
+    _drop_capabilities()
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid: it clears it
     return missing
+
+
+def _drop_capabilities() -> None:
+    """No capability left, none to regain (no-new-privs, an empty bounding set): a program
+    that still runs as root (no separate-user) cannot remount, unshare its way out or load
+    anything into the kernel. After a setuid away from root they are already gone."""
+    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    for cap in range(64):
+        _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last one: ignored
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: all empty
+    _call("capset", _libc.capset(header, data))
 
 
 def _expose_python(cfg: dict, use: list[str]) -> str | None:
@@ -236,11 +253,16 @@ def launch(cfg: dict, status_fd: int) -> dict:
     if os.getppid() == 1:  # the evaluator is already gone
         return {"error": "the evaluator exited"}
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    if "separate-user" in use and os.getuid() == 0:
-        os.chown(cfg["workdir"], cfg["uid"], cfg["uid"])
     os.set_inheritable(status_fd, False)
     try:
         missing = enter_namespaces(use, strict, ("pid-namespace",))
+        if "separate-user" in use and os.getuid() == 0:
+            try:  # the work dir becomes the program's
+                os.chown(cfg["workdir"], cfg["uid"], cfg["uid"])
+            except OSError as exc:  # root in a user namespace: no other uid is mapped
+                if strict:
+                    raise
+                missing["separate-user"] = f"chown to uid {cfg['uid']}: {exc.strerror}"
     except OSError as exc:
         return {"error": f"sandbox setup: {exc.strerror or exc}"}
     use = [p for p in use if p not in missing]
