@@ -32,6 +32,7 @@ import os
 import resource
 import signal
 import sys
+import time
 
 CLONE = {"read-only-filesystem": 0x00020000, "pid-namespace": 0x20000000,
          "network-namespace": 0x40000000}  # fmt: skip
@@ -149,8 +150,8 @@ def setup_child(cfg: dict, use: list[str], strict: bool) -> dict[str, str]:
         resource.setrlimit(getattr(resource, name), (value, value))
     os.setsid()  # kill(0, ...) reaches the program's own group only
     cfg["exec"] = cfg["python"]
-    if "separate-user" in use:
-        why = "the evaluator does not run as root" if os.getuid() else _expose_python(cfg, use)
+    if "separate-user" in use:  # root here: the launcher dropped it otherwise
+        why = _expose_python(cfg, use)
         if why:
             if strict:
                 raise OSError(f"separate-user: {why}")
@@ -239,6 +240,7 @@ def end_tree() -> None:
                 pass
         except ChildProcessError:
             return
+        time.sleep(0.005)  # killed ones still exiting
 
 
 def _timeout(signum: int, frame: object) -> None:
@@ -254,9 +256,14 @@ def launch(cfg: dict, status_fd: int) -> dict:
         return {"error": "the evaluator exited"}
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     os.set_inheritable(status_fd, False)
+    if "separate-user" in use and os.getuid() != 0:  # checked before a user namespace
+        if strict:
+            return {"error": "sandbox setup: separate-user needs an evaluator running as root"}
+        use.remove("separate-user")
+        cfg["missing"] = {"separate-user": "the evaluator does not run as root"}
     try:
-        missing = enter_namespaces(use, strict, ("pid-namespace",))
-        if "separate-user" in use and os.getuid() == 0:
+        missing = dict(cfg.get("missing", {}), **enter_namespaces(use, strict, ("pid-namespace",)))
+        if "separate-user" in use:
             try:  # the work dir becomes the program's
                 os.chown(cfg["workdir"], cfg["uid"], cfg["uid"])
             except OSError as exc:  # root in a user namespace: no other uid is mapped
