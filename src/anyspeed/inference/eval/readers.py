@@ -123,16 +123,31 @@ def _need(rec: dict, keys: tuple[str, ...], where: str) -> None:
         raise TaskDataError(f"{where}: a record lacks {', '.join(missing)}")
 
 
+def _truth(value: object, where: str) -> bool:
+    """A BoolQ answer: a JSON bool, "true" / "false" (any case) or 0 / 1. Anything else is an
+    error: ``bool("false")`` is True, so a string must never go through ``bool``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("true", "false", "0", "1"):
+        return text in ("true", "1")
+    raise TaskDataError(f"{where}: answer {value!r} is not true/false (a JSON bool, "
+                        '"true"/"false" or 0/1)')  # fmt: skip
+
+
 def read_boolq(root: str) -> list[tuple[str, str, bool]]:
     """(passage, question, answer) triples."""
     path = _one_file(root, ("val", "dev", "test"))
     out = []
-    for rec in read_jsonl(path):
-        _need(rec, ("question", "passage"), path)
+    for i, rec in enumerate(read_jsonl(path), 1):
+        where = f"{path}: record {i}"
+        _need(rec, ("question", "passage"), where)
         ans = rec.get("answer", rec.get("label"))
         if ans is None:
-            raise TaskDataError(f"{path}: a record has neither answer nor label")
-        out.append((rec["passage"], rec["question"], bool(ans)))
+            raise TaskDataError(f"{where}: neither answer nor label")
+        out.append((rec["passage"], rec["question"], _truth(ans, where)))
     return out
 
 
