@@ -19,8 +19,9 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["RELEASE", "TRACKER", "iteration_dir", "legacy_ranks", "pid_alive", "rank_dir_name",
-           "read_tracker", "remove_stale", "write_tracker"]  # fmt: skip
+__all__ = ["LOCK", "RELEASE", "TRACKER", "DirectoryInUse", "iteration_dir", "legacy_ranks",
+           "lock_dir", "lock_holder", "pid_alive", "rank_dir_name", "read_tracker",
+           "remove_stale", "unlock_dir", "write_tracker"]  # fmt: skip
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -84,13 +85,16 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale(root: str | os.PathLike[str]) -> list[str]:
-    """Remove what runs killed mid-write left in ``root`` (returns the names removed).
+    """Clear what runs killed mid-write left in ``root`` (returns the names removed or
+    restored). Call it from the one process that holds :func:`lock_dir` before its first save.
 
-    That is ``iter_*.tmp`` / ``release.tmp`` checkpoints being saved (``.old``: being
-    replaced by a save of the same iteration), the tracker's ``.tmp``,
-    and ``.NAME.partial-PID`` conversions whose process is gone; complete iteration
-    directories, the tracker and a live process's partial output are never touched. Call it
-    from one process (rank 0) before that run's first save.
+    ``iter_*.tmp`` / ``release.tmp`` (a save not yet committed), the tracker's ``.tmp`` and
+    ``.NAME.partial-PID`` conversions whose process is gone are removed. ``iter_N.old`` is the
+    previous copy of a checkpoint being replaced by a save of the same iteration: when
+    ``iter_N`` is missing (killed between the two renames) it is renamed back into place, so
+    the checkpoint the tracker names is never lost; otherwise it is removed. Complete
+    iteration directories, the tracker, the lock and a live process's partial output are
+    never touched.
     """
     root = os.fspath(root)
     try:
@@ -100,12 +104,19 @@ def remove_stale(root: str | os.PathLike[str]) -> list[str]:
     removed = []
     for name in sorted(names):
         path = os.path.join(root, name)
-        partial = _PARTIAL.match(name)
+        partial, staged = _PARTIAL.match(name), _STAGED.match(name)
+        if (
+            staged
+            and staged.group(2) == "old"
+            and not os.path.exists(os.path.join(root, staged.group(1)))
+        ):
+            os.replace(path, os.path.join(root, staged.group(1)))  # the replaced copy, back
+            removed.append(name)
+            continue
         if partial:
-            pid = int(partial.group(1))
-            stale = not pid_alive(pid)
+            stale = not pid_alive(int(partial.group(1)))
         else:
-            stale = name == TRACKER + ".tmp" or _STAGED.match(name) is not None
+            stale = name == TRACKER + ".tmp" or staged is not None
         if not stale:
             continue
         if os.path.isdir(path) and not os.path.islink(path):
@@ -116,6 +127,69 @@ def remove_stale(root: str | os.PathLike[str]) -> list[str]:
         if not os.path.lexists(path):
             removed.append(name)
     return removed
+
+
+LOCK = ".anyspeed.lock"
+
+
+class DirectoryInUse(RuntimeError):
+    """Another live run holds the directory's lock."""
+
+
+def lock_holder(root: str | os.PathLike[str]) -> int | None:
+    """The pid of the live process that holds ``root``'s lock, else None (no lock, or its
+    holder is gone: the kernel releases a dead process's lock)."""
+    import fcntl
+
+    path = os.path.join(os.fspath(root), LOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # held exclusively by someone (this process included)
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        pid = int(text) if text.isdigit() else -1
+        return None if pid == os.getpid() else pid
+    finally:
+        os.close(fd)
+    return None
+
+
+def lock_dir(root: str | os.PathLike[str]) -> int:
+    """Hold ``root``'s lock for the life of this process (returns the lock's descriptor; it is
+    released when the process ends, even by kill -9). A second run saving to the same
+    directory gets :class:`DirectoryInUse` naming the holder's pid."""
+    import fcntl
+
+    held = _HELD.get(os.path.realpath(os.fspath(root)))
+    if held is not None:  # this process holds it already (runs one after another)
+        return held
+    os.makedirs(os.fspath(root), exist_ok=True)
+    path = os.path.join(os.fspath(root), LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise DirectoryInUse(f"{os.fspath(root)} is in use by another run (pid {text or '?'}); "
+                             "wait for it to end or save elsewhere") from None  # fmt: skip
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[os.path.realpath(os.fspath(root))] = fd
+    return fd
+
+
+_HELD: dict[str, int] = {}  # this process's locks (kept open: closing would release them)
+
+
+def unlock_dir(root: str | os.PathLike[str]) -> None:
+    """Release this process's lock on ``root`` (a run that ends; tests run several)."""
+    fd = _HELD.pop(os.path.realpath(os.fspath(root)), None)
+    if fd is not None:
+        os.close(fd)
 
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")

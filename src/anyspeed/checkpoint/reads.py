@@ -31,6 +31,8 @@ def tracked_dir(root: str | os.PathLike[str]) -> str | None:
     if it is None:
         return None
     path = iteration_dir(root, it)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        return path + ".old"  # killed while replacing it: the previous copy is whole
     if not os.path.isdir(path):
         raise CheckpointFileError(
             f"{TRACKER} names {it!r} but {path} does not exist (a run stopped before saving "

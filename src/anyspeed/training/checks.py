@@ -131,6 +131,12 @@ def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | No
         raise UsageError("--save-interval needs --save DIR")
     if args.save:
         _check_writable(args.save, "--save")
+        from anyspeed.checkpoint.files import lock_holder
+
+        holder = lock_holder(args.save)
+        if holder is not None:
+            raise UsageError(f"--save {args.save!r} is in use by another run (pid {holder}); "
+                             "wait for it to end or choose another --save")  # fmt: skip
     load = _check_load(args, layout, world) if args.load else None
     if args.metrics_file:
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")

@@ -206,10 +206,22 @@ class CheckpointHook(Hook):
     def on_start(self, state: LoopState) -> None:
         resumed = self.run.load and not self.args.finetune
         self.last_saved = state.iteration if resumed else None
-        if self.args.save and is_rank0():  # what killed runs left there (never a checkpoint)
-            from anyspeed.checkpoint.files import remove_stale
+        if not self.args.save:
+            return
+        from anyspeed.checkpoint.errors import CheckpointError
+        from anyspeed.checkpoint.files import DirectoryInUse, lock_dir, remove_stale
+        from anyspeed.checkpoint.save_load import agree
 
-            remove_stale(self.args.save)
+        error = None
+        if is_rank0():  # one run per --save directory; then what killed runs left there
+            try:
+                lock_dir(self.args.save)
+                remove_stale(self.args.save)
+            except (DirectoryInUse, OSError) as exc:
+                error = f"--save {exc}" if isinstance(exc, DirectoryInUse) else str(exc)
+        error = agree(error)
+        if error:
+            raise CheckpointError(error)
 
     def save(self, state: LoopState) -> None:
         from anyspeed.checkpoint.save_load import save_checkpoint
@@ -244,6 +256,13 @@ class CheckpointHook(Hook):
     def on_end(self, state: LoopState, completed: bool) -> None:
         if self.args.save and self.last_saved != state.iteration:
             self.save(state)
+        self.on_abort(state)
+
+    def on_abort(self, state: LoopState) -> None:
+        if self.args.save and is_rank0():
+            from anyspeed.checkpoint.files import unlock_dir
+
+            unlock_dir(self.args.save)
 
 
 class FaultInjection(Hook):
