@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from test_sft_loss import cli
 
 from anyspeed.commands.train import posttrain as main
+from anyspeed.training.prepare import prepare
 
 LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "--lora-r", "4"]
 
@@ -48,15 +50,57 @@ def test_lora_target_that_does_not_exist(capsys, sft_data, tiny_qwen):
     assert "--lora-target-modules 'q_proj' is not a layer" in err and "linear_qkv" in err
 
 
+def _checkpoint(root, **common) -> str:
+    """A checkpoint directory with only its common state (what the pre-start checks read)."""
+    (root / "iter_0000002").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    (root / "iter_0000002" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    torch.save({"iteration": 2, **common}, root / "iter_0000002" / "common.pt")
+    return str(root)
+
+
 def test_lora_load_of_another_rank(capsys, sft_data, tiny_qwen, tmp_path):
-    ckpt = tmp_path / "lora"
-    (ckpt / "iter_0000002").mkdir(parents=True)
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    (ckpt / "iter_0000002" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     saved = {"r": 8, "alpha": 16.0, "target_modules": ["linear_proj", "linear_qkv"]}
-    torch.save({"iteration": 2, "anyspeed_lora": saved}, ckpt / "iter_0000002" / "common.pt")
-    err = _error(capsys, cli(tiny_qwen, sft_data["padded"], *LORA, "--lora-load", str(ckpt)))
+    ckpt = _checkpoint(tmp_path / "lora", anyspeed_lora=saved)
+    err = _error(capsys, cli(tiny_qwen, sft_data["padded"], *LORA, "--lora-load", ckpt))
     assert "was trained with --lora-r 8, not 4" in err
+
+
+def test_lora_load_of_another_alpha(capsys, sft_data, tiny_qwen, tmp_path):
+    saved = {"r": 4, "alpha": 16.0, "target_modules": ["linear_proj", "linear_qkv"]}
+    ckpt = _checkpoint(tmp_path / "lora", anyspeed_lora=saved)
+    err = _error(capsys, cli(tiny_qwen, sft_data["padded"], *LORA, "--lora-alpha", "8",
+                             "--lora-load", ckpt))  # fmt: skip
+    assert "was trained with --lora-alpha 16.0, not 8.0" in err
+
+
+@pytest.mark.parametrize("flag", [["--lora-r", "8"], ["--lora-alpha", "16"],
+                                  ["--lora-dropout", "0.1"],
+                                  ["--lora-modules-to-save", "output_layer"]])  # fmt: skip
+def test_lora_flags_without_targets(capsys, sft_data, tiny_qwen, flag):
+    """Without --lora-target-modules the run would be full fine-tuning: refused."""
+    err = _error(capsys, cli(tiny_qwen, sft_data["padded"], *flag))
+    assert f"{flag[0]} needs --lora-target-modules" in err
+
+
+def test_resuming_another_stage_needs_finetune(capsys, sft_data, tmp_path):
+    """A pretraining checkpoint under --stage sft without --finetune would continue its
+    iteration count and optimizer silently: refused, naming both stages."""
+    from test_sft_lengths import _argv, arch
+
+    from anyspeed.commands.train import pretrain
+
+    ckpt = str(tmp_path / "pre")
+    assert pretrain([*arch(sft_data["tok"], 96), "--mock-data", "--micro-batch-size", "1", "--global-batch-size",
+                     "1", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0",
+                     "--save", ckpt, "--no-progress-bar"]) == 0  # fmt: skip
+    capsys.readouterr()
+    err = _error(capsys, _argv(sft_data["padded"], sft_data["tok"], 96, "--load", ckpt))
+    assert "holds a pretrain checkpoint and this run is sft: add --finetune" in err
+    os.environ.pop("WORLD_SIZE", None)
+    run, _ = prepare(_argv(sft_data["padded"], sft_data["tok"], 96, "--load", ckpt,
+                           "--finetune"), "launcher", "posttrain")  # fmt: skip
+    assert run.load == ckpt  # with --finetune it starts from the weights
 
 
 def test_packed_flags_on_unpacked_data(capsys, sft_data, tiny_qwen):

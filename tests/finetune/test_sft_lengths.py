@@ -17,12 +17,17 @@ from helpers.instruction import preprocess
 VOCAB = 768
 
 
-def _argv(prefix: str, tok: str, seq: int, *extra: str) -> list[str]:
-    return ["--stage", "sft", "--is-instruction-dataset", "--data-path", prefix,
-            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+def arch(tok: str, seq: int) -> list[str]:
+    """A tiny model's flags with the session's tokenizer."""
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok,
             "--padded-vocab-size", str(VOCAB), "--seq-length", str(seq),
-            "--max-position-embeddings", "512", "--micro-batch-size", "1",
+            "--max-position-embeddings", "512"]  # fmt: skip
+
+
+def _argv(prefix: str, tok: str, seq: int, *extra: str) -> list[str]:
+    return ["--stage", "sft", "--is-instruction-dataset", "--data-path", prefix,
+            *arch(tok, seq), "--micro-batch-size", "1",
             "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
             "--split", "100,0,0", *extra]  # fmt: skip
 

@@ -138,7 +138,9 @@ def train(run: Run, extra_hooks: Sequence[Hook] = (), task: Any = None) -> dict[
         H.NanGuard(run.args.save),
         H.LogHook(reporter, run, run.model.flops_per_token(run.seq_length), peak, task.loss_key),
         H.EvalHook(reporter, run, task, valid_ds, test_ds, device),
-        H.CheckpointHook(run, {**model_record(run.model), **run.records}),
+        H.CheckpointHook(
+            run, {**model_record(run.model), "anyspeed_stage": run.stage, **run.records}
+        ),
         *extra_hooks,
     ]
     try:

@@ -224,9 +224,14 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
     """The checked LoRA flags of ``args`` (None without --lora-target-modules); UsageError on
     an unknown target, bad sizes or a --lora-load that does not fit."""
     if not args.lora_target_modules:
-        if args.lora_load:
+        flags = (("--lora-load", args.lora_load), ("--lora-r", args.lora_r),
+                 ("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout),
+                 ("--lora-modules-to-save", args.lora_modules_to_save))  # fmt: skip
+        given = [f for f, v in flags if v is not None and v != []]
+        if given:  # else the run would silently be full fine-tuning
             raise UsageError(
-                "--lora-load needs --lora-target-modules (and the --lora-r it was trained with)"
+                f"{given[0]} needs --lora-target-modules (the layers to adapt, of "
+                f"{' '.join(LORA_TARGETS)}); without it the run is full fine-tuning"
             )
         return None
     bad = [t for t in args.lora_target_modules if t not in LORA_TARGETS]
@@ -235,11 +240,13 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
             f"--lora-target-modules {bad[0]!r} is not a layer of this model; "
             f"choose from {' '.join(LORA_TARGETS)}"
         )
-    if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
+    r = 16 if args.lora_r is None else args.lora_r
+    alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
+    dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
+    if r < 1 or alpha <= 0 or not 0 <= dropout < 1:
         raise UsageError("--lora-r must be >= 1, --lora-alpha > 0 and --lora-dropout in [0, 1)")
-    cfg = LoRAConfig(tuple(args.lora_target_modules), args.lora_r, args.lora_alpha,
-                     args.lora_dropout, tuple(args.lora_modules_to_save), args.lora_load,
-                     args.seed)  # fmt: skip
+    cfg = LoRAConfig(tuple(args.lora_target_modules), r, alpha, dropout,
+                     tuple(args.lora_modules_to_save), args.lora_load, args.seed)  # fmt: skip
     if cfg.load:
         _check_lora_load(cfg)
     return cfg
@@ -276,9 +283,9 @@ def _check_lora_load(cfg: LoRAConfig) -> None:
             "(saved without --lora-target-modules)"
         )
     want = cfg.record()
-    for k in ("r", "target_modules"):
-        if saved[k] != want[k]:
-            flag = "--lora-r" if k == "r" else "--lora-target-modules"
+    flags = {"r": "--lora-r", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules"}
+    for k, flag in flags.items():
+        if k in saved and saved[k] != want[k]:  # 8 == 8.0: alpha may be int or float
             raise UsageError(
                 f"--lora-load {cfg.load!r} was trained with {flag} "
                 f"{saved[k]}, not {want[k]}; pass the same {flag}"

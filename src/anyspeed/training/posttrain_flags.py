@@ -20,9 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"what to train: {', '.join(POSTTRAIN_STAGES)}",
     )  # fmt: skip
     g = p.add_argument_group("LoRA")
-    g.add_argument("--lora-r", type=int, default=16)
-    g.add_argument("--lora-alpha", type=float, default=32)
-    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-r", type=int, default=None, help="adapter rank (default 16)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="scale alpha / r (default 32)")
+    g.add_argument("--lora-dropout", type=float, default=None, help="(default 0)")
     g.add_argument(
         "--lora-target-modules",
         nargs="*",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from anyspeed.argv import get_flag, set_flag
+from anyspeed.errors import UsageError
 from anyspeed.training import checks, hf_load
 from anyspeed.training.arguments import parse_pretrain_args
 from anyspeed.training.run import Run, freeze
@@ -45,7 +46,26 @@ def prepare(argv: list[str], where: str | None = None,
     if hf_dir:
         load = hf_load.convert(args, hf_dir, prog)
         argv = set_flag(argv, "--load", load)
+    if load and not hf_dir and not args.finetune and not getattr(plan.config, "lora", None):
+        _check_resumed_stage(load, stage.name)
     run = Run(stage=stage.name, prog=prog, args=args, model=checked.model, layout=checked.layout,
               train=checked.train, world=world, tokenizer=tokenizer, load=load, hf_dir=hf_dir,
               config=plan.config, data=plan.data, records=dict(plan.records))  # fmt: skip
     return run, argv
+
+
+def _check_resumed_stage(load: str, stage: str) -> None:
+    """Resuming (no --finetune) continues the run that wrote ``load``: a checkpoint of
+    another stage (a pretraining checkpoint under ``--stage sft``, or back) is refused.
+    Checkpoints written before stages were recorded, and iteration-0 ones, pass."""
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+
+    path = tracked_dir(load)
+    common = read_common(path) if path else {}
+    saved = common.get("anyspeed_stage")
+    if saved and saved != stage and int(common.get("iteration", 0) or 0) > 0:
+        raise UsageError(
+            f"--load {load!r} holds a {saved} checkpoint and this run is {stage}: add "
+            f"--finetune to start from its weights at iteration 0, or --load a {stage} "
+            "checkpoint to resume it"
+        )
