@@ -91,9 +91,10 @@ def test_resuming_another_stage_needs_finetune(capsys, sft_data, tmp_path):
     from anyspeed.commands.train import pretrain
 
     ckpt = str(tmp_path / "pre")
-    assert pretrain([*arch(sft_data["tok"], 96), "--mock-data", "--micro-batch-size", "1", "--global-batch-size",
-                     "1", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0",
-                     "--save", ckpt, "--no-progress-bar"]) == 0  # fmt: skip
+    flags = ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1",
+             "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--save", ckpt,
+             "--no-progress-bar"]  # fmt: skip
+    assert pretrain([*arch(sft_data["tok"], 96), *flags]) == 0
     capsys.readouterr()
     err = _error(capsys, _argv(sft_data["padded"], sft_data["tok"], 96, "--load", ckpt))
     assert "holds a pretrain checkpoint and this run is sft: add --finetune" in err
