@@ -28,9 +28,38 @@ def free_port() -> int:
 
 
 def torchrun_command(nproc: int, module: str, argv: list[str]) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node=N -m module argv...``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", module, *argv]  # fmt: skip
+    """torchrun (``--standalone --nproc-per-node=N -m module argv...``) through
+    :func:`torchrun_main`, which turns a rank's death into one line."""
+    return [sys.executable, "-m", "anyspeed.launch", f"anyspeed {argv[0]}" if argv else module,
+            "--standalone", f"--nproc-per-node={nproc}", "-m", module, *argv]  # fmt: skip
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """``python -m anyspeed.launch PROG TORCHRUN-ARGS...``: torchrun itself, quiet. A rank that
+    ended with exit code 1 has said why in one line; one killed by a signal (or ending with
+    another code) gets one line here, instead of torchrun's log lines and traceback."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    prog, rest = argv[0], argv[1:]
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(rest))
+    except ChildFailedError as exc:
+        # A rank that exits 1 has said why; the others' deaths are what this line is for.
+        unsaid = {r: f for r, f in exc.failures.items() if f.exitcode != 1}
+        if not unsaid:
+            return 1
+        rank = min(unsaid, key=lambda r: unsaid[r].timestamp)
+        failure = unsaid[rank]
+        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"ended with exit code {failure.exitcode}")  # fmt: skip
+        print(f"{prog}: error: rank {rank} (pid {failure.pid}) {how}; every rank has stopped "
+              "(checkpoints already written are complete)", file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    return 0
 
 
 def torchrun_env(nproc: int) -> dict[str, str]:
@@ -128,3 +157,7 @@ def supervise(cmd: list[str], env: dict[str, str], prog: str, grace_s: float = 1
               file=sys.stderr, flush=True)  # fmt: skip
         return 128 + got[0]
     return proc.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(torchrun_main(sys.argv[1:]))

@@ -87,6 +87,8 @@ def main(argv: Sequence[str] | None = None, command: str = "pretrain") -> int:
     except (NonFiniteLoss, CheckpointError, DataExhausted) as exc:  # rank 0 says why
         return report(prog, exc, code=1) if is_rank0() else 1
     except RuntimeError as exc:
+        if stall.is_peer_lost(exc):
+            stall.exit_on_lost_peer(prog)  # another rank's process ended; exits
         if not stall.is_timeout(exc):
             raise
         stall.exit_on_stall(prog, run.args.distributed_timeout_minutes)  # one line; exits

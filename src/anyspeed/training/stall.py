@@ -51,6 +51,25 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that lost a peer (its process ended: killed, crashed)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("connection reset by peer", "connection closed by peer",
+                            "broken pipe", "connection refused"))  # fmt: skip
+
+
+def exit_on_lost_peer(prog: str) -> NoReturn:
+    """After a collective lost a peer: one line (unless our launcher reports the rank that
+    ended), exit 1 at once without tearing down the broken group."""
+    if not os.environ.get("ANYSPEED_LAUNCHED"):
+        print(f"{prog}: error: rank {_rank()} lost contact with another rank (its process "
+              "ended); stopping (checkpoints already written are complete)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def _settle(store: Any, world: int, settle_s: float) -> set[int]:
     """The ranks that checked in, once no new one arrived for ``settle_s`` seconds (one
     counter is polled, so a large job does not flood the store)."""
