@@ -94,7 +94,10 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preset: ModelCon
 
 
 def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelConfig) -> torch.Tensor:
-    return fuse_qkv(*tensors, preset) if f.kind == "qkv" else torch.cat(tensors, dim=0)
+    if f.kind != "qkv":
+        return torch.cat(tensors, dim=0)
+    q, k, v = tensors
+    return fuse_qkv(q, k, v, preset)
 
 
 def _part_rows(f: Fused, rows: int, preset: ModelConfig) -> list[list[tuple[int, int]]]:
