@@ -88,7 +88,7 @@ def _probe(preset: ModelConfig) -> tuple[ModelConfig, dict[bool, int]]:
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def _checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int, ...]]]:
+def checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int, ...]]]:
     """Megatron tensor name -> (its sharded key in a checkpoint, its index on the key's leading
     axes: the layer of a layer-stacked key, or the expert of an expert-stacked one).
 
@@ -139,7 +139,7 @@ def read_torch_dist(
     from anyspeed.convert.dcp_io import DcpReader
 
     reader = DcpReader(it_dir)
-    checkpoint_key = _checkpoint_keys(preset)
+    checkpoint_key = checkpoint_keys(preset)
     for group in groups:
         out = {}
         for name in group_names(group):

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from anyspeed.errors import UsageError
+from anyspeed.models.lora import ADAPTER, TARGETS, A, B, LoraRecord
 
-ADAPTER = ".lora_"
 VIEWS = ("all", "base", "adapters")
 
 
@@ -40,11 +40,6 @@ def _layers(chunk: torch.nn.Module):
         for name, mod in layer.named_modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
                 yield f"{layer.layer_number}.{name}", name.rsplit(".", 1)[-1], mod
-
-
-def target_names(chunk: torch.nn.Module) -> set[str]:
-    """The adaptable module names (last component) of ``chunk``."""
-    return {short for _, short, _ in _layers(chunk)}
 
 
 def _init_a(key: str, r: int, fan_in: int, seed: int) -> torch.Tensor:
@@ -109,7 +104,7 @@ def _sharded(mod: torch.nn.Module, base: Callable, column: bool) -> Callable:
     """The layer's sharded state dict with the adapters sharded as they are held."""
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    axes = {"lora_B": 0} if column else {"lora_A": 1}
+    axes = {B: 0} if column else {A: 1}
 
     # A gated fc1 holds [gate shard; up shard] per rank: its lora_B is saved as Megatron saves
     # the weight (global [gate; up]), so the checkpoint reshards and merges like the weight.
@@ -119,11 +114,11 @@ def _sharded(mod: torch.nn.Module, base: Callable, column: bool) -> Callable:
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
         out = base(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
-        own = {"lora_A": mod.lora_A, "lora_B": mod.lora_B}
+        own = {A: mod.lora_A, B: mod.lora_B}
         own = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets)
         if gated:
             single = (metadata or {}).get("singleton_local_shards", False)
-            key = f"{prefix}lora_B"
+            key = f"{prefix}{B}"
             own[key] = apply_swiglu_sharded_factory(own[key], sharded_offsets, single)
         out.update(own)
         return out
@@ -211,28 +206,22 @@ def transform_from_args(args: argparse.Namespace) -> Callable:
     return transform
 
 
-def lora_config(args: argparse.Namespace) -> dict[str, Any]:
+def record(args: argparse.Namespace) -> LoraRecord:
     """What a LoRA checkpoint records, so a mismatched --lora-load is refused up front."""
-    return {
-        "r": args.lora_r,
-        "alpha": args.lora_alpha,
-        "target_modules": sorted(args.lora_target_modules),
-    }
+    return LoraRecord.of(args.lora_r, args.lora_alpha, args.lora_target_modules)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """The LoRA flags: known targets, sane sizes, a --lora-load that fits (UsageError)."""
-    from anyspeed.training.posttrain import LORA_TARGETS
-
-    bad = [t for t in args.lora_target_modules if t not in LORA_TARGETS]
+    bad = [t for t in args.lora_target_modules if t not in TARGETS]
     if bad:
         raise UsageError(
             f"--lora-target-modules {bad[0]!r} is not a layer of this model; "
-            f"choose from {' '.join(LORA_TARGETS)}"
+            f"choose from {' '.join(TARGETS)}"
         )
     if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
         raise UsageError("--lora-r must be >= 1, --lora-alpha > 0 and --lora-dropout in [0, 1)")
-    args.checkpoint_extra = {"anyspeed_lora": lora_config(args)}
+    args.checkpoint_extra = record(args).to_common()
     if args.lora_load:
         _check_lora_load(args)
 
@@ -247,17 +236,17 @@ def _check_lora_load(args: argparse.Namespace) -> None:
         raise UsageError(f"--lora-load {args.lora_load!r}: {exc}") from None
     if common is None:
         raise UsageError(f"--lora-load {args.lora_load!r}: not a checkpoint directory")
-    saved = common.get("anyspeed_lora")
+    saved = LoraRecord.from_common(common)
     if saved is None:
         raise UsageError(
             f"--lora-load {args.lora_load!r} is not a LoRA checkpoint "
             "(saved without --lora-target-modules)"
         )
-    want = lora_config(args)
-    for k in ("r", "target_modules"):
-        if saved[k] != want[k]:
-            flag = "--lora-r" if k == "r" else "--lora-target-modules"
-            raise UsageError(
-                f"--lora-load {args.lora_load!r} was trained with {flag} "
-                f"{saved[k]}, not {want[k]}; pass the same {flag}"
-            )
+    # r and the targets decide the adapters' shapes; alpha only scales them.
+    want = record(args)
+    wrong = saved.mismatch(r=want.r, target_modules=want.target_modules)
+    if wrong:
+        flag = wrong.split()[0]
+        raise UsageError(
+            f"--lora-load {args.lora_load!r} was trained with {wrong}; pass the same {flag}"
+        )

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from anyspeed.errors import UsageError
+from anyspeed.models.lora import TARGETS as LORA_TARGETS
 from anyspeed.training import pretrain
 from anyspeed.training.arguments import build_parser, parse_pretrain_args
 from anyspeed.training.checks import check_args
 
 PROG = "anyspeed posttrain"
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
