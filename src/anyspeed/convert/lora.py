@@ -42,7 +42,8 @@ class Adapters:
                 f"posttrain (no {spec.RECORD} record)"
             )
         self.record = record
-        self.dir, self.reader, self.key_of = lora_dir, DcpReader(it_dir), checkpoint_keys(preset)
+        self.dir, self.it_dir, self.reader = lora_dir, it_dir, DcpReader(it_dir)
+        self.key_of = checkpoint_keys(preset)
         self.scale = record.scale
 
     def check(self, r: int | None, alpha: float | None, targets: list[str] | None) -> None:
@@ -56,15 +57,14 @@ class Adapters:
         if spec.target_of(name) not in self.record.target_modules:
             return None
         from anyspeed.convert.engine import materialize
+        from anyspeed.convert.torch_dist import read_entry
 
-        key, layer = self.key_of(name)
-        out = []
-        for part in (spec.A, spec.B):
-            k = spec.adapter_key(key, part)
-            shape = self.reader.shape(k)
-            at = (layer,) + (0,) * (len(shape) - 1)
-            out.append(materialize(self.reader.read(k, at, (1, *shape[1:]), squeeze=1)))
-        return out[0], out[1]
+        key, index = self.key_of(name)  # the adapters are keyed and stacked as the weight
+        a, b = (
+            materialize(read_entry(self.reader, spec.adapter_key(key, part), index, self.it_dir))
+            for part in (spec.A, spec.B)
+        )
+        return a, b
 
     def merged(self, groups: Iterator[tuple[Any, dict]]) -> Iterator[tuple[Any, dict]]:
         """``groups`` with every adapted weight replaced by W + scale * B @ A (in fp32)."""
