@@ -281,7 +281,7 @@ def run(args: argparse.Namespace, prep: Prepared, model: list, tok: Any) -> dict
 
 def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
                     tok: Any) -> dict[str, Any]:  # fmt: skip
-    from anyspeed.commands.generate import end_ids, text_of
+    from anyspeed.commands.prompting import end_ids, text_of
     from anyspeed.inference.decode import Request, generate
     from anyspeed.inference.generate import decode
 
