@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from anyspeed.models import get_preset
+from anyspeed.models.hf import hf_config
 
 
 def tiny_hf_model(
@@ -19,7 +20,7 @@ def tiny_hf_model(
     random, so a wrong mapping shows in the logits) plus stand-in tokenizer files."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(get_preset(preset).hf_config(), **overrides)
+    cfg = dict(hf_config(get_preset(preset)), **overrides)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     model = AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(seed)

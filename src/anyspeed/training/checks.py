@@ -16,7 +16,8 @@ import numpy as np
 
 from anyspeed.errors import UsageError
 from anyspeed.layout import Layout
-from anyspeed.models.config import ModelConfig, padded_vocab_size
+from anyspeed.models.config import padded_vocab_size
+from anyspeed.models.presets import model_from_args
 from anyspeed.training.config import TrainConfig
 
 
@@ -82,7 +83,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     _check_tokenizer_and_vocab(args)
     _check_data(args)
     args.layout, args.train_config = layout, train
-    args.model_config = ModelConfig.from_args(args)
+    args.model_config = model_from_args(args)
     try:
         args.model_config.check()
     except ValueError as exc:
