@@ -33,7 +33,7 @@ from pathlib import Path
 CHILD = """
 import json, sys, threading, time
 import psutil
-from anyspeed.convert.cli import main
+from anyspeed.commands.convert import main
 
 def peak_kb():  # this process's own high-water mark (not inherited from the parent)
     for line in open("/proc/self/status"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anyspeed.convert.cli import main as convert
+from anyspeed.commands.convert import main as convert
 from helpers import lora_ranks
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]

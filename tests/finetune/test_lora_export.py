@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_lora import lora_cli
 
-from anyspeed.convert.cli import main as convert
+from anyspeed.commands.convert import main as convert
 from anyspeed.testing import run_distributed
 from helpers import lora_ranks, sft_ranks
 

@@ -126,8 +126,8 @@ def layouts_logits(runs: list[dict], tokens) -> list[dict]:
 def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict]:
     """In one process: HF -> torch_dist (the CLI with --verify for ``cli_case``), TP1 logits
     from the result, torch_dist -> HF."""
+    from anyspeed.commands.convert import main as cli_main
     from anyspeed.convert import hf_to_megatron, mapped, megatron_to_hf
-    from anyspeed.convert.cli import main as cli_main
     from anyspeed.layout import Layout
     from anyspeed.training.distributed import init_distributed
 

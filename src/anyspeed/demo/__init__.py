@@ -77,7 +77,7 @@ def build_corpus(path: str, max_bytes: int) -> tuple[int, int]:
 def tokenizer_steps(workdir: str, corpus_mb: float, steps: int) -> tuple[int, str]:
     """Steps 1 and 2 of every demo: the stdlib corpus and a BPE tokenizer trained on it.
     Returns (exit code, tokenizer directory)."""
-    from anyspeed.data.cli import main as data_main
+    from anyspeed.commands.preprocess import main as data_main
 
     os.makedirs(workdir, exist_ok=True)
     corpus = os.path.join(workdir, "stdlib.jsonl")
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _pretrain(args: argparse.Namespace, extra: list[str]) -> int:
-    from anyspeed.data.cli import main as data_main
+    from anyspeed.commands.preprocess import main as data_main
     from anyspeed.training.pretrain import main as pretrain_main
 
     t0 = time.perf_counter()

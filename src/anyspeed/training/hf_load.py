@@ -104,7 +104,7 @@ def convert(argv: list[str], hf_dir: str, timeout: float = 3600.0) -> str:
                 f"({exc.strerror}); check --save"
             ) from None
         tp = _flag(argv, "--tensor-model-parallel-size", "1")
-        cmd = [sys.executable, "-m", "anyspeed.convert.cli", "--load-model-type", "hf",
+        cmd = [sys.executable, "-m", "anyspeed.cli", "convert", "--load-model-type", "hf",
                "--save-model-type", "mg", "--load-dir", hf_dir, "--save-dir", out,
                "--target-tensor-parallel-size", tp, "--make-vocab-size-divisible-by",
                _flag(argv, "--make-vocab-size-divisible-by", "128"),

@@ -18,9 +18,9 @@ from anyspeed.argv import pop_flag
 from anyspeed.errors import UsageError, report
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
+from anyspeed.models.memory import Options, RankMemory, estimate
 from anyspeed.models.presets import model_from_args
-from anyspeed.training.memory_estimate import Options, RankMemory, estimate
-from anyspeed.training.recompute import Recompute
+from anyspeed.models.recompute import Recompute
 
 PROG = "anyspeed memory"
 GIB = 2**30
