@@ -33,7 +33,7 @@ from pathlib import Path
 CHILD = """
 import json, sys, threading, time
 import psutil
-from anyspeed.convert.cli import main
+from anyspeed.commands.convert import main
 
 def peak_kb():  # this process's own high-water mark (not inherited from the parent)
     for line in open("/proc/self/status"):
@@ -70,6 +70,7 @@ def make_hf(directory: Path, preset_name: str, layers: int | None, shard: str) -
     from anyspeed.convert.hf_io import ShardedWriter
     from anyspeed.models import get_preset
     from anyspeed.models.families import mapping_for
+    from anyspeed.models.hf import hf_config
     from anyspeed.models.presets import HF_ARCHITECTURES
 
     preset = get_preset(preset_name)
@@ -82,7 +83,7 @@ def make_hf(directory: Path, preset_name: str, layers: int | None, shard: str) -
     for name, shape in shapes.items():
         writer.add({name: (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)})
     writer.close()
-    cfg = dict(preset.hf_config(), architectures=[HF_ARCHITECTURES[preset.family]],
+    cfg = dict(hf_config(preset), architectures=[HF_ARCHITECTURES[preset.family]],
                dtype="bfloat16")  # fmt: skip
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     (directory / "tokenizer.json").write_text("{}")

@@ -27,8 +27,9 @@ def _hf_model(directory: str, a: argparse.Namespace) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from anyspeed.models import get_preset
+    from anyspeed.models.hf import hf_config
 
-    cfg = dict(get_preset("tiny-llama3").hf_config(), hidden_size=a.hidden,
+    cfg = dict(hf_config(get_preset("tiny-llama3")), hidden_size=a.hidden,
                intermediate_size=a.hidden * 8 // 3 // 64 * 64, num_hidden_layers=a.layers,
                num_attention_heads=8, num_key_value_heads=4, head_dim=a.hidden // 8,
                vocab_size=a.vocab, max_position_embeddings=8192)  # fmt: skip

@@ -56,8 +56,8 @@ def feature_run(recompute: dict, seq: int, steps: int) -> dict:
 
 
 def _options(flags: list[str], recompute: dict, seq: int):
-    from anyspeed.training.memory_estimate import Options
-    from anyspeed.training.recompute import Recompute
+    from anyspeed.models.memory import Options
+    from anyspeed.models.recompute import Recompute
 
     return Options(seq_length=seq, micro_batch_size=1, recompute=Recompute(**recompute),
                    recompute_activation=None if "--recompute-activation-function" in flags
@@ -68,7 +68,7 @@ def longest_fitting(flags: list[str], recompute: dict, budget: float) -> int:
     """The longest sequence (a multiple of 256) whose estimated rank memory fits ``budget``."""
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig
-    from anyspeed.training.memory_estimate import estimate
+    from anyspeed.models.memory import estimate
 
     model, seq = ModelConfig(**MODEL), 0
     while estimate(model, Layout(), 1, _options(flags, recompute, seq + 256)).total <= budget:
@@ -79,7 +79,7 @@ def longest_fitting(flags: list[str], recompute: dict, budget: float) -> int:
 def main() -> None:
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig
-    from anyspeed.training.memory_estimate import estimate
+    from anyspeed.models.memory import estimate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-length", type=int, default=2048)

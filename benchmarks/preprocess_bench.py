@@ -109,7 +109,7 @@ def main() -> None:
                 dst.write(line)
         tok = os.path.join(d, "tok")
         subprocess.run(
-            [py, "-m", "anyspeed.data.cli", "train-tokenizer", "--input", sample,
+            [py, "-m", "anyspeed.cli", "train-tokenizer", "--input", sample,
              "--vocab-size", str(args.vocab_size), "--output-dir", tok],
             check=True, env=env, stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -120,7 +120,7 @@ def main() -> None:
         runs["naive (HF, 1 doc/call)"] = (wall, peak, float(err.strip() or "nan"), naive_bin)
         for w in sorted({1, args.workers}):
             prefix = os.path.join(d, f"w{w}")
-            cmd = [py, "-m", "anyspeed.data.cli", "preprocess", "--input", corpus,
+            cmd = [py, "-m", "anyspeed.cli", "preprocess", "--input", corpus,
                    "--output-prefix", prefix, "--tokenizer-name-or-path", tok,
                    "--append-eod", "--workers", str(w)]  # fmt: skip
             wall, peak, err = measure(cmd, env)

@@ -1,4 +1,5 @@
-"""``anyspeed`` command line: ``pretrain``, ``preprocess``, ``convert``, ``features`` and more.
+"""``anyspeed`` command line: ``pretrain``, ``posttrain``, ``preprocess``, ``convert``,
+``features`` and more (the command modules live in ``anyspeed.commands``).
 
 ``anyspeed features [TRAINING FLAGS...]`` lists every feature with its level, flags and
 availability on this device; given a training command line it also says which features would
@@ -70,15 +71,36 @@ COMMANDS = {
     "demo": _run("anyspeed.demo"),
     "pretrain": _run("anyspeed.commands.train", "pretrain"),
     "posttrain": _run("anyspeed.commands.train", "posttrain"),
-    "preprocess": _run("anyspeed.data.cli", prefix=["preprocess"]),
-    "train-tokenizer": _run("anyspeed.data.cli", prefix=["train-tokenizer"]),
-    "convert": _run("anyspeed.convert.cli"),
+    "preprocess": _run("anyspeed.commands.preprocess", prefix=["preprocess"]),
+    "train-tokenizer": _run("anyspeed.commands.preprocess", prefix=["train-tokenizer"]),
+    "convert": _run("anyspeed.commands.convert"),
     "models": _models,
-    "memory": _run("anyspeed.training.memory_command"),
+    "memory": _run("anyspeed.commands.memory"),
     "generate": _run("anyspeed.commands.generate"),
     "evaluate": _run("anyspeed.commands.evaluate"),
     "features": lambda argv: _features_report([a for a in argv if a != "--json"], "--json" in argv),
 }
+
+# What ``anyspeed --help`` says of each command (a test holds it to COMMANDS).
+USAGE = {
+    "demo": "demo [--sft | --moe]",
+    "pretrain": "pretrain [--nproc-per-node N] FLAGS...",
+    "posttrain": "posttrain --stage sft [--nproc-per-node N] FLAGS...",
+    "preprocess": "preprocess ...",
+    "train-tokenizer": "train-tokenizer ...",
+    "convert": "convert ...",
+    "models": "models",
+    "memory": "memory [--fits GiB] [--world-size N] TRAINING FLAGS...",
+    "generate": "generate --load DIR ...",
+    "evaluate": "evaluate --load DIR --task T ...",
+    "features": "features [--json] [TRAINING FLAGS...]",
+}
+
+
+def help_text() -> str:
+    """``anyspeed --help``: the module's description and every command of COMMANDS."""
+    usage = "".join(f"\n  anyspeed {USAGE.get(name, name)}" for name in COMMANDS)
+    return f"{__doc__.strip()}\n\ncommands:{usage}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,14 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"anyspeed {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        print(
-            "\ncommands: demo [--sft | --moe] | pretrain [--nproc-per-node N] FLAGS... | "
-            "preprocess ... | train-tokenizer ... | convert ... | models | "
-            "features [--json] [TRAINING FLAGS...] | "
-            "memory [--fits GiB] [--world-size N] TRAINING FLAGS... | generate --load DIR ... | "
-            "evaluate --load DIR --task T ..."
-        )
+        print(help_text())
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:

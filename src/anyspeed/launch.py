@@ -57,7 +57,8 @@ def torchrun_main(argv: list[str]) -> int:
         how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"ended with exit code {failure.exitcode}")  # fmt: skip
         print(f"{prog}: error: rank {rank} (pid {failure.pid}) {how}; every rank has stopped "
-              "(checkpoints already written are complete)", file=sys.stderr, flush=True)  # fmt: skip
+              "(checkpoints already written are complete)",
+              file=sys.stderr, flush=True)  # fmt: skip
         return 1
     return 0
 

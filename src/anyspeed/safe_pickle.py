@@ -160,8 +160,10 @@ class Unpickler(pickle._Unpickler):
         return obj
 
     def load_build(self) -> None:
-        if not _buildable(self.stack[-2]):
-            raise pickle.UnpicklingError(f"refusing to set the state of {self.stack[-2]!r:.60}")
+        # The pure-Python unpickler's stack; its type stubs do not declare it.
+        target = self.stack[-2]  # type: ignore[attr-defined]
+        if not _buildable(target):
+            raise pickle.UnpicklingError(f"refusing to set the state of {target!r:.60}")
         super().load_build()
 
     dispatch[pickle.BUILD[0]] = load_build

@@ -16,8 +16,8 @@ import torch
 
 from anyspeed import quiet
 from anyspeed.checkpoint.errors import CheckpointFileError
+from anyspeed.commands.convert import main as cli_main
 from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
-from anyspeed.convert.cli import main as cli_main
 from helpers import convert_ranks
 
 

@@ -170,7 +170,7 @@ def test_lazy_fusion_and_tp_shards_equal_plain_torch(groups):
     lazy = engine._fuse_lazy(qkv, [q, k, v], preset)
     assert torch.equal(engine.materialize(lazy), want)
     assert torch.equal(engine._fuse(qkv, [q, k, v], preset), want)
-    for part, ref in zip(engine._split(qkv, lazy, preset), (q, k, v), strict=True):
+    for part, ref in zip(engine.split_fused(qkv, lazy, preset), (q, k, v), strict=True):
         assert torch.equal(engine.materialize(part), ref)
     gate, up = torch.randn(8, h, generator=g), torch.randn(8, h, generator=g)
     fc1 = engine.Stacked([gate, up])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from anyspeed.convert.cli import main as convert_main
+from anyspeed.commands.convert import main as convert_main
 from anyspeed.convert.verify import hf_logits
 from anyspeed.testing import run_distributed
 from helpers import convert_ranks

@@ -227,7 +227,7 @@ def test_signalled_parent_stops_partition_workers_and_their_files(sig, tmp_path,
         lines = (f'{{"text": "short document number {n}"}}\n' for n in range(100_000))
         (tmp_path / "in" / f"{i}.jsonl").write_text("".join(lines))
     (tmp_path / "out").mkdir()
-    cmd = [sys.executable, "-m", "anyspeed.data.cli", "preprocess", "--input",
+    cmd = [sys.executable, "-m", "anyspeed.cli", "preprocess", "--input",
            str(tmp_path / "in"), "--output-prefix", str(tmp_path / "out" / "o"), "--quiet",
            "--partitions", "2", "--workers", "2",
            "--tokenizer-name-or-path", os.path.join(hf_tok, "tokenizer.json")]  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_lora import lora_cli
 
-from anyspeed.convert.cli import main as convert
+from anyspeed.commands.convert import main as convert
 from anyspeed.testing import run_distributed
 from helpers import lora_ranks, sft_ranks
 
@@ -120,10 +120,11 @@ def test_lora_flags_need_a_megatron_source(capsys, tmp_path):
 def test_lora_load_flags_must_match_the_checkpoint(tmp_path):
     from anyspeed.convert.errors import ConvertError
     from anyspeed.convert.lora import Adapters
+    from anyspeed.models.lora import LoraRecord
 
     adapters = Adapters.__new__(Adapters)  # only the recorded config is consulted
     adapters.dir = str(tmp_path)
-    adapters.config = {"r": 4, "alpha": 8.0, "target_modules": ["linear_proj", "linear_qkv"]}
+    adapters.record = LoraRecord.of(4, 8.0, ["linear_proj", "linear_qkv"])
     adapters.check(4, 8, ["linear_qkv", "linear_proj"])  # same values, other spelling
     with pytest.raises(ConvertError, match="trained with --lora-r 4, not 8"):
         adapters.check(8, None, None)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from anyspeed.models import get_preset
+from anyspeed.models.hf import hf_config
 
 
 def tiny_hf_model(
@@ -19,7 +20,7 @@ def tiny_hf_model(
     random, so a wrong mapping shows in the logits) plus stand-in tokenizer files."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(get_preset(preset).hf_config(), **overrides)
+    cfg = dict(hf_config(get_preset(preset)), **overrides)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     model = AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(seed)
@@ -125,8 +126,8 @@ def layouts_logits(runs: list[dict], tokens) -> list[dict]:
 def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict]:
     """In one process: HF -> torch_dist (the CLI with --verify for ``cli_case``), TP1 logits
     from the result, torch_dist -> HF."""
+    from anyspeed.commands.convert import main as cli_main
     from anyspeed.convert import hf_to_megatron, mapped, megatron_to_hf
-    from anyspeed.convert.cli import main as cli_main
     from anyspeed.layout import Layout
     from anyspeed.training.distributed import init_distributed
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from anyspeed.data.cli import main
+from anyspeed.commands.preprocess import main
 
 _WORDS = (
     "the model trains on any device with megatron core and a tiny tokenizer café naïve "
@@ -39,7 +39,7 @@ def write_jsonl(path: str, records: list[dict]) -> str:
 
 
 def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
-    """Run ``anyspeed.data.cli.main`` in-process; returns (exit code, stderr)."""
+    """Run ``anyspeed.commands.preprocess.main`` in-process; returns (exit code, stderr)."""
     capsys.readouterr()
     rc = main(list(argv))
     return rc, capsys.readouterr().err

@@ -13,7 +13,7 @@ def preprocess(
     src: str, prefix: str, tok: str, *flags: str, handler: str = "AlpacaStyleInstructionHandler"
 ) -> str:
     """``anyspeed preprocess`` in-process (default: alpaca records, the qwen prompt type)."""
-    from anyspeed.data.cli import main
+    from anyspeed.commands.preprocess import main
 
     if "--prompt-type" not in flags:
         flags = ("--prompt-type", "qwen", *flags)

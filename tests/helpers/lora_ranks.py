@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 def zero_b_logits(preset: str, targets: list[str], r: int, tokens) -> dict:
     """Logits of a random GPTModel before and after adding zero-B adapters, and the trainable
@@ -47,3 +50,69 @@ def trained_logits(cli: list[str], tokens) -> object:
     args, _ = prepare(cli, command="posttrain")
     history = train(args)
     return forward_logits(history["trainer"].model, tokens)
+
+
+@contextlib.contextmanager
+def one_rank() -> Iterator[None]:
+    """A one-process gloo group and Megatron's parallel state (TP1/PP1), in this process."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from anyspeed import adaptor
+
+    adaptor.apply(argv=[])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def adapter_checkpoint(base: str, out: str, targets: list[str], r: int, alpha: float, tokens):
+    """A LoRA checkpoint as ``anyspeed posttrain`` saves one, without training: the model of
+    the Megatron checkpoint ``base`` with adapters whose B is drawn at random (so they change
+    the logits), saved to ``out`` with the adapters view; returns base + adapters' logits.
+    Runs in this process, in :func:`one_rank`."""
+    from pathlib import Path
+
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from anyspeed.inference.logits import forward_logits
+    from anyspeed.layout import Layout
+    from anyspeed.models import ModelConfig, gpt
+    from anyspeed.models.lora import LoraRecord
+    from anyspeed.training.lora import apply_lora
+
+    tracked = (Path(base) / "latest_checkpointed_iteration.txt").read_text().strip()
+    it_dir = Path(base) / (tracked if tracked == "release" else f"iter_{int(tracked):07d}")
+    common = torch.load(it_dir / "common.pt", weights_only=False)
+    model = ModelConfig.from_dict(common["anyspeed_model"])
+    with one_rank():
+        chunk = gpt.build(model, gpt.transformer_config(model, Layout()))
+        loaded = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, str(it_dir))
+        chunk.load_state_dict(loaded["model"])
+        apply_lora(chunk, targets, r=r, alpha=alpha, seed=0)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n, p in chunk.named_parameters():
+                if n.endswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        logits = forward_logits([chunk], tokens)
+        chunk.lora_view = "adapters"
+        record = LoraRecord.of(r, alpha, targets).to_common()
+        state = {
+            "model": chunk.sharded_state_dict(),
+            "iteration": 1,
+            "checkpoint_version": 3.0,
+            "anyspeed_model": model.to_dict(),
+            **record,
+        }
+        Path(out, "iter_0000001").mkdir(parents=True)
+        dist_checkpointing.save(state, str(Path(out, "iter_0000001")))
+    Path(out, "latest_checkpointed_iteration.txt").write_text("1")
+    return logits

@@ -6,11 +6,11 @@ import re
 
 import pytest
 
+from anyspeed.commands import memory
 from anyspeed.device import detect
 from anyspeed.errors import UsageError
 from anyspeed.features import FeatureError, parse_args, validate
-from anyspeed.training import memory_command
-from anyspeed.training.recompute import Recompute
+from anyspeed.models.recompute import Recompute
 
 BASE = ["--model", "qwen2.5-0.5b", "--seq-length", "4096", "--micro-batch-size", "1", "--bf16"]
 
@@ -20,7 +20,7 @@ def _gib(text: str, row: str) -> float:
 
 
 def test_report_rows_add_up_and_features_lower_activations():
-    plain = memory_command.run(BASE + ["--tensor-model-parallel-size", "2"])
+    plain = memory.run(BASE + ["--tensor-model-parallel-size", "2"])
     parts = [_gib(plain, r) for r in ("parameters", "gradients", "optimizer state",
                                       r"activations \(")]  # fmt: skip
     main = float(re.search(r"([0-9.]+) GiB fp32 copies", plain).group(1))
@@ -29,20 +29,20 @@ def test_report_rows_add_up_and_features_lower_activations():
     # bf16 Adam: 2-byte weights and gradients, 12 bytes of optimizer state per parameter
     assert parts[2] == pytest.approx(6 * parts[0], rel=1e-3)
     flags = ["--recompute-activation-function", "--recompute-norm"]
-    lower = memory_command.run(BASE + ["--tensor-model-parallel-size", "2", *flags])
+    lower = memory.run(BASE + ["--tensor-model-parallel-size", "2", *flags])
     assert _gib(lower, r"activations \(") < parts[3]
-    dist = memory_command.run(BASE + ["--world-size", "4", "--use-distributed-optimizer"])
+    dist = memory.run(BASE + ["--world-size", "4", "--use-distributed-optimizer"])
     assert _gib(dist, "optimizer state") == pytest.approx(_gib(plain, "optimizer state") * 2 / 4,
                                                           rel=1e-2)  # fmt: skip
 
 
 def test_fits_lists_only_layouts_within_the_budget():
-    text = memory_command.run(BASE + ["--world-size", "4", "--global-batch-size", "8",
+    text = memory.run(BASE + ["--world-size", "4", "--global-batch-size", "8",
                                       "--fits", "6"])  # fmt: skip
     rows = [line.split() for line in text.splitlines()[2:]]
     assert rows and all(float(r[-1]) <= 6 for r in rows)
-    assert {r[5] for r in rows} <= set(memory_command.RECOMPUTE_CHOICES)
-    assert "no layout" in memory_command.run(BASE + ["--world-size", "2", "--fits", "0.01"])
+    assert {r[5] for r in rows} <= set(memory.RECOMPUTE_CHOICES)
+    assert "no layout" in memory.run(BASE + ["--world-size", "2", "--fits", "0.01"])
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -54,9 +54,9 @@ def test_fits_lists_only_layouts_within_the_budget():
 ])  # fmt: skip
 def test_bad_input_is_one_line(argv, needle):
     with pytest.raises(UsageError) as err:
-        memory_command.run(argv)
+        memory.run(argv)
     assert needle in str(err.value) and "\n" not in str(err.value)
-    assert memory_command.main(argv) == 2
+    assert memory.main(argv) == 2
 
 
 @pytest.mark.parametrize("rec,needle", [
@@ -84,9 +84,9 @@ def test_feature_flag_errors(argv, needle):
 
 def test_moe_experts_split_over_ep():
     moe = BASE + ["--num-experts", "8", "--world-size", "2"]
-    one = memory_command.run(moe)
-    two = memory_command.run(moe + ["--expert-model-parallel-size", "2"])
+    one = memory.run(moe)
+    two = memory.run(moe + ["--expert-model-parallel-size", "2"])
     assert _gib(two, "parameters") < _gib(one, "parameters")
     assert _gib(two, "total") < _gib(one, "total")
-    fits = memory_command.run(moe + ["--global-batch-size", "8", "--fits", "1000"])
+    fits = memory.run(moe + ["--global-batch-size", "8", "--fits", "1000"])
     assert {r.split()[3] for r in fits.splitlines()[2:]} == {"1", "2"}  # both EP sizes listed

@@ -9,9 +9,9 @@ import pytest
 
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
+from anyspeed.models.memory import Options, estimate_stage
 from anyspeed.models.presets import get_preset
-from anyspeed.training.memory_estimate import Options, estimate_stage
-from anyspeed.training.recompute import Recompute
+from anyspeed.models.recompute import Recompute
 from helpers.memory_cases import CASES, CFG, EXTRA_CASES, MODEL, MOE_MODEL, run_cases
 
 REL = 0.10  # the acceptance bound; at one process activations agree within 0.1%

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from anyspeed.models import PRESETS, apply_preset, get_preset
+from anyspeed.models.hf import hf_config
 from anyspeed.testing import run_distributed
 from helpers import trainer_ranks
 
@@ -31,7 +32,7 @@ def hf_parameters(name: str) -> int:
     preset's HF config: an implementation independent of anyspeed's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = get_preset(name).hf_config()
+    cfg = hf_config(get_preset(name))
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

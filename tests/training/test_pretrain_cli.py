@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from anyspeed.data.cli import main as data_main
+from anyspeed.commands.preprocess import main as data_main
 from helpers.corpora import make_docs, write_jsonl
 
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from anyspeed.models import PRESETS, ModelConfig, get_preset
+from anyspeed.models import PRESETS, get_preset
+from anyspeed.models.presets import model_from_args
 from anyspeed.training.arguments import parse_pretrain_args
 
 # MindSpeed-LLM v2.3.0 examples/mcore/qwen25/pretrain_qwen25_7b_32k_ptd.sh, every argument
@@ -37,7 +38,7 @@ def test_mindspeed_llm_qwen25_7b_script_parses():
     args = parse_pretrain_args(QWEN25_7B_SCRIPT)
     assert args.tensor_model_parallel_size == 4 and args.no_save_rng and args.bf16
     args.padded_vocab_size = 152064
-    model = ModelConfig.from_args(args)
+    model = model_from_args(args)
     want = get_preset("qwen2.5-7b")
     # The script is the published 7B architecture (its 32k run shortens the positions).
     assert model == want.replace(name=model.name, max_position_embeddings=32768)
@@ -50,7 +51,7 @@ def test_preset_flags_describe_the_preset(name):
     and the preset table agree."""
     args = parse_pretrain_args(["--model", name])
     assert args.model == name
-    got = ModelConfig.from_args(args)
+    got = model_from_args(args)
     want = get_preset(name)
     assert got == want
     assert got.rope_scaling == want.rope_scaling or (
@@ -190,5 +191,5 @@ def test_expert_bias_update_rate_reaches_megatron():
     base = ["--model", "tiny-qwen3-moe", "--moe-router-score-function", "sigmoid",
             "--moe-router-enable-expert-bias"]  # fmt: skip
     for extra, want in (([], 1e-3), (["--moe-router-bias-update-rate", "0.05"], 0.05)):
-        model = ModelConfig.from_args(parse_pretrain_args(base + extra))
+        model = model_from_args(parse_pretrain_args(base + extra))
         assert gpt.transformer_config(model).moe_router_bias_update_rate == want

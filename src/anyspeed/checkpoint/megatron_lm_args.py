@@ -16,6 +16,7 @@ from typing import Any
 from anyspeed.checkpoint.errors import ModelRecordError
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import FAMILIES
+from anyspeed.models.presets import model_from_args
 
 # MindSpeed-LLM's --model-type-hf names -> family.
 MODEL_TYPE_HF = {
@@ -70,7 +71,7 @@ def megatron_lm_model(
     if not isinstance(values.get("padded_vocab_size"), int):
         raise ModelRecordError(f"{where}: the checkpoint's args have no padded_vocab_size")
     try:
-        model = ModelConfig.from_args(argparse.Namespace(**values))
+        model = model_from_args(argparse.Namespace(**values))
     except (TypeError, ValueError) as exc:
         raise ModelRecordError(f"{where}: the checkpoint's args: {exc}") from None
     if model.kv_channels == model.hidden_size // model.num_attention_heads:

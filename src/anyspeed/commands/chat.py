@@ -32,7 +32,7 @@ class _Stream:
         self.on = int(os.environ.get("RANK", "0")) == 0
 
     def __call__(self, tokens: list[int | None]) -> None:
-        from anyspeed.commands.generate import text_of
+        from anyspeed.commands.prompting import text_of
 
         tok = tokens[0]
         if tok is None or not self.on:
@@ -46,7 +46,7 @@ class _Stream:
 
 def chat(args: argparse.Namespace, model: list, tok: Any) -> None:
     """Read, answer, repeat until EOF or "exit"."""
-    from anyspeed.commands.generate import render, request, text_of
+    from anyspeed.commands.prompting import render, request, text_of
     from anyspeed.inference.decode import generate
 
     req = request(args, tok)

@@ -281,7 +281,7 @@ def run(args: argparse.Namespace, prep: Prepared, model: list, tok: Any) -> dict
 
 def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
                     tok: Any) -> dict[str, Any]:  # fmt: skip
-    from anyspeed.commands.generate import end_ids, text_of
+    from anyspeed.commands.prompting import end_ids, text_of
     from anyspeed.inference.decode import Request, generate
     from anyspeed.inference.generate import decode
 
@@ -300,9 +300,9 @@ def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
     if args.task in ("bbh", "agieval", "needlebench"):
         from anyspeed.inference.eval.needle import found
 
-        check = {"bbh": lambda t, e: X.bbh_correct(t, e.target), "agieval": X.agieval_correct,
-                 "needlebench": found}[args.task]  # fmt: skip
-        hits = [check(t, e) for t, e in zip(texts, prep.answers, strict=True)]
+        checks: dict[str, Any] = {"bbh": lambda t, e: X.bbh_correct(t, e.target),
+                                  "agieval": X.agieval_correct, "needlebench": found}  # fmt: skip
+        hits = [checks[args.task](t, e) for t, e in zip(texts, prep.answers, strict=True)]
         res = dict(accuracy_table(prep.groups, hits), predictions=texts)
         return dict(res, depths=prep.extra) if args.task == "needlebench" else res
     from anyspeed.inference.eval.execution import check_completions

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from anyspeed.commands import runner, session
+from anyspeed.commands.prompting import render, request, sampling_params, text_of
 from anyspeed.errors import OneLineArgumentParser, UsageError
 
 PROG = "anyspeed generate"
 TASKS = ("greedy", "do_sample", "beam_search", "beam_search_with_sampling", "chat")
-_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,31 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def render(args: argparse.Namespace, tok: Any, messages: list[dict]) -> str:
-    """The prompt text of a conversation ending in a user turn (template or raw text)."""
-    if args.hf_chat_template:
-        return tok.render_chat(messages, add_generation_prompt=True)
-    if args.prompt_type:
-        from anyspeed.data.templates import TEMPLATES
-
-        segs = TEMPLATES[args.prompt_type].segments(
-            [*messages, {"role": "assistant", "content": ""}])  # fmt: skip
-        return "".join(text for text, _, _ in segs[:-1])  # up to the open answer
-    return messages[-1]["content"]
-
-
-def end_ids(tok: Any) -> tuple[int, ...]:
-    """EOS and the chat templates' end-of-turn tokens the vocabulary has."""
-    vocab = tok.hf.get_vocab() if getattr(tok, "hf", None) is not None else {}
-    ids = {vocab[t] for t in _END_TOKENS if t in vocab}
-    if tok.eod_id is not None:
-        ids.add(tok.eod_id)
-    return tuple(sorted(ids))
-
-
 def _check(args: argparse.Namespace, tok: Any) -> None:
     try:
-        _params(args).check()
+        sampling_params(args).check()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     for flag in ("max_new_tokens", "num_beams", "history_turns"):
@@ -101,33 +79,6 @@ def _check(args: argparse.Namespace, tok: Any) -> None:
         if len(ids) >= args.max_length:
             raise UsageError(f"prompt {text[:40]!r} is {len(ids)} tokens, longer than the "
                              f"context of {args.max_length} (--max-length)")  # fmt: skip
-
-
-def _params(args: argparse.Namespace):
-    from anyspeed.inference.sampling import SamplingParams
-
-    return SamplingParams(greedy=args.task not in ("do_sample", "beam_search_with_sampling",
-                                                    "chat"),
-                          temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p)  # fmt: skip
-
-
-def request(args: argparse.Namespace, tok: Any):
-    """The decode request the flags describe."""
-    from anyspeed.inference.decode import Request
-    from anyspeed.inference.generate import decode
-
-    return Request(args.max_new_tokens, _params(args), eos_ids=end_ids(tok),
-                   pad_id=tok.pad_id or 0, use_kv_cache=args.use_kv_cache, seed=args.seed,
-                   max_length=args.max_length, vocab_size=tok.vocab_size,
-                   stop=tuple(args.stop), detokenize=lambda ids: decode(tok, ids))  # fmt: skip
-
-
-def text_of(tok: Any, ids: list[int], eos: tuple[int, ...]) -> str:
-    """Decoded ``ids`` without a final end token."""
-    from anyspeed.inference.generate import decode
-
-    return decode(tok, ids[:-1] if ids and ids[-1] in eos else ids)
 
 
 def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:

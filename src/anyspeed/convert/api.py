@@ -36,7 +36,7 @@ from anyspeed.convert.torch_dist import read_torch_dist, save_torch_dist
 from anyspeed.layout import Layout, uneven_stages
 from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.families import mapping_for
-from anyspeed.models.hf import HF_ARCHITECTURES, preset_from_hf
+from anyspeed.models.hf import HF_ARCHITECTURES, hf_config, preset_from_hf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -221,7 +221,7 @@ def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | N
     if cfg is None:  # a checkpoint anyspeed trained from scratch: describe it from the preset
         hf_vocab = common.get("anyspeed_convert", {}).get("hf_vocab_size", preset.vocab_size)
         cfg = dict(
-            preset.hf_config(), vocab_size=hf_vocab, architectures=[HF_ARCHITECTURES[preset.family]]
+            hf_config(preset), vocab_size=hf_vocab, architectures=[HF_ARCHITECTURES[preset.family]]
         )
     return cfg
 

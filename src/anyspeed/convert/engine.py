@@ -94,7 +94,10 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preset: ModelCon
 
 
 def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelConfig) -> torch.Tensor:
-    return fuse_qkv(*tensors, preset) if f.kind == "qkv" else torch.cat(tensors, dim=0)
+    if f.kind != "qkv":
+        return torch.cat(tensors, dim=0)
+    q, k, v = tensors
+    return fuse_qkv(q, k, v, preset)
 
 
 def _part_rows(f: Fused, rows: int, preset: ModelConfig) -> list[list[tuple[int, int]]]:
@@ -107,7 +110,7 @@ def _part_rows(f: Fused, rows: int, preset: ModelConfig) -> list[list[tuple[int,
     return [[(g * step + a, g * step + b) for g in range(ng)] for a, b in bounds]
 
 
-def _split(f: Fused, t: torch.Tensor | Stacked, preset: ModelConfig) -> list:
+def split_fused(f: Fused, t: torch.Tensor | Stacked, preset: ModelConfig) -> list:
     """The parts of fused ``t``, as row views (a :class:`Stacked` of them for a part made of
     several query groups' rows): the writers take them without a copy."""
     return [take_rows(t, ranges) for ranges in _part_rows(f, t.shape[0], preset)]
@@ -255,7 +258,7 @@ def to_hf(
         if mg in VOCAB:
             t = take_rows(t, [(0, vocab_size)])
         if isinstance(dst, Fused):
-            out.update(zip(dst.parts, _split(dst, t, preset), strict=True))
+            out.update(zip(dst.parts, split_fused(dst, t, preset), strict=True))
         else:
             out[dst] = t
     return out

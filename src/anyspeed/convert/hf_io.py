@@ -193,7 +193,7 @@ class ShardedWriter:
         self.shard_of: dict[str, int] = {}
         self.files: list[str] = []
         self.reserve: list[int] = []
-        self.f = None
+        self.f: FileSink | None = None
         self.idx, self.offset, self.header = -1, 0, {}
         self.total = 0
 

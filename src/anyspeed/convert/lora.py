@@ -3,7 +3,8 @@ export them in PEFT's format.
 
 A LoRA checkpoint (``anyspeed posttrain --lora-target-modules ...``) is a torch_dist checkpoint
 holding each adapted layer's ``lora_A`` and ``lora_B`` beside the base tensor names, sharded as
-the layer is, with ``anyspeed_lora`` (r, alpha, targets) in its common state. The merge adds
+the layer is, with the ``anyspeed_lora`` record (r, alpha, targets: ``models/lora.py``) in its
+common state. The merge adds
 ``(alpha / r) * B @ A`` to each Megatron weight *before* the engine re-lays it out (QKV groups
 un-interleaved, gate/up split): on the assembled tensors this equals merging every TP shard on
 its own, since B's rows (column layers) or A's columns (row layers) follow the weight's shards.
@@ -12,7 +13,6 @@ its own, since B's rows (column layers) or A's columns (row layers) follow the w
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +20,9 @@ from typing import Any
 import torch
 
 from anyspeed.convert.errors import ConvertError
+from anyspeed.models import lora as spec
 from anyspeed.models.config import ModelConfig
 
-_TARGET = re.compile(
-    r"decoder\.layers\.\d+\..*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)"
-    r"\.weight$"
-)
 PEFT_PREFIX = "base_model.model."
 
 
@@ -35,45 +32,39 @@ class Adapters:
     def __init__(self, lora_dir: str | Path, preset: ModelConfig) -> None:
         from anyspeed.checkpoint.reads import checkpoint_dir, checkpoint_format, read_common
         from anyspeed.convert.dcp_io import DcpReader
-        from anyspeed.convert.torch_dist import _checkpoint_keys
+        from anyspeed.convert.torch_dist import checkpoint_keys
 
         it_dir = checkpoint_dir(lora_dir)
-        common = read_common(it_dir)
-        self.config = common.get("anyspeed_lora")
-        if self.config is None or checkpoint_format(it_dir) != "torch_dist":
+        record = spec.LoraRecord.from_common(read_common(it_dir))
+        if record is None or checkpoint_format(it_dir) != "torch_dist":
             raise ConvertError(
                 f"--lora-load {lora_dir}: not a LoRA checkpoint of anyspeed "
-                "posttrain (no anyspeed_lora record)"
+                f"posttrain (no {spec.RECORD} record)"
             )
-        self.dir, self.reader, self.key_of = lora_dir, DcpReader(it_dir), _checkpoint_keys(preset)
-        self.scale = float(self.config["alpha"]) / int(self.config["r"])
-        self.targets = set(self.config["target_modules"])
+        self.record = record
+        self.dir, self.it_dir, self.reader = lora_dir, it_dir, DcpReader(it_dir)
+        self.key_of = checkpoint_keys(preset)
+        self.scale = record.scale
 
     def check(self, r: int | None, alpha: float | None, targets: list[str] | None) -> None:
         """The flags given must describe this checkpoint (MindSpeed-LLM passes them)."""
-        given = {"r": r, "alpha": alpha, "target_modules": sorted(targets) if targets else None}
-        flag = {"r": "--lora-r", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules"}
-        for k, v in given.items():
-            if v is not None and v != self.config[k]:  # 8 == 8.0: alpha may be int or float
-                raise ConvertError(
-                    f"--lora-load {self.dir} was trained with {flag[k]} {self.config[k]}, not {v}"
-                )
+        wrong = self.record.mismatch(r=r, alpha=alpha, target_modules=targets or None)
+        if wrong:
+            raise ConvertError(f"--lora-load {self.dir} was trained with {wrong}")
 
     def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A, B) of Megatron weight ``name``; None when it has no adapter."""
-        mt = _TARGET.match(name)
-        if mt is None or mt.group(1) not in self.targets:
+        if spec.target_of(name) not in self.record.target_modules:
             return None
         from anyspeed.convert.engine import materialize
+        from anyspeed.convert.torch_dist import read_entry
 
-        key, index = self.key_of(name)  # index: the layer (or expert) on the key's leading axes
-        n, out = len(index), []
-        for part in ("lora_A", "lora_B"):
-            k = key[: -len("weight")] + part
-            shape = self.reader.shape(k)
-            at, size = index + (0,) * (len(shape) - n), (1,) * n + shape[n:]
-            out.append(materialize(self.reader.read(k, at, size, squeeze=n)))
-        return out[0], out[1]
+        key, index = self.key_of(name)  # the adapters are keyed and stacked as the weight
+        a, b = (
+            materialize(read_entry(self.reader, spec.adapter_key(key, part), index, self.it_dir))
+            for part in (spec.A, spec.B)
+        )
+        return a, b
 
     def merged(self, groups: Iterator[tuple[Any, dict]]) -> Iterator[tuple[Any, dict]]:
         """``groups`` with every adapted weight replaced by W + scale * B @ A (in fp32)."""
@@ -107,13 +98,13 @@ def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig,
                 continue
             a, b = ab
             if isinstance(dst, Fused):
-                parts = zip(dst.parts, engine._split(dst, b, preset), strict=True)
+                parts = zip(dst.parts, engine.split_fused(dst, b, preset), strict=True)
             else:
                 parts = [(dst, b)]
             for hf_name, b_part in parts:
                 stem = PEFT_PREFIX + hf_name.removesuffix(".weight")
-                out[f"{stem}.lora_A.weight"] = a.contiguous().clone()
-                out[f"{stem}.lora_B.weight"] = engine.materialize(b_part).contiguous().clone()
+                out[f"{stem}.{spec.A}.weight"] = a.contiguous().clone()
+                out[f"{stem}.{spec.B}.weight"] = engine.materialize(b_part).contiguous().clone()
                 modules.add(hf_name.removesuffix(".weight").rsplit(".", 1)[-1])
     if not out:
         raise ConvertError(f"--lora-load {lora_dir}: no adapters found")
@@ -123,8 +114,8 @@ def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig,
     cfg = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "r": int(adapters.config["r"]),
-        "lora_alpha": adapters.config["alpha"],
+        "r": adapters.record.r,
+        "lora_alpha": adapters.record.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
         "target_modules": sorted(modules),

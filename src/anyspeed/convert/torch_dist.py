@@ -7,6 +7,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from anyspeed.convert.engine import Group, Stacked
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.megatron_io import LAYER, empty_model, megatron_session
 from anyspeed.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from anyspeed.convert.dcp_io import DcpReader
 
 
 def _group_index(preset: ModelConfig) -> Callable[[str], int]:
@@ -87,7 +91,7 @@ def _probe(preset: ModelConfig) -> tuple[ModelConfig, dict[bool, int]]:
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def _checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int, ...]]]:
+def checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int, ...]]]:
     """Megatron tensor name -> (its sharded key in a checkpoint, its index on the key's leading
     axes: the layer of a layer-stacked key, or the expert of an expert-stacked one).
 
@@ -138,17 +142,24 @@ def read_torch_dist(
     from anyspeed.convert.dcp_io import DcpReader
 
     reader = DcpReader(it_dir)
-    checkpoint_key = _checkpoint_keys(preset)
+    checkpoint_key = checkpoint_keys(preset)
     for group in groups:
         out = {}
         for name in group_names(group):
             key, index = checkpoint_key(name)
-            shape = reader.shape(key)
-            if not index:
-                out[name] = reader.read(key, (0,) * len(shape), shape)
-                continue
-            if index[0] >= shape[0]:
-                raise ConvertError(f"{it_dir}: {key} has {shape[0]} entries, not {index[0] + 1}")
-            at = index + (0,) * (len(shape) - 1)
-            out[name] = reader.read(key, at, (1, *shape[1:]), squeeze=1)
+            out[name] = read_entry(reader, key, index, it_dir)
         yield group, out
+
+
+def read_entry(
+    reader: DcpReader, key: str, index: tuple[int, ...], it_dir: Path
+) -> torch.Tensor | Stacked:
+    """The tensor at ``index`` on the leading axis of checkpoint key ``key`` (the whole
+    key when ``index`` is empty), as :func:`checkpoint_keys` names it; lazy where it can be."""
+    shape = reader.shape(key)
+    if not index:
+        return reader.read(key, (0,) * len(shape), shape)
+    if index[0] >= shape[0]:
+        raise ConvertError(f"{it_dir}: {key} has {shape[0]} entries, not {index[0] + 1}")
+    at = index + (0,) * (len(shape) - 1)
+    return reader.read(key, at, (1, *shape[1:]), squeeze=1)

@@ -1,6 +1,8 @@
 """``anyspeed demo``: the whole LLM workflow offline, on files every machine has.
 
-1. corpus: the Python standard library's own source files, as jsonl;
+1. corpus: the Python standard library's own source files in a seeded shuffle, as jsonl; the
+   validation and test documents (the last ones, for Megatron's ``--split``) are picked evenly
+   across the library's sorted file list, and named in the output;
 2. ``anyspeed train-tokenizer``: a byte-level BPE tokenizer (a standard HF directory);
 3. ``anyspeed preprocess``: Megatron ``.bin/.idx``;
 4. ``anyspeed pretrain``: a small Qwen2.5-architecture model on N CPU processes (TP=N, sequence
@@ -17,6 +19,8 @@ import argparse
 import glob
 import json
 import os
+import random
+import statistics
 import sys
 import sysconfig
 import time
@@ -35,6 +39,7 @@ DEMO_MODEL = [
     "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--split", "98,1,1", "--eval-interval", "100", "--eval-iters", "4", "--log-interval", "25",
 ]  # fmt: skip
+CORPUS_SEED = 0  # the documents' order: Megatron holds out the last ones (--split)
 # With --moe: Qwen3-MoE's architecture (QK norm, 8 experts, top-2, aux loss) at CPU size,
 # experts spread over the processes (expert parallel) with the all-to-all dispatcher.
 DEMO_MOE = [
@@ -55,35 +60,80 @@ def stdlib_files() -> list[str]:
             and "test" not in os.path.basename(os.path.dirname(f))]  # fmt: skip
 
 
-def build_corpus(path: str, max_bytes: int) -> tuple[int, int]:
-    """Write stdlib ``.py`` files (see :func:`stdlib_files`) as jsonl, up to ``max_bytes``."""
-    n = size = 0
+def build_corpus(path: str, max_bytes: int, split: str | None = None) -> tuple[list[str], int]:
+    """Write stdlib ``.py`` files (see :func:`stdlib_files`) as jsonl, up to ``max_bytes``.
+
+    Files are drawn in a seeded shuffle, so the corpus samples the whole library (in sorted
+    order the cut at ``max_bytes`` keeps its alphabetical start). Megatron's ``--split`` holds
+    out the *last* documents, which in sorted order are one package's near-identical codec
+    tables (``encodings/cp125x.py``); with ``split`` the held-out documents are instead picked
+    evenly across the sorted list of the typical-size files written and put last, alternating
+    between the validation and the test set. Returns the documents in corpus order (paths
+    relative to the library) and their bytes.
+    """
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = stdlib_files()
+    random.Random(CORPUS_SEED).shuffle(files)
+    docs: dict[str, str] = {}
+    size = 0
+    for f in files:
+        try:
+            text = open(f, encoding="utf-8").read()
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) < 200:
+            continue
+        docs[os.path.relpath(f, stdlib)] = text
+        size += len(text.encode())
+        if size >= max_bytes:
+            break
+    names = list(docs)
+    if split:
+        kept = len(sum(held_out(names, split), []))
+        # Typical files only: one outlier (pydoc_data/topics.py is 12% of the corpus, in
+        # English) would make up most of a held-out set's tokens.
+        median = statistics.median(len(t) for t in docs.values())
+        listing = sorted(n for n in names if median / 4 <= len(docs[n]) <= 4 * median)
+        picks = [listing[(2 * i + 1) * len(listing) // (2 * kept)] for i in range(kept)]
+        spread = picks[0::2] + picks[1::2]
+        names = [n for n in names if n not in set(spread)] + spread
     with open(path, "w", encoding="utf-8") as out:
-        for f in stdlib_files():
-            try:
-                text = open(f, encoding="utf-8").read()
-            except (UnicodeDecodeError, OSError):
-                continue
-            if len(text) < 200:
-                continue
-            out.write(json.dumps({"text": text}) + "\n")
-            n += 1
-            size += len(text.encode())
-            if size >= max_bytes:
-                break
-    return n, size
+        for name in names:
+            out.write(json.dumps({"text": docs[name]}) + "\n")
+    return names, size
 
 
-def tokenizer_steps(workdir: str, corpus_mb: float, steps: int) -> tuple[int, str]:
-    """Steps 1 and 2 of every demo: the stdlib corpus and a BPE tokenizer trained on it.
-    Returns (exit code, tokenizer directory)."""
-    from anyspeed.data.cli import main as data_main
+def held_out(names: list[str], split: str) -> tuple[list[str], list[str]]:
+    """The validation and test documents of ``names`` (in corpus order) under ``--split``,
+    by Megatron's own rule (contiguous documents, bounds rounded)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    n, parts = len(names), []
+    for bounds in convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[1:]:
+        parts.append([] if bounds is None else names[round(bounds[0] * n) : round(bounds[1] * n)])
+    return parts[0], parts[1]
+
+
+def tokenizer_steps(
+    workdir: str, corpus_mb: float, steps: int, split: str | None = None
+) -> tuple[int, str]:
+    """Steps 1 and 2 of every demo: the stdlib corpus and a BPE tokenizer trained on it;
+    with ``split``, the documents it holds out are named. Returns (exit code, tokenizer
+    directory)."""
+    from anyspeed.commands.preprocess import main as data_main
 
     os.makedirs(workdir, exist_ok=True)
     corpus = os.path.join(workdir, "stdlib.jsonl")
-    docs, size = build_corpus(corpus, int(corpus_mb * 2**20))
-    print(f"[1/{steps}] corpus: {docs} Python standard-library files, "
-          f"{size / 2**20:.1f} MB -> {corpus}")  # fmt: skip
+    names, size = build_corpus(corpus, int(corpus_mb * 2**20), split)
+    print(f"[1/{steps}] corpus: {len(names)} Python standard-library files (shuffled, seed "
+          f"{CORPUS_SEED}), {size / 2**20:.1f} MB -> {corpus}")  # fmt: skip
+    if split:
+        valid, test = held_out(names, split)
+        print(f"      held out (--split {split}): validation {', '.join(valid) or 'none'}; "
+              f"test {', '.join(test) or 'none'}")  # fmt: skip
     tok_dir = os.path.join(workdir, "tokenizer")
     rc = data_main(["train-tokenizer", "--input", corpus, "--vocab-size", str(VOCAB),
                     "--output-dir", tok_dir, "--overwrite"])  # fmt: skip
@@ -154,11 +204,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _pretrain(args: argparse.Namespace, extra: list[str]) -> int:
+    from anyspeed.argv import get_flag
+    from anyspeed.commands.preprocess import main as data_main
     from anyspeed.commands.train import pretrain as pretrain_main
-    from anyspeed.data.cli import main as data_main
 
     t0 = time.perf_counter()
-    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, 4)
+    split = get_flag([*DEMO_MODEL, *extra], "--split")
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, 4, split)
     if rc:
         return rc
     corpus = os.path.join(args.workdir, "stdlib.jsonl")

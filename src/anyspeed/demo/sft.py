@@ -49,7 +49,7 @@ SFT_TRAIN = [
 def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, list[dict]]:
     """Steps 3 and 4: the instruction set, the records trained on, preprocessed.
     Returns (exit code, dataset prefix, the records trained on)."""
-    from anyspeed.data.cli import main as data_main
+    from anyspeed.commands.preprocess import main as data_main
 
     records = build_instructions(stdlib_files(), SET_SIZE)
     full = write_jsonl(os.path.join(args.workdir, "instructions.jsonl"), records)

@@ -4,7 +4,8 @@
 checkpoints all turn into; :mod:`anyspeed.models.gpt` is the only place that turns it into
 Megatron objects. The flag <-> field mapping is the table :data:`ARCH_FLAGS`: the pretraining
 parser, :meth:`ModelConfig.from_args` and :meth:`ModelConfig.megatron_args` all read it, so a
-new architecture field is one field plus one row here.
+new architecture field is one field plus one row here. ``ModelConfig`` is data and arithmetic:
+what knows the families (the family of flags, HF configs) lives in ``presets`` and ``hf``.
 """
 
 from __future__ import annotations
@@ -135,17 +136,22 @@ class ModelConfig:
             raise ValueError(f"unknown model fields {extra} (written by a newer anyspeed?)")
         return cls(**values)
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ModelConfig:
-        """The architecture checked pretraining ``args`` describe (``args.model``: preset name)."""
+    @staticmethod
+    def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+        """The architecture fields checked pretraining ``args`` set (all but name and family)."""
         values = {row.field: row.read(args) for row in ARCH_FLAGS}
         if not getattr(args, "group_query_attention", False):
             values["num_query_groups"] = None
         if getattr(args, "use_rope_scaling", False):
             values["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor}
+        return values
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, family: str) -> ModelConfig:
+        """The architecture checked pretraining ``args`` describe, of HF family ``family``
+        (``models.presets.model_from_args`` finds the family: the preset's, or the closest)."""
         name = getattr(args, "model", None)
-        family = _family_of(name) if name else _infer_family(values)
-        return cls(name=name or "custom", family=family, **values)
+        return cls(name=name or "custom", family=family, **cls.flag_values(args))
 
     def megatron_args(self) -> list[str]:
         """The Megatron-LM / MindSpeed-LLM flags that describe this architecture."""
@@ -160,12 +166,6 @@ class ModelConfig:
         if self.rope_scaling:
             out += ["--use-rope-scaling", "--rope-scaling-factor", str(self.rope_scaling["factor"])]
         return out
-
-    def hf_config(self) -> dict[str, Any]:
-        """Fields of the family's Hugging Face ``config.json`` for this architecture."""
-        from anyspeed.models.hf import hf_config
-
-        return hf_config(self)
 
     def num_parameters(self) -> int:
         """Parameter count (embeddings included, tied ones counted once)."""
@@ -220,18 +220,3 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's rule: pad the vocabulary to a multiple of ``divisible_by`` x TP."""
     m = divisible_by * tp
     return int(math.ceil(vocab / m) * m)
-
-
-def _family_of(preset_name: str) -> str:
-    from anyspeed.models.presets import get_preset
-
-    return get_preset(preset_name).family
-
-
-def _infer_family(values: dict[str, Any]) -> str:
-    """The HF family closest to a flag-described model: QK norm first, then QKV bias."""
-    from anyspeed.models.families import FAMILIES
-
-    bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
-    ranked = sorted(FAMILIES.values(), key=lambda f: (f.qk_norm != norm, f.qkv_bias != bias))
-    return ranked[0].name  # sorted() is stable: registry order breaks ties

@@ -8,6 +8,9 @@ architectural trait of the family at a size that trains on a laptop CPU.
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 from anyspeed.argv import merge_flags, pop_flag
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import FAMILIES
@@ -33,3 +36,18 @@ def apply_preset(argv: list[str]) -> list[str]:
     if name is None:
         return list(argv)
     return merge_flags(get_preset(name).megatron_args(), rest)
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The architecture checked pretraining ``args`` describe: of the preset's family with
+    ``--model``, else of the family closest to the flags."""
+    name = getattr(args, "model", None)
+    family = get_preset(name).family if name else infer_family(ModelConfig.flag_values(args))
+    return ModelConfig.from_args(args, family)
+
+
+def infer_family(values: dict[str, Any]) -> str:
+    """The HF family closest to a flag-described model: QK norm first, then QKV bias."""
+    bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
+    ranked = sorted(FAMILIES.values(), key=lambda f: (f.qk_norm != norm, f.qkv_bias != bias))
+    return ranked[0].name  # sorted() is stable: registry order breaks ties

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from anyspeed.argv import get_flag
 from anyspeed.errors import OneLineArgumentParser, UsageError
 from anyspeed.models import config as model_config
+from anyspeed.models import recompute
 from anyspeed.models.presets import apply_preset
-from anyspeed.training import recompute
 from anyspeed.training.distributed import DEFAULT_TIMEOUT_MINUTES
 from anyspeed.training.ranges import check_ranges
 

@@ -20,6 +20,7 @@ import numpy as np
 from anyspeed.errors import UsageError
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
+from anyspeed.models.presets import model_from_args
 from anyspeed.training.config import TrainConfig
 
 
@@ -72,7 +73,7 @@ def check(args: argparse.Namespace, world_size: int, data_prefixes: list[str] | 
     load = _check_run(args, layout, world_size)
     for prefix in data_prefixes or ():
         _check_data_files(args, prefix)
-    model = ModelConfig.from_args(args)
+    model = model_from_args(args)
     try:
         model.check()
     except ValueError as exc:

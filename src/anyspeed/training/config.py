@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from anyspeed.training.recompute import Recompute
+from anyspeed.models.recompute import Recompute
 
 
 @dataclass

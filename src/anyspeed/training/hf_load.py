@@ -107,7 +107,7 @@ def convert(args: argparse.Namespace, hf_dir: str, prog: str = "anyspeed pretrai
                 f"--load {hf_dir!r}: cannot create {os.path.dirname(out)} for its conversion "
                 f"({exc.strerror}); check --save"
             ) from None
-        cmd = [sys.executable, "-m", "anyspeed.convert.cli", "--load-model-type", "hf",
+        cmd = [sys.executable, "-m", "anyspeed.cli", "convert", "--load-model-type", "hf",
                "--save-model-type", "mg", "--load-dir", hf_dir, "--save-dir", out,
                "--target-tensor-parallel-size", str(args.tensor_model_parallel_size),
                "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by),

@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from anyspeed.errors import UsageError
+from anyspeed.models.lora import ADAPTER, TARGETS, A, B, LoraRecord
 
-ADAPTER = ".lora_"
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 VIEWS = ("all", "base", "adapters")
 
 
@@ -109,7 +108,7 @@ def _sharded(mod: torch.nn.Module, base: Callable, column: bool) -> Callable:
     """The layer's sharded state dict with the adapters sharded as they are held."""
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    axes = {"lora_B": 0} if column else {"lora_A": 1}
+    axes = {B: 0} if column else {A: 1}
 
     # A gated fc1 holds [gate shard; up shard] per rank: its lora_B is saved as Megatron saves
     # the weight (global [gate; up]), so the checkpoint reshards and merges like the weight.
@@ -119,11 +118,11 @@ def _sharded(mod: torch.nn.Module, base: Callable, column: bool) -> Callable:
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
         out = base(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
-        own = {"lora_A": mod.lora_A, "lora_B": mod.lora_B}
+        own = {A: mod.lora_A, B: mod.lora_B}
         own = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets)
         if gated:
             single = (metadata or {}).get("singleton_local_shards", False)
-            key = f"{prefix}lora_B"
+            key = f"{prefix}{B}"
             own[key] = apply_swiglu_sharded_factory(own[key], sharded_offsets, single)
         out.update(own)
         return out
@@ -206,9 +205,9 @@ class LoRAConfig:
     load: str | None  # --lora-load: adapters (optimizer, position) to start from
     seed: int
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> LoraRecord:
         """What a LoRA checkpoint records, so a mismatched --lora-load is refused up front."""
-        return {"r": self.r, "alpha": self.alpha, "target_modules": sorted(self.target_modules)}
+        return LoraRecord.of(self.r, self.alpha, self.target_modules)
 
     def transform(self) -> Callable:
         """The model transform adding these adapters (applied before DDP)."""
@@ -231,14 +230,14 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
         if given:  # else the run would silently be full fine-tuning
             raise UsageError(
                 f"{given[0]} needs --lora-target-modules (the layers to adapt, of "
-                f"{' '.join(LORA_TARGETS)}); without it the run is full fine-tuning"
+                f"{' '.join(TARGETS)}); without it the run is full fine-tuning"
             )
         return None
-    bad = [t for t in args.lora_target_modules if t not in LORA_TARGETS]
+    bad = [t for t in args.lora_target_modules if t not in TARGETS]
     if bad:
         raise UsageError(
             f"--lora-target-modules {bad[0]!r} is not a layer of this model; "
-            f"choose from {' '.join(LORA_TARGETS)}"
+            f"choose from {' '.join(TARGETS)}"
         )
     r = 16 if args.lora_r is None else args.lora_r
     alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
@@ -276,17 +275,13 @@ def _check_lora_load(cfg: LoRAConfig) -> None:
         raise UsageError(f"--lora-load {cfg.load!r}: {exc}") from None
     if common is None:
         raise UsageError(f"--lora-load {cfg.load!r}: not a checkpoint directory")
-    saved = common.get("anyspeed_lora")
+    saved = LoraRecord.from_common(common)
     if saved is None:
         raise UsageError(
             f"--lora-load {cfg.load!r} is not a LoRA checkpoint "
             "(saved without --lora-target-modules)"
         )
-    want = cfg.record()
-    flags = {"r": "--lora-r", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules"}
-    for k, flag in flags.items():
-        if k in saved and saved[k] != want[k]:  # 8 == 8.0: alpha may be int or float
-            raise UsageError(
-                f"--lora-load {cfg.load!r} was trained with {flag} "
-                f"{saved[k]}, not {want[k]}; pass the same {flag}"
-            )
+    wrong = saved.mismatch(r=cfg.r, alpha=cfg.alpha, target_modules=list(cfg.target_modules))
+    if wrong:
+        flag = wrong.split()[0]
+        raise UsageError(f"--lora-load {cfg.load!r} was trained with {wrong}; pass the same {flag}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from anyspeed.training.lora import LORA_TARGETS
+from anyspeed.models.lora import TARGETS as LORA_TARGETS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

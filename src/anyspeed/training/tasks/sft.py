@@ -108,7 +108,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
     cfg = SFTConfig(prefix, data.packed, variable, lora=lora_cfg)
     _check_layout(args, cfg, data, seen)
-    records = {"anyspeed_lora": lora_cfg.record()} if lora_cfg else {}
+    records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([sft_data.file_prefix(prefix, "input_ids")], cfg, data, records)
 
 

@@ -18,8 +18,9 @@ from anyspeed.argv import pop_flag
 from anyspeed.errors import UsageError, report
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
-from anyspeed.training.memory_estimate import Options, RankMemory, estimate
-from anyspeed.training.recompute import Recompute
+from anyspeed.models.memory import Options, RankMemory, estimate
+from anyspeed.models.presets import model_from_args
+from anyspeed.models.recompute import Recompute
 
 PROG = "anyspeed memory"
 GIB = 2**30
@@ -145,7 +146,7 @@ def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float
 def run(argv: Sequence[str]) -> str:
     """The report ``anyspeed memory`` prints for ``argv``; UsageError on bad input."""
     args, world, budget = parse(argv)
-    model = ModelConfig.from_args(args)
+    model = model_from_args(args)
     try:
         lay = Layout.from_args(args)
         world = world or lay.tp * lay.pp * lay.cp

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
-from anyspeed.training.recompute import Recompute
+from anyspeed.models.recompute import Recompute
 
 F32 = 4
 

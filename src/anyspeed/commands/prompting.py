@@ -1,0 +1,60 @@
+"""What ``anyspeed generate``, its chat and ``anyspeed evaluate`` share: a conversation rendered
+as a prompt (chat template, ``--prompt-type`` template or raw text), the end tokens, the decode
+request the generation flags describe, and the text of generated ids."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
+
+
+def render(args: argparse.Namespace, tok: Any, messages: list[dict]) -> str:
+    """The prompt text of a conversation ending in a user turn (template or raw text)."""
+    if args.hf_chat_template:
+        return tok.render_chat(messages, add_generation_prompt=True)
+    if args.prompt_type:
+        from anyspeed.data.templates import TEMPLATES
+
+        segs = TEMPLATES[args.prompt_type].segments(
+            [*messages, {"role": "assistant", "content": ""}])  # fmt: skip
+        return "".join(text for text, _, _ in segs[:-1])  # up to the open answer
+    return messages[-1]["content"]
+
+
+def end_ids(tok: Any) -> tuple[int, ...]:
+    """EOS and the chat templates' end-of-turn tokens the vocabulary has."""
+    vocab = tok.hf.get_vocab() if getattr(tok, "hf", None) is not None else {}
+    ids = {vocab[t] for t in _END_TOKENS if t in vocab}
+    if tok.eod_id is not None:
+        ids.add(tok.eod_id)
+    return tuple(sorted(ids))
+
+
+def sampling_params(args: argparse.Namespace):
+    """The sampling the flags describe (``--task``, ``--temperature``, ``--top-k``, ``--top-p``)."""
+    from anyspeed.inference.sampling import SamplingParams
+
+    return SamplingParams(greedy=args.task not in ("do_sample", "beam_search_with_sampling",
+                                                    "chat"),
+                          temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p)  # fmt: skip
+
+
+def request(args: argparse.Namespace, tok: Any):
+    """The decode request the flags describe."""
+    from anyspeed.inference.decode import Request
+    from anyspeed.inference.generate import decode
+
+    return Request(args.max_new_tokens, sampling_params(args), eos_ids=end_ids(tok),
+                   pad_id=tok.pad_id or 0, use_kv_cache=args.use_kv_cache, seed=args.seed,
+                   max_length=args.max_length, vocab_size=tok.vocab_size,
+                   stop=tuple(args.stop), detokenize=lambda ids: decode(tok, ids))  # fmt: skip
+
+
+def text_of(tok: Any, ids: list[int], eos: tuple[int, ...]) -> str:
+    """Decoded ``ids`` without a final end token."""
+    from anyspeed.inference.generate import decode
+
+    return decode(tok, ids[:-1] if ids and ids[-1] in eos else ids)
