@@ -49,8 +49,16 @@ def _features_report(argv: Sequence[str], as_json: bool) -> int:
 
 
 def _models(argv: Sequence[str]) -> int:
+    """``anyspeed models``: every preset, its family and size (it takes no flags)."""
     from anyspeed.models.presets import PRESETS
 
+    if "-h" in argv or "--help" in argv:
+        print("usage: anyspeed models: every architecture preset (--model NAME), its family "
+              "and parameter count")  # fmt: skip
+        return 0
+    if argv:
+        return report("anyspeed models", UsageError(f"unrecognized arguments: {' '.join(argv)} "
+                                                    "(it takes no flags)"))  # fmt: skip
     for name, p in PRESETS.items():
         print(f"{name:<16} {p.family:<8} {p.num_parameters() / 1e6:>10,.1f}M params")
     return 0

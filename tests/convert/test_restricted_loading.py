@@ -312,6 +312,7 @@ def test_checkpoint_with_megatron_lm_args_converts_to_hf(tmp_path):
         params_dtype=torch.float32,
         exit_signal=signal.SIGTERM,
         tensor_model_parallel_size=2,
+        moe_layer_freq=1,  # Megatron-LM stores the int (anyspeed the string "1")
     )
     for rank in sorted((mg / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt")):
         state = safe_pickle.load_torch(rank)
@@ -332,3 +333,6 @@ def test_checkpoint_with_megatron_lm_args_converts_to_hf(tmp_path):
     orig = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert preset_from_hf(cfg) == preset_from_hf(orig)
     assert (out / "tokenizer.json").is_file()
+    # --hf-cfg-dir holding the model's own config.json: the same model, however each spells it
+    again = megatron_to_hf(mg, tmp_path / "again", tmp_path / "hf", model_type_hf="qwen25")
+    assert json.loads((again / "config.json").read_text()) == orig

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,3 +80,17 @@ def test_explicit_flags_override_the_preset():
 def test_unknown_preset_is_a_clear_error():
     with pytest.raises(ValueError, match="--model qwen9: unknown preset"):
         apply_preset(["--model", "qwen9"])
+
+
+def test_moe_layer_freq_compares_by_meaning():
+    """Megatron-LM stores --moe-layer-freq as an int or a list, anyspeed as text: one model."""
+    from anyspeed.models import get_preset
+
+    p = get_preset("tiny-qwen3-moe")
+    n = p.num_layers
+    as_int = dataclasses.replace(p, moe_layer_freq=1)
+    as_list = dataclasses.replace(p, moe_layer_freq=f"[1]*{n}")
+    assert as_int.moe_layer_freq == "1" and as_int == dataclasses.replace(p, moe_layer_freq="1")
+    assert p.same_architecture(as_list) == [] and p.same_architecture(as_int) == []
+    other = dataclasses.replace(p, moe_layer_freq=f"[0]*1+[1]*{n - 1}")
+    assert p.same_architecture(other) == ["moe_layer_freq"]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from anyspeed.commands import runner, session
-from anyspeed.commands.prompting import render, request, sampling_params, text_of
+from anyspeed.commands.prompting import prompts, render, request, sampling_params, text_of
 from anyspeed.errors import OneLineArgumentParser, UsageError
 
 PROG = "anyspeed generate"
@@ -63,22 +63,18 @@ def _check(args: argparse.Namespace, tok: Any) -> None:
     if args.hf_chat_template and not tok.has_chat_template:
         raise UsageError(f"--hf-chat-template: tokenizer {tok.name} has no chat template; "
                          "pass --prompt-type")  # fmt: skip
-    texts = list(args.prompt)
-    if args.prompts_file:
-        try:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                texts += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as exc:
-            raise UsageError(f"--prompts-file {args.prompts_file!r}: {exc.strerror}") from None
+    texts = prompts(args)
     if args.task != "chat" and not texts:
         raise UsageError(f"--task {args.task} needs --prompt or --prompts-file")
-    rendered = [render(args, tok, [{"role": "user", "content": t}]) for t in texts]
-    args.prompt_ids = tok.encode(rendered, special=not (args.hf_chat_template
-                                                        or args.prompt_type))  # fmt: skip
-    for text, ids in zip(texts, args.prompt_ids, strict=True):
+    for text, ids in zip(texts, _encoded(args, tok, texts), strict=True):
         if len(ids) >= args.max_length:
             raise UsageError(f"prompt {text[:40]!r} is {len(ids)} tokens, longer than the "
                              f"context of {args.max_length} (--max-length)")  # fmt: skip
+
+
+def _encoded(args: argparse.Namespace, tok: Any, texts: list[str]) -> list[list[int]]:
+    rendered = [render(args, tok, [{"role": "user", "content": t}]) for t in texts]
+    return tok.encode(rendered, special=not (args.hf_chat_template or args.prompt_type))
 
 
 def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
@@ -91,21 +87,15 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
     from anyspeed.inference.decode import generate
 
     req = request(args, tok)
+    texts = prompts(args)
+    ids_of = _encoded(args, tok, texts)
     if args.task.startswith("beam_search"):
         outs = [beam_search(model, ids, req, args.num_beams, args.length_penalty)
-                for ids in args.prompt_ids]  # fmt: skip
+                for ids in ids_of]  # fmt: skip
     else:
-        outs = generate(model, args.prompt_ids, req)
-    texts = args.prompt + _file_prompts(args)
+        outs = generate(model, ids_of, req)
     for prompt, ids in zip(texts, outs, strict=True):
         runner.print0(f"prompt: {prompt}\n{text_of(tok, ids, req.eos_ids)}\n")
-
-
-def _file_prompts(args: argparse.Namespace) -> list[str]:
-    if not args.prompts_file:
-        return []
-    with open(args.prompts_file, encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f if line.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from anyspeed.errors import UsageError
+
 _END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
 
 
@@ -58,3 +60,25 @@ def text_of(tok: Any, ids: list[int], eos: tuple[int, ...]) -> str:
     from anyspeed.inference.generate import decode
 
     return decode(tok, ids[:-1] if ids and ids[-1] in eos else ids)
+
+
+def prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt's texts, then --prompts-file's lines (UsageError naming the flag or file for
+    text that is not UTF-8, or a file that cannot be read)."""
+    for text in args.prompt:
+        bad = next((c for c in text if "\udc80" <= c <= "\udcff"), None)
+        if bad is not None:  # bytes the command line could not decode, kept as surrogates
+            raise UsageError(f"--prompt {text[:40]!r}: not UTF-8 text (byte "
+                             f"0x{ord(bad) - 0xDC00:02x}); pass UTF-8")  # fmt: skip
+    texts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise UsageError(f"--prompts-file {args.prompts_file!r}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            byte = f"0x{exc.object[exc.start]:02x} at offset {exc.start}"
+            raise UsageError(f"--prompts-file {args.prompts_file!r}: not UTF-8 text (byte "
+                             f"{byte})") from None  # fmt: skip
+    return texts

@@ -205,16 +205,13 @@ def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | N
         cfg = read_config(hf_cfg_dir)
         given = _preset(cfg, None)
         ours = dataclasses.replace(preset, name=given.name, vocab_size=given.vocab_size)
-        if given != ours or given.vocab_size > preset.vocab_size:
-            diff = [
-                f.name
-                for f in dataclasses.fields(ModelConfig)
-                if f.compare and getattr(given, f.name) != getattr(ours, f.name)
-            ] or ["vocab_size"]
+        diff = given.same_architecture(ours)
+        if diff or given.vocab_size > preset.vocab_size:
+            name = (diff or ["vocab_size"])[0]
             raise ConvertError(
                 f"--hf-cfg-dir {hf_cfg_dir}: config.json describes another model "
-                f"({diff[0]} {getattr(given, diff[0])} vs. the checkpoint's "
-                f"{getattr(preset, diff[0])})"
+                f"({name} {getattr(given, name)!r} vs. the checkpoint's "
+                f"{getattr(preset, name)!r})"
             )
         return cfg
     cfg = json_config(common)

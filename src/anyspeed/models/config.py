@@ -91,6 +91,20 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if not isinstance(self.moe_layer_freq, str):  # Megatron-LM stores an int or a list
+            object.__setattr__(self, "moe_layer_freq", str(self.moe_layer_freq).replace(" ", ""))
+
+    def same_architecture(self, other: ModelConfig) -> list[str]:
+        """The fields (compared ones, by meaning) in which ``other`` describes another model:
+        ``--moe-layer-freq 1`` and ``[1]*4`` are the same four MoE layers."""
+        out = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "moe_layer_freq" and self.is_moe and other.is_moe:
+                a, b = self.moe_layers(), other.moe_layers()
+            if f.compare and a != b:
+                out.append(f.name)
+        return out
 
     @property
     def head_dim(self) -> int:

@@ -61,17 +61,24 @@ def banner(run: Run, start: int, dp: int) -> str:
     )
 
 
-def resume(run: Run, trainer: Any, scheduler: Any, state: Any, root: str | None = None) -> None:
-    """Resume from ``root`` (default: the run's checkpoint): weights, optimizer, scheduler,
-    RNG and the data position."""
+def resume(run: Run, trainer: Any, scheduler: Any, state: Any, root: str | None = None,
+           flag: str = "--load") -> None:  # fmt: skip
+    """Resume from ``root`` (default: the run's checkpoint; ``flag`` names it in errors):
+    weights, optimizer, scheduler, RNG and the data position."""
     from anyspeed.checkpoint import save_load as ckpt
+    from anyspeed.checkpoint.errors import CheckpointMismatch
 
     args = run.args
     root = root or run.load
-    common = ckpt.load_checkpoint(root, trainer.model, trainer.optimizer, scheduler,
-                                  finetune=args.finetune and root == run.load,
-                                  load_optim=not args.no_load_optim,
-                                  load_rng=not args.no_load_rng)  # fmt: skip
+    try:
+        common = ckpt.load_checkpoint(root, trainer.model, trainer.optimizer, scheduler,
+                                      finetune=args.finetune and root == run.load,
+                                      load_optim=not args.no_load_optim,
+                                      load_rng=not args.no_load_rng)  # fmt: skip
+    except CheckpointMismatch as exc:
+        if root == run.load:
+            raise
+        raise CheckpointMismatch(str(exc).replace("--load ", f"{flag} ", 1)) from None
     state.iteration = int(common.get("iteration", 0))
     state.consumed = int(common.get("consumed_train_samples",
                                     state.iteration * args.global_batch_size))  # fmt: skip

@@ -266,11 +266,14 @@ def adapters_off(model: list[torch.nn.Module]) -> Iterator[None]:
 
 
 def _check_lora_load(cfg: LoRAConfig) -> None:
+    from anyspeed.checkpoint.checks import verify
     from anyspeed.checkpoint.reads import read_common, tracked_dir
 
     try:
         path = tracked_dir(cfg.load)
         common = read_common(path) if path else None
+        if path:
+            verify(path)  # every file the load reads: there, whole and readable
     except (OSError, ValueError) as exc:  # CheckpointFileError is a ValueError
         raise UsageError(f"--lora-load {cfg.load!r}: {exc}") from None
     if common is None:

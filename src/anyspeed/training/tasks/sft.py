@@ -235,7 +235,7 @@ class SFTTask(Task):
                                  load_rng=False)  # fmt: skip
         set_view(trainer.model, "adapters")
         if self.cfg.lora.load:
-            resume(run, trainer, scheduler, state, root=self.cfg.lora.load)
+            resume(run, trainer, scheduler, state, root=self.cfg.lora.load, flag="--lora-load")
         return True
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]],
