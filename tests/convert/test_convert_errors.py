@@ -280,3 +280,34 @@ def test_cli_truncated_safetensors_is_one_line_before_megatron_runs(hf, tmp_path
                       str(hf), "--save-dir", str(out)], capsys)  # fmt: skip
     assert code == 1 and f"{shard}: truncated: tensor" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("direction", ["hf-torch_dist", "hf-legacy", "mg-hf"])
+def test_file_size_limit_is_one_line_and_keeps_nothing(hf, tmp_path, capsys, direction):
+    """Under a file-size limit (a full disk fails alike) every direction stops with one line
+    naming the output, and leaves no partial output behind (torch's writers wrap the OS error
+    in their own exceptions, one of them not even an Exception)."""
+    import resource
+
+    src = hf
+    if direction == "mg-hf":
+        src = tmp_path / "mg"
+        assert cli_main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                         str(hf), "--save-dir", str(src)]) == 0  # fmt: skip
+    out = tmp_path / "out"
+    kind = direction.split("-")
+    argv = ["--load-model-type", kind[0], "--save-model-type", "mg" if kind[0] == "hf" else "hf",
+            "--load-dir", str(src), "--save-dir", str(out)]  # fmt: skip
+    if kind[-1] == "legacy":
+        argv += ["--ckpt-format", "legacy"]
+    capsys.readouterr()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # Python ignores SIGXFSZ
+    try:
+        rc = cli_main(argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if "Transformer Engine" not in x]
+    assert rc == 1 and len(err) == 1, err
+    assert "File too large" in err[0] and str(out) in err[0], err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))

@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
     """The conversion (and ``--verify``) that ``main`` set up."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf, verify
 
     start = time.perf_counter()
@@ -220,8 +222,20 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 f"anyspeed convert: verify max-abs logits difference {diff:.3g} "
                 f"(tolerance {args.verify_tolerance:g})"
             )
-    except (UsageError, OSError) as exc:  # bad input (a checkpoint's too), or a file error
+    except UsageError as exc:  # bad input (a checkpoint's too)
         return report(PROG, exc, code=1)
+    except OSError as exc:  # a file error: which file, or where the output was going
+        where = exc.filename or f"converting to --save-dir {args.save_dir}"
+        return report(PROG, UsageError(f"{where}: {exc.strerror or exc}"), code=1)
+    except (Exception, CheckpointException) as exc:  # a writer's wrapper around a file error
+        from anyspeed.checkpoint.checks import describe_save_failure, root_cause
+
+        where = os.path.dirname(os.path.abspath(args.save_dir))
+        said = describe_save_failure(where, exc)  # the OS error, or a 1 MiB probe write's
+        if not isinstance(root_cause(exc), OSError) and not said.startswith("[Errno"):
+            raise  # not a file error: a bug to see whole
+        return report(PROG, UsageError(f"could not write --save-dir {args.save_dir}: {said}; "
+                                       "nothing was kept there"), code=1)  # fmt: skip
     return 0
 
 
