@@ -107,3 +107,20 @@ def test_resuming_another_stage_needs_finetune(capsys, sft_data, tmp_path):
 def test_packed_flags_on_unpacked_data(capsys, sft_data, tiny_qwen):
     err = _error(capsys, cli(tiny_qwen, sft_data["padded"], "--neat-pack"))
     assert "is not packed" in err
+
+
+def test_tampered_lora_load_names_lora_load(capsys, sft_data, tmp_path):
+    """A --lora-load checkpoint with a truncated data file: one line before start that names
+    --lora-load (not --load, which is the base)."""
+    from test_sft_lengths import _argv
+
+    lora = str(tmp_path / "lora")
+    argv = _argv(sft_data["padded"], sft_data["tok"], 96, *LORA, "--save", lora,
+                 "--no-progress-bar", "--eval-iters", "0")  # fmt: skip
+    os.environ.pop("WORLD_SIZE", None)
+    assert main(argv) == 0
+    data = sorted((tmp_path / "lora" / "iter_0000001").glob("*.distcp"))
+    data[0].write_bytes(data[0].read_bytes()[:10])
+    capsys.readouterr()
+    err = _error(capsys, [*argv, "--lora-load", lora])
+    assert f"--lora-load {lora!r}" in err and "--load " not in err, err
