@@ -28,11 +28,14 @@ class Prepared:
     extra: list[Any] = field(default_factory=list)  # HumanEval problems
 
 
-def _wrap(args: argparse.Namespace, tok: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of ``texts``, as a chat user turn unless --no-chat-template (or none)."""
-    if args.use_chat:
+def _wrap(args: argparse.Namespace, tok: Any, texts: list[str],
+          chat: bool | None = None) -> list[list[int]]:  # fmt: skip
+    """Token ids of ``texts``, as a chat user turn unless --no-chat-template (or none), or
+    ``chat`` says otherwise."""
+    chat = args.use_chat if chat is None else chat
+    if chat:
         texts = [tok.render_chat([{"role": "user", "content": t}], True) for t in texts]
-    return tok.encode(texts, special=not args.use_chat)
+    return tok.encode(texts, special=not chat)
 
 
 def _token(tok: Any, text: str) -> int:
@@ -65,12 +68,12 @@ def _prepare_choices(args: argparse.Namespace, tok: Any) -> Prepared:
 
 
 def _limit(args: argparse.Namespace, out: Prepared, texts: list[str], tok: Any,
-           per_task: bool = False) -> Prepared:  # fmt: skip
+           per_task: bool = False, chat: bool | None = None) -> Prepared:  # fmt: skip
     """The first --max-eval-samples items (all when ``per_task``: already cut per task),
     tokenized; a prompt over the context is an error."""
     n = len(texts) if per_task else args.max_eval_samples or len(texts)
     out.answers, out.groups, out.extra = out.answers[:n], out.groups[:n], out.extra[:n]
-    out.prompts = _wrap(args, tok, texts[:n])
+    out.prompts = _wrap(args, tok, texts[:n], chat)
     for ids in out.prompts:
         if len(ids) >= args.max_length:
             raise UsageError(f"a {args.task} prompt is {len(ids)} tokens, over the context of "
@@ -172,11 +175,8 @@ def _prepare_humaneval(args: argparse.Namespace, tok: Any) -> Prepared:
     problems = R.read_humaneval(args.task_data_path)
     out = Prepared(answers=[None] * len(problems), groups=["human_eval"] * len(problems),
                    extra=problems)  # fmt: skip
-    saved, args.use_chat = args.use_chat, False  # code continues the prompt verbatim
-    try:
-        return _limit(args, out, [p["prompt"] for p in problems], tok)
-    finally:
-        args.use_chat = saved
+    # code continues the prompt verbatim: never a chat turn
+    return _limit(args, out, [p["prompt"] for p in problems], tok, chat=False)
 
 
 def _prepare_ppl(args: argparse.Namespace, tok: Any) -> Prepared:
