@@ -6,6 +6,8 @@ The measured rates are monkeypatched (deterministic): an AVX2-only CPU's 13 GFLO
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -42,6 +44,9 @@ def test_cache_tells_cpus_of_one_name_apart_by_capability(cpu):
     assert len(cpu["calls"]) == 2
 
 
+_RUN = argparse.Namespace(args=None, prog="anyspeed pretrain")  # what LogHook reads of a run
+
+
 def test_mfu_of_the_issue_run_is_below_100_percent(cpu):
     """The issue's run achieved 181.9% of the bf16 rate; bf16 work also runs on the fp32 units,
     so the peak is the better of the two and the same run is at 8%."""
@@ -50,7 +55,7 @@ def test_mfu_of_the_issue_run_is_below_100_percent(cpu):
     achieved = 1.819 * AVX2[torch.bfloat16]
     peak = flops.peak_flops(torch.bfloat16)
     assert peak == AVX2[torch.float32]
-    log = LogHook(None, None, 1.0, peak)
+    log = LogHook(None, _RUN, 1.0, peak)
     assert log.mfu(achieved) == pytest.approx(achieved / 13e9) and log.mfu(achieved) < 0.1
     assert flops.peak_flops(torch.float32) == 13e9
     cpu["isa"] = "AVX512_BF16"
@@ -61,7 +66,7 @@ def test_mfu_above_the_peak_is_not_shown(capsys, monkeypatch):
     from anyspeed.training.hooks import LogHook
 
     monkeypatch.setenv("RANK", "0")
-    log = LogHook(None, None, 1.0, 1e9)
+    log = LogHook(None, _RUN, 1.0, 1e9)
     assert log.mfu(5e8) == 0.5
     assert log.mfu(2e9) is None and log.mfu(3e9) is None
     out = capsys.readouterr().out.splitlines()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from test_sft_loss import cli
 
 from anyspeed.commands.train import posttrain as main
@@ -50,28 +49,29 @@ def test_lora_target_that_does_not_exist(capsys, sft_data, tiny_qwen):
     assert "--lora-target-modules 'q_proj' is not a layer" in err and "linear_qkv" in err
 
 
-def _checkpoint(root, **common) -> str:
-    """A checkpoint directory with only its common state (what the pre-start checks read)."""
-    (root / "iter_0000002").mkdir(parents=True)
-    (root / "latest_checkpointed_iteration.txt").write_text("2")
-    (root / "iter_0000002" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    torch.save({"iteration": 2, **common}, root / "iter_0000002" / "common.pt")
-    return str(root)
+@pytest.fixture(scope="module")
+def lora_ckpt(sft_data, tmp_path_factory) -> str:
+    """A real LoRA checkpoint (--lora-r 4, --lora-alpha 32, qkv + proj) of one step."""
+    from test_sft_lengths import _argv
+
+    lora = str(tmp_path_factory.mktemp("lora") / "ck")
+    argv = _argv(sft_data["padded"], sft_data["tok"], 96, *LORA, "--save", lora,
+                 "--no-progress-bar", "--eval-iters", "0")  # fmt: skip
+    os.environ.pop("WORLD_SIZE", None)
+    assert main(argv) == 0
+    return lora
 
 
-def test_lora_load_of_another_rank(capsys, sft_data, tiny_qwen, tmp_path):
-    saved = {"r": 8, "alpha": 16.0, "target_modules": ["linear_proj", "linear_qkv"]}
-    ckpt = _checkpoint(tmp_path / "lora", anyspeed_lora=saved)
-    err = _error(capsys, cli(tiny_qwen, sft_data["padded"], *LORA, "--lora-load", ckpt))
-    assert "was trained with --lora-r 8, not 4" in err
+def test_lora_load_of_another_rank(capsys, sft_data, tiny_qwen, lora_ckpt):
+    argv = cli(tiny_qwen, sft_data["padded"], *LORA[:-1], "8", "--lora-load", lora_ckpt)
+    err = _error(capsys, argv)
+    assert "was trained with --lora-r 4, not 8" in err
 
 
-def test_lora_load_of_another_alpha(capsys, sft_data, tiny_qwen, tmp_path):
-    saved = {"r": 4, "alpha": 16.0, "target_modules": ["linear_proj", "linear_qkv"]}
-    ckpt = _checkpoint(tmp_path / "lora", anyspeed_lora=saved)
+def test_lora_load_of_another_alpha(capsys, sft_data, tiny_qwen, lora_ckpt):
     err = _error(capsys, cli(tiny_qwen, sft_data["padded"], *LORA, "--lora-alpha", "8",
-                             "--lora-load", ckpt))  # fmt: skip
-    assert "was trained with --lora-alpha 16.0, not 8.0" in err
+                             "--lora-load", lora_ckpt))  # fmt: skip
+    assert "was trained with --lora-alpha 32.0, not 8.0" in err
 
 
 @pytest.mark.parametrize("flag", [["--lora-r", "8"], ["--lora-alpha", "16"],
@@ -109,18 +109,17 @@ def test_packed_flags_on_unpacked_data(capsys, sft_data, tiny_qwen):
     assert "is not packed" in err
 
 
-def test_tampered_lora_load_names_lora_load(capsys, sft_data, tmp_path):
+def test_tampered_lora_load_names_lora_load(capsys, sft_data, lora_ckpt, tmp_path):
     """A --lora-load checkpoint with a truncated data file: one line before start that names
     --lora-load (not --load, which is the base)."""
+    import shutil
+
     from test_sft_lengths import _argv
 
     lora = str(tmp_path / "lora")
-    argv = _argv(sft_data["padded"], sft_data["tok"], 96, *LORA, "--save", lora,
-                 "--no-progress-bar", "--eval-iters", "0")  # fmt: skip
-    os.environ.pop("WORLD_SIZE", None)
-    assert main(argv) == 0
+    shutil.copytree(lora_ckpt, lora)
     data = sorted((tmp_path / "lora" / "iter_0000001").glob("*.distcp"))
     data[0].write_bytes(data[0].read_bytes()[:10])
-    capsys.readouterr()
-    err = _error(capsys, [*argv, "--lora-load", lora])
+    argv = _argv(sft_data["padded"], sft_data["tok"], 96, *LORA, "--lora-load", lora)
+    err = _error(capsys, argv)
     assert f"--lora-load {lora!r}" in err and "--load " not in err, err
