@@ -76,18 +76,31 @@ def run_distributed(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     argv: list[str] | None = None,
+    fresh: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``world_size`` processes; return results indexed by rank.
 
     ``fn`` must be importable by name (a module-level function). ``argv`` is the command line
     the adaptor sees in each process (feature flags). Threads are split across the ranks.
+    Under ``ANYSPEED_SHARED_RANKS=1`` the ranks of earlier calls run it, unless ``fresh``
+    (:mod:`anyspeed.testing_pool`).
     """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    from anyspeed import testing_pool
+
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     kwargs = dict(kwargs, _argv=list(argv or []))
+    if testing_pool.enabled() and not fresh:
+        pool = testing_pool.pool(world_size, dict(env or {}), threads)
+        pool.submit(fn, kwargs, port)
+        try:
+            return _collect(pool.q, pool.procs, world_size, timeout, fn.__name__)
+        except BaseException:
+            testing_pool.discard(pool)
+            raise
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
     procs = [
         ctx.Process(
             target=_entry,
@@ -98,10 +111,25 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    failures: list[str] = []
+    try:
+        return _collect(q, procs, world_size, timeout, fn.__name__)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank and its helper processes
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.join(timeout=5)
+
+
+def _collect(q: Any, procs: list[Any], world_size: int, timeout: float, name: str) -> list[Any]:
+    """Every rank's result from ``q``; DistributedError with the failing ranks' tracebacks, or
+    when ``timeout`` passes (a hung collective) or a rank dies without reporting."""
     import time
 
+    results: dict[int, Any] = {}
+    failures: list[str] = []
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(failures) < world_size:
@@ -109,7 +137,7 @@ def run_distributed(
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(results))
                 raise DistributedError(
-                    f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f}s "
+                    f"{name}: ranks {missing} did not finish within {timeout:.0f}s "
                     "(hung collective?)"
                 )
             try:
@@ -133,12 +161,4 @@ def run_distributed(
         if failures and "did not finish" in str(exc):
             raise DistributedError("\n".join(failures)) from None
         raise
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the rank and its helper processes
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.join(timeout=5)
     return [results[r] for r in range(world_size)]

@@ -1,0 +1,146 @@
+"""Ranks kept alive between :func:`anyspeed.testing.run_distributed` calls (a test session).
+
+Starting a rank costs seconds (torch, Megatron-Core and anyspeed imported afresh) and most
+distributed tests spend more time starting than running. With ``ANYSPEED_SHARED_RANKS=1`` (the
+test suite's conftest sets it) each world size keeps one set of ranks: every call sends its
+function to them with a fresh port, and after it the ranks tear down the process group,
+Megatron's parallel state and the adaptor's patches, so the next call starts as a new process
+would (its own seed, its own features). A rank that fails, dies or times out ends its whole set;
+the next call starts a new one. ``fresh=True`` always starts new ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+ENV = "ANYSPEED_SHARED_RANKS"
+
+
+def enabled() -> bool:
+    """Whether calls share ranks (``ANYSPEED_SHARED_RANKS=1``)."""
+    return os.environ.get(ENV) == "1"
+
+
+def _reset(threads: int) -> None:
+    """Leave the rank as a new process would be: no process group, no parallel state, no
+    patches, the default collective timeout."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    except Exception:  # noqa: BLE001 - a broken state ends the set below
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    from anyspeed import adaptor
+    from anyspeed.training.distributed import DEFAULT_TIMEOUT_MINUTES, set_timeout
+
+    adaptor.undo()
+    set_timeout(DEFAULT_TIMEOUT_MINUTES)
+    torch.set_num_threads(threads)
+
+
+def _serve(rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threads: int) -> None:
+    """One shared rank: run each task sent to it until it is told to stop (None)."""
+    os.setpgrp()  # the parent ends this rank and what it started in one killpg
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")  # fmt: skip
+    base = dict(os.environ)
+    import torch
+
+    torch.set_num_threads(threads)
+    while (task := inbox.get()) is not None:
+        fn, kwargs, port = task
+        os.environ.clear()
+        os.environ.update(base, MASTER_PORT=str(port))
+        try:
+            argv = kwargs.pop("_argv", [])
+            sys.argv = [sys.argv[0], *argv]
+            from anyspeed import adaptor
+
+            adaptor.apply(argv=argv)
+            q.put((rank, True, pickle.dumps(fn(**kwargs))))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            q.put((rank, False, traceback.format_exc()))
+        finally:
+            _reset(threads)
+
+
+class Pool:
+    """One world size's shared ranks."""
+
+    def __init__(self, world: int, env: dict[str, str], threads: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.q = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world, self.inboxes[r], self.q,
+                                                       dict(env), threads), daemon=False)
+                      for r in range(world)]  # fmt: skip
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def submit(self, fn: Callable[..., Any], kwargs: dict[str, Any], port: int) -> None:
+        for box in self.inboxes:
+            box.put((fn, dict(kwargs), port))
+
+    def close(self, kill: bool) -> None:
+        """Stop the ranks (at once with ``kill``, else after their current task)."""
+        if not kill:
+            for box in self.inboxes:
+                box.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.join(timeout=5)
+
+
+_POOLS: dict[tuple, Pool] = {}
+
+
+def pool(world: int, env: dict[str, str], threads: int) -> Pool:
+    """The live shared ranks for ``world`` and ``env`` (new ones when there are none)."""
+    key = (world, tuple(sorted(env.items())), threads)
+    p = _POOLS.get(key)
+    if p is not None and not p.alive():
+        discard(p)
+        p = None
+    if p is None:
+        for other in [k for k in _POOLS if k[0] == world]:  # one set per world size
+            _POOLS.pop(other).close(kill=False)
+        p = _POOLS[key] = Pool(world, env, threads)
+    return p
+
+
+def discard(p: Pool) -> None:
+    """End a set whose task failed or timed out (its ranks may be stuck in a collective)."""
+    for k in [k for k, v in _POOLS.items() if v is p]:
+        del _POOLS[k]
+    p.close(kill=True)
+
+
+@atexit.register
+def _close_all() -> None:
+    for p in list(_POOLS.values()):
+        p.close(kill=False)
+    _POOLS.clear()
