@@ -10,6 +10,7 @@ from test_sft_loss import cli
 
 from anyspeed.commands.train import posttrain as main
 from anyspeed.training.prepare import prepare
+from helpers.inprocess import clean_after
 
 LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "--lora-r", "4"]
 
@@ -58,7 +59,8 @@ def lora_ckpt(sft_data, tmp_path_factory) -> str:
     argv = _argv(sft_data["padded"], sft_data["tok"], 96, *LORA, "--save", lora,
                  "--no-progress-bar", "--eval-iters", "0")  # fmt: skip
     os.environ.pop("WORLD_SIZE", None)
-    assert main(argv) == 0
+    with clean_after():  # it trained in this process
+        assert main(argv) == 0
     return lora
 
 
@@ -94,7 +96,8 @@ def test_resuming_another_stage_needs_finetune(capsys, sft_data, tmp_path):
     flags = ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1",
              "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--save", ckpt,
              "--no-progress-bar"]  # fmt: skip
-    assert pretrain([*arch(sft_data["tok"], 96), *flags]) == 0
+    with clean_after():  # it trained in this process
+        assert pretrain([*arch(sft_data["tok"], 96), *flags]) == 0
     capsys.readouterr()
     err = _error(capsys, _argv(sft_data["padded"], sft_data["tok"], 96, "--load", ckpt))
     assert "holds a pretrain checkpoint and this run is sft: add --finetune" in err

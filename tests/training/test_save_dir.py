@@ -11,13 +11,22 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from anyspeed.checkpoint.files import TRACKER, lock_holder, remove_stale
 from anyspeed.checkpoint.reads import tracked_dir
 from anyspeed.commands.train import pretrain as main
+from helpers.inprocess import clean_after
 
 MOCK = ("--model tiny-qwen2.5 --num-layers 2 --mock-data --vocab-size 512 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --no-progress-bar "
         "--eval-iters 0 --log-interval 1").split()  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    with clean_after():  # the runs below train in this process
+        yield
 
 
 def _holder(save: str) -> subprocess.Popen:
