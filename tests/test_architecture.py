@@ -27,7 +27,7 @@ LAYERS = {
     "adaptor": 3, "models": 3,
     "checkpoint": 4, "data": 4, "inference": 4, "convert": 5, "training": 6,
     "commands": 7,
-    "cli": 7, "testing": 7, "testing_pool": 7, "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
+    "cli": 7, "testing_pool": 7, "testing": 8, "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
     "demo": 8,  # runs other commands (preprocess, train-tokenizer, pretrain)
 }  # fmt: skip
 MAX_FILE_LINES = 400

@@ -38,9 +38,13 @@ def _reset(threads: int) -> None:
 
     try:
         from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
+        # a class-level tensor Megatron makes on first use: made under inference_mode by one
+        # call, it would refuse the next call's training
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
     except Exception:  # noqa: BLE001 - a broken state ends the set below
         pass
     if dist.is_initialized():
