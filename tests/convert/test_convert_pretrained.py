@@ -85,18 +85,24 @@ def test_pretrain_from_flags_converts_without_hf_cfg_dir(trained, tmp_path):
     _converts(ck, tmp_path / "hf", model, tokens)
 
 
+def _with_old_key(ck: Path, old: Path) -> Path:
+    """A copy of checkpoint ``ck`` whose common state names the model as anyspeed pretrain did
+    before the one record: ``anyspeed_args``, no ``anyspeed_model``."""
+    shutil.copytree(ck, old)
+    common_pt = old / ITER / "common.pt"
+    common = torch.load(common_pt, weights_only=False)
+    common["anyspeed_args"] = common.pop("anyspeed_model")
+    torch.save(common, common_pt)
+    return old
+
+
 def test_checkpoint_with_the_old_model_key_converts(trained, tmp_path):
     """The common state as anyspeed pretrain wrote it before the one record: the model under
     ``anyspeed_args``, no ``anyspeed_model``."""
     from anyspeed.commands.session import model_of
 
     ck, model, tokens = trained
-    old = tmp_path / "old"
-    shutil.copytree(ck, old)
-    common_pt = old / ITER / "common.pt"
-    common = torch.load(common_pt, weights_only=False)
-    common["anyspeed_args"] = common.pop("anyspeed_model")
-    torch.save(common, common_pt)
+    old = _with_old_key(ck, tmp_path / "old")
     assert model_of(str(old)) == model  # what generate / evaluate read
     _converts(old, tmp_path / "hf", model, tokens)
 
@@ -105,12 +111,7 @@ def test_checkpoint_with_the_old_model_key_converts(trained, tmp_path):
 def test_checkpoint_with_the_old_model_key_resumes(trained, tmp_path):
     """Such a checkpoint also resumes (the position and the weights: the record is not read)."""
     ck, _, _ = trained
-    old = tmp_path / "old"
-    shutil.copytree(ck, old)
-    common_pt = old / ITER / "common.pt"
-    common = torch.load(common_pt, weights_only=False)
-    common["anyspeed_args"] = common.pop("anyspeed_model")
-    torch.save(common, common_pt)
+    old = _with_old_key(ck, tmp_path / "old")
     out = _pretrain(_flags(4) + ["--load", str(old)])
     assert f"loaded {old} at iteration 3" in out.stdout
     steps = [line for line in out.stdout.splitlines() if line.startswith(" iteration")]

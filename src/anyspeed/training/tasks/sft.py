@@ -208,15 +208,14 @@ class SFTTask(Task):
 
     def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
-        self.packed = cfg.packed
 
     def transforms(self) -> list[Any]:
-        own = [_per_token_loss, _unfused_rope] if self.packed else [_per_token_loss]
+        own = [_per_token_loss, _unfused_rope] if self.cfg.packed else [_per_token_loss]
         return own + ([self.cfg.lora.transform()] if self.cfg.lora else [])
 
     def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
         # A packed micro-batch is one sequence of all its rows' tokens.
-        if self.packed:
+        if self.cfg.packed:
             return seq_length * micro_batch_size, 1
         return seq_length, micro_batch_size
 
