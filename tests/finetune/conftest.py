@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers.corpora import write_jsonl
-from helpers.instruction import alpaca_records, preprocess
+from helpers.instruction import alpaca_records, pairwise_records, preprocess
 
 VOCAB = 768  # the tokenizer's 600 ids, padded for TP1 and TP2 alike (multiple of 2 x 128)
 
@@ -24,6 +24,14 @@ def sft_data(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         ),
         "tok": hf_tok,
     }
+
+
+@pytest.fixture(scope="session")
+def pair_data(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Eight alpaca preference pairs (chosen: the expected answer), preprocessed."""
+    d = tmp_path_factory.mktemp("pairs")
+    src = write_jsonl(str(d / "p.jsonl"), pairwise_records(8))
+    return preprocess(src, str(d / "pairs"), hf_tok, handler="AlpacaStylePairwiseHandler")
 
 
 @pytest.fixture(scope="session")

@@ -47,3 +47,16 @@ def alpaca_records(n: int, seed: int = 3) -> list[dict]:
         }
         for i in range(n)
     ]
+
+
+def pairwise_records(n: int, seed: int = 3) -> list[dict]:
+    """Alpaca pairwise records: the expected answer chosen, the same words reversed and
+    shortened rejected (answers of different lengths)."""
+    rng = random.Random(seed + 1)
+    out = []
+    for rec in alpaca_records(n, seed):
+        words = rec["output"].split()
+        bad = " ".join(reversed(words[: max(1, len(words) - rng.randint(0, 3))])) + " no"
+        out.append({"instruction": rec["instruction"], "input": "", "chosen": rec["output"],
+                    "rejected": bad})  # fmt: skip
+    return out

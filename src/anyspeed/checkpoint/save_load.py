@@ -249,20 +249,24 @@ def load_checkpoint(
     )
 
 
-def load_weights(root: str, chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    """The model weights of the checkpoint under ``root`` into bare ``chunks`` (this rank's
-    model, any layout; no optimizer or RNG state): inference's load. Returns the common
-    state; a failure is :class:`CheckpointMismatch` on every rank, as for
-    :func:`load_checkpoint`."""
+def load_weights(root: str, chunks: list[torch.nn.Module],
+                 iteration: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The model weights of the checkpoint under ``root`` (``iteration``'s, else the one its
+    tracker names) into bare ``chunks`` (this rank's model, any layout; no optimizer or RNG
+    state): inference's load. Returns the common state; a failure is
+    :class:`CheckpointMismatch` on every rank, as for :func:`load_checkpoint`."""
     return _agreed_load(root, lambda path: _load(root, path, chunks, None, None, True, False,
-                                                 False))  # fmt: skip
+                                                 False), iteration)  # fmt: skip
 
 
-def _agreed_load(root: str, load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+def _agreed_load(root: str, load: Callable[[str], dict[str, Any]],
+                 iteration: int | None = None) -> dict[str, Any]:  # fmt: skip
     """``load(iteration dir)`` on every rank; any rank's failure is one line on all."""
     error, out, path = None, {}, None
     try:
-        path = tracked_dir(root)
+        path = tracked_dir(root) if iteration is None else iteration_dir(root, iteration)
+        if iteration is not None and not os.path.isdir(path):
+            raise CheckpointMismatch(f"{root!r} has no iteration {iteration} ({path})")
         if path is None:
             raise CheckpointMismatch(f"--load {root!r}: no {TRACKER} (not a checkpoint directory)")
         out = load(path)

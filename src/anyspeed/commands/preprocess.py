@@ -9,7 +9,7 @@ import threading
 
 from anyspeed import quiet
 from anyspeed.data.errors import DataError, UsageError
-from anyspeed.data.handlers import HANDLERS
+from anyspeed.data.handlers import HANDLER_NAMES
 from anyspeed.data.readers import FORMATS
 from anyspeed.data.templates import TEMPLATES
 from anyspeed.errors import OneLineArgumentParser, report
@@ -34,7 +34,8 @@ def _preprocess_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-file", help="GPT-2 vocab.json")
     t.add_argument("--merge-file", help="GPT-2 merges.txt")
     h = p.add_argument_group("handler")
-    h.add_argument("--handler-name", default="GeneralPretrainHandler", help=", ".join(HANDLERS))
+    names = ", ".join(HANDLER_NAMES)
+    h.add_argument("--handler-name", default="GeneralPretrainHandler", help=names)
     h.add_argument("--json-keys", nargs="+", default=["text"])
     h.add_argument("--append-eod", action="store_true")
     h.add_argument("--map-keys", help='JSON, e.g. \'{"prompt":"instruction","response":"output"}\'')

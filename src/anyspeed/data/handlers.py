@@ -151,18 +151,38 @@ class InstructionHandler(Handler):
         return [s for s in out if s[0] or s[1]]
 
     def process(self, records: list[dict], tok: Tokenizer) -> list[Sample | RecordError]:
-        results: list[Any] = []
-        texts: list[str] = []
+        convs: list[list[Segment] | RecordError] = []
         for rec in records:
             try:
-                segs = self.segments(_check_messages(self.messages(rec)), tok)
-                results.append(segs)
-                texts.extend(s[0] for s in segs)
+                convs.append(self.segments(_check_messages(self.messages(rec)), tok))
             except RecordError as exc:
-                results.append(exc)
+                convs.append(exc)
+        results: list[Sample | RecordError] = []
+        for enc in self.tokenize(convs, tok):
+            if isinstance(enc, RecordError):
+                results.append(enc)
+                continue
+            input_ids, labels = enc
+            results.append(
+                {
+                    "input_ids": np.asarray(input_ids, dtype=np.int64),
+                    "attention_mask": np.ones(len(input_ids), dtype=np.int64),
+                    "labels": np.asarray(labels, dtype=np.int64),
+                }
+            )
+        return results
+
+    def tokenize(
+        self, convs: list[list[Segment] | RecordError], tok: Tokenizer
+    ) -> list[tuple[list[int], list[int]] | RecordError]:
+        """(input_ids, labels) of each segment list, encoded in one batch; a sample over
+        ``--seq-length`` becomes a RecordError (errors pass through)."""
+        texts = [s[0] for segs in convs if not isinstance(segs, RecordError) for s in segs]
         ids = iter(tok.encode(texts, special=False)) if texts else iter(())
-        for n, segs in enumerate(results):
+        out: list[tuple[list[int], list[int]] | RecordError] = []
+        for segs in convs:
             if isinstance(segs, RecordError):
+                out.append(segs)
                 continue
             input_ids: list[int] = []
             labels: list[int] = []
@@ -174,16 +194,12 @@ class InstructionHandler(Handler):
                 input_ids.append(self.eod_id)  # type: ignore[arg-type]
                 labels.append(self.eod_id)  # type: ignore[arg-type]
             if self.seq_length is not None and len(input_ids) > self.seq_length:
-                results[n] = RecordError(
-                    "longer than --seq-length", f"{len(input_ids)} > {self.seq_length}"
+                out.append(
+                    RecordError("longer than --seq-length", f"{len(input_ids)} > {self.seq_length}")
                 )
                 continue
-            results[n] = {
-                "input_ids": np.asarray(input_ids, dtype=np.int64),
-                "attention_mask": np.ones(len(input_ids), dtype=np.int64),
-                "labels": np.asarray(labels, dtype=np.int64),
-            }
-        return results
+            out.append((input_ids, labels))
+        return out
 
 
 def _check_messages(messages: list[dict]) -> list[dict]:
@@ -223,10 +239,14 @@ class AlpacaHandler(InstructionHandler):
     }
 
     def messages(self, rec: dict) -> list[dict]:
+        prompt = self.prompt(rec)
+        return prompt + [{"role": "assistant", "content": _get(rec, self.map["response"])}]
+
+    def prompt(self, rec: dict) -> list[dict]:
+        """System, history turns and the final user turn (instruction + input)."""
         m = self.map
         prompt = _get(rec, m["prompt"])
         query = _get(rec, m.get("query"), required=False)
-        response = _get(rec, m["response"])
         system = _get(rec, m.get("system"), required=False)
         history = _get(rec, m.get("history"), required=False) or []
         out = [{"role": "system", "content": system}] if system else []
@@ -236,7 +256,7 @@ class AlpacaHandler(InstructionHandler):
         except (TypeError, ValueError):
             raise RecordError("bad history", "expected [[query, response], ...]") from None
         user = f"{prompt}\n{query}" if isinstance(query, str) and query else prompt
-        return out + [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+        return out + [{"role": "user", "content": user}]
 
 
 class SharegptHandler(InstructionHandler):
@@ -301,6 +321,22 @@ HANDLERS: dict[str, type[Handler]] = {
     "OpenAIStyleInstructionHandler": OpenAIHandler,
     "OpenAIInstructionHandler": OpenAIHandler,
 }
+# Preference (DPO) handlers live in anyspeed.data.pairwise, which builds on this module; it is
+# imported when one of them is named.
+PAIRWISE_HANDLERS = ("AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler")
+HANDLER_NAMES = (*HANDLERS, *PAIRWISE_HANDLERS)
+
+
+def handler_class(name: str) -> type[Handler]:
+    """The class ``--handler-name`` names (UsageError for an unknown name)."""
+    if name in PAIRWISE_HANDLERS:
+        from anyspeed.data.pairwise import PAIRWISE
+
+        return PAIRWISE[name]
+    cls = HANDLERS.get(name)
+    if cls is None:
+        raise UsageError(f"unknown --handler-name {name!r}; choose from {', '.join(HANDLER_NAMES)}")
+    return cls
 
 
 def build_handler(
@@ -313,9 +349,7 @@ def build_handler(
     seq_length: int | None = None,
 ) -> Handler:
     """Construct the handler ``--handler-name`` names, validating its flags (UsageError)."""
-    cls = HANDLERS.get(name)
-    if cls is None:
-        raise UsageError(f"unknown --handler-name {name!r}; choose from {', '.join(HANDLERS)}")
+    cls = handler_class(name)
     if cls is PretrainHandler:
         if append_eod and tok.eod_id is None:
             raise UsageError("--append-eod: the tokenizer has no end-of-document token")

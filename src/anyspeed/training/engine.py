@@ -146,7 +146,13 @@ def train(run: Run, extra_hooks: Sequence[Hook] = (), task: Any = None) -> dict[
         H.LogHook(reporter, run, run.model.flops_per_token(run.seq_length), peak, task.loss_key),
         H.EvalHook(reporter, run, task, valid_ds, test_ds, device),
         H.CheckpointHook(
-            run, {**model_record(run.model), "anyspeed_stage": run.stage, **run.records}
+            run,
+            {
+                **model_record(run.model),
+                "anyspeed_stage": run.stage,
+                **run.records,
+                **task.records(),
+            },  # fmt: skip
         ),
         *extra_hooks,
     ]

@@ -47,6 +47,6 @@ def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Froze
         for c in chunks:
             c.eval().requires_grad_(False)
         if spec.load:
-            load_weights(spec.load, chunks)
+            load_weights(spec.load, chunks, spec.iteration)
         out[name] = Frozen(chunks)
     return out

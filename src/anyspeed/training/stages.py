@@ -56,12 +56,37 @@ def _sft() -> Stage:
                  sft.make_task)  # fmt: skip
 
 
+def _preference(kind: str) -> Callable[[], Stage]:
+    def row() -> Stage:
+        from anyspeed.training import posttrain_flags
+        from anyspeed.training.tasks import preference, sft
+
+        own = {"dpo": preference.add_dpo_arguments, "simpo": preference.add_simpo_arguments}
+        helps = {
+            "dpo": "direct preference optimisation against a frozen reference (full or "
+            "LoRA) on pairwise data",
+            "simpo": "SimPO: reference-free preference optimisation on pairwise data",
+        }
+        return Stage(
+            kind,
+            "posttrain",
+            helps[kind],
+            (posttrain_flags.add_arguments, sft.add_arguments, own[kind]),
+            lambda args: preference.plan(args, kind),
+            preference.make_task,
+        )
+
+    return row  # fmt: skip
+
+
 # name -> row builder (imports stay lazy: `anyspeed --help` must start fast)
 STAGES: dict[str, Callable[[], Stage]] = {
     "pretrain": _pretrain,
     "sft": _sft,
+    "dpo": _preference("dpo"),
+    "simpo": _preference("simpo"),
 }
-POSTTRAIN_STAGES = ("sft",)
+POSTTRAIN_STAGES = ("sft", "dpo", "simpo")
 
 
 def get_stage(name: str | None, command: str = "posttrain") -> Stage:

@@ -24,6 +24,7 @@ class FrozenModel:
 
     load: str | None = None
     adapters_off: bool = False
+    iteration: int | None = None  # of ``load``: None for the one its tracker names
     transforms: tuple[Any, ...] = ()  # model transforms of the copy (e.g. packed-RoPE)
 
 
@@ -53,6 +54,10 @@ class Task:
 
     def frozen_models(self) -> dict[str, FrozenModel]:
         """Extra frozen models by name; the engine builds them into ``trainer.frozen``."""
+        return {}
+
+    def records(self) -> dict[str, Any]:
+        """Extra entries every checkpoint of the run carries (e.g. the reference it used)."""
         return {}
 
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:

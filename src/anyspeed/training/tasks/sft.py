@@ -89,18 +89,8 @@ def plan(args: argparse.Namespace) -> StagePlan:
             "--stage sft trains on instruction datasets: add "
             "--is-instruction-dataset (and preprocess with an instruction handler)"
         )
-    if args.prompt_type is not None:
-        from anyspeed.data.templates import TEMPLATES
-
-        if args.prompt_type not in TEMPLATES:
-            raise UsageError(
-                f"--prompt-type {args.prompt_type!r} is unknown; choose one of "
-                f"{', '.join(sorted(TEMPLATES))}"
-            )
-    if args.mock_data or not args.data_path or len(args.data_path) != 1:
-        raise UsageError("--data-path: give exactly one instruction dataset prefix")
+    prefix = one_prefix(args, "instruction")
     lora_cfg = lora.from_args(args)
-    prefix = args.data_path[0]
     sft_data.check_files(prefix)
     data = sft_data.open_data(prefix, args.seq_length)
     seen = sft_data.survey(data, args.seq_length)
@@ -110,6 +100,21 @@ def plan(args: argparse.Namespace) -> StagePlan:
     _check_layout(args, cfg, data, seen)
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([sft_data.file_prefix(prefix, "input_ids")], cfg, data, records)
+
+
+def one_prefix(args: argparse.Namespace, what: str) -> str:
+    """The one ``--data-path`` prefix of a fine-tuning stage (``--prompt-type`` checked)."""
+    if args.prompt_type is not None:
+        from anyspeed.data.templates import TEMPLATES
+
+        if args.prompt_type not in TEMPLATES:
+            raise UsageError(
+                f"--prompt-type {args.prompt_type!r} is unknown; choose one of "
+                f"{', '.join(sorted(TEMPLATES))}"
+            )
+    if args.mock_data or not args.data_path or len(args.data_path) != 1:
+        raise UsageError(f"--data-path: give exactly one {what} dataset prefix")
+    return args.data_path[0]
 
 
 def _check_lengths(args: argparse.Namespace, prefix: str, seen: Any) -> None:
@@ -175,6 +180,26 @@ def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any, seen: Any
         )
 
 
+def lora_start(lora_cfg: Any, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+    """A LoRA run's start: base weights from ``--load`` (weights only), then adapters,
+    optimizer and position from ``--lora-load``; checkpoints written afterwards hold the
+    adapters. False without LoRA (the engine's resume)."""
+    if lora_cfg is None:
+        return False
+    from anyspeed.checkpoint import save_load as ckpt
+    from anyspeed.training.engine import resume
+    from anyspeed.training.lora import set_view
+
+    if run.load:
+        set_view(trainer.model, "base")
+        ckpt.load_checkpoint(run.load, trainer.model, None, None, finetune=True,
+                             load_rng=False)  # fmt: skip
+    set_view(trainer.model, "adapters")
+    if lora_cfg.load:
+        resume(run, trainer, scheduler, state, root=lora_cfg.load, flag="--lora-load")
+    return True
+
+
 def make_task(run: Any) -> SFTTask:
     """The SFT task of a checked run."""
     return SFTTask(run.config)
@@ -220,22 +245,7 @@ class SFTTask(Task):
         return seq_length, micro_batch_size
 
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
-        """Under LoRA: base weights from ``--load`` (weights only), then adapters, optimizer
-        and position from ``--lora-load``; checkpoints written afterwards hold the adapters."""
-        if self.cfg.lora is None:
-            return False
-        from anyspeed.checkpoint import save_load as ckpt
-        from anyspeed.training.engine import resume
-        from anyspeed.training.lora import set_view
-
-        if run.load:
-            set_view(trainer.model, "base")
-            ckpt.load_checkpoint(run.load, trainer.model, None, None, finetune=True,
-                                 load_rng=False)  # fmt: skip
-        set_view(trainer.model, "adapters")
-        if self.cfg.lora.load:
-            resume(run, trainer, scheduler, state, root=self.cfg.lora.load, flag="--lora-load")
-        return True
+        return lora_start(self.cfg.lora, run, trainer, scheduler, state)
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]],
                      model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from anyspeed.errors import UsageError
 
 IGNORE = -100
 KINDS = ("input_ids", "attention_mask", "labels")
+PAIRWISE = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 
 
 def file_prefix(prefix: str, kind: str) -> str:
@@ -44,40 +45,60 @@ class InstructionData:
         return len(self.input_ids)
 
 
-def check_files(prefix: str) -> None:
-    """UsageError (one line) unless the three columns of ``prefix`` exist and agree row by row."""
+def check_files(prefix: str, kinds: tuple[str, ...] = KINDS) -> None:
+    """UsageError (one line) unless the columns ``kinds`` of ``prefix`` (an instruction
+    dataset's, or a pairwise one's: :data:`PAIRWISE`) exist and agree row by row."""
     from anyspeed.data.writer import IndexFileError, check_dataset
 
-    if os.path.isfile(file_prefix(prefix, "input_ids") + ".bin") is False:
+    pairwise = kinds == PAIRWISE
+    what = "a pairwise" if pairwise else "an instruction"
+    handler = "a *PairwiseHandler" if pairwise else "an *InstructionHandler"
+    if not os.path.isfile(file_prefix(prefix, kinds[0]) + ".bin"):
         if os.path.isfile(prefix + ".bin"):
+            raise UsageError(f"--data-path {prefix!r} is a pretraining dataset, not {what} "
+                             f"dataset (preprocess with {handler})")  # fmt: skip
+        if not pairwise and os.path.isfile(file_prefix(prefix, PAIRWISE[0]) + ".bin"):
             raise UsageError(
-                f"--data-path {prefix!r} is a pretraining dataset, not an "
-                "instruction dataset (preprocess with an *InstructionHandler)"
+                f"--data-path {prefix!r} is a pairwise (preference) dataset: "
+                "train it with --stage dpo, simpo or orm --is-pairwise-dataset"
+            )
+        if pairwise and os.path.isfile(file_prefix(prefix, KINDS[0]) + ".bin"):
+            raise UsageError(
+                f"--data-path {prefix!r} is an instruction (SFT) dataset, not a "
+                "pairwise one: preprocess chosen/rejected records with "
+                "AlpacaStylePairwiseHandler or SharegptStylePairwiseHandler"
             )
         raise UsageError(
-            f"--data-path {prefix!r}: {file_prefix(prefix, 'input_ids')}.bin does "
+            f"--data-path {prefix!r}: {file_prefix(prefix, kinds[0])}.bin does "
             "not exist (give the --output-prefix that preprocess wrote)"
         )
     lengths = {}
-    for kind in KINDS:
+    for kind in kinds:
         path = file_prefix(prefix, kind)
         if not os.path.isfile(path + ".bin") or not os.path.isfile(path + ".idx"):
             raise UsageError(
-                f"--is-instruction-dataset: {path}.bin/.idx does not exist; "
-                f"preprocess --data-path {prefix!r} again with an instruction "
-                "handler (it writes input_ids, attention_mask and labels)"
+                f"--data-path {prefix!r}: {path}.bin/.idx does not exist; preprocess "
+                f"again with {handler} (it writes {', '.join(kinds)})"
             )
         try:
             lengths[kind] = check_dataset(path).lengths
         except (IndexFileError, OSError) as exc:
             raise UsageError(f"--data-path {prefix!r}: {exc}") from None
-    for kind in KINDS[1:]:
-        if not np.array_equal(lengths[kind], lengths["input_ids"]):
+    for kind in kinds[1:]:
+        first = kinds[2] if pairwise and kind.startswith("rejected") else kinds[0]
+        if kind == "rejected_input_ids" or kind == first:
+            continue  # chosen and rejected answers differ in length
+        if not np.array_equal(lengths[kind], lengths[first]):
             raise UsageError(
                 f"--data-path {prefix!r}: the {kind} rows do not match the "
-                "input_ids rows (files of different runs); preprocess again"
+                f"{first} rows (files of different runs); preprocess again"
             )
-    if len(lengths["input_ids"]) == 0:
+    if pairwise and len(lengths[kinds[0]]) != len(lengths[kinds[2]]):
+        raise UsageError(
+            f"--data-path {prefix!r}: {len(lengths[kinds[0]])} chosen and "
+            f"{len(lengths[kinds[2]])} rejected answers; preprocess again"
+        )
+    if len(lengths[kinds[0]]) == 0:
         raise UsageError(f"--data-path {prefix!r} holds no samples")
 
 
@@ -222,30 +243,43 @@ def batches(
     device: torch.device,
     pad_id: int = 0,
 ) -> Iterator[list[dict[str, Any]]]:
-    """Per iteration, this rank's micro-batches of the next global batch (samples in Megatron's
-    order: global batch i is samples [i*G, (i+1)*G), DP rank k takes every DP-th slice)."""
+    """Per iteration, this rank's micro-batches of the next global batch (padded or packed)."""
+    variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
+    multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
+
+    def make(idx: list[int]) -> dict[str, torch.Tensor]:
+        if data.packed:
+            return packed_batch(data, idx)
+        n = pad_length([len(data.input_ids[i]) for i in idx], args.seq_length, multiple,
+                       variable)  # fmt: skip
+        return padded_batch(data, idx, n, pad_id)
+
+    return global_batches(args, rows, consumed, device, make)
+
+
+def global_batches(
+    args: argparse.Namespace,
+    rows: tuple[int, int],
+    consumed: int,
+    device: torch.device,
+    make: Callable[[list[int]], dict[str, torch.Tensor]],
+) -> Iterator[list[dict[str, Any]]]:
+    """Per iteration, this rank's micro-batches ``make(row indices)`` of the next global batch
+    (samples in Megatron's order: global batch i is samples [i*G, (i+1)*G), DP rank k takes
+    every DP-th slice), on ``device`` and split for context parallelism unless packed."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mbs, g = args.micro_batch_size, args.global_batch_size
     from anyspeed.training.datasets import num_samples
 
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mbs, g = args.micro_batch_size, args.global_batch_size
     order = sample_order(rows, max(num_samples(args)), args.seed)
-    variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
-    multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
     while consumed + g <= len(order):
         micro = []
         for start in range(consumed, consumed + g, mbs * dp):
             idx = [int(i) for i in order[start + rank * mbs : start + (rank + 1) * mbs]]
-            if data.packed:
-                batch = packed_batch(data, idx)
-            else:
-                n = pad_length(
-                    [len(data.input_ids[i]) for i in idx], args.seq_length, multiple, variable
-                )
-                batch = padded_batch(data, idx, n, pad_id)
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            batch = {k: v.to(device, non_blocking=True) for k, v in make(idx).items()}
             if "cu_seqlens" not in batch:
                 batch = get_batch_on_this_cp_rank(batch)
             micro.append(batch)

@@ -1,0 +1,116 @@
+"""Pairwise (preference) data for DPO, SimPO and the reward model: the
+``<prefix>_packed_{chosen,rejected}_{input_ids,labels}_document`` files ``anyspeed preprocess``
+writes with a ``*PairwiseHandler`` (MindSpeed-LLM's layout), checked before any process group
+and turned into micro-batches of pairs.
+
+A micro-batch of ``m`` pairs is one [2m, L] batch: rows 0..m-1 the chosen answers, rows
+m..2m-1 the rejected ones, each padded at the end to L (``--seq-length``, or with
+``--variable-seq-lengths`` the pair batch's longest, rounded up). Labels are shifted once, here,
+as for SFT (:mod:`anyspeed.training.tasks.sft_data`); prompt tokens carry no label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from anyspeed.errors import UsageError
+from anyspeed.training.tasks.sft_data import (
+    IGNORE,
+    PAIRWISE,
+    InstructionData,
+    check_files,
+    file_prefix,
+    global_batches,
+    pad_length,
+    padded_batch,
+    split_rows,
+)
+
+
+@dataclass
+class PairwiseData:
+    """The chosen and rejected answers of one pairwise dataset (row i: pair i)."""
+
+    chosen: InstructionData
+    rejected: InstructionData
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+
+def open_pairs(prefix: str) -> PairwiseData:
+    """The four columns of a pairwise dataset (checked: :func:`check_pairs`), memory-mapped."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    cols = {k: IndexedDataset(file_prefix(prefix, k)) for k in PAIRWISE}
+
+    def side(name: str) -> InstructionData:
+        return InstructionData(cols[f"{name}_input_ids"], cols[f"{name}_labels"], None, False)
+
+    return PairwiseData(side("chosen"), side("rejected"))
+
+
+def check_pairs(prefix: str) -> None:
+    """One UsageError line unless ``prefix`` is a whole pairwise dataset."""
+    check_files(prefix, PAIRWISE)
+
+
+def _learnable(side: InstructionData, seq_length: int) -> tuple[np.ndarray, int]:
+    lengths = np.asarray(side.input_ids.sequence_lengths, dtype=np.int64)
+    keep = np.zeros(len(lengths), dtype=bool)
+    for i in range(len(lengths)):
+        lab = np.asarray(side.labels[i][1 : min(int(lengths[i]), seq_length)])
+        keep[i] = bool((lab != IGNORE).any())
+    return keep, int((lengths > seq_length).sum())
+
+
+def check_lengths(data: PairwiseData, prefix: str, seq_length: int, split: str) -> None:
+    """Pairs whose answers are cut to ``seq_length`` are counted and reported; a pair one of
+    whose answers keeps no token is compared on nothing (reported); no learnable training
+    pair at all is refused."""
+    from anyspeed.launch import reports_here
+
+    kc, cut_c = _learnable(data.chosen, seq_length)
+    kr, cut_r = _learnable(data.rejected, seq_length)
+    both = kc & kr
+    rows = split_rows(len(both), split)[0]
+    if rows is None or not both[rows[0] : rows[1]].any():
+        raise UsageError(
+            f"--data-path {prefix!r}: no training pair keeps a chosen and a rejected answer "
+            f"token within --seq-length {seq_length}: raise --seq-length or shorten the prompts"
+        )
+    empty = int((~both).sum())
+    if (cut_c or cut_r or empty) and reports_here():
+        print(f"anyspeed posttrain: warning: {cut_c} chosen and {cut_r} rejected answers of "
+              f"--data-path {prefix!r} are longer than --seq-length {seq_length} and cut to "
+              f"it; {empty} pairs keep no answer token on one side", file=sys.stderr)  # fmt: skip
+
+
+def pair_batch(data: PairwiseData, rows: list[int], length: int, pad_id: int) -> dict:
+    """``rows``' pairs as one [2m, length] batch: chosen rows first, then rejected."""
+    c = padded_batch(data.chosen, rows, length, pad_id)
+    r = padded_batch(data.rejected, rows, length, pad_id)
+    return {k: torch.cat([c[k], r[k]]) for k in c}
+
+
+def batches(data: PairwiseData, args: argparse.Namespace, rows: tuple[int, int],
+            consumed: int, device: torch.device,
+            pad_id: int = 0) -> Iterator[list[dict[str, Any]]]:  # fmt: skip
+    """Per iteration, this rank's micro-batches of pairs of the next global batch
+    (``--micro-batch-size`` and ``--global-batch-size`` count pairs)."""
+    variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
+    multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
+
+    def make(idx: list[int]) -> dict[str, torch.Tensor]:
+        lens = [len(s.input_ids[i]) for s in (data.chosen, data.rejected) for i in idx]
+        return pair_batch(data, idx, pad_length(lens, args.seq_length, multiple, variable),
+                          pad_id)  # fmt: skip
+
+    return global_batches(args, rows, consumed, device, make)

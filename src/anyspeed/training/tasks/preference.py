@@ -1,0 +1,310 @@
+"""Preference optimisation on pairwise data: the ``dpo`` and ``simpo`` stages (full or LoRA).
+
+DPO compares the policy's summed answer log-probabilities with a frozen reference's: a copy at
+the training layout with a checkpoint's weights (``--ref-model``, default ``--load``), or under
+LoRA the policy itself with its adapters off (no second copy). The reference pass runs forward
+only, between optimizer steps, through the shared log-prob forward; it has no optimizer state
+and no gradients. SimPO needs no reference.
+
+The loss is the mean over the global batch's pairs, the same at every layout and micro-batch
+size: each micro-batch hands Megatron's schedule (sum of pair losses, pair count) and the
+gradients are divided once by the global pair count. Under context parallelism each answer's
+log-probability sum is completed across the CP ranks (an all-reduce with gradients) before the
+non-linear loss. The formulas: :mod:`anyspeed.training.tasks.preference_loss`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from anyspeed.errors import UsageError
+from anyspeed.models.logprobs import token_logprobs
+from anyspeed.training.stages import StagePlan
+from anyspeed.training.tasks import preference_loss as P
+from anyspeed.training.tasks.base import FrozenModel, LossFunc, Task
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")  # fmt: skip
+
+
+def add_dpo_arguments(p: argparse.ArgumentParser) -> None:
+    """``--stage dpo``'s flags (MindSpeed-LLM's names and defaults)."""
+    g = p.add_argument_group("DPO")
+    g.add_argument(
+        "--is-pairwise-dataset",
+        action="store_true",
+        help="--data-path names a preprocessed pairwise (chosen/rejected) dataset",
+    )
+    g.add_argument("--dpo-loss-type", choices=P.DPO_LOSSES, default="sigmoid",
+                   help="sigmoid (DPO), hinge (SLiC) or ipo")  # fmt: skip
+    g.add_argument("--dpo-beta", type=float, default=0.1, help="the KL strength beta")
+    g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
+                   help="cDPO's label noise, in [0, 0.5)")  # fmt: skip
+    g.add_argument("--pref-ftx", type=float, default=0.0,
+                   help="weight of the chosen answer's SFT loss added to the DPO loss")  # fmt: skip
+    g.add_argument(
+        "--ref-model",
+        default=None,
+        help="the reference checkpoint (default: --load; under LoRA the base model)",
+    )
+    g.add_argument(
+        "--refer-model-iter",
+        type=int,
+        default=None,
+        help="the reference's iteration (default: the one its tracker names)",
+    )
+
+
+def add_simpo_arguments(p: argparse.ArgumentParser) -> None:
+    """``--stage simpo``'s flags (MindSpeed-LLM v2.2's names and defaults)."""
+    g = p.add_argument_group("SimPO")
+    g.add_argument(
+        "--is-pairwise-dataset",
+        action="store_true",
+        help="--data-path names a preprocessed pairwise (chosen/rejected) dataset",
+    )
+    g.add_argument("--simpo-loss-type", choices=P.SIMPO_LOSSES, default="sigmoid")
+    g.add_argument("--simpo-beta", type=float, default=2.5, help="the reward scale beta")
+    g.add_argument("--gamma-beta-ratio", type=float, default=1.4,
+                   help="the target margin gamma over beta")  # fmt: skip
+    g.add_argument("--simpo-label-smoothing", type=float, default=0.0, help="in [0, 0.5)")
+    g.add_argument("--pref-ftx", type=float, default=0.0,
+                   help="weight of the chosen answer's SFT loss added to the loss")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """The checked flags of a preference stage."""
+
+    kind: str  # dpo | simpo
+    prefix: str
+    loss_type: str
+    beta: float
+    label_smoothing: float
+    pref_ftx: float
+    gamma_beta_ratio: float = 0.0
+    reference: str | None = None  # a checkpoint root; None: the run's --load
+    reference_iteration: int | None = None
+    lora: Any = None  # anyspeed.training.lora.LoRAConfig
+    pad_id: int = 0
+
+
+def plan(args: argparse.Namespace, kind: str) -> StagePlan:
+    """The preference checks (before the generic ones); the pairwise data, opened once."""
+    from anyspeed.training import lora
+    from anyspeed.training.tasks import pairwise_data
+    from anyspeed.training.tasks.sft import one_prefix
+
+    if not args.is_pairwise_dataset:
+        raise UsageError(f"--stage {kind} trains on pairwise datasets: add --is-pairwise-dataset "
+                         "(and preprocess with a *PairwiseHandler)")  # fmt: skip
+    prefix = one_prefix(args, "pairwise")
+    if args.neat_pack or args.reset_attention_mask:
+        raise UsageError(f"--stage {kind}: pairwise data is not packed; drop --neat-pack / "
+                         "--reset-attention-mask")  # fmt: skip
+    variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
+    if variable and args.pipeline_model_parallel_size > 1:
+        raise UsageError("--variable-seq-lengths with --pipeline-model-parallel-size > 1 is not "
+                         "supported; pad to --seq-length (drop the flag)")  # fmt: skip
+    lora_cfg = lora.from_args(args)
+    pairwise_data.check_pairs(prefix)
+    data = pairwise_data.open_pairs(prefix)
+    pairwise_data.check_lengths(data, prefix, args.seq_length, args.split)
+    if kind == "dpo":
+        _check_range("--dpo-label-smoothing", args.dpo_label_smoothing)
+        _check_positive("--dpo-beta", args.dpo_beta)
+        ref, ref_iter = _reference(args, lora_cfg)
+        cfg = PreferenceConfig(kind, prefix, args.dpo_loss_type, args.dpo_beta,
+                               args.dpo_label_smoothing, args.pref_ftx, reference=ref,
+                               reference_iteration=ref_iter, lora=lora_cfg)  # fmt: skip
+    else:
+        _check_range("--simpo-label-smoothing", args.simpo_label_smoothing)
+        _check_positive("--simpo-beta", args.simpo_beta)
+        cfg = PreferenceConfig(kind, prefix, args.simpo_loss_type, args.simpo_beta,
+                               args.simpo_label_smoothing, args.pref_ftx,
+                               gamma_beta_ratio=args.gamma_beta_ratio, lora=lora_cfg)  # fmt: skip
+    records = lora_cfg.record().to_common() if lora_cfg else {}
+    return StagePlan([pairwise_data.file_prefix(prefix, "chosen_input_ids")], cfg, data, records)
+
+
+def _check_range(flag: str, value: float) -> None:
+    if not 0 <= value < 0.5:
+        raise UsageError(f"{flag} {value} is out of range: give a value in [0, 0.5)")
+
+
+def _check_positive(flag: str, value: float) -> None:
+    if not value > 0:
+        raise UsageError(f"{flag} {value}: give a positive value")
+
+
+def _reference(args: argparse.Namespace, lora_cfg: Any) -> tuple[str | None, int | None]:
+    """The reference checkpoint (root, iteration) of a DPO run, checked; (None, None) under
+    LoRA (the base with adapters off) or for the run's own ``--load`` resolved at start.
+
+    Resuming a DPO run (its ``--load`` a DPO checkpoint, no ``--finetune``) keeps the reference
+    that run recorded, so a resumed run compares with the same model as before."""
+    from anyspeed.checkpoint.errors import CheckpointFileError
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+
+    if lora_cfg is not None:
+        if args.ref_model:
+            raise UsageError("--ref-model with LoRA: the reference is the --load base model "
+                             "with its adapters off; drop --ref-model")  # fmt: skip
+        return None, None
+    ref, it = args.ref_model, args.refer_model_iter
+    try:
+        if ref is None and args.load and not args.finetune:
+            path = tracked_dir(args.load)
+            common = read_common(path) if path else {}
+            recorded = common.get("anyspeed_reference")
+            if common.get("anyspeed_stage") == "dpo" and recorded:
+                ref, it = recorded["path"], it if it is not None else recorded["iteration"]
+        if ref is None:
+            if not args.load:
+                raise UsageError("--stage dpo needs a reference model: --load the model to "
+                                 "start from (an SFT checkpoint) or pass --ref-model")  # fmt: skip
+            return None, it
+        _check_reference(args, ref, it)
+    except CheckpointFileError as exc:
+        raise UsageError(f"--ref-model {ref or args.load!r}: {exc}") from None
+    return os.path.abspath(ref), it
+
+
+def _check_reference(args: argparse.Namespace, ref: str, it: int | None) -> None:
+    """The reference is a checkpoint of this architecture (one line otherwise)."""
+    from anyspeed.checkpoint.checks import check_fits
+    from anyspeed.checkpoint.files import iteration_dir
+    from anyspeed.checkpoint.reads import tracked_dir
+    from anyspeed.models.presets import model_from_args
+
+    if not os.path.isdir(ref) or tracked_dir(ref) is None:
+        raise UsageError(f"--ref-model {ref!r} is not a checkpoint directory (no tracker file); "
+                         "give a directory anyspeed or Megatron-LM saved")  # fmt: skip
+    if it is not None and not os.path.isdir(iteration_dir(ref, it)):
+        raise UsageError(f"--refer-model-iter {it}: {iteration_dir(ref, it)} does not exist")
+    check_fits(ref, model_from_args(args))
+
+
+def make_task(run: Any) -> PreferenceTask:
+    """The preference task of a checked run."""
+    vocab = run.tokenizer.vocab_size if run.tokenizer is not None else run.args.vocab_size
+    return PreferenceTask(run.config, run.load, vocab)
+
+
+def _per_token_loss(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
+    chunk.config.calculate_per_token_loss = True  # gradients / global pair count
+    return chunk
+
+
+def _cp_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the context-parallel ranks, with gradients (identity at CP 1)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() == 1:
+        return x
+    import torch.distributed.nn.functional as dist_fn
+
+    return dist_fn.all_reduce(x, group=ps.get_context_parallel_group())
+
+
+class PreferenceTask(Task):
+    """DPO / SimPO on micro-batches of pairs ([chosen rows; rejected rows])."""
+
+    metrics = METRICS
+
+    def __init__(self, cfg: PreferenceConfig, load: str | None = None,
+                 vocab_size: int | None = None) -> None:  # fmt: skip
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.name, self.loss_key = cfg.kind, f"{cfg.kind} loss"
+        self.reference = cfg.reference or load  # full DPO's reference checkpoint
+
+    def transforms(self) -> list[Any]:
+        return [_per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
+
+    def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
+        return seq_length, 2 * micro_batch_size  # a pair is two sequences
+
+    def frozen_models(self) -> dict[str, FrozenModel]:
+        if self.cfg.kind != "dpo":
+            return {}
+        if self.cfg.lora is not None:
+            return {"reference": FrozenModel(adapters_off=True)}
+        return {"reference": FrozenModel(load=self.reference,
+                                         iteration=self.cfg.reference_iteration)}  # fmt: skip
+
+    def records(self) -> dict[str, Any]:
+        if self.cfg.kind != "dpo" or self.cfg.lora is not None or not self.reference:
+            return {}
+        return {"anyspeed_reference": {"path": os.path.abspath(self.reference),
+                                       "iteration": self.cfg.reference_iteration}}  # fmt: skip
+
+    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+        from anyspeed.training.tasks.sft import lora_start
+
+        return lora_start(self.cfg.lora, run, trainer, scheduler, state)
+
+    def setup(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
+                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+        batch = next(data_iterator)
+        output = token_logprobs(model, batch["tokens"], batch["position_ids"], batch["labels"],
+                                vocab_size=self.vocab_size)  # fmt: skip
+        mask, ref = batch["loss_mask"], batch.get("ref_logps")
+
+        def loss_func(logprobs: torch.Tensor):
+            return self.pair_loss(logprobs, mask, ref)
+
+        return output, loss_func
+
+    def pair_loss(self, logprobs: torch.Tensor, mask: torch.Tensor,
+                  ref: torch.Tensor | None) -> tuple:  # fmt: skip
+        """(sum of the pair losses, pair count, metrics) of one micro-batch of pairs."""
+        mask = mask.float()
+        sums = (logprobs.float() * mask).sum(-1)
+        ref = torch.zeros_like(sums) if ref is None else ref.to(sums)
+        full = _cp_sum(torch.stack([sums, ref, mask.sum(-1)]))
+        m = sums.shape[0] // 2
+        lp = P.PairLogps(full[0, :m], full[0, m:], full[1, :m], full[1, m:], full[2, :m],
+                         full[2, m:])  # fmt: skip
+        c = self.cfg
+        if c.kind == "dpo":
+            losses, rc, rr = P.dpo_loss(lp, c.loss_type, c.beta, c.label_smoothing, c.pref_ftx)
+        else:
+            losses, rc, rr = P.simpo_loss(lp, c.loss_type, c.beta, c.gamma_beta_ratio,
+                                          c.label_smoothing, c.pref_ftx)  # fmt: skip
+        total = losses.sum()
+        metrics = P.pair_metrics(rc, rr, lp)
+        metrics[self.loss_key] = torch.stack([total.detach().double(),
+                                              torch.tensor(float(m), dtype=torch.float64,
+                                                           device=total.device)])  # fmt: skip
+        return total, torch.tensor(m, dtype=torch.int, device=total.device), metrics
+
+    def datasets(self, run: Any) -> list[Any]:
+        """(train, valid, test): the pairs with each split's row range (or None)."""
+        from anyspeed.training.tasks.sft_data import split_rows
+
+        data = run.data
+        return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
+
+    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
+                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+        """Micro-batches of pairs; under DPO each carries the reference's answer log-prob
+        sums (this rank's CP share), from one forward-only pass of the frozen reference."""
+        from anyspeed.training.tasks.pairwise_data import batches
+
+        data, rows = dataset
+        for micro in batches(data, run.args, rows, consumed, device, self.cfg.pad_id):
+            if self.cfg.kind == "dpo" and trainer is not None:
+                logps = trainer.logprobs(micro, model="reference", vocab_size=self.vocab_size)
+                if logps is not None:  # the last pipeline stage
+                    for b, lp in zip(micro, logps, strict=True):
+                        b["ref_logps"] = (lp.float() * b["loss_mask"].float()).sum(-1)
+            yield micro
