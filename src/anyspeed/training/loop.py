@@ -102,6 +102,8 @@ def _record(state: LoopState, out: dict[str, Any]) -> None:
     h["loss"].append(out["loss"])
     h["grad_norm"].append(out["grad_norm"])
     h["lr"].append(out["lr"])
+    for name, value in out.get("metrics", {}).items():  # the task's named metrics
+        h.setdefault("metrics", {}).setdefault(name, []).append(value)
     if not out["ok"]:  # fp16 overflow: Megatron skipped the update and lowered the scale
         h["skipped"].append(state.iteration)
     if state.fp16:

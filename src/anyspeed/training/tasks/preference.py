@@ -193,8 +193,19 @@ def _check_reference(args: argparse.Namespace, ref: str, it: int | None) -> None
 
 def make_task(run: Any) -> PreferenceTask:
     """The preference task of a checked run."""
-    vocab = run.tokenizer.vocab_size if run.tokenizer is not None else run.args.vocab_size
-    return PreferenceTask(run.config, run.load, vocab)
+    cfg = run.config
+    return PreferenceTask(cfg, run.load, hf_vocab(cfg.reference or run.load))
+
+
+def hf_vocab(load: str | None) -> int | None:
+    """The Hugging Face vocabulary of a checkpoint converted from HF (its log-softmax spans
+    those rows, not the padding): None otherwise, normalising over every row as Megatron's
+    training loss does."""
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+
+    path = tracked_dir(load) if load else None
+    common = read_common(path) if path else {}
+    return common.get("anyspeed_convert", {}).get("hf_vocab_size")
 
 
 def _per_token_loss(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
