@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def unsupported_flag(argv: Sequence[str], *parsers: argparse.ArgumentParser,
-                     prog: str = "anyspeed pretrain") -> str | None:  # fmt: skip
+                     prog: str = "anyspeed pretrain", help_cmd: str | None = None,
+                     ) -> str | None:  # fmt: skip
     """The one-line error for the first ``--flag`` in ``argv`` that none of ``parsers`` defines
     (naming the closest known flag when it looks misspelled); None when every flag is known."""
     known = {flag for parser in parsers for action in parser._actions
@@ -190,7 +191,7 @@ def unsupported_flag(argv: Sequence[str], *parsers: argparse.ArgumentParser,
             close = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.85)
             fix = f"did you mean {close[0]}?" if close else "remove it."
             return (f"unsupported flag {flag}: {prog} does not implement it ({fix} "
-                    "See `anyspeed pretrain --help` for the flags it takes)")  # fmt: skip
+                    f"See `{help_cmd or prog} --help` for the flags it takes)")  # fmt: skip
     return None
 
 
@@ -204,7 +205,7 @@ def parse_pretrain_args(argv: Sequence[str], parser: argparse.ArgumentParser | N
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     parser = parser or build_parser()
-    bad = unsupported_flag(argv, parser, prog=prog)
+    bad = unsupported_flag(argv, parser, prog=prog, help_cmd=parser.prog)
     if bad:
         raise UsageError(bad)
     args = parser.parse_args(argv)

@@ -105,6 +105,8 @@ def build_stage_parser(stage: Stage) -> argparse.ArgumentParser:
 
     p = build_parser()
     p.prog = f"anyspeed {stage.command}"
+    if stage.command == "posttrain":  # its usage and help name the stage
+        p.prog += f" --stage {stage.name}"
     for add in stage.flags:
         add(p)
     return p
