@@ -60,7 +60,7 @@ def test_bad_demo_flags_are_one_line_before_any_work(capsys, tmp_path):
     work = str(tmp_path / "w")
     assert demo.main(["--sft", "--moe", "--workdir", work]) == 2
     assert capsys.readouterr().err == (
-        "anyspeed demo: error: --sft fine-tunes the dense demo model; drop --moe\n"
+        "anyspeed demo: error: --sft/--dpo fine-tune the dense demo model; drop --moe\n"
     )
     assert demo.main(["--sft", "--sft-samples", "0", "--workdir", work]) == 2
     err = capsys.readouterr().err

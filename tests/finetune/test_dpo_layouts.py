@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from test_dpo import TOL, cli, hf_pair_logps, mean
 
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
-from test_dpo import TOL, cli, hf_pair_logps, mean
 
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],

@@ -9,8 +9,9 @@
    parallel), with validation, a checkpoint and a generated sample.
 
 It fails (exit 1) unless the loss has clearly fallen. Extra flags go to ``anyspeed pretrain``
-and win over the demo's. ``--sft`` fine-tunes instead (``anyspeed.demo.sft``), ``--moe`` trains
-a mixture-of-experts model.
+and win over the demo's. ``--sft`` fine-tunes instead (``anyspeed.demo.sft``), ``--dpo`` then
+runs DPO from the fine-tuned model (``anyspeed.demo.dpo``), ``--moe`` trains a
+mixture-of-experts model.
 """
 
 from __future__ import annotations
@@ -171,13 +172,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="anyspeed-demo", help="where data and checkpoints go")
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--train-iters", type=int, default=None,
-                   help="training iterations (default 400; 100 with --sft)")  # fmt: skip
+                   help="training iterations (default 400; 100 with --sft; 40 DPO "
+                   "iterations with --dpo)")  # fmt: skip
     p.add_argument("--corpus-mb", type=float, default=6.0)
     p.add_argument("--moe", action="store_true",
                    help="a Qwen3-MoE-style model, experts over the processes (EP=N)")  # fmt: skip
     p.add_argument("--sft", action="store_true",
                    help="supervised fine-tuning on an instruction set from the stdlib, then "
                    "answer one of its prompts")  # fmt: skip
+    p.add_argument("--dpo", action="store_true",
+                   help="the SFT demo, then DPO on a preference set built from its questions "
+                   "(the expected answer preferred to another function's)")  # fmt: skip
+    p.add_argument("--sft-iters", type=int, default=None,
+                   help="with --dpo: SFT iterations before DPO (default 100)")  # fmt: skip
     p.add_argument("--sft-samples", type=int, default=32,
                    help="with --sft: how many instructions to train on and answer "
                    "(default 32)")  # fmt: skip
@@ -190,15 +197,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
     from anyspeed.errors import UsageError, report
 
-    if args.sft and args.moe:
-        return report("anyspeed demo", UsageError("--sft fine-tunes the dense demo model; "
+    if (args.sft or args.dpo) and args.moe:
+        return report("anyspeed demo", UsageError("--sft/--dpo fine-tune the dense demo model; "
                                                   "drop --moe"))  # fmt: skip
     if args.sft_samples < 1:
         return report("anyspeed demo", UsageError(f"--sft-samples {args.sft_samples}: give at "
                                                   "least 1 instruction to train on"))  # fmt: skip
+    if args.dpo:
+        from anyspeed.demo.dpo import run
+
+        return run(args, extra)
     if args.sft:
         from anyspeed.demo.sft import run
 
+        args.sft_iters = args.train_iters
         return run(args, extra)
     return _pretrain(args, extra)
 

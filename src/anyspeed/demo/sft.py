@@ -46,7 +46,7 @@ SFT_TRAIN = [
 ]  # fmt: skip
 
 
-def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, list[dict]]:
+def _data(args: argparse.Namespace, tok_dir: str, steps: int) -> tuple[int, str, list[dict]]:
     """Steps 3 and 4: the instruction set, the records trained on, preprocessed.
     Returns (exit code, dataset prefix, the records trained on)."""
     from anyspeed.commands.preprocess import main as data_main
@@ -55,7 +55,7 @@ def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, list[dict]]
     full = write_jsonl(os.path.join(args.workdir, "instructions.jsonl"), records)
     train = spread(records, args.sft_samples)
     src = write_jsonl(os.path.join(args.workdir, "sft-train.jsonl"), train)
-    print(f"[3/6] instruction set: {len(records)} questions on standard-library functions -> "
+    print(f"[3/{steps}] instruction set: {len(records)} questions on standard-library functions -> "
           f"{full}; {len(train)} of them to train on -> {src}")  # fmt: skip
     prefix = os.path.join(args.workdir, "sft")
     rc = data_main(["preprocess", "--input", src, "--output-prefix", prefix,
@@ -63,12 +63,13 @@ def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, list[dict]]
                     "AlpacaStyleInstructionHandler", "--prompt-type", PROMPT_TYPE,
                     "--workers", "1", "--overwrite", "--quiet"])  # fmt: skip
     if rc == 0:
-        print(f"[4/6] preprocess: {prefix}_packed_{{input_ids,attention_mask,labels}}_document "
-              f"(--prompt-type {PROMPT_TYPE}; prompt tokens carry no loss)")  # fmt: skip
+        print(f"[4/{steps}] preprocess: {prefix}_packed_{{input_ids,attention_mask,labels}}"
+              f"_document (--prompt-type {PROMPT_TYPE}; prompt tokens carry no loss)")  # fmt: skip
     return rc, prefix, train
 
 
-def _answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict]) -> list[str]:
+def _answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict],
+             step: str = "[6/6]") -> list[str]:  # fmt: skip
     """Step 6: ``anyspeed generate`` (greedy, TP=N like training) on every trained prompt, as
     a user would run it; the answers in order, or [] when it failed (it has said why)."""
     from anyspeed.launch import single_process_env
@@ -80,7 +81,7 @@ def _answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict
            "--prompt-type", PROMPT_TYPE, "--prompts-file", prompts,
            "--max-new-tokens", str(MAX_NEW_TOKENS),
            "--tensor-model-parallel-size", str(args.nproc_per_node)]  # fmt: skip
-    print(f"[6/6] anyspeed {' '.join(cmd)}", flush=True)
+    print(f"{step} anyspeed {' '.join(cmd)}", flush=True)
     # A one-process posttrain made this process rank 0 of a world of one: not the child's.
     env = {k: v for k, v in os.environ.items() if k not in single_process_env()}
     out = subprocess.run([sys.executable, "-m", "anyspeed", *cmd], env=env,
@@ -119,18 +120,32 @@ def _show(train: list[dict], answers: list[str]) -> None:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """The whole SFT demo for the parsed demo flags; ``extra`` goes to ``anyspeed posttrain``."""
+    t0 = time.perf_counter()
+    rc, save, tok_dir, train = sft_model(args, extra, 6)
+    if rc == 0:
+        answers = _answers(args, save, tok_dir, train)
+        if answers:
+            _show(train, answers)
+        rc = 0 if answers else 1
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
+    return rc
+
+
+def sft_model(args: argparse.Namespace, extra: list[str],
+              steps: int) -> tuple[int, str, str, list[dict]]:  # fmt: skip
+    """Steps 1-5: tokenizer, instruction set, ``anyspeed posttrain --stage sft``; 1 unless the
+    response loss has clearly fallen. (exit code, checkpoint, tokenizer, records trained on)."""
     from anyspeed.commands.train import posttrain as posttrain_main
 
-    t0 = time.perf_counter()
-    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, 6)
-    if rc:
-        return rc
-    rc, prefix, train = _data(args, tok_dir)
-    if rc:
-        return rc
     save = os.path.join(args.workdir, "sft-checkpoints")
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, steps)
+    if rc:
+        return rc, save, tok_dir, []
+    rc, prefix, train = _data(args, tok_dir, steps)
+    if rc:
+        return rc, save, tok_dir, train
     metrics = fresh_metrics(os.path.join(args.workdir, "sft-metrics.jsonl"))
-    n, iters, samples = args.nproc_per_node, args.train_iters or 100, len(train)
+    n, iters, samples = args.nproc_per_node, args.sft_iters or 100, len(train)
     cmd = [
         "--nproc-per-node", str(n), "--stage", "sft", "--is-instruction-dataset",
         "--prompt-type", PROMPT_TYPE, *DEMO_ARCH, *tp_layout(n),
@@ -139,13 +154,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         "--data-path", prefix, "--save", save, "--save-interval", str(iters),
         "--metrics-file", metrics, *extra,
     ]  # fmt: skip
-    print(f"[5/6] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    print(f"[5/{steps}] anyspeed posttrain {' '.join(cmd)}", flush=True)
     rc = posttrain_main(cmd)
     if rc == 0:
         fell, _ = loss_fell(metrics, "SFT loss on the responses")
-        answers = _answers(args, save, tok_dir, train)
-        if answers:
-            _show(train, answers)
-        rc = 0 if fell and answers else 1
-    print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
-    return rc
+        rc = 0 if fell else 1
+    return rc, save, tok_dir, train

@@ -188,7 +188,7 @@ def padded_batch(data: InstructionData, rows: list[int], length: int, pad_id: in
         lab = np.asarray(data.labels[r], dtype=np.int64)[: len(ids)]
         tokens[i, : len(ids)] = ids
         labels[i, : len(ids)] = shifted(ids, lab, np.zeros(len(ids), np.int64))
-    pos = np.broadcast_to(np.arange(length), (n, length))
+    pos = np.tile(np.arange(length), (n, 1))
     return _tensors(tokens, labels, pos)
 
 
