@@ -89,6 +89,18 @@ def _load_model_entries(chunks: list[torch.nn.Module], state: dict[str, Any]) ->
             c.load_state_dict(state[f"model{i}"])
 
 
+def _set_aside(state: dict[str, Any], keep: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Take the model entries whose key starts with a prefix in ``keep`` out of ``state``;
+    their current values by entry, to load back unchanged."""
+    kept: dict[str, dict[str, Any]] = {}
+    if not keep:
+        return kept
+    for entry, sd in state.items():
+        for key in [k for k in sd if k.startswith(keep)]:
+            kept.setdefault(entry, {})[key] = sd.pop(key).data.detach().clone()
+    return kept
+
+
 def layout_signature() -> dict[str, int]:
     """The parallel sizes of this run (RNG state is per rank, so it only loads under these)."""
     from megatron.core import parallel_state as ps
@@ -233,19 +245,29 @@ def load_checkpoint(
     finetune: bool = False,
     load_optim: bool = True,
     load_rng: bool = True,
+    keep: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Load the checkpoint ``latest`` names into model (and optimizer, scheduler, RNG).
 
     Returns the checkpoint's common state (iteration, consumed samples, ...) with
     ``iteration`` 0 for ``finetune`` or a ``release`` checkpoint (weights only). Whatever
     fails on any rank raises :class:`CheckpointMismatch` on every rank, one line naming the
-    file and the cause.
+    file and the cause. Model entries starting with a prefix in ``keep`` are not read: they
+    keep their values (a new head on a loaded body).
     """
     return _agreed_load(
         root,
         lambda path: _load(
-            root, path, _unwrapped(model), optimizer, scheduler, finetune, load_optim, load_rng
-        ),
+            root,
+            path,
+            _unwrapped(model),
+            optimizer,
+            scheduler,
+            finetune,
+            load_optim,
+            load_rng,
+            keep,
+        ),  # fmt: skip
     )
 
 
@@ -283,13 +305,14 @@ def _agreed_load(root: str, load: Callable[[str], dict[str, Any]],
 
 
 def _load(root: str, path: str, chunks: list[torch.nn.Module], optimizer: Any | None,
-          scheduler: Any | None, finetune: bool, load_optim: bool,
-          load_rng: bool) -> dict[str, Any]:  # fmt: skip
+          scheduler: Any | None, finetune: bool, load_optim: bool, load_rng: bool,
+          keep: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     from megatron.core import dist_checkpointing
 
     common = read_common(path)
     weights_only = finetune or os.path.basename(path) == RELEASE
     state: dict[str, Any] = model_state(chunks)
+    kept = _set_aside(state, keep)
     has_optim = common.get("has_optimizer")
     if has_optim is None:  # a checkpoint not written by anyspeed (e.g. Megatron-LM's)
         has_optim = "optimizer" in _sharded_keys(path)
@@ -301,6 +324,8 @@ def _load(root: str, path: str, chunks: list[torch.nn.Module], optimizer: Any | 
             state, is_loading=True, metadata=_metadata(sharding)
         )
     loaded = dist_checkpointing.load(state, path)
+    for entry, values in kept.items():
+        loaded[entry].update(values)
     _load_model_entries(chunks, loaded)
     if want_optim:
         opt_state = loaded["optimizer"]

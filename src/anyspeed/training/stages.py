@@ -79,14 +79,24 @@ def _preference(kind: str) -> Callable[[], Stage]:
     return row  # fmt: skip
 
 
+def _orm() -> Stage:
+    from anyspeed.training import posttrain_flags
+    from anyspeed.training.tasks import orm, sft
+
+    return Stage("orm", "posttrain", "an outcome reward model (a scalar head) on pairwise data",
+                 (posttrain_flags.add_arguments, sft.add_arguments, orm.add_arguments), orm.plan,
+                 orm.make_task)  # fmt: skip
+
+
 # name -> row builder (imports stay lazy: `anyspeed --help` must start fast)
 STAGES: dict[str, Callable[[], Stage]] = {
     "pretrain": _pretrain,
     "sft": _sft,
     "dpo": _preference("dpo"),
     "simpo": _preference("simpo"),
+    "orm": _orm,
 }
-POSTTRAIN_STAGES = ("sft", "dpo", "simpo")
+POSTTRAIN_STAGES = ("sft", "dpo", "simpo", "orm")
 
 
 def get_stage(name: str | None, command: str = "posttrain") -> Stage:

@@ -82,7 +82,7 @@ def add_simpo_arguments(p: argparse.ArgumentParser) -> None:
 class PreferenceConfig:
     """The checked flags of a preference stage."""
 
-    kind: str  # dpo | simpo
+    kind: str  # dpo | simpo | orm
     prefix: str
     loss_type: str
     beta: float
@@ -123,6 +123,8 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
         cfg = PreferenceConfig(kind, prefix, args.dpo_loss_type, args.dpo_beta,
                                args.dpo_label_smoothing, args.pref_ftx, reference=ref,
                                reference_iteration=ref_iter, lora=lora_cfg)  # fmt: skip
+    elif kind == "orm":
+        cfg = PreferenceConfig(kind, prefix, "sigmoid", 1.0, 0.0, 0.0)
     else:
         _check_range("--simpo-label-smoothing", args.simpo_label_smoothing)
         _check_positive("--simpo-beta", args.simpo_beta)

@@ -1,0 +1,128 @@
+"""The outcome reward model (``--stage orm``): a scalar head at each sequence's last token,
+trained on pairwise data with -log σ(s_chosen - s_rejected), the mean over the global batch's
+pairs (the same at every layout).
+
+The model is the language model with its output layer replaced by
+:class:`anyspeed.models.reward_head.RewardHead`. Started from a language-model checkpoint
+(SFT, pretraining, or an HF directory) the body's weights are loaded and the head starts fresh;
+an ORM checkpoint resumes whole. ``anyspeed convert`` exports it as transformers'
+``*ForSequenceClassification`` with one label.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from anyspeed.errors import UsageError
+from anyspeed.training.stages import StagePlan
+from anyspeed.training.tasks import preference_loss as P
+from anyspeed.training.tasks.base import LossFunc
+from anyspeed.training.tasks.preference import PreferenceTask
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``--stage orm``'s flags."""
+    g = p.add_argument_group("reward model")
+    g.add_argument("--is-pairwise-dataset", action="store_true",
+                   help="--data-path names a preprocessed pairwise (chosen/rejected) dataset")  # fmt: skip
+
+
+def plan(args: argparse.Namespace) -> StagePlan:
+    """The pairwise data checks of DPO, and what a reward model cannot do here."""
+    from anyspeed.training.tasks import preference
+
+    if args.lora_target_modules:
+        raise UsageError("--stage orm trains the whole model and its head; drop "
+                         "--lora-target-modules")  # fmt: skip
+    if args.context_parallel_size > 1:
+        raise UsageError("--stage orm with --context-parallel-size > 1 is not supported (the "
+                         "score is read at each sequence's last token); use CP 1")  # fmt: skip
+    return preference.plan(args, "orm")
+
+
+def make_task(run: Any) -> ORMTask:
+    """The reward-model task of a checked run."""
+    return ORMTask(run.config)
+
+
+def last_token(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last token: one past its last labelled position (labels are shifted)."""
+    pos = torch.arange(mask.shape[-1], device=mask.device)
+    return ((mask > 0) * (pos + 1)).amax(-1).clamp(max=mask.shape[-1] - 1)
+
+
+class ORMTask(PreferenceTask):
+    """Pairs ([chosen rows; rejected rows]) scored by the reward head."""
+
+    metrics = METRICS
+
+    def transforms(self) -> list[Any]:
+        from anyspeed.models.reward_head import reward_head
+
+        return [*super().transforms(), reward_head]
+
+    def frozen_models(self) -> dict[str, Any]:
+        return {}
+
+    def records(self) -> dict[str, Any]:
+        return {"anyspeed_reward_model": {"num_labels": 1}}
+
+    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+        """From a language-model checkpoint: its body, a fresh head (False: an ORM checkpoint,
+        resumed or fine-tuned by the engine)."""
+        from anyspeed.checkpoint import save_load as ckpt
+
+        if not run.load or has_head(run.load):
+            return False
+        ckpt.load_checkpoint(run.load, trainer.model, None, None, finetune=True,
+                             load_rng=False, keep=("output_layer.",))  # fmt: skip
+        return True
+
+    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
+                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None)
+        mask = batch["loss_mask"]
+
+        def loss_func(scores: torch.Tensor):
+            return self.score_loss(scores, mask)
+
+        return output, loss_func
+
+    def score_loss(self, scores: torch.Tensor, mask: torch.Tensor) -> tuple:
+        """(sum of the pair losses, pair count, metrics) from [2m, s, 1] per-token scores."""
+        at = last_token(mask)
+        s = scores[..., 0].float().gather(1, at[:, None])[:, 0]
+        m = s.shape[0] // 2
+        losses, rc, rr = P.orm_loss(s[:m], s[m:])
+        total = losses.sum()
+        metrics = P.pair_metrics(rc, rr, None)
+        n = torch.tensor(float(m), dtype=torch.float64, device=total.device)
+        metrics[self.loss_key] = torch.stack([total.detach().double(), n])
+        return total, torch.tensor(m, dtype=torch.int, device=total.device), metrics
+
+    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
+                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+        from anyspeed.training.tasks.pairwise_data import batches
+
+        data, rows = dataset
+        return batches(data, run.args, rows, consumed, device, self.cfg.pad_id)
+
+
+def has_head(load: str) -> bool:
+    """Whether the checkpoint under ``load`` holds a reward head."""
+    from megatron.core import dist_checkpointing
+
+    from anyspeed.checkpoint.reads import checkpoint_format, tracked_dir
+    from anyspeed.models.reward_head import HEAD_KEY
+
+    path = tracked_dir(load)
+    if path is None or checkpoint_format(path) != "torch_dist":
+        return False
+    return any(k.endswith(HEAD_KEY) for k in dist_checkpointing.load_tensors_metadata(path))
