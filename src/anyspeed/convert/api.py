@@ -32,6 +32,7 @@ from anyspeed.convert.megatron_io import (
     save_legacy,
 )
 from anyspeed.convert.pipeline import prefetch
+from anyspeed.convert.reward import is_reward_model, reward_config, reward_mapping
 from anyspeed.convert.torch_dist import read_torch_dist, save_torch_dist
 from anyspeed.layout import Layout, uneven_stages
 from anyspeed.models.config import ModelConfig, padded_vocab_size
@@ -252,6 +253,11 @@ def megatron_to_hf(
     cfg = _output_config(common, preset, hf_cfg_dir)
     hf_vocab = int(cfg["vocab_size"])
     m = mapping_for(preset.family)
+    if is_reward_model(common):  # --stage orm: *ForSequenceClassification, one label
+        if fmt != "torch_dist" or lora:
+            raise ConvertError(f"{load_dir}: a reward model converts from its torch_dist "
+                               "checkpoint, without --lora-load")  # fmt: skip
+        m, cfg = reward_mapping(m), reward_config(cfg)
     want = engine.hf_shapes(m, dataclasses.replace(preset, vocab_size=hf_vocab))
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")

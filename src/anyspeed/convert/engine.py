@@ -73,7 +73,7 @@ def entries(m: FamilyMapping, preset: ModelConfig, group: Group) -> dict[str, st
     for k, v in m.top.items():
         if (group == EMBED) != k.startswith("embedding."):
             continue
-        if preset.tie_embeddings and k.startswith("output_layer."):
+        if preset.tie_embeddings and k == "output_layer.weight":
             continue
         out[k] = v
     return out
@@ -123,6 +123,7 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
     shapes = {
         "word_embeddings.weight": (vocab_rows, h),
         "output_layer.weight": (vocab_rows, h),
+        "output_layer.score.weight": (1, h),  # a reward model's head
         "linear_qkv.weight": (qkv_rows, h),
         "linear_qkv.bias": (qkv_rows,),
         "linear_proj.weight": (h, preset.num_attention_heads * d),

@@ -16,6 +16,7 @@ from anyspeed.convert.engine import Group, Stacked
 from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.megatron_io import LAYER, empty_model, megatron_session
 from anyspeed.models.config import ModelConfig
+from anyspeed.models.reward_head import HEAD_KEY
 
 if TYPE_CHECKING:
     from anyspeed.convert.dcp_io import DcpReader
@@ -118,6 +119,8 @@ def checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int
                 rest = f"mlp.experts.local_experts.0.{rest[expert.end() :]}"
             probe_name = f"decoder.layers.{j}.{rest}"
             index = (int(expert.group(1)),) if expert else () if preset.is_moe else (layer,)
+        if probe_name == HEAD_KEY:  # a reward model's head: its own, unstacked key
+            return HEAD_KEY, ()
         if probe_name not in keys:
             raise ConvertError(f"internal: Megatron's GPTModel has no tensor {name}")
         found = keys[probe_name]

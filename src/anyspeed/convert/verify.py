@@ -1,8 +1,10 @@
-"""``--verify``: the converted pair on the same random tokens, max-abs logits difference (fp32)."""
+"""``--verify``: the converted pair on the same random tokens, max-abs logits difference (fp32);
+a reward model's per-token scores."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,8 +18,10 @@ from anyspeed.convert.megatron_io import (
     megatron_session,
     read_legacy,
 )
+from anyspeed.convert.reward import is_reward_model, reward_mapping
 from anyspeed.convert.torch_dist import read_torch_dist
 from anyspeed.models.families import mapping_for
+from anyspeed.models.reward_head import reward_head
 
 
 def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -26,8 +30,12 @@ def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     preset = read_model(mg_dir)
     m = mapping_for(preset.family)
     it_dir = checkpoint_dir(mg_dir)
+    reward = is_reward_model(read_common(it_dir))
     with megatron_session():
         model = empty_model(preset, torch.float32)
+        if reward:  # per-token scores [b, s, 1] of the reward head
+            m = reward_mapping(m)
+            model = reward_head(model, preset)
         if checkpoint_format(it_dir) == "torch_dist":
             groups = read_torch_dist(
                 it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
@@ -60,12 +68,14 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     ``from_pretrained``, whose meta-device initialisation of non-persistent buffers (RoPE
     frequencies) goes wrong once anyspeed's device layer is applied in the process.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from anyspeed.convert.hf_io import HFCheckpoint
 
     ck = HFCheckpoint(hf_dir)
     config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
+        return _hf_token_scores(AutoModelForSequenceClassification, config, ck, tokens)
     if _has_experts(config):  # transformers fuses the per-expert tensors of the files itself
         model, info = AutoModelForCausalLM.from_pretrained(
             str(hf_dir), dtype=torch.float32, local_files_only=True, output_loading_info=True
@@ -84,6 +94,20 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+def _hf_token_scores(auto: Any, config: Any, ck: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """A sequence-classification model's head at every position, [b, s, labels] (its own
+    output is the last non-pad token's row of this)."""
+    model = auto.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({n: ck.get(n).float() for n in ck.names},
+                                                strict=False)  # fmt: skip
+    if missing or unexpected:
+        raise ConvertError(f"transformers misses {missing[:3]}, does not expect {unexpected[:3]}")
+    model.eval()
+    with torch.no_grad():
+        hidden = model.base_model(tokens).last_hidden_state
+        return model.score(hidden).float()
 
 
 def verify(

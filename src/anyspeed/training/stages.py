@@ -71,7 +71,12 @@ def _preference(kind: str) -> Callable[[], Stage]:
             kind,
             "posttrain",
             helps[kind],
-            (posttrain_flags.add_arguments, sft.add_arguments, own[kind]),
+            (
+                posttrain_flags.add_arguments,
+                sft.add_arguments,
+                preference.add_pairwise_arguments,
+                own[kind],
+            ),
             lambda args: preference.plan(args, kind),
             preference.make_task,
         )
@@ -81,11 +86,11 @@ def _preference(kind: str) -> Callable[[], Stage]:
 
 def _orm() -> Stage:
     from anyspeed.training import posttrain_flags
-    from anyspeed.training.tasks import orm, sft
+    from anyspeed.training.tasks import orm, preference, sft
 
     return Stage("orm", "posttrain", "an outcome reward model (a scalar head) on pairwise data",
-                 (posttrain_flags.add_arguments, sft.add_arguments, orm.add_arguments), orm.plan,
-                 orm.make_task)  # fmt: skip
+                 (posttrain_flags.add_arguments, sft.add_arguments,
+                  preference.add_pairwise_arguments), orm.plan, orm.make_task)  # fmt: skip
 
 
 # name -> row builder (imports stay lazy: `anyspeed --help` must start fast)

@@ -26,13 +26,6 @@ from anyspeed.training.tasks.preference import PreferenceTask
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``--stage orm``'s flags."""
-    g = p.add_argument_group("reward model")
-    g.add_argument("--is-pairwise-dataset", action="store_true",
-                   help="--data-path names a preprocessed pairwise (chosen/rejected) dataset")  # fmt: skip
-
-
 def plan(args: argparse.Namespace) -> StagePlan:
     """The pairwise data checks of DPO, and what a reward model cannot do here."""
     from anyspeed.training.tasks import preference

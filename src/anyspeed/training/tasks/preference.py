@@ -33,14 +33,19 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/chosen", "logps/rejected")  # fmt: skip
 
 
-def add_dpo_arguments(p: argparse.ArgumentParser) -> None:
-    """``--stage dpo``'s flags (MindSpeed-LLM's names and defaults)."""
-    g = p.add_argument_group("DPO")
+def add_pairwise_arguments(p: argparse.ArgumentParser) -> None:
+    """The flag every pairwise stage (dpo, simpo, orm) takes."""
+    g = p.add_argument_group("pairwise data")
     g.add_argument(
         "--is-pairwise-dataset",
         action="store_true",
         help="--data-path names a preprocessed pairwise (chosen/rejected) dataset",
     )
+
+
+def add_dpo_arguments(p: argparse.ArgumentParser) -> None:
+    """``--stage dpo``'s flags (MindSpeed-LLM's names and defaults)."""
+    g = p.add_argument_group("DPO")
     g.add_argument("--dpo-loss-type", choices=P.DPO_LOSSES, default="sigmoid",
                    help="sigmoid (DPO), hinge (SLiC) or ipo")  # fmt: skip
     g.add_argument("--dpo-beta", type=float, default=0.1, help="the KL strength beta")
@@ -64,11 +69,6 @@ def add_dpo_arguments(p: argparse.ArgumentParser) -> None:
 def add_simpo_arguments(p: argparse.ArgumentParser) -> None:
     """``--stage simpo``'s flags (MindSpeed-LLM v2.2's names and defaults)."""
     g = p.add_argument_group("SimPO")
-    g.add_argument(
-        "--is-pairwise-dataset",
-        action="store_true",
-        help="--data-path names a preprocessed pairwise (chosen/rejected) dataset",
-    )
     g.add_argument("--simpo-loss-type", choices=P.SIMPO_LOSSES, default="sigmoid")
     g.add_argument("--simpo-beta", type=float, default=2.5, help="the reward scale beta")
     g.add_argument("--gamma-beta-ratio", type=float, default=1.4,
