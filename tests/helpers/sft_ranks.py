@@ -45,3 +45,24 @@ def overfit(cli: list[str], prefix: str) -> dict:
         out = generate_ids(model, i[:start], len(i) - start, args.seq_length)
         pairs.append((out, i[start:]))  # generate_ids returns the new tokens
     return {"loss": history["loss"], "pairs": pairs}
+
+
+def reference_costs(cli: list[str]) -> dict:
+    """Train (DPO), then what the frozen reference holds: parameters needing gradients, with
+    a gradient (or Megatron's main_grad), or known to the optimizer."""
+    from anyspeed.training.engine import train
+    from anyspeed.training.prepare import prepare
+
+    run, _ = prepare(cli, command="posttrain")
+    trainer = train(run).pop("trainer")
+    ref = [p for c in trainer.frozen["reference"].chunks for p in c.parameters()]
+    policy = [p for c in trainer.model for p in c.parameters()]
+    in_opt = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    return {
+        "ref_numel": sum(p.numel() for p in ref),
+        "policy_numel": sum(p.numel() for p in policy),
+        "requires_grad": sum(p.requires_grad for p in ref),
+        "with_grad": sum(p.grad is not None or hasattr(p, "main_grad") for p in ref),
+        "in_optimizer": sum(id(p) in in_opt for p in ref),
+        "policy_in_optimizer": sum(id(p) in in_opt for p in policy),
+    }
