@@ -22,7 +22,7 @@ import time
 
 from anyspeed.demo import DEMO_ARCH, VOCAB, fresh_metrics, tp_layout
 from anyspeed.demo.instructions import write_jsonl
-from anyspeed.demo.sft import PROMPT_TYPE, _answers, _show, sft_model
+from anyspeed.demo.sft import PROMPT_TYPE, _answers, _show, preprocess, sft_model
 
 STEPS = 8
 DPO_TRAIN = [
@@ -50,14 +50,9 @@ def pairs(train: list[dict]) -> list[dict]:
 
 
 def _preference_data(args: argparse.Namespace, tok_dir: str, train: list[dict]) -> tuple[int, str]:
-    from anyspeed.commands.preprocess import main as data_main
-
     src = write_jsonl(os.path.join(args.workdir, "dpo-pairs.jsonl"), pairs(train))
     prefix = os.path.join(args.workdir, "dpo")
-    rc = data_main(["preprocess", "--input", src, "--output-prefix", prefix,
-                    "--tokenizer-name-or-path", tok_dir, "--handler-name",
-                    "AlpacaStylePairwiseHandler", "--prompt-type", PROMPT_TYPE,
-                    "--workers", "1", "--overwrite", "--quiet"])  # fmt: skip
+    rc = preprocess(src, prefix, tok_dir, "AlpacaStylePairwiseHandler")
     if rc == 0:
         print(f"[6/{STEPS}] preference set: {src} (the expected answer chosen, another "
               f"function's rejected) -> {prefix}_packed_{{chosen,rejected}}_{{input_ids,"

@@ -49,8 +49,6 @@ SFT_TRAIN = [
 def _data(args: argparse.Namespace, tok_dir: str, steps: int) -> tuple[int, str, list[dict]]:
     """Steps 3 and 4: the instruction set, the records trained on, preprocessed.
     Returns (exit code, dataset prefix, the records trained on)."""
-    from anyspeed.commands.preprocess import main as data_main
-
     records = build_instructions(stdlib_files(), SET_SIZE)
     full = write_jsonl(os.path.join(args.workdir, "instructions.jsonl"), records)
     train = spread(records, args.sft_samples)
@@ -58,14 +56,21 @@ def _data(args: argparse.Namespace, tok_dir: str, steps: int) -> tuple[int, str,
     print(f"[3/{steps}] instruction set: {len(records)} questions on standard-library functions -> "
           f"{full}; {len(train)} of them to train on -> {src}")  # fmt: skip
     prefix = os.path.join(args.workdir, "sft")
-    rc = data_main(["preprocess", "--input", src, "--output-prefix", prefix,
-                    "--tokenizer-name-or-path", tok_dir, "--handler-name",
-                    "AlpacaStyleInstructionHandler", "--prompt-type", PROMPT_TYPE,
-                    "--workers", "1", "--overwrite", "--quiet"])  # fmt: skip
+    rc = preprocess(src, prefix, tok_dir, "AlpacaStyleInstructionHandler")
     if rc == 0:
         print(f"[4/{steps}] preprocess: {prefix}_packed_{{input_ids,attention_mask,labels}}"
               f"_document (--prompt-type {PROMPT_TYPE}; prompt tokens carry no loss)")  # fmt: skip
     return rc, prefix, train
+
+
+def preprocess(src: str, prefix: str, tok_dir: str, handler: str) -> int:
+    """``anyspeed preprocess`` of a demo jsonl with the demo's template; its exit code."""
+    from anyspeed.commands.preprocess import main as data_main
+
+    return data_main(["preprocess", "--input", src, "--output-prefix", prefix,
+                      "--tokenizer-name-or-path", tok_dir, "--handler-name", handler,
+                      "--prompt-type", PROMPT_TYPE, "--workers", "1", "--overwrite",
+                      "--quiet"])  # fmt: skip
 
 
 def _answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict],

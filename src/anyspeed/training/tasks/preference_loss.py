@@ -31,9 +31,18 @@ class PairLogps:
     n_rejected: torch.Tensor
 
 
-def _smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """-(1-ε)·log σ(z) - ε·log σ(-z): cDPO's conservative loss (ε=0: DPO's)."""
-    return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+def _margin_loss(x: torch.Tensor, loss_type: str, beta: float,
+                 label_smoothing: float) -> torch.Tensor:  # fmt: skip
+    """The loss of a preference margin ``x``: sigmoid -(1-ε)·log σ(βx) - ε·log σ(-βx) (cDPO's
+    conservative form; ε=0: DPO's), hinge relu(1 - βx), ipo (x - 1/(2β))²."""
+    if loss_type == "sigmoid":
+        z, eps = beta * x, label_smoothing
+        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * x)
+    if loss_type == "ipo":
+        return (x - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown preference loss type {loss_type!r}")
 
 
 def dpo_loss(lp: PairLogps, loss_type: str, beta: float, label_smoothing: float = 0.0,
@@ -48,15 +57,7 @@ def dpo_loss(lp: PairLogps, loss_type: str, beta: float, label_smoothing: float 
     nc, nr = lp.n_chosen.clamp(min=1), lp.n_rejected.clamp(min=1)
     if loss_type == "ipo":  # IPO compares mean token log-probs
         pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
-    delta = (pc - rc) - (pr - rr)
-    if loss_type == "sigmoid":
-        losses = _smoothed_sigmoid(beta * delta, label_smoothing)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    elif loss_type == "ipo":
-        losses = (delta - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"unknown DPO loss type {loss_type!r}")
+    losses = _margin_loss((pc - rc) - (pr - rr), loss_type, beta, label_smoothing)
     if pref_ftx:
         losses = losses + pref_ftx * (-lp.chosen / nc)
     return losses, (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
@@ -74,15 +75,7 @@ def simpo_loss(
     -(1-ε)·logσ(βz) - ε·logσ(-βz), hinge relu(1 - βz), ipo (z - 1/(2β))². Rewards are β·avg."""
     nc, nr = lp.n_chosen.clamp(min=1), lp.n_rejected.clamp(min=1)
     ac, ar = lp.chosen / nc, lp.rejected / nr
-    z = ac - ar - gamma_beta_ratio
-    if loss_type == "sigmoid":
-        losses = _smoothed_sigmoid(beta * z, label_smoothing)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * z)
-    elif loss_type == "ipo":
-        losses = (z - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"unknown SimPO loss type {loss_type!r}")
+    losses = _margin_loss(ac - ar - gamma_beta_ratio, loss_type, beta, label_smoothing)
     if pref_ftx:
         losses = losses + pref_ftx * (-ac)
     return losses, (beta * ac).detach(), (beta * ar).detach()
