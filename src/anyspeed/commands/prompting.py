@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from anyspeed.data.tokenizer import end_ids
 from anyspeed.errors import UsageError
 
-_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
+__all__ = ["end_ids", "prompts", "render", "request", "sampling_params", "text_of"]
 
 
 def render(args: argparse.Namespace, tok: Any, messages: list[dict]) -> str:
@@ -23,15 +24,6 @@ def render(args: argparse.Namespace, tok: Any, messages: list[dict]) -> str:
             [*messages, {"role": "assistant", "content": ""}])  # fmt: skip
         return "".join(text for text, _, _ in segs[:-1])  # up to the open answer
     return messages[-1]["content"]
-
-
-def end_ids(tok: Any) -> tuple[int, ...]:
-    """EOS and the chat templates' end-of-turn tokens the vocabulary has."""
-    vocab = tok.hf.get_vocab() if getattr(tok, "hf", None) is not None else {}
-    ids = {vocab[t] for t in _END_TOKENS if t in vocab}
-    if tok.eod_id is not None:
-        ids.add(tok.eod_id)
-    return tuple(sorted(ids))
 
 
 def sampling_params(args: argparse.Namespace):

@@ -62,6 +62,7 @@ def main(argv: Sequence[str] | None = None, command: str = "pretrain") -> int:
     from anyspeed.training.hooks import NonFiniteLoss, print0
     from anyspeed.training.loop import DataExhausted
     from anyspeed.training.prepare import prepare
+    from anyspeed.training.tasks.base import TaskStopped
 
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = f"anyspeed {command}"
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None, command: str = "pretrain") -> int:
     adaptor.apply(run.args)
     try:
         history = train(run)
-    except (NonFiniteLoss, CheckpointError, DataExhausted) as exc:  # rank 0 says why
+    except (NonFiniteLoss, CheckpointError, DataExhausted, TaskStopped) as exc:  # rank 0 says why
         return report(prog, exc, code=1) if is_rank0() else 1
     except RuntimeError as exc:
         if stall.is_peer_lost(exc):

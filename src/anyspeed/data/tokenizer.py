@@ -147,6 +147,19 @@ class _SentencePiece(Tokenizer):
         return self.sp.encode(texts, num_threads=1)
 
 
+_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
+
+
+def end_ids(tok: Any) -> tuple[int, ...]:
+    """EOS and the chat templates' end-of-turn tokens the vocabulary has: where a generated
+    answer ends."""
+    vocab = tok.hf.get_vocab() if getattr(tok, "hf", None) is not None else {}
+    ids = {vocab[t] for t in _END_TOKENS if t in vocab}
+    if tok.eod_id is not None:
+        ids.add(tok.eod_id)
+    return tuple(sorted(ids))
+
+
 def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     """Build the tokenizer a spec describes (local files only)."""
     spec.check()

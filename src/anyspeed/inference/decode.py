@@ -133,6 +133,9 @@ class Request:
     pad_id: int = 0
     use_kv_cache: bool = True
     seed: int = 1234
+    # One seed per row: each row samples from its own generator, so its tokens do not depend
+    # on which other rows share the batch (a rollout split over data-parallel replicas).
+    row_seeds: tuple[int, ...] | None = None
     max_length: int | None = None  # the context window (prompt + new tokens)
     vocab_size: int | None = None  # real vocabulary: padded rows of the embedding never chosen
     # A row stops once its text (``detokenize`` of its new tokens, leading whitespace dropped)
@@ -164,28 +167,49 @@ def generate(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req
     """The new tokens of each prompt (ending at and including an EOS id or the tokens that
     complete a stop string), identical on every rank; ``on_tokens`` hears each step's tokens as
     they come (for streaming)."""
+    return sample(model, prompts, req, on_tokens)[0]
+
+
+def sample(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: Request,
+           on_tokens: OnTokens | None = None, logprobs: bool = False,
+           ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
+    """:func:`generate`, and with ``logprobs`` each new token's log-probability under the
+    sampling temperature's distribution (before top-k/top-p: the policy's, as training
+    recomputes it), identical on every rank."""
     batch = Batch.left_padded(prompts, req.pad_id)
     steps = _budget(batch.tokens.shape[1], req)
     stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache,
                       req.vocab_size)  # fmt: skip
     gen = torch.Generator().manual_seed(req.seed)
+    rows = [torch.Generator().manual_seed(s) for s in req.row_seeds] if req.row_seeds else None
     out: list[list[int]] = [[] for _ in prompts]
+    lps: list[list[float]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for _ in range(steps):
         logits = stepper.logits()
         chosen = torch.zeros(len(prompts), dtype=torch.int64)
-        if logits is not None:
+        lp = torch.zeros(len(prompts), dtype=torch.float32)
+        if logits is not None and rows is not None:
+            chosen = torch.cat([next_tokens(logits[i : i + 1], req.params, g)
+                                for i, g in enumerate(rows)])  # fmt: skip
+        elif logits is not None:
             chosen = next_tokens(logits, req.params, gen)
+        if logits is not None:
+            if logprobs:
+                scaled = logits.float() / (1.0 if req.params.greedy else req.params.temperature)
+                lp = torch.log_softmax(scaled, -1).gather(1, chosen[:, None])[:, 0]
         chosen = share(chosen)
+        lp = share(lp) if logprobs else lp
         fresh: list[int | None] = []
         for i, tok in enumerate(chosen.tolist()):
             fresh.append(None if done[i] else tok)
             if not done[i]:
                 out[i].append(tok)
+                lps[i].append(float(lp[i]))
                 done[i] = req.stops(out[i])
         stepper.append(chosen)
         if on_tokens is not None:
             on_tokens(fresh)
         if all(done):
             break
-    return out
+    return out, lps

@@ -18,13 +18,15 @@ def _core(model: torch.nn.Module) -> torch.nn.Module:
 def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
                    labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    packed_seq_params: Any = None, vocab_size: int | None = None,
+                   temperature: float = 1.0, entropy: bool = False,
                    **kwargs: Any) -> torch.Tensor:  # fmt: skip
     """log p(labels[b, s] | tokens[b, :s+1]) as [b, s] (fp32) on a chunk that ends the
     pipeline; on an earlier chunk, its output (hidden states for the next stage).
 
     ``vocab_size``: the real vocabulary; the embedding's padded rows are then excluded from the
     normaliser (as a Hugging Face model without them would), else all rows count, as in
-    Megatron's training loss.
+    Megatron's training loss. ``temperature`` divides the logits first (a sampling policy's
+    distribution). ``entropy``: [2, b, s], the log-probs and each position's entropy.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -34,12 +36,39 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
     if not _core(model).post_process:
         return out
     logits = out.float()  # [b, s, vocab / TP]
+    if temperature != 1.0:
+        logits = logits / temperature
     local = logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * local
     if vocab_size is not None and start + local > vocab_size:
         cols = torch.arange(start, start + local, device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
-    return -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
+    logp = -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
+    if not entropy:
+        return logp
+    return torch.stack([logp, vocab_parallel_entropy(logits)])
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of softmax(logits) per position from this rank's vocabulary shard
+    [..., vocab / TP] (rows at -inf left out), with gradients: the shards' sums are
+    all-reduced over the tensor-parallel group (identity backward: each rank's loss is the
+    same total)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    top = logits.detach().amax(-1, keepdim=True)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - top
+    e = torch.exp(shifted)
+    finite = torch.isfinite(shifted)
+    parts = torch.stack([e.sum(-1), (e * shifted.masked_fill(~finite, 0)).sum(-1)])
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        parts = reduce_from_tensor_model_parallel_region(parts)
+    total, weighted = parts[0], parts[1]
+    return torch.log(total) - weighted / total
 
 
 def packed_params(batch: dict[str, Any]) -> Any:

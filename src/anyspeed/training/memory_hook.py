@@ -19,10 +19,19 @@ class SavedBytesHook(Hook):
     def __init__(self, prog: str = "anyspeed pretrain") -> None:
         self.meter: Any = None
         self.prog = prog
+        self.started = False
 
     def on_start(self, state: LoopState) -> None:
+        self.started = False
+
+    def before_step(self, state: LoopState) -> None:
+        # Armed just before the first step: forward-only passes a task runs while it makes
+        # the step's data (a reference, a rollout) are not the step's activations.
+        if self.started:
+            return
         from anyspeed.features.memory.meter import FirstForwardMeter
 
+        self.started = True
         self.meter = FirstForwardMeter(state.trainer.model)
 
     def after_step(self, state: LoopState, out: dict[str, Any]) -> None:

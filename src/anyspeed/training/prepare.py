@@ -33,6 +33,8 @@ def prepare(argv: list[str], where: str | None = None,
     """
     prog = f"anyspeed {command}"
     stage = stage_of(argv, command)
+    if stage.argv is not None:  # e.g. a config file standing in for flags
+        argv = stage.argv(argv)
     hf_dir = hf_load.hf_dir_of(argv)
     if hf_dir:
         argv = hf_load.expand(argv, hf_dir)

@@ -38,6 +38,7 @@ class Stage:
     flags: Sequence[Callable[[argparse.ArgumentParser], None]]
     plan: Callable[[argparse.Namespace], StagePlan]
     task: Callable[[Any], Any]  # (Run) -> Task
+    argv: Callable[[list[str]], list[str]] | None = None  # rewrites the command line first
 
 
 def _pretrain() -> Stage:
@@ -93,6 +94,15 @@ def _orm() -> Stage:
                   preference.add_pairwise_arguments), orm.plan, orm.make_task)  # fmt: skip
 
 
+def _grpo() -> Stage:
+    from anyspeed.training import posttrain_flags
+    from anyspeed.training.tasks import grpo
+
+    return Stage("grpo", "posttrain", "colocated GRPO (DAPO's options) with rule rewards on "
+                 "prompt data", (posttrain_flags.add_arguments, grpo.add_arguments), grpo.plan,
+                 grpo.make_task, argv=grpo.expand_config)  # fmt: skip
+
+
 # name -> row builder (imports stay lazy: `anyspeed --help` must start fast)
 STAGES: dict[str, Callable[[], Stage]] = {
     "pretrain": _pretrain,
@@ -100,8 +110,9 @@ STAGES: dict[str, Callable[[], Stage]] = {
     "dpo": _preference("dpo"),
     "simpo": _preference("simpo"),
     "orm": _orm,
+    "grpo": _grpo,
 }
-POSTTRAIN_STAGES = ("sft", "dpo", "simpo", "orm")
+POSTTRAIN_STAGES = ("sft", "dpo", "simpo", "orm", "grpo")
 
 
 def get_stage(name: str | None, command: str = "posttrain") -> Stage:

@@ -127,18 +127,22 @@ class Trainer:
         with eval_mode(self.model):
             return self._run_schedule(microbatches, forward_only=True)
 
-    @torch.no_grad()
     def logprobs(self, microbatches: list[dict[str, torch.Tensor]], model: str | None = None,
-                 vocab_size: int | None = None) -> list[torch.Tensor] | None:  # fmt: skip
+                 vocab_size: int | None = None, temperature: float = 1.0,
+                 exact: bool = False) -> list[torch.Tensor] | None:  # fmt: skip
         """Per-token log-probabilities of each micro-batch's labels ([b, s] each, this rank's
         CP share) by the training model or the frozen model ``model``, forward only: a
-        reference or old-policy pass. On the last pipeline stage; None on the others."""
+        reference or old-policy pass (``temperature``: of a sampling policy). On the last
+        pipeline stage; None on the others. ``exact``: with autograd on (no backward), whose
+        kernels give the training forward's values bit for bit (an old-policy pass whose
+        ratio must be exactly 1 before an update)."""
         from anyspeed.training.logprob_pass import logprob_pass
 
         chunks, ctx = (self.model, contextlib.nullcontext()) if model is None else (
             self.frozen[model].chunks, self.frozen[model].context())  # fmt: skip
-        with eval_mode(chunks), ctx:
-            return logprob_pass(self, chunks, microbatches, vocab_size)
+        grad = torch.enable_grad() if exact else torch.no_grad()
+        with grad, eval_mode(chunks), ctx:
+            return logprob_pass(self, chunks, microbatches, vocab_size, temperature)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], request: Any) -> list[list[int]]:
@@ -149,6 +153,16 @@ class Trainer:
 
         with eval_mode(self.model):
             return generate([unwrap(m) for m in self.model], prompts, request)
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]],
+               request: Any) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
+        """:meth:`generate` with each new token's log-probability under the sampling
+        temperature (a rollout's own log-probs), the same on every rank."""
+        from anyspeed.inference.decode import sample
+
+        with eval_mode(self.model):
+            return sample([unwrap(m) for m in self.model], prompts, request, logprobs=True)
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -49,9 +49,9 @@ class SavedBytes:
 
 
 class FirstForwardMeter:
-    """Measures the first forward with gradients of each module in ``modules`` (one
-    micro-batch per model chunk; forward-only passes are left out) and then removes itself;
-    ``bytes`` is the sum over the chunks, ``done`` when all were measured."""
+    """Measures the first forward of each module in ``modules`` (one micro-batch per model
+    chunk) and then removes itself; ``bytes`` is the sum over the chunks, ``done`` when all
+    were measured."""
 
     def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
         self.modules = list(modules)
@@ -65,8 +65,6 @@ class FirstForwardMeter:
 
     def _enter(self, meter: SavedBytes):
         def hook(module, args):
-            if not torch.is_grad_enabled():  # a forward-only pass (a reference) saves nothing
-                return
             if meter._hooks is None and self.per_module[self.modules.index(module)] is None:
                 meter.__enter__()
 

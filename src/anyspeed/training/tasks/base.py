@@ -16,6 +16,11 @@ import torch
 LossFunc = Callable[[torch.Tensor], tuple]
 
 
+class TaskStopped(Exception):
+    """A task stops the run on every rank with one line (e.g. a reward function failed); what
+    was saved before stays as it was."""
+
+
 @dataclass(frozen=True)
 class FrozenModel:
     """A frozen model a task asks for, built at the training layout: the weights of checkpoint

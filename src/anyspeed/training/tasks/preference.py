@@ -66,6 +66,21 @@ def add_dpo_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_reference_arguments(g: Any) -> None:
+    """``--ref-model`` and ``--refer-model-iter`` (DPO, GRPO)."""
+    g.add_argument(
+        "--ref-model",
+        default=None,
+        help="the reference checkpoint (default: --load; under LoRA the base model)",
+    )
+    g.add_argument(
+        "--refer-model-iter",
+        type=int,
+        default=None,
+        help="the reference's iteration (default: the one its tracker names)",
+    )
+
+
 def add_simpo_arguments(p: argparse.ArgumentParser) -> None:
     """``--stage simpo``'s flags (MindSpeed-LLM v2.2's names and defaults)."""
     g = p.add_argument_group("SimPO")
@@ -119,7 +134,7 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
     if kind == "dpo":
         _check_range("--dpo-label-smoothing", args.dpo_label_smoothing)
         _check_positive("--dpo-beta", args.dpo_beta)
-        ref, ref_iter = _reference(args, lora_cfg)
+        ref, ref_iter = reference(args, lora_cfg, "dpo")
         cfg = PreferenceConfig(kind, prefix, args.dpo_loss_type, args.dpo_beta,
                                args.dpo_label_smoothing, args.pref_ftx, reference=ref,
                                reference_iteration=ref_iter, lora=lora_cfg)  # fmt: skip
@@ -145,12 +160,13 @@ def _check_positive(flag: str, value: float) -> None:
         raise UsageError(f"{flag} {value}: give a positive value")
 
 
-def _reference(args: argparse.Namespace, lora_cfg: Any) -> tuple[str | None, int | None]:
-    """The reference checkpoint (root, iteration) of a DPO run, checked; (None, None) under
-    LoRA (the base with adapters off) or for the run's own ``--load`` resolved at start.
+def reference(args: argparse.Namespace, lora_cfg: Any,
+              stage: str) -> tuple[str | None, int | None]:  # fmt: skip
+    """The reference checkpoint (root, iteration) of a ``stage`` run, checked; (None, None)
+    under LoRA (the base with adapters off) or for the run's own ``--load`` resolved at start.
 
-    Resuming a DPO run (its ``--load`` a DPO checkpoint, no ``--finetune``) keeps the reference
-    that run recorded, so a resumed run compares with the same model as before."""
+    Resuming a run of this stage (its ``--load`` such a checkpoint, no ``--finetune``) keeps
+    the reference that run recorded, so a resumed run compares with the same model."""
     from anyspeed.checkpoint.errors import CheckpointFileError
     from anyspeed.checkpoint.reads import read_common, tracked_dir
 
@@ -165,12 +181,14 @@ def _reference(args: argparse.Namespace, lora_cfg: Any) -> tuple[str | None, int
             path = tracked_dir(args.load)
             common = read_common(path) if path else {}
             recorded = common.get("anyspeed_reference")
-            if common.get("anyspeed_stage") == "dpo" and recorded:
+            if common.get("anyspeed_stage") == stage and recorded:
                 ref, it = recorded["path"], it if it is not None else recorded["iteration"]
         if ref is None:
             if not args.load:
-                raise UsageError("--stage dpo needs a reference model: --load the model to "
-                                 "start from (an SFT checkpoint) or pass --ref-model")  # fmt: skip
+                raise UsageError(
+                    f"--stage {stage} needs a reference model: --load the model "
+                    "to start from (an SFT checkpoint) or pass --ref-model"
+                )
             return None, it
         _check_reference(args, ref, it)
     except CheckpointFileError as exc:

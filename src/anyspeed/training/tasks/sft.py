@@ -104,7 +104,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
 
 def one_prefix(args: argparse.Namespace, what: str) -> str:
     """The one ``--data-path`` prefix of a fine-tuning stage (``--prompt-type`` checked)."""
-    if args.prompt_type is not None:
+    if getattr(args, "prompt_type", None) is not None:
         from anyspeed.data.templates import TEMPLATES
 
         if args.prompt_type not in TEMPLATES:

@@ -1,0 +1,135 @@
+"""A GRPO rollout and the training micro-batches made from it: each sample is its prompt and
+answer, right-padded; the labels are the next tokens, learned on the answer only, each answer
+token carrying its sequence's advantage and the log-prob the rollout sampled it with. Also the
+rollout's global statistics (rewards, lengths, mismatch, timing), the same on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Group:
+    """One prompt's samples."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    logps: list[list[float]]
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+
+    def has_signal(self) -> bool:
+        """Whether the rewards differ (equal rewards: zero advantage, no gradient)."""
+        return bool((self.rewards != self.rewards[0]).any())
+
+
+@dataclass
+class Rollout:
+    """This replica's samples, ``group`` consecutive ones per prompt."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]  # the answers (ending with the EOS when one was sampled)
+    logps: list[list[float]]  # the rollout's own log-prob of each answer token
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    group: int
+    kept: int  # groups with a reward signal (--filter-groups), else all
+
+    def groups(self) -> list[Group]:
+        g = self.group
+        return [Group(self.prompts[i : i + g], self.tokens[i : i + g], self.logps[i : i + g],
+                      self.rewards[i : i + g], self.advantages[i : i + g])
+                for i in range(0, len(self.tokens), g)]  # fmt: skip
+
+    @classmethod
+    def join(cls, groups: list[Group], want: int, kept: int) -> Rollout:
+        groups = groups[:want]
+        return cls([p for x in groups for p in x.prompts], [t for x in groups for t in x.tokens],
+                   [lp for x in groups for lp in x.logps],
+                   torch.cat([x.rewards for x in groups]),
+                   torch.cat([x.advantages for x in groups]), len(groups[0].tokens),
+                   min(kept, want))  # fmt: skip
+
+
+def _length(longest: int, args: Any) -> int:
+    """The micro-batches' sequence length: --seq-length under pipeline parallelism (fixed
+    shapes), else the rollout's longest rounded up for TP/SP."""
+    if args.pipeline_model_parallel_size > 1:
+        return args.seq_length
+    multiple = 8 * args.tensor_model_parallel_size
+    return min(args.seq_length, -(-longest // multiple) * multiple)
+
+
+def micro_batches(roll: Rollout, args: Any, pad: int,
+                  device: torch.device) -> list[dict[str, Any]]:  # fmt: skip
+    """The rollout's sequences in order, ``--micro-batch-size`` per micro-batch, on ``device``."""
+    n = len(roll.tokens)
+    length = _length(max(len(p) + len(t) for p, t in zip(roll.prompts, roll.tokens,
+                                                           strict=True)), args)  # fmt: skip
+    tokens = torch.full((n, length), pad, dtype=torch.int64)
+    labels = torch.zeros((n, length), dtype=torch.int64)
+    mask = torch.zeros((n, length))
+    old = torch.zeros((n, length))
+    for i, (p, t, lp) in enumerate(zip(roll.prompts, roll.tokens, roll.logps, strict=True)):
+        seq = torch.tensor((p + t)[:length])
+        tokens[i, : len(seq)] = seq
+        labels[i, : len(seq) - 1] = seq[1:]
+        first, last = len(p) - 1, min(len(p) + len(t), length) - 1  # label positions
+        mask[i, first:last] = 1
+        old[i, first:last] = torch.tensor(lp[: last - first])
+    adv = roll.advantages.float()[:, None].expand(n, length)
+    pos = torch.arange(length).expand(n, length)
+    mbs = args.micro_batch_size
+    return [{"tokens": tokens[i : i + mbs].to(device), "labels": labels[i : i + mbs].to(device),
+             "loss_mask": mask[i : i + mbs].to(device),
+             "position_ids": pos[i : i + mbs].contiguous().to(device),
+             "advantages": adv[i : i + mbs].contiguous().to(device),
+             "rollout_logp": old[i : i + mbs].to(device)}
+            for i in range(0, n, mbs)]  # fmt: skip
+
+
+def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """(sum, count, max) of |recomputed - rollout| log-prob over this replica's answer tokens,
+    counted once per replica (the last stage's first tensor-parallel rank); zeros elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_last_stage(ignore_virtual=True) or ps.get_tensor_model_parallel_rank():
+        return 0.0, 0.0, 0.0
+    total, count, most = 0.0, 0.0, 0.0
+    for b in micro:
+        diff = (b["old_logp"] - b["rollout_logp"]).abs() * b["loss_mask"]
+        total += float(diff.double().sum())
+        count += float(b["loss_mask"].sum())
+        most = max(most, float(diff.max()))
+    return total, count, most
+
+
+def global_stats(roll: Rollout, mm: tuple[float, float, float], clock: Any,
+                 device: torch.device) -> torch.Tensor:  # fmt: skip
+    """The rollout's statistics over every replica, in ``grpo_task.STATS`` order."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    lengths = torch.tensor([float(len(t)) for t in roll.tokens], dtype=torch.float64)
+    zero = sum(not g.has_signal() for g in roll.groups())
+    first = ps.is_pipeline_last_stage(ignore_virtual=True) and not (
+        ps.get_tensor_model_parallel_rank())  # fmt: skip
+    k = float(first)  # each replica's counts once
+    sums = torch.tensor([k * float(roll.rewards.sum()), k * len(roll.rewards),
+                         k * float(lengths.sum()), k * zero, k * len(roll.groups()),
+                         k * roll.kept, mm[0], mm[1],
+                         k * float(sum(len(t) for t in roll.tokens))],
+                        dtype=torch.float64, device=device)  # fmt: skip
+    most = torch.tensor([float(roll.rewards.max()), -float(roll.rewards.min()),
+                         float(lengths.max()), -float(lengths.min()), mm[2], clock.rollout,
+                         clock.old, clock.ref], dtype=torch.float64, device=device)  # fmt: skip
+    dist.all_reduce(sums)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    s, m = sums.tolist(), most.tolist()
+    n, groups = max(s[1], 1.0), max(s[4], 1.0)
+    return torch.tensor([s[0] / n, -m[1], m[0], s[2] / n, -m[3], m[2], s[3] / groups,
+                         s[5] / groups, s[6] / max(s[7], 1.0), m[4], m[5], m[6], m[7],
+                         s[8] / max(m[5], 1e-9)], device=device)  # fmt: skip

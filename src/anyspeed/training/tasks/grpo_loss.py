@@ -1,0 +1,84 @@
+"""The GRPO objective, exactly and selectably: group-normalised advantages, the clipped
+policy-gradient term (DAPO's asymmetric clip), the KL penalty against a frozen reference, the
+entropy bonus, and the aggregation of per-token terms into a loss.
+
+Pure tensor math shared by the GRPO task and its reference tests. Every aggregation is returned
+as (sum, count) for one micro-batch: Megatron's schedule (``calculate_per_token_loss``) adds the
+sums and counts of every micro-batch and rank and divides the gradients once, so each mode is
+exact at every layout:
+
+- ``token-mean`` (default): every response token of the global batch weighs the same;
+- ``seq-mean-token-mean``: each sequence's token mean, then the mean over the global batch's
+  sequences (TRL's ``grpo``; its length bias);
+- ``seq-mean-token-sum-norm``: each sequence's token sum over ``max_response_length``, mean over
+  sequences (Dr. GRPO's constant normaliser);
+- ``micro-token-mean``: each micro-batch's token mean, then the mean over micro-batches
+  (MindSpeed-RL's form; it changes with the micro-batch size and the layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "micro-token-mean")
+KL_PENALTIES = ("low_var_kl", "kl", "mse")  # k3, k1, k2
+ADVANTAGES = ("group_norm", "group_mean")  # GRPO; Dr. GRPO (no division by the group's std)
+ADV_EPS = 1e-6  # MindSpeed-RL's epsilon in (r - mean) / (std + eps)
+
+
+def group_advantages(rewards: torch.Tensor, group: int, estimator: str = "group_norm",
+                     eps: float = ADV_EPS) -> torch.Tensor:  # fmt: skip
+    """Per-sample advantages of ``rewards`` [n] laid out as consecutive groups of ``group``
+    samples of one prompt: (r - mean) / (std + eps) with the unbiased std (``group_norm``), or
+    r - mean (``group_mean``). A group with equal rewards gets 0 everywhere."""
+    r = rewards.double().view(-1, group)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if estimator == "group_mean":
+        return centred.view(-1)
+    if estimator != "group_norm":
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    std = r.std(dim=1, keepdim=True) if group > 1 else torch.zeros_like(r[:, :1])
+    return (centred / (std + eps)).view(-1)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate of the policy from the reference: ``low_var_kl`` (k3, MindSpeed-RL's
+    clamps: log-ratio to ±20, value to ±10), ``kl`` (k1), ``mse`` (k2)."""
+    if kind == "low_var_kl":
+        kl = (ref_logp - logp).clamp(-20, 20)
+        return (torch.exp(kl) - kl - 1).clamp(-10, 10)
+    if kind == "kl":
+        return logp - ref_logp
+    if kind == "mse":
+        return 0.5 * (logp - ref_logp) ** 2
+    raise ValueError(f"unknown KL penalty {kind!r}")
+
+
+def policy_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                 clip_low: float, clip_high: float) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Per-token clipped policy-gradient loss max(-A·ρ, -A·clip(ρ, 1-ε_low, 1+ε_high)) with
+    ρ = exp(logp - old), whether the clip was active, and ``ppo_kl`` (old - logp)."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    return {"pg": torch.maximum(unclipped, clipped), "clipped": (clipped > unclipped).float(),
+            "ppo_kl": -log_ratio, "ratio": ratio}  # fmt: skip
+
+
+def aggregate(seq_sum: torch.Tensor, seq_tokens: torch.Tensor, mode: str,
+              max_response_length: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(sum, count) under ``mode`` (see the module doc) of one micro-batch, from each
+    sequence's sum of per-token values and its response-token count ([b] each); sequences
+    without a response token are left out of the sequence modes."""
+    if mode == "token-mean":
+        return seq_sum.sum(), seq_tokens.sum()
+    if mode == "micro-token-mean":
+        n = seq_tokens.sum()
+        return seq_sum.sum() / n.clamp(min=1), (n > 0).to(seq_sum.dtype)
+    has = (seq_tokens > 0).to(seq_sum.dtype)
+    if mode == "seq-mean-token-mean":
+        return (seq_sum / seq_tokens.clamp(min=1) * has).sum(), has.sum()
+    if mode == "seq-mean-token-sum-norm":
+        return (seq_sum / max_response_length * has).sum(), has.sum()
+    raise ValueError(f"unknown loss aggregation {mode!r}")

@@ -1,0 +1,269 @@
+"""The GRPO task: each rollout samples ``n_samples_per_prompt`` answers per prompt from the
+policy at the training layout (the KV-cache decoder, the model's own code), scores them with the
+rule rewards, normalises the rewards per group, recomputes the old (and reference) log-probs
+forward-only, and then yields ``ppo_epochs`` passes of optimizer steps over it.
+
+Each data-parallel replica rolls out its own share of the prompts; every rank of a replica
+samples the same tokens. The rollout's own log-probs are kept: their difference from the
+recomputed ones (``rollout/logp_mismatch``) is the rollout/training mismatch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from anyspeed.models.logprobs import token_logprobs
+from anyspeed.training.tasks import grpo_loss as L
+from anyspeed.training.tasks.base import FrozenModel, LossFunc, Task
+from anyspeed.training.tasks.grpo_batches import (
+    Rollout,
+    global_stats,
+    micro_batches,
+    mismatch,
+)
+
+ACTOR = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy")
+STATS = ("grpo/rewards/mean", "grpo/rewards/min", "grpo/rewards/max", "response_length/mean",
+         "response_length/min", "response_length/max", "grpo/zero_adv_groups",
+         "grpo/kept_groups", "rollout/logp_mismatch", "rollout/logp_mismatch_max",
+         "timing/rollout", "timing/old_log_p", "timing/reference_model", "rollout_tps")  # fmt: skip
+
+
+def _per_token_loss(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
+    chunk.config.calculate_per_token_loss = True  # gradients / the global count
+    return chunk
+
+
+def _anyone(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (every rank takes part)."""
+    import torch.distributed as dist
+
+    from anyspeed.device import torch_device
+
+    t = torch.tensor([int(flag)], device=torch_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+@dataclass
+class _Clock:
+    rollout: float = 0.0
+    old: float = 0.0
+    ref: float = 0.0
+
+
+class GRPOTask(Task):
+    """Colocated GRPO: rollouts between optimizer steps, then clipped policy-gradient updates."""
+
+    name, loss_key = "grpo", "grpo loss"
+    metrics = ACTOR + STATS
+
+    def __init__(self, cfg: Any, run: Any, hf_vocab: int | None) -> None:
+        from anyspeed.data.tokenizer import end_ids
+        from anyspeed.training.tasks import rewards
+
+        self.cfg, self.tok = cfg, run.tokenizer
+        self.vocab = hf_vocab or self.tok.vocab_size  # rollout and training: the same rows
+        self.reward_fn = rewards.resolve(cfg.verifiers, cfg.weights)
+        self.eos = end_ids(self.tok)
+        self.pad = self.tok.pad_id if self.tok.pad_id is not None else 0
+        self.reference = cfg.reference or run.load
+
+    # ---------------------------------------------------------------- the task interface
+    def transforms(self) -> list[Any]:
+        return [_per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
+
+    def frozen_models(self) -> dict[str, FrozenModel]:
+        if self.cfg.beta == 0:
+            return {}
+        if self.cfg.lora is not None:
+            return {"reference": FrozenModel(adapters_off=True)}
+        return {"reference": FrozenModel(load=self.reference,
+                                         iteration=self.cfg.reference_iteration)}  # fmt: skip
+
+    def records(self) -> dict[str, Any]:
+        if self.cfg.beta == 0 or self.cfg.lora is not None or not self.reference:
+            return {}
+        import os
+
+        return {"anyspeed_reference": {"path": os.path.abspath(self.reference),
+                                       "iteration": self.cfg.reference_iteration}}  # fmt: skip
+
+    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+        from anyspeed.training.tasks.sft import lora_start
+
+        return lora_start(self.cfg.lora, run, trainer, scheduler, state)
+
+    def datasets(self, run: Any) -> list[Any]:
+        return [(run.data, self.cfg.rows), None, None]
+
+    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
+                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+        b = next(data_iterator)
+        out = token_logprobs(model, b["tokens"], b["position_ids"], b["labels"],
+                             vocab_size=self.vocab, temperature=self.cfg.temperature,
+                             entropy=True)  # fmt: skip
+
+        def loss_func(output: torch.Tensor):
+            return self.token_loss(output[0], output[1], b)
+
+        return out, loss_func
+
+    def token_loss(self, logp: torch.Tensor, entropy: torch.Tensor, b: dict) -> tuple:
+        """(loss sum, count, metrics) of one micro-batch under the aggregation mode."""
+        from anyspeed.training.tasks.preference import _cp_sum
+
+        c = self.cfg
+        mask = b["loss_mask"].float()
+        t = L.policy_terms(logp, b["old_logp"], b["advantages"], c.clip_low, c.clip_high)
+        per_token = t["pg"]
+        kl = torch.zeros_like(logp)
+        if c.beta:
+            kl = L.kl_penalty(logp, b["ref_logp"], c.kl_penalty)
+            per_token = per_token + c.beta * kl
+        if c.entropy_coeff:
+            per_token = per_token - c.entropy_coeff * entropy
+        seq = _cp_sum(torch.stack([(per_token * mask).sum(-1), mask.sum(-1)]))
+        total, count = L.aggregate(seq[0], seq[1], c.agg, c.max_response)
+        n = mask.sum().double()
+
+        def mean(x: torch.Tensor) -> torch.Tensor:
+            return torch.stack([(x.detach().double() * mask).sum(), n])
+
+        metrics = {self.loss_key: torch.stack([total.detach().double(), count.double()]),
+                   "actor/pg_loss": mean(t["pg"]), "actor/pg_clipfrac": mean(t["clipped"]),
+                   "actor/ppo_kl": mean(t["ppo_kl"]), "actor/kl_loss": mean(kl),
+                   "actor/entropy": mean(entropy)}  # fmt: skip
+        for i, name in enumerate(STATS):
+            metrics[name] = torch.stack([b["stats"][i].double(), torch.ones_like(n)])
+        return total, count.round().to(torch.int), metrics
+
+    # ------------------------------------------------------------------------- rollouts
+    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
+                trainer: Any = None) -> Iterator[list[dict[str, Any]]]:  # fmt: skip
+        """Per optimizer step, this rank's micro-batches; a new rollout when the last one's
+        ``ppo_epochs`` passes are done (resuming mid-rollout rolls out again)."""
+        from megatron.core import parallel_state as ps
+
+        from anyspeed.training.tasks.sft_data import sample_order
+
+        data, rows = dataset
+        c, args = self.cfg, run.args
+        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        per_rank, gbs = c.rollout_batch // dp, args.global_batch_size
+        r = consumed // (gbs * c.steps_per_rollout)
+        skip = (consumed // gbs) % c.steps_per_rollout
+        n = (args.train_iters // c.steps_per_rollout + 2) * c.rollout_batch
+        order = rows[sample_order((0, len(rows)), n, args.seed)]
+        per_step = gbs // dp // args.micro_batch_size
+        while True:
+            start = r * c.rollout_batch + rank * per_rank
+            micro = self.rollout(trainer, data, order[start : start + per_rank],
+                                 range(start, start + per_rank), args, device)  # fmt: skip
+            steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
+            for _ in range(c.epochs):
+                for step in steps:
+                    if skip:
+                        skip -= 1
+                        continue
+                    yield step
+            r += 1
+
+    def rollout(self, trainer: Any, data: Any, prompt_rows: np.ndarray, positions: range,
+                args: Any, device: torch.device) -> list[dict[str, Any]]:  # fmt: skip
+        """One rollout of this replica's prompts: sampled, rewarded, with old/reference
+        log-probs and the rollout's global statistics on every micro-batch."""
+        clock = _Clock()
+        t0 = time.perf_counter()
+        roll = self.sample(trainer, data, prompt_rows, positions, args)
+        clock.rollout = time.perf_counter() - t0
+        micro = micro_batches(roll, args, self.pad, device)
+        t0 = time.perf_counter()
+        old = trainer.logprobs(micro, vocab_size=self.vocab, temperature=self.cfg.temperature,
+                               exact=True)  # fmt: skip
+        clock.old = time.perf_counter() - t0
+        if old is not None:
+            for b, lp in zip(micro, old, strict=True):
+                b["old_logp"] = lp
+        if self.cfg.beta:
+            t0 = time.perf_counter()
+            ref = trainer.logprobs(micro, model="reference", vocab_size=self.vocab,
+                                   temperature=self.cfg.temperature)  # fmt: skip
+            clock.ref = time.perf_counter() - t0
+            if ref is not None:
+                for b, lp in zip(micro, ref, strict=True):
+                    b["ref_logp"] = lp
+        stats = global_stats(roll, mismatch(micro), clock, device)
+        for b in micro:
+            b["stats"] = stats
+        return micro
+
+    def sample(self, trainer: Any, data: Any, prompt_rows: np.ndarray, positions: range,
+               args: Any) -> Rollout:  # fmt: skip
+        """Sample, score and (with ``--filter-groups``) refill: groups whose rewards are all
+        equal carry no signal and are replaced by new prompts' groups, up to
+        ``--max-num-gen-batches`` tries (then kept, with zero advantage)."""
+        from megatron.core import parallel_state as ps
+
+        c = self.cfg
+        want, kept, dropped, tries = len(prompt_rows), [], [], 0
+        rows, at = list(prompt_rows), list(positions)
+        extra = np.random.default_rng([args.seed, positions.start, ps.get_data_parallel_rank()])
+        while True:
+            roll = self.sample_once(trainer, data, rows, [(tries, p) for p in at], args)
+            if tries == 0 or len(kept) < want:  # a replica that is full samples in step
+                for g in roll.groups():
+                    (kept if not c.filter_groups or g.has_signal() else dropped).append(g)
+            tries += 1
+            if tries >= c.max_gen_batches or not _anyone(len(kept) < want):
+                break
+            rows = list(extra.choice(c.rows, size=max(1, want - len(kept))))
+            at = [positions.start + i for i in range(len(rows))]
+        return Rollout.join(kept[:want] + dropped[: max(0, want - len(kept))], want, len(kept))
+
+    def sample_once(self, trainer: Any, data: Any, rows: list[int],
+                    keys: list[tuple[int, int]], args: Any) -> Rollout:  # fmt: skip
+        """Sample the groups of ``rows``; each sample draws from its own generator, seeded by
+        (try, the prompt's place in the global order, the sample): the same tokens at every
+        data-parallel size."""
+        from anyspeed.inference.decode import Request
+        from anyspeed.inference.generate import decode
+        from anyspeed.inference.sampling import SamplingParams
+        from anyspeed.training.tasks import rewards
+
+        c = self.cfg
+        prompts = [[int(t) for t in data.input_ids[i]] for i in rows]
+        answers = [decode(self.tok, [int(t) for t in data.labels[i]]) for i in rows]
+        seeds = tuple((args.seed * 1_000_003 + t * 7919 + p * 131 + s) % 2**62
+                      for t, p in keys for s in range(c.group))  # fmt: skip
+        req = Request(c.max_response, SamplingParams(False, c.temperature, c.top_k, c.top_p),
+                      eos_ids=self.eos, pad_id=self.pad, row_seeds=seeds,
+                      max_length=args.seq_length, vocab_size=self.vocab)  # fmt: skip
+        rep = [p for p in prompts for _ in range(c.group)]
+        tokens, lps = trainer.sample(rep, req)
+        texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in tokens]
+        prompt_texts = [decode(self.tok, p) for p in rep]
+        labels = [a for a in answers for _ in range(c.group)]
+        error, scores = None, []
+        try:
+            scores = rewards.score(self.reward_fn, prompt_texts, texts, labels)
+        except rewards.RewardError as exc:
+            error = str(exc)
+        from anyspeed.checkpoint.save_load import agree
+
+        error = agree(error)  # every rank stops, with the first rank's reason
+        if error is not None:
+            raise rewards.RewardError(error)
+        if c.overlong_buffer > 0:
+            pen = rewards.overlong_penalty([len(t) for t in tokens], c.max_response,
+                                           c.overlong_buffer, c.overlong_factor)  # fmt: skip
+            scores = [s + p for s, p in zip(scores, pen, strict=True)]
+        rew = torch.tensor(scores, dtype=torch.float64)
+        adv = L.group_advantages(rew, c.group, c.adv_estimator)
+        return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows))

@@ -1,0 +1,319 @@
+"""Rule rewards of the GRPO stage (reinforcement learning with verifiable rewards).
+
+A reward function maps the batch's prompts, completions and labels (the reference answer text
+as the dataset holds it) to one finite number per sample. :data:`BUILTIN` holds the rule
+checkers; :func:`resolve` turns ``--verifier-function`` names (built-in or ``module:function``)
+and weights into one weighted sum, checked before training; :func:`score` turns a crash or bad
+result into a :class:`RewardError` naming the function and sample; :func:`overlong_penalty` is
+DAPO's soft length penalty. Pure Python, no side effects at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+from anyspeed.errors import UsageError
+from anyspeed.training.tasks.base import TaskStopped
+
+# (prompts, completions, labels) -> one reward per sample
+RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
+Extract = Callable[[str], str | None]  # a completion's answer, None if it has none
+
+FLAG = "--verifier-function"
+
+
+class RewardError(TaskStopped):
+    """A reward function failed or returned something that is not a finite number; the message
+    names the function and the sample (index, and the first 60 chars of its completion)."""
+
+
+# --- answers and their comparison ---------------------------------------------------------------
+
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER = re.compile(r"-?[0-9][0-9\,]*\.?[0-9]*")
+_DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)")
+_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d*)?")
+# (sign, numerator, denominator): \frac{a}{b}, \frac12, a/b
+_RATIOS = (re.compile(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}"), re.compile(r"(-?)\\frac(\d)(\d)"),
+           re.compile(r"()([^/]+)/([^/]+)"))  # fmt: skip
+_LEFT_RIGHT = re.compile(r"\\(left|right)(?![a-zA-Z])")
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def _number(text: str) -> Fraction | None:
+    """A normalised answer as an exact number: a decimal (``-3``, ``2.50``, ``.5``), ``a/b``,
+    ``\\frac{a}{b}`` or ``\\frac12`` (a leading ``-`` allowed); None for anything else."""
+    if _DECIMAL.fullmatch(text):
+        return Fraction(text)
+    for pattern in _RATIOS:
+        if (m := pattern.fullmatch(text)) and _DECIMAL.fullmatch(m[2]) and _DECIMAL.fullmatch(m[3]):
+            value, den = Fraction(m[2]), Fraction(m[3])
+            return None if den == 0 else (-value if m[1] else value) / den
+    return None
+
+
+def _same(answer: str, gold: str) -> float:
+    """1.0 if two normalised answers are equal as strings or as numbers, else 0.0."""
+    if not answer or not gold:
+        return 0.0
+    if answer == gold:
+        return 1.0
+    a, b = _number(answer), _number(gold)
+    return 1.0 if a is not None and a == b else 0.0
+
+
+def _norm_number(text: str) -> str:
+    """A GSM8K answer normalised: stripped, commas removed, one trailing '.' removed."""
+    return text.strip().replace(",", "").removesuffix(".")
+
+
+def _norm_math(text: str) -> str:
+    """A math answer normalised: whitespace, ``\\left``/``\\right``, ``\\!``/``\\,``/``\\;``
+    and ``$`` removed, ``\\dfrac``/``\\tfrac`` read as ``\\frac``, one trailing '.' removed,
+    thousands separators (``1,000``) removed."""
+    text = _LEFT_RIGHT.sub("", text)
+    for old, new in (("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""),
+                     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac")):  # fmt: skip
+        text = text.replace(old, new)
+    text = "".join(text.split()).removesuffix(".")
+    return text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (nested braces balanced); None if there is none
+    or it is not closed (a truncated answer)."""
+    start = text.rfind("\\boxed{")
+    begin, depth = start + len("\\boxed{"), 1
+    for i in range(begin, len(text) if start >= 0 else 0):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return None
+
+
+def _last_answer(text: str) -> str | None:
+    """The content of the last ``<answer>...</answer>``, or that content's last ``\\boxed{}``."""
+    found = _ANSWER.findall(text)
+    return (_last_boxed(found[-1]) or found[-1]) if found else None
+
+
+def _gsm8k_gold(label: str) -> str:
+    """The label's answer: the text after its last ``####``, else the whole label."""
+    return _norm_number(label.rsplit("####", 1)[-1])
+
+
+def _math_gold(label: str) -> str:
+    """The label's answer: the content of its last ``\\boxed{}``, else the whole label."""
+    boxed = _last_boxed(label)
+    return _norm_math(label if boxed is None else boxed)
+
+
+# --- the built-in rewards -----------------------------------------------------------------------
+
+
+def _rule(
+    completions: list[str], labels: list[str], extract: Extract, is_math: bool
+) -> list[float]:
+    """1.0 where the answer ``extract`` finds equals the label's, both normalised (the math or
+    the GSM8K way); 0.0 where they differ or there is no answer."""
+    norm, gold = (_norm_math, _math_gold) if is_math else (_norm_number, _gsm8k_gold)
+    out = []
+    for completion, label in zip(completions, labels, strict=True):
+        answer = extract(completion)
+        out.append(0.0 if answer is None else _same(norm(answer), gold(str(label))))
+    return out
+
+
+def _last_match(pattern: re.Pattern) -> Extract:
+    return lambda text: (pattern.findall(text) or [None])[-1]
+
+
+def gsm8k(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """GSM8K, strict (verl's rule): the answer is the number of the completion's last
+    ``#### <number>``; none gives 0.0. Equal to the gold after removing commas and a trailing
+    '.', or as numbers ('42.0' == '42'), gives 1.0."""
+    return _rule(completions, labels, _last_match(_GSM8K_STRICT), is_math=False)
+
+
+def gsm8k_flexible(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """GSM8K, flexible: the answer is the completion's last number, compared as :func:`gsm8k`
+    does (for models not trained to write ``####``)."""
+    return _rule(completions, labels, _last_match(_NUMBER), is_math=False)
+
+
+def boxed(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """Math: the content of the completion's last ``\\boxed{...}`` against the label's last
+    boxed content (or the whole label), after normalisation (spaces, ``\\left``/``\\right``,
+    ``$``, ``\\dfrac``, a trailing '.'), equal as strings or as exact numbers ('0.5' ==
+    '1/2' == '\\frac{1}{2}').
+
+    Limits: not a symbolic checker. ``x+1`` vs ``1+x``, ``\\sqrt3`` vs ``\\sqrt{3}``, ``0.333``
+    vs ``1/3``, units, ``\\text{}``, percentages, intervals and sets written differently all
+    count as different; only ``\\boxed{`` is read (not ``\\boxed 5`` or ``\\fbox``).
+    """
+    return _rule(completions, labels, _last_boxed, is_math=True)
+
+
+def answer_tag(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """The content of the completion's last ``<answer>...</answer>`` (its last ``\\boxed{}``
+    if it has one) against the gold as :func:`boxed` compares them; used with ``format``."""
+    return _rule(completions, labels, _last_answer, is_math=True)
+
+
+def r1_format(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """The R1 format reward: 1.0 if the completion is ``<think>...</think>`` then
+    ``<answer>...</answer>`` and nothing else (whitespace aside), else 0.0."""
+    return [1.0 if _FORMAT.match(c) else 0.0 for c in completions]
+
+
+BUILTIN: dict[str, RewardFn] = {
+    "gsm8k": gsm8k,
+    "gsm8k_flexible": gsm8k_flexible,
+    "boxed": boxed,
+    "base_acc": boxed,  # MindSpeed-RL's name for the boxed-answer accuracy
+    "format": r1_format,
+    "answer_tag": answer_tag,
+}
+
+
+# --- user functions, checked --------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _name(fn: Callable) -> str:
+    """How messages name ``fn`` when not told: its ``module:qualname`` import path."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _sample(i: int, completions: Sequence[str]) -> str:
+    return f"sample {i} ({str(completions[i])[:60]!r})"
+
+
+def _raised(fn: Callable, name: str, batch: tuple[Sequence[str], ...], exc: Exception) -> str:
+    """The message for a function that raised: the batch is retried one sample at a time to
+    name the first sample that fails alone."""
+    prompts, completions, labels = batch
+    for i in range(len(completions)):
+        try:
+            fn([prompts[i]], [completions[i]], [labels[i]])
+        except Exception as one:  # any failure of user code is reported
+            return f"reward function {name} raised {_first_line(one)} on {_sample(i, completions)}"
+    return (f"reward function {name} raised {_first_line(exc)} on a batch of {len(completions)} "
+            "samples (no sample fails alone)")  # fmt: skip
+
+
+def _finite(value: object) -> float | None:
+    """``value`` as a float if it is a real finite number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        out = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+def score(
+    fn: Callable,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    labels: Sequence[str],
+    *,
+    name: str | None = None,
+) -> list[float]:
+    """``fn(prompts, completions, labels)`` called safely: one float per sample, or a
+    :class:`RewardError` naming the function (``name``, else its own) and the first bad sample
+    if it raises, returns other than a list/tuple of one reward per sample, or returns an
+    element that is not a finite int/float (bool, None, str, nan and inf are rejected)."""
+    name = name or _name(fn)
+    n = len(completions)
+    if len(prompts) != n or len(labels) != n:
+        raise ValueError(f"score: {len(prompts)} prompts, {n} completions, {len(labels)} labels")
+    try:
+        result = fn(prompts, completions, labels)
+    except Exception as exc:
+        raise RewardError(_raised(fn, name, (prompts, completions, labels), exc)) from exc
+    if not isinstance(result, (list, tuple)):
+        raise RewardError(f"reward function {name} returned a {type(result).__name__}, not a "
+                          f"list of {n} rewards")  # fmt: skip
+    if len(result) != n:
+        raise RewardError(f"reward function {name} returned {len(result)} rewards for {n} samples")
+    out = []
+    for i, value in enumerate(result):
+        reward = _finite(value)
+        if reward is None:
+            raise RewardError(f"reward function {name} returned {value!r} for "
+                              f"{_sample(i, completions)}: not a finite number")  # fmt: skip
+        out.append(reward)
+    return out
+
+
+def _load(name: str) -> Callable:
+    """A built-in reward by name, or a callable by ``module:function`` import path."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"{FLAG}: unknown reward {name!r}; use one of "
+                         f"{', '.join(sorted(BUILTIN))} or a 'module:function' path")  # fmt: skip
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:
+        raise UsageError(f"{FLAG} {name!r}: cannot import {module_name!r} "
+                         f"({_first_line(exc)})") from exc  # fmt: skip
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"{FLAG} {name!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{FLAG} {name!r}: is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def resolve(names: Sequence[str], weights: Sequence[float] | None) -> RewardFn:
+    """The weighted sum of the named reward functions (built-in names or ``module:function``
+    import paths; weights default to 1.0 each). Bad names or weights raise a one-line
+    :class:`UsageError` naming ``--verifier-function``. Called before training starts, so
+    importing user modules happens here."""
+    names = list(names)
+    if not names:
+        raise UsageError(f"{FLAG}: name at least one reward function")
+    weights = [1.0] * len(names) if weights is None else list(weights)
+    if len(weights) != len(names):
+        raise UsageError(f"{FLAG}: {len(names)} reward functions but {len(weights)} weights")
+    checked = []
+    for name, weight in zip(names, weights, strict=True):
+        w = _finite(weight)
+        if w is None:
+            raise UsageError(f"{FLAG} {name!r}: weight {weight!r} is not a finite number")
+        checked.append((name, _load(name), w))
+
+    def weighted(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+        total = [0.0] * len(completions)
+        for name, fn, w in checked:
+            for i, r in enumerate(score(fn, prompts, completions, labels, name=name)):
+                total[i] += w * r
+        return total
+
+    weighted.__qualname__ = weighted.__name__ = " + ".join(f"{w}*{n}" for n, _, w in checked)
+    return weighted
+
+
+def overlong_penalty(lengths: list[int], max_len: int, buffer: int, factor: float) -> list[float]:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to ``max_len - buffer``
+    tokens, then falling linearly by ``factor`` per ``buffer`` tokens beyond (``-factor`` at
+    ``max_len``); all zeros when ``buffer <= 0``. Penalises near-truncated responses gently."""
+    if buffer <= 0:
+        return [0.0] * len(lengths)
+    expected = max_len - buffer
+    return [0.0 if n <= expected else min(-(n - expected) / buffer * factor, 0.0) for n in lengths]

@@ -1,0 +1,50 @@
+"""User reward functions for the GRPO reward tests, loaded by import path
+(``--verifier-function helpers.user_rewards:<name>``): one good, the others broken on purpose."""
+
+from __future__ import annotations
+
+NOT_CALLABLE = 3
+
+
+def exact(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """1.0 where the completion is the label (spaces aside), else 0.0."""
+    pairs = zip(completions, labels, strict=True)
+    return [1.0 if c.strip() == lab.strip() else 0.0 for c, lab in pairs]
+
+
+def length(prompts: list[str], completions: list[str], labels: list[str]) -> tuple[int, ...]:
+    """Each completion's length, as a tuple of ints (both accepted)."""
+    return tuple(len(c) for c in completions)
+
+
+def explodes(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """Raises on any completion containing 'boom'."""
+    for c in completions:
+        if "boom" in c:
+            raise ValueError("cannot score this\nsecond line")
+    return [0.0] * len(completions)
+
+
+def strings(prompts: list[str], completions: list[str], labels: list[str]) -> list[str]:
+    """Strings instead of numbers."""
+    return ["1.0"] * len(completions)
+
+
+def one_number(prompts: list[str], completions: list[str], labels: list[str]) -> float:
+    """A single number instead of a list."""
+    return 1.0
+
+
+def one_too_many(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """One reward more than there are samples."""
+    return [1.0] * (len(completions) + 1)
+
+
+def nan_second(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """A nan for the second sample."""
+    return [0.5, float("nan")] + [0.0] * (len(completions) - 2)
+
+
+def bools(prompts: list[str], completions: list[str], labels: list[str]) -> list[bool]:
+    """Booleans instead of numbers."""
+    return [True] * len(completions)
