@@ -48,3 +48,34 @@ def nan_second(prompts: list[str], completions: list[str], labels: list[str]) ->
 def bools(prompts: list[str], completions: list[str], labels: list[str]) -> list[bool]:
     """Booleans instead of numbers."""
     return [True] * len(completions)
+
+
+def constant(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """The same reward for every sample: no advantage anywhere."""
+    return [1.0] * len(completions)
+
+
+def digits(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """The share of a completion's characters that are digits: a signal a random tiny model
+    can learn in a few GRPO steps."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def always_fails(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """Raises on the first call."""
+    raise RuntimeError("the verifier service is down")
+
+
+def short(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """Shorter completions score higher (ending early, at the EOS, is learnable at once)."""
+    return [-len(c) / 100 for c in completions]
+
+
+def vowels(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """The share of a completion's letters that are vowels: most tokens move it a little, so
+    a random tiny model learns it within a few GRPO steps."""
+    out = []
+    for c in completions:
+        letters = [ch for ch in c.lower() if ch.isalpha()]
+        out.append(sum(ch in "aeiou" for ch in letters) / max(len(letters), 1))
+    return out

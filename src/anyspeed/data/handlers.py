@@ -324,7 +324,9 @@ HANDLERS: dict[str, type[Handler]] = {
 # Preference (DPO) handlers live in anyspeed.data.pairwise, which builds on this module; it is
 # imported when one of them is named.
 PAIRWISE_HANDLERS = ("AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler")
-HANDLER_NAMES = (*HANDLERS, *PAIRWISE_HANDLERS)
+# Prompts for reinforcement learning (GRPO) likewise live in anyspeed.data.rl.
+RL_HANDLERS = ("R1AlpacaStyleInstructionHandler",)
+HANDLER_NAMES = (*HANDLERS, *PAIRWISE_HANDLERS, *RL_HANDLERS)
 
 
 def handler_class(name: str) -> type[Handler]:
@@ -333,6 +335,10 @@ def handler_class(name: str) -> type[Handler]:
         from anyspeed.data.pairwise import PAIRWISE
 
         return PAIRWISE[name]
+    if name in RL_HANDLERS:
+        from anyspeed.data.rl import RL
+
+        return RL[name]
     cls = HANDLERS.get(name)
     if cls is None:
         raise UsageError(f"unknown --handler-name {name!r}; choose from {', '.join(HANDLER_NAMES)}")

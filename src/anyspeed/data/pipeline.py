@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 
 from anyspeed.data.errors import DataError, RecordError, UsageError
-from anyspeed.data.handlers import PAIRWISE_HANDLERS, Handler, Sample, build_handler
+from anyspeed.data.handlers import (
+    PAIRWISE_HANDLERS,
+    RL_HANDLERS,
+    Handler,
+    Sample,
+    build_handler,
+)
 from anyspeed.data.packing import Packer
 from anyspeed.data.progress import Progress, Stats
 from anyspeed.data.readers import InputFile, Item, Reader, decode_item, resolve_inputs
@@ -165,6 +171,8 @@ def prepare(cfg: Config) -> tuple[Job, Tokenizer]:
         raise UsageError("--seq-length must be positive")
     if (cfg.pack or cfg.neat_pack) and cfg.handler_name in PAIRWISE_HANDLERS:
         raise UsageError("pairwise data is not packed; drop --pack")
+    if (cfg.pack or cfg.neat_pack) and cfg.handler_name in RL_HANDLERS:
+        raise UsageError("prompts for reinforcement learning are not packed; drop --pack")
     cfg.tokenizer.check()
     files = resolve_inputs(cfg.input, cfg.input_format)
     tok = load_tokenizer(cfg.tokenizer)

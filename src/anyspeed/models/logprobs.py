@@ -43,10 +43,12 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
     if vocab_size is not None and start + local > vocab_size:
         cols = torch.arange(start, start + local, device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
-    logp = -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
     if not entropy:
-        return logp
-    return torch.stack([logp, vocab_parallel_entropy(logits)])
+        return -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
+    # Megatron's cross-entropy works in place on its input: the entropy reads its own copy.
+    ent = vocab_parallel_entropy(logits)
+    logp = -vocab_parallel_cross_entropy(logits.clone(), labels.to(logits.device))
+    return torch.stack([logp, ent])
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:

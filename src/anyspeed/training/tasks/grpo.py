@@ -41,8 +41,6 @@ YAML_KEYS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """GRPO's flags."""
-    from anyspeed.training.tasks.preference import add_reference_arguments
-
     g = p.add_argument_group("GRPO (MindSpeed-RL's names)")
     a = g.add_argument
     a("--rl-config", default=None, help="a YAML of rl_config/generate_config keys standing in "
@@ -72,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--temperature", type=float, default=1.0)
     a("--top-p", type=float, default=1.0)
     a("--top-k", type=int, default=0, help="0 or -1: no top-k cut")
+    _add_objective(g)
+
+
+def _add_objective(g: Any) -> None:
+    """The objective's and the rewards' flags."""
+    from anyspeed.training.tasks.preference import add_reference_arguments
+
+    a = g.add_argument
     a("--clip-ratio", type=float, default=0.2, help="epsilon of the ratio clip")
     a(
         "--clip-ratio-high",
