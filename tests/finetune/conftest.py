@@ -3,6 +3,8 @@ neat-packed) with the session's trained tokenizer, and a tiny random Qwen2 HF mo
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -54,3 +56,17 @@ def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
     Qwen2ForCausalLM(cfg).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def add_prompts(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Two-digit additions with the answer after ``####``, as R1 prompt data."""
+    rng = random.Random(0)
+    recs = []
+    for _ in range(48):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        recs.append({"instruction": f"What is {a} + {b}?", "input": "",
+                     "output": f"{a} + {b} = {a + b} #### {a + b}"})  # fmt: skip
+    d = tmp_path_factory.mktemp("grpo")
+    src = write_jsonl(str(d / "add.jsonl"), recs)
+    return preprocess(src, str(d / "add"), hf_tok, handler="R1AlpacaStyleInstructionHandler")

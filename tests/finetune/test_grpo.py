@@ -7,28 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
-
-import pytest
 
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
-from helpers.corpora import write_jsonl
-from helpers.instruction import preprocess
-
-
-@pytest.fixture(scope="session")
-def add_prompts(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Two-digit additions with the answer after ``####``, as R1 prompt data."""
-    rng = random.Random(0)
-    recs = []
-    for _ in range(48):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        recs.append({"instruction": f"What is {a} + {b}?", "input": "",
-                     "output": f"{a} + {b} = {a + b} #### {a + b}"})  # fmt: skip
-    d = tmp_path_factory.mktemp("grpo")
-    src = write_jsonl(str(d / "add.jsonl"), recs)
-    return preprocess(src, str(d / "add"), hf_tok, handler="R1AlpacaStyleInstructionHandler")
 
 
 def cli(hf: str, prefix: str, tok: str, *extra: str, iters: int = 2) -> list[str]:

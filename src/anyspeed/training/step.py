@@ -151,7 +151,7 @@ class Trainer:
         the same tokens on every rank."""
         from anyspeed.inference.decode import generate
 
-        with eval_mode(self.model):
+        with eval_mode(self.model), sequence_parallel_off(self.model):
             return generate([unwrap(m) for m in self.model], prompts, request)
 
     @torch.no_grad()
@@ -161,8 +161,32 @@ class Trainer:
         temperature (a rollout's own log-probs), the same on every rank."""
         from anyspeed.inference.decode import sample
 
-        with eval_mode(self.model):
+        with eval_mode(self.model), sequence_parallel_off(self.model):
             return sample([unwrap(m) for m in self.model], prompts, request, logprobs=True)
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Sequence parallelism switched off (and back) in ``model``'s layers and config: decoding
+    feeds one token per row, which cannot be split over the tensor-parallel ranks. The
+    weights are the same either way; only where activations are gathered changes."""
+    flags = ("sequence_parallel", "reduce_scatter_embeddings")
+    on = [(m, f) for chunk in model for m in chunk.modules() for f in flags
+          if getattr(m, f, None) is True]  # fmt: skip
+    configs = {id(c): c for chunk in model for m in chunk.modules()
+               if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "sequence_parallel", False)}  # fmt: skip
+    for m, f in on:
+        setattr(m, f, False)
+    for c in configs.values():
+        c.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for m, f in on:
+            setattr(m, f, True)
+        for c in configs.values():
+            c.sequence_parallel = True
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
