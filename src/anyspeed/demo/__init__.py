@@ -183,8 +183,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dpo", action="store_true",
                    help="the SFT demo, then DPO on a preference set built from its questions "
                    "(the expected answer preferred to another function's)")  # fmt: skip
+    p.add_argument("--grpo", action="store_true",
+                   help="a verifiable addition task: a short SFT, then GRPO with a rule reward "
+                   "(held-out accuracy before and after)")  # fmt: skip
     p.add_argument("--sft-iters", type=int, default=None,
-                   help="with --dpo: SFT iterations before DPO (default 100)")  # fmt: skip
+                   help="with --dpo/--grpo: SFT iterations first (default 100/150)")  # fmt: skip
     p.add_argument("--sft-samples", type=int, default=32,
                    help="with --sft: how many instructions to train on and answer "
                    "(default 32)")  # fmt: skip
@@ -197,12 +200,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
     from anyspeed.errors import UsageError, report
 
-    if (args.sft or args.dpo) and args.moe:
+    if (args.sft or args.dpo or args.grpo) and args.moe:
         return report("anyspeed demo", UsageError("--sft/--dpo fine-tune the dense demo model; "
                                                   "drop --moe"))  # fmt: skip
     if args.sft_samples < 1:
         return report("anyspeed demo", UsageError(f"--sft-samples {args.sft_samples}: give at "
                                                   "least 1 instruction to train on"))  # fmt: skip
+    if args.grpo:
+        from anyspeed.demo.grpo import run
+
+        return run(args, extra)
     if args.dpo:
         from anyspeed.demo.dpo import run
 

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = g.add_argument
     a("--rl-config", default=None, help="a YAML of rl_config/generate_config keys standing in "
       "for flags (flags given win)")  # fmt: skip
+    a(
+        "--prompt-type",
+        default=None,
+        help="the chat template the prompts were preprocessed with (checked)",
+    )
     a("--n-samples-per-prompt", type=int, default=8, help="samples per prompt (the group)")
     a(
         "--rollout-batch-size",

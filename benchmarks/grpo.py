@@ -1,0 +1,110 @@
+"""GRPO memory and rollout speed, side by side in one run (each run in its own process).
+
+Peak memory of GRPO-LoRA against SFT-LoRA of the same model (r 16 on linear_qkv/proj/fc1/fc2)
+on sequences of the same length and micro-batch: GRPO adds the rollout (KV cache), the
+old-policy pass and, with a KL term, the reference pass (the base with adapters off: no second
+copy). Also GRPO's own rollout throughput (sampled tokens per second) from its metrics.
+
+    python benchmarks/grpo.py [--hidden 512] [--layers 4] [--prompt 96] [--response 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+from anyspeed.testing import run_distributed
+from dpo import LORA, write
+from sft import VOCAB, base_cli, posttrain_run
+
+
+def tokenizer(d: str) -> str:
+    """A word-level tokenizer of VOCAB tokens ``t0 .. t{VOCAB-1}`` saved for transformers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<unk>": VOCAB - 2, "<eos>": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   pad_token="<eos>")  # fmt: skip
+    path = os.path.join(d, "tok")
+    fast.save_pretrained(path)
+    return path
+
+
+def make_sets(d: str, a: argparse.Namespace, n: int) -> tuple[str, str]:
+    """SFT samples of prompt + response tokens (prompt labelled -100), and the same prompts as
+    GRPO prompt data (with a random answer for the verifier)."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB - 2, a.prompt) for _ in range(n)]
+    sft_rows = []
+    for p in prompts:
+        ids = np.concatenate([p, rng.integers(0, VOCAB - 2, a.response)])
+        sft_rows.append((ids, np.concatenate([np.full(a.prompt, -100), ids[a.prompt :]])))
+    write(
+        os.path.join(d, "sft"),
+        {
+            "input_ids": [r[0] for r in sft_rows],
+            "labels": [r[1] for r in sft_rows],
+            "attention_mask": [np.ones(len(r[0])) for r in sft_rows],
+        },
+    )
+    write(
+        os.path.join(d, "rl"),
+        {
+            "input_ids": prompts,
+            "attention_mask": [np.ones(a.prompt)] * n,
+            "labels": [rng.integers(0, VOCAB - 2, 4) for _ in prompts],
+        },
+    )
+    return os.path.join(d, "sft"), os.path.join(d, "rl")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=96)
+    p.add_argument("--response", type=int, default=32)
+    a = p.parse_args()
+    seq = a.prompt + a.response
+    print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}, hidden {a.hidden}, "
+          f"{a.layers} layers, prompt {a.prompt} + response {a.response} tokens, micro-batch 8, "
+          "3 steps")  # fmt: skip
+    with tempfile.TemporaryDirectory() as d:
+        tok = tokenizer(d)
+        sft, rl = make_sets(d, a, 64)
+        sft_cli = base_cli(sft, seq, 3, 16, 8, a.hidden, a.layers) + LORA
+        grpo_cli = base_cli(rl, seq, 3, 16, 8, a.hidden, a.layers)
+        grpo_cli[grpo_cli.index("sft")] = "grpo"
+        grpo_cli.remove("--is-instruction-dataset")
+        metrics = os.path.join(d, "m.jsonl")
+        grpo_cli += [*LORA, "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
+                     tok, "--n-samples-per-prompt", "8", "--max-response-length",
+                     str(a.response), "--verifier-function", "format", "--init-kl-coef", "0.01",
+                     "--metrics-file", metrics, "--log-interval", "1"]  # fmt: skip
+        peaks = {}
+        for name, cli in (("sft-lora", sft_cli), ("grpo-lora", grpo_cli)):
+            out = run_distributed(posttrain_run, 1, argv=cli, cli=cli, timeout=1800)[0]
+            peaks[name] = out["peak"]
+            print(f"  {name:9s} trainable {out['trainable']:10,d} | peak "
+                  f"{out['peak'] / 2**20:8.1f} MiB")  # fmt: skip
+        rows = [json.loads(line) for line in open(metrics)]
+        tps = [r["rollout_tps"] for r in rows[1:]]
+        print(f"  grpo-lora / sft-lora peak memory: {peaks['grpo-lora'] / peaks['sft-lora']:.3f}x")
+        print(
+            f"  rollout: {np.mean(tps):,.0f} sampled tokens/s (batch {16}, after the first), "
+            f"rollout {np.mean([r['timing/rollout'] for r in rows[1:]]):.2f} s, old log-probs "
+            f"{np.mean([r['timing/old_log_p'] for r in rows[1:]]):.2f} s, reference "
+            f"{np.mean([r['timing/reference_model'] for r in rows[1:]]):.2f} s per rollout"
+        )
+
+
+if __name__ == "__main__":
+    main()

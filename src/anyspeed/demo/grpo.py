@@ -1,0 +1,152 @@
+"""``anyspeed demo --grpo``: reinforcement learning with a verifiable reward, offline.
+
+1-2. the demo corpus and tokenizer;
+3. a verifiable task generated here: additions ``What is a + b?``; the verifier (GSM8K's strict
+   rule) credits ``#### a+b`` only. The SFT answers use that form half the time and the bare
+   number otherwise, so the SFT model answers right but often in the wrong form: GRPO learns
+   the form the verifier wants (and sharper sums). Some pairs are held out, never trained on;
+4. ``anyspeed preprocess``: SFT data (a few answers shown) and GRPO prompts (the answer kept
+   for the verifier, ``R1AlpacaStyleInstructionHandler``);
+5. ``anyspeed posttrain --stage sft``: a short SFT of the demo model from scratch, to a
+   partial greedy accuracy;
+6. the held-out greedy accuracy before GRPO (``anyspeed generate``);
+7. ``anyspeed posttrain --stage grpo`` on N processes (TP=N, SP) with the GSM8K rule reward;
+8. the held-out accuracy after, and one sampled answer.
+
+It fails (exit 1) unless the mean reward rose. Extra flags go to the GRPO run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import time
+
+from anyspeed.demo import DEMO_ARCH, VOCAB, fresh_metrics, tokenizer_steps, tp_layout
+from anyspeed.demo.instructions import write_jsonl
+from anyspeed.demo.sft import PROMPT_TYPE, _answers, preprocess
+
+STEPS = 8
+TOP = 30  # operands 0..TOP-1
+HELD_OUT = 100  # pairs never trained on
+SFT_PAIRS = 500
+SFT_TRAIN = [
+    "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
+    "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--split", "100,0,0", "--eval-iters", "0",
+    "--log-interval", "20", "--variable-seq-lengths", "--micro-batch-size", "16",
+    "--global-batch-size", "64",
+]  # fmt: skip
+GRPO_TRAIN = [
+    "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "1.0",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "100,0,0",
+    "--eval-iters", "0", "--log-interval", "5", "--n-samples-per-prompt", "8",
+    "--global-batch-size", "128", "--micro-batch-size", "32", "--max-response-length", "8",
+    "--temperature", "1.0", "--init-kl-coef", "0", "--verifier-function", "gsm8k",
+]  # fmt: skip
+
+
+def task(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(training records, held-out records) of the addition task, alpaca style; the answer is
+    ``#### a+b`` (what the verifier credits)."""
+    pairs = [(a, b) for a in range(TOP) for b in range(TOP)]
+    random.Random(seed).shuffle(pairs)
+
+    def rec(a: int, b: int) -> dict:
+        return {"instruction": f"What is {a} + {b}?", "input": "", "output": f"#### {a + b}"}
+
+    return [rec(*p) for p in pairs[HELD_OUT:]], [rec(*p) for p in pairs[:HELD_OUT]]
+
+
+def sft_records(train: list[dict], seed: int = 1) -> list[dict]:
+    """The SFT set: half the answers in the verifier's form, half the bare number."""
+    rng = random.Random(seed)
+    return [r if rng.random() < 0.5 else dict(r, output=r["output"].removeprefix("#### "))
+            for r in train]  # fmt: skip
+
+
+def accuracy(answers: list[str], records: list[dict]) -> float:
+    """The share of answers whose ``#### n`` is the record's (the reward's strict rule)."""
+    right = 0
+    for a, r in zip(answers, records, strict=True):
+        got = re.findall(r"#### (\-?[0-9\.\,]+)", a)
+        right += bool(got) and got[-1].replace(",", "") == r["output"].split()[-1]
+    return right / max(len(records), 1)
+
+
+def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, str, list[dict]]:
+    train, held = task()
+    sft = write_jsonl(os.path.join(args.workdir, "grpo-sft.jsonl"),
+                      sft_records(train[:SFT_PAIRS]))  # fmt: skip
+    rl = write_jsonl(os.path.join(args.workdir, "grpo-prompts.jsonl"), train[SFT_PAIRS:])
+    write_jsonl(os.path.join(args.workdir, "grpo-heldout.jsonl"), held)
+    print(f"[3/{STEPS}] task: 'What is a + b?' -> '#### a+b' for a, b < {TOP}: {SFT_PAIRS} "
+          f"pairs for SFT (half answered '#### n', half 'n'), {len(train) - SFT_PAIRS} "
+          f"prompts for GRPO, {len(held)} held out", flush=True)  # fmt: skip
+    sft_prefix, rl_prefix = (os.path.join(args.workdir, n) for n in ("grpo-sft", "grpo-rl"))
+    rc = preprocess(sft, sft_prefix, tok_dir, "AlpacaStyleInstructionHandler") or preprocess(
+        rl, rl_prefix, tok_dir, "R1AlpacaStyleInstructionHandler")  # fmt: skip
+    if rc == 0:
+        print(f"[4/{STEPS}] preprocess: {sft_prefix}_packed_* (SFT), {rl_prefix}_packed_* "
+              "(prompts + answers for the verifier)", flush=True)  # fmt: skip
+    return rc, sft_prefix, rl_prefix, held
+
+
+def _heldout(args: argparse.Namespace, save: str, tok_dir: str, held: list[dict],
+             step: str) -> float | None:  # fmt: skip
+    answers = _answers(args, save, tok_dir, held, step)
+    if not answers:
+        return None
+    acc = accuracy(answers, held)
+    print(f"demo: held-out greedy accuracy {acc:.2f} ({round(acc * len(held))} of {len(held)})")
+    return acc
+
+
+def _rewards(metrics: str) -> list[float]:
+    with open(metrics, encoding="utf-8") as f:
+        return [r["grpo/rewards/mean"] for r in map(json.loads, f) if "grpo/rewards/mean" in r]
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    """The whole GRPO demo; ``extra`` goes to ``anyspeed posttrain --stage grpo``."""
+    from anyspeed.commands.train import posttrain as posttrain_main
+
+    t0 = time.perf_counter()
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, STEPS)
+    if rc:
+        return rc
+    rc, sft_prefix, rl_prefix, held = _data(args, tok_dir)
+    if rc:
+        return rc
+    n = args.nproc_per_node
+    common = ["--nproc-per-node", str(n), "--prompt-type", PROMPT_TYPE, *DEMO_ARCH,
+              *tp_layout(n), "--padded-vocab-size", str(VOCAB), "--tokenizer-type",
+              "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir]  # fmt: skip
+    sft_save = os.path.join(args.workdir, "grpo-sft-checkpoints")
+    iters = args.sft_iters or 150
+    cmd = ["--stage", "sft", "--is-instruction-dataset", *common, *SFT_TRAIN,
+           "--train-iters", str(iters), "--data-path", sft_prefix, "--save", sft_save,
+           "--save-interval", str(iters)]  # fmt: skip
+    print(f"[5/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return 1
+    before = _heldout(args, sft_save, tok_dir, held, f"[6/{STEPS}]")
+    save = os.path.join(args.workdir, "grpo-checkpoints")
+    metrics = fresh_metrics(os.path.join(args.workdir, "grpo-metrics.jsonl"))
+    steps = args.train_iters or 50
+    cmd = ["--stage", "grpo", *common, "--load", sft_save, "--finetune", *GRPO_TRAIN,
+           "--train-iters", str(steps), "--data-path", rl_prefix, "--save", save,
+           "--save-interval", str(steps), "--metrics-file", metrics, *extra]  # fmt: skip
+    print(f"[7/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return 1
+    after = _heldout(args, save, tok_dir, held, f"[8/{STEPS}]")
+    r = _rewards(metrics)
+    print(f"demo: mean reward {r[0]:.2f} (first logged steps) -> {r[-1]:.2f} (last); held-out "
+          f"greedy accuracy {before} -> {after}")  # fmt: skip
+    rc = 0 if r and r[-1] > r[0] and after is not None else 1
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
+    return rc
