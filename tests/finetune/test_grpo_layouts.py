@@ -44,3 +44,36 @@ def test_loss_and_grad_norm_equal_one_process(layout, runs):
     assert got["metrics"]["grpo/rewards/mean"] == want["metrics"]["grpo/rewards/mean"]
     assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+
+
+@pytest.mark.slow
+def test_moe_at_ep2_equals_one_process(add_prompts, hf_tok):
+    """A Qwen3-MoE-style model (no reference: beta 0) at EP2 (distributed optimizer) takes the
+    same rollouts, loss and grad norm as one process."""
+    moe = ["--model", "tiny-qwen3-moe", "--num-layers", "2", "--hidden-size", "64",
+           "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", "4",
+           "--moe-ffn-hidden-size", "64", "--max-position-embeddings", "96",
+           "--padded-vocab-size", "768", "--init-kl-coef", "0", *RUN]  # fmt: skip
+
+    def argv(*flags: str) -> list[str]:
+        out = cli("X", add_prompts, hf_tok, *moe, *flags, iters=2)
+        i = out.index("--load")
+        return out[:i] + out[i + 3 :]  # from scratch: no --load / --finetune
+
+    one = run_distributed(sft_ranks.posttrain, 1, argv=argv(), cli=argv(), timeout=300)[0]
+    ep = argv("--expert-model-parallel-size", "2", "--use-distributed-optimizer")
+    two = run_distributed(sft_ranks.posttrain, 2, argv=ep, cli=ep, timeout=300)[0]
+    assert two["metrics"]["grpo/rewards/mean"] == one["metrics"]["grpo/rewards/mean"]
+    assert two["loss"] == pytest.approx(one["loss"], rel=TOL, abs=1e-7)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
+
+
+def test_a_reward_failing_on_one_rank_stops_every_rank(add_prompts, tiny_qwen, hf_tok):
+    from anyspeed.testing import DistributedError
+
+    argv = cli(tiny_qwen, add_prompts, hf_tok, "--verifier-function",
+               "helpers.user_rewards:fails_on_rank1")  # fmt: skip
+    with pytest.raises(DistributedError) as err:
+        run_distributed(sft_ranks.posttrain, 2, argv=argv, cli=argv, timeout=120, fresh=True)
+    text = str(err.value)
+    assert text.count("RewardError") >= 2 and "rank 1's verifier broke" in text

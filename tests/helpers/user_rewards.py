@@ -79,3 +79,12 @@ def vowels(prompts: list[str], completions: list[str], labels: list[str]) -> lis
         letters = [ch for ch in c.lower() if ch.isalpha()]
         out.append(sum(ch in "aeiou" for ch in letters) / max(len(letters), 1))
     return out
+
+
+def fails_on_rank1(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """Raises on global rank 1 only: the other ranks must stop too, not wait."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise ValueError("rank 1's verifier broke")
+    return [0.0] * len(completions)

@@ -2,9 +2,10 @@
 
 1-2. the demo corpus and tokenizer;
 3. a verifiable task generated here: additions ``What is a + b?``; the verifier (GSM8K's strict
-   rule) credits ``#### a+b`` only. The SFT answers use that form half the time and the bare
-   number otherwise, so the SFT model answers right but often in the wrong form: GRPO learns
-   the form the verifier wants (and sharper sums). Some pairs are held out, never trained on;
+   rule) credits ``#### a+b`` only. The SFT data answers every question both as ``#### n`` and
+   as the bare number, so the SFT model often answers in the form the verifier does not
+   credit: GRPO learns the form it wants (and sharper sums). Some pairs are held out from
+   both SFT and GRPO;
 4. ``anyspeed preprocess``: SFT data (a few answers shown) and GRPO prompts (the answer kept
    for the verifier, ``R1AlpacaStyleInstructionHandler``);
 5. ``anyspeed posttrain --stage sft``: a short SFT of the demo model from scratch, to a
@@ -30,9 +31,8 @@ from anyspeed.demo.instructions import write_jsonl
 from anyspeed.demo.sft import PROMPT_TYPE, _answers, preprocess
 
 STEPS = 8
-TOP = 30  # operands 0..TOP-1
-HELD_OUT = 100  # pairs never trained on
-SFT_PAIRS = 500
+TOP = 20  # operands 0..TOP-1
+HELD_OUT = 80  # pairs never trained on (neither SFT nor GRPO)
 SFT_TRAIN = [
     "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
     "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0",
@@ -43,9 +43,10 @@ SFT_TRAIN = [
 GRPO_TRAIN = [
     "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "1.0",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "100,0,0",
-    "--eval-iters", "0", "--log-interval", "5", "--n-samples-per-prompt", "8",
+    "--eval-iters", "0", "--log-interval", "1", "--n-samples-per-prompt", "8",
     "--global-batch-size", "128", "--micro-batch-size", "32", "--max-response-length", "8",
-    "--temperature", "1.0", "--init-kl-coef", "0", "--verifier-function", "gsm8k",
+    "--rollout-batch-size", "32",
+    "--temperature", "0.7", "--init-kl-coef", "0", "--verifier-function", "gsm8k",
 ]  # fmt: skip
 
 
@@ -61,11 +62,10 @@ def task(seed: int = 0) -> tuple[list[dict], list[dict]]:
     return [rec(*p) for p in pairs[HELD_OUT:]], [rec(*p) for p in pairs[:HELD_OUT]]
 
 
-def sft_records(train: list[dict], seed: int = 1) -> list[dict]:
-    """The SFT set: half the answers in the verifier's form, half the bare number."""
-    rng = random.Random(seed)
-    return [r if rng.random() < 0.5 else dict(r, output=r["output"].removeprefix("#### "))
-            for r in train]  # fmt: skip
+def sft_records(train: list[dict]) -> list[dict]:
+    """The SFT set: every question twice, answered in the verifier's form and as the bare
+    number (the model learns both and picks one by chance)."""
+    return [x for r in train for x in (r, dict(r, output=r["output"].removeprefix("#### ")))]
 
 
 def accuracy(answers: list[str], records: list[dict]) -> float:
@@ -79,13 +79,12 @@ def accuracy(answers: list[str], records: list[dict]) -> float:
 
 def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, str, list[dict]]:
     train, held = task()
-    sft = write_jsonl(os.path.join(args.workdir, "grpo-sft.jsonl"),
-                      sft_records(train[:SFT_PAIRS]))  # fmt: skip
-    rl = write_jsonl(os.path.join(args.workdir, "grpo-prompts.jsonl"), train[SFT_PAIRS:])
+    sft = write_jsonl(os.path.join(args.workdir, "grpo-sft.jsonl"), sft_records(train))
+    rl = write_jsonl(os.path.join(args.workdir, "grpo-prompts.jsonl"), train)
     write_jsonl(os.path.join(args.workdir, "grpo-heldout.jsonl"), held)
-    print(f"[3/{STEPS}] task: 'What is a + b?' -> '#### a+b' for a, b < {TOP}: {SFT_PAIRS} "
-          f"pairs for SFT (half answered '#### n', half 'n'), {len(train) - SFT_PAIRS} "
-          f"prompts for GRPO, {len(held)} held out", flush=True)  # fmt: skip
+    print(f"[3/{STEPS}] task: 'What is a + b?' -> '#### a+b' for a, b < {TOP}: {len(train)} "
+          "questions for SFT (each answered '#### n' and 'n') and GRPO, "
+          f"{len(held)} held out from both", flush=True)  # fmt: skip
     sft_prefix, rl_prefix = (os.path.join(args.workdir, n) for n in ("grpo-sft", "grpo-rl"))
     rc = preprocess(sft, sft_prefix, tok_dir, "AlpacaStyleInstructionHandler") or preprocess(
         rl, rl_prefix, tok_dir, "R1AlpacaStyleInstructionHandler")  # fmt: skip
@@ -145,8 +144,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return 1
     after = _heldout(args, save, tok_dir, held, f"[8/{STEPS}]")
     r = _rewards(metrics)
-    print(f"demo: mean reward {r[0]:.2f} (first logged steps) -> {r[-1]:.2f} (last); held-out "
-          f"greedy accuracy {before} -> {after}")  # fmt: skip
-    rc = 0 if r and r[-1] > r[0] and after is not None else 1
+    if not r or before is None or after is None:
+        return 1
+    last = sum(r[-5:]) / len(r[-5:])
+    print(f"demo: mean reward {r[0]:.2f} (step 1, before any update) -> {last:.2f} (the last 5 "
+          f"steps); held-out greedy accuracy {before:.2f} -> {after:.2f}")  # fmt: skip
+    sample = _answers(args, save, tok_dir, held[:1], f"[8/{STEPS}]", sample=True)
+    if sample:
+        print(f"demo: a sampled answer: {held[0]['instruction']} -> {sample[0]!r}")
+    rc = 0 if last > r[0] else 1
     print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
     return rc

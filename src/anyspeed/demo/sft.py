@@ -74,7 +74,7 @@ def preprocess(src: str, prefix: str, tok_dir: str, handler: str) -> int:
 
 
 def _answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict],
-             step: str = "[6/6]") -> list[str]:  # fmt: skip
+             step: str = "[6/6]", sample: bool = False) -> list[str]:  # fmt: skip
     """Step 6: ``anyspeed generate`` (greedy, TP=N like training) on every trained prompt, as
     a user would run it; the answers in order, or [] when it failed (it has said why)."""
     from anyspeed.launch import single_process_env
@@ -85,7 +85,8 @@ def _answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict
     cmd = ["generate", "--load", save, "--tokenizer-name-or-path", tok_dir,
            "--prompt-type", PROMPT_TYPE, "--prompts-file", prompts,
            "--max-new-tokens", str(MAX_NEW_TOKENS),
-           "--tensor-model-parallel-size", str(args.nproc_per_node)]  # fmt: skip
+           "--tensor-model-parallel-size", str(args.nproc_per_node),
+           *(["--task", "do_sample", "--temperature", "1.0"] if sample else [])]  # fmt: skip
     print(f"{step} anyspeed {' '.join(cmd)}", flush=True)
     # A one-process posttrain made this process rank 0 of a world of one: not the child's.
     env = {k: v for k, v in os.environ.items() if k not in single_process_env()}
