@@ -80,8 +80,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tok = tokenizer(d)
         sft, rl = make_sets(d, a, 64)
-        sft_cli = base_cli(sft, seq, 3, 16, 8, a.hidden, a.layers) + LORA
-        grpo_cli = base_cli(rl, seq, 3, 16, 8, a.hidden, a.layers)
+        no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+        sft_cli = base_cli(sft, seq, 3, 16, 8, a.hidden, a.layers) + LORA + no_dropout
+        grpo_cli = base_cli(rl, seq, 3, 16, 8, a.hidden, a.layers) + no_dropout
         grpo_cli[grpo_cli.index("sft")] = "grpo"
         grpo_cli.remove("--is-instruction-dataset")
         metrics = os.path.join(d, "m.jsonl")

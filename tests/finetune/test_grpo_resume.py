@@ -53,6 +53,17 @@ def test_lora_and_rl_config(add_prompts, tiny_qwen, hf_tok, tmp_path):
     assert hist["grad_norm"][0] > 0  # the adapters' gradient (B starts at zero, A does not)
 
 
+def test_lora_rollouts_use_the_adapters(add_prompts, tiny_qwen, hf_tok):
+    """Once the adapters have moved, the rollout (KV-cache decoding) still samples with them:
+    its log-probs are the training forward's (a decode path that skipped the adapters' hooks
+    was off by 0.2)."""
+    argv = cli(tiny_qwen, add_prompts, hf_tok, "--lora-target-modules", "linear_qkv",
+               "linear_proj", "linear_fc1", "linear_fc2", "--lora-r", "4", "--lr", "1e-2",
+               "--verifier-function", "helpers.user_rewards:vowels", iters=3)  # fmt: skip
+    hist = run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)[0]
+    assert max(hist["metrics"]["rollout/logp_mismatch_max"]) <= 1e-5
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -32,11 +32,12 @@ class Batch:
     pad: torch.Tensor
 
     @classmethod
-    def left_padded(cls, prompts: Sequence[Sequence[int]], pad_id: int) -> Batch:
-        """One row per prompt, padded on the left with ``pad_id``."""
+    def left_padded(cls, prompts: Sequence[Sequence[int]], pad_id: int,
+                    width: int | None = None) -> Batch:  # fmt: skip
+        """One row per prompt, padded on the left with ``pad_id`` (to ``width`` if wider)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        width = max(len(p) for p in prompts)
+        width = max([len(p) for p in prompts] + [width or 0])
         rows = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
         pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)
         return cls(torch.tensor(rows, dtype=torch.int64), pad)
@@ -136,6 +137,10 @@ class Request:
     # One seed per row: each row samples from its own generator, so its tokens do not depend
     # on which other rows share the batch (a rollout split over data-parallel replicas).
     row_seeds: tuple[int, ...] | None = None
+    # Every rank steps until all are done, prompts padded to the widest of all: ranks decoding
+    # different prompts whose layers still exchange tokens (expert parallelism across
+    # data-parallel replicas) must run the same forwards.
+    lockstep: bool = False
     max_length: int | None = None  # the context window (prompt + new tokens)
     vocab_size: int | None = None  # real vocabulary: padded rows of the embedding never chosen
     # A row stops once its text (``detokenize`` of its new tokens, leading whitespace dropped)
@@ -176,7 +181,8 @@ def sample(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: 
     """:func:`generate`, and with ``logprobs`` each new token's log-probability under the
     sampling temperature's distribution (before top-k/top-p: the policy's, as training
     recomputes it), identical on every rank."""
-    batch = Batch.left_padded(prompts, req.pad_id)
+    width = _widest(max(len(p) for p in prompts)) if req.lockstep else None
+    batch = Batch.left_padded(prompts, req.pad_id, width)
     steps = _budget(batch.tokens.shape[1], req)
     stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache,
                       req.vocab_size)  # fmt: skip
@@ -210,6 +216,17 @@ def sample(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: 
         stepper.append(chosen)
         if on_tokens is not None:
             on_tokens(fresh)
-        if all(done):
+        if _widest(int(not all(done))) == 0 if req.lockstep else all(done):
             break
     return out, lps
+
+
+def _widest(n: int) -> int:
+    """The largest ``n`` of all ranks."""
+    import torch.distributed as dist
+
+    from anyspeed.device import torch_device
+
+    t = torch.tensor([n], device=torch_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

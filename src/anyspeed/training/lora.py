@@ -76,7 +76,7 @@ def _attach(
     mod.lora_scale = scale
     mod.lora_key = key
     mod.lora_dropout = dropout
-    mod.lora_comm = _comm(column, mod.config.sequence_parallel)
+    mod.lora_column = column
     mod.register_forward_hook(_hook)
     mod.sharded_state_dict = _sharded(mod, mod.sharded_state_dict, column)
 
@@ -100,7 +100,9 @@ def _hook(mod: torch.nn.Module, args: tuple, output: tuple) -> tuple:
     if getattr(mod, "lora_off", False):
         return output
     x = F.dropout(args[0], mod.lora_dropout, mod.training) if mod.lora_dropout else args[0]
-    h = mod.lora_comm(F.linear(x, mod.lora_A))
+    # the layer's own flag: decoding switches sequence parallelism off and back
+    comm = _comm(mod.lora_column, bool(getattr(mod, "sequence_parallel", False)))
+    h = comm(F.linear(x, mod.lora_A))
     return (output[0] + F.linear(h, mod.lora_B) * mod.lora_scale, *output[1:])
 
 

@@ -110,6 +110,8 @@ def _build(model: Any) -> _Plan | None:
         return None
     if any(getattr(config, k, v) != v for k, v in _PLAIN.items()):
         return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.decoder.modules()):
+        return None  # e.g. LoRA adapters: their hooks run only through the modules' own call
     layers = [_layer(layer) for layer in model.decoder.layers]
     if not layers or any(x is None for x in layers):
         return None

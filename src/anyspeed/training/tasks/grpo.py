@@ -260,6 +260,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
     if high < 0 or args.init_kl_coef < 0 or not 0 < args.temperature:
         raise UsageError("--clip-ratio-high and --init-kl-coef must be >= 0, --temperature > 0")
     rewards.resolve(args.verifier_function, args.verifier_weight)  # imports user functions now
+    _warn_dropout(args)
     lora_cfg = lora.from_args(args)
     prompt_data.check_files(prefix)
     data = prompt_data.open_prompts(prefix)
@@ -277,6 +278,18 @@ def plan(args: argparse.Namespace) -> StagePlan:
     )  # fmt: skip
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([prompt_data.file_prefix(prefix, "input_ids")], cfg, data, records)
+
+
+def _warn_dropout(args: argparse.Namespace) -> None:
+    from anyspeed.launch import reports_here
+
+    if (args.hidden_dropout or args.attention_dropout) and reports_here():
+        import sys
+
+        print("anyspeed posttrain: warning: --hidden-dropout/--attention-dropout > 0: the "
+              "update's forward is random, so its ratio to the old policy (and its KL to the "
+              "reference) is not 1 (0) before an update; RL usually sets both to 0",
+              file=sys.stderr)  # fmt: skip
 
 
 def make_task(run: Any) -> Any:

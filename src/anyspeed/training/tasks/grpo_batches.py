@@ -56,8 +56,9 @@ class Rollout:
 
 def _length(longest: int, args: Any) -> int:
     """The micro-batches' sequence length: --seq-length under pipeline parallelism (fixed
-    shapes), else the rollout's longest rounded up for TP/SP."""
-    if args.pipeline_model_parallel_size > 1:
+    shapes) and expert parallelism (replicas exchange tokens: the same shapes), else the
+    rollout's longest rounded up for TP/SP."""
+    if args.pipeline_model_parallel_size > 1 or args.expert_model_parallel_size > 1:
         return args.seq_length
     multiple = 8 * args.tensor_model_parallel_size
     return min(args.seq_length, -(-longest // multiple) * multiple)

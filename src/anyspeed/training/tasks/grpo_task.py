@@ -244,7 +244,8 @@ class GRPOTask(Task):
                       for t, p in keys for s in range(c.group))  # fmt: skip
         req = Request(c.max_response, SamplingParams(False, c.temperature, c.top_k, c.top_p),
                       eos_ids=self.eos, pad_id=self.pad, row_seeds=seeds,
-                      max_length=args.seq_length, vocab_size=self.vocab)  # fmt: skip
+                      max_length=args.seq_length, vocab_size=self.vocab,
+                      lockstep=args.expert_model_parallel_size > 1)  # fmt: skip
         rep = [p for p in prompts for _ in range(c.group)]
         tokens, lps = trainer.sample(rep, req)
         texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in tokens]
