@@ -88,7 +88,7 @@ def main() -> None:
         metrics = os.path.join(d, "m.jsonl")
         grpo_cli += [*LORA, "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
                      tok, "--n-samples-per-prompt", "8", "--max-response-length",
-                     str(a.response), "--verifier-function", "format", "--init-kl-coef", "0.01",
+                     str(a.response), "--verifier-function", "format", "--init-kl-coef", os.environ.get("BETA", "0.01"),
                      "--metrics-file", metrics, "--log-interval", "1"]  # fmt: skip
         peaks = {}
         for name, cli in (("sft-lora", sft_cli), ("grpo-lora", grpo_cli)):

@@ -19,14 +19,15 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
                    labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    packed_seq_params: Any = None, vocab_size: int | None = None,
                    temperature: float = 1.0, entropy: bool = False,
-                   **kwargs: Any) -> torch.Tensor:  # fmt: skip
+                   entropy_grad: bool = False, **kwargs: Any) -> torch.Tensor:  # fmt: skip
     """log p(labels[b, s] | tokens[b, :s+1]) as [b, s] (fp32) on a chunk that ends the
     pipeline; on an earlier chunk, its output (hidden states for the next stage).
 
     ``vocab_size``: the real vocabulary; the embedding's padded rows are then excluded from the
     normaliser (as a Hugging Face model without them would), else all rows count, as in
     Megatron's training loss. ``temperature`` divides the logits first (a sampling policy's
-    distribution). ``entropy``: [2, b, s], the log-probs and each position's entropy.
+    distribution). ``entropy``: [2, b, s], the log-probs and each position's entropy (a
+    metric, computed without a graph, unless ``entropy_grad``: a loss term).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -45,9 +46,15 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
     if not entropy:
         return -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
-    # Megatron's cross-entropy works in place on its input: the entropy reads its own copy.
-    ent = vocab_parallel_entropy(logits)
-    logp = -vocab_parallel_cross_entropy(logits.clone(), labels.to(logits.device))
+    # Megatron's cross-entropy works in place on its input: the entropy is computed first, and
+    # when it takes part in the loss its graph keeps its own copy of the logits.
+    if entropy_grad:
+        ent = vocab_parallel_entropy(logits)
+        logits = logits.clone()
+    else:
+        with torch.no_grad():
+            ent = vocab_parallel_entropy(logits)
+    logp = -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
     return torch.stack([logp, ent])
 
 

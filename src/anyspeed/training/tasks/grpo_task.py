@@ -108,7 +108,7 @@ class GRPOTask(Task):
         b = next(data_iterator)
         out = token_logprobs(model, b["tokens"], b["position_ids"], b["labels"],
                              vocab_size=self.vocab, temperature=self.cfg.temperature,
-                             entropy=True)  # fmt: skip
+                             entropy=True, entropy_grad=bool(self.cfg.entropy_coeff))  # fmt: skip
 
         def loss_func(output: torch.Tensor):
             return self.token_loss(output[0], output[1], b)
