@@ -5,7 +5,7 @@ on sequences of the same length and micro-batch: GRPO adds the rollout (KV cache
 old-policy pass and, with a KL term, the reference pass (the base with adapters off: no second
 copy). Also GRPO's own rollout throughput (sampled tokens per second) from its metrics.
 
-    python benchmarks/grpo.py [--hidden 512] [--layers 4] [--prompt 96] [--response 32]
+    python benchmarks/grpo.py [--hidden 512] [--layers 4] [--prompt 96] [--response 32] [--beta 0]
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prompt", type=int, default=96)
     p.add_argument("--response", type=int, default=32)
+    p.add_argument(
+        "--beta", default="0.01", help="--init-kl-coef of the GRPO run (0: no reference)"
+    )
     a = p.parse_args()
     seq = a.prompt + a.response
     print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}, hidden {a.hidden}, "
@@ -88,7 +91,7 @@ def main() -> None:
         metrics = os.path.join(d, "m.jsonl")
         grpo_cli += [*LORA, "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
                      tok, "--n-samples-per-prompt", "8", "--max-response-length",
-                     str(a.response), "--verifier-function", "format", "--init-kl-coef", os.environ.get("BETA", "0.01"),
+                     str(a.response), "--verifier-function", "format", "--init-kl-coef", a.beta,
                      "--metrics-file", metrics, "--log-interval", "1"]  # fmt: skip
         peaks = {}
         for name, cli in (("sft-lora", sft_cli), ("grpo-lora", grpo_cli)):
