@@ -58,6 +58,9 @@ class Hook:
     def on_end(self, state: LoopState, completed: bool) -> None:
         """After the last step; ``completed``: ``train_iters`` was reached."""
 
+    def on_abort(self, state: LoopState) -> None:
+        """The run stopped with an error: release what ``on_start`` took (a directory lock)."""
+
 
 class DataExhausted(RuntimeError):
     """The training split ran out before ``train_iters``."""
@@ -70,6 +73,19 @@ def run(state: LoopState, batches: Iterator[list[dict]], hooks: Sequence[Hook]) 
     state.trainer.iteration = state.iteration
     for h in state.hooks:
         h.on_start(state)
+    try:
+        _loop(state, batches)
+    except BaseException:
+        for h in state.hooks:
+            try:
+                h.on_abort(state)
+            except Exception:  # noqa: BLE001 - the run's own error is the one to report
+                pass
+        raise
+    return state
+
+
+def _loop(state: LoopState, batches: Iterator[list[dict]]) -> None:
     while state.iteration < state.train_iters:
         mbs = next(batches, None)
         if mbs is None:
@@ -91,7 +107,6 @@ def run(state: LoopState, batches: Iterator[list[dict]], hooks: Sequence[Hook]) 
     completed = state.iteration == state.train_iters
     for h in state.hooks:
         h.on_end(state, completed)
-    return state
 
 
 def _record(state: LoopState, out: dict[str, Any]) -> None:
