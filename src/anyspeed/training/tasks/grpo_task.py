@@ -80,20 +80,18 @@ class GRPOTask(Task):
         return [_per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
 
     def frozen_models(self) -> dict[str, FrozenModel]:
-        if self.cfg.beta == 0:
+        from anyspeed.training.tasks.preference import reference_model
+
+        if self.cfg.beta == 0:  # no KL term: no reference is built
             return {}
-        if self.cfg.lora is not None:
-            return {"reference": FrozenModel(adapters_off=True)}
-        return {"reference": FrozenModel(load=self.reference,
-                                         iteration=self.cfg.reference_iteration)}  # fmt: skip
+        return reference_model(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
     def records(self) -> dict[str, Any]:
-        if self.cfg.beta == 0 or self.cfg.lora is not None or not self.reference:
-            return {}
-        import os
+        from anyspeed.training.tasks.preference import reference_record
 
-        return {"anyspeed_reference": {"path": os.path.abspath(self.reference),
-                                       "iteration": self.cfg.reference_iteration}}  # fmt: skip
+        if self.cfg.beta == 0:
+            return {}
+        return reference_record(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
         from anyspeed.training.tasks.sft import lora_start

@@ -53,17 +53,7 @@ def add_dpo_arguments(p: argparse.ArgumentParser) -> None:
                    help="cDPO's label noise, in [0, 0.5)")  # fmt: skip
     g.add_argument("--pref-ftx", type=float, default=0.0,
                    help="weight of the chosen answer's SFT loss added to the DPO loss")  # fmt: skip
-    g.add_argument(
-        "--ref-model",
-        default=None,
-        help="the reference checkpoint (default: --load; under LoRA the base model)",
-    )
-    g.add_argument(
-        "--refer-model-iter",
-        type=int,
-        default=None,
-        help="the reference's iteration (default: the one its tracker names)",
-    )
+    add_reference_arguments(g)
 
 
 def add_reference_arguments(g: Any) -> None:
@@ -211,6 +201,21 @@ def _check_reference(args: argparse.Namespace, ref: str, it: int | None) -> None
     check_fits(ref, model_from_args(args))
 
 
+def reference_model(lora_cfg: Any, ref: str | None, it: int | None) -> dict[str, FrozenModel]:
+    """The frozen reference a task asks for: the base with adapters off under LoRA (no second
+    copy), else a copy with checkpoint ``ref``'s weights."""
+    if lora_cfg is not None:
+        return {"reference": FrozenModel(adapters_off=True)}
+    return {"reference": FrozenModel(load=ref, iteration=it)}
+
+
+def reference_record(lora_cfg: Any, ref: str | None, it: int | None) -> dict[str, Any]:
+    """The checkpoint record of a full reference, so that a resumed run keeps it."""
+    if lora_cfg is not None or not ref:
+        return {}
+    return {"anyspeed_reference": {"path": os.path.abspath(ref), "iteration": it}}
+
+
 def make_task(run: Any) -> PreferenceTask:
     """The preference task of a checked run."""
     cfg = run.config
@@ -264,16 +269,12 @@ class PreferenceTask(Task):
     def frozen_models(self) -> dict[str, FrozenModel]:
         if self.cfg.kind != "dpo":
             return {}
-        if self.cfg.lora is not None:
-            return {"reference": FrozenModel(adapters_off=True)}
-        return {"reference": FrozenModel(load=self.reference,
-                                         iteration=self.cfg.reference_iteration)}  # fmt: skip
+        return reference_model(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
     def records(self) -> dict[str, Any]:
-        if self.cfg.kind != "dpo" or self.cfg.lora is not None or not self.reference:
+        if self.cfg.kind != "dpo":
             return {}
-        return {"anyspeed_reference": {"path": os.path.abspath(self.reference),
-                                       "iteration": self.cfg.reference_iteration}}  # fmt: skip
+        return reference_record(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
         from anyspeed.training.tasks.sft import lora_start
