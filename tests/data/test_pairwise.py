@@ -8,6 +8,7 @@ import os
 import pytest
 
 from helpers.corpora import leftovers, make_docs, read_back, run_cli, write_jsonl
+from helpers.instruction import chat_prompt_ids
 
 IGNORE = -100
 WORDS = make_docs(40, seed=23)
@@ -184,18 +185,13 @@ def test_tokenizer_chat_template(tmp_path, capsys, hf_tok, auto_tok):
     prefix, _ = _run(capsys, tmp_path, hf_tok, src, "--handler-name", "AlpacaStylePairwiseHandler")
     out = _load(prefix)
     history = [{"role": "user", "content": WORDS[10]}, {"role": "assistant", "content": WORDS[11]}]
-    msgs = [*history, {"role": "user", "content": WORDS[7]}]
+    prompt, msgs = chat_prompt_ids(auto_tok, history, WORDS[7], lambda t: _enc(auto_tok, t))
 
     def render(m, gen):
         return auto_tok.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)
 
-    # Pieces as the instruction handler cuts them: each turn's prompt, then its response.
-    p1 = render(history[:1], True)
-    h1 = render(history, False)
-    p2 = render(msgs, True)
-    prompt = _enc(auto_tok, p1) + _enc(auto_tok, h1[len(p1) :]) + _enc(auto_tok, p2[len(h1) :])
     answers = []
     for a in (rec["chosen"], rec["rejected"]):
         full = render([*msgs, {"role": "assistant", "content": a}], False)
-        answers.append(_enc(auto_tok, full[len(p2) :]))
+        answers.append(_enc(auto_tok, full[len(render(msgs, True)) :]))
     _check_pair(out, 0, prompt, *answers)

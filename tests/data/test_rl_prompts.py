@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers.corpora import dataset_dtype, leftovers, make_docs, read_back, run_cli, write_jsonl
+from helpers.instruction import chat_prompt_ids
 
 IGNORE = -100
 WORDS = make_docs(40, seed=31)
@@ -166,16 +167,11 @@ def test_tokenizer_chat_template(tmp_path, capsys, hf_tok, auto_tok):
     prefix, _ = _run(capsys, tmp_path, hf_tok, src, "--handler-name", HANDLER)
     out = _load(prefix)
     history = [{"role": "user", "content": WORDS[10]}, {"role": "assistant", "content": WORDS[11]}]
-    msgs = [*history, {"role": "user", "content": WORDS[7]}]
+    prompt, msgs = chat_prompt_ids(auto_tok, history, WORDS[7], lambda t: _enc(auto_tok, t))
 
     def render(m, gen):
         return auto_tok.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)
 
-    # Pieces as the instruction handler cuts them: each turn's prompt, then its response.
-    p1 = render(history[:1], True)
-    h1 = render(history, False)
-    p2 = render(msgs, True)
-    prompt = _enc(auto_tok, p1) + _enc(auto_tok, h1[len(p1) :]) + _enc(auto_tok, p2[len(h1) :])
     assert out["input_ids"][0] == prompt
     assert out["labels"][0] == _enc(auto_tok, WORDS[8])
     single = render([{"role": "user", "content": WORDS[9]}], True)

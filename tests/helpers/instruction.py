@@ -60,3 +60,18 @@ def pairwise_records(n: int, seed: int = 3) -> list[dict]:
         out.append({"instruction": rec["instruction"], "input": "", "chosen": rec["output"],
                     "rejected": bad})  # fmt: skip
     return out
+
+
+def chat_prompt_ids(auto_tok, history: list[dict], user: str, encode) -> tuple[list, list]:
+    """(prompt token ids, the conversation) of ``history`` + a ``user`` turn through the
+    tokenizer's chat template, cut as the instruction handler cuts it: each turn's prompt, then
+    its response (``encode(text)``: the test's own encoding of a piece)."""
+    msgs = [*history, {"role": "user", "content": user}]
+
+    def render(m: list[dict], gen: bool) -> str:
+        return auto_tok.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)
+
+    p1 = render(history[:1], True)
+    h1 = render(history, False)
+    p2 = render(msgs, True)
+    return encode(p1) + encode(h1[len(p1) :]) + encode(p2[len(h1) :]), msgs
