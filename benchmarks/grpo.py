@@ -6,6 +6,7 @@ old-policy pass and, with a KL term, the reference pass (the base with adapters 
 copy). Also GRPO's own rollout throughput (sampled tokens per second) from its metrics.
 
     python benchmarks/grpo.py [--hidden 512] [--layers 4] [--prompt 96] [--response 32] [--beta 0]
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main() -> None:
     p.add_argument(
         "--beta", default="0.01", help="--init-kl-coef of the GRPO run (0: no reference)"
     )
+    p.add_argument("--repeats", type=int, default=3, help="runs of each, medians compared")
     a = p.parse_args()
     seq = a.prompt + a.response
     print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}, hidden {a.hidden}, "
@@ -93,15 +95,18 @@ def main() -> None:
                      tok, "--n-samples-per-prompt", "8", "--max-response-length",
                      str(a.response), "--verifier-function", "format", "--init-kl-coef", a.beta,
                      "--metrics-file", metrics, "--log-interval", "1"]  # fmt: skip
-        peaks = {}
-        for name, cli in (("sft-lora", sft_cli), ("grpo-lora", grpo_cli)):
-            out = run_distributed(posttrain_run, 1, argv=cli, cli=cli, timeout=1800)[0]
-            peaks[name] = out["peak"]
-            print(f"  {name:9s} trainable {out['trainable']:10,d} | peak "
-                  f"{out['peak'] / 2**20:8.1f} MiB")  # fmt: skip
-        rows = [json.loads(line) for line in open(metrics)]
+        peaks: dict[str, list[int]] = {"sft-lora": [], "grpo-lora": []}
+        for _ in range(a.repeats):  # RSS high-water marks vary by tens of MiB between runs
+            for name, cli in (("sft-lora", sft_cli), ("grpo-lora", grpo_cli)):
+                out = run_distributed(posttrain_run, 1, argv=cli, cli=cli, timeout=1800)[0]
+                peaks[name].append(out["peak"])
+                print(f"  {name:9s} trainable {out['trainable']:10,d} | peak "
+                      f"{out['peak'] / 2**20:8.1f} MiB")  # fmt: skip
+        rows = [json.loads(line) for line in open(metrics)][-3:]  # the last GRPO run's
         tps = [r["rollout_tps"] for r in rows[1:]]
-        print(f"  grpo-lora / sft-lora peak memory: {peaks['grpo-lora'] / peaks['sft-lora']:.3f}x")
+        sft, grpo = (float(np.median(peaks[k])) for k in ("sft-lora", "grpo-lora"))
+        print(f"  grpo-lora / sft-lora peak memory (medians of {a.repeats} runs each): "
+              f"{grpo / sft:.3f}x")  # fmt: skip
         print(
             f"  rollout: {np.mean(tps):,.0f} sampled tokens/s (batch {16}, after the first), "
             f"rollout {np.mean([r['timing/rollout'] for r in rows[1:]]):.2f} s, old log-probs "

@@ -86,6 +86,7 @@ COMMANDS = {
     "memory": _run("anyspeed.commands.memory"),
     "generate": _run("anyspeed.commands.generate"),
     "evaluate": _run("anyspeed.commands.evaluate"),
+    "verify": _run("anyspeed.commands.verify"),
     "features": lambda argv: _features_report([a for a in argv if a != "--json"], "--json" in argv),
 }
 
@@ -101,6 +102,7 @@ USAGE = {
     "memory": "memory [--fits GiB] [--world-size N] TRAINING FLAGS...",
     "generate": "generate --load DIR ...",
     "evaluate": "evaluate --load DIR --task T ...",
+    "verify": "verify [--steps N] [--reference FLAGS] pretrain|posttrain FLAGS...",
     "features": "features [--json] [TRAINING FLAGS...]",
 }
 

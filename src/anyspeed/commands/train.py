@@ -54,8 +54,10 @@ def _sample(run: Any, history: dict[str, Any]) -> None:
         print0(f"\nprompt: {args.generate_prompt!r}\nsample: {text!r}")
 
 
-def main(argv: Sequence[str] | None = None, command: str = "pretrain") -> int:
-    """Entry point: parse, check (before any process group), launch or run, report."""
+def main(argv: Sequence[str] | None = None, command: str = "pretrain",
+         hooks: Sequence[Any] = ()) -> int:  # fmt: skip
+    """Entry point: parse, check (before any process group), launch or run, report;
+    ``hooks`` (loop hooks) join the run's own in this process."""
     from anyspeed.checkpoint.errors import CheckpointError
     from anyspeed.training import stall
     from anyspeed.training.distributed import is_rank0
@@ -84,7 +86,7 @@ def main(argv: Sequence[str] | None = None, command: str = "pretrain") -> int:
 
     adaptor.apply(run.args)
     try:
-        history = train(run)
+        history = train(run, extra_hooks=hooks)
     except (NonFiniteLoss, CheckpointError, DataExhausted, TaskStopped) as exc:  # rank 0 says why
         return report(prog, exc, code=1) if is_rank0() else 1
     except RuntimeError as exc:

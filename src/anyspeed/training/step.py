@@ -49,6 +49,9 @@ class Trainer:
             self.moe = MoEMetrics(self.model, layout, model.num_layers, model.num_experts or 0)
         self.frozen: dict[str, Any] = {}  # the task's frozen models (engine-built)
         self.iteration = 0
+        # Called with the trainer between the backward pass (gradients reduced) and the
+        # optimizer step: ``anyspeed verify`` reads the gradients there.
+        self.before_update: list[Any] = []
 
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], forward_only: bool,
                       task: Task | None = None, model: list[Any] | None = None,
@@ -103,6 +106,8 @@ class Trainer:
         if self.moe is not None:
             self.moe.reset()
         loss, metrics = self._run_schedule(microbatches, forward_only=False)
+        for fn in self.before_update:
+            fn(self)
         ok, grad_norm, _ = self.optimizer.step()
         self.iteration += 1
         out = {

@@ -1,0 +1,152 @@
+"""``anyspeed verify``: the command lines it derives, its verdict on hand-made steps, one-line
+errors before anything starts, a passing layout (TP2+SP), a deliberate pipeline defect named
+at its first differing gradient, and (slow) every row of the parity matrix and MoE layouts."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from anyspeed.commands.verify import split
+from anyspeed.errors import UsageError
+from anyspeed.verify.grads import first_difference, merge
+from anyspeed.verify.report import Tolerance, command_lines, verdict
+
+MOCK = ("--model tiny-qwen2.5 --mock-data --vocab-size 512 --seq-length 64 --num-layers 4 "
+        "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3").split()  # fmt: skip
+DEFECT = os.path.join(os.path.dirname(__file__), "..", "helpers", "p2p_defect")
+
+
+def verify(*argv: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "anyspeed", "verify", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def test_reference_drops_the_layout_and_both_drop_saving():
+    user = ["--nproc-per-node", "4", "--tensor-model-parallel-size=2", "--sequence-parallel",
+            "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--save",
+            "/x", "--save-interval", "5", "--train-iters", "100", "--lr", "1e-3"]  # fmt: skip
+    layout, ref = command_lines(user, 2, ["--seed", "3"])
+    for argv in (layout, ref):
+        assert "--save" not in argv and "--save-interval" not in argv
+        assert argv[argv.index("--train-iters") + 1] == "2"
+        assert argv[argv.index("--hidden-dropout") + 1] == "0"
+    assert "--tensor-model-parallel-size=2" in layout and "--sequence-parallel" in layout
+    assert not any(a.startswith(("--tensor", "--pipeline", "--nproc", "--sequence",
+                                 "--use-distributed")) for a in ref)  # fmt: skip
+    assert ref[-2:] == ["--seed", "3"] and ref.count("--lr") == 1
+
+
+def test_split_needs_the_training_command():
+    opts, command, rest = split(["--steps", "2", "posttrain", "--stage", "sft"])
+    assert (opts.steps, command, rest) == (2, "posttrain", ["--stage", "sft"])
+    for bad in (["--steps", "2"], ["--steps", "0", "pretrain"], ["--bogus", "pretrain"]):
+        with pytest.raises(UsageError):
+            split(bad)
+
+
+def _step(i, loss, norm, grads=None, **metrics):
+    return {"iteration": i, "loss": loss, "grad_norm": norm, "metrics": metrics,
+            "grads": grads or {}}  # fmt: skip
+
+
+def test_verdict_names_the_first_differing_tensor_in_model_order():
+    tol = Tolerance()
+    ref = [_step(1, 2.0, 1.0, r=0.5), _step(2, 1.9, 0.9)]
+    same = [_step(1, 2.0 * (1 + 1e-7), 1.0, {"output_layer.weight": [0.0, 1.0]}, r=0.5),
+            _step(2, 1.9, 0.9)]  # fmt: skip
+    lines, ok = verdict(ref, same, tol)
+    assert ok and lines[-1].startswith("PASS")
+    grads = {"output_layer.weight": [1.0, 1.0],
+             "decoder.layers.10.mlp.linear_fc1.weight": [1e-3, 1],
+             "decoder.layers.2.self_attention.linear_qkv.weight": [0.5, 1.0],
+             "embedding.word_embeddings.weight": [1e-6, 1.0]}  # fmt: skip
+    bad = [_step(1, 2.0, 1.0, grads, r=0.5), _step(2, 1.9, 0.9)]
+    lines, ok = verdict(ref, bad, tol)
+    assert not ok
+    assert "first differing gradient decoder.layers.2.self_attention" in lines[-1]
+    assert "3 of 4 tensors differ" in lines[-1]
+    lines, ok = verdict(ref, [_step(1, 2.0, 1.0, r=0.51), _step(2, 1.9, 0.9)], tol)
+    assert ok and "step 1: r 0.51 vs 0.5" in lines[-2]  # shown, not judged
+    lines, ok = verdict(ref, [_step(1, 2.0, 1.0), _step(2, 1.9, math.nan)], tol)
+    assert not ok and lines[-1].startswith("FAIL at step 2: grad norm nan")
+
+
+def test_merge_sums_shards_into_norms():
+    merged = merge([{"a": [9.0, 16.0]}, {"a": [16.0, 9.0], "b": [0.0, 4.0]}])
+    assert merged == {"a": [5.0, 5.0], "b": [0.0, 2.0]}
+    assert first_difference(merged, 1e-4, 1e-9) == ("a", 5.0, 5.0)
+
+
+def test_bad_input_is_one_line_before_any_run(tmp_path):
+    out = verify("pretrain", *MOCK, "--tensor-model-parallel-size", "3", "--nproc-per-node", "2")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("anyspeed verify: error: the layout's run:")
+    (tmp_path / "x").write_text("")
+    out = verify("--workdir", str(tmp_path), "pretrain", *MOCK)
+    assert out.returncode == 2 and "--workdir" in out.stderr and out.stdout == ""
+
+
+def test_tp2_sp_passes(tmp_path):
+    out = verify("--steps", "2", "--workdir", str(tmp_path / "w"), "pretrain", *MOCK,
+                 "--nproc-per-node", "2", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel")  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1].startswith("PASS: 2 steps")
+    assert os.path.isdir(tmp_path / "w" / "reference" / "grads_2")  # --workdir is kept
+
+
+def test_a_pipeline_defect_fails_at_its_first_gradient():
+    """Every activation stage 1 receives has two samples swapped: verify fails at step 1 and
+    names the embedding (the first tensor in model order; every gradient differs)."""
+    out = verify("--steps", "1", "pretrain", *MOCK, "--nproc-per-node", "2",
+                 "--pipeline-model-parallel-size", "2",
+                 env={"PYTHONPATH": DEFECT, "ANYSPEED_TEST_P2P_DEFECT": "1"})  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    last = out.stdout.splitlines()[-1]
+    assert last.startswith("FAIL at step 1: loss"), last
+    assert "first differing gradient embedding.word_embeddings.weight" in last
+
+
+MATRIX = {
+    "pp2-vpp2": "--nproc-per-node 2 --pipeline-model-parallel-size 2 "
+    "--num-layers-per-virtual-pipeline-stage 1",
+    "dp2-distopt-overlap": "--nproc-per-node 2 --use-distributed-optimizer "
+    "--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 4000",
+    "tp2-pp2": "--nproc-per-node 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+    "tp2-sp-dp2-distopt": "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
+    "--use-distributed-optimizer",
+    "cp2-ring": "--nproc-per-node 2 --context-parallel-size 2 "
+    "--context-parallel-algo megatron_cp_algo",
+    "cp2-ulysses": "--nproc-per-node 2 --context-parallel-size 2 "
+    "--context-parallel-algo ulysses_cp_algo",
+    "tp2-sp-cp2-ring": "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
+    "--context-parallel-size 2",
+    "cp4-hybrid": "--nproc-per-node 4 --context-parallel-size 4 --context-parallel-algo "
+    "hybrid_cp_algo --ulysses-degree-in-cp 2",
+    "pp2-cp2-ulysses": "--nproc-per-node 4 --pipeline-model-parallel-size 2 "
+    "--context-parallel-size 2 --context-parallel-algo ulysses_cp_algo",
+    "cp2-dp2-distopt": "--nproc-per-node 4 --context-parallel-size 2 --use-distributed-optimizer",
+}
+MOE = ("--model tiny-qwen3-moe --mock-data --vocab-size 512 --seq-length 64 --micro-batch-size 2 "
+       "--global-batch-size 8 --lr 1e-3").split()  # fmt: skip
+MOE_LAYOUTS = {
+    "ep2": "--nproc-per-node 2 --expert-model-parallel-size 2",
+    "ep2-tp2-etp1": "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel "
+    "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1",
+    "ep2-pp2": "--nproc-per-node 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", [*MATRIX, *(f"moe-{k}" for k in MOE_LAYOUTS)])
+def test_every_parity_row_passes(row):
+    base, flags = (MOE, MOE_LAYOUTS[row[4:]]) if row.startswith("moe-") else (MOCK, MATRIX[row])
+    out = verify("pretrain", *base, *flags.split(), timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1].startswith("PASS: 3 steps")
