@@ -28,7 +28,9 @@ LAYERS = {
     "checkpoint": 4, "data": 4, "inference": 4, "convert": 5, "training": 6,
     "verify": 6.5,  # anyspeed verify's rank hook and gradient comparison, over training
     "commands": 7,
-    "cli": 7, "testing_pool": 7, "testing": 8, "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
+    "cli": 7, "testing_pool": 7, "testing": 8,
+    "testing_megatron": 8, "testing_megatron_table": 0, "testing_megatron_report": 1,
+    "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
     "demo": 8,  # runs other commands (preprocess, train-tokenizer, pretrain)
 }  # fmt: skip
 MAX_FILE_LINES = 400

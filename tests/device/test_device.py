@@ -128,7 +128,7 @@ def test_no_patches_on_cuda():
 def test_gloo_backend_avg_bf16_and_barrier():
     res = run_distributed(feature_ranks.gloo_avg_and_backend, 2, timeout=120)
     for r in res:
-        assert r["backend"] == "gloo" and r["sub"] == "gloo"
+        assert r["backend"] == "gloo" and r["sub"] == "gloo" and r["enum"] == "gloo"
         assert r["avg"] == pytest.approx([1.5, 3.0])  # mean of [1,2] and [2,4]
         assert r["bf16"] == [1.0, 1.0, 1.0]
         assert r["uneven"] == [[[1.0, 1.0]], [[2.0, 2.0], [2.0, 2.0]]]

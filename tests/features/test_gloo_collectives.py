@@ -20,3 +20,10 @@ def test_rewrites_equal_torch_collectives(async_op):
         fell_back = res.pop("fell_back")
         assert all(res.values()), res
         assert fell_back == ["rs", "ag"]  # only the non-shard calls
+
+
+def test_flat_output_all_gather_like_nccl():
+    """gloo refuses an all-gather into a flat output of a shaped input; NCCL (and now the
+    one line) writes the ranks' elements one after the other."""
+    want = [float(x) for x in range(8)] + [float(x + 100) for x in range(8)]
+    assert run_distributed(feature_ranks.gather_split_1d, 2, timeout=120) == [want, want]

@@ -12,6 +12,8 @@ def gloo_avg_and_backend() -> dict:
     dist.init_process_group(backend="nccl")  # mapped to gloo on the CPU
     rank = dist.get_rank()
     sub = dist.new_group(ranks=[0, 1], backend="nccl")
+    # torch's helper calls distributed_c10d.new_group itself (Megatron's HyperCommGrid uses it).
+    enum, _ = dist.new_subgroups_by_enumeration([[0, 1]], backend="nccl")
     x = torch.tensor([1.0, 2.0]) * (rank + 1)
     dist.all_reduce(x, op=dist.ReduceOp.AVG)
     y = torch.arange(4, dtype=torch.float32) * (rank + 1)
@@ -29,6 +31,7 @@ def gloo_avg_and_backend() -> dict:
     return {
         "backend": dist.get_backend(),
         "sub": dist.get_backend(sub),
+        "enum": dist.get_backend(enum),
         "avg": x.tolist(),
         "rs": out.tolist(),
         "bf16": z.float().tolist(),
@@ -321,3 +324,18 @@ def gloo_collectives(async_op: bool) -> dict:
     out["fell_back"] = fell_back
     dist.destroy_process_group()
     return out
+
+
+def gather_split_1d() -> list:
+    """Megatron's ``gather_split_1d_tensor`` (flat output, shaped input) at TP2 under gloo."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.utils import gather_split_1d_tensor
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    rank = dist.get_rank()
+    got = gather_split_1d_tensor(torch.arange(8.0).view(2, 4) + 100 * rank)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return got.tolist()

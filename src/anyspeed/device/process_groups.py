@@ -73,6 +73,10 @@ def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> N
     why_pg = f"process groups asked for with nccl use {backend} on this device"
     for name in ("init_process_group", "new_group"):
         pm.register_wrap(f"torch.distributed.{name}", group_wrapper, feature=feature, reason=why_pg)
+        # torch's own helpers (new_subgroups_by_enumeration, Megatron's HyperCommGrid through
+        # it) call the module's function, not the package attribute.
+        pm.register_wrap(f"torch.distributed.distributed_c10d.{name}", group_wrapper,
+                         feature=feature, reason=why_pg)  # fmt: skip
     pm.register_wrap(
         "torch.distributed.barrier",
         barrier_wrapper,

@@ -72,15 +72,7 @@ class MegatronCoreCompat(Feature):
             "DeviceNorm marks its weights for the TP grad all-reduce",
         )
         if device.dist_backend == "gloo":
-            from anyspeed.features.compat.pipeline_p2p import tagged_batched_p2p_ops
-
-            pm.register_wrap(
-                "megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops",
-                tagged_batched_p2p_ops,
-                feature=self.name,
-                reason="gloo matches p2p messages by posting order: tag each pipeline direction "
-                "so PP=2 interleaved activations and gradients cannot swap",
-            )
+            self._register_gloo(pm)
         pm.register_wrap(
             "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
             torch_adam.with_initialized_torch_adam_state,
@@ -137,6 +129,27 @@ class MegatronCoreCompat(Feature):
                 reason="the device RNG is the CPU generator: silence the 'CPU RNG state changed' "
                 "warning that would fire on every fork",
             )
+
+    def _register_gloo(self, pm: PatchManager) -> None:
+        """Where gloo differs from NCCL in what Megatron relies on."""
+        from anyspeed.features.compat.pipeline_p2p import tagged_batched_p2p_ops
+
+        pm.register_wrap(
+            "megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops",
+            tagged_batched_p2p_ops,
+            feature=self.name,
+            reason="gloo matches p2p messages by posting order: tag each pipeline direction "
+            "so PP=2 interleaved activations and gradients cannot swap",
+        )
+        from anyspeed.features.compat.gloo_shapes import flat_output_all_gather
+
+        pm.register_wrap(
+            "megatron.core.tensor_parallel.utils.dist_all_gather_func",
+            flat_output_all_gather,
+            feature=self.name,
+            reason="gloo's all-gather refuses the flat output gather_split_1d_tensor "
+            "(--distribute-saved-activations) passes; view it as the input's shape",
+        )
 
 
 def _cpu_initialized(init):

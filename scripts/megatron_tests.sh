@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Megatron-Core's own unit tests under anyspeed's one line, on this machine's device:
+#   scripts/megatron_tests.sh <Megatron-LM checkout at core_v0.16.1> [dirs...]
+# Each test file runs on its own (torchrun, NPROC ranks, Megatron's usual 8) with a time
+# limit; the summary (per directory passed / failed / skipped, files that did not finish,
+# each failure classified, skip reasons) is printed and kept in OUT/summary.txt.
+# Environment: NPROC (8), FILE_TIMEOUT seconds per file (600), TEST_TIMEOUT per test (300),
+# OUT (megatron-tests-out), PYTHON (.venv/bin/python, set up by scripts/setup.sh).
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+checkout="$(cd "${1:?usage: scripts/megatron_tests.sh <Megatron-LM checkout> [dirs...]}" && pwd)"
+shift
+dirs=("$@")
+if [ ${#dirs[@]} -eq 0 ]; then
+  dirs=(tensor_parallel pipeline_parallel transformer dist_checkpointing distributed models
+        optimizer data)
+fi
+NPROC="${NPROC:-8}"; FILE_TIMEOUT="${FILE_TIMEOUT:-600}"; TEST_TIMEOUT="${TEST_TIMEOUT:-300}"
+OUT="$(mkdir -p "${OUT:-megatron-tests-out}" && cd "${OUT:-megatron-tests-out}" && pwd)"
+PYTHON="${PYTHON:-$here/.venv/bin/python}"
+[ -x "$PYTHON" ] || bash "$here/scripts/setup.sh"
+# What Megatron-LM's tests import beyond megatron-core's own requirements.
+"$PYTHON" -m pip install -q six pytest-mock pytest-timeout 2>/dev/null
+mkdir -p "$OUT/results" "$OUT/logs"
+rm -f "$OUT"/results/* "$OUT/files.tsv"
+cd "$checkout"
+for d in "${dirs[@]}"; do
+  [ -d "tests/unit_tests/$d" ] || { echo "no tests/unit_tests/$d in $checkout" >&2; exit 2; }
+  while IFS= read -r f; do
+    name="${f//\//_}"
+    printf '%s ... ' "$f"
+    set +e
+    ANYSPEED_MEGATRON_RESULTS="$OUT/results/${name%.py}" timeout -k 10 "$FILE_TIMEOUT" \
+      "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+      -m pytest -p anyspeed.testing_megatron -p no:cacheprovider -q \
+      --timeout "$TEST_TIMEOUT" "$f" > "$OUT/logs/${name%.py}.log" 2>&1
+    rc=$?
+    set -e
+    case $rc in
+      0|1|5) status=ok ;;  # pytest: all passed / some failed / none collected
+      124|137) status="timeout after ${FILE_TIMEOUT}s" ;;
+      *) status="exit $rc" ;;
+    esac
+    printf '%s\t%s\n' "$f" "$status" >> "$OUT/files.tsv"
+    echo "$status"
+  done < <(find "tests/unit_tests/$d" -name 'test_*.py' | sort)
+done
+PYTHONPATH="$here/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m anyspeed.testing_megatron_report \
+  "$OUT" | tee "$OUT/summary.txt"

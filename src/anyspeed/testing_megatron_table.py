@@ -1,0 +1,73 @@
+"""Which of Megatron-Core's unit tests cannot run without CUDA-only code, and why: the table
+:mod:`anyspeed.testing_megatron` skips by, and the failure classes its summary uses. Each entry
+names what the test needs; ``docs/megatron-tests.md`` lists them with the counts."""
+
+from __future__ import annotations
+
+import re
+
+# Packages that exist for NVIDIA GPUs only: a test that fails importing one cannot run here.
+CUDA_ONLY_MODULES = (
+    "transformer_engine", "apex", "amp_C", "flash_attn", "flash_attn_3", "flashattn_hopper",
+    "triton", "fused_layer_norm_cuda", "fused_weight_gradient_mlp_cuda", "grouped_gemm",
+    "deep_ep", "nvshmem", "mamba_ssm", "causal_conv1d", "flashinfer", "cupy", "nvidia",
+    "tensorrt_llm", "modelopt", "vllm", "emerging_optimizers", "nv_one_logger", "hybrid_ep",
+    "cuda", "pynvml", "nvtx", "fla",
+)  # fmt: skip
+
+# (node-id pattern, reason): tests that need a CUDA feature anyspeed does not provide on
+# other devices. Patterns are regular expressions matched at the start of the node id
+# (relative to Megatron-LM's root).
+SKIPS: tuple[tuple[str, str], ...] = (
+    (
+        r"tests/unit_tests/tensor_parallel/test_random.py::test_double_fork_cuda_rng_states_tracker"
+        r"\[True\]",
+        "needs CUDA graphs (use_cudagraphable_rng: torch.cuda.CUDAGraph's generator registration)",
+    ),
+    (
+        r"tests/unit_tests/tensor_parallel/test_initialization.py::Test::test_(embedding|row|col)_init",
+        "needs a device RNG apart from the CPU's (it reseeds the device RNG between two CPU-side "
+        "initialisations; on the CPU both are one generator)",
+    ),
+)
+
+
+def known_skip(nodeid: str) -> str | None:
+    """The reason ``nodeid`` is skipped, or None."""
+    for pattern, reason in SKIPS:
+        if re.match(pattern, nodeid):
+            return reason
+    return None
+
+
+def cuda_only_reason(exc: BaseException) -> str | None:
+    """``needs <package> (CUDA-only)`` when ``exc`` (or what caused it) is an import of a
+    CUDA-only package; None otherwise."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, ImportError):
+            name = (getattr(exc, "name", None) or "").split(".")[0]
+            if not name:
+                m = re.search(r"No module named '([\w]+)", str(exc))
+                name = m.group(1) if m else ""
+            if name in CUDA_ONLY_MODULES:
+                return f"needs {name} (CUDA-only package, not installed)"
+        if isinstance(exc, NameError) and re.match(r"TE[A-Z]", getattr(exc, "name", "") or ""):
+            # Megatron's TE specs name TE classes that are only defined when TE imports
+            return f"needs transformer_engine ({exc.name} is defined only with TE installed)"
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return None
+
+
+# node-id pattern -> what a failure there is: a Megatron defect (with its upstream issue if
+# one exists) or a test that assumes a CUDA device in a way the one line does not cover.
+FAILURES: tuple[tuple[str, str], ...] = ()
+
+
+def explain_failure(nodeid: str) -> str:
+    """The class of a failure at ``nodeid``: the table's, else ``unexplained``."""
+    for pattern, what in FAILURES:
+        if re.match(pattern, nodeid):
+            return what
+    return "unexplained"
