@@ -24,16 +24,33 @@ PYTHON="${PYTHON:-$here/.venv/bin/python}"
 mkdir -p "$OUT/results" "$OUT/logs"
 rm -f "$OUT"/results/* "$OUT/files.tsv"
 cd "$checkout"
+
+# One test file on NPROC ranks in a session of its own: on timeout the whole session goes
+# (torchrun's ranks included, which outlive a killed torchrun and would load the machine).
+run_file() {
+  setsid env ANYSPEED_MEGATRON_RESULTS="$2" "$PYTHON" -m torch.distributed.run --standalone \
+    --nproc-per-node "$NPROC" -m pytest -p anyspeed.testing_megatron -p no:cacheprovider -q \
+    --timeout "$TEST_TIMEOUT" "$1" > "$3" 2>&1 &
+  local pid=$! waited=0 rc
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$FILE_TIMEOUT" ]; do
+    sleep 1; waited=$((waited + 1))
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    return 124
+  fi
+  wait "$pid"; rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null  # anything the file left behind
+  return "$rc"
+}
 for d in "${dirs[@]}"; do
   [ -d "tests/unit_tests/$d" ] || { echo "no tests/unit_tests/$d in $checkout" >&2; exit 2; }
   while IFS= read -r f; do
     name="${f//\//_}"
     printf '%s ... ' "$f"
     set +e
-    ANYSPEED_MEGATRON_RESULTS="$OUT/results/${name%.py}" timeout -k 10 "$FILE_TIMEOUT" \
-      "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-      -m pytest -p anyspeed.testing_megatron -p no:cacheprovider -q \
-      --timeout "$TEST_TIMEOUT" "$f" > "$OUT/logs/${name%.py}.log" 2>&1
+    run_file "$f" "$OUT/results/${name%.py}" "$OUT/logs/${name%.py}.log"
     rc=$?
     set -e
     case $rc in
