@@ -27,3 +27,10 @@ def test_flat_output_all_gather_like_nccl():
     one line) writes the ranks' elements one after the other."""
     want = [float(x) for x in range(8)] + [float(x + 100) for x in range(8)]
     assert run_distributed(feature_ranks.gather_split_1d, 2, timeout=120) == [want, want]
+
+
+def test_groups_megatron_forgets_are_destroyed():
+    """Each gloo group keeps threads busy; parallel state set up again and again (Megatron's
+    tests) piled up thousands. After destroy_model_parallel none of its groups is left."""
+    for r in run_distributed(feature_ranks.groups_after_destroy, 2, timeout=120):
+        assert r["held"] > 5 and r["left"] == [0, 0, 0] and r["sums"] == [2.0, 2.0, 2.0]

@@ -339,3 +339,26 @@ def gather_split_1d() -> list:
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return got.tolist()
+
+
+def groups_after_destroy() -> dict:
+    """Parallel state set up and torn down three times (TP2): the groups Megatron held are
+    gone from torch's registry after each teardown, and a later set-up still works."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.features.compat.group_cleanup import _groups
+
+    dist.init_process_group("gloo")
+    left, sums = [], []
+    for _ in range(3):
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+        x = torch.ones(1)
+        dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
+        sums.append(x.item())
+        held = [g for n, v in vars(ps).items() if n.startswith("_") for g in _groups(v)]
+        ps.destroy_model_parallel()
+        registry = dist.distributed_c10d._world.pg_map
+        left.append(sum(g in registry for g in held if g is not dist.GroupMember.WORLD))
+    dist.destroy_process_group()
+    return {"left": left, "held": len(held), "sums": sums}
