@@ -4,8 +4,8 @@ Each gloo group holds its connections and threads (a run loop and a TCP loop per
 while the peers live). Code that sets up parallel state again and again in one process —
 Megatron's unit tests, a notebook, several layouts in one test — piled them up: 1,800 threads
 per rank after Megatron's ``test_schedules.py`` (load average 1,900 on 2 cores, 280 s for a test
-that takes seconds). Destroying the groups Megatron drops, when it drops them, keeps one set (and the two
-``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*`` it leaves set are reset with the rest).
+that takes seconds). Destroying the groups Megatron drops, when it drops them, keeps one set
+(and the two ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*`` it leaves set are reset too).
 """
 
 from __future__ import annotations
