@@ -30,6 +30,7 @@ LAYERS = {
     "commands": 7,
     "cli": 7, "testing_pool": 7, "testing": 8,
     "testing_megatron": 8, "testing_megatron_table": 0, "testing_megatron_report": 1,
+    "testing_megatron_groups": 7,
     "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
     "demo": 8,  # runs other commands (preprocess, train-tokenizer, pretrain)
 }  # fmt: skip

@@ -5,8 +5,10 @@ anyspeed.testing_megatron FILE`` (``scripts/megatron_tests.sh`` runs it file by 
 What it does, and nothing else: the one line before any test imports Megatron; a Transformer
 Engine version of 0 where TE is not installed (Megatron's ``conftest.py`` asks for one); no
 download of Megatron's test dataset (no network at run time); ``torch.cuda.is_available()``
-true (``torch.cuda`` is this device under the one line); tests that need CUDA-only
-packages or kernels skipped with the reason (:mod:`anyspeed.testing_megatron_table`); and each
+true (``torch.cuda`` is this device under the one line); the gloo groups Megatron's
+``destroy_model_parallel`` forgets destroyed (:mod:`anyspeed.testing_megatron_groups`);
+tests that need CUDA-only packages or kernels skipped with the reason
+(:mod:`anyspeed.testing_megatron_table`); and each
 rank's outcomes written as JSON lines for the summary (``ANYSPEED_MEGATRON_RESULTS``).
 """
 
@@ -55,6 +57,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: Any, args
     _te_version_shim()
     _no_dataset_download()
     _device_is_cuda()
+    from anyspeed import testing_megatron_groups
+
+    testing_megatron_groups.install()  # hundreds of set-ups per file: keep one set of groups
 
 
 def _device_is_cuda() -> None:

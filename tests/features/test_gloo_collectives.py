@@ -31,6 +31,7 @@ def test_flat_output_all_gather_like_nccl():
 
 def test_groups_megatron_forgets_are_destroyed():
     """Each gloo group keeps threads busy; parallel state set up again and again (Megatron's
-    tests) piled up thousands. After destroy_model_parallel none of its groups is left."""
+    tests) piled up thousands. Under the Megatron test plugin's cleanup, nothing of
+    destroy_model_parallel's groups is left."""
     for r in run_distributed(feature_ranks.groups_after_destroy, 2, timeout=120):
         assert r["held"] > 5 and r["left"] == [0, 0, 0] and r["sums"] == [2.0, 2.0, 2.0]

@@ -347,18 +347,24 @@ def groups_after_destroy() -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from anyspeed.features.compat.group_cleanup import _groups
+    from anyspeed import testing_megatron_groups
+    from anyspeed.testing_megatron_groups import _groups
 
-    dist.init_process_group("gloo")
-    left, sums = [], []
-    for _ in range(3):
-        ps.initialize_model_parallel(tensor_model_parallel_size=2)
-        x = torch.ones(1)
-        dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
-        sums.append(x.item())
-        held = [g for n, v in vars(ps).items() if n.startswith("_") for g in _groups(v)]
-        ps.destroy_model_parallel()
-        registry = dist.distributed_c10d._world.pg_map
-        left.append(sum(g in registry for g in held if g is not dist.GroupMember.WORLD))
-    dist.destroy_process_group()
+    plain = ps.destroy_model_parallel
+    testing_megatron_groups.install()
+    try:
+        dist.init_process_group("gloo")
+        left, sums = [], []
+        for _ in range(3):
+            ps.initialize_model_parallel(tensor_model_parallel_size=2)
+            x = torch.ones(1)
+            dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
+            sums.append(x.item())
+            held = [g for n, v in vars(ps).items() if n.startswith("_") for g in _groups(v)]
+            ps.destroy_model_parallel()
+            registry = dist.distributed_c10d._world.pg_map
+            left.append(sum(g in registry for g in held if g is not dist.GroupMember.WORLD))
+        dist.destroy_process_group()
+    finally:  # these ranks may serve later tests: the one line alone again
+        ps.destroy_model_parallel = plain
     return {"left": left, "held": len(held), "sums": sums}

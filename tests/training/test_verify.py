@@ -150,3 +150,13 @@ def test_every_parity_row_passes(row):
     out = verify("pretrain", *base, *flags.split(), timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert out.stdout.splitlines()[-1].startswith("PASS: 3 steps")
+
+
+@pytest.mark.slow
+def test_a_reference_layout_of_its_own():
+    """TP2 x PP2 against TP2 (``--reference``) instead of one process."""
+    out = verify("--reference", "--nproc-per-node 2 --tensor-model-parallel-size 2", "pretrain",
+                 *MOCK, *MATRIX["tp2-pp2"].split(), timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "the reference, TP=2 PP=1" in out.stdout.splitlines()[0]
+    assert out.stdout.splitlines()[-1].startswith("PASS: 3 steps")

@@ -150,15 +150,6 @@ class MegatronCoreCompat(Feature):
             reason="gloo's all-gather refuses the flat output gather_split_1d_tensor "
             "(--distribute-saved-activations) passes; view it as the input's shape",
         )
-        from anyspeed.features.compat.group_cleanup import destroying_groups
-
-        pm.register_wrap(
-            "megatron.core.parallel_state.destroy_model_parallel",
-            destroying_groups,
-            feature=self.name,
-            reason="the gloo groups destroy_model_parallel forgets keep their threads busy; "
-            "destroy them (set-ups repeated in one process piled up thousands)",
-        )
 
 
 def _cpu_initialized(init):

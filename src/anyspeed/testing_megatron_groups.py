@@ -1,5 +1,9 @@
 """Megatron's ``destroy_model_parallel`` forgets its process groups; under gloo they stay alive.
 
+Used by :mod:`anyspeed.testing_megatron` only: a model built before a teardown keeps using the
+groups it captured (Megatron 0.16 modules hold them), which anyspeed's own runs rely on when
+they build a second trainer in one process, so the one line itself leaves them alive.
+
 Each gloo group holds its connections and threads (a run loop and a TCP loop per group, busy
 while the peers live). Code that sets up parallel state again and again in one process —
 Megatron's unit tests, a notebook, several layouts in one test — piled them up: 1,800 threads
@@ -27,6 +31,15 @@ def _groups(values: Any) -> Iterator[Any]:
     elif isinstance(values, dict):
         for v in values.values():
             yield from _groups(v)
+
+
+def install() -> None:
+    """Make ``parallel_state.destroy_model_parallel`` destroy the groups it forgets."""
+    import megatron.core.parallel_state as ps
+
+    if not getattr(ps.destroy_model_parallel, "_anyspeed_destroys_groups", False):
+        ps.destroy_model_parallel = destroying_groups(ps.destroy_model_parallel)
+        ps.destroy_model_parallel._anyspeed_destroys_groups = True  # type: ignore[attr-defined]
 
 
 def destroying_groups(destroy: Callable[..., Any]) -> Callable[..., Any]:
