@@ -44,8 +44,12 @@ def attention_results():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("gqa", [False, True])
-@pytest.mark.parametrize("mask_kind", ["causal", "padding", "document"])
+@pytest.mark.parametrize(
+    "mask_kind", ["causal", "padding", "document", "sink", "window", "sink-window"]
+)
 def test_attention_matches_megatron(attention_results, dtype, gqa, mask_kind):
+    """SDPAttention (sinks and windows: blocked attention) against Megatron's own class; the
+    gradient of the sinks is compared too."""
     res = attention_results[(dtype, gqa, mask_kind)]
     if dtype == "fp32":
         assert res["out"] <= TOL[dtype] and res["grad"] <= TOL[dtype], res

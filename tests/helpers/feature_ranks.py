@@ -82,7 +82,7 @@ def attention_parity_all() -> dict:
         (dtype, gqa, mask): attention_parity(dtype, gqa, mask)
         for dtype in ("fp32", "bf16")
         for gqa in (False, True)
-        for mask in ("causal", "padding", "document")
+        for mask in ("causal", "padding", "document", "sink", "window", "sink-window")
     }
 
 
@@ -105,9 +105,16 @@ def attention_parity(dtype: str, gqa: bool, mask_kind: str) -> dict:
         bf16=dtype == "bf16",
         params_dtype=dt,
         masked_softmax_fusion=False,
+        # GPT-OSS: a learnable sink per head, a causal window of 5 keys before the row
+        softmax_type="learnable" if "sink" in mask_kind else "vanilla",
+        window_size=(5, 0) if "window" in mask_kind else None,
     )
     kw = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     ref, fast = DotProductAttention(**kw), SDPAttention(**kw)
+    if ref.softmax_offset is not None:  # the same sinks in both, large enough to matter
+        with torch.no_grad():
+            ref.softmax_offset.copy_(torch.linspace(-2.0, 3.0, heads))
+            fast.softmax_offset.copy_(ref.softmax_offset)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(s, b, heads, d, generator=g).to(dt)
     k = torch.randn(s, b, groups, d, generator=g).to(dt)
@@ -133,7 +140,8 @@ def attention_parity(dtype: str, gqa: bool, mask_kind: str) -> dict:
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dt)
         ((out * w).float() * row_w).sum().backward()
         outs.append(out.float() * row_w)
-        grads.append([t.grad.float() for t in (qi, ki, vi)])
+        sink = [] if mod.softmax_offset is None else [mod.softmax_offset.grad.float()]
+        grads.append([t.grad.float() for t in (qi, ki, vi)] + sink)
     grad_diff = max(float((a - c).abs().max()) for a, c in zip(grads[0], grads[1], strict=True))
     grad_mag = max(float(a.abs().max()) for a in grads[0])
     out_diff = float((outs[0] - outs[1]).abs().max())

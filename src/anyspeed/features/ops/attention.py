@@ -35,19 +35,19 @@ class SDPAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        plain = (
-            attention_bias is None
-            and self.softmax_offset is None
-            and self.scale_mask_softmax.window_size is None
-        )
+        window = self.scale_mask_softmax.window_size
+        if (
+            packed_seq_params is None
+            and attention_bias is None
+            and (self.softmax_offset is not None or window is not None)
+        ):
+            out = self._sinks_or_window(query, key, value, attention_mask, attn_mask_type)
+            if out is not None:
+                return out
+        plain = attention_bias is None and self.softmax_offset is None and window is None
         if plain and packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed(query, key, value, packed_seq_params)
-        if (
-            packed_seq_params is not None
-            or attention_bias is not None
-            or self.softmax_offset is not None
-            or self.scale_mask_softmax.window_size is not None
-        ):
+        if not plain or packed_seq_params is not None:
             # Features SDPA cannot express exactly: keep Megatron's path.
             return super().forward(
                 query,
@@ -99,6 +99,30 @@ class SDPAttention(DotProductAttention):
         else:
             context = attend()
         # [b, heads, s, d] -> [s, b, heads * d]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _sinks_or_window(self, query, key, value, attention_mask, attn_mask_type):
+        """GPT-OSS attention (learnable sinks, a causal sliding window) through blocked
+        attention: memory linear in the sequence where Megatron's path builds [b, h, s, s]
+        scores and masks. None (Megatron's path) for what it does not cover: a decode step
+        (fewer queries than keys), a window that looks ahead, a non-causal mask."""
+        window = self.scale_mask_softmax.window_size
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if (
+            query.shape[0] != key.shape[0]
+            or mask_type != AttnMaskType.causal
+            or (window is not None and window[1] != 0)
+        ):
+            return None
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        keep = None if attention_mask is None else ~attention_mask.to(torch.bool)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        fork = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            context = blocked_attention(q, k, v, keep, causal=True, scale=self.softmax_scale,
+                                        dropout_p=dropout_p, sink=self.softmax_offset,
+                                        window=None if window is None else window[0])  # fmt: skip
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -10,6 +10,9 @@ from a per-key-block ``torch.Generator`` seeded from one seed drawn from the dev
 Megatron's RNG-tracker fork still decides the masks: different per TP rank, advancing per call).
 Causal (top-left, as SDPA), boolean keep masks (padding, packed-document masks) and grouped-query
 attention are supported; dropout is applied to the normalised probabilities, as in the math path.
+Two GPT-OSS terms too: a learnable per-head sink (a logit in the softmax's denominator with no
+value: the online softmax starts from it) and a causal sliding window (a row sees the ``window``
+keys before it and itself; key blocks outside every row's window are not scored).
 """
 
 from __future__ import annotations
@@ -69,31 +72,40 @@ def full_keep(b: int, heads: int, sq: int, sk: int, p: float, seed: int, block: 
 class _Ctx:
     """What both passes need to score one key block against the query rows that see it."""
 
-    def __init__(self, q5, k, v, keep, causal, scale, p, seed, block):
+    def __init__(self, q5, k, v, keep, causal, scale, p, seed, block, sink=None, window=None):
         self.q5, self.k, self.v, self.keep = q5, k, v, keep
         self.causal, self.scale, self.p, self.seed, self.block = causal, scale, p, seed, block
         self.qs = q5 * scale  # the softmax scale folded into q once
+        # the sink logit per head as [1, hkv, g, 1] (fp32), or None
+        self.sink = None if sink is None else sink.float().view(1, *q5.shape[1:3], 1)
+        self.window = window
 
-    def blocks(self) -> Iterator[tuple[int, int, int, int]]:
-        """(index, first key, end key, first query row) of every key block some row sees."""
+    def blocks(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """(index, first key, end key, first and end query row) of every key block some row
+        sees (with a window, rows past ``end key + window`` see none of it)."""
         sq, sk = self.q5.shape[3], self.k.shape[2]
         for ki, ks in enumerate(range(0, sk, self.block)):
-            r0 = _first_row(ks, self.causal)
-            if r0 < sq:
-                yield ki, ks, min(ks + self.block, sk), r0
+            r0, ke = _first_row(ks, self.causal), min(ks + self.block, sk)
+            r1 = sq if self.window is None else min(sq, ke + self.window)
+            if r0 < r1:
+                yield ki, ks, ke, r0, r1
 
-    def scores(self, ks: int, ke: int, r0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Masked fp32 scores [b, hkv, g, rows, bk] of rows r0.. vs keys [ks, ke), with the k
-        and v blocks."""
+    def scores(self, ks: int, ke: int, r0: int, r1: int):
+        """Masked fp32 scores [b, hkv, g, rows, bk] of rows [r0, r1) vs keys [ks, ke), with the
+        k and v blocks."""
         kb = self.k[:, :, ks:ke].unsqueeze(2)
         vb = self.v[:, :, ks:ke].unsqueeze(2)
-        s = torch.matmul(self.qs[..., r0:, :], kb.transpose(-1, -2)).float()
+        s = torch.matmul(self.qs[..., r0:r1, :], kb.transpose(-1, -2)).float()
         if self.keep is not None:
-            s.masked_fill_(~self.keep[..., r0:, ks:ke], float("-inf"))
+            s.masked_fill_(~self.keep[..., r0:r1, ks:ke], float("-inf"))
         if self.causal:  # only the first rows (r0 = ks) see part of the block
             n = min(ke - ks, s.shape[-2])
             above = torch.ones(n, ke - ks, dtype=torch.bool, device=s.device).triu_(1)
             s[..., :n, :].masked_fill_(above, float("-inf"))
+        if self.window is not None:  # keys more than `window` before the row
+            rows = torch.arange(r0, r1, device=s.device).unsqueeze(1)
+            far = rows - torch.arange(ks, ke, device=s.device) > self.window
+            s.masked_fill_(far, float("-inf"))
         return s, kb, vb
 
     def dropout(self, ki: int, probs: torch.Tensor) -> torch.Tensor:
@@ -108,19 +120,22 @@ def _forward(c: _Ctx) -> tuple[torch.Tensor, torch.Tensor]:
     q5, v = c.q5, c.v
     m = torch.full(q5.shape[:-1], float("-inf"), device=q5.device)
     total = torch.zeros_like(m)
+    if c.sink is not None:  # the sink is a key every row sees first: exp(sink - m) = 1
+        m.copy_(c.sink.expand_as(m))
+        total.fill_(1.0)
     acc = torch.zeros(*m.shape, v.shape[-1], device=q5.device)
-    for ki, ks, ke, r0 in c.blocks():
-        s, _, vb = c.scores(ks, ke, r0)
-        m_old = m[..., r0:]
+    for ki, ks, ke, r0, r1 in c.blocks():
+        s, _, vb = c.scores(ks, ke, r0, r1)
+        m_old = m[..., r0:r1]
         m_new = torch.maximum(m_old, s.amax(-1))
         m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
         probs = s.sub_(m_safe.unsqueeze(-1)).exp_()
         alpha = torch.exp(m_old - m_safe)
-        total[..., r0:].mul_(alpha).add_(probs.sum(-1))
+        total[..., r0:r1].mul_(alpha).add_(probs.sum(-1))
         if c.p > 0:
             probs.masked_fill_(c.dropout(ki, probs), 0.0)
-        acc[..., r0:, :].mul_(alpha.unsqueeze(-1)).add_(torch.matmul(probs.to(vb.dtype), vb))
-        m[..., r0:] = m_new
+        acc[..., r0:r1, :].mul_(alpha.unsqueeze(-1)).add_(torch.matmul(probs.to(vb.dtype), vb))
+        m[..., r0:r1] = m_new
     empty = total == 0  # a row that sees no key: output 0, no gradient
     kept = total.masked_fill(empty, 1.0) * (1.0 - c.p)  # 1/(1-p) of the kept probabilities
     out = (acc / kept.unsqueeze(-1)).to(q5.dtype)
@@ -140,10 +155,10 @@ def _backward(c: _Ctx, out, lse, grad):
     dq = torch.zeros(q5.shape, device=q5.device)
     dk = torch.empty(k.shape, device=k.device)
     dv = torch.empty(v.shape, device=v.device)
-    for ki, ks, ke, r0 in c.blocks():
-        s, kb, vb = c.scores(ks, ke, r0)
-        probs = s.sub_(lse[..., r0:].unsqueeze(-1)).exp_()
-        gb = grad[..., r0:, :]
+    for ki, ks, ke, r0, r1 in c.blocks():
+        s, kb, vb = c.scores(ks, ke, r0, r1)
+        probs = s.sub_(lse[..., r0:r1].unsqueeze(-1)).exp_()
+        gb = grad[..., r0:r1, :]
         dprobs = torch.matmul(gb, vb.transpose(-1, -2).float())
         dropped = probs
         if c.p > 0:
@@ -151,39 +166,46 @@ def _backward(c: _Ctx, out, lse, grad):
             dropped = probs.masked_fill(drop, 0.0)
             dprobs.masked_fill_(drop, 0.0)
         dv[:, :, ks:ke] = _sum_groups(torch.matmul(dropped.transpose(-1, -2), gb))
-        ds = probs.mul_(dprobs.sub_(delta[..., r0:].unsqueeze(-1)))
-        dq[..., r0:, :] += torch.matmul(ds, kb.float())
-        dk[:, :, ks:ke] = _sum_groups(torch.matmul(ds.transpose(-1, -2), c.qs[..., r0:, :].float()))
+        ds = probs.mul_(dprobs.sub_(delta[..., r0:r1].unsqueeze(-1)))
+        dq[..., r0:r1, :] += torch.matmul(ds, kb.float())
+        qb = c.qs[..., r0:r1, :].float()
+        dk[:, :, ks:ke] = _sum_groups(torch.matmul(ds.transpose(-1, -2), qb))
     if c.causal and q5.shape[3] < k.shape[2]:  # key blocks no row sees
         first = -(-q5.shape[3] // c.block) * c.block
         dk[:, :, first:] = 0
         dv[:, :, first:] = 0
-    return dq.mul_(c.scale), dk, dv
+    dsink = None
+    if c.sink is not None:  # d/d sink = p_sink (0 - delta): the sink carries no value
+        dsink = -(torch.exp(c.sink - lse) * delta).sum((0, 3)).reshape(-1)
+    return dq.mul_(c.scale), dk, dv, dsink
 
 
 class BlockedAttention(torch.autograd.Function):
     """softmax(q k^T * scale + mask) with dropout, @ v; q [b, hq, s, d], k/v [b, hkv, s, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, causal, scale, p, seed, block):
+    def forward(ctx, q, k, v, keep, causal, scale, p, seed, block, sink, window):
         b, hq, sq, d = q.shape
         q5 = q.reshape(b, k.shape[1], hq // k.shape[1], sq, d)
         keep5 = None if keep is None else _mask5(keep, q5.shape)
-        c = _Ctx(q5, k, v, keep5, causal, scale, p, seed, block)
+        c = _Ctx(q5, k, v, keep5, causal, scale, p, seed, block, sink, window)
         out, lse = _forward(c)
-        ctx.save_for_backward(q, k, v, keep, out, lse)
+        ctx.save_for_backward(q, k, v, keep, out, lse, sink)
         ctx.args = (causal, scale, p, seed, block)
+        ctx.window = window
         return out.view(b, hq, sq, v.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, keep, out, lse = ctx.saved_tensors
+        q, k, v, keep, out, lse, sink = ctx.saved_tensors
         q5 = q.reshape(*out.shape[:-1], q.shape[-1])
         keep5 = None if keep is None else _mask5(keep, q5.shape)
-        c = _Ctx(q5, k, v, keep5, *ctx.args)
-        dq, dk, dv = _backward(c, out, lse, grad.reshape(out.shape).to(q.dtype))
+        causal, scale, p, seed, block = ctx.args
+        c = _Ctx(q5, k, v, keep5, causal, scale, p, seed, block, sink, ctx.window)
+        dq, dk, dv, dsink = _backward(c, out, lse, grad.reshape(out.shape).to(q.dtype))
         dq = dq.view(q.shape).to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        dsink = None if dsink is None else dsink.to(sink.dtype)
+        return (dq, dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6 + (dsink, None)
 
 
 def _mask5(keep: torch.Tensor, shape5: torch.Size) -> torch.Tensor:
@@ -199,14 +221,21 @@ def _mask5(keep: torch.Tensor, shape5: torch.Size) -> torch.Tensor:
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       keep: torch.Tensor | None = None, *, causal: bool = False,
                       scale: float | None = None, dropout_p: float = 0.0,
-                      seed: int | None = None, block: int = BLOCK) -> torch.Tensor:  # fmt: skip
+                      seed: int | None = None, block: int = BLOCK,
+                      sink: torch.Tensor | None = None,
+                      window: int | None = None) -> torch.Tensor:  # fmt: skip
     """Attention like ``F.scaled_dot_product_attention`` (``keep``: boolean, True = attend),
-    computed in blocks; the dropout seed is drawn from the device's current RNG when not given."""
+    computed in blocks; the dropout seed is drawn from the device's current RNG when not given.
+    ``sink``: one logit per query head added to each row's softmax denominator (GPT-OSS);
+    ``window``: causal sliding window, a row sees itself and the ``window`` keys before it."""
+    if window is not None and not causal:
+        raise ValueError("blocked attention: a sliding window is causal here (causal=True)")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), device=q.device))
-    return BlockedAttention.apply(q, k, v, keep, causal, scale, dropout_p, seed, block)
+    return BlockedAttention.apply(q, k, v, keep, causal, scale, dropout_p, seed, block, sink,
+                                  window)  # fmt: skip
 
 
 def fused_has_dropout(device: torch.device) -> bool:
