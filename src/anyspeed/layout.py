@@ -272,6 +272,13 @@ class Layout:
                 "--multi-latent-attention does not run with --context-parallel-size "
                 f"{self.cp} (anyspeed's MLA core has no context-parallel form): use CP 1"
             )
+        sinks = getattr(model, "softmax_type", "vanilla") not in (None, "vanilla")
+        if self.cp > 1 and (sinks or getattr(model, "window_size", None) is not None):
+            what = "--softmax-type learnable/off-by-one" if sinks else "--window-size"
+            raise ValueError(
+                f"{what} (GPT-OSS attention) does not run with --context-parallel-size {self.cp} "
+                "(the context-parallel attention core has no sinks or windows): use CP 1"
+            )
 
     def _validate_cp(self, tp: int, heads: int | None, seq_length: int | None) -> None:
         cp = self.cp

@@ -90,11 +90,11 @@ def test_expert_parallel_needs_experts():
         check_args(args, 2)
 
 
-def test_experts_with_biases_are_refused():
-    """Megatron-Core 0.16.1's SequentialMLP adds an expert's bias in place on an autograd view,
-    which fails in training: refused before start instead of a traceback per rank."""
+def test_grouped_experts_with_biases_are_refused():
+    """Megatron's GroupedMLP has no biases (GPT-OSS's experts train through SequentialMLP):
+    refused before start instead of an assertion per rank."""
     args = parse_pretrain_args([*RUN, "--num-layers", "2", "--hidden-size", "64",
-                                "--num-attention-heads", "4"])  # fmt: skip
+                                "--num-attention-heads", "4", "--moe-grouped-gemm"])  # fmt: skip
     args.disable_bias_linear = False  # the preset turned biases off; Megatron's default is on
     with pytest.raises(UsageError, match="add --disable-bias-linear"):
         check_args(args, 1)

@@ -154,7 +154,8 @@ def _view_data(
                 return deferred(rows, view.shape)
             return own_storage(rows.reshape(view.shape))
         full = tensors[name] = full.materialize()
-    data = full.contiguous().as_strided(view.shape, view.stride(), offset)
+    base = full.contiguous()  # a view (one expert's row of a stacked HF tensor) keeps its offset
+    data = base.as_strided(view.shape, view.stride(), base.storage_offset() + offset)
     whole = data.untyped_storage().nbytes() == data.numel() * data.element_size()
     return data if whole else own_storage(data)
 

@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from anyspeed.convert.expert_slices import hf_slice_shape, slice_to_hf, slice_to_megatron
 from anyspeed.models.config import ModelConfig
-from anyspeed.models.families import FamilyMapping, Fused
+from anyspeed.models.families import ExpertSlice, FamilyMapping, Fused
 
 EMBED, HEAD = "embed", "head"
 Group = str | int
@@ -24,6 +25,7 @@ VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _COLUMN = (
     "linear_qkv.weight",
     "linear_qkv.bias",
+    "core_attention.softmax_offset",  # one sink per head: split with the heads
     "word_embeddings.weight",
     "output_layer.weight",
     "linear_q_proj.weight",
@@ -31,14 +33,17 @@ _COLUMN = (
     "linear_kv_up_proj.weight",
 )
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
-_SWIGLU = ("linear_fc1.weight",)
+_SWIGLU = ("linear_fc1.weight", "linear_fc1.bias")
 
 
 def groups(preset: ModelConfig) -> list[Group]:
     return [EMBED, *range(preset.num_layers), HEAD]
 
 
-def _layer_entries(m: FamilyMapping, preset: ModelConfig, i: int) -> dict[str, str | Fused]:
+Source = str | Fused | ExpertSlice
+
+
+def _layer_entries(m: FamilyMapping, preset: ModelConfig, i: int) -> dict[str, Source]:
     """Layer ``i``'s names relative to the layer: a MoE layer's ``mlp.*`` are its router,
     shared expert (when the model has one) and every expert's, ``{e}`` filled in."""
     if not preset.moe_layers()[i]:
@@ -53,20 +58,26 @@ def _layer_entries(m: FamilyMapping, preset: ModelConfig, i: int) -> dict[str, s
         out[k] = v
     for e in range(preset.num_experts or 0):
         for k, v in m.expert.items():
-            src = Fused(v.kind, tuple(p.format(e=e) for p in v.parts)) if isinstance(v, Fused) \
-                else v.format(e=e)  # fmt: skip
-            out[k.format(e=e)] = src
+            out[k.format(e=e)] = _renamed(v, lambda n, e=e: n.format(e=e), e)
     return out
 
 
-def entries(m: FamilyMapping, preset: ModelConfig, group: Group) -> dict[str, str | Fused]:
-    """Megatron name -> HF name (or Fused of HF names) for one group."""
+def _renamed(v: Source, rename: Callable[[str], str], expert: int | None = None) -> Source:
+    """``v`` with its HF name(s) passed through ``rename`` (and its expert set)."""
+    if isinstance(v, Fused):
+        return Fused(v.kind, tuple(rename(p) for p in v.parts))
+    if isinstance(v, ExpertSlice):
+        e = v.expert if expert is None else expert
+        return ExpertSlice(rename(v.name), v.layout, e)
+    return rename(v)
+
+
+def entries(m: FamilyMapping, preset: ModelConfig, group: Group) -> dict[str, Source]:
+    """Megatron name -> HF name (or Fused of HF names, or an expert's slice) for one group."""
     if isinstance(group, int):
         mg, hf = m.mg_layer.format(i=group), m.hf_layer.format(i=group)
         return {
-            mg + k: (
-                Fused(v.kind, tuple(hf + p for p in v.parts)) if isinstance(v, Fused) else hf + v
-            )
+            mg + k: _renamed(v, lambda n: hf + n)
             for k, v in _layer_entries(m, preset, group).items()
         }
     out = {}
@@ -127,7 +138,10 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
         "linear_qkv.weight": (qkv_rows, h),
         "linear_qkv.bias": (qkv_rows,),
         "linear_proj.weight": (h, preset.num_attention_heads * d),
+        "linear_proj.bias": (h,),
+        "core_attention.softmax_offset": (preset.num_attention_heads,),
         "linear_fc1.weight": (2 * ffn, h),
+        "linear_fc1.bias": (2 * ffn,),
         "linear_fc2.weight": (h, ffn),
         "q_layernorm.weight": (d,),
         "k_layernorm.weight": (d,),
@@ -145,7 +159,8 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
         ffn = preset.moe_shared_expert_intermediate_size if ".shared_experts." in name else ffn
         ffn = preset.expert_ffn_size if ".experts.local_experts." in name else ffn
         shapes.update({"linear_fc1.weight": (2 * ffn, h), "linear_fc2.weight": (h, ffn),
-                       "router.weight": (preset.num_experts, h), "gate_weight": (1, h),
+                       "linear_fc1.bias": (2 * ffn,), "router.weight": (preset.num_experts, h),
+                       "router.bias": (preset.num_experts,), "gate_weight": (1, h),
                        "router.expert_bias": (preset.num_experts,)})  # fmt: skip
     for suffix, shape in shapes.items():
         if name.endswith(suffix):
@@ -161,6 +176,9 @@ def hf_shapes(m: FamilyMapping, preset: ModelConfig) -> dict[str, tuple[int, ...
     for g in groups(preset):
         for mg, src in entries(m, preset, g).items():
             shape = megatron_shape(mg, preset, preset.vocab_size)
+            if isinstance(src, ExpertSlice):
+                out[src.name] = (preset.num_experts or 0, *hf_slice_shape(src.layout, shape))
+                continue
             if not isinstance(src, Fused):
                 out[src] = shape
                 continue
@@ -219,8 +237,14 @@ def to_megatron(
     tensors (QKV in Megatron's per-group order, SwiGLU's [gate; up]) and padded vocabularies
     are :class:`Stacked` views of the HF tensors: nothing is copied until a writer needs it."""
     out: dict[str, torch.Tensor | Stacked] = {}
+    stacks: dict[str, torch.Tensor] = {}  # HF tensors of all experts, read once per group
     for mg, src in entries(m, preset, group).items():
         if keep is not None and not keep(mg):
+            continue
+        if isinstance(src, ExpertSlice):
+            if src.name not in stacks:
+                stacks[src.name] = read(src.name)
+            out[mg] = slice_to_megatron(src.layout, stacks[src.name][src.expert])
             continue
         if isinstance(src, Fused):
             parts = [read(p) for p in src.parts]
@@ -253,15 +277,20 @@ def to_hf(
 ) -> dict[str, torch.Tensor | Stacked]:
     """The HF tensors of ``group`` from its Megatron tensors; vocab rows cut to ``vocab_size``.
     Parts of fused tensors are row views (:class:`Stacked` when made of several ranges)."""
-    out = {}
+    out: dict[str, torch.Tensor | Stacked] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
     for mg, dst in entries(m, preset, group).items():
         t = tensors[mg]
         if mg in VOCAB:
             t = take_rows(t, [(0, vocab_size)])
-        if isinstance(dst, Fused):
+        if isinstance(dst, ExpertSlice):
+            stacks.setdefault(dst.name, {})[dst.expert] = slice_to_hf(dst.layout, materialize(t))
+        elif isinstance(dst, Fused):
             out.update(zip(dst.parts, split_fused(dst, t, preset), strict=True))
         else:
             out[dst] = t
+    for name, by_expert in stacks.items():  # every expert of the layer, in order
+        out[name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     return out
 
 

@@ -9,6 +9,20 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def window_type(text: str) -> int:
+    """``--window-size``: Megatron-LM's ``(left,right)`` pair or one number, read as the keys
+    before the row a windowed layer sees (causal only: right must be 0)."""
+    parts = [p for p in text.strip("()[] ").replace(" ", "").split(",") if p]
+    if not parts or len(parts) > 2 or not all(p.lstrip("-").isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} (e.g. 127 or '(127,0)')")
+    left, right = int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+    if left < 0 or right != 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: only causal windows (left >= 0, right 0) are supported"
+        )
+    return left
+
+
 @dataclass(frozen=True)
 class ArchFlag:
     """One row of the flag table: a :class:`ModelConfig` field and its Megatron-LM flag."""
@@ -39,7 +53,7 @@ class ArchFlag:
             return [self.flag] if bool(value) != self.invert else []
         if value is None:
             return []
-        if self.type is int:
+        if self.type is int or self.type is window_type:
             value = int(value)
         return [self.flag, str(value)]
 
@@ -57,7 +71,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "--position-embedding-type",
         str,
         "learned_absolute",
-        choices=("rope", "learned_absolute"),
+        choices=("rope", "learned_absolute", "yarn"),
     ),  # fmt: skip
     ArchFlag("rotary_base", "--rotary-base", int, 10000),
     ArchFlag("rotary_percent", "--rotary-percent", float, 1.0),
@@ -101,6 +115,32 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
     ArchFlag("rotary_scaling_factor", "--rotary-scaling-factor", float, 1.0),
     ArchFlag("mscale", "--mscale", float, 1.0),
     ArchFlag("mscale_all_dim", "--mscale-all-dim", float, 0.0),
+    ArchFlag(
+        "yarn_original_max_position_embeddings",
+        "--yarn-original-max-position-embeddings",
+        int,
+        4096,
+    ),  # fmt: skip
+    ArchFlag("yarn_beta_fast", "--yarn-beta-fast", float, 32.0),
+    ArchFlag("yarn_beta_slow", "--yarn-beta-slow", float, 1.0),
+    ArchFlag(
+        "yarn_correction_range_round_to_int",
+        "--yarn-no-round-correction-range",
+        None,
+        invert=True,
+    ),  # fmt: skip
+    ArchFlag(
+        "softmax_type",
+        "--softmax-type",
+        str,
+        "vanilla",
+        choices=("vanilla", "off-by-one", "learnable"),
+    ),  # fmt: skip
+    ArchFlag("window_size", "--window-size", window_type),
+    ArchFlag("window_attn_skip_freq", "--window-attn-skip-freq", str),
+    ArchFlag("quick_geglu", "--quick-geglu", None),
+    ArchFlag("glu_linear_offset", "--glu-linear-offset", float, 0.0),
+    ArchFlag("activation_func_clamp_value", "--activation-func-clamp-value", float),
     ArchFlag("init_method_std", "--init-method-std", float, 0.02, arch=False),
     ArchFlag("hidden_dropout", "--hidden-dropout", float, 0.1, arch=False),
     ArchFlag("attention_dropout", "--attention-dropout", float, 0.1, arch=False),

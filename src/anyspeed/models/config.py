@@ -21,7 +21,10 @@ from anyspeed.models.mla_checks import check_mla
 from anyspeed.models.moe import check_moe, layer_pattern
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-              "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")  # fmt: skip
+              "rope_type")  # fmt: skip
+YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")  # MLA's or a GPT's YaRN
+GPT_YARN_FIELDS = ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+                   "yarn_correction_range_round_to_int")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,19 @@ class ModelConfig:
     rotary_scaling_factor: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # YaRN RoPE of a plain-attention model (--position-embedding-type yarn; GPT-OSS): its
+    # factor and mscales are the fields above, these are the rest of HF's rope_parameters.
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_correction_range_round_to_int: bool = True  # HF's "truncate"
+    # GPT-OSS: attention sinks, sliding-window layers, the clamped quick-GELU GLU with offset.
+    softmax_type: str = "vanilla"  # "learnable": one sink logit per head; "off-by-one": 0
+    window_size: int | None = None  # keys before the row a windowed layer sees (None: all)
+    window_attn_skip_freq: str | None = None  # "N": every N-th layer is full attention
+    quick_geglu: bool = False  # GLU with x * sigmoid(1.702 x) instead of SiLU
+    glu_linear_offset: float = 0.0  # added to the GLU's linear half
+    activation_func_clamp_value: float | None = None  # clamp of both GLU halves
     # Training-time settings Megatron keeps in its TransformerConfig; not part of the identity.
     init_method_std: float = field(default=0.02, compare=False)
     hidden_dropout: float = field(default=0.0, compare=False)
@@ -124,10 +140,31 @@ class ModelConfig:
             return [False] * self.num_layers
         return [bool(x) for x in layer_pattern(self.moe_layer_freq, self.num_layers)]
 
+    @property
+    def gated(self) -> bool:
+        """A gated linear unit (SwiGLU or quick-GeGLU): fc1 holds [gate; up]."""
+        return self.swiglu or self.quick_geglu
+
+    def window_layers(self) -> list[bool]:
+        """Which layers attend through the sliding window (Megatron's rule: with skip
+        frequency N, layer numbers 1.. that N divides are full attention)."""
+        if self.window_size is None:
+            return [False] * self.num_layers
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return [True] * self.num_layers
+        if str(freq).isdigit():
+            return [(i + 1) % int(freq) != 0 for i in range(self.num_layers)]
+        return [bool(x) for x in layer_pattern(freq, self.num_layers)]
+
     def check(self) -> None:
         """ValueError (one line, naming the flag) when the MoE settings cannot build."""
         check_moe(self)
         check_mla(self)
+        if self.swiglu and self.quick_geglu:
+            raise ValueError("--swiglu and --quick-geglu are two activations: pass one")
+        if self.window_size is not None:
+            self.window_layers()  # the --window-attn-skip-freq pattern fits --num-layers
 
     @property
     def gqa(self) -> bool:
@@ -170,8 +207,13 @@ class ModelConfig:
     def megatron_args(self) -> list[str]:
         """The Megatron-LM / MindSpeed-LLM flags that describe this architecture."""
         out: list[str] = []
+        gpt_yarn = self.position_embedding_type == "yarn"
         for row in ARCH_FLAGS:
             if row.field in MLA_FIELDS and not self.multi_latent_attention:
+                continue
+            if row.field in YARN_FIELDS and not (self.multi_latent_attention or gpt_yarn):
+                continue
+            if row.field in GPT_YARN_FIELDS and not gpt_yarn:
                 continue
             if row.arch and (row.field != "num_query_groups" or self.gqa):
                 out += row.emit(getattr(self, row.field))
@@ -200,21 +242,28 @@ class ModelConfig:
             return q + kv + n * self.v_head_dim * h
         q, kv = n * d, self.num_query_groups * d
         attn = h * (q + 2 * kv) + q * h
-        if self.add_qkv_bias:
+        if self.add_qkv_bias or self.add_bias_linear:
             attn += q + 2 * kv
+        if self.add_bias_linear:
+            attn += h
         if self.qk_layernorm:
             attn += 2 * d
+        if self.softmax_type == "learnable":
+            attn += n
         return attn
 
     def _mlp_parameters(self, moe: bool) -> tuple[int, int]:
         """(all, active per token) parameters of one layer's MLP or MoE block."""
-        mats, h = (3 if self.swiglu else 2), self.hidden_size
+        mats, h = (3 if self.gated else 2), self.hidden_size
+        bias = (mats - 1) * self.ffn_hidden_size + h if self.add_bias_linear else 0
         if not moe:
-            return mats * h * self.ffn_hidden_size, mats * h * self.ffn_hidden_size
-        expert = mats * h * self.expert_ffn_size
+            dense = mats * h * self.ffn_hidden_size + bias
+            return dense, dense
+        ffn = self.expert_ffn_size
+        expert = mats * h * ffn + ((mats - 1) * ffn + h if self.add_bias_linear else 0)
         shared = mats * h * (self.moe_shared_expert_intermediate_size or 0)
         shared += h if self.moe_shared_expert_gate else 0
-        router = h * (self.num_experts or 0)
+        router = (h + int(self.add_bias_linear)) * (self.num_experts or 0)
         return (
             (self.num_experts or 0) * expert + shared + router,
             self.moe_router_topk * expert + shared + router,

@@ -63,8 +63,13 @@ def transformer_config(
         kv_channels=model.kv_channels,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=model.swiglu,
-        activation_func=F.silu if model.swiglu else F.gelu,
+        gated_linear_unit=model.gated,
+        activation_func=_activation(model),
+        glu_linear_offset=model.glu_linear_offset,
+        activation_func_clamp_value=model.activation_func_clamp_value,
+        softmax_type=model.softmax_type,
+        window_size=None if model.window_size is None else (model.window_size, 0),
+        window_attn_skip_freq=_skip_freq(model),
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
@@ -93,7 +98,35 @@ def transformer_config(
     if model.multi_latent_attention:
         kw.update(mla_config(model))
         return MLATransformerConfig(**kw)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if model.position_embedding_type == "yarn":
+        # GPTModel and the attention read these by getattr (no TransformerConfig fields)
+        config.yarn_rotary_scaling_factor = model.rotary_scaling_factor
+        config.yarn_original_max_position_embeddings = model.yarn_original_max_position_embeddings
+        config.yarn_beta_fast = model.yarn_beta_fast
+        config.yarn_beta_slow = model.yarn_beta_slow
+        config.yarn_mscale = model.mscale
+        config.yarn_mscale_all_dim = model.mscale_all_dim
+        config.yarn_correction_range_round_to_int = model.yarn_correction_range_round_to_int
+    return config
+
+
+def _activation(model: ModelConfig):
+    """The MLP activation: SiLU (SwiGLU), quick-GELU (GPT-OSS's GLU) or GELU. Megatron's
+    quick-GELU is ``torch.compile``'d at import (inductor needs a real CUDA device): the eager
+    function under it is used (a fusion path that compares against it is never taken here)."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    eager = getattr(quick_gelu, "_torchdynamo_orig_callable", quick_gelu)
+    return F.silu if model.swiglu else eager if model.quick_geglu else F.gelu
+
+
+def _skip_freq(model: ModelConfig) -> int | list[int] | None:
+    """Megatron's ``window_attn_skip_freq``: N, or the per-layer 1 = windowed list."""
+    freq = model.window_attn_skip_freq
+    if freq is None or model.window_size is None or str(freq).isdigit():
+        return None if freq is None else int(freq)
+    return [int(x) for x in model.window_layers()]
 
 
 def moe_config(model: ModelConfig) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
     hidden, heads = _number(config, "hidden_size", int), _number(config, "num_attention_heads", int)
     head_dim = _number(config, "head_dim", int, None)
     explicit = head_dim and (traits.qk_norm or head_dim != hidden // heads)
-    if traits.mla:  # the family's hook reads its rope (YaRN); only the base here
+    if traits.mla or traits.own_rope:  # the family's hook reads its rope (YaRN)
         params = config.get("rope_parameters") or {}
         base, scaling = (
             _number(config, "rope_theta", float, None) or _number(params, "rope_theta", float, 1e4),

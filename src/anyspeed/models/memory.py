@@ -73,7 +73,7 @@ def _layer_params(m: ModelConfig, lay: Layout) -> int:
     n = (h * (q + 2 * kv) + q * h) // tp + 2 * h  # QKV, proj; two norms (replicated)
     n += (q + 2 * kv) // tp if m.add_qkv_bias else 0
     n += 2 * d if m.qk_layernorm else 0
-    mats = 3 if m.swiglu else 2
+    mats = 3 if m.gated else 2
     if m.add_bias_linear:
         n += h + (mats - 1) * m.ffn_hidden_size // tp + h
     return n
@@ -81,12 +81,12 @@ def _layer_params(m: ModelConfig, lay: Layout) -> int:
 
 def _expert_params(m: ModelConfig, lay: Layout) -> int:
     """The routed experts of one MoE layer on one rank (split over EP and expert-TP)."""
-    mats, experts = (3 if m.swiglu else 2), (m.num_experts or 0) // lay.ep
+    mats, experts = (3 if m.gated else 2), (m.num_experts or 0) // lay.ep
     return experts * mats * m.hidden_size * m.expert_ffn_size // lay.expert_tp
 
 
 def _mlp_params(m: ModelConfig, lay: Layout, moe: bool) -> int:
-    mats, h = (3 if m.swiglu else 2), m.hidden_size
+    mats, h = (3 if m.gated else 2), m.hidden_size
     if not moe:
         return mats * h * m.ffn_hidden_size // lay.tp
     n = _expert_params(m, lay) + h * (m.num_experts or 0)  # + the router
@@ -155,7 +155,7 @@ def layer_activations(m: ModelConfig, lay: Layout, o: Options, act: bool, norm: 
 
 def _mlp(m: ModelConfig, tokens: int, ffn: int, e: int, act: bool) -> int:
     """A dense MLP's fc1 output (the activation's input) and activation output (fc2's)."""
-    return tokens * ffn * (2 if m.swiglu else 1) * e + (0 if act else tokens * ffn * e)
+    return tokens * ffn * (2 if m.gated else 1) * e + (0 if act else tokens * ffn * e)
 
 
 def moe_activations(m: ModelConfig, lay: Layout, o: Options, tokens: int, act: bool) -> int:
@@ -172,7 +172,7 @@ def moe_activations(m: ModelConfig, lay: Layout, o: Options, tokens: int, act: b
     total += experts // lay.ep * gathered * (1 + F32)  # routing map (bool) and probabilities
     total += routed * (8 + m.hidden_size * e + F32)  # order, permuted tokens, probabilities
     ffn = m.expert_ffn_size // lay.expert_tp
-    total += routed * ffn * e * ((2 if m.swiglu else 1) + (0 if act else 2))  # act: fc1 only
+    total += routed * ffn * e * ((2 if m.gated else 1) + (0 if act else 2))  # act: fc1 only
     shared = (m.moe_shared_expert_intermediate_size or 0) // lay.tp
     return total + (_mlp(m, tokens, shared, e, act) if shared else 0)
 

@@ -11,11 +11,8 @@ def check_moe(model: Any) -> None:
     if not model.is_moe:
         return
     model.moe_layers()  # the --moe-layer-freq pattern fits --num-layers
-    if model.add_bias_linear:  # SequentialMLP adds the bias in place on an autograd view
-        raise ValueError(
-            "MoE experts with biases do not train in Megatron-Core 0.16.1: "
-            "add --disable-bias-linear"
-        )
+    if model.add_bias_linear and model.moe_grouped_gemm:  # GroupedMLP has no biases
+        raise ValueError("--moe-grouped-gemm experts have no biases: add --disable-bias-linear")
     e, k = model.num_experts or 0, model.moe_router_topk
     if k > e:
         raise ValueError(f"--moe-router-topk {k} exceeds --num-experts {e}")

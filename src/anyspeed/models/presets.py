@@ -47,7 +47,14 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
 
 
 def infer_family(values: dict[str, Any]) -> str:
-    """The HF family closest to a flag-described model: QK norm first, then QKV bias."""
+    """The HF family closest to a flag-described model: attention sinks (GPT-OSS) first, then
+    QK norm, then QKV bias."""
     bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
-    ranked = sorted(FAMILIES.values(), key=lambda f: (f.qk_norm != norm, f.qkv_bias != bias))
+    sinks = values.get("softmax_type", "vanilla") != "vanilla"
+
+    def distance(f: Any) -> tuple[bool, bool, bool]:
+        family_sinks = any(p.softmax_type != "vanilla" for p in f.presets)
+        return family_sinks != sinks, f.qk_norm != norm, f.qkv_bias != bias
+
+    ranked = sorted(FAMILIES.values(), key=distance)
     return ranked[0].name  # sorted() is stable: registry order breaks ties

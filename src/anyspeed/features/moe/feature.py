@@ -89,6 +89,15 @@ class MoECompat(Feature):
                     reason="--moe-router-enable-expert-bias: the bias update is torch.compile'd "
                     "at import; inductor fails off CUDA (it reads CUDA device properties)",
                 )
+        from anyspeed.features.moe.expert_bias import scale_after
+
+        pm.register_wrap(
+            "megatron.core.transformer.mlp.MLP.forward",
+            scale_after,
+            feature=self.name,
+            reason="experts with biases (GPT-OSS): the probability-scaled bias is added in place "
+            "on an autograd view, which autograd refuses; added out of place",
+        )
         if hasattr(moe_utils, "te_general_gemm"):
             return  # TE imported: the name exists and the fused GEMM is used
         pm.register_replace(

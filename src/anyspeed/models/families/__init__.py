@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from anyspeed.models.families import (
     deepseek_v2,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -17,7 +18,14 @@ from anyspeed.models.families import (
     qwen3,
     qwen3_moe,
 )
-from anyspeed.models.families.base import Family, FamilyMapping, Fused, gate_up, qkv
+from anyspeed.models.families.base import (
+    ExpertSlice,
+    Family,
+    FamilyMapping,
+    Fused,
+    gate_up,
+    qkv,
+)
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -30,6 +38,7 @@ FAMILIES: dict[str, Family] = {
         qwen2_moe.FAMILY,
         qwen3_moe.FAMILY,
         deepseek_v2.FAMILY,
+        gpt_oss.FAMILY,
     )  # fmt: skip
 }
 
@@ -43,4 +52,13 @@ def mapping_for(family: str) -> FamilyMapping:
     return FAMILIES[family].mapping
 
 
-__all__ = ["FAMILIES", "Family", "FamilyMapping", "Fused", "gate_up", "mapping_for", "qkv"]
+__all__ = [
+    "FAMILIES",
+    "ExpertSlice",
+    "Family",
+    "FamilyMapping",
+    "Fused",
+    "gate_up",
+    "mapping_for",
+    "qkv",
+]

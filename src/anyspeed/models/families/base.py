@@ -18,6 +18,18 @@ class Fused:
     parts: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Expert ``expert``'s part of an HF tensor that stacks every expert of a layer as
+    [experts, ...] (GPT-OSS). ``layout``: ``gate_up_t`` ([h, 2f], gate and up columns
+    interleaved <-> fc1 [gate; up] as [2f, h]), ``gate_up`` (a [2f] interleaved bias), ``t``
+    (transposed: [f, h] <-> [h, f]) or ``same``."""
+
+    name: str
+    layout: str
+    expert: int = -1  # filled in per expert by the engine
+
+
 def qkv(pattern: str) -> Fused:
     """Q, K, V projections named by ``pattern`` with ``{}`` for q / k / v."""
     return Fused("qkv", tuple(pattern.format(x) for x in "qkv"))
@@ -42,7 +54,7 @@ class FamilyMapping:
     # A MoE layer: its ``mlp.*`` tensors are ``moe`` (router, shared experts) plus ``expert``
     # once per expert, ``{e}`` standing for the (global) expert index on both sides.
     moe: dict[str, str | Fused] = field(default_factory=dict)
-    expert: dict[str, str | Fused] = field(default_factory=dict)
+    expert: dict[str, str | Fused | ExpertSlice] = field(default_factory=dict)
 
     def extend(self, family: str, layer: dict[str, str | Fused] | None = None,
                **moe: dict[str, str | Fused]) -> FamilyMapping:  # fmt: skip
@@ -85,6 +97,7 @@ class Family:
     moe_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
     mla: bool = False  # multi-latent attention: the family's hook reads its rope and heads
     qkv_bias: bool = False  # HF configs of the family imply biases on Q, K, V
+    own_rope: bool = False  # the family's moe_from_hf reads its rope (YaRN) itself
     qk_norm: bool = False  # ... RMSNorm on queries and keys
     head_dim_in_config: bool = False  # HF config.json writes head_dim
     attention_bias_key: bool = False  # HF config.json writes attention_bias
