@@ -272,6 +272,15 @@ class Layout:
                 "--multi-latent-attention does not run with --context-parallel-size "
                 f"{self.cp} (anyspeed's MLA core has no context-parallel form): use CP 1"
             )
+        biases = getattr(model, "add_bias_linear", None)  # a namespace has the flag instead
+        if biases is None:
+            biases = not getattr(model, "disable_bias_linear", True)
+        if getattr(model, "num_experts", None) and biases and self.tp > 1:
+            raise ValueError(
+                f"MoE experts with biases (GPT-OSS) at --tensor-model-parallel-size {self.tp}: "
+                "Megatron-Core 0.16.1 needs expert TP 1 for them, and there their bias gradients "
+                "do not match one process (measured: grad norm 7e-4 off); use EP, PP or DP"
+            )
         sinks = getattr(model, "softmax_type", "vanilla") not in (None, "vanilla")
         if self.cp > 1 and (sinks or getattr(model, "window_size", None) is not None):
             what = "--softmax-type learnable/off-by-one" if sinks else "--window-size"

@@ -1,8 +1,9 @@
 """GPT-OSS (sinks, alternating sliding windows, experts with biases stored stacked with gate and
 up interleaved, the clamped quick-GELU GLU, YaRN RoPE) against transformers'
 ``GptOssForCausalLM``: the presets' parameter counts, a tiny random model's logits after
-conversion (within 1e-4, fp32), and conversions back bit-identical, from torch_dist and from
-the legacy layout split over TP2 x PP2 x EP2."""
+conversion (within 1e-4, fp32; at EP2 x TP2 x PP2 with ``-m slow``), and conversions back
+bit-identical, from torch_dist and from the legacy layout split over PP2 x EP2 (legacy at TP > 1
+is refused: its rank files split experts over TP, which biased experts cannot be)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from test_convert import _check, _load_hf_tensors
 
 from anyspeed.convert import hf_to_megatron, megatron_to_hf
+from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.verify import hf_logits
 from anyspeed.models.hf import hf_config
 from anyspeed.models.presets import PRESETS
@@ -58,10 +60,27 @@ def test_torch_dist_round_trip_is_bit_identical(gpt_oss):
     assert all(torch.equal(got[k], t) for k, t in ref.items())
 
 
-def test_legacy_tp2_pp2_ep2_round_trip_is_bit_identical(gpt_oss):
+def test_legacy_pp2_ep2_round_trip_is_bit_identical(gpt_oss):
     d = gpt_oss["dir"]
-    hf_to_megatron(d / "hf", d / "legacy", tp=2, pp=2, ep=2, ckpt_format="legacy")
+    hf_to_megatron(d / "hf", d / "legacy", tp=1, pp=2, ep=2, ckpt_format="legacy")
     megatron_to_hf(d / "legacy", d / "back_legacy", d / "hf")
     ref, got = _load_hf_tensors(d / "hf"), _load_hf_tensors(d / "back_legacy")
     assert set(got) == set(ref)
     assert all(torch.equal(got[k], t) for k, t in ref.items())
+
+
+def test_legacy_at_tp2_is_refused_in_one_line(gpt_oss, tmp_path):
+    """Legacy rank files split experts over TP; Megatron cannot split biased experts."""
+    with pytest.raises(ConvertError) as err:
+        hf_to_megatron(gpt_oss["dir"] / "hf", tmp_path / "x", tp=2, ckpt_format="legacy")
+    assert "torch_dist" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow  # eight processes
+def test_logits_match_transformers_ep2_tp2_pp2(gpt_oss):
+    """torch_dist loaded at EP2 x TP2 x PP2 (expert TP 1: biased experts are not split)."""
+    case = dict(gpt_oss["case"])
+    ranks = run_distributed(convert_ranks.layout_logits, 8, cases={"gpt-oss": case}, tp=2, pp=2,
+                            ep=2, etp=1, tokens=TOKENS, timeout=600)  # fmt: skip
+    _check(gpt_oss["ref"], ranks[-1]["gpt-oss"]["dist"])

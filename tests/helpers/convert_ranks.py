@@ -36,7 +36,7 @@ def tiny_hf_model(
 
 
 def _build(ckpt: str, tp: int, pp: int, ep: int = 1, sp: bool = False,
-           num_layer_list: str | None = None):  # fmt: skip
+           num_layer_list: str | None = None, etp: int | None = None):  # fmt: skip
     from megatron.core import parallel_state as ps
 
     from anyspeed.checkpoint.record import read_model
@@ -47,7 +47,9 @@ def _build(ckpt: str, tp: int, pp: int, ep: int = 1, sp: bool = False,
     stages = uneven_stages(pp, None, None, num_layer_list)
     model = gpt.build(
         preset,
-        gpt.transformer_config(preset, Layout(tp=tp, pp=pp, ep=ep, sequence_parallel=sp, **stages)),
+        gpt.transformer_config(
+            preset, Layout(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=sp, **stages)
+        ),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
@@ -77,7 +79,7 @@ def _logits(model, tokens):
 
 
 def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1,
-                  sp: bool = False) -> dict:  # fmt: skip
+                  sp: bool = False, etp: int | None = None) -> dict:  # fmt: skip
     # a case's "stages": MindSpeed-LLM's --num-layer-list for uneven pipeline stages
     """For each case: logits of GPTModel at TP x PP loaded (a) with dist_checkpointing from the
     torch_dist checkpoint, as ``pretrain --load`` does, and (b) with ``load_state_dict(strict=
@@ -90,10 +92,11 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1,
     from anyspeed.layout import Layout
     from anyspeed.training.distributed import init_distributed
 
-    init_distributed(Layout(tp=tp, pp=pp, ep=ep), seed=0)
+    init_distributed(Layout(tp=tp, pp=pp, ep=ep, etp=etp), seed=0)
     out = {}
     for name, case in cases.items():
-        model = _build(case["torch_dist"], tp, pp, ep, sp, case.get("stages") if pp > 1 else None)
+        stages = case.get("stages") if pp > 1 else None
+        model = _build(case["torch_dist"], tp, pp, ep, sp, stages, etp)
         release = str(Path(case["torch_dist"]) / "release")
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, release)
         model.load_state_dict(state["model"])

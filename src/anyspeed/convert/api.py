@@ -81,7 +81,12 @@ def _preset(config: dict, model_type_hf: str | None) -> ModelConfig:
 
 
 def check_target(
-    preset: ModelConfig, tp: int, pp: int, num_layer_list: str | None = None, ep: int = 1
+    preset: ModelConfig,
+    tp: int,
+    pp: int,
+    num_layer_list: str | None = None,
+    ep: int = 1,
+    ckpt_format: str = "torch_dist",
 ) -> list[int]:
     """The layers of each pipeline stage; one-line error when Megatron cannot lay the model
     out at TP x PP (with ``num_layer_list``, MindSpeed-LLM's uneven stages)."""
@@ -90,8 +95,17 @@ def check_target(
             "--target-tensor-parallel-size, --target-pipeline-parallel-size and "
             "--target-expert-parallel-size must be >= 1"
         )
+    biased_experts = preset.is_moe and preset.add_bias_linear
+    if biased_experts and tp > 1 and ckpt_format == "legacy":
+        raise ConvertError(
+            f"--ckpt-format legacy at --target-tensor-parallel-size {tp}: legacy rank files "
+            "split experts over TP, and Megatron-Core 0.16.1 cannot split experts with biases "
+            "(GPT-OSS); use --ckpt-format torch_dist (it loads at any layout)"
+        )
     try:
-        layout = Layout(tp=tp, pp=pp, ep=ep, **uneven_stages(pp, None, None, num_layer_list))
+        # torch_dist loads at any layout: a biased-expert model's TP is the run's to refuse
+        layout = Layout(tp=1 if biased_experts else tp, pp=pp, ep=ep,
+                        **uneven_stages(pp, None, None, num_layer_list))  # fmt: skip
         if num_layer_list and sum(map(int, num_layer_list.split(","))) != preset.num_layers:
             raise ValueError(f"--num-layer-list {num_layer_list} does not add up to the "
                              f"model's {preset.num_layers} layers")  # fmt: skip
@@ -153,7 +167,7 @@ def hf_to_megatron(
         raise ConvertError(f"--ckpt-format {ckpt_format}: choose torch_dist or legacy")
     ck = HFCheckpoint(hf_dir)
     preset = _preset(ck.config, model_type_hf)
-    counts = check_target(preset, tp, pp, num_layer_list, ep)
+    counts = check_target(preset, tp, pp, num_layer_list, ep, ckpt_format)
     _check_hf_tensors(ck, preset)
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
