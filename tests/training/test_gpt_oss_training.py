@@ -52,8 +52,8 @@ def runs(tmp_path_factory):
     model = tiny_gpt_oss()
     model.save_pretrained(str(root / "hf"))
     argv = ["--load", str(root / "hf"), "--data-path", corpus, *COMMON]
-    one = run_many(1, [argv + ["--optimization-level", str(level), "--save", str(root / f"l{level}")]
-                       for level in (0, 1)])  # fmt: skip
+    one = run_many(1, [argv + ["--optimization-level", str(lv), "--save", str(root / f"l{lv}")]
+                       for lv in (0, 1)])  # fmt: skip
     two = run_many(2, [argv + flags + ["--save", str(root / name)]
                        for name, flags in LAYOUTS.items()])  # fmt: skip
     return model, argv, dict(zip(("level0", "level1"), one, strict=True)), \
