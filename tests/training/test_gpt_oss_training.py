@@ -17,8 +17,14 @@ COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size"
           "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
           "--no-progress-bar"]  # fmt: skip
 LAYOUTS = {
-    "ep2": ["--expert-model-parallel-size", "2", "--num-experts", "4",
-            "--moe-token-dispatcher-type", "alltoall"],
+    "ep2": [
+        "--expert-model-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ],
     "pp2": ["--pipeline-model-parallel-size", "2"],
 }
 
@@ -72,4 +78,3 @@ def test_layouts_equal_one_process(runs, layout):
     _, _, one, two = runs
     _close(two[layout]["loss"], one["level1"]["loss"])
     _close(two[layout]["grad_norm"], one["level1"]["grad_norm"])
-
