@@ -41,6 +41,13 @@ def test_cuda_device_arguments_land_on_cpu(applied):
     assert m.weight.device.type == "cpu"
     assert torch.ones(2).pin_memory().device.type == "cpu"
     assert torch.ones(2).new_zeros(3, device="cuda").shape == (3,)
+    # Megatron's checkpoint exchange: init_data's init_fn is torch.empty bound at import
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    sh = ShardedTensor.from_rank_offsets("k", torch.zeros(2, 3))
+    sh.data = None
+    sh.init_data("cuda")
+    assert sh.data.device.type == "cpu" and tuple(sh.data.shape) == (2, 3)
     # Legacy type names as Megatron's optimizer checks them.
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"

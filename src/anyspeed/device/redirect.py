@@ -258,6 +258,20 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
     def module_cuda(self, device=None):
         return self.to(map_device(device if device is not None else "cuda"))
 
+    def init_data_wrapper(fn):
+        @functools.wraps(fn)
+        def init_data(self, device, init_fn=None):
+            # its default init_fn is the torch.empty bound when Megatron was imported
+            return fn(self, map_device(device), *(() if init_fn is None else (init_fn,)))
+
+        return init_data
+
+    pm.register_wrap(
+        "megatron.core.dist_checkpointing.mapping.ShardedTensor.init_data",
+        init_data_wrapper,
+        feature=feature,
+        reason=why + " (a checkpoint exchange allocates with init_data('cuda'))",
+    )
     _register_legacy_type_names(pm, info, feature)
     pm.register_replace("torch.Tensor.cuda", tensor_cuda, feature=feature, reason=why)
     pm.register_replace("torch.nn.Module.cuda", module_cuda, feature=feature, reason=why)
