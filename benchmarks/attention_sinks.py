@@ -17,9 +17,9 @@ import argparse
 import math
 
 import torch
-from attention_dropout import DIM, HEADS, saved_bytes, seconds
 
 from anyspeed.features.ops.blocked_attention import blocked_attention
+from attention_dropout import DIM, HEADS, saved_bytes, seconds
 
 
 def megatron_path(q, k, v, sink, window):
