@@ -275,11 +275,10 @@ class Layout:
         biases = getattr(model, "add_bias_linear", None)  # a namespace has the flag instead
         if biases is None:
             biases = not getattr(model, "disable_bias_linear", True)
-        if getattr(model, "num_experts", None) and biases and self.tp > 1:
+        if getattr(model, "num_experts", None) and biases and self.expert_tp > 1:
             raise ValueError(
-                f"MoE experts with biases (GPT-OSS) at --tensor-model-parallel-size {self.tp}: "
-                "Megatron-Core 0.16.1 needs expert TP 1 for them, and there their bias gradients "
-                "do not match one process (measured: grad norm 7e-4 off); use EP, PP or DP"
+                f"MoE experts with biases (GPT-OSS) need --expert-tensor-parallel-size 1 "
+                f"(Megatron-Core 0.16.1 cannot split them; it would be {self.expert_tp} here)"
             )
         sinks = getattr(model, "softmax_type", "vanilla") not in (None, "vanilla")
         if self.cp > 1 and (sinks or getattr(model, "window_size", None) is not None):

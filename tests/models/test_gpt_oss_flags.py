@@ -32,7 +32,7 @@ def test_the_preset_carries_the_family_traits():
     "flags,words",
     [
         (["--context-parallel-size", "2"], "--context-parallel-size 2"),
-        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
+        (["--tensor-model-parallel-size", "2"], "--expert-tensor-parallel-size 1"),
         (["--softmax-type", "vanilla", "--context-parallel-size", "2"], "--window-size"),
         (["--swiglu"], "--quick-geglu"),
         (["--window-attn-skip-freq", "[1]*3"], "--num-layers"),

@@ -98,6 +98,16 @@ class MoECompat(Feature):
             reason="experts with biases (GPT-OSS): the probability-scaled bias is added in place "
             "on an autograd view, which autograd refuses; added out of place",
         )
+        from anyspeed.features.moe.expert_grads import expert_reduction
+
+        for cls in ("ColumnParallelLinear", "RowParallelLinear"):
+            pm.register_wrap(
+                f"megatron.core.tensor_parallel.layers.{cls}.__init__",
+                expert_reduction,
+                feature=self.name,
+                reason="expert parameters reduce over the expert-data-parallel group even at "
+                "EP 1 (at expert TP < TP their per-rank partial gradients were never summed)",
+            )
         if hasattr(moe_utils, "te_general_gemm"):
             return  # TE imported: the name exists and the fused GEMM is used
         pm.register_replace(
