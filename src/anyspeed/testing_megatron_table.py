@@ -19,7 +19,13 @@ CUDA_ONLY_MODULES = (
 # other devices. Patterns are regular expressions matched at the start of the node id
 # (relative to Megatron-LM's root).
 TP = "tests/unit_tests/tensor_parallel/"
+TR = "tests/unit_tests/transformer/"
 TE_SPEC = "builds its model with the Transformer Engine layer spec (needs transformer_engine)"
+TRITON = "runs a Triton GPU kernel (needs triton)"
+ON_CUDA = (
+    "asserts that a tensor sits on a CUDA device (the one line keeps it on this device; the "
+    "module's math is covered by the file's other tests)"
+)
 CUDA_GRAPH_RNG = "needs CUDA graphs (graph-safe RNG: torch.cuda.CUDAGraph's generator registration)"
 SKIPS: tuple[tuple[str, str], ...] = (
     (TP + r"test_random.py::test_double_fork_cuda_rng_states_tracker\[True\]", CUDA_GRAPH_RNG),
@@ -30,6 +36,14 @@ SKIPS: tuple[tuple[str, str], ...] = (
         "initialisations; on the CPU both are one generator)",
     ),
     (r"[^:]+::(\w+::)?test_te_", "compares Transformer Engine layers (needs transformer_engine)"),
+    (TR + r"moe/test_multihot_indices_converter.py::", TRITON + " (the fused indices converter)"),
+    (TR + r"test_te_layers_batch_invariant.py::", TRITON + " (batch-invariant kernels)"),
+    (r"[^:]+::\w+::test_gpu_forward", ON_CUDA),
+    (TR + r"test_rope.py::TestMultimodalRotaryEmbedding::test_constructor", ON_CUDA),
+    (TR + r"test_attention_variant_dsa.py::TestDSAIndexer", "builds the DSA indexer from "
+     "TELinear and TENorm (needs transformer_engine)"),
+    (TR + r"test_transformer_block_custom_pgs.py::\w+::test_fwd_bwd_pass_non_uniform", TE_SPEC),
+    (r"tests/unit_tests/dist_checkpointing/models/test_t5_model.py::.*\[t5-te-te\]", TE_SPEC),
     (
         r"tests/unit_tests/pipeline_parallel/test_pipeline_layout.py::test_forward_vpp",
         TE_SPEC + " (the first case fails on TENorm, before its cleanup: the next cases then find "
