@@ -40,8 +40,10 @@ SKIPS: tuple[tuple[str, str], ...] = (
     (TR + r"test_te_layers_batch_invariant.py::", TRITON + " (batch-invariant kernels)"),
     (r"[^:]+::\w+::test_gpu_forward", ON_CUDA),
     (TR + r"test_rope.py::TestMultimodalRotaryEmbedding::test_constructor", ON_CUDA),
-    (TR + r"test_attention_variant_dsa.py::TestDSAIndexer", "builds the DSA indexer from "
-     "TELinear and TENorm (needs transformer_engine)"),
+    (
+        TR + r"test_attention_variant_dsa.py::TestDSAIndexer",
+        "builds the DSA indexer from TELinear and TENorm (needs transformer_engine)",
+    ),
     (TR + r"test_transformer_block_custom_pgs.py::\w+::test_fwd_bwd_pass_non_uniform", TE_SPEC),
     (r"tests/unit_tests/dist_checkpointing/models/test_t5_model.py::.*\[t5-te-te\]", TE_SPEC),
     (
