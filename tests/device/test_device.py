@@ -48,6 +48,10 @@ def test_cuda_device_arguments_land_on_cpu(applied):
     sh.data = None
     sh.init_data("cuda")
     assert sh.data.device.type == "cpu" and tuple(sh.data.shape) == (2, 3)
+    # torch's DeviceMesh as Megatron's FSDP2 wrapper asks for it
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert getattr(DeviceMesh.from_group, "__wrapped__", None) is not None
     # Legacy type names as Megatron's optimizer checks them.
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"

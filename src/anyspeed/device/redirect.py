@@ -272,6 +272,21 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
         feature=feature,
         reason=why + " (a checkpoint exchange allocates with init_data('cuda'))",
     )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from_group = DeviceMesh.from_group
+
+    def mesh_from_group(group, device_type, *args, **kwargs):
+        if device_type == "cuda" or str(device_type).startswith("cuda:"):
+            device_type = info.type
+        return from_group(group, device_type, *args, **kwargs)
+
+    pm.register_replace(
+        "torch.distributed.device_mesh.DeviceMesh.from_group",
+        staticmethod(functools.wraps(from_group)(mesh_from_group)),
+        feature=feature,
+        reason=why + " (Megatron's torch-FSDP2 wrapper makes a 'cuda' device mesh)",
+    )
     _register_legacy_type_names(pm, info, feature)
     pm.register_replace("torch.Tensor.cuda", tensor_cuda, feature=feature, reason=why)
     pm.register_replace("torch.nn.Module.cuda", module_cuda, feature=feature, reason=why)
