@@ -258,6 +258,24 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
     def module_cuda(self, device=None):
         return self.to(map_device(device if device is not None else "cuda"))
 
+    _register_megatron_allocations(pm, info, map_device, feature, why)
+    _register_legacy_type_names(pm, info, feature)
+    pm.register_replace("torch.Tensor.cuda", tensor_cuda, feature=feature, reason=why)
+    pm.register_replace("torch.nn.Module.cuda", module_cuda, feature=feature, reason=why)
+    if cpu:
+        pm.register_replace(
+            "torch.Tensor.pin_memory",
+            lambda self, device=None: self,
+            feature=feature,
+            reason="no pinned memory without an accelerator: pinning is the identity",
+        )
+
+
+def _register_megatron_allocations(pm: PatchManager, info: DeviceInfo, map_device: Callable,
+                                   feature: str, why: str) -> None:  # fmt: skip
+    """CUDA named where the factory wrappers cannot see it: a checkpoint tensor's ``init_data``
+    (its ``init_fn`` is the ``torch.empty`` bound at import) and torch's ``DeviceMesh``."""
+
     def init_data_wrapper(fn):
         @functools.wraps(fn)
         def init_data(self, device, init_fn=None):
@@ -287,16 +305,6 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
         feature=feature,
         reason=why + " (Megatron's torch-FSDP2 wrapper makes a 'cuda' device mesh)",
     )
-    _register_legacy_type_names(pm, info, feature)
-    pm.register_replace("torch.Tensor.cuda", tensor_cuda, feature=feature, reason=why)
-    pm.register_replace("torch.nn.Module.cuda", module_cuda, feature=feature, reason=why)
-    if cpu:
-        pm.register_replace(
-            "torch.Tensor.pin_memory",
-            lambda self, device=None: self,
-            feature=feature,
-            reason="no pinned memory without an accelerator: pinning is the identity",
-        )
 
 
 def _register_legacy_type_names(pm: PatchManager, info: DeviceInfo, feature: str) -> None:

@@ -16,10 +16,8 @@ def window_type(text: str) -> int:
     if not parts or len(parts) > 2 or not all(p.lstrip("-").isdigit() for p in parts):
         raise argparse.ArgumentTypeError(f"cannot read {text!r} (e.g. 127 or '(127,0)')")
     left, right = int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
-    if left < 0 or right != 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: only causal windows (left >= 0, right 0) are supported"
-        )
+    if right != 0:  # (a negative left is the range check's: "--window-size must be >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: only causal windows (right 0) are supported")
     return left
 
 

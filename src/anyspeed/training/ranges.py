@@ -86,6 +86,12 @@ RANGES: dict[str, Range] = {
     "--rotary-scaling-factor": STRICTLY_POSITIVE,
     "--mscale": STRICTLY_POSITIVE,
     "--mscale-all-dim": NONNEG,
+    "--yarn-original-max-position-embeddings": POSITIVE,
+    "--yarn-beta-fast": STRICTLY_POSITIVE,
+    "--yarn-beta-slow": STRICTLY_POSITIVE,
+    "--window-size": NONNEG,  # keys before the row (0: the row itself)
+    "--glu-linear-offset": NONNEG,  # GPT-OSS: 1
+    "--activation-func-clamp-value": STRICTLY_POSITIVE,  # GPT-OSS: 7
     "--rope-scaling-mscale": STRICTLY_POSITIVE,
     "--rope-scaling-mscale-all-dim": NONNEG,
     "--rope-scaling-original-max-position-embeddings": STRICTLY_POSITIVE,
