@@ -89,7 +89,7 @@ RANGES: dict[str, Range] = {
     "--yarn-original-max-position-embeddings": POSITIVE,
     "--yarn-beta-fast": STRICTLY_POSITIVE,
     "--yarn-beta-slow": STRICTLY_POSITIVE,
-    "--window-size": NONNEG,  # keys before the row (0: the row itself)
+    "--window-size": Range(ge=0),  # keys before the row (0: the row itself)
     "--glu-linear-offset": NONNEG,  # GPT-OSS: 1
     "--activation-func-clamp-value": STRICTLY_POSITIVE,  # GPT-OSS: 7
     "--rope-scaling-mscale": STRICTLY_POSITIVE,
