@@ -47,6 +47,16 @@ SKIPS: tuple[tuple[str, str], ...] = (
     (TR + r"test_transformer_block_custom_pgs.py::\w+::test_fwd_bwd_pass_non_uniform", TE_SPEC),
     (r"tests/unit_tests/dist_checkpointing/models/test_t5_model.py::.*\[t5-te-te\]", TE_SPEC),
     (
+        r"tests/unit_tests/dist_checkpointing/test_pipeline_parallel_layout.py::"
+        r"test_save_and_load_checkpoint_vpp",
+        TE_SPEC + " (the first case stops on TESpecProvider after initialising the micro-batch "
+        "calculator: the next cases find it initialised)",
+    ),
+    (
+        r"tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py::",
+        "needs NVIDIA's emerging_optimizers package (Muon), not installed",
+    ),
+    (
         r"tests/unit_tests/pipeline_parallel/test_pipeline_layout.py::test_forward_vpp",
         TE_SPEC + " (the first case fails on TENorm, before its cleanup: the next cases then find "
         "the micro-batch calculator initialised)",
