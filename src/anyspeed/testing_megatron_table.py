@@ -94,7 +94,26 @@ def cuda_only_reason(exc: BaseException) -> str | None:
 
 # node-id pattern -> what a failure there is: a Megatron defect (with its upstream issue if
 # one exists) or a test that assumes a CUDA device in a way the one line does not cover.
-FAILURES: tuple[tuple[str, str], ...] = ()
+FAILURES: tuple[tuple[str, str], ...] = (
+    (
+        TR + r"moe/test_aux_loss.py::TestPaddingMaskAuxLoss::test_padding_mask_with_z_loss",
+        "Megatron test assumption: torch.equal of bf16 router gradients from two batch shapes "
+        "(32 tokens half padded vs the 16 real ones); the z-loss itself is equal (its assert "
+        "passes), the bf16 sums differ in the last bit with the shape (CPU GEMM order)",
+    ),
+    (
+        r"tests/unit_tests/distributed/test_param_and_grad_buffer.py::test_grad_sync",
+        "anyspeed by design: under gloo the distributed optimizer's reduce-scatter into a shard "
+        "of the bucket is an in-place all-reduce (2.3x faster here), so the other shards hold "
+        "reduced values too; the test asserts they are untouched (Megatron never reads them "
+        "before zeroing)",
+    ),
+    (
+        r"tests/unit_tests/distributed/megatron_fsdp/",
+        "gloo has no ReduceOp.PREMUL_SUM (Megatron-FSDP scales gradients inside the reduce); "
+        "anyspeed does not provide it yet",
+    ),
+)
 
 
 def explain_failure(nodeid: str) -> str:
