@@ -19,8 +19,9 @@ NPROC="${NPROC:-8}"; FILE_TIMEOUT="${FILE_TIMEOUT:-600}"; TEST_TIMEOUT="${TEST_T
 OUT="$(mkdir -p "${OUT:-megatron-tests-out}" && cd "${OUT:-megatron-tests-out}" && pwd)"
 PYTHON="${PYTHON:-$here/.venv/bin/python}"
 [ -x "$PYTHON" ] || bash "$here/scripts/setup.sh"
-# What Megatron-LM's tests import beyond megatron-core's own requirements.
-"$PYTHON" -m pip install -q six pytest-mock pytest-timeout 2>/dev/null
+# What Megatron-LM's tests import beyond megatron-core's own requirements (pybind11: its
+# dataset helpers are compiled on first use).
+"$PYTHON" -m pip install -q six pytest-mock pytest-timeout pybind11 2>/dev/null
 mkdir -p "$OUT/results" "$OUT/logs"
 rm -f "$OUT"/results/* "$OUT/files.tsv"
 cd "$checkout"
