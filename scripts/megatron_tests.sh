@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-Core's own unit tests under anyspeed's one line, on this machine's device:
-#   scripts/megatron_tests.sh <Megatron-LM checkout at core_v0.16.1> [dirs...]
+#   scripts/megatron_tests.sh <Megatron-LM checkout at core_v0.16.1> [dirs or files...]
+# (a directory or one file under tests/unit_tests, e.g. transformer or data/test_builder.py)
 # Each test file runs on its own (torchrun, NPROC ranks, Megatron's usual 8) with a time
 # limit; the summary (per directory passed / failed / skipped, files that did not finish,
 # each failure classified, skip reasons) is printed and kept in OUT/summary.txt.
@@ -46,7 +47,7 @@ run_file() {
   return "$rc"
 }
 for d in "${dirs[@]}"; do
-  [ -d "tests/unit_tests/$d" ] || { echo "no tests/unit_tests/$d in $checkout" >&2; exit 2; }
+  [ -e "tests/unit_tests/$d" ] || { echo "no tests/unit_tests/$d in $checkout" >&2; exit 2; }
   while IFS= read -r f; do
     name="${f//\//_}"
     printf '%s ... ' "$f"
@@ -61,7 +62,7 @@ for d in "${dirs[@]}"; do
     esac
     printf '%s\t%s\n' "$f" "$status" >> "$OUT/files.tsv"
     echo "$status"
-  done < <(find "tests/unit_tests/$d" -name 'test_*.py' | sort)
+  done < <(find "tests/unit_tests/$d" -name 'test_*.py' -type f | sort)
 done
 PYTHONPATH="$here/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m anyspeed.testing_megatron_report \
   "$OUT" | tee "$OUT/summary.txt"
