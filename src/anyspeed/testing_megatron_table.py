@@ -111,6 +111,12 @@ FAILURES: tuple[tuple[str, str], ...] = (
         "before zeroing)",
     ),
     (
+        r"tests/unit_tests/dist_checkpointing/test_fully_parallel.py::\w+::test_memory_usage",
+        "measures the CUDA allocator (torch.cuda.memory_allocated, within 4 MB); on the CPU the "
+        "one line answers with the process's resident memory, which freed tensors leave late "
+        "(measured 29 MB over)",
+    ),
+    (
         r"tests/unit_tests/distributed/megatron_fsdp/",
         "gloo has no ReduceOp.PREMUL_SUM (Megatron-FSDP scales gradients inside the reduce); "
         "anyspeed does not provide it yet",
