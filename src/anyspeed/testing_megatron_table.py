@@ -109,6 +109,12 @@ FAILURES: tuple[tuple[str, str], ...] = (
         "passes), the bf16 sums differ in the last bit with the shape (CPU GEMM order)",
     ),
     (
+        r"tests/unit_tests/dist_checkpointing/(test_global_metadata_reuse|test_nonpersistent|"
+        r"test_optimizer)\.py::",
+        "Megatron test defect off apex/TE: OptimizerConfig(lr=None), which FusedAdam accepts and "
+        "Megatron's own torch fallback (torch.optim.Adam/AdamW) refuses: 'lr <= 0.0' TypeError",
+    ),
+    (
         r"tests/unit_tests/distributed/test_param_and_grad_buffer.py::test_grad_sync",
         "anyspeed by design: under gloo the distributed optimizer's reduce-scatter into a shard "
         "of the bucket is an in-place all-reduce (2.3x faster here), so the other shards hold "

@@ -89,16 +89,6 @@ class MegatronCoreCompat(Feature):
             reason="with torch's Adam, a loaded distributed optimizer shares one step tensor "
             "across parameters (advanced once per parameter); give each its own",
         )
-        from megatron.core import optimizer as mcore_optimizer
-
-        if mcore_optimizer.USING_PYTORCH_OPTIMIZER:
-            pm.register_wrap(
-                "megatron.core.optimizer.Adam",
-                torch_adam.deferred_lr,
-                feature=self.name,
-                reason="Megatron's OptimizerConfig.lr defaults to None, which apex/TE FusedAdam "
-                "accept and torch's AdamW (the fallback) refuses",
-            )
         from megatron.core.transformer import multi_latent_attention as mla
 
         if mla.HAVE_TE and not isinstance(mla.TELinear, type):

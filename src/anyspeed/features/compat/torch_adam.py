@@ -57,20 +57,3 @@ def keep_torch_adam_step(set_states: Callable) -> Callable:
 
     return wrapper
 
-
-def deferred_lr(adam_cls: type) -> type:
-    """``adam_cls`` (Megatron's torch fallback, AdamW) that accepts ``lr=None`` at construction,
-    as apex's and TE's FusedAdam do (Megatron's ``OptimizerConfig.lr`` defaults to None; its
-    scheduler sets each group's rate before a step). The groups keep ``lr=None``: a step without
-    a rate still fails, as with FusedAdam."""
-
-    class DeferredLrAdam(adam_cls):  # type: ignore[misc, valid-type]
-        def __init__(self, params, lr=None, **kwargs):
-            super().__init__(params, lr=0.0 if lr is None else lr, **kwargs)
-            if lr is None:
-                self.defaults["lr"] = None
-                for group in self.param_groups:
-                    group["lr"] = None
-
-    DeferredLrAdam.__name__ = DeferredLrAdam.__qualname__ = adam_cls.__name__
-    return DeferredLrAdam
