@@ -56,4 +56,3 @@ def keep_torch_adam_step(set_states: Callable) -> Callable:
         return set_states(self, model_param, tensors)
 
     return wrapper
-
