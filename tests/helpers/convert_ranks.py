@@ -28,11 +28,44 @@ def tiny_hf_model(
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.2 * noise if "norm" in name else 0.1 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # routing: a wrong mapping shows
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(str(directory), **kw)
     (Path(directory) / "tokenizer.json").write_text('{"stand-in": "tokenizer"}\n')
     (Path(directory) / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
     return cfg
+
+
+def add_mtp_layers(directory: str | Path, n: int = 1, seed: int = 0) -> None:
+    """Append ``n`` random multi-token prediction layers to a saved DeepSeek-V3 model as its
+    Hugging Face checkpoints keep them (transformers' model has none): HF layers after the last,
+    each a decoder layer like the last plus enorm, hnorm, eh_proj and shared_head.norm, and
+    copies of the embedding and the output layer."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(directory) / "model.safetensors"
+    tensors = load_file(str(path))
+    layers = 1 + max(int(k.split(".")[2]) for k in tensors if k.startswith("model.layers."))
+    last, g = f"model.layers.{layers - 1}.", torch.Generator().manual_seed(seed)
+    h = tensors["model.norm.weight"].shape[0]
+
+    def rand(shape, norm=False):
+        noise = torch.randn(shape, generator=g)
+        return 1 + 0.2 * noise if norm else 0.1 * noise
+
+    for j in range(n):
+        at = f"model.layers.{layers + j}."
+        for k, t in list(tensors.items()):
+            if k.startswith(last):
+                tensors[at + k[len(last) :]] = rand(t.shape, "norm" in k)
+        for k in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            tensors[at + k] = rand((h,), norm=True)
+        tensors[at + "eh_proj.weight"] = rand((h, 2 * h))
+        tensors[at + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[at + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _build(ckpt: str, tp: int, pp: int, ep: int = 1, sp: bool = False,

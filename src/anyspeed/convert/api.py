@@ -80,6 +80,25 @@ def _preset(config: dict, model_type_hf: str | None) -> ModelConfig:
     return preset
 
 
+def with_mtp(preset: ModelConfig, names: list[str] | set[str]) -> ModelConfig:
+    """``preset`` with the multi-token prediction layers the checkpoint's tensor ``names``
+    hold (DeepSeek-V3 keeps them as HF layers after the last; transformers' own models and
+    checkpoints saved from them have none, whatever config.json says)."""
+    m = mapping_for(preset.family)
+    if not m.mtp:
+        return preset
+    have, n = set(names), 0
+    while m.hf_layer.format(i=preset.num_layers + n) + "eh_proj.weight" in have:
+        n += 1
+    return dataclasses.replace(preset, mtp_num_layers=n or None)
+
+
+def hf_dir_preset(hf_dir: str | Path, model_type_hf: str | None = None) -> ModelConfig:
+    """The model an HF directory holds: its config.json and, for MTP, its tensors."""
+    ck = HFCheckpoint(hf_dir)
+    return with_mtp(_preset(ck.config, model_type_hf), ck.names)
+
+
 def check_target(
     preset: ModelConfig,
     tp: int,
@@ -127,6 +146,7 @@ def _check_hf_tensors(ck: HFCheckpoint, preset: ModelConfig) -> None:
     m = mapping_for(preset.family)
     want = engine.hf_shapes(m, preset)
     have = {n for n in ck.names if not n.endswith(m.ignored_hf)}
+    have -= set(engine.mtp_copies(m, preset))  # copies of the embedding and output layer
     if preset.tie_embeddings:
         have.discard("lm_head.weight")  # some tied checkpoints store it anyway
     for name in sorted(want):
@@ -166,7 +186,7 @@ def hf_to_megatron(
     if ckpt_format not in ("torch_dist", "legacy"):
         raise ConvertError(f"--ckpt-format {ckpt_format}: choose torch_dist or legacy")
     ck = HFCheckpoint(hf_dir)
-    preset = _preset(ck.config, model_type_hf)
+    preset = with_mtp(_preset(ck.config, model_type_hf), ck.names)
     counts = check_target(preset, tp, pp, num_layer_list, ep, ckpt_format)
     _check_hf_tensors(ck, preset)
     if Path(save_dir).exists():
@@ -203,6 +223,10 @@ def hf_to_megatron(
                 for i in range(starts[s], starts[s + 1]):
                     yield group(i, True, keep)
                 if s == pp - 1:
+                    for j in range(preset.mtp_num_layers or 0):  # MTP: on the last stage
+                        yield group(preset.num_layers + j, True, keep)
+                    if preset.mtp_num_layers and pp > 1:  # with its copy of the embedding
+                        yield group(engine.EMBED, True, keep)
                     yield group(engine.HEAD, True, keep)
                     if preset.tie_embeddings and pp > 1:  # the last stage's copy of the tie
                         emb = group(engine.EMBED, True)["embedding.word_embeddings.weight"]
@@ -219,7 +243,9 @@ def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | N
     if hf_cfg_dir and (Path(hf_cfg_dir) / "config.json").is_file():
         cfg = read_config(hf_cfg_dir)
         given = _preset(cfg, None)
-        ours = dataclasses.replace(preset, name=given.name, vocab_size=given.vocab_size)
+        # MTP layers are the checkpoint's to say (config.json's count is often a default)
+        ours = dataclasses.replace(preset, name=given.name, vocab_size=given.vocab_size,
+                                   mtp_num_layers=given.mtp_num_layers)  # fmt: skip
         diff = given.same_architecture(ours)
         if diff or given.vocab_size > preset.vocab_size:
             name = (diff or ["vocab_size"])[0]
@@ -228,6 +254,8 @@ def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | N
                 f"({name} {getattr(given, name)!r} vs. the checkpoint's "
                 f"{getattr(preset, name)!r})"
             )
+        if preset.mtp_num_layers:
+            cfg["num_nextn_predict_layers"] = preset.mtp_num_layers
         return cfg
     cfg = json_config(common)
     if cfg is None:  # a checkpoint anyspeed trained from scratch: describe it from the preset
@@ -273,6 +301,8 @@ def megatron_to_hf(
                                "checkpoint, without --lora-load")  # fmt: skip
         m, cfg = reward_mapping(m), reward_config(cfg)
     want = engine.hf_shapes(m, dataclasses.replace(preset, vocab_size=hf_vocab))
+    copies = engine.mtp_copies(m, preset)  # written after the head, from the top tensors
+    want.update((n, (hf_vocab, preset.hidden_size)) for n in copies)
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
     if fmt == "torch_dist":
@@ -292,8 +322,14 @@ def megatron_to_hf(
         writer = ShardedWriter(tmp, list(want.items()), max_shard_size)
         seen, dtypes = set(), set()
         try:
+            top: dict[str, torch.Tensor | engine.Stacked] = {}
             for g, tensors in groups:
                 out = engine.to_hf(m, preset, g, tensors, hf_vocab)
+                if copies and not isinstance(g, int):
+                    top.update((k, v) for k, v in tensors.items() if k in engine.VOCAB)
+                if copies and g == engine.HEAD:
+                    out.update((n, engine.take_rows(top[mg], [(0, hf_vocab)]))
+                               for n, mg in copies.items())  # fmt: skip
                 for name, t in out.items():
                     if tuple(t.shape) != want[name]:
                         raise ConvertError(f"{load_dir}: {name} has shape {list(t.shape)}, the "

@@ -29,26 +29,46 @@ _COLUMN = (
     "word_embeddings.weight",
     "output_layer.weight",
     "linear_q_proj.weight",
+    "linear_q_down_proj.weight",
+    "linear_q_up_proj.weight",
     "linear_kv_down_proj.weight",
+    "eh_proj.weight",  # MTP: [embedding; hidden] -> hidden, gathered after
     "linear_kv_up_proj.weight",
 )
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _SWIGLU = ("linear_fc1.weight", "linear_fc1.bias")
 
 
+MTP_PREFIX = "mtp.layers.{j}."
+_Q_LORA = ("linear_q_down_proj.", "linear_q_up_proj.", "q_layernorm.")
+
+
 def groups(preset: ModelConfig) -> list[Group]:
-    return [EMBED, *range(preset.num_layers), HEAD]
+    """The embedding, each decoder layer, each multi-token prediction layer, the head."""
+    return [EMBED, *range(preset.num_layers + (preset.mtp_num_layers or 0)), HEAD]
 
 
 Source = str | Fused | ExpertSlice
 
 
+def _present(name: str, preset: ModelConfig) -> bool:
+    """Whether layer tensor ``name`` exists in ``preset``: multi-latent attention projects
+    queries at full rank (``linear_q_proj``) or through a low-rank down/norm/up path."""
+    if not (preset.multi_latent_attention and name.startswith("self_attention.")):
+        return True
+    if preset.q_lora_rank:
+        return "linear_q_proj." not in name
+    return not any(p in name for p in _Q_LORA)
+
+
 def _layer_entries(m: FamilyMapping, preset: ModelConfig, i: int) -> dict[str, Source]:
     """Layer ``i``'s names relative to the layer: a MoE layer's ``mlp.*`` are its router,
-    shared expert (when the model has one) and every expert's, ``{e}`` filled in."""
-    if not preset.moe_layers()[i]:
-        return dict(m.layer)
-    out = {k: v for k, v in m.layer.items() if not k.startswith("mlp.")}
+    shared expert (when the model has one) and every expert's, ``{e}`` filled in. An MTP
+    layer (``i`` past the decoder) is built like the last decoder layer."""
+    layer = {k: v for k, v in m.layer.items() if _present(k, preset)}
+    if not preset.moe_layers()[min(i, preset.num_layers - 1)]:
+        return layer
+    out = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
     for k, v in m.moe.items():
         if k.startswith("mlp.shared_experts.") and not (
             preset.moe_shared_expert_intermediate_size
@@ -76,10 +96,15 @@ def entries(m: FamilyMapping, preset: ModelConfig, group: Group) -> dict[str, So
     """Megatron name -> HF name (or Fused of HF names, or an expert's slice) for one group."""
     if isinstance(group, int):
         mg, hf = m.mg_layer.format(i=group), m.hf_layer.format(i=group)
-        return {
-            mg + k: _renamed(v, lambda n: hf + n)
+        mtp = group >= preset.num_layers
+        if mtp:
+            mg = MTP_PREFIX.format(j=group - preset.num_layers)
+        out: dict[str, Source] = {
+            mg + ("transformer_layer." if mtp else "") + k: _renamed(v, lambda n: hf + n)
             for k, v in _layer_entries(m, preset, group).items()
         }
+        out.update((mg + k, hf + v) for k, v in m.mtp.items() if mtp)
+        return out
     out = {}
     for k, v in m.top.items():
         if (group == EMBED) != k.startswith("embedding."):
@@ -87,6 +112,18 @@ def entries(m: FamilyMapping, preset: ModelConfig, group: Group) -> dict[str, So
         if preset.tie_embeddings and k == "output_layer.weight":
             continue
         out[k] = v
+    return out
+
+
+def mtp_copies(m: FamilyMapping, preset: ModelConfig) -> dict[str, str]:
+    """HF name -> the Megatron tensor it copies, for the embedding and output layer copies an
+    HF checkpoint keeps in each MTP layer (the output layer is the embedding when tied)."""
+    out = {}
+    for j in range(preset.mtp_num_layers or 0):
+        hf = m.hf_layer.format(i=preset.num_layers + j)
+        for name, mg in m.mtp_copies.items():
+            tied = preset.tie_embeddings and mg == "output_layer.weight"
+            out[hf + name] = "embedding.word_embeddings.weight" if tied else mg
     return out
 
 
@@ -145,11 +182,16 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
         "linear_fc2.weight": (h, ffn),
         "q_layernorm.weight": (d,),
         "k_layernorm.weight": (d,),
+        "eh_proj.weight": (h, 2 * h),
     }
     if preset.multi_latent_attention:
         n, rope, lora = preset.num_attention_heads, preset.qk_pos_emb_head_dim, preset.kv_lora_rank
+        q_rank = preset.q_lora_rank or 0
         shapes.update({
             "linear_q_proj.weight": (n * (preset.qk_head_dim + rope), h),
+            "linear_q_down_proj.weight": (q_rank, h),
+            "q_layernorm.weight": (q_rank,),
+            "linear_q_up_proj.weight": (n * (preset.qk_head_dim + rope), q_rank),
             "linear_kv_down_proj.weight": (lora + rope, h),
             "kv_layernorm.weight": (lora,),
             "linear_kv_up_proj.weight": (n * (preset.qk_head_dim + preset.v_head_dim), lora),

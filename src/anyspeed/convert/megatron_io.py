@@ -38,6 +38,7 @@ from anyspeed.models.config import ModelConfig
 LEGACY_ITERATION = 1
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(transformer_layer\.)?")
 
 
 def common_state(preset: ModelConfig, iteration: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +131,8 @@ def empty_model(preset: ModelConfig, dtype: torch.dtype):
 # ----------------------------------------------------------------------------------- legacy
 def _extra_states(names: list[str], last_stage: bool) -> dict[str, None]:
     """The ``_extra_state`` entries Megatron's linear layers add to a state dict."""
-    mods = {n.rsplit(".", 1)[0] for n in names if ".linear_" in n or n.startswith("output_layer")}
+    mods = {n.rsplit(".", 1)[0] for n in names
+            if ".linear_" in n or ".eh_proj." in n or n.startswith("output_layer")}  # fmt: skip
     if last_stage:
         mods.add("output_layer")
     return {f"{m}._extra_state": None for m in sorted(mods)}
@@ -228,19 +230,11 @@ def read_legacy(
             (t, x): torch_load(ranks[(t, s, x)])["model"] for t in range(tp) for x in range(ep)
         }  # fmt: skip  (memory-mapped)
         sources = _stage_sources(shards, tp, ep)
-        by_group: dict[Group, list[str]] = {}
-        for n in sources:
-            mt = LAYER.match(n)
-            if mt:
-                by_group.setdefault(int(mt.group(1)), []).append(n)
-            elif n.startswith("embedding."):
-                by_group.setdefault(EMBED, []).append(n)
-            else:
-                by_group.setdefault(HEAD, []).append(n)
+        by_group = _by_group(sources, first_stage=s == 0)
         layers = sorted(g for g in by_group if isinstance(g, int))
-        order = (
-            ([EMBED] if EMBED in by_group else []) + layers + ([HEAD] if HEAD in by_group else [])
-        )
+        mtp = sorted(g for g in by_group if isinstance(g, tuple))
+        order = [*([EMBED] if EMBED in by_group else []), *layers, *mtp,
+                 *([HEAD] if HEAD in by_group else [])]  # fmt: skip
         for g in order:
             out = {}
             for n in by_group[g]:
@@ -249,9 +243,29 @@ def read_legacy(
                 if isinstance(g, int):
                     n = f"decoder.layers.{g + offset}." + n[LAYER.match(n).end() :]
                 out[n] = full
-            yield (g + offset if isinstance(g, int) else g), out
+            if isinstance(g, tuple):  # MTP layer j: the group after the decoder's layers
+                yield offset + len(layers) + g[0], out
+            else:
+                yield (g + offset if isinstance(g, int) else g), out
         offset += len(layers)
         del shards
+
+
+def _by_group(sources: dict[str, tuple], first_stage: bool) -> dict[Any, list[str]]:
+    """A stage's names by group: its (local) layer number, ``(j,)`` for MTP layer ``j``, the
+    embedding or the head. The embedding copy a later stage keeps for MTP is left out."""
+    by_group: dict[Any, list[str]] = {}
+    for n in sources:
+        if mt := LAYER.match(n):
+            by_group.setdefault(int(mt.group(1)), []).append(n)
+        elif mt := MTP_LAYER.match(n):
+            by_group.setdefault((int(mt.group(1)),), []).append(n)
+        elif n.startswith("embedding."):
+            if first_stage:
+                by_group.setdefault(EMBED, []).append(n)
+        else:
+            by_group.setdefault(HEAD, []).append(n)
+    return by_group
 
 
 def _stage_sources(shards: dict[tuple[int, int], dict], tp: int, ep: int) -> dict[str, tuple]:

@@ -14,7 +14,7 @@ import torch
 from anyspeed.checkpoint.files import RELEASE, iteration_dir, write_tracker
 from anyspeed.convert.engine import Group, Stacked
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.megatron_io import LAYER, empty_model, megatron_session
+from anyspeed.convert.megatron_io import LAYER, MTP_LAYER, empty_model, megatron_session
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.reward_head import HEAD_KEY
 
@@ -28,7 +28,11 @@ def _group_index(preset: ModelConfig) -> Callable[[str], int]:
     def index(name: str) -> int:
         if mt := LAYER.match(name):
             return 1 + int(mt.group(1))
-        return 0 if name.startswith("embedding.") else preset.num_layers + 1
+        if mt := MTP_LAYER.match(name):
+            return 1 + preset.num_layers + int(mt.group(1))
+        return 0 if name.startswith("embedding.") else preset.num_layers + mtp + 1
+
+    mtp = preset.mtp_num_layers or 0
 
     return index
 
@@ -109,7 +113,14 @@ def checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int
 
     def key(name: str) -> tuple[str, tuple[int, ...]]:
         mt = LAYER.match(name)
-        if not mt:
+        if mtp := MTP_LAYER.match(name):  # the probe has every MTP layer: keyed per layer
+            rest = name[mtp.end() :]
+            expert = _EXPERT.match(rest)
+            if expert:
+                rest = f"mlp.experts.local_experts.0.{rest[expert.end() :]}"
+            probe_name = name[: mtp.end()] + rest
+            index = (int(expert.group(1)),) if expert else ()
+        elif not mt:
             probe_name, index = name, ()
         else:
             layer, rest = int(mt.group(1)), name[mt.end() :]

@@ -87,6 +87,12 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
         missing, unexpected = model.load_state_dict(state, strict=False)
     if getattr(config, "tie_word_embeddings", False):
         missing = [k for k in missing if k != "lm_head.weight"]
+    # multi-token prediction layers (after the last decoder layer): transformers has none
+    mtp = tuple(
+        f"model.layers.{i}."
+        for i in range(config.num_hidden_layers, 2 * config.num_hidden_layers + 8)
+    )
+    missing, unexpected = sorted(missing), sorted(k for k in unexpected if not k.startswith(mtp))
     if missing or unexpected:
         raise ConvertError(
             f"{hf_dir}: transformers misses {missing[:3]}, does not expect {unexpected[:3]}"

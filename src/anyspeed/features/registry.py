@@ -19,6 +19,7 @@ from anyspeed.features.compat.cuda_only import CudaOnlyOptions
 from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
+from anyspeed.features.compat.mtp import MTPCompat
 from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
@@ -62,6 +63,7 @@ def build() -> list[Feature]:
         MindSpeedMoEFlags(),
         MoECompat(),
         MoEGroupedGemm(),
+        MTPCompat(),
         RecomputeCompat(),
         *kernels,
         GlooCollectives(),

@@ -73,6 +73,9 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     rope_type: str = "rope"  # "yarn": YaRN-scaled RoPE (MLA)
+    # Multi-token prediction (DeepSeek-V3): extra layers after the decoder, each predicting one
+    # token further ahead from the previous depth's hidden state and the next token's embedding.
+    mtp_num_layers: int | None = None
     rotary_scaling_factor: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
@@ -103,6 +106,7 @@ class ModelConfig:
     moe_expert_capacity_factor: float | None = field(default=None, compare=False)
     moe_pad_expert_input_to_capacity: bool = field(default=False, compare=False)
     moe_token_drop_policy: str = field(default="probs", compare=False)
+    mtp_loss_scaling_factor: float = field(default=0.1, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -228,7 +232,22 @@ class ModelConfig:
         h, attn = self.hidden_size, self._attention_parameters()
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         mlps = sum(self._mlp_parameters(moe)[0] for moe in self.moe_layers())
+        return self.num_layers * (attn + 2 * h) + mlps + emb + h + self.mtp_parameters()
+
+    def active_parameters(self) -> int:
+        """Parameters a token passes through in the decoder (top-k experts; no MTP layers)."""
+        h, attn = self.hidden_size, self._attention_parameters()
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        mlps = sum(self._mlp_parameters(moe)[1] for moe in self.moe_layers())
         return self.num_layers * (attn + 2 * h) + mlps + emb + h
+
+    def mtp_parameters(self) -> int:
+        """Parameters of the multi-token prediction layers (they share the embedding and the
+        output layer): two norms, the [embedding; hidden] projection, a decoder layer like the
+        last one, and a final norm each."""
+        h, last = self.hidden_size, self.moe_layers()[-1]
+        layer = self._attention_parameters() + 2 * h + self._mlp_parameters(last)[0]
+        return (self.mtp_num_layers or 0) * (2 * h + 2 * h * h + layer + h)
 
     def _attention_parameters(self) -> int:
         """Parameters of one layer's attention (multi-latent: low-rank Q and KV projections)."""

@@ -91,6 +91,8 @@ def transformer_config(
         bf16=bf16,
         fp16=fp16,
         deallocate_pipeline_outputs=True,
+        mtp_num_layers=model.mtp_num_layers,
+        mtp_loss_scaling_factor=model.mtp_loss_scaling_factor,
         **PORTABLE_CONFIG,
     )
     kw.update(moe_config(model))
@@ -191,9 +193,11 @@ def build(
     from megatron.core.models.gpt import GPTModel
 
     scaling = model.rope_scaling or {}
+    spec = layer_spec(model, config, vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, config, vp_stage),
+        transformer_layer_spec=spec,
+        mtp_block_spec=_mtp_spec(model, config, spec, vp_stage),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
@@ -206,6 +210,16 @@ def build(
         rope_scaling_factor=float(scaling.get("factor", 8.0)),
         vp_stage=vp_stage,
     )
+
+
+def _mtp_spec(model: ModelConfig, config, spec, vp_stage: int | None):
+    """The multi-token prediction block of this (last) pipeline stage, each MTP layer a copy of
+    the last decoder layer's spec; None without MTP or on another stage."""
+    if not model.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 def build_chunks(model: ModelConfig, config, layout: Layout) -> list[torch.nn.Module]:

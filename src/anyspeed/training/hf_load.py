@@ -35,11 +35,10 @@ def hf_dir_of(argv: list[str]) -> str | None:
 
 def expand(argv: list[str], hf_dir: str) -> list[str]:
     """Architecture flags from the HF ``config.json`` (explicit flags win) and its tokenizer."""
-    from anyspeed.convert.hf_io import read_config
-    from anyspeed.models.hf import preset_from_hf
+    from anyspeed.convert.api import hf_dir_preset
 
     try:
-        preset = preset_from_hf(read_config(hf_dir))
+        preset = hf_dir_preset(hf_dir)
     except ValueError as exc:  # ConvertError (a bad file) is one too
         raise UsageError(f"--load {hf_dir!r}: {exc}") from None
     tp = int(_flag(argv, "--tensor-model-parallel-size", "1"))

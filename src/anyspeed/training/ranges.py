@@ -79,6 +79,8 @@ RANGES: dict[str, Range] = {
     "--decoder-last-pipeline-num-layers": POSITIVE,
     # multi-latent attention
     "--q-lora-rank": POSITIVE,
+    "--mtp-num-layers": POSITIVE,
+    "--mtp-loss-scaling-factor": NONNEG,
     "--kv-lora-rank": POSITIVE,
     "--qk-head-dim": POSITIVE,
     "--qk-pos-emb-head-dim": POSITIVE,

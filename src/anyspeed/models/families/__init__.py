@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from anyspeed.models.families import (
     deepseek_v2,
+    deepseek_v3,
     gpt_oss,
     llama,
     mistral,
@@ -38,6 +39,7 @@ FAMILIES: dict[str, Family] = {
         qwen2_moe.FAMILY,
         qwen3_moe.FAMILY,
         deepseek_v2.FAMILY,
+        deepseek_v3.FAMILY,
         gpt_oss.FAMILY,
     )  # fmt: skip
 }

@@ -55,6 +55,12 @@ class FamilyMapping:
     # once per expert, ``{e}`` standing for the (global) expert index on both sides.
     moe: dict[str, str | Fused] = field(default_factory=dict)
     expert: dict[str, str | Fused | ExpertSlice] = field(default_factory=dict)
+    # A multi-token prediction layer (DeepSeek-V3 stores one as the HF layer after the last
+    # decoder layer): its own tensors (Megatron name under ``mtp.layers.{j}.`` -> HF name under
+    # the layer; the rest are a decoder layer's), and the HF tensors it holds that copy the
+    # embedding or the output layer (written on export, read as copies on import).
+    mtp: dict[str, str] = field(default_factory=dict)
+    mtp_copies: dict[str, str] = field(default_factory=dict)
 
     def extend(self, family: str, layer: dict[str, str | Fused] | None = None,
                **moe: dict[str, str | Fused]) -> FamilyMapping:  # fmt: skip

@@ -8,7 +8,7 @@ from typing import Any
 
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families.base import Family, FamilyMapping, gate_up, tiny
-from anyspeed.models.families.moe_hf import QWEN_EXPERT, _int, check_router, pattern_text
+from anyspeed.models.families.moe_hf import QWEN_EXPERT, _int, pattern_text
 
 # What Megatron-Core's MLATransformerConfig fixes for YaRN: configs that differ are refused.
 _YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
@@ -63,9 +63,24 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
                 mscale_all_dim=float(params.get("mscale_all_dim", 0.0)))  # fmt: skip
 
 
+def mla_from_hf(config: dict[str, Any]) -> dict[str, Any]:
+    """The multi-latent attention fields (and YaRN) of a DeepSeek-V2/V3 config."""
+    return dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,  # kv_a_layernorm: Megatron builds it only with QK norm
+        q_lora_rank=_int(config, "q_lora_rank", default=0) or None,
+        kv_lora_rank=_int(config, "kv_lora_rank"),
+        qk_head_dim=_int(config, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_int(config, "qk_rope_head_dim"),
+        v_head_dim=_int(config, "v_head_dim"),
+        kv_channels=None,
+        num_query_groups=None,
+        moe_aux_loss_coeff=float(config.get("aux_loss_alpha") or 0.0),
+        **_rope(config),
+    )
+
+
 def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    if config.get("q_lora_rank"):
-        raise ValueError("deepseek_v2: q_lora_rank (DeepSeek-V2 full size) is not supported yet")
     if config.get("topk_method", "greedy") != "greedy" or config.get("scoring_func", "softmax") \
             != "softmax":  # fmt: skip
         raise ValueError("deepseek_v2: only greedy top-k over softmax scores is supported")
@@ -74,6 +89,7 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     expert_ffn = _int(config, "moe_intermediate_size")
     scale = float(config.get("routed_scaling_factor") or 1.0)
     return dict(
+        mla_from_hf(config),
         num_experts=_int(config, "n_routed_experts"),
         moe_router_topk=_int(config, "num_experts_per_tok"),
         moe_ffn_hidden_size=expert_ffn,
@@ -81,36 +97,26 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         moe_shared_expert_intermediate_size=shared * expert_ffn or None,
         moe_router_pre_softmax=not config.get("norm_topk_prob", False),
         moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
-        moe_aux_loss_coeff=float(config.get("aux_loss_alpha") or 0.0),
-        multi_latent_attention=True,
-        qk_layernorm=True,  # kv_a_layernorm: Megatron builds it only with QK norm
-        kv_lora_rank=_int(config, "kv_lora_rank"),
-        qk_head_dim=_int(config, "qk_nope_head_dim"),
-        qk_pos_emb_head_dim=_int(config, "qk_rope_head_dim"),
-        v_head_dim=_int(config, "v_head_dim"),
-        kv_channels=None,
-        num_query_groups=None,
-        **_rope(config),
     )
 
 
-def _to_hf(model: ModelConfig) -> dict[str, Any]:
-    check_router(model, "deepseek_v2", "DeepseekV2ForCausalLM")
+def moe_to_hf(model: ModelConfig, family: str, hf_name: str) -> dict[str, Any]:
+    """The DeepSeek config fields V2 and V3 share: dense layers first, whole shared experts,
+    multi-latent attention, YaRN, the routed scaling factor."""
     bits = model.moe_layers()
     dense = bits.index(True) if True in bits else model.num_layers
     if any(not b for b in bits[dense:]) or model.moe_shared_expert_gate:
-        raise ValueError("deepseek_v2: DeepseekV2ForCausalLM has dense layers first, then "
+        raise ValueError(f"{family}: {hf_name} has dense layers first, then "
                          "experts in every layer, and no shared-expert gate")  # fmt: skip
     shared = model.moe_shared_expert_intermediate_size or 0
     if shared % model.expert_ffn_size:
-        raise ValueError("deepseek_v2: the shared experts must be whole experts")
+        raise ValueError(f"{family}: the shared experts must be whole experts")
     out: dict[str, Any] = {
         "n_routed_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
         "moe_intermediate_size": model.expert_ffn_size, "first_k_dense_replace": dense,
-        "n_shared_experts": shared // model.expert_ffn_size, "topk_method": "greedy",
-        "norm_topk_prob": not model.moe_router_pre_softmax,
+        "n_shared_experts": shared // model.expert_ffn_size,
         "routed_scaling_factor": model.moe_router_topk_scaling_factor or 1.0,
-        "q_lora_rank": None, "kv_lora_rank": model.kv_lora_rank,
+        "q_lora_rank": model.q_lora_rank, "kv_lora_rank": model.kv_lora_rank,
         "qk_nope_head_dim": model.qk_head_dim, "qk_rope_head_dim": model.qk_pos_emb_head_dim,
         "v_head_dim": model.v_head_dim, "num_key_value_heads": model.num_attention_heads,
     }  # fmt: skip
@@ -118,6 +124,14 @@ def _to_hf(model: ModelConfig) -> dict[str, Any]:
         out["rope_scaling"] = {"type": "yarn", "factor": model.rotary_scaling_factor,
                                "mscale": model.mscale, "mscale_all_dim": model.mscale_all_dim,
                                **_YARN_FIXED}  # fmt: skip
+    return out
+
+
+def _to_hf(model: ModelConfig) -> dict[str, Any]:
+    if model.moe_router_score_function != "softmax" or model.moe_router_num_groups:
+        raise ValueError("deepseek_v2: DeepseekV2ForCausalLM routes by softmax over all experts")
+    out = moe_to_hf(model, "deepseek_v2", "DeepseekV2ForCausalLM")
+    out.update(topk_method="greedy", norm_topk_prob=not model.moe_router_pre_softmax)
     return out
 
 
@@ -132,6 +146,10 @@ MAPPING = FamilyMapping(
     layer={
         "input_layernorm.weight": "input_layernorm.weight",
         _ATTN + "linear_q_proj.weight": "self_attn.q_proj.weight",
+        # with a q_lora_rank, instead of linear_q_proj (the engine keeps the ones that exist)
+        _ATTN + "linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+        _ATTN + "q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+        _ATTN + "linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
         _ATTN + "linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
         _ATTN + "kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
         _ATTN + "linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",

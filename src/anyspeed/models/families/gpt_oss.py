@@ -101,7 +101,7 @@ def _to_hf(model: ModelConfig) -> dict[str, Any]:
     wrong = [k for k, v in want.items() if getattr(model, k) != v]
     if wrong or not all(model.moe_layers()) or model.activation_func_clamp_value is None:
         raise ValueError(f"gpt_oss: GptOssForCausalLM cannot express {wrong or 'this MLP'}")
-    window = [w for w in model.window_layers()]
+    window = model.window_layers()
     return {
         "num_local_experts": model.num_experts,
         "num_experts_per_tok": model.moe_router_topk,
