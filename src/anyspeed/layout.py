@@ -287,6 +287,22 @@ class Layout:
                 f"{what} (GPT-OSS attention) does not run with --context-parallel-size {self.cp} "
                 "(the context-parallel attention core has no sinks or windows): use CP 1"
             )
+        if (
+            self.tp > 1
+            and not self.sequence_parallel
+            and getattr(model, "multi_latent_attention", False)
+        ):
+            raise ValueError(
+                f"--multi-latent-attention at --tensor-model-parallel-size {self.tp} needs "
+                "--sequence-parallel (without it Megatron-Core 0.16.1 leaves the gradient of the "
+                "shared rotary key partial on each TP rank)"
+            )
+        if self.cp > 1 and getattr(model, "mtp_num_layers", None):
+            raise ValueError(
+                f"--mtp-num-layers does not run with --context-parallel-size {self.cp} "
+                "(Megatron-Core 0.16.1 averages the MTP loss per CP rank, not over the "
+                "sequence): use CP 1"
+            )
 
     def _validate_cp(self, tp: int, heads: int | None, seq_length: int | None) -> None:
         cp = self.cp

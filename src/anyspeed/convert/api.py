@@ -36,7 +36,7 @@ from anyspeed.convert.reward import is_reward_model, reward_config, reward_mappi
 from anyspeed.convert.torch_dist import read_torch_dist, save_torch_dist
 from anyspeed.layout import Layout, uneven_stages
 from anyspeed.models.config import ModelConfig, padded_vocab_size
-from anyspeed.models.families import mapping_for
+from anyspeed.models.families import FamilyMapping, mapping_for
 from anyspeed.models.hf import HF_ARCHITECTURES, hf_config, preset_from_hf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,13 +123,15 @@ def check_target(
         )
     try:
         # torch_dist loads at any layout: a biased-expert model's TP is the run's to refuse
+        # (sequence parallelism is the run's choice: a conversion is good for either)
         layout = Layout(tp=1 if biased_experts else tp, pp=pp, ep=ep,
+                        sequence_parallel=tp > 1 and not biased_experts,
                         **uneven_stages(pp, None, None, num_layer_list))  # fmt: skip
         if num_layer_list and sum(map(int, num_layer_list.split(","))) != preset.num_layers:
             raise ValueError(f"--num-layer-list {num_layer_list} does not add up to the "
                              f"model's {preset.num_layers} layers")  # fmt: skip
         layout.validate_for(tp * pp * ep, preset)
-        engine.tp_divisible(preset, tp)
+        _tp_divisible(preset, tp)
         return layout.stage_layers(preset.num_layers)
     except ValueError as exc:
         msg = (
@@ -139,6 +141,19 @@ def check_target(
             .replace("--expert-model-parallel-size", "--target-expert-parallel-size")
         )
         raise ConvertError(msg) from None
+
+
+def _tp_divisible(preset: ModelConfig, tp: int) -> None:
+    """ValueError (one line) when Megatron cannot shard this model over ``tp`` ranks."""
+    sizes = {"ffn hidden size": preset.ffn_hidden_size}
+    if preset.is_moe:
+        sizes["expert ffn hidden size"] = preset.expert_ffn_size
+        sizes["shared expert size"] = preset.moe_shared_expert_intermediate_size or 0
+    for what, size in sizes.items():
+        if size % tp:
+            raise ValueError(
+                f"{what} {size} is not divisible by --target-tensor-parallel-size {tp}"
+            )
 
 
 def _check_hf_tensors(ck: HFCheckpoint, preset: ModelConfig) -> None:
@@ -266,6 +281,20 @@ def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | N
     return cfg
 
 
+def _hf_groups(m: FamilyMapping, preset: ModelConfig, groups: Iterator, vocab: int) -> Iterator:
+    """The HF tensors of each group of Megatron tensors; after the head, the copies of the
+    embedding and output layer each multi-token prediction layer keeps."""
+    copies = engine.mtp_copies(m, preset)
+    top: dict[str, torch.Tensor | engine.Stacked] = {}
+    for g, tensors in groups:
+        out = engine.to_hf(m, preset, g, tensors, vocab)
+        if copies and not isinstance(g, int):
+            top.update((k, v) for k, v in tensors.items() if k in engine.VOCAB)
+        if copies and g == engine.HEAD:
+            out.update((n, engine.take_rows(top[mg], [(0, vocab)])) for n, mg in copies.items())
+        yield out
+
+
 def megatron_to_hf(
     load_dir: str | Path,
     save_dir: str | Path,
@@ -301,8 +330,8 @@ def megatron_to_hf(
                                "checkpoint, without --lora-load")  # fmt: skip
         m, cfg = reward_mapping(m), reward_config(cfg)
     want = engine.hf_shapes(m, dataclasses.replace(preset, vocab_size=hf_vocab))
-    copies = engine.mtp_copies(m, preset)  # written after the head, from the top tensors
-    want.update((n, (hf_vocab, preset.hidden_size)) for n in copies)
+    # each MTP layer's copies of the embedding and output layer, written after the head
+    want.update((n, (hf_vocab, preset.hidden_size)) for n in engine.mtp_copies(m, preset))
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
     if fmt == "torch_dist":
@@ -322,14 +351,7 @@ def megatron_to_hf(
         writer = ShardedWriter(tmp, list(want.items()), max_shard_size)
         seen, dtypes = set(), set()
         try:
-            top: dict[str, torch.Tensor | engine.Stacked] = {}
-            for g, tensors in groups:
-                out = engine.to_hf(m, preset, g, tensors, hf_vocab)
-                if copies and not isinstance(g, int):
-                    top.update((k, v) for k, v in tensors.items() if k in engine.VOCAB)
-                if copies and g == engine.HEAD:
-                    out.update((n, engine.take_rows(top[mg], [(0, hf_vocab)]))
-                               for n, mg in copies.items())  # fmt: skip
+            for out in _hf_groups(m, preset, groups, hf_vocab):
                 for name, t in out.items():
                     if tuple(t.shape) != want[name]:
                         raise ConvertError(f"{load_dir}: {name} has shape {list(t.shape)}, the "

@@ -31,10 +31,10 @@ _COLUMN = (
     "linear_q_proj.weight",
     "linear_q_down_proj.weight",
     "linear_q_up_proj.weight",
-    "linear_kv_down_proj.weight",
     "eh_proj.weight",  # MTP: [embedding; hidden] -> hidden, gathered after
     "linear_kv_up_proj.weight",
 )
+# MLA's KV down-projection is whole on every TP rank (see models.mla.DuplicatedLinear).
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _SWIGLU = ("linear_fc1.weight", "linear_fc1.bias")
 
@@ -389,16 +389,3 @@ def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor | Stacked:
     if rule == "column":
         return Stacked(list(parts))
     return torch.cat(parts, dim=1)
-
-
-def tp_divisible(preset: ModelConfig, tp: int) -> None:
-    """ValueError (one line) when Megatron cannot shard this model over ``tp`` ranks."""
-    sizes = {"ffn hidden size": preset.ffn_hidden_size}
-    if preset.is_moe:
-        sizes["expert ffn hidden size"] = preset.expert_ffn_size
-        sizes["shared expert size"] = preset.moe_shared_expert_intermediate_size or 0
-    for what, size in sizes.items():
-        if size % tp:
-            raise ValueError(
-                f"{what} {size} is not divisible by --target-tensor-parallel-size {tp}"
-            )

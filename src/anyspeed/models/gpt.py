@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
-from anyspeed.models.mla import mla_config, use_latent_core
+from anyspeed.models.mla import duplicate_kv_down_proj, mla_config, use_latent_core
 
 # Megatron config defaults that assume CUDA kernels (apex / TE / torch.compile fusions), off so
 # the portable path is used; the level-1 kernels switch their own seams back on. CPU
@@ -194,7 +194,7 @@ def build(
 
     scaling = model.rope_scaling or {}
     spec = layer_spec(model, config, vp_stage)
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         mtp_block_spec=_mtp_spec(model, config, spec, vp_stage),
@@ -210,6 +210,9 @@ def build(
         rope_scaling_factor=float(scaling.get("factor", 8.0)),
         vp_stage=vp_stage,
     )
+    if model.multi_latent_attention and config.tensor_model_parallel_size > 1:
+        duplicate_kv_down_proj(gpt)
+    return gpt
 
 
 def _mtp_spec(model: ModelConfig, config, spec, vp_stage: int | None):

@@ -71,6 +71,42 @@ class LatentAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * self.v_channels)
 
 
+class DuplicatedLinear(MegatronModule):
+    """A linear layer whose whole weight every tensor-parallel rank holds (Megatron's TE path
+    builds MLA's KV down-projection so, ``parallel_mode="duplicated"``); under sequence
+    parallelism each rank projects its own tokens and the weight's gradient is summed over TP
+    like a norm's. Returns ``(output, None)`` as Megatron's linear layers do."""
+
+    def __init__(self, weight: torch.Tensor, config: Any) -> None:
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return F.linear(x, self.weight), None
+
+
+def duplicate_kv_down_proj(model: torch.nn.Module) -> None:
+    """Replace every MLA layer's column-split KV down-projection by a :class:`DuplicatedLinear`
+    of the same (gathered) weight. Megatron-Core 0.16.1's local spec gathers the split output and
+    cuts the shared rotary key out of it; that gather's backward keeps each rank's own columns
+    of the gradient, but the rotary key's gradient is partial on each rank (from its own heads):
+    the rotary columns' gradients were never summed over TP. With the whole output on each rank,
+    Megatron takes its other path: the rotary key is gathered from the sequence-parallel region,
+    whose backward sums it. (A collective over the TP group: every TP rank builds the same
+    layers.)"""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    for module in model.modules():
+        down = getattr(module, "linear_kv_down_proj", None)
+        if isinstance(module, MLASelfAttention) and isinstance(down, ColumnParallelLinear):
+            with torch.no_grad():  # [out/TP, in] per rank -> the whole [out, in]
+                full = gather_from_tensor_model_parallel_region(down.weight.t().contiguous()).t()
+            module.linear_kv_down_proj = DuplicatedLinear(full, module.config)
+
+
 def mla_config(model: Any) -> dict[str, Any]:
     """``MLATransformerConfig`` fields of ``model`` (rope fusion off: see the module doc)."""
     return dict(

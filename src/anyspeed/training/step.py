@@ -46,7 +46,8 @@ class Trainer:
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
         self.moe = None
         if model.is_moe:
-            self.moe = MoEMetrics(self.model, layout, model.num_layers, model.num_experts or 0)
+            layers = model.num_layers + (model.mtp_num_layers or 0)  # MTP layers route too
+            self.moe = MoEMetrics(self.model, layout, layers, model.num_experts or 0)
         self.frozen: dict[str, Any] = {}  # the task's frozen models (engine-built)
         self.iteration = 0
         # Called with the trainer between the backward pass (gradients reduced) and the
@@ -106,6 +107,11 @@ class Trainer:
         if self.moe is not None:
             self.moe.reset()
         loss, metrics = self._run_schedule(microbatches, forward_only=False)
+        if self.model_config.mtp_num_layers:
+            from anyspeed.training.mtp_metrics import mtp_losses
+
+            depths = self.model_config.mtp_num_layers
+            metrics.update(mtp_losses(depths, len(microbatches), self.dp))
         for fn in self.before_update:
             fn(self)
         ok, grad_norm, _ = self.optimizer.step()

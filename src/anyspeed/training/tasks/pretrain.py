@@ -40,9 +40,10 @@ class PretrainTask(Task):
     def forward_step(self, data_iterator: Iterator[dict[str, Any]],
                      model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
         batch = next(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                       labels=batch["labels"])  # fmt: skip
         loss_mask = batch.get("loss_mask")
+        # the loss mask reaches the model for the multi-token prediction loss
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"], loss_mask=loss_mask)  # fmt: skip
 
         def loss_func(output_tensor: torch.Tensor):
             loss = lm_loss(output_tensor, loss_mask)
