@@ -19,6 +19,7 @@ LAYOUT_FLAGS = {
     "--num-layers-per-virtual-pipeline-stage": True,
     "--decoder-first-pipeline-num-layers": True,
     "--decoder-last-pipeline-num-layers": True,
+    "--num-layer-list": True,  # MindSpeed-LLM's uneven stages
     "--expert-model-parallel-size": True,
     "--expert-tensor-parallel-size": True,
     "--context-parallel-size": True,
