@@ -114,3 +114,22 @@ def test_logits_match_transformers_ep2_tp2_pp2(ds3):
     assert got["shape_mismatch"] == []
     _check(ds3["ref"], got["dist"])
     _check(ds3["ref"], got["legacy"])
+
+
+def test_mtp_num_layers_0_leaves_the_mtp_layer_out(ds3, tmp_path, capsys):
+    """MindSpeed-LLM's --mtp-num-layers: 0 converts the model without its MTP layer; more
+    layers than the checkpoint holds is one line."""
+    from anyspeed.commands.convert import main as convert_main
+
+    d = ds3["dir"]
+    hf_to_megatron(d / "hf", tmp_path / "mg", mtp_num_layers=0)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", d / "hf")
+    ref, got = _load_hf_tensors(d / "hf"), _load_hf_tensors(tmp_path / "back")
+    assert set(got) == {k for k in ref if not k.startswith("model.layers.3.")}
+    assert all(torch.equal(got[k], ref[k]) for k in got)
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(d / "hf"),
+            "--save-dir", str(tmp_path / "x"), "--mtp-num-layers", "2"]  # fmt: skip
+    assert convert_main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--mtp-num-layers 2: the checkpoint holds 1" in err and "\n" not in err
+    assert not (tmp_path / "x").exists()

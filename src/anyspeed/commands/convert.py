@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-format", choices=["torch_dist", "legacy"], default="torch_dist")
     p.add_argument("--num-layer-list", default=None,
                    help="layers per pipeline stage, comma-separated (legacy)")  # fmt: skip
+    p.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction layers to convert (hf -> mg; default: every one "
+                   "the checkpoint holds; 0 leaves them out)")  # fmt: skip
     p.add_argument(
         "--hf-cfg-dir",
         help="HF directory whose config.json and tokenizer files "
@@ -193,6 +196,7 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 params_dtype=args.params_dtype,
                 num_layer_list=args.num_layer_list,
                 ep=args.target_expert_parallel_size,
+                mtp_num_layers=args.mtp_num_layers,
             )
             hf_dir, mg_dir = args.load_dir, args.save_dir
         elif direction == ("mg", "hf") and args.save_lora_to_hf:

@@ -80,17 +80,19 @@ def _preset(config: dict, model_type_hf: str | None) -> ModelConfig:
     return preset
 
 
-def with_mtp(preset: ModelConfig, names: list[str] | set[str]) -> ModelConfig:
+def with_mtp(preset: ModelConfig, names: list[str] | set[str], want: int | None = None
+             ) -> ModelConfig:  # fmt: skip
     """``preset`` with the multi-token prediction layers the checkpoint's tensor ``names``
     hold (DeepSeek-V3 keeps them as HF layers after the last; transformers' own models and
-    checkpoints saved from them have none, whatever config.json says)."""
+    checkpoints saved from them have none, whatever config.json says), or its first ``want``."""
     m = mapping_for(preset.family)
-    if not m.mtp:
-        return preset
     have, n = set(names), 0
-    while m.hf_layer.format(i=preset.num_layers + n) + "eh_proj.weight" in have:
+    while m.mtp and m.hf_layer.format(i=preset.num_layers + n) + "eh_proj.weight" in have:
         n += 1
-    return dataclasses.replace(preset, mtp_num_layers=n or None)
+    if want is not None and not 0 <= want <= n:
+        raise ConvertError(f"--mtp-num-layers {want}: the checkpoint holds {n} multi-token "
+                           "prediction layers")  # fmt: skip
+    return dataclasses.replace(preset, mtp_num_layers=(n if want is None else want) or None)
 
 
 def hf_dir_preset(hf_dir: str | Path, model_type_hf: str | None = None) -> ModelConfig:
@@ -156,12 +158,23 @@ def _tp_divisible(preset: ModelConfig, tp: int) -> None:
             )
 
 
+def _hf_layer_at_least(m: FamilyMapping, name: str, first: int) -> bool:
+    """Whether HF tensor ``name`` belongs to a layer numbered ``first`` or later."""
+    prefix = m.hf_layer.split("{", 1)[0]
+    rest = name[len(prefix) :] if name.startswith(prefix) else ""
+    number = rest.split(".", 1)[0]
+    return number.isdigit() and int(number) >= first
+
+
 def _check_hf_tensors(ck: HFCheckpoint, preset: ModelConfig) -> None:
     """Every tensor the architecture needs is there with the shape config.json implies."""
     m = mapping_for(preset.family)
     want = engine.hf_shapes(m, preset)
     have = {n for n in ck.names if not n.endswith(m.ignored_hf)}
     have -= set(engine.mtp_copies(m, preset))  # copies of the embedding and output layer
+    if m.mtp:  # MTP layers left out (--mtp-num-layers)
+        kept = preset.num_layers + (preset.mtp_num_layers or 0)
+        have = {n for n in have if not _hf_layer_at_least(m, n, kept)}
     if preset.tie_embeddings:
         have.discard("lm_head.weight")  # some tied checkpoints store it anyway
     for name in sorted(want):
@@ -191,6 +204,7 @@ def hf_to_megatron(
     params_dtype: str | None = None,
     num_layer_list: str | None = None,
     ep: int = 1,
+    mtp_num_layers: int | None = None,
 ) -> Path:
     """Convert an HF directory into a Megatron checkpoint at ``save_dir``.
 
@@ -201,7 +215,7 @@ def hf_to_megatron(
     if ckpt_format not in ("torch_dist", "legacy"):
         raise ConvertError(f"--ckpt-format {ckpt_format}: choose torch_dist or legacy")
     ck = HFCheckpoint(hf_dir)
-    preset = with_mtp(_preset(ck.config, model_type_hf), ck.names)
+    preset = with_mtp(_preset(ck.config, model_type_hf), ck.names, mtp_num_layers)
     counts = check_target(preset, tp, pp, num_layer_list, ep, ckpt_format)
     _check_hf_tensors(ck, preset)
     if Path(save_dir).exists():
