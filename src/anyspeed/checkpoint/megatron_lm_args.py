@@ -34,6 +34,8 @@ MODEL_TYPE_HF = {
     "qwen3_moe": "qwen3_moe",
     "deepseek2-lite": "deepseek_v2",
     "deepseek_v2": "deepseek_v2",
+    "deepseek3": "deepseek_v3",
+    "deepseek_v3": "deepseek_v3",
     "gpt-oss": "gpt_oss",
     "gpt_oss": "gpt_oss",
 }
