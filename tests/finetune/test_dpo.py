@@ -95,6 +95,7 @@ def test_dpo_lora_reference_is_the_base(pair_data, tiny_qwen):
     assert margins[0] == pytest.approx(0, abs=1e-6) and margins[2] > margins[1] > 0
 
 
+@pytest.mark.slow  # 46 s; the global pair mean is also checked by the verify rows (CI time)
 def test_micro_batch_1x8_equals_8x1(pair_data, tiny_qwen):
     """The loss is the global pair mean: one micro-batch of 8 pairs and eight of 1 give the
     same loss and grad norm, step after step."""

@@ -1,12 +1,15 @@
 """GRPO end to end on a converted tiny Qwen2 (1 process): the degenerate cases (learning rate 0:
 ratio exactly 1, no clipping; reference = policy: KL 0; equal rewards: zero gradient), the
 rollout's own log-probs against the training forward's, a learnable reward rising in 10 steps
-and two runs identical, and a failing reward function stopping the run with one line."""
+and two runs identical (``-m slow``), and a failing reward function stopping the run with
+one line."""
 
 from __future__ import annotations
 
 import json
 import os
+
+import pytest
 
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
@@ -40,6 +43,7 @@ def test_degenerate_cases_and_zero_mismatch(add_prompts, tiny_qwen, hf_tok):
     assert runs[1]["metrics"]["grpo/zero_adv_groups"] == [1.0, 1.0]
 
 
+@pytest.mark.slow  # 35 s of learning (CI time); fast GRPO paths: the tests around it
 def test_reward_rises_and_runs_repeat(add_prompts, tiny_qwen, hf_tok):
     """A learnable reward (the share of vowels) rises over 10 steps of 64 samples; a second
     run with the same seed gives the same losses, rewards and grad norms."""

@@ -91,6 +91,7 @@ def test_moe_at_ep2_equals_one_process(add_prompts, hf_tok, tiny_moe):
     assert two["grad_norm"] == pytest.approx(ref["grad_norm"], rel=TOL)
 
 
+@pytest.mark.slow  # 15 s; test_grpo.py checks the one-rank failure fast (CI time)
 def test_a_reward_failing_on_one_rank_stops_every_rank(add_prompts, tiny_qwen, hf_tok):
     from anyspeed.testing import DistributedError
 
