@@ -85,6 +85,13 @@ class DuplicatedLinear(MegatronModule):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return F.linear(x, self.weight), None
 
+    def get_extra_state(self) -> None:
+        """An empty ``_extra_state`` entry, as Megatron's linear layers keep (strict loads)."""
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore (see :meth:`get_extra_state`)."""
+
 
 def duplicate_kv_down_proj(model: torch.nn.Module) -> None:
     """Replace every MLA layer's column-split KV down-projection by a :class:`DuplicatedLinear`

@@ -4,7 +4,8 @@ Megatron-Core 0.16.1 runs the MTP layers in every forward of a model built with 
 reads the labels to roll them (``labels.clone()``), so a forward without labels (generation,
 evaluation logits, the log-prob passes of post-training) fails with an AttributeError. Without
 labels there is no MTP loss to add: the MTP layers are skipped and the main head's output is
-returned, as DeepSeek-V3's inference does.
+returned, as DeepSeek-V3's inference does. And at PP > 1 the last stage's
+``sharded_state_dict()`` needs the data-parallel groups in its metadata (given here when absent).
 """
 
 from __future__ import annotations
@@ -36,6 +37,23 @@ def skip_without_labels(previous: Any) -> Any:
     return _postprocess
 
 
+def metadata_with_groups(previous: Any) -> Any:
+    """``GPTModel.sharded_state_dict`` given the data-parallel groups its MTP branch reads: a
+    pipeline stage with MTP layers but no embedding ties its embedding copy through
+    ``metadata["dp_cp_group"]``, which a call without metadata (Megatron's default) lacks."""
+
+    @functools.wraps(previous)
+    def sharded_state_dict(self: Any, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> Any:  # fmt: skip
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        if getattr(self, "mtp_process", False):
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return previous(self, prefix, sharded_offsets, metadata)
+
+    return sharded_state_dict
+
+
 class MTPCompat(Feature):
     name = "mtp-compat"
     level = 0
@@ -50,4 +68,11 @@ class MTPCompat(Feature):
             feature=self.name,
             reason="--mtp-num-layers: Megatron rolls the labels of every forward for the MTP "
             "loss; a forward without labels (generation, log-probs) failed on None.clone()",
+        )
+        pm.register_wrap(
+            "megatron.core.models.gpt.gpt_model.GPTModel.sharded_state_dict",
+            metadata_with_groups,
+            feature=self.name,
+            reason="--mtp-num-layers at PP > 1: the last stage's sharded_state_dict() without "
+            "metadata failed on metadata['dp_cp_group'] (its MTP embedding tie reads it)",
         )
