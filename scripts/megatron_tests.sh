@@ -6,7 +6,9 @@
 # limit; the summary (per directory passed / failed / skipped, files that did not finish,
 # each failure classified, skip reasons) is printed and kept in OUT/summary.txt.
 # Environment: NPROC (8), FILE_TIMEOUT seconds per file (600), TEST_TIMEOUT per test (300),
-# OUT (megatron-tests-out), PYTHON (.venv/bin/python, set up by scripts/setup.sh).
+# OUT (megatron-tests-out), PYTHON (.venv/bin/python, set up by scripts/setup.sh), PYTEST_ARGS
+# (more pytest arguments, e.g. "--deselect ID": Megatron's pyproject adds -x, so a file stops
+# at its first failure; its later tests run when that one is deselected).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 checkout="$(cd "${1:?usage: scripts/megatron_tests.sh <Megatron-LM checkout> [dirs...]}" && pwd)"
@@ -32,7 +34,7 @@ cd "$checkout"
 run_file() {
   setsid env ANYSPEED_MEGATRON_RESULTS="$2" "$PYTHON" -m torch.distributed.run --standalone \
     --nproc-per-node "$NPROC" -m pytest -p anyspeed.testing_megatron -p no:cacheprovider -q \
-    --timeout "$TEST_TIMEOUT" "$1" > "$3" 2>&1 &
+    --timeout "$TEST_TIMEOUT" ${PYTEST_ARGS:-} "$1" > "$3" 2>&1 &
   local pid=$! waited=0 rc
   while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$FILE_TIMEOUT" ]; do
     sleep 1; waited=$((waited + 1))

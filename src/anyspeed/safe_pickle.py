@@ -4,8 +4,10 @@ A pickle names the functions and classes it wants called; a bare ``pickle.load``
 it names (``os.system``, ``builtins.eval``). :class:`Unpickler` resolves only the plain data a
 checkpoint holds -- containers, tensors and storages, dtypes, ``torch.Size``, the
 torch.distributed.checkpoint metadata classes, ``argparse.Namespace``, enum members, numpy
-arrays and scalars -- and sets object state only on instances of those classes. Anything else,
-and any damage to the bytes, is one :class:`UnsafePickleError` line naming the file.
+arrays and scalars, ``io.BytesIO`` buffers -- and sets object state only on instances of those
+classes. Anything else, and any damage to the bytes, is one :class:`UnsafePickleError` line
+naming the file. Protocol 2 (``torch.save``'s) names builtins the Python 2 way
+(``__builtin__.set``): they are mapped as pickle's own reader maps them, then checked.
 
 :func:`load` reads a plain pickle (a torch_dist ``.metadata``); :func:`load_torch` a
 ``torch.save`` file (``common.pt``, legacy ``model_optim_rng.pt``, RNG and optimizer records),
@@ -14,6 +16,7 @@ through ``torch.load`` with this module as its pickle module.
 
 from __future__ import annotations
 
+import _compat_pickle
 import enum
 import importlib
 import io
@@ -37,6 +40,10 @@ _DCP = "torch.distributed.checkpoint"
 _ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n) for m, n in {
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "bytearray", "complex", "slice"},
+    # an in-memory byte buffer: what a Megatron ShardedObject (and TE's pre-2.0 extra state)
+    # may hold, on megatron.core.safe_globals' list; its state is bytes, a position, a dict
+    "_io": {"BytesIO"},
+    "io": {"BytesIO"},
     "argparse": {"Namespace"},
     "types": {"SimpleNamespace"},
     "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
@@ -154,6 +161,13 @@ class Unpickler(pickle._Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if not isinstance(module, str) or not isinstance(name, str):
             raise pickle.UnpicklingError("refusing a global not named by two strings")
+        if self.proto < 3 and self.fix_imports:  # type: ignore[attr-defined]
+            # protocol 2 (torch.save's) writes Python 2 names: __builtin__.set is builtins.set,
+            # mapped as pickle's own reader maps them; the allow-list then decides
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
         obj = _resolve(module, name)
         if obj is None:
             raise pickle.UnpicklingError(f"refusing {module}.{name}")

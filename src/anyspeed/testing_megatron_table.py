@@ -45,7 +45,10 @@ SKIPS: tuple[tuple[str, str], ...] = (
         "builds the DSA indexer from TELinear and TENorm (needs transformer_engine)",
     ),
     (TR + r"test_transformer_block_custom_pgs.py::\w+::test_fwd_bwd_pass_non_uniform", TE_SPEC),
-    (r"tests/unit_tests/dist_checkpointing/models/test_t5_model.py::.*\[t5-te-te\]", TE_SPEC),
+    (  # ids are [model-dst-src]: a TE spec on either side builds TELayerNormColumnParallelLinear
+        r"tests/unit_tests/dist_checkpointing/models/test_t5_model.py::.*\[t5-(te-\w+|\w+-te)\]",
+        TE_SPEC + " (T5's TE spec on the saving or the loading side)",
+    ),
     (
         r"tests/unit_tests/dist_checkpointing/test_pipeline_parallel_layout.py::"
         r"test_save_and_load_checkpoint_vpp",
@@ -126,6 +129,30 @@ FAILURES: tuple[tuple[str, str], ...] = (
         "measures the CUDA allocator (torch.cuda.memory_allocated, within 4 MB); on the CPU the "
         "one line answers with the process's resident memory, which freed tensors leave late "
         "(measured 29 MB over)",
+    ),
+    (
+        r"tests/unit_tests/dist_checkpointing/test_safe_globals.py::TestSafeGlobals::"
+        r"test_safe_globals",
+        "Megatron test-order dependency: the test never initialises torch.distributed; in "
+        "Megatron's CI the dist_checkpointing bucket is one pytest session, where earlier files "
+        "have. Run alone, every rank torch.saves into tmp_dist_ckpt, which the session fixture "
+        "creates on rank 0 only ('Parent directory ... does not exist' on ranks 1-7); after one "
+        "test that initialises it, both tests of the file pass on all 8 ranks",
+    ),
+    (
+        r"tests/unit_tests/dist_checkpointing/test_serialization.py::TestSerialization::"
+        r"test_remove_sharded_tensors",
+        "Megatron vs the installed torch (2.13): remove_sharded_tensors renames "
+        "FileSystemWriter.metadata_path, an attribute torch no longer has "
+        "(_get_metadata_path()); Megatron's CI deselects this test (marked flaky and "
+        "flaky_in_dev)",
+    ),
+    (
+        r"tests/unit_tests/dist_checkpointing/test_serialization.py::TestNonStrictLoad::"
+        r"test_missing_keys_raises_error_during_validation",
+        "pytest version: Megatron pins pytest 8.3.5; this environment's pytest 9 attaches "
+        "caplog to non-propagating loggers too, so torch's dcp_logger DEBUG records land in "
+        "caplog.text, which the test asserts is empty",
     ),
     (
         r"tests/unit_tests/distributed/megatron_fsdp/",

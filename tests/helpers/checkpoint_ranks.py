@@ -119,3 +119,42 @@ def run_cases(cases: list[dict]) -> list[dict]:
         if code == 0:  # the group is gone: the test fails on this case, not on a hang
             break
     return out
+
+
+def async_save_persistent(root: str) -> dict:
+    """Megatron's asynchronous save through its persistent worker (a spawned process) against
+    its synchronous save of the same sharded state, both loaded back (2 ranks)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing import ShardedTensor, load, save
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def state() -> dict:
+        mine = torch.arange(6.0).view(2, 3) + 10 * rank
+        return {"w": ShardedTensor.from_rank_offsets("w", mine, (0, rank, world))}
+
+    paths = {kind: os.path.join(root, kind) for kind in ("async", "sync")}
+    if rank == 0:
+        for path in paths.values():
+            os.makedirs(path)
+    dist.barrier()
+    calls = AsyncCallsQueue(persistent=True)
+    calls.schedule_async_request(save(state(), paths["async"], async_sharded_save=True))
+    save(state(), paths["sync"])
+    calls.maybe_finalize_async_calls(blocking=True)
+    worker = calls.persistent_caller.process
+    loaded = {kind: load(state(), path)["w"] for kind, path in paths.items()}
+    calls.close()
+    del calls  # its caller's __del__ asks for the rank: before the group goes
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return {
+        "worker_was_spawned": worker is not None,
+        "async_equals_sync": torch.equal(loaded["async"], loaded["sync"]),
+        "values": loaded["async"].tolist(),
+    }

@@ -23,8 +23,14 @@ LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--num-layer-list", "2,1"],
 }
-EP2 = ["--expert-model-parallel-size", "2", "--num-experts", "16", "--moe-token-dispatcher-type",
-       "alltoall"]  # (the adaptor checks the layout before --load's config.json is read)
+EP2 = [
+    "--expert-model-parallel-size",
+    "2",
+    "--num-experts",
+    "16",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+]  # (the adaptor checks the layout before --load's config.json is read)
 MTP = "mtp_1 loss"
 
 

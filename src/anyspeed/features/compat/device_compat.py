@@ -3,7 +3,7 @@
 * ``device-compat``: the device layer's central redirections (torch.cuda surface, CUDA device
   arguments, nccl -> device backend). Registers nothing on CUDA.
 * ``megatron-core-compat``: small, named adjustments inside megatron.core for non-CUDA devices
-  (the algorithms live in :mod:`.pipeline_p2p` and :mod:`.torch_adam`).
+  (the algorithms live in :mod:`.pipeline_p2p`, :mod:`.torch_adam` and :mod:`.ckpt_worker`).
 """
 
 from __future__ import annotations
@@ -88,6 +88,16 @@ class MegatronCoreCompat(Feature):
             feature=self.name,
             reason="with torch's Adam, a loaded distributed optimizer shares one step tensor "
             "across parameters (advanced once per parameter); give each its own",
+        )
+        from anyspeed.features.compat import ckpt_worker
+
+        pm.register_wrap(
+            ckpt_worker.TARGET,
+            ckpt_worker.spawned_with_anyspeed,
+            feature=self.name,
+            reason="the asynchronous save's persistent worker is a spawned process without the "
+            "one line: its torch.cuda.set_device(rank % device_count()) divides by zero and "
+            "the trainer waits forever; the worker installs the device layer first",
         )
         from megatron.core.transformer import multi_latent_attention as mla
 
