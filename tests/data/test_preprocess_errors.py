@@ -187,7 +187,7 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, hf_tok, sig):
     import time
 
     line = '{"text": "' + " ".join(f"w{i % 997}x" for i in range(2000)) + '"}\n'
-    (tmp_path / "big.jsonl").write_text(line * 1500)  # ~15 MB: seconds of work
+    (tmp_path / "big.jsonl").write_text(line * 6000)  # ~60 MB: a second or more of work here
     cmd = [sys.executable, "-m", "anyspeed.cli", "preprocess", "--input",
            str(tmp_path / "big.jsonl"), "--output-prefix", str(tmp_path / "o"), "--quiet",
            "--tokenizer-name-or-path", os.path.join(hf_tok, "tokenizer.json")]  # fmt: skip
