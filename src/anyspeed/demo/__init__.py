@@ -187,7 +187,7 @@ def parser() -> argparse.ArgumentParser:
                    help="a verifiable addition task: a short SFT, then GRPO with a rule reward "
                    "(held-out accuracy before and after)")  # fmt: skip
     p.add_argument("--sft-iters", type=int, default=None,
-                   help="with --dpo/--grpo: SFT iterations first (default 100/150)")  # fmt: skip
+                   help="with --dpo/--grpo: SFT iterations first (default 100/300)")  # fmt: skip
     p.add_argument("--sft-samples", type=int, default=32,
                    help="with --sft: how many instructions to train on and answer "
                    "(default 32)")  # fmt: skip
