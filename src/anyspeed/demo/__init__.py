@@ -174,7 +174,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--train-iters", type=int, default=None,
                    help="training iterations (default 400; 100 with --sft; 40 DPO "
                    "iterations with --dpo)")  # fmt: skip
-    p.add_argument("--corpus-mb", type=float, default=6.0)
+    p.add_argument("--corpus-mb", type=float, default=None,
+                   help="MiB of the standard library to train the tokenizer on (default 6; "
+                   "--grpo: 1, what its page measures)")  # fmt: skip
     p.add_argument("--moe", action="store_true",
                    help="a Qwen3-MoE-style model, experts over the processes (EP=N)")  # fmt: skip
     p.add_argument("--sft", action="store_true",
@@ -229,7 +231,7 @@ def _pretrain(args: argparse.Namespace, extra: list[str]) -> int:
 
     t0 = time.perf_counter()
     split = get_flag([*DEMO_MODEL, *extra], "--split")
-    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, 4, split)
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 6.0, 4, split)
     if rc:
         return rc
     corpus = os.path.join(args.workdir, "stdlib.jsonl")

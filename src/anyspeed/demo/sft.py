@@ -144,7 +144,7 @@ def sft_model(args: argparse.Namespace, extra: list[str],
     from anyspeed.commands.train import posttrain as posttrain_main
 
     save = os.path.join(args.workdir, "sft-checkpoints")
-    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb, steps)
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 6.0, steps)
     if rc:
         return rc, save, tok_dir, []
     rc, prefix, train = _data(args, tok_dir, steps)
