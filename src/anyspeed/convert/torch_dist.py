@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 def _group_index(preset: ModelConfig) -> Callable[[str], int]:
     """Megatron tensor name -> its position in :func:`engine.groups` order."""
 
+    mtp = preset.mtp_num_layers or 0
+
     def index(name: str) -> int:
         if mt := LAYER.match(name):
             return 1 + int(mt.group(1))
         if mt := MTP_LAYER.match(name):
             return 1 + preset.num_layers + int(mt.group(1))
         return 0 if name.startswith("embedding.") else preset.num_layers + mtp + 1
-
-    mtp = preset.mtp_num_layers or 0
 
     return index
 
