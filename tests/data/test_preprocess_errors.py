@@ -187,11 +187,19 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, hf_tok, sig):
     import time
 
     line = '{"text": "' + " ".join(f"w{i % 997}x" for i in range(2000)) + '"}\n'
-    (tmp_path / "big.jsonl").write_text(line * 6000)  # ~60 MB: a second or more of work here
+    (tmp_path / "big.jsonl").write_text(line * 1500)  # ~15 MB: seconds of work
     cmd = [sys.executable, "-m", "anyspeed.cli", "preprocess", "--input",
            str(tmp_path / "big.jsonl"), "--output-prefix", str(tmp_path / "o"), "--quiet",
            "--tokenizer-name-or-path", os.path.join(hf_tok, "tokenizer.json")]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    # A shell's background job (CI started with '&') ignores SIGINT, and a child inherits that:
+    # Python then installs no KeyboardInterrupt handler. The run gets the default, as from a
+    # terminal.
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 30
     while not any(".bin.tmp-" in f for f in leftovers(str(tmp_path))):
         assert proc.poll() is None and time.monotonic() < deadline, "run ended too early"
