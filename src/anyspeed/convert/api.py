@@ -158,14 +158,6 @@ def _tp_divisible(preset: ModelConfig, tp: int) -> None:
             )
 
 
-def _hf_layer_at_least(m: FamilyMapping, name: str, first: int) -> bool:
-    """Whether HF tensor ``name`` belongs to a layer numbered ``first`` or later."""
-    prefix = m.hf_layer.split("{", 1)[0]
-    rest = name[len(prefix) :] if name.startswith(prefix) else ""
-    number = rest.split(".", 1)[0]
-    return number.isdigit() and int(number) >= first
-
-
 def _check_hf_tensors(ck: HFCheckpoint, preset: ModelConfig) -> None:
     """Every tensor the architecture needs is there with the shape config.json implies."""
     m = mapping_for(preset.family)
@@ -174,7 +166,7 @@ def _check_hf_tensors(ck: HFCheckpoint, preset: ModelConfig) -> None:
     have -= set(engine.mtp_copies(m, preset))  # copies of the embedding and output layer
     if m.mtp:  # MTP layers left out (--mtp-num-layers)
         kept = preset.num_layers + (preset.mtp_num_layers or 0)
-        have = {n for n in have if not _hf_layer_at_least(m, n, kept)}
+        have = {n for n in have if not engine.hf_layer_at_least(m, n, kept)}
     if preset.tie_embeddings:
         have.discard("lm_head.weight")  # some tied checkpoints store it anyway
     for name in sorted(want):

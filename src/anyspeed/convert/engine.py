@@ -127,6 +127,14 @@ def mtp_copies(m: FamilyMapping, preset: ModelConfig) -> dict[str, str]:
     return out
 
 
+def hf_layer_at_least(m: FamilyMapping, name: str, first: int) -> bool:
+    """Whether HF tensor ``name`` belongs to a layer numbered ``first`` or later."""
+    prefix = m.hf_layer.split("{", 1)[0]
+    rest = name[len(prefix) :] if name.startswith(prefix) else ""
+    number = rest.split(".", 1)[0]
+    return number.isdigit() and int(number) >= first
+
+
 # ------------------------------------------------------------------------------------ fusions
 def _qkv_dims(preset: ModelConfig) -> tuple[int, int, int]:
     per_group = preset.num_attention_heads // preset.num_query_groups

@@ -88,11 +88,9 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     if getattr(config, "tie_word_embeddings", False):
         missing = [k for k in missing if k != "lm_head.weight"]
     # multi-token prediction layers (after the last decoder layer): transformers has none
-    mtp = tuple(
-        f"model.layers.{i}."
-        for i in range(config.num_hidden_layers, 2 * config.num_hidden_layers + 8)
-    )
-    missing, unexpected = sorted(missing), sorted(k for k in unexpected if not k.startswith(mtp))
+    m, n = mapping_for(config.model_type), config.num_hidden_layers
+    unexpected = [k for k in unexpected if not engine.hf_layer_at_least(m, k, n)]
+    missing, unexpected = sorted(missing), sorted(unexpected)
     if missing or unexpected:
         raise ConvertError(
             f"{hf_dir}: transformers misses {missing[:3]}, does not expect {unexpected[:3]}"
