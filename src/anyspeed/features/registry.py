@@ -23,6 +23,7 @@ from anyspeed.features.compat.mtp import MTPCompat
 from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
+from anyspeed.features.compat.vision import VisionCompat
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.inference.feature import NoGradFastPath
 from anyspeed.features.memory.feature import (
@@ -64,6 +65,7 @@ def build() -> list[Feature]:
         MoECompat(),
         MoEGroupedGemm(),
         MTPCompat(),
+        VisionCompat(),
         RecomputeCompat(),
         *kernels,
         GlooCollectives(),

@@ -1,0 +1,24 @@
+"""Functions spawned ranks run for the multimodal tests."""
+
+from __future__ import annotations
+
+
+def llava_logits(state: dict, config_json: dict, tp: int, images, ids) -> dict:
+    """This TP rank's vocabulary slice of the logits of the converted LLaVA ``state``."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.convert import llava as conv
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt, multimodal
+    from anyspeed.models.vision import llava_from_hf
+    from anyspeed.training.distributed import init_distributed
+
+    layout = Layout(tp=tp)
+    init_distributed(layout, seed=0)
+    cfg = llava_from_hf(config_json)
+    model = multimodal.build_llava(cfg, gpt.transformer_config(cfg.language, layout), layout)
+    conv.load_into(model.eval(), state, tp, ps.get_tensor_model_parallel_rank())
+    with torch.no_grad():
+        out, _ = model(images, ids, None, None)
+    return {"logits": out}
