@@ -1,9 +1,10 @@
 """HF ``LlavaForConditionalGeneration`` <-> Megatron ``LLaVAModel`` tensors.
 
 The language model maps through its family's declarative mapping (the shared engine); the tower
-and the projector are mapped here. Names are read in either layout transformers has written
-(``model.vision_tower.*`` since 4.52, ``vision_tower.vision_model.*`` before) and written back
-in the layout they were read in.
+and the projector are mapped here, in the names of transformers' in-memory model
+(``model.vision_tower.*``). Files spell them in one of two other layouts, read and written
+through :func:`hf_name`: ``vision_tower.*`` / ``language_model.model.*`` (what transformers 5
+saves) and ``vision_tower.vision_model.*`` (the published llava-hf checkpoints).
 """
 
 from __future__ import annotations
@@ -17,26 +18,31 @@ from anyspeed.models.families import mapping_for
 from anyspeed.models.vision import LlavaConfig, extra_key, extra_shapes
 
 TOWER, PROJ, LM = "model.vision_tower.", "model.multi_modal_projector.", "model.language_model."
-# the layout before transformers 4.52 (still that of most published checkpoints)
-_OLD = (
-    ("model.vision_tower.", "vision_tower.vision_model."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("model.language_model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
-)
+_FILE = {
+    "model.multi_modal_projector.": "multi_modal_projector.",
+    "model.language_model.": "language_model.model.",
+    "lm_head.": "language_model.lm_head.",
+}
+LAYOUTS = {
+    "model": {},  # the in-memory names
+    "saved": {**_FILE, "model.vision_tower.": "vision_tower."},
+    "hub": {**_FILE, "model.vision_tower.": "vision_tower.vision_model."},
+}
 
 
-def old_layout(names: Iterable[str]) -> bool:
-    """Whether a checkpoint's tensor names are in transformers' pre-4.52 LLaVA layout."""
-    return any(n.startswith("vision_tower.vision_model.") for n in names)
+def layout_of(names: Iterable[str]) -> str:
+    """Which of :data:`LAYOUTS` a checkpoint's tensor names are in."""
+    names = list(names)
+    if any(n.startswith("vision_tower.vision_model.") for n in names):
+        return "hub"
+    return "saved" if any(n.startswith("vision_tower.") for n in names) else "model"
 
 
-def hf_name(name: str, old: bool) -> str:
-    """``name`` (current layout) as the checkpoint spells it."""
-    if old:
-        for new, before in _OLD:
-            if name.startswith(new):
-                return before + name[len(new) :]
+def hf_name(name: str, layout: str) -> str:
+    """``name`` (in-memory layout) as a checkpoint in ``layout`` spells it."""
+    for new, there in LAYOUTS[layout].items():
+        if name.startswith(new):
+            return there + name[len(new) :]
     return name
 
 

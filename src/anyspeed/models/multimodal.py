@@ -132,6 +132,9 @@ def build_llava(
         patch_dim=cfg.vision.patch_size,
         image_token_index=cfg.image_token_id,
     )
+    from megatron.core.transformer.enums import ModelType
+
+    model.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules read
     tower = model.vision_model
     tower.ln_post = None  # HF LLaVA reads the layer outputs, before the tower's post-norm
     tower.kept = KeptTensors(extra_shapes(cfg.vision), dtype)

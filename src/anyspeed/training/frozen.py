@@ -43,7 +43,7 @@ def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Froze
             out[name] = Frozen(trainer.model, adapters_off=True)
             continue
         chunks, _ = build_chunks(trainer.model_config, trainer.layout, trainer.cfg,
-                                 spec.transforms)  # fmt: skip
+                                 spec.transforms, trainer.task.build)  # fmt: skip
         for c in chunks:
             c.eval().requires_grad_(False)
         if spec.load:

@@ -19,6 +19,7 @@ from anyspeed.models.config import ModelConfig
 from anyspeed.training.config import TrainConfig
 
 Transform = Callable[[torch.nn.Module, ModelConfig], torch.nn.Module]
+Builder = Callable[[ModelConfig, Any, Layout], "list[torch.nn.Module] | None"]
 
 
 def build_chunks(
@@ -26,14 +27,16 @@ def build_chunks(
     layout: Layout,
     cfg: TrainConfig,
     transforms: Sequence[Transform] = (),
+    builder: Builder | None = None,
 ) -> tuple[list[torch.nn.Module], Any]:
     """This rank's model chunks after the transforms and the precision wrapper (no DDP yet),
-    with their TransformerConfig; Megatron's parallel state must be initialised."""
+    with their TransformerConfig; Megatron's parallel state must be initialised. ``builder``
+    (a task's) builds other models than the GPT from the same config (None: the GPT)."""
     from anyspeed.device import torch_device
 
     config = gpt.transformer_config(model, layout, bf16=cfg.bf16, fp16=cfg.fp16,
                                     **cfg.recompute.config_fields())  # fmt: skip
-    chunks = gpt.build_chunks(model, config, layout)
+    chunks = (builder and builder(model, config, layout)) or gpt.build_chunks(model, config, layout)
     for transform in transforms:
         chunks = [transform(chunk, model) for chunk in chunks]
     chunks = [chunk.to(torch_device()) for chunk in chunks]
@@ -69,9 +72,10 @@ def build_model(
     layout: Layout,
     cfg: TrainConfig,
     transforms: Sequence[Transform] = (),
+    builder: Builder | None = None,
 ) -> list[torch.nn.Module]:
     """The whole pipeline: this rank's chunks, transformed, in ``cfg``'s precision, in DDP."""
-    chunks, config = build_chunks(model, layout, cfg, transforms)
+    chunks, config = build_chunks(model, layout, cfg, transforms, builder)
     ddp = wrap_ddp(chunks, config, layout, cfg)
     _set_sync_funcs(ddp, layout)
     return ddp

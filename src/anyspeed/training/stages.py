@@ -103,6 +103,16 @@ def _grpo() -> Stage:
                  grpo.make_task, argv=grpo.expand_config)  # fmt: skip
 
 
+def _vlm() -> Stage:
+    from anyspeed.training import posttrain_flags
+    from anyspeed.training.tasks import vlm
+
+    return Stage("vlm", "posttrain", "a LLaVA vision-language model (CLIP/SigLIP tower, "
+                 "projector, language model) on image-text conversations",
+                 (posttrain_flags.add_arguments, vlm.add_arguments), vlm.plan, vlm.make_task,
+                 argv=vlm.expand_argv)  # fmt: skip
+
+
 # name -> row builder (imports stay lazy: `anyspeed --help` must start fast)
 STAGES: dict[str, Callable[[], Stage]] = {
     "pretrain": _pretrain,
@@ -111,8 +121,9 @@ STAGES: dict[str, Callable[[], Stage]] = {
     "simpo": _preference("simpo"),
     "orm": _orm,
     "grpo": _grpo,
+    "vlm": _vlm,
 }
-POSTTRAIN_STAGES = ("sft", "dpo", "simpo", "orm", "grpo")
+POSTTRAIN_STAGES = ("sft", "dpo", "simpo", "orm", "grpo", "vlm")
 
 
 def get_stage(name: str | None, command: str = "posttrain") -> Stage:

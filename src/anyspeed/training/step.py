@@ -41,7 +41,8 @@ class Trainer:
         self.model_config, self.layout, self.cfg = model, layout, cfg
         self.task = task or PretrainTask()
         init_distributed(layout, cfg.seed)
-        self.model = build_model(model, layout, cfg, [*self.task.transforms(), *transforms])
+        self.model = build_model(model, layout, cfg, [*self.task.transforms(), *transforms],
+                                 builder=self.task.build)  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg, layout)
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
         self.moe = None

@@ -49,6 +49,11 @@ class Task:
                      model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
         raise NotImplementedError
 
+    def build(self, model: Any, config: Any, layout: Any) -> list[torch.nn.Module] | None:
+        """This rank's (un-wrapped) model chunks when the task trains another model than
+        the GPT of ``model`` (a vision-language model); None: the GPT builder."""
+        return None
+
     def transforms(self) -> list[Any]:
         """Model transforms the task needs (applied in order, before DDP)."""
         return []

@@ -1,0 +1,233 @@
+"""The ``vlm`` stage: a LLaVA model (language model, CLIP/SigLIP tower, projector) trained on
+image-text conversations, with MindSpeed-MM's / Megatron-LM's freeze switches.
+
+``--load <HF LLaVA dir>`` starts from transformers' ``LlavaForConditionalGeneration`` weights
+(converted in memory, each rank its TP shard); ``--load <checkpoint>`` resumes a ``vlm`` run. The
+loss is the global token mean over the assistant's tokens (image and prompt tokens carry none),
+the same at every TP/DP layout. The data: :mod:`anyspeed.training.tasks.vlm_data`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from anyspeed.errors import UsageError
+from anyspeed.training.stages import StagePlan
+from anyspeed.training.tasks.base import LossFunc, Task
+
+RECORD = "anyspeed_llava"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The vision-language flags (Megatron-LM's multimodal names where they exist)."""
+    g = p.add_argument_group("vision-language")
+    g.add_argument("--image-folder", default=None,
+                   help="directory the records' image paths are relative to (default: the "
+                   "jsonl's directory)")  # fmt: skip
+    g.add_argument("--freeze-ViT", "--freeze-vit", dest="freeze_vit", action="store_true",
+                   help="no training of the vision tower")  # fmt: skip
+    g.add_argument("--freeze-LM", "--freeze-lm", dest="freeze_lm", action="store_true",
+                   help="no training of the language model")  # fmt: skip
+    g.add_argument("--freeze-projector", action="store_true", help="no training of the projector")
+    g.add_argument("--vlm-hf-dir", default=None, help=argparse.SUPPRESS)
+
+
+def expand_argv(argv: list[str]) -> list[str]:
+    """``--load <HF LLaVA dir>``: the language model's architecture and the directory's
+    tokenizer as flags (explicit flags win); the weights are read by the task."""
+    from anyspeed.argv import get_flag, merge_flags, pop_flag
+    from anyspeed.convert import is_hf_dir
+    from anyspeed.convert.hf_io import read_config
+    from anyspeed.models.config import padded_vocab_size
+    from anyspeed.models.vision import llava_from_hf
+
+    load = get_flag(argv, "--load")
+    if not load or not is_hf_dir(load):
+        return argv
+    try:
+        cfg = llava_from_hf(read_config(load))
+    except ValueError as exc:  # ConvertError (a bad file) is one too
+        raise UsageError(f"--load {load!r}: {exc}") from None
+    _, argv = pop_flag(argv, "--load")
+    tp = int(get_flag(argv, "--tensor-model-parallel-size", "1") or 1)
+    divisible = int(get_flag(argv, "--make-vocab-size-divisible-by", "128") or 128)
+    flags = [*cfg.language.megatron_args(), "--vlm-hf-dir", load, "--padded-vocab-size",
+             str(padded_vocab_size(cfg.language.vocab_size, divisible, tp))]  # fmt: skip
+    if os.path.isfile(os.path.join(load, "tokenizer.json")):
+        flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", load]
+    return merge_flags(flags, argv)
+
+
+@dataclass(frozen=True)
+class VLMConfig:
+    llava: Any  # anyspeed.models.vision.LlavaConfig (its language model: the run's)
+    hf_dir: str | None
+    text_len: int  # text tokens per row: with the image's embeddings, --seq-length
+    freeze_vit: bool = False
+    freeze_lm: bool = False
+    freeze_projector: bool = False
+
+
+def _llava_config(args: argparse.Namespace) -> Any:
+    from anyspeed.convert.hf_io import read_config
+    from anyspeed.models.vision import LlavaConfig, VisionConfig, llava_from_hf
+
+    if args.vlm_hf_dir:
+        return llava_from_hf(read_config(args.vlm_hf_dir))
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+
+    path = tracked_dir(args.load) if args.load else None
+    saved = read_common(path).get(RECORD) if path else None
+    if not saved:
+        raise UsageError("--stage vlm starts from a Hugging Face LLaVA directory (--load "
+                         "DIR with config.json and safetensors) or resumes a vlm "
+                         "checkpoint")  # fmt: skip
+    rec = json.loads(saved)
+    vision = VisionConfig(**rec.pop("vision"))
+    return LlavaConfig(language=None, vision=vision, **rec)  # type: ignore[arg-type]
+
+
+def plan(args: argparse.Namespace) -> StagePlan:
+    """The vlm checks: the model, the layout, the tokenizer and the data (bad records counted)."""
+    from anyspeed.layout import Layout
+    from anyspeed.models.multimodal import check_layout
+    from anyspeed.training.tasks import vlm_data
+
+    cfg = _llava_config(args)
+    try:
+        check_layout(cfg, Layout.from_args(args))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    text_len = args.seq_length - (cfg.image_seq_len - 1)
+    if text_len < 2:
+        raise UsageError(f"--seq-length {args.seq_length}: an image alone takes "
+                         f"{cfg.image_seq_len} positions; raise it")  # fmt: skip
+    if args.mock_data or not args.data_path or len(args.data_path) != 1:
+        raise UsageError("--data-path: give exactly one LLaVA conversation .jsonl file")
+    path = args.data_path[0]
+    if not os.path.isfile(path):
+        raise UsageError(f"--data-path {path!r}: no such file")
+    data = vlm_data.read(path, args.image_folder or os.path.dirname(path), _tokenizer(args),
+                         cfg.image_token_id, text_len)  # fmt: skip
+    _report(path, data)
+    vcfg = VLMConfig(cfg, args.vlm_hf_dir, text_len, args.freeze_vit, args.freeze_lm,
+                     args.freeze_projector)  # fmt: skip
+    rec = {"vision": dataclasses.asdict(cfg.vision), "image_token_id": cfg.image_token_id,
+           "drop_class_token": cfg.drop_class_token}  # fmt: skip
+    return StagePlan(None, vcfg, data, {RECORD: json.dumps(rec)})
+
+
+def _tokenizer(args: argparse.Namespace) -> Any:
+    if args.tokenizer_type not in ("PretrainedFromHF", "HuggingFaceTokenizer"):
+        raise UsageError("--stage vlm tokenizes its records: pass --tokenizer-type "
+                         "PretrainedFromHF --tokenizer-name-or-path DIR")  # fmt: skip
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+
+    return load_tokenizer(TokenizerSpec(name_or_path=args.tokenizer_name_or_path))
+
+
+def _report(path: str, data: Any) -> None:
+    from anyspeed.launch import reports_here
+
+    if not data.samples:
+        first = next(iter(data.skipped.values()), ["(empty file)"])[0]
+        raise UsageError(f"--data-path {path!r}: no record can train (first: {first})")
+    if data.skipped and reports_here():
+        for kind, where in data.skipped.items():
+            print(f"anyspeed posttrain: warning: skipped {len(where)} records of {path!r} "
+                  f"({kind}; first: {where[0]})", file=sys.stderr)  # fmt: skip
+
+
+def make_task(run: Any) -> VLMTask:
+    return VLMTask(run.config)
+
+
+def _per_token_loss(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
+    chunk.config.calculate_per_token_loss = True  # gradients / global token count
+    return chunk
+
+
+class VLMTask(Task):
+    """Caption / conversation loss of a LLaVA model on images and text."""
+
+    name = "vlm"
+
+    def __init__(self, cfg: VLMConfig) -> None:
+        self.cfg = cfg
+
+    def build(self, model: Any, config: Any, layout: Any) -> list[torch.nn.Module]:
+        from anyspeed.models.multimodal import build_llava, freeze
+
+        llava = dataclasses.replace(self.cfg.llava, language=model)
+        seq = self.cfg.text_len - 1 + llava.image_seq_len
+        chunk = build_llava(llava, config, layout, max_sequence_length=seq)
+        c = self.cfg
+        freeze(chunk, vision=c.freeze_vit, language=c.freeze_lm, projector=c.freeze_projector)
+        return [chunk]
+
+    def transforms(self) -> list[Any]:
+        return [_per_token_loss]
+
+    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+        """An HF start: every rank reads the HF tensors and copies in its TP shard."""
+        if not self.cfg.hf_dir:
+            return False
+        from megatron.core import parallel_state as ps
+
+        from anyspeed.convert import llava as conv
+        from anyspeed.convert.hf_io import HFCheckpoint
+
+        ck = HFCheckpoint(self.cfg.hf_dir)
+        layout = conv.layout_of(ck.names)
+        chunk = trainer.model[0].module
+        dtype = next(chunk.parameters()).dtype
+        llava = dataclasses.replace(self.cfg.llava, language=run.model)
+        state_ = conv.to_megatron(llava, lambda n: ck.get(conv.hf_name(n, layout)).to(dtype),
+                                  run.model.vocab_size)  # fmt: skip
+        inner = getattr(chunk, "module", chunk)  # under a Float16Module
+        conv.load_into(inner, state_, run.layout.tp, ps.get_tensor_model_parallel_rank())
+        if hasattr(trainer.optimizer, "reload_model_params"):
+            trainer.optimizer.reload_model_params()
+        return True
+
+    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
+                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+        from anyspeed.training.tasks.sft import token_loss
+
+        b = next(data_iterator)
+        losses, mask = model(b["images"], b["tokens"], None, None, labels=b["labels"],
+                             loss_mask=b["loss_mask"])  # fmt: skip
+
+        def loss_func(output: torch.Tensor):
+            total, count, report = token_loss(output, mask)
+            return total, count, {self.loss_key: report}
+
+        return losses, loss_func
+
+    def datasets(self, run: Any) -> list[Any]:
+        from anyspeed.training.tasks.sft_data import split_rows
+
+        data = run.data
+        return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
+
+    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
+                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+        from anyspeed.training.tasks.sft_data import global_batches
+        from anyspeed.training.tasks.vlm_data import micro_batch
+
+        data, rows = dataset
+        v = self.cfg.llava.vision
+
+        def make(idx: list[int]) -> dict[str, torch.Tensor]:
+            return micro_batch(data, idx, self.cfg.text_len, v.image_size, v.kind)
+
+        return global_batches(run.args, rows, consumed, device, make)
