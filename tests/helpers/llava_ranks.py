@@ -22,3 +22,18 @@ def llava_logits(state: dict, config_json: dict, tp: int, images, ids) -> dict:
     with torch.no_grad():
         out, _ = model(images, ids, None, None)
     return {"logits": out}
+
+
+def vlm_weights(cli: list[str]) -> dict:
+    """Train ``anyspeed posttrain --stage vlm`` here; the tower's and projector's weights."""
+    from anyspeed.training.engine import train
+    from anyspeed.training.prepare import prepare
+
+    run, _ = prepare(cli, command="posttrain")
+    model = train(run)["trainer"].model[0].module
+
+    def grab(m):
+        return {k: v.detach().clone() for k, v in m.state_dict().items()
+                if not k.endswith("_extra_state")}  # fmt: skip
+
+    return {"vision": grab(model.vision_model), "projector": grab(model.vision_projection)}

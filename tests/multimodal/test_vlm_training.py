@@ -5,6 +5,7 @@ over 3 steps; a frozen tower stays bit-identical; bad records are counted, not f
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -86,3 +87,57 @@ def test_loss_and_grad_norm_equal_one_process(layout, runs):
     assert runs[layout]["loss"] == pytest.approx(runs["one"]["loss"], rel=TOL)
     assert runs[layout]["grad_norm"] == pytest.approx(runs["one"]["grad_norm"], rel=TOL)
     assert all(math.isfinite(x) for x in runs["one"]["loss"])
+
+
+def test_frozen_tower_stays_bit_identical(demo):
+    """--freeze-ViT: after 3 steps the tower equals the HF tower bit for bit; the projector
+    has moved."""
+    from anyspeed.convert import llava as conv
+    from anyspeed.convert.hf_io import HFCheckpoint, read_config
+    from anyspeed.models.vision import llava_from_hf
+    from helpers import llava_ranks
+
+    out = run_distributed(llava_ranks.vlm_weights, 1, cli=_cli(demo, "--freeze-ViT"))[0]
+    ck = HFCheckpoint(demo["hf"])
+    layout = conv.layout_of(ck.names)
+    start = conv.to_megatron(llava_from_hf(read_config(demo["hf"])),
+                             lambda n: ck.get(conv.hf_name(n, layout)), 64)  # fmt: skip
+    for k, v in out["vision"].items():
+        assert torch.equal(v, start[f"vision_model.{k}"]), k
+    moved = [k for k, v in out["projector"].items()
+             if not torch.equal(v, start[f"vision_projection.{k}"])]  # fmt: skip
+    assert moved
+
+
+def test_bad_records_are_counted_and_a_bad_line_is_one_error(demo, tmp_path, capsys):
+    """A missing image, an image that cannot be decoded and more image tags than images are
+    skipped and counted (naming the first); a line that is not a record stops before start."""
+    from anyspeed.errors import UsageError
+    from anyspeed.training.prepare import prepare
+
+    good = open(demo["data"], encoding="utf-8").read().splitlines()[:8]
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png at all")
+    first = json.loads(good[0])
+    import shutil
+
+    for line in good:
+        rec = json.loads(line)
+        shutil.copy(demo["dir"] / rec["image"], tmp_path / rec["image"])
+    bad = [dict(first, image="images/nowhere.png"), dict(first, image="images/broken.png"),
+           dict(first, conversations=[{"from": "human", "value": "<image> <image> what?"},
+                                      {"from": "gpt", "value": "a red circle"}])]  # fmt: skip
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(good + [json.dumps(b) for b in bad]) + "\n", encoding="utf-8")
+    cli = _cli(demo)
+    cli[cli.index(demo["data"])] = str(path)
+    run, _ = prepare(cli, where="launcher", command="posttrain")
+    assert len(run.data) == 8
+    err = capsys.readouterr().err
+    for needle in ("missing image; first: line 9", "undecodable image; first: line 10",
+                   "image tags; first: line 11"):  # fmt: skip
+        assert needle in err
+    path.write_text(good[0] + "\n{not json\n", encoding="utf-8")
+    with pytest.raises(UsageError, match="line 2: not a LLaVA record") as exc:
+        prepare(cli, where="launcher", command="posttrain")
+    assert "\n" not in str(exc.value)
