@@ -50,6 +50,8 @@ _RECORDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("megatron", re.compile(r"(Transformer Engine|Apex)\b.*\bnot installed")),
     ("megatron", re.compile(r"indexes because path_to_cache is None")),
     ("megatron", re.compile(r"You're using the legacy tokenizer system")),
+    # LLaVAModel's banner: anyspeed's docs/multimodal.md says what it supports and checks.
+    ("megatron", re.compile(r"LLaVA is work in progress")),
 )
 
 _original_showwarning: Any = None

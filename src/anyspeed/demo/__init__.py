@@ -188,6 +188,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grpo", action="store_true",
                    help="a verifiable addition task: a short SFT, then GRPO with a rule reward "
                    "(held-out accuracy before and after)")  # fmt: skip
+    p.add_argument("--mm", action="store_true",
+                   help="a vision-language model (LLaVA) captioning drawn shapes, trained on "
+                   "the processes (data parallel)")  # fmt: skip
     p.add_argument("--sft-iters", type=int, default=None,
                    help="with --dpo/--grpo: SFT iterations first (default 100/300)")  # fmt: skip
     p.add_argument("--sft-samples", type=int, default=32,
@@ -208,6 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sft_samples < 1:
         return report("anyspeed demo", UsageError(f"--sft-samples {args.sft_samples}: give at "
                                                   "least 1 instruction to train on"))  # fmt: skip
+    if args.mm:
+        from anyspeed.demo.mm import run
+
+        return run(args, extra)
     if args.grpo:
         from anyspeed.demo.grpo import run
 

@@ -92,6 +92,7 @@ def make_model(directory: str, seed: int = 0, kind: str = "clip") -> str:
                         vision_feature_layer=-1,
                         vision_feature_select_strategy=strategy)  # fmt: skip
     torch.manual_seed(seed)
+    T.utils.logging.disable_progress_bar()  # one tiny file: no "Writing model shards" bar
     T.LlavaForConditionalGeneration(cfg).save_pretrained(directory)
     make_tokenizer(directory)
     return directory
