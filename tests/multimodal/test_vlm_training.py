@@ -141,3 +141,17 @@ def test_bad_records_are_counted_and_a_bad_line_is_one_error(demo, tmp_path, cap
     with pytest.raises(UsageError, match="line 2: not a LLaVA record") as exc:
         prepare(cli, where="launcher", command="posttrain")
     assert "\n" not in str(exc.value)
+
+
+def test_unsupported_layouts_and_lora_are_one_line_errors(demo):
+    from anyspeed.errors import UsageError
+    from anyspeed.training.prepare import prepare
+
+    for extra, needle in ((["--lora-r", "8"], "LoRA is not supported"),
+                          (["--pipeline-model-parallel-size", "2"], "pipeline"),
+                          (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                           "sequence-parallel")):  # fmt: skip
+        with pytest.raises(UsageError, match=needle) as exc:
+            prepare(_cli(demo, *extra, "--nproc-per-node", "2"), where="launcher",
+                    command="posttrain")  # fmt: skip
+        assert "\n" not in str(exc.value)

@@ -32,9 +32,10 @@ def _captions(save: str, held: str, folder: str) -> list[tuple[str, str]]:
 
     import torch
 
+    from anyspeed.commands.vlm_session import load_llava
     from anyspeed.convert.megatron_io import megatron_session
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
-    from anyspeed.inference.vlm import greedy, load_llava
+    from anyspeed.inference.vlm import greedy
     from anyspeed.training.tasks.vlm_data import load_image, render
 
     tok = load_tokenizer(TokenizerSpec(name_or_path=os.path.join(folder, "hf")))

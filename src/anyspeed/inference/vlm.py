@@ -1,5 +1,5 @@
-"""Captioning / answering with a trained LLaVA checkpoint: load it (one process, any layout it
-was trained at) and decode greedily from images and a prompt.
+"""Captioning / answering with a LLaVA model: greedy decoding from images and a prompt
+(:mod:`anyspeed.commands.vlm_session` loads a trained checkpoint).
 
 Decoding recomputes the whole sequence per new token (no KV cache yet: Megatron's LLaVAModel
 keeps its image embeddings in the inference context, which anyspeed's decoder does not drive).
@@ -7,40 +7,7 @@ keeps its image embeddings in the inference context, which anyspeed's decoder do
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import torch
-
-
-def llava_of(ckpt: str) -> Any:
-    """The :class:`LlavaConfig` a ``vlm`` checkpoint records (language model included)."""
-    from anyspeed.checkpoint.reads import read_common, tracked_dir
-    from anyspeed.checkpoint.record import model_in_common
-    from anyspeed.models.vision import LlavaConfig, VisionConfig
-    from anyspeed.training.tasks.vlm import RECORD
-
-    path = tracked_dir(ckpt)
-    common = read_common(path) if path else {}
-    if RECORD not in common:
-        raise ValueError(f"{ckpt}: not a checkpoint of anyspeed posttrain --stage vlm")
-    rec = json.loads(common[RECORD])
-    vision = VisionConfig(**rec.pop("vision"))
-    lm = model_in_common(common, ckpt, as_hf=False)
-    return LlavaConfig(language=lm, vision=vision, **rec)
-
-
-def load_llava(ckpt: str) -> tuple[torch.nn.Module, Any]:
-    """The checkpoint's LLaVA model (TP1, eval) and config; Megatron's parallel state (one
-    rank) must be initialised (:func:`anyspeed.convert.megatron_io.megatron_session`)."""
-    from anyspeed.checkpoint.save_load import load_weights
-    from anyspeed.models import gpt, multimodal
-
-    cfg = llava_of(ckpt)
-    config = gpt.transformer_config(cfg.language, perform_initialization=False)
-    model = multimodal.build_llava(cfg, config)
-    load_weights(ckpt, [model])
-    return model.eval(), cfg
 
 
 @torch.no_grad()

@@ -64,6 +64,26 @@ class LlavaConfig:
         return dataclasses.replace(self, language=dataclasses.replace(self.language, **changes))
 
 
+RECORD = "anyspeed_llava"  # the checkpoint entry a vlm run writes (tower, image token, rule)
+
+
+def record(cfg: LlavaConfig) -> str:
+    """``cfg`` less its language model (recorded as every run's model) as checkpoint JSON."""
+    import json
+
+    return json.dumps({"vision": dataclasses.asdict(cfg.vision), "drop_class_token":
+                       cfg.drop_class_token, "image_token_id": cfg.image_token_id})  # fmt: skip
+
+
+def from_record(text: str, language: ModelConfig | None) -> LlavaConfig:
+    """Inverse of :func:`record` with the checkpoint's language model."""
+    import json
+
+    rec = json.loads(text)
+    vision = VisionConfig(**rec.pop("vision"))
+    return LlavaConfig(language=language, vision=vision, **rec)  # type: ignore[arg-type]
+
+
 def _int(config: dict[str, Any], key: str, where: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool):

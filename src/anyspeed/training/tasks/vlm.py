@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Iterator
@@ -21,10 +20,9 @@ from typing import Any
 import torch
 
 from anyspeed.errors import UsageError
+from anyspeed.models.vision import RECORD
 from anyspeed.training.stages import StagePlan
 from anyspeed.training.tasks.base import LossFunc, Task
-
-RECORD = "anyspeed_llava"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,7 +77,7 @@ class VLMConfig:
 
 def _llava_config(args: argparse.Namespace) -> Any:
     from anyspeed.convert.hf_io import read_config
-    from anyspeed.models.vision import LlavaConfig, VisionConfig, llava_from_hf
+    from anyspeed.models.vision import from_record, llava_from_hf
 
     if args.vlm_hf_dir:
         return llava_from_hf(read_config(args.vlm_hf_dir))
@@ -91,9 +89,7 @@ def _llava_config(args: argparse.Namespace) -> Any:
         raise UsageError("--stage vlm starts from a Hugging Face LLaVA directory (--load "
                          "DIR with config.json and safetensors) or resumes a vlm "
                          "checkpoint")  # fmt: skip
-    rec = json.loads(saved)
-    vision = VisionConfig(**rec.pop("vision"))
-    return LlavaConfig(language=None, vision=vision, **rec)  # type: ignore[arg-type]
+    return from_record(saved, None)
 
 
 def plan(args: argparse.Namespace) -> StagePlan:
@@ -102,6 +98,10 @@ def plan(args: argparse.Namespace) -> StagePlan:
     from anyspeed.models.multimodal import check_layout
     from anyspeed.training.tasks import vlm_data
 
+    if args.lora_target_modules or args.lora_r or args.lora_load:
+        raise UsageError("--lora-*: LoRA is not supported for --stage vlm yet; train in "
+                         "full or freeze parts (--freeze-LM, --freeze-ViT, "
+                         "--freeze-projector)")  # fmt: skip
     cfg = _llava_config(args)
     try:
         check_layout(cfg, Layout.from_args(args))
@@ -121,9 +121,9 @@ def plan(args: argparse.Namespace) -> StagePlan:
     _report(path, data)
     vcfg = VLMConfig(cfg, args.vlm_hf_dir, text_len, args.freeze_vit, args.freeze_lm,
                      args.freeze_projector)  # fmt: skip
-    rec = {"vision": dataclasses.asdict(cfg.vision), "image_token_id": cfg.image_token_id,
-           "drop_class_token": cfg.drop_class_token}  # fmt: skip
-    return StagePlan(None, vcfg, data, {RECORD: json.dumps(rec)})
+    from anyspeed.models.vision import record
+
+    return StagePlan(None, vcfg, data, {RECORD: record(cfg)})
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
