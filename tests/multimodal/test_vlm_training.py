@@ -42,7 +42,17 @@ def runs(demo):
                                                               "2"))[0]  # fmt: skip
     dp2 = run_distributed(sft_ranks.posttrain, 2,
                           cli=_cli(demo, "--use-distributed-optimizer"))[0]  # fmt: skip
-    return {"one": one, "tp2": tp2, "dp2": dp2}
+    # the same start converted first (anyspeed convert), trained at TP2 from the torch_dist files
+    from anyspeed.commands.convert import main as convert
+
+    mg = str(demo["dir"] / "mg")
+    assert convert(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                    demo["hf"], "--save-dir", mg]) == 0  # fmt: skip
+    cli = _cli(demo, "--tensor-model-parallel-size", "2", "--tokenizer-type", "PretrainedFromHF",
+               "--tokenizer-name-or-path", demo["hf"])  # fmt: skip
+    cli[cli.index(demo["hf"])] = mg
+    converted = run_distributed(sft_ranks.posttrain, 2, cli=cli)[0]
+    return {"one": one, "tp2": tp2, "dp2": dp2, "converted_tp2": converted}
 
 
 def _hf_first_loss(demo) -> float:
@@ -82,7 +92,7 @@ def test_first_loss_equals_transformers(runs, demo):
     assert runs["one"]["loss"][0] == pytest.approx(_hf_first_loss(demo), abs=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2", "converted_tp2"])
 def test_loss_and_grad_norm_equal_one_process(layout, runs):
     assert runs[layout]["loss"] == pytest.approx(runs["one"]["loss"], rel=TOL)
     assert runs[layout]["grad_norm"] == pytest.approx(runs["one"]["grad_norm"], rel=TOL)

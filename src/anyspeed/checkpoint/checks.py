@@ -171,7 +171,11 @@ def check_fits(load_dir: str | None, model: ModelConfig) -> None:
     it_dir = tracked_dir(load_dir)
     if it_dir is None or not os.path.isfile(os.path.join(it_dir, ".metadata")):
         return  # an HF directory (converted from these flags) or nothing to load
-    diffs = _differences(model, _shapes(read_metadata(it_dir)))
+    shapes = _shapes(read_metadata(it_dir))
+    lm = "language_model."  # a vision-language model (LLaVA): its language model is checked
+    if any(k.startswith(lm) for k in shapes):
+        shapes = {k[len(lm) :]: v for k, v in shapes.items() if k.startswith(lm)}
+    diffs = _differences(model, shapes)
     if diffs:
         raise CheckpointFileError(
             f"{it_dir} holds another architecture: {_say(*diffs[0])} (pass the checkpoint's "

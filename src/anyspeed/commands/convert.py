@@ -180,11 +180,15 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
     """The conversion (and ``--verify``) that ``main`` set up."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+    from anyspeed.commands import convert_llava
     from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf, verify
 
     start = time.perf_counter()
     try:
-        if direction == ("hf", "mg"):
+        llava = direction in (("hf", "mg"), ("mg", "hf")) and convert_llava.is_llava_input(args)
+        if llava:
+            hf_dir, mg_dir = convert_llava.run(args, direction)
+        elif direction == ("hf", "mg"):
             hf_to_megatron(
                 args.load_dir,
                 args.save_dir,
@@ -221,7 +225,12 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
             )
         print(f"anyspeed convert: wrote {args.save_dir} in {time.perf_counter() - start:.1f}s")
         if args.verify:
-            diff = verify(hf_dir, mg_dir, tolerance=args.verify_tolerance)
+            if llava:
+                from anyspeed.convert.llava_api import verify as verify_llava
+
+                diff = verify_llava(hf_dir, mg_dir, tolerance=args.verify_tolerance)
+            else:
+                diff = verify(hf_dir, mg_dir, tolerance=args.verify_tolerance)
             print(
                 f"anyspeed convert: verify max-abs logits difference {diff:.3g} "
                 f"(tolerance {args.verify_tolerance:g})"

@@ -67,12 +67,14 @@ class LlavaConfig:
 RECORD = "anyspeed_llava"  # the checkpoint entry a vlm run writes (tower, image token, rule)
 
 
-def record(cfg: LlavaConfig) -> str:
-    """``cfg`` less its language model (recorded as every run's model) as checkpoint JSON."""
+def record(cfg: LlavaConfig, hf_config: dict[str, Any] | None = None) -> str:
+    """``cfg`` less its language model (recorded as every run's model) as checkpoint JSON, with
+    the HF config.json it came from (so the checkpoint converts back on its own)."""
     import json
 
     return json.dumps({"vision": dataclasses.asdict(cfg.vision), "drop_class_token":
-                       cfg.drop_class_token, "image_token_id": cfg.image_token_id})  # fmt: skip
+                       cfg.drop_class_token, "image_token_id": cfg.image_token_id,
+                       "hf_config": hf_config})  # fmt: skip
 
 
 def from_record(text: str, language: ModelConfig | None) -> LlavaConfig:
@@ -80,6 +82,7 @@ def from_record(text: str, language: ModelConfig | None) -> LlavaConfig:
     import json
 
     rec = json.loads(text)
+    rec.pop("hf_config", None)
     vision = VisionConfig(**rec.pop("vision"))
     return LlavaConfig(language=language, vision=vision, **rec)  # type: ignore[arg-type]
 

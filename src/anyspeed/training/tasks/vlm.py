@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -49,7 +50,9 @@ def expand_argv(argv: list[str]) -> list[str]:
     from anyspeed.models.vision import llava_from_hf
 
     load = get_flag(argv, "--load")
-    if not load or not is_hf_dir(load):
+    if load and not is_hf_dir(load):
+        return merge_flags(_checkpoint_flags(load), argv)
+    if not load:
         return argv
     try:
         cfg = llava_from_hf(read_config(load))
@@ -63,6 +66,20 @@ def expand_argv(argv: list[str]) -> list[str]:
     if os.path.isfile(os.path.join(load, "tokenizer.json")):
         flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", load]
     return merge_flags(flags, argv)
+
+
+def _checkpoint_flags(load: str) -> list[str]:
+    """A LLaVA checkpoint's language-model flags (its model record); none for another."""
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+    from anyspeed.checkpoint.record import model_in_common
+
+    try:
+        path = tracked_dir(load)
+        common = read_common(path) if path else {}
+    except Exception:  # noqa: BLE001 - the generic --load checks report an unreadable one
+        return []
+    model = model_in_common(common, load, as_hf=False) if RECORD in common else None
+    return model.megatron_args() if model else []
 
 
 @dataclass(frozen=True)
@@ -121,9 +138,22 @@ def plan(args: argparse.Namespace) -> StagePlan:
     _report(path, data)
     vcfg = VLMConfig(cfg, args.vlm_hf_dir, text_len, args.freeze_vit, args.freeze_lm,
                      args.freeze_projector)  # fmt: skip
+    from anyspeed.convert.hf_io import read_config
     from anyspeed.models.vision import record
 
-    return StagePlan(None, vcfg, data, {RECORD: record(cfg)})
+    hf_config = read_config(args.vlm_hf_dir) if args.vlm_hf_dir else _recorded_hf_config(args)
+    return StagePlan(None, vcfg, data, {RECORD: record(cfg, hf_config)})
+
+
+def _recorded_hf_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The HF config.json the resumed checkpoint recorded (carried into this run's)."""
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+
+    path = tracked_dir(args.load) if args.load else None
+    common = read_common(path) if path else {}
+    saved = json.loads(common.get(RECORD, "{}")).get("hf_config")
+    converted = common.get("anyspeed_convert", {}).get("hf_config_json")
+    return saved or (json.loads(converted) if converted else None)
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
