@@ -101,6 +101,10 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``anyspeed generate``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--image" or a.startswith("--image=") for a in argv):  # a vision-language model
+        from anyspeed.commands import generate_vlm
+
+        return generate_vlm.main(argv)
     return runner.run(PROG, build_parser(), argv, _check, _body)
 
 

@@ -42,7 +42,8 @@ def _config(hf_config: dict[str, Any]) -> LlavaConfig:
         raise ConvertError(f"config.json: {exc}") from None
 
 
-def _model(cfg: LlavaConfig, dtype: torch.dtype):
+def build_model(cfg: LlavaConfig, dtype: torch.dtype):
+    """A one-rank ``LLaVAModel`` of ``cfg`` in ``dtype``, weights uninitialised."""
     from anyspeed.models import gpt, multimodal
 
     config = gpt.transformer_config(
@@ -77,7 +78,7 @@ def hf_to_megatron(hf_dir: str | Path, save_dir: str | Path, *, tp: int = 1,
     extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": cfg.language.vocab_size,
              "hf_layout": layout}  # fmt: skip
     with staged_output(save_dir) as tmp, megatron_session():
-        model = _model(mg, dtype)
+        model = build_model(mg, dtype)
         conv.load_into(model, state, 1, 0)
         common = {**common_state(mg.language, 0, extra), RECORD: record(cfg, ck.config),
                   "anyspeed_dtype": {v: k for k, v in DTYPES.items()}[dtype]}  # fmt: skip
@@ -112,7 +113,7 @@ def load_megatron(load_dir: str | Path) -> tuple[torch.nn.Module, LlavaConfig, d
         raise ConvertError(f"{load_dir}: not a LLaVA checkpoint (no {RECORD})")
     cfg = from_record(common[RECORD], model_in_common(common, load_dir, as_hf=False))
     dtype = DTYPES.get(str(common.get("anyspeed_dtype", "fp32")), torch.float32)
-    model = _model(cfg, dtype)
+    model = build_model(cfg, dtype)
     load_weights(str(load_dir), [model])
     return model.eval(), cfg, common
 

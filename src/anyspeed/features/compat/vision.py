@@ -8,6 +8,10 @@ Two defects of Megatron-Core 0.16.1's vision path off Transformer Engine:
 2. The local ViT layer spec masks attention causally (the TE spec does not): a patch cannot see
    the patches after it, unlike every Hugging Face tower, and a model trains silently wrong.
    The local spec gets ``no_mask``: bidirectional attention, as in CLIP, SigLIP and InternViT.
+
+And one of ``LLaVAModel``'s KV-cache decoding: after the prompt, each step's token embeddings
+reach the language model as [batch, 1, hidden] where it reads [sequence, batch, hidden] (right
+only at batch 1). They are handed over in the language model's layout.
 """
 
 from __future__ import annotations
@@ -54,6 +58,23 @@ def bidirectional(previous: Any) -> Any:
     return get_vit_layer_with_local_spec
 
 
+def decode_layout(previous: Any) -> Any:
+    """``LLaVAModel._preprocess_data`` whose KV-cache branch returns [s, b, h] embeddings."""
+
+    @functools.wraps(previous)
+    def _preprocess_data(self: Any, image_embeddings: Any, language_embeddings: Any,
+                         input_ids: Any, loss_mask: Any, labels: Any,
+                         use_inference_kv_cache: Any, *args: Any,
+                         **kwargs: Any) -> Any:  # fmt: skip
+        out = previous(self, image_embeddings, language_embeddings, input_ids, loss_mask,
+                       labels, use_inference_kv_cache, *args, **kwargs)  # fmt: skip
+        if use_inference_kv_cache and out[0] is not None:
+            return out[0].transpose(0, 1).contiguous(), None, None
+        return out
+
+    return _preprocess_data
+
+
 class VisionCompat(Feature):
     name = "vision-compat"
     level = 0
@@ -75,4 +96,11 @@ class VisionCompat(Feature):
             feature=self.name,
             reason="the local ViT spec masked attention causally (the TE spec does not): a "
             "patch could not see later patches, unlike the HF towers",
+        )
+        pm.register_wrap(
+            "megatron.core.models.multimodal.llava_model.LLaVAModel._preprocess_data",
+            decode_layout,
+            feature=self.name,
+            reason="KV-cache decoding: each step's embeddings reached the language model as "
+            "[b, s, h] where it reads [s, b, h] (wrong at batch > 1)",
         )

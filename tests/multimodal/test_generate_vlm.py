@@ -1,0 +1,80 @@
+"""Greedy generation with a LLaVA model: the KV cache (Megatron's static inference context,
+batch 3) equals recomputing the sequence, which equals transformers' ``generate``; ``anyspeed
+generate --image`` from an HF directory prints transformers' greedy captions; a bad image is
+one line."""
+
+from __future__ import annotations
+
+import torch
+
+from anyspeed.commands.generate import main as generate_main
+from anyspeed.convert import llava as conv
+from anyspeed.convert.megatron_io import megatron_session
+from anyspeed.inference.vlm import greedy
+from anyspeed.models import gpt, multimodal
+from anyspeed.models.vision import llava_from_hf
+from helpers import llava
+
+
+def _hf_greedy(hf, ids: torch.Tensor, images: torch.Tensor, n: int) -> list[list[int]]:
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                          pixel_values=images, max_new_tokens=n, do_sample=False)  # fmt: skip
+    return out[:, ids.shape[1] :].tolist()
+
+
+def test_kv_cache_equals_recompute_equals_transformers_at_batch_3():
+    hf = llava.hf_model("clip")
+    cfg = llava_from_hf(hf.config.to_dict())
+    sd = hf.state_dict()
+    state = conv.to_megatron(cfg, lambda n: sd[n], llava.VOCAB)
+    images, hf_ids, mg_ids = llava.inputs(cfg.image_seq_len, batch=3)
+    with megatron_session():
+        model = multimodal.build_llava(cfg, gpt.transformer_config(cfg.language)).eval()
+        conv.load_into(model, state, 1, 0)
+        cached = greedy(model, images, mg_ids[0].tolist(), 8, llava.VOCAB, use_kv_cache=True)
+        plain = greedy(model, images, mg_ids[0].tolist(), 8, llava.VOCAB, use_kv_cache=False)
+    ref = _hf_greedy(hf, hf_ids[:1].expand(3, -1), images, 8)
+    assert cached == plain == ref
+
+
+def test_generate_image_command_prints_transformers_captions(tmp_path, capsys):
+    import transformers as T
+
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+    from anyspeed.demo import mm_data
+    from anyspeed.training.tasks.vlm_data import load_image, render
+
+    hf_dir = mm_data.make_model(str(tmp_path / "hf"))
+    mm_data.make_records(str(tmp_path), 2, 3, "pics")
+    files = [str(tmp_path / "images" / f"pics_0000{i}.png") for i in range(2)]
+    assert generate_main(["--load", hf_dir, "--image", files[0], "--image", files[1],
+                          "--max-new-tokens", "6"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    hf = T.LlavaForConditionalGeneration.from_pretrained(hf_dir).eval()
+    tok = load_tokenizer(TokenizerSpec(name_or_path=hf_dir))
+    turn = {"conversations": [{"from": "human", "value": "<image>\nwhat is in the picture?"}]}
+    prompt = render(turn, tok, mm_data.IMAGE_TOKEN)[0] + tok.encode(["ASSISTANT: "], False)[0]
+    expanded = []
+    for t in prompt:
+        expanded += [t] * (16 if t == mm_data.IMAGE_TOKEN else 1)
+    images = torch.stack([load_image(f, 32, "clip") for f in files])
+    ref = _hf_greedy(hf, torch.tensor([expanded] * 2), images, 6)
+    import tokenizers
+
+    dec = tokenizers.Tokenizer.from_file(f"{hf_dir}/tokenizer.json")
+    for f, row in zip(files, ref, strict=True):
+        text = dec.decode([t for t in row if t != tok.eod_id][: row.index(tok.eod_id)]
+                          if tok.eod_id in row else row)  # fmt: skip
+        assert f"image: {f}\n{text}\n" in out
+
+
+def test_bad_image_is_one_line(tmp_path, capsys):
+    hf_dir = llava.save(llava.hf_model("clip"), tmp_path / "hf")
+    (tmp_path / "bad.png").write_bytes(b"nope")
+    (hf_dir / "tokenizer.json").write_text("{}")
+    for f, needle in ((tmp_path / "bad.png", "cannot be decoded"),
+                      (tmp_path / "none.png", "no such file")):  # fmt: skip
+        assert generate_main(["--load", str(hf_dir), "--image", str(f)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err
