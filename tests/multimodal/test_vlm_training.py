@@ -1,6 +1,6 @@
 """``anyspeed posttrain --stage vlm``: a LLaVA model trained from a Hugging Face directory on
 drawn images and their captions. The first loss equals transformers' own loss of the same
-batch; loss and grad norm at TP2 and DP2 (distributed optimizer) equal one process within 1e-5
+batch; loss and grad norm at TP2, PP2 and DP2 (distributed optimizer) equal one process within 1e-5
 over 3 steps; a frozen tower stays bit-identical; bad records are counted, not fatal."""
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def runs(demo):
                                                               "2"))[0]  # fmt: skip
     dp2 = run_distributed(sft_ranks.posttrain, 2,
                           cli=_cli(demo, "--use-distributed-optimizer"))[0]  # fmt: skip
+    pp2 = run_distributed(sft_ranks.posttrain, 2, cli=_cli(demo, "--pipeline-model-parallel-size",
+                                                              "2"))[-1]  # fmt: skip
     # the same start converted first (anyspeed convert), trained at TP2 from the torch_dist files
     from anyspeed.commands.convert import main as convert
 
@@ -52,7 +54,7 @@ def runs(demo):
                "--tokenizer-name-or-path", demo["hf"])  # fmt: skip
     cli[cli.index(demo["hf"])] = mg
     converted = run_distributed(sft_ranks.posttrain, 2, cli=cli)[0]
-    return {"one": one, "tp2": tp2, "dp2": dp2, "converted_tp2": converted}
+    return {"one": one, "tp2": tp2, "dp2": dp2, "pp2": pp2, "converted_tp2": converted}
 
 
 def _hf_first_loss(demo) -> float:
@@ -92,7 +94,7 @@ def test_first_loss_equals_transformers(runs, demo):
     assert runs["one"]["loss"][0] == pytest.approx(_hf_first_loss(demo), abs=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2", "converted_tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2", "pp2", "converted_tp2"])
 def test_loss_and_grad_norm_equal_one_process(layout, runs):
     assert runs[layout]["loss"] == pytest.approx(runs["one"]["loss"], rel=TOL)
     assert runs[layout]["grad_norm"] == pytest.approx(runs["one"]["grad_norm"], rel=TOL)
@@ -158,10 +160,17 @@ def test_unsupported_layouts_and_lora_are_one_line_errors(demo):
     from anyspeed.training.prepare import prepare
 
     for extra, needle in ((["--lora-r", "8"], "LoRA is not supported"),
-                          (["--pipeline-model-parallel-size", "2"], "pipeline"),
                           (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                            "sequence-parallel")):  # fmt: skip
         with pytest.raises(UsageError, match=needle) as exc:
             prepare(_cli(demo, *extra, "--nproc-per-node", "2"), where="launcher",
                     command="posttrain")  # fmt: skip
         assert "\n" not in str(exc.value)
+    # the demo model has 2 layers, too few for interleaving from the command line
+    from anyspeed.convert.hf_io import read_config
+    from anyspeed.layout import Layout
+    from anyspeed.models.multimodal import check_layout
+    from anyspeed.models.vision import llava_from_hf
+
+    with pytest.raises(ValueError, match="virtual-pipeline"):
+        check_layout(llava_from_hf(read_config(demo["hf"])), Layout(pp=2, vpp=2))

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace, direction: tuple[str, str]) -> tuple[str | Non
     ]
     for flag, given in unsupported:
         if given:
-            raise ConvertError(f"{flag}: not supported for LLaVA models (torch_dist, any TP)")
+            raise ConvertError(f"{flag}: not supported for LLaVA models (saved as torch_dist, "
+                               "which loads at any TP and PP)")  # fmt: skip
     if direction == ("hf", "mg"):
         api.hf_to_megatron(args.load_dir, args.save_dir, tp=args.target_tensor_parallel_size,
                            ckpt_format=args.ckpt_format,

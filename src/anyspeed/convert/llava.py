@@ -168,10 +168,30 @@ def merge(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0]
 
 
+def _global_names(model: torch.nn.Module) -> Callable[[str], str]:
+    """A pipeline stage's parameter name -> the whole model's (its decoder layers numbered
+    from the stage's first layer; a last stage's copy of tied embeddings is the embedding)."""
+    lm = getattr(model, "language_model", None)
+    layers = getattr(getattr(lm, "decoder", None), "layers", None)
+    offset = layers[0].layer_number - 1 if layers else 0
+    head = "language_model.output_layer.weight"
+    tied = lm is not None and lm.share_embeddings_and_output_weights
+
+    def name(k: str) -> str:
+        pre = "language_model.decoder.layers."
+        if k.startswith(pre) and offset:
+            i, rest = k[len(pre) :].split(".", 1)
+            return f"{pre}{int(i) + offset}.{rest}"
+        return "language_model.embedding.word_embeddings.weight" if k == head and tied else k
+
+    return name
+
+
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: int, rank: int) -> None:
-    """Copy the whole Megatron ``state`` into this TP rank's ``model``; every parameter must be
-    covered (a missing one names itself)."""
-    own = model.state_dict()
+    """Copy the whole Megatron ``state`` into this TP rank's ``model`` (or pipeline stage);
+    every parameter must be covered (a missing one names itself)."""
+    name = _global_names(model)
+    own = {name(k): v for k, v in model.state_dict().items()}
     missing = [k for k in own if k not in state and not k.endswith("_extra_state")]
     if missing:
         raise KeyError(f"no tensor for {missing[0]} (and {len(missing) - 1} more)")

@@ -20,9 +20,9 @@ from anyspeed.models.vision import LlavaConfig, VisionConfig, extra_key, extra_s
 
 def check_layout(cfg: LlavaConfig, layout: Layout) -> None:
     """ValueError (one line, naming the flag) for a layout the local LLaVA path cannot run."""
-    if layout.pp > 1:
-        raise ValueError("--pipeline-model-parallel-size > 1 is not supported for LLaVA yet "
-                         "(the tower runs on the first stage only): use TP and DP")  # fmt: skip
+    if layout.vpp:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage: not supported for LLaVA "
+                         "(the tower sits on the first stage); use plain PP")  # fmt: skip
     if layout.cp > 1 or layout.sequence_parallel:
         raise ValueError("--context-parallel-size / --sequence-parallel: Megatron's LLaVAModel "
                          "needs Transformer Engine attention for them; use TP and DP")  # fmt: skip
@@ -89,9 +89,12 @@ def build_llava(
     layout: Layout | None = None,
     *,
     max_sequence_length: int | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
     **overrides: Any,
 ):
-    """Megatron ``LLaVAModel`` of ``cfg``; ``config`` is the language model's TransformerConfig
+    """Megatron ``LLaVAModel`` of ``cfg`` (this pipeline stage's: the tower and projector on
+    the first); ``config`` is the language model's TransformerConfig
     (:func:`anyspeed.models.gpt.transformer_config`). Parallel state must be initialised."""
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -131,14 +134,26 @@ def build_llava(
         img_w=cfg.vision.image_size,
         patch_dim=cfg.vision.patch_size,
         image_token_index=cfg.image_token_id,
+        pre_process=pre_process,
+        post_process=post_process,
+        add_encoder=pre_process,
     )
     from megatron.core.transformer.enums import ModelType
 
     model.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules read
     tower = model.vision_model
-    tower.ln_post = None  # HF LLaVA reads the layer outputs, before the tower's post-norm
-    tower.kept = KeptTensors(extra_shapes(cfg.vision), dtype)
+    if tower is not None:
+        tower.ln_post = None  # HF LLaVA reads the layer outputs, before the tower's post-norm
+        tower.kept = KeptTensors(extra_shapes(cfg.vision), dtype)
     return model
+
+
+def stage_chunk(cfg: LlavaConfig, config, layout: Layout, **kw: Any):
+    """This rank's pipeline stage of the LLaVA model (from Megatron's parallel state)."""
+    from megatron.core import parallel_state as ps
+
+    return build_llava(cfg, config, layout, pre_process=ps.is_pipeline_first_stage(),
+                       post_process=ps.is_pipeline_last_stage(), **kw)  # fmt: skip
 
 
 def freeze(model: torch.nn.Module, *, vision: bool = False, projector: bool = False,

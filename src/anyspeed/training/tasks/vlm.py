@@ -195,11 +195,11 @@ class VLMTask(Task):
         self.cfg = cfg
 
     def build(self, model: Any, config: Any, layout: Any) -> list[torch.nn.Module]:
-        from anyspeed.models.multimodal import build_llava, freeze
+        from anyspeed.models.multimodal import freeze, stage_chunk
 
         llava = dataclasses.replace(self.cfg.llava, language=model)
         seq = self.cfg.text_len - 1 + llava.image_seq_len
-        chunk = build_llava(llava, config, layout, max_sequence_length=seq)
+        chunk = stage_chunk(llava, config, layout, max_sequence_length=seq)
         c = self.cfg
         freeze(chunk, vision=c.freeze_vit, language=c.freeze_lm, projector=c.freeze_projector)
         return [chunk]
