@@ -168,9 +168,9 @@ def test_lazy_fusion_and_tp_shards_equal_plain_torch(groups):
     want = torch.cat([torch.cat([q.view(groups, per * d, h)[i], k.view(groups, d, h)[i],
                                  v.view(groups, d, h)[i]]) for i in range(groups)])  # fmt: skip
     qkv = Fused("qkv", ("q", "k", "v"))
-    lazy = engine._fuse_lazy(qkv, [q, k, v], preset)
+    lazy = engine.fuse_lazy(qkv, [q, k, v], preset)
     assert torch.equal(engine.materialize(lazy), want)
-    assert torch.equal(engine._fuse(qkv, [q, k, v], preset), want)
+    assert torch.equal(engine.fuse(qkv, [q, k, v], preset), want)
     for part, ref in zip(engine.split_fused(qkv, lazy, preset), (q, k, v), strict=True):
         assert torch.equal(engine.materialize(part), ref)
     gate, up = torch.randn(8, h, generator=g), torch.randn(8, h, generator=g)

@@ -14,6 +14,18 @@ from collections.abc import Callable
 import torch
 
 from anyspeed.convert.expert_slices import hf_slice_shape, slice_to_hf, slice_to_megatron
+from anyspeed.convert.fused import (  # noqa: F401 - re-exported: the engine's tensor vocabulary
+    PERMUTED,
+    Stacked,
+    delta_net_shapes,
+    fuse,
+    fuse_lazy,
+    fuse_qkv,
+    materialize,
+    part_rows,
+    split_fused,
+    take_rows,
+)
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import ExpertSlice, FamilyMapping, Fused
 
@@ -33,9 +45,11 @@ _COLUMN = (
     "linear_q_up_proj.weight",
     "eh_proj.weight",  # MTP: [embedding; hidden] -> hidden, gathered after
     "linear_kv_up_proj.weight",
+    "A_log",  # a gated DeltaNet's per-value-head decay
+    "dt_bias",
 )
 # MLA's KV down-projection is whole on every TP rank (see models.mla.DuplicatedLinear).
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
+_ROW = ("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")
 _SWIGLU = ("linear_fc1.weight", "linear_fc1.bias")
 
 
@@ -66,7 +80,11 @@ def _layer_entries(m: FamilyMapping, preset: ModelConfig, i: int) -> dict[str, S
     shared expert (when the model has one) and every expert's, ``{e}`` filled in. An MTP
     layer (``i`` past the decoder) is built like the last decoder layer."""
     layer = {k: v for k, v in m.layer.items() if _present(k, preset)}
-    if not preset.moe_layers()[min(i, preset.num_layers - 1)]:
+    last = min(i, preset.num_layers - 1)
+    if m.linear and preset.linear_attention_layers()[last]:  # a gated DeltaNet layer
+        layer = {k: v for k, v in layer.items() if not k.startswith("self_attention.")}
+        layer.update(m.linear)
+    if not preset.moe_layers()[last]:
         return layer
     out = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
     for k, v in m.moe.items():
@@ -135,47 +153,11 @@ def hf_layer_at_least(m: FamilyMapping, name: str, first: int) -> bool:
     return number.isdigit() and int(number) >= first
 
 
-# ------------------------------------------------------------------------------------ fusions
-def _qkv_dims(preset: ModelConfig) -> tuple[int, int, int]:
-    per_group = preset.num_attention_heads // preset.num_query_groups
-    return preset.num_query_groups, per_group, preset.head_dim
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preset: ModelConfig):
-    """[q; k; v] -> Megatron's layout: per query group, its query heads then its K then its V."""
-    ng, per, d = _qkv_dims(preset)
-    rest = q.shape[1:]
-    parts = [q.reshape(ng, per * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)]
-    return torch.cat(parts, dim=1).reshape(ng * (per + 2) * d, *rest)
-
-
-def _fuse(f: Fused, tensors: list[torch.Tensor], preset: ModelConfig) -> torch.Tensor:
-    if f.kind != "qkv":
-        return torch.cat(tensors, dim=0)
-    q, k, v = tensors
-    return fuse_qkv(q, k, v, preset)
-
-
-def _part_rows(f: Fused, rows: int, preset: ModelConfig) -> list[list[tuple[int, int]]]:
-    """The row ranges of a fused tensor that make up each of its parts, in order."""
-    if f.kind != "qkv":
-        return [[(0, rows // 2)], [(rows // 2, rows)]]
-    ng, per, d = _qkv_dims(preset)
-    step = (per + 2) * d
-    bounds = [(0, per * d), (per * d, (per + 1) * d), ((per + 1) * d, step)]
-    return [[(g * step + a, g * step + b) for g in range(ng)] for a, b in bounds]
-
-
-def split_fused(f: Fused, t: torch.Tensor | Stacked, preset: ModelConfig) -> list:
-    """The parts of fused ``t``, as row views (a :class:`Stacked` of them for a part made of
-    several query groups' rows): the writers take them without a copy."""
-    return [take_rows(t, ranges) for ranges in _part_rows(f, t.shape[0], preset)]
-
-
 def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int, ...]:
     """Full (TP1) shape of Megatron tensor ``name`` for ``preset``."""
     h, d, ffn = preset.hidden_size, preset.head_dim, preset.ffn_hidden_size
-    qkv_rows = (preset.num_attention_heads + 2 * preset.num_query_groups) * d
+    gates = preset.num_attention_heads if preset.attention_output_gate else 0
+    qkv_rows = (preset.num_attention_heads + gates + 2 * preset.num_query_groups) * d
     shapes = {
         "word_embeddings.weight": (vocab_rows, h),
         "output_layer.weight": (vocab_rows, h),
@@ -191,6 +173,7 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
         "q_layernorm.weight": (d,),
         "k_layernorm.weight": (d,),
         "eh_proj.weight": (h, 2 * h),
+        **delta_net_shapes(preset),
     }
     if preset.multi_latent_attention:
         n, rope, lora = preset.num_attention_heads, preset.qk_pos_emb_head_dim, preset.kv_lora_rank
@@ -232,45 +215,12 @@ def hf_shapes(m: FamilyMapping, preset: ModelConfig) -> dict[str, tuple[int, ...
             if not isinstance(src, Fused):
                 out[src] = shape
                 continue
-            rows = (q_rows, kv_rows, kv_rows) if src.kind == "qkv" else (shape[0] // 2,) * 2
+            if src.kind in PERMUTED:
+                rows = tuple(sum(b - a for a, b in r) for r in part_rows(src, 0, preset))
+            else:
+                rows = (q_rows, kv_rows, kv_rows) if src.kind == "qkv" else (shape[0] // 2,) * 2
             out.update((p, (r, *shape[1:])) for p, r in zip(src.parts, rows, strict=True))
     return out
-
-
-# ----------------------------------------------------------------------------------- groups
-class Stacked:
-    """``torch.cat(parts)`` along dim 0, not yet materialised: a writer that stores the parts
-    as separate chunks (torch_dist keeps SwiGLU's gate and up apart) takes them as they are,
-    and the safetensors writer writes them one after another (mapped ones file to file)."""
-
-    def __init__(self, parts: list[torch.Tensor]) -> None:
-        self.parts = parts
-        self.shape = torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
-        self.dtype = parts[0].dtype
-
-    def materialize(self) -> torch.Tensor:
-        return torch.cat(self.parts, dim=0)
-
-
-def materialize(t: torch.Tensor | Stacked) -> torch.Tensor:
-    """A real tensor for ``t`` (a copy only when it is a :class:`Stacked`)."""
-    return t.materialize() if isinstance(t, Stacked) else t
-
-
-def take_rows(t: torch.Tensor | Stacked, ranges: list[tuple[int, int]]) -> torch.Tensor | Stacked:
-    """Rows ``ranges`` of ``t`` one after another, as views: one tensor, or a :class:`Stacked`."""
-    parts: list[torch.Tensor] = []
-    for lo, hi in ranges:
-        if not isinstance(t, Stacked):
-            parts.append(t[lo:hi])
-            continue
-        at = 0
-        for p in t.parts:
-            a, b = max(lo, at), min(hi, at + p.shape[0])
-            if a < b:
-                parts.append(p[a - at : b - at])
-            at += p.shape[0]
-    return parts[0] if len(parts) == 1 else Stacked(parts)
 
 
 def to_megatron(
@@ -298,7 +248,7 @@ def to_megatron(
             continue
         if isinstance(src, Fused):
             parts = [read(p) for p in src.parts]
-            t = _fuse_lazy(src, parts, preset) if stacked else _fuse(src, parts, preset)
+            t = fuse_lazy(src, parts, preset) if stacked else fuse(src, parts, preset)
         else:
             t = read(src)
         if mg in VOCAB and t.shape[0] < vocab_rows:
@@ -306,16 +256,6 @@ def to_megatron(
             t = Stacked([*getattr(t, "parts", [t]), pad]) if stacked else torch.cat([t, pad])
         out[mg] = t
     return out
-
-
-def _fuse_lazy(f: Fused, tensors: list[torch.Tensor], preset: ModelConfig) -> Stacked:
-    """:func:`_fuse` as row views: per query group its query rows, then its K and V rows."""
-    if f.kind != "qkv":
-        return Stacked(tensors)
-    ng, per, d = _qkv_dims(preset)
-    q, k, v = tensors
-    rows = [(q, per * d), (k, d), (v, d)]
-    return Stacked([t[g * n : (g + 1) * n] for g in range(ng) for t, n in rows])
 
 
 def to_hf(

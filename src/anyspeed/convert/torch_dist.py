@@ -7,7 +7,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,9 +78,23 @@ def _few_experts(preset: ModelConfig) -> ModelConfig:
     return dataclasses.replace(preset, num_experts=min(preset.num_experts, groups * per_group))
 
 
-def _probe(preset: ModelConfig) -> tuple[ModelConfig, dict[bool, int]]:
-    """A one- or two-layer model with the same kinds of layers as ``preset`` (dense and/or
-    MoE), and which of its layers is of each kind: every layer of a kind has the same tensors."""
+def _layer_kinds(preset: ModelConfig) -> list[tuple[bool, bool]]:
+    """Each layer's kind: (MoE, gated DeltaNet)."""
+    return list(zip(preset.moe_layers(), preset.linear_attention_layers(), strict=True))
+
+
+def _probe(preset: ModelConfig) -> tuple[ModelConfig, dict[Any, int]]:
+    """A model with one layer of each kind ``preset`` has (dense and/or MoE; attention and/or
+    gated DeltaNet), and which of its layers is of each kind: every layer of a kind has the same
+    tensors."""
+    if any(preset.linear_attention_layers()):
+        kinds = list(dict.fromkeys(_layer_kinds(preset)))
+        bits = lambda i: "[" + ",".join(str(int(k[i])) for k in kinds) + "]"  # noqa: E731
+        probe = dataclasses.replace(
+            _few_experts(preset), num_layers=len(kinds), moe_layer_freq=bits(0),
+            linear_attention_freq=bits(1),
+        )  # fmt: skip
+        return probe, {k: j for j, k in enumerate(kinds)}
     kinds = preset.moe_layers()
     preset = _few_experts(preset)
     if not any(kinds):
@@ -93,6 +107,8 @@ def _probe(preset: ModelConfig) -> tuple[ModelConfig, dict[bool, int]]:
     }
 
 
+# The parts Megatron's GatedDeltaNet saves its in_proj and conv1d in, in order.
+SPLIT_PARTS = ("query", "key", "value", "z", "beta", "alpha")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 
@@ -109,7 +125,8 @@ def checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int
     with megatron_session():
         sd = empty_model(probe, torch.float32)
         keys = {n: e.key for n, e in sd.sharded_state_dict().items() if hasattr(e, "key")}
-    kinds = preset.moe_layers()
+    hybrid = any(preset.linear_attention_layers())
+    kinds: list[Any] = _layer_kinds(preset) if hybrid else preset.moe_layers()
 
     def key(name: str) -> tuple[str, tuple[int, ...]]:
         mt = LAYER.match(name)
@@ -129,13 +146,16 @@ def checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int
             if expert:
                 rest = f"mlp.experts.local_experts.0.{rest[expert.end() :]}"
             probe_name = f"decoder.layers.{j}.{rest}"
-            index = (int(expert.group(1)),) if expert else () if preset.is_moe else (layer,)
+            keyed = preset.is_moe or hybrid
+            index = (int(expert.group(1)),) if expert else () if keyed else (layer,)
         if probe_name == HEAD_KEY:  # a reward model's head: its own, unstacked key
             return HEAD_KEY, ()
         if probe_name not in keys:
             raise ConvertError(f"internal: Megatron's GPTModel has no tensor {name}")
         found = keys[probe_name]
-        if mt and preset.is_moe:  # per-layer keys: the probe's layer number -> this layer's
+        if mt and (
+            preset.is_moe or hybrid
+        ):  # per-layer keys: the probe's layer number -> this layer's
             found = found.replace(f"decoder.layers.{j}.", f"decoder.layers.{layer}.", 1)
         return found, index
 
@@ -169,7 +189,13 @@ def read_entry(
     reader: DcpReader, key: str, index: tuple[int, ...], it_dir: Path
 ) -> torch.Tensor | Stacked:
     """The tensor at ``index`` on the leading axis of checkpoint key ``key`` (the whole
-    key when ``index`` is empty), as :func:`checkpoint_keys` names it; lazy where it can be."""
+    key when ``index`` is empty), as :func:`checkpoint_keys` names it; lazy where it can be.
+    A tensor Megatron saves in named parts (a gated DeltaNet's ``in_proj``: ``.query``,
+    ``.key``, ...) is its parts one after another."""
+    parts = [f"{key}.{p}" for p in SPLIT_PARTS if f"{key}.{p}" in reader.tensors]
+    if key not in reader.tensors and parts:
+        views = [read_entry(reader, p, index, it_dir) for p in parts]
+        return Stacked([v for t in views for v in (t.parts if isinstance(t, Stacked) else [t])])
     shape = reader.shape(key)
     if not index:
         return reader.read(key, (0,) * len(shape), shape)

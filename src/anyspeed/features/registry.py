@@ -16,6 +16,7 @@ from anyspeed.features.base import Feature
 from anyspeed.features.comm.feature import GlooCollectives
 from anyspeed.features.compat.accepted_flags import AcceptedFlags
 from anyspeed.features.compat.cuda_only import CudaOnlyOptions
+from anyspeed.features.compat.delta_net import DeltaNetCompat
 from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
@@ -65,6 +66,7 @@ def build() -> list[Feature]:
         MoECompat(),
         MoEGroupedGemm(),
         MTPCompat(),
+        DeltaNetCompat(),
         VisionCompat(),
         RecomputeCompat(),
         *kernels,

@@ -25,6 +25,9 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
 YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")  # MLA's or a GPT's YaRN
 GPT_YARN_FIELDS = ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
                    "yarn_correction_range_round_to_int")  # fmt: skip
+LINEAR_FIELDS = ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_num_key_heads",
+                 "linear_num_value_heads")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,17 @@ class ModelConfig:
     quick_geglu: bool = False  # GLU with x * sigmoid(1.702 x) instead of SiLU
     glu_linear_offset: float = 0.0  # added to the GLU's linear half
     activation_func_clamp_value: float | None = None  # clamp of both GLU halves
+    # Qwen3-Next: norms as x * (1 + w), a sigmoid gate on each attention head's output, and
+    # gated DeltaNet (linear attention) layers between the full-attention ones.
+    layernorm_zero_centered_gamma: bool = False
+    attention_output_gate: bool = False
+    experimental_attention_variant: str | None = None  # "gated_delta_net"
+    linear_attention_freq: str | None = None  # "N": every N-th layer is full attention
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
     # Training-time settings Megatron keeps in its TransformerConfig; not part of the identity.
     init_method_std: float = field(default=0.02, compare=False)
     hidden_dropout: float = field(default=0.0, compare=False)
@@ -111,8 +125,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
-        if not isinstance(self.moe_layer_freq, str):  # Megatron-LM stores an int or a list
-            object.__setattr__(self, "moe_layer_freq", str(self.moe_layer_freq).replace(" ", ""))
+        for name in ("moe_layer_freq", "linear_attention_freq"):  # Megatron-LM: int or list
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                object.__setattr__(self, name, str(value).replace(" ", ""))
 
     def same_architecture(self, other: ModelConfig) -> list[str]:
         """The fields (compared ones, by meaning) in which ``other`` describes another model:
@@ -161,6 +177,20 @@ class ModelConfig:
             return [(i + 1) % int(freq) != 0 for i in range(self.num_layers)]
         return [bool(x) for x in layer_pattern(freq, self.num_layers)]
 
+    def linear_attention_layers(self) -> list[bool]:
+        """Which layers are gated DeltaNet layers (Megatron's rule: with frequency N, layer
+        numbers 1.. that N divides are full attention; a list: 1 = linear attention)."""
+        if self.experimental_attention_variant != "gated_delta_net":
+            return [False] * self.num_layers
+        freq = self.linear_attention_freq
+        if freq is None:
+            raise ValueError("--experimental-attention-variant gated_delta_net needs "
+                             "--linear-attention-freq (e.g. 4: every 4th layer full "
+                             "attention)")  # fmt: skip
+        if str(freq).isdigit():
+            return [(i + 1) % int(freq) != 0 for i in range(self.num_layers)]
+        return [bool(x) for x in layer_pattern(freq, self.num_layers, "--linear-attention-freq")]
+
     def check(self) -> None:
         """ValueError (one line, naming the flag) when the MoE settings cannot build."""
         check_moe(self)
@@ -169,6 +199,10 @@ class ModelConfig:
             raise ValueError("--swiglu and --quick-geglu are two activations: pass one")
         if self.window_size is not None:
             self.window_layers()  # the --window-attn-skip-freq pattern fits --num-layers
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("--linear-num-value-heads must be a multiple of "
+                             "--linear-num-key-heads")  # fmt: skip
+        self.linear_attention_layers()
 
     @property
     def gqa(self) -> bool:
@@ -219,6 +253,8 @@ class ModelConfig:
                 continue
             if row.field in GPT_YARN_FIELDS and not gpt_yarn:
                 continue
+            if row.field in LINEAR_FIELDS and not self.experimental_attention_variant:
+                continue
             if row.arch and (row.field != "num_query_groups" or self.gqa):
                 out += row.emit(getattr(self, row.field))
         if self.gqa:
@@ -229,17 +265,34 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (embeddings included, tied ones counted once)."""
-        h, attn = self.hidden_size, self._attention_parameters()
+        h = self.hidden_size
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         mlps = sum(self._mlp_parameters(moe)[0] for moe in self.moe_layers())
-        return self.num_layers * (attn + 2 * h) + mlps + emb + h + self.mtp_parameters()
+        return self._mixers() + 2 * h * self.num_layers + mlps + emb + h + self.mtp_parameters()
 
     def active_parameters(self) -> int:
         """Parameters a token passes through in the decoder (top-k experts; no MTP layers)."""
-        h, attn = self.hidden_size, self._attention_parameters()
+        h = self.hidden_size
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         mlps = sum(self._mlp_parameters(moe)[1] for moe in self.moe_layers())
-        return self.num_layers * (attn + 2 * h) + mlps + emb + h
+        return self._mixers() + 2 * h * self.num_layers + mlps + emb + h
+
+    def _mixers(self) -> int:
+        """Parameters of every layer's attention or gated DeltaNet."""
+        linear = sum(self.linear_attention_layers())
+        return (self.num_layers - linear) * self._attention_parameters() + linear * (
+            self._delta_net_parameters()
+        )
+
+    def _delta_net_parameters(self) -> int:
+        """One gated DeltaNet: the [q; k; v; z; beta; alpha] projection, the causal convolution
+        over q, k, v, per-head decay (A_log, dt_bias), the gated output norm, the output."""
+        qk = self.linear_num_key_heads * self.linear_key_head_dim
+        v, heads = self.linear_num_value_heads * self.linear_value_head_dim, \
+            self.linear_num_value_heads  # fmt: skip
+        proj = self.hidden_size * (2 * qk + 2 * v + 2 * heads)
+        conv = (2 * qk + v) * self.linear_conv_kernel_dim
+        return proj + conv + 2 * heads + self.linear_value_head_dim + v * self.hidden_size
 
     def mtp_parameters(self) -> int:
         """Parameters of the multi-token prediction layers (they share the embedding and the
@@ -260,7 +313,7 @@ class ModelConfig:
             kv += self.kv_lora_rank * n * (self.qk_head_dim + self.v_head_dim)
             return q + kv + n * self.v_head_dim * h
         q, kv = n * d, self.num_query_groups * d
-        attn = h * (q + 2 * kv) + q * h
+        attn = h * (q + 2 * kv) + q * h + (h * q if self.attention_output_gate else 0)
         if self.add_qkv_bias or self.add_bias_linear:
             attn += q + 2 * kv
         if self.add_bias_linear:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
+from anyspeed.models.hybrid import linear_attention_config, with_linear_attention
 from anyspeed.models.mla import duplicate_kv_down_proj, mla_config, use_latent_core
 
 # Megatron config defaults that assume CUDA kernels (apex / TE / torch.compile fusions), off so
@@ -93,9 +94,12 @@ def transformer_config(
         deallocate_pipeline_outputs=True,
         mtp_num_layers=model.mtp_num_layers,
         mtp_loss_scaling_factor=model.mtp_loss_scaling_factor,
+        layernorm_zero_centered_gamma=model.layernorm_zero_centered_gamma,
+        attention_output_gate=model.attention_output_gate,
         **PORTABLE_CONFIG,
     )
     kw.update(moe_config(model))
+    kw.update(linear_attention_config(model))
     kw.update(overrides)
     if model.multi_latent_attention:
         kw.update(mla_config(model))
@@ -178,6 +182,8 @@ def layer_spec(model: ModelConfig, config=None, vp_stage: int | None = None):
             config, use_transformer_engine=False, normalization=model.normalization,
             vp_stage=vp_stage,
         )  # fmt: skip
+    if any(model.linear_attention_layers()):
+        spec = with_linear_attention(model, config, spec, vp_stage)
     return use_latent_core(spec) if mla else spec
 
 

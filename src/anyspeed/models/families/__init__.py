@@ -18,6 +18,7 @@ from anyspeed.models.families import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 from anyspeed.models.families.base import (
     ExpertSlice,
@@ -41,6 +42,7 @@ FAMILIES: dict[str, Family] = {
         deepseek_v2.FAMILY,
         deepseek_v3.FAMILY,
         gpt_oss.FAMILY,
+        qwen3_next.FAMILY,
     )  # fmt: skip
 }
 

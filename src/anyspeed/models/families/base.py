@@ -14,7 +14,7 @@ from anyspeed.models.config import ModelConfig
 class Fused:
     """A Megatron tensor the engine builds from several HF tensors (and splits back)."""
 
-    kind: str  # "qkv" | "gate_up"
+    kind: str  # "qkv" | "gate_up" | "qgkv" (queries with their gates) | "delta_in" (DeltaNet)
     parts: tuple[str, ...]
 
 
@@ -61,6 +61,9 @@ class FamilyMapping:
     # embedding or the output layer (written on export, read as copies on import).
     mtp: dict[str, str] = field(default_factory=dict)
     mtp_copies: dict[str, str] = field(default_factory=dict)
+    # A gated DeltaNet layer (Qwen3-Next): its ``self_attention.*`` tensors, in place of the
+    # attention's.
+    linear: dict[str, str | Fused] = field(default_factory=dict)
 
     def extend(self, family: str, layer: dict[str, str | Fused] | None = None,
                **moe: dict[str, str | Fused]) -> FamilyMapping:  # fmt: skip
@@ -107,6 +110,16 @@ class Family:
     qk_norm: bool = False  # ... RMSNorm on queries and keys
     head_dim_in_config: bool = False  # HF config.json writes head_dim
     attention_bias_key: bool = False  # HF config.json writes attention_bias
+
+
+def every_nth_off(flags: list[bool]) -> str:
+    """A per-layer on/off list as Megatron's frequency flags write it: ``N`` when exactly the
+    layers numbered 1.. that N divides are off (``--window-attn-skip-freq``,
+    ``--linear-attention-freq``), else the list (``[1,1,0,...]``)."""
+    for n in range(2, len(flags) + 1):
+        if flags == [(i + 1) % n != 0 for i in range(len(flags))]:
+            return str(n)
+    return "[" + ",".join(str(int(f)) for f in flags) + "]"
 
 
 def tiny(base: ModelConfig, name: str, **changes) -> ModelConfig:

@@ -9,7 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from anyspeed.models.config import ModelConfig
-from anyspeed.models.families.base import LLAMA_MAPPING, ExpertSlice, Family, qkv, tiny
+from anyspeed.models.families.base import (
+    LLAMA_MAPPING,
+    ExpertSlice,
+    Family,
+    every_nth_off,
+    qkv,
+    tiny,
+)
 from anyspeed.models.families.moe_hf import _int
 
 ALPHA = 1.702  # the GLU's sigmoid slope: Megatron's quick-GELU
@@ -39,12 +46,7 @@ def _skip_freq(layer_types: Any, num_layers: int) -> str | None:
     ):
         raise ValueError("gpt_oss: config.json layer_types must name each layer's attention")
     windowed = [t == "sliding_attention" for t in layer_types]
-    if all(windowed):
-        return None
-    for n in range(2, num_layers + 1):
-        if windowed == [(i + 1) % n != 0 for i in range(num_layers)]:
-            return str(n)
-    return "+".join(f"[{int(w)}]" for w in windowed)
+    return None if all(windowed) else every_nth_off(windowed)
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:

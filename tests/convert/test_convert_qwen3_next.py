@@ -1,0 +1,90 @@
+"""Qwen3-Next (gated DeltaNet layers between gated full-attention ones, zero-centred norms,
+partial RoPE, a MoE with a gated shared expert) against transformers' ``Qwen3NextForCausalLM``:
+the preset's parameter count, a tiny random model's logits after conversion (within 1e-4, fp32;
+at TP2, and at EP2 x TP2 x PP2 with ``-m slow``), and the conversion back bit-identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_convert import _check, _load_hf_tensors
+
+from anyspeed.convert import hf_to_megatron
+from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.verify import hf_logits
+from anyspeed.models.hf import hf_config, preset_from_hf
+from anyspeed.models.presets import PRESETS
+from anyspeed.testing import run_distributed
+from helpers import convert_ranks
+
+# Longer than the DeltaNet's convolution (4) and several RoPE periods of the rotated quarter.
+TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+def test_preset_has_the_published_parameter_count():
+    """80B total (transformers' model of the published config, its MTP layer aside), about 3B
+    active per token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    preset = PRESETS["qwen3-next-80b-a3b"]
+    cfg = hf_config(preset)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    assert preset.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert preset.num_parameters() == pytest.approx(79.67e9, rel=1e-3)
+    assert 3.0e9 < preset.active_parameters() < 4.0e9
+
+
+def test_hf_config_reads_back_and_names_what_it_cannot_express():
+    preset = PRESETS["qwen3-next-80b-a3b"]
+    cfg = {**hf_config(preset), "architectures": ["Qwen3NextForCausalLM"]}
+    assert preset_from_hf(cfg, preset.name).same_architecture(preset) == []
+    with pytest.raises(ValueError, match="layer_types"):
+        preset_from_hf({**cfg, "layer_types": ["linear_attention"]})
+    with pytest.raises(ValueError, match="rope scaling"):
+        preset_from_hf({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_next")
+    convert_ranks.tiny_hf_model(d / "hf", "tiny-qwen3-next", seed=3)
+    case = {"hf": str(d / "hf"), "torch_dist": str(d / "dist"), "hf_from_dist": str(d / "back")}
+    tp1 = run_distributed(convert_ranks.convert_all, 1, cases={"q": case}, tokens=TOKENS,
+                          cli_case="q", timeout=300)[0]["q"]  # fmt: skip
+    return {"dir": d, "case": case, "ref": hf_logits(d / "hf", TOKENS), "tp1": tp1}
+
+
+def test_logits_match_transformers(qwen3_next):
+    assert qwen3_next["tp1"]["rc"] == 0, qwen3_next["tp1"]["stdout"]
+    _check(qwen3_next["ref"], qwen3_next["tp1"]["dist"])
+
+
+def test_torch_dist_round_trip_is_bit_identical(qwen3_next):
+    ref = _load_hf_tensors(Path(qwen3_next["case"]["hf"]))
+    got = _load_hf_tensors(Path(qwen3_next["case"]["hf_from_dist"]))
+    assert set(got) == set(ref) and "model.layers.0.linear_attn.in_proj_qkvz.weight" in ref
+    assert all(torch.equal(got[k], t) for k, t in ref.items())
+
+
+def test_logits_match_transformers_at_tp2(qwen3_next):
+    """Megatron splits the DeltaNet's projection, convolution and decay per head over TP."""
+    ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"q": qwen3_next["case"]},
+                            tp=2, pp=1, tokens=TOKENS, timeout=300)  # fmt: skip
+    _check(qwen3_next["ref"], ranks[0]["q"]["dist"])
+
+
+def test_legacy_at_tp2_is_refused_in_one_line(qwen3_next, tmp_path):
+    with pytest.raises(ConvertError) as err:
+        hf_to_megatron(qwen3_next["dir"] / "hf", tmp_path / "x", tp=2, ckpt_format="legacy")
+    assert "torch_dist" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow  # eight processes
+def test_logits_match_transformers_ep2_tp2_pp2(qwen3_next):
+    ranks = run_distributed(convert_ranks.layout_logits, 8, cases={"q": qwen3_next["case"]},
+                            tp=2, pp=2, ep=2, tokens=TOKENS, timeout=600)  # fmt: skip
+    _check(qwen3_next["ref"], ranks[-1]["q"]["dist"])
