@@ -116,7 +116,10 @@ class Stepper:
         self.seq = self.seq[rows]
         self.batch = Batch(self.batch.tokens[rows], self.batch.pad[rows])
         if self.context is not None:
+            from anyspeed.features.inference.delta_net_state import reorder_states
+
             self.context.swap_key_value_dict(rows.to(self._cache_device()))
+            reorder_states(self.context, rows)  # a hybrid model's DeltaNet states
 
     def _cache_device(self) -> torch.device:
         for key, _ in self.context.key_value_memory_dict.values():

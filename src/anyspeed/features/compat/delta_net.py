@@ -77,6 +77,13 @@ class DeltaNetCompat(Feature):
             f"{_MODULE}.GatedDeltaNet._apply_gated_norm", apply_gated_norm, feature=self.name,
             reason="torch.compile'd at import: inductor is not on every device",
         )  # fmt: skip
+        from anyspeed.features.inference.delta_net_state import with_state
+
+        pm.register_wrap(
+            f"{_MODULE}.GatedDeltaNet.forward", with_state, feature=self.name,
+            reason="generation: Megatron's DeltaNet refuses an inference context; the "
+            "convolution's last inputs and the rule's state are carried on it here",
+        )  # fmt: skip
         pm.register_replace(
             "megatron.core.transformer.attention.Attention._apply_output_gate",
             apply_output_gate, feature=self.name,
