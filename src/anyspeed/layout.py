@@ -297,6 +297,12 @@ class Layout:
                 "--sequence-parallel (without it Megatron-Core 0.16.1 leaves the gradient of the "
                 "shared rotary key partial on each TP rank)"
             )
+        if self.cp > 1 and getattr(model, "experimental_attention_variant", None):
+            raise ValueError(
+                f"--experimental-attention-variant gated_delta_net (Qwen3-Next) does not run "
+                f"with --context-parallel-size {self.cp} (Megatron-Core 0.16.1's DeltaNet has "
+                "no context-parallel form): use CP 1"
+            )
         if self.cp > 1 and getattr(model, "mtp_num_layers", None):
             raise ValueError(
                 f"--mtp-num-layers does not run with --context-parallel-size {self.cp} "

@@ -168,6 +168,13 @@ def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any, seen: Any
                   "per row: each row attends as one sample (rows packed without --neat-pack "
                   "would let their samples see each other; preprocess with --neat-pack)",
                   file=sys.stderr)  # fmt: skip
+    if getattr(args, "experimental_attention_variant", None) and (
+        args.neat_pack or args.reset_attention_mask
+    ):
+        raise UsageError(
+            "--neat-pack/--reset-attention-mask with gated DeltaNet layers (Qwen3-Next): the "
+            "recurrence does not restart at sample boundaries; preprocess without --pack"
+        )
     if args.context_parallel_size > 1:
         raise UsageError(
             "packed SFT data with --context-parallel-size > 1 is not supported; "
