@@ -117,12 +117,6 @@ def check_target(
             "--target-expert-parallel-size must be >= 1"
         )
     biased_experts = preset.is_moe and preset.add_bias_linear
-    if any(preset.linear_attention_layers()) and tp > 1 and ckpt_format == "legacy":
-        raise ConvertError(
-            f"--ckpt-format legacy at --target-tensor-parallel-size {tp}: a gated DeltaNet's "
-            "projection and convolution split over TP part by part, which legacy rank files "
-            "do not record; use --ckpt-format torch_dist (it loads at any layout)"
-        )
     if biased_experts and tp > 1 and ckpt_format == "legacy":
         raise ConvertError(
             f"--ckpt-format legacy at --target-tensor-parallel-size {tp}: legacy rank files "
@@ -351,7 +345,7 @@ def megatron_to_hf(
             it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
         )
     else:
-        groups = read_legacy(it_dir, legacy_expert_parallel(common))
+        groups = read_legacy(it_dir, legacy_expert_parallel(common), preset)
     if lora:
         from anyspeed.convert.lora import Adapters
 

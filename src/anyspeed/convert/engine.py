@@ -16,6 +16,7 @@ import torch
 from anyspeed.convert.expert_slices import hf_slice_shape, slice_to_hf, slice_to_megatron
 from anyspeed.convert.fused import (  # noqa: F401 - re-exported: the engine's tensor vocabulary
     PERMUTED,
+    TP_PARTS,
     Stacked,
     delta_net_shapes,
     fuse,
@@ -301,39 +302,48 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
 
 
-def shard_tp(name: str, t: torch.Tensor | Stacked, tp: int, rank: int) -> torch.Tensor | Stacked:
+def shard_tp(name: str, t: torch.Tensor | Stacked, tp: int, rank: int,
+             sizes: tuple[int, ...] | None = None) -> torch.Tensor | Stacked:  # fmt: skip
     """Rank ``rank``'s shard (of ``tp``) of Megatron tensor ``name``, as Megatron-LM shards it.
-    Dim-0 shards are row views; only a row-parallel (dim-1) shard is a copy."""
+    Dim-0 shards are row views; only a row-parallel (dim-1) shard is a copy. ``sizes``: the
+    parts a tensor is split in part by part (:func:`~anyspeed.convert.fused.tp_parts`)."""
     rule = _rule(name)
-    if tp == 1 or rule == "replicated":
+    if tp == 1 or (rule == "replicated" and not sizes):
         return t
     n = t.shape[0]
+    if rule == "swiglu":  # this rank's gate rows, then its up rows
+        sizes = (n // 2, n // 2)
+    if sizes:  # this rank's rows of each part, part after part
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return take_rows(t, [(a + rank * (p // tp), a + (rank + 1) * (p // tp))
+                             for a, p in zip(starts, sizes, strict=True)])  # fmt: skip
     if rule == "column":
         return take_rows(t, [(rank * n // tp, (rank + 1) * n // tp)])
-    if rule == "swiglu":  # this rank's gate rows, then its up rows
-        half, f = n // 2, n // 2 // tp
-        return take_rows(t, [(rank * f, (rank + 1) * f), (half + rank * f, half + (rank + 1) * f)])
     return materialize(t).chunk(tp, dim=1)[rank].contiguous()
 
 
 def shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     """The shape of every rank's :func:`shard_tp` of a tensor of ``shape`` (nothing copied)."""
     rule = _rule(name)
-    if tp == 1 or rule == "replicated":
+    if tp == 1 or (rule == "replicated" and not name.endswith(TP_PARTS)):
         return tuple(shape)
     if rule == "row":
         return (shape[0], shape[1] // tp, *shape[2:])
     return (shape[0] // tp, *shape[1:])
 
 
-def merge_tp(name: str, parts: list[torch.Tensor]) -> torch.Tensor | Stacked:
+def merge_tp(name: str, parts: list[torch.Tensor],
+             sizes: tuple[int, ...] | None = None) -> torch.Tensor | Stacked:  # fmt: skip
     """Inverse of :func:`shard_tp` over all ranks; dim-0 merges stay a :class:`Stacked`."""
     rule = _rule(name)
-    if len(parts) == 1 or rule == "replicated":
+    if len(parts) == 1 or (rule == "replicated" and not sizes):
         return parts[0]
     if rule == "swiglu":
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return Stacked([h[0] for h in halves] + [h[1] for h in halves])
+        sizes = (parts[0].shape[0] * len(parts) // 2,) * 2
+    if sizes:  # every rank's rows of part 0, then of part 1, ...
+        local = [p // len(parts) for p in sizes]
+        split = [torch.split(p, local, dim=0) for p in parts]
+        return Stacked([s[i] for i in range(len(sizes)) for s in split])
     if rule == "column":
         return Stacked(list(parts))
     return torch.cat(parts, dim=1)

@@ -151,3 +151,18 @@ def delta_net_shapes(preset: ModelConfig) -> dict[str, tuple[int, ...]]:
         "out_norm.weight": (dv,),
         "out_proj.weight": (preset.hidden_size, v),
     }
+
+
+# Tensors Megatron splits over TP part by part (a gated DeltaNet's input projection and
+# convolution): each rank holds its rows of every part.
+TP_PARTS = ("self_attention.in_proj.weight", "self_attention.conv1d.weight")
+
+
+def tp_parts(name: str, preset: ModelConfig | None) -> tuple[int, ...] | None:
+    """The parts (full rows) that TP splits Megatron tensor ``name`` in one by one, or None."""
+    if preset is None or not name.endswith(TP_PARTS) or not any(preset.linear_attention_layers()):
+        return None
+    hv = preset.linear_num_value_heads
+    qk = preset.linear_num_key_heads * preset.linear_key_head_dim
+    v = hv * preset.linear_value_head_dim
+    return (qk, qk, v, v, hv, hv) if name.endswith(TP_PARTS[0]) else (qk, qk, v)

@@ -32,6 +32,7 @@ from anyspeed.checkpoint.reads import torch_load
 from anyspeed.checkpoint.record import model_record
 from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_shape, shard_tp
 from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.fused import tp_parts
 from anyspeed.convert.mapped import FileSink
 from anyspeed.models.config import ModelConfig
 
@@ -196,7 +197,7 @@ def save_legacy(
         del records
         with FileSink(path, truncate=False) as f:
             for n, t in rank_tensors(s, x):
-                shard = shard_tp(n, t, tp, r)
+                shard = shard_tp(n, t, tp, r, tp_parts(n, preset))
                 if (tuple(shard.shape), shard.dtype) != shapes[n]:
                     raise ConvertError(f"internal: {n} changed between the two passes")
                 f.seek(offsets[n])
@@ -210,10 +211,11 @@ def save_legacy(
 
 
 def read_legacy(
-    it_dir: Path, ep: int = 1
+    it_dir: Path, ep: int = 1, preset: ModelConfig | None = None
 ) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
     """Full Megatron tensors (TP shards merged, EP ranks' experts renumbered globally, global
-    layer numbers) one group at a time; ``ep``: the EP size it was saved with."""
+    layer numbers) one group at a time; ``ep``: the EP size it was saved with; ``preset``: the
+    model (its tensors TP splits part by part)."""
     ranks = legacy_ranks(it_dir, ep > 1)
     if not ranks:
         raise ConvertError(f"{it_dir}: no mp_rank_* rank files")
@@ -239,7 +241,7 @@ def read_legacy(
             out = {}
             for n in by_group[g]:
                 x, local = sources[n]
-                full = merge_tp(n, [shards[(t, x)][local] for t in range(tp)])
+                full = merge_tp(n, [shards[(t, x)][local] for t in range(tp)], tp_parts(n, preset))
                 if isinstance(g, int):
                     n = f"decoder.layers.{g + offset}." + n[LAYER.match(n).end() :]
                 out[n] = full

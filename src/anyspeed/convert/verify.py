@@ -41,7 +41,7 @@ def megatron_logits(mg_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
                 it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
             )
         else:
-            groups = read_legacy(it_dir, legacy_expert_parallel(read_common(it_dir)))
+            groups = read_legacy(it_dir, legacy_expert_parallel(read_common(it_dir)), preset)
         state = {
             k: engine.materialize(v).float() for _, tensors in groups for k, v in tensors.items()
         }
