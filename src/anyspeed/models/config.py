@@ -342,13 +342,18 @@ class ModelConfig:
         )
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: 6 x matmul parameters plus causal attention scores."""
+        """Training FLOPs per token: 6 x matmul parameters plus causal attention scores; a
+        gated DeltaNet layer its projections plus reading and writing its state."""
         h, d, heads = self.hidden_size, self.head_dim, self.num_attention_heads
         kv = self.num_query_groups / heads
-        attn = h * heads * d * (2 + 2 * kv)
+        attn = h * heads * d * (2 + 2 * kv) + (h * heads * d if self.attention_output_gate else 0)
+        linear = sum(self.linear_attention_layers())
+        full = self.num_layers - linear
         mlps = sum(self._mlp_parameters(moe)[1] for moe in self.moe_layers())
-        matmul_params = self.num_layers * attn + mlps + h * self.vocab_size
-        return 6.0 * matmul_params + 6.0 * self.num_layers * heads * d * seq_length
+        matmul_params = full * attn + linear * self._delta_net_parameters() + mlps
+        state = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        mixing = full * heads * d * seq_length + linear * 2 * state
+        return 6.0 * (matmul_params + h * self.vocab_size) + 6.0 * mixing
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
