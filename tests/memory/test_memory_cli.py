@@ -51,6 +51,8 @@ def test_fits_lists_only_layouts_within_the_budget():
       "--seq-length", "32"], "no vocabulary size"),
     (BASE + ["--recompute-granularity", "full"], "--recompute-method"),
     (BASE + ["--num-experts", "4", "--expert-model-parallel-size", "3"], "not divisible"),
+    (["--model", "qwen3-next-80b-a3b", "--seq-length", "64", "--micro-batch-size", "1"],
+     "does not model gated DeltaNet layers"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(argv, needle):
     with pytest.raises(UsageError) as err:

@@ -147,6 +147,10 @@ def run(argv: Sequence[str]) -> str:
     """The report ``anyspeed memory`` prints for ``argv``; UsageError on bad input."""
     args, world, budget = parse(argv)
     model = model_from_args(args)
+    if any(model.linear_attention_layers()):
+        raise UsageError(f"{model.name}: anyspeed memory does not model gated DeltaNet layers "
+                         "(--experimental-attention-variant) yet; measure a run instead "
+                         "(anyspeed pretrain prints its peak memory per rank)")  # fmt: skip
     try:
         lay = Layout.from_args(args)
         world = world or lay.tp * lay.pp * lay.cp
