@@ -36,3 +36,15 @@ def test_what_cannot_run_is_one_line_before_start(flags, words):
     with pytest.raises(UsageError) as err:
         check_args(parse_pretrain_args([*RUN, *flags]), 2)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_family_without_deltanet_layers_cannot_describe_them():
+    """A LLaMA-family model given DeltaNet layers trains, but converts to no HF class."""
+    from anyspeed.models import get_preset
+    from anyspeed.models.hf import hf_config
+
+    model = get_preset("tiny-llama3").replace(
+        experimental_attention_variant="gated_delta_net", linear_attention_freq="2"
+    )
+    with pytest.raises(ValueError, match="no gated DeltaNet layers"):
+        hf_config(model)

@@ -281,9 +281,12 @@ def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | N
     cfg = json_config(common)
     if cfg is None:  # a checkpoint anyspeed trained from scratch: describe it from the preset
         hf_vocab = common.get("anyspeed_convert", {}).get("hf_vocab_size", preset.vocab_size)
-        cfg = dict(
-            hf_config(preset), vocab_size=hf_vocab, architectures=[HF_ARCHITECTURES[preset.family]]
-        )
+        try:
+            described = hf_config(preset)
+        except ValueError as exc:  # a model its family's HF class cannot express
+            raise ConvertError(str(exc)) from None
+        cfg = dict(described, vocab_size=hf_vocab,
+                   architectures=[HF_ARCHITECTURES[preset.family]])  # fmt: skip
     return cfg
 
 

@@ -13,7 +13,7 @@ from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import Fused
 
 
-# ----------------------------------------------------------------------------------- groups
+# -------------------------------------------------------------------------------- row views
 class Stacked:
     """``torch.cat(parts)`` along dim 0, not yet materialised: a writer that stores the parts
     as separate chunks (torch_dist keeps SwiGLU's gate and up apart) takes them as they are,

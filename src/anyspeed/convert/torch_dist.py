@@ -127,6 +127,7 @@ def checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int
         keys = {n: e.key for n, e in sd.sharded_state_dict().items() if hasattr(e, "key")}
     hybrid = any(preset.linear_attention_layers())
     kinds: list[Any] = _layer_kinds(preset) if hybrid else preset.moe_layers()
+    keyed = preset.is_moe or hybrid  # Megatron keys each layer apart (not layer-stacked)
 
     def key(name: str) -> tuple[str, tuple[int, ...]]:
         mt = LAYER.match(name)
@@ -146,16 +147,13 @@ def checkpoint_keys(preset: ModelConfig) -> Callable[[str], tuple[str, tuple[int
             if expert:
                 rest = f"mlp.experts.local_experts.0.{rest[expert.end() :]}"
             probe_name = f"decoder.layers.{j}.{rest}"
-            keyed = preset.is_moe or hybrid
             index = (int(expert.group(1)),) if expert else () if keyed else (layer,)
         if probe_name == HEAD_KEY:  # a reward model's head: its own, unstacked key
             return HEAD_KEY, ()
         if probe_name not in keys:
             raise ConvertError(f"internal: Megatron's GPTModel has no tensor {name}")
         found = keys[probe_name]
-        if mt and (
-            preset.is_moe or hybrid
-        ):  # per-layer keys: the probe's layer number -> this layer's
+        if mt and keyed:  # per-layer keys: the probe's layer number -> this layer's
             found = found.replace(f"decoder.layers.{j}.", f"decoder.layers.{layer}.", 1)
         return found, index
 

@@ -127,6 +127,9 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
 def hf_config(model: ModelConfig) -> dict[str, Any]:
     """Fields of the family's Hugging Face ``config.json`` for ``model``."""
     traits = FAMILIES[model.family]
+    if any(model.linear_attention_layers()) and not traits.mapping.linear:
+        raise ValueError(f"{model.family}: its Hugging Face model has no gated DeltaNet layers "
+                         "(--experimental-attention-variant; Qwen3-Next's has)")  # fmt: skip
     cfg: dict[str, Any] = {
         "model_type": model.family,
         "num_hidden_layers": model.num_layers,
