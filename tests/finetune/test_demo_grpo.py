@@ -33,5 +33,6 @@ def test_grpo_demo_raises_reward_and_accuracy(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("demo: mean reward"))
     r0, r1, a0, a1 = map(float, re.findall(r"\d+\.\d+", line))
-    assert r1 >= r0 + 0.2 and a1 >= a0 + 0.2, line  # measured: +0.27 and +0.30
+    # the goals; measured (AVX2, 2026-12-04): +0.32 reward and +0.58 accuracy, 289 s
+    assert r1 >= r0 + 0.3 and a1 >= a0 + 0.2, line
     assert all(x.startswith("anyspeed") for x in out.stderr.splitlines()), out.stderr

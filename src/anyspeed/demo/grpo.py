@@ -2,10 +2,10 @@
 
 1-2. the demo corpus and tokenizer;
 3. a verifiable task generated here: additions ``What is a + b?``; the verifier (GSM8K's strict
-   rule) credits ``#### a+b`` only. The SFT data answers every question both as ``#### n`` and
-   as the bare number, so the SFT model often answers in the form the verifier does not
-   credit: GRPO learns the form it wants (and sharper sums). Some pairs are held out from
-   both SFT and GRPO;
+   rule) credits ``#### a+b`` only. The SFT data answers every question both as ``#### n`` (2
+   times of 5) and as the bare number (3 of 5), so the SFT model often answers in the form the
+   verifier does not credit: GRPO learns the form it wants (and sharper sums). Some pairs are
+   held out from both SFT and GRPO;
 4. ``anyspeed preprocess``: SFT data (a few answers shown) and GRPO prompts (the answer kept
    for the verifier, ``R1AlpacaStyleInstructionHandler``);
 5. ``anyspeed posttrain --stage sft``: a short SFT of the demo model from scratch, to a
@@ -33,6 +33,9 @@ from anyspeed.demo.sft import PROMPT_TYPE, _answers, preprocess
 STEPS = 8
 TOP = 20  # operands 0..TOP-1
 HELD_OUT = 80  # pairs never trained on (neither SFT nor GRPO)
+# SFT answers per question in the credited form and as the bare number: (1, 1) left the SFT
+# model 46% accurate and little room (+0.26 reward), (1, 2) 12% (below the 20-50% aimed at)
+FORMS = (2, 3)
 SFT_TRAIN = [
     "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
     "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0",
@@ -46,7 +49,7 @@ GRPO_TRAIN = [
     "--eval-iters", "0", "--log-interval", "1", "--n-samples-per-prompt", "8",
     "--global-batch-size", "128", "--micro-batch-size", "32", "--max-response-length", "8",
     "--rollout-batch-size", "32",
-    "--temperature", "0.7", "--init-kl-coef", "0", "--verifier-function", "gsm8k",
+    "--temperature", "0.5", "--init-kl-coef", "0", "--verifier-function", "gsm8k",
 ]  # fmt: skip
 
 
@@ -62,10 +65,16 @@ def task(seed: int = 0) -> tuple[list[dict], list[dict]]:
     return [rec(*p) for p in pairs[HELD_OUT:]], [rec(*p) for p in pairs[:HELD_OUT]]
 
 
-def sft_records(train: list[dict]) -> list[dict]:
-    """The SFT set: every question twice, answered in the verifier's form and as the bare
-    number (the model learns both and picks one by chance)."""
-    return [x for r in train for x in (r, dict(r, output=r["output"].removeprefix("#### ")))]
+def sft_records(train: list[dict], forms: tuple[int, int] = FORMS) -> list[dict]:
+    """The SFT set: every question answered ``forms[0]`` times in the verifier's form and
+    ``forms[1]`` times as the bare number, interleaved (the model learns both and picks one by
+    chance)."""
+    out = []
+    for r in train:
+        bare = dict(r, output=r["output"].removeprefix("#### "))
+        n = max(forms)
+        out += [x for i in range(n) for x, k in ((r, forms[0]), (bare, forms[1])) if i < k]
+    return out
 
 
 def accuracy(answers: list[str], records: list[dict]) -> float:
