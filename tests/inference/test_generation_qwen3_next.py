@@ -1,13 +1,14 @@
 """Generation with Qwen3-Next's hybrid cache (keys and values for the gated attention layer, the
 convolution's last inputs and the delta rule's state for the DeltaNet layers): greedy tokens of
 a left-padded batch with the cache equal transformers' ``generate`` of each prompt alone, at TP1
-and TP2; without the cache too; beam search with the cache (the states follow the beams) equals
-beam search without it."""
+and TP2 (``-m slow``); without the cache too; beam search with the cache (the states follow the
+beams) equals beam search without it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from test_generation import _hf_model
 
@@ -18,17 +19,23 @@ from helpers import convert_ranks, infer_ranks
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82], [11, 8, 3, 500, 7]]
 
 
-def test_greedy_with_cache_equals_transformers(tmp_path: Path) -> None:
-    convert_ranks.tiny_hf_model(tmp_path / "hf", "tiny-qwen3-next", seed=2)
-    hf_to_megatron(tmp_path / "hf", tmp_path / "mg")
-    got = run_distributed(infer_ranks.generation_cases, 2, ckpt=str(tmp_path / "mg"),
-                          layouts=[(1, 1), (2, 1)], prompts=PROMPTS, new_tokens=12, vocab=512,
-                          beam_tokens=6, timeout=900)[0]  # fmt: skip
-    hf = _hf_model(str(tmp_path / "hf"))
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    d = tmp_path_factory.mktemp("qwen3_next_gen")
+    convert_ranks.tiny_hf_model(d / "hf", "tiny-qwen3-next", seed=2)
+    hf_to_megatron(d / "hf", d / "mg")
+    hf = _hf_model(str(d / "hf"))
     want = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12,
                         min_new_tokens=12)[0, len(p) :].tolist() for p in PROMPTS]  # fmt: skip
-    for layout in ("tp1pp1", "tp2pp1"):
-        res = got[layout]
-        assert res["greedy_kv1"] == want, layout
-        assert res["greedy_kv0"] == want, layout
-        assert res["beam_kv1"] == res["beam_kv0"], layout
+    return d / "mg", want
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_greedy_with_cache_equals_transformers(converted, tp: int) -> None:
+    mg, want = converted
+    got = run_distributed(infer_ranks.generation_cases, tp, ckpt=str(mg), layouts=[(tp, 1)],
+                          prompts=PROMPTS, new_tokens=12, vocab=512, beam_tokens=6,
+                          timeout=900)[0][f"tp{tp}pp1"]  # fmt: skip
+    assert got["greedy_kv1"] == want
+    assert got["greedy_kv0"] == want
+    assert got["beam_kv1"] == got["beam_kv0"]
