@@ -297,7 +297,14 @@ class Layout:
                 "--sequence-parallel (without it Megatron-Core 0.16.1 leaves the gradient of the "
                 "shared rotary key partial on each TP rank)"
             )
-        if self.cp > 1 and getattr(model, "experimental_attention_variant", None):
+        delta = getattr(model, "experimental_attention_variant", None)
+        heads = [getattr(model, f"linear_num_{k}_heads", 1) or 1 for k in ("key", "value")]
+        if delta and any(n % self.tp for n in heads):
+            raise ValueError(
+                f"--linear-num-key-heads {heads[0]} and --linear-num-value-heads {heads[1]} "
+                f"(gated DeltaNet) must be divisible by --tensor-model-parallel-size {self.tp}"
+            )
+        if self.cp > 1 and delta:
             raise ValueError(
                 f"--experimental-attention-variant gated_delta_net (Qwen3-Next) does not run "
                 f"with --context-parallel-size {self.cp} (Megatron-Core 0.16.1's DeltaNet has "

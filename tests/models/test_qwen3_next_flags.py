@@ -30,6 +30,18 @@ def test_the_preset_carries_the_family_traits():
         (["--context-parallel-size", "2"], "--context-parallel-size 2"),
         (["--linear-attention-freq", "[1]*3"], "--linear-attention-freq"),
         (["--linear-num-value-heads", "3"], "--linear-num-value-heads"),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--linear-num-key-heads",
+                "1",
+                "--linear-num-value-heads",
+                "2",
+            ],
+            "divisible by --tensor-model-parallel-size 2",
+        ),
     ],
 )
 def test_what_cannot_run_is_one_line_before_start(flags, words):
