@@ -57,24 +57,29 @@ def _timed(fns: dict, repeats: int, slow: str = "nokv") -> dict:
 
 
 def _hf_generate(hf: str, prompts: list[list[int]], new: int, copied: bool):
-    """transformers' greedy ``generate`` on the model in ``hf``. Its weights are views of the
-    memory-mapped safetensors file (the page cache);
+    """transformers' greedy ``generate`` on the model in ``hf``, on anyspeed's device. On the
+    CPU its weights are views of the memory-mapped safetensors file (the page cache);
     ``copied`` gives it private copies, held like anyspeed's (ordinary process memory)."""
     from transformers import AutoModelForCausalLM
 
+    from anyspeed.device import torch_device
+
+    dev = torch_device()
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()  # fmt: skip
+    model.to(dev)
     model.generation_config.eos_token_id = None
-    if copied:
+    if copied and dev.type == "cpu":
         with torch.no_grad():
             for p in model.parameters():
                 p.data = p.data.clone()
 
     def run() -> list[list[int]]:
         with torch.inference_mode():  # the mode anyspeed's generate runs in
-            ids = model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=new,
-                                 min_new_tokens=new, pad_token_id=0)  # fmt: skip
-        return ids[:, len(prompts[0]) :].tolist()
+            ids = model.generate(torch.tensor(prompts, device=dev), do_sample=False,
+                                 max_new_tokens=new, min_new_tokens=new,
+                                 pad_token_id=0)  # fmt: skip
+        return ids[:, len(prompts[0]) :].tolist()  # .tolist() waits for the device
 
     return run
 

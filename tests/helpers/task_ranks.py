@@ -177,3 +177,21 @@ def _as_microbatches(full: torch.Tensor, cfg: TrainConfig) -> list[dict]:
 def layouts(ckpt_dir: str, cases: list[tuple[int, int]]) -> dict:
     """:func:`interface` for each (TP, PP) in one process group."""
     return {case: interface(*case, f"{ckpt_dir}/{case[0]}x{case[1]}") for case in cases}
+
+
+def exact_pass_peaks(micro: int) -> dict:
+    """Peak tensor bytes of the exact (autograd on) log-prob pass over 1 and ``micro``
+    micro-batches of one process, and whether both passes give the same values."""
+    from anyspeed.features.memory.trace import AllocationTrace
+    from anyspeed.training.step import Trainer
+
+    model = ModelConfig(**dict(MODEL, hidden_size=128, ffn_hidden_size=512))
+    cfg = TrainConfig(**dict(CFG, seq_length=64, global_batch_size=2 * micro))
+    t = Trainer(model, Layout(), cfg, ProbeTask())
+    mbs = synthetic.microbatches(model.vocab_size, cfg, 0)
+    peaks, values = [], []
+    for batches in (mbs[:1], mbs):
+        with AllocationTrace() as trace:
+            values.append(t.logprobs(batches, exact=True))
+        peaks.append(trace.peak())
+    return {"peaks": peaks, "same": torch.equal(values[0][0], values[1][0])}

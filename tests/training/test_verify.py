@@ -1,6 +1,7 @@
 """``anyspeed verify``: the command lines it derives, its verdict on hand-made steps, one-line
-errors before anything starts, a passing layout (TP2+SP), a deliberate pipeline defect named
-at its first differing gradient, and (slow) every row of the parity matrix and MoE layouts."""
+errors before anything starts, and (slow) a passing layout (TP2+SP; CI runs ``verify`` end to
+end in ``tests/finetune/test_verify_posttrain.py``), a deliberate pipeline defect named at its
+first differing gradient and every row of the parity matrix and MoE layouts."""
 
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ def test_bad_input_is_one_line_before_any_run(tmp_path):
     assert out.returncode == 2 and "--workdir" in out.stderr and out.stdout == ""
 
 
+@pytest.mark.slow  # three process launches (~35 s); CI runs verify end to end on posttrain
 def test_tp2_sp_passes(tmp_path):
     out = verify("--steps", "2", "--workdir", str(tmp_path / "w"), "pretrain", *MOCK,
                  "--nproc-per-node", "2", "--tensor-model-parallel-size", "2",
@@ -103,6 +105,7 @@ def test_tp2_sp_passes(tmp_path):
     assert os.path.isdir(tmp_path / "w" / "reference" / "grads_2")  # --workdir is kept
 
 
+@pytest.mark.slow  # two full CLI runs (~50 s); the verdict's logic is in the fast tests above
 def test_a_pipeline_defect_fails_at_its_first_gradient():
     """Every activation stage 1 receives has two samples swapped: verify fails at step 1 and
     names the embedding (the first tensor in model order; every gradient differs)."""

@@ -25,9 +25,12 @@ def logprob_pass(trainer: Any, chunks: list[torch.nn.Module], microbatches: list
                              temperature)  # fmt: skip
 
         def collect(output_tensor, non_loss_data=True):
-            return output_tensor.detach().clone()
+            return output_tensor.clone()
 
-        return out, collect
+        # Detached here: under autograd (``exact``) an output that leaves with its graph keeps
+        # its micro-batch's activations alive in the schedule (measured: every micro-batch's
+        # at once, tests/training/test_logprob_pass_memory.py).
+        return out.detach(), collect
 
     data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
     seq, mbs = trainer.task.schedule_shape(trainer.cfg.seq_length, trainer.cfg.micro_batch_size)
