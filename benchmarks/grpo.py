@@ -85,12 +85,16 @@ def make_sets(d: str, a: argparse.Namespace, n: int) -> tuple[str, str]:
     return os.path.join(d, "sft"), os.path.join(d, "rl")
 
 
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The model and sequence flags of the GRPO benchmarks."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for flag, default in (("--hidden", 512), ("--layers", 4), ("--prompt", 96), ("--response", 32)):
+        p.add_argument(flag, type=int, default=default)
+    return p
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--prompt", type=int, default=96)
-    p.add_argument("--response", type=int, default=32)
+    p = parser(__doc__)
     p.add_argument(
         "--beta", default="0.01", help="--init-kl-coef of the GRPO run (0: no reference)"
     )

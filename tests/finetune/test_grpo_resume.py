@@ -72,6 +72,30 @@ def test_lora_rollouts_use_the_adapters(add_prompts, tiny_qwen, hf_tok):
         (["--verifier-function", "nope"], "--verifier-function"),
         (["--save", "X", "--save-interval", "1", "--ppo-epochs", "2"], "--save-interval 1"),
         (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported"),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--infer-tensor-parallel-size",
+                "2",
+                "--infer-pipeline-parallel-size",
+                "2",
+            ],
+            "must be 1 and 1",
+        ),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--infer-tensor-parallel-size",
+                "1",
+                "--lora-r",
+                "4",
+                "--lora-target-modules",
+                "linear_qkv",
+            ],
+            "with LoRA is not supported",
+        ),
     ],
 )
 def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, extra, message):

@@ -36,6 +36,8 @@ YAML_KEYS = {
     "loss_agg_mode": "--loss-agg-mode", "filter_groups": "--filter-groups",
     "overlong_buffer_len": "--overlong-buffer-len",
     "overlong_penalty_factor": "--overlong-penalty-factor",
+    "infer_tensor_parallel_size": "--infer-tensor-parallel-size",
+    "infer_pipeline_parallel_size": "--infer-pipeline-parallel-size",
 }  # fmt: skip
 
 
@@ -75,6 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--temperature", type=float, default=1.0)
     a("--top-p", type=float, default=1.0)
     a("--top-k", type=int, default=0, help="0 or -1: no top-k cut")
+    a("--infer-tensor-parallel-size", type=int, default=None, help="the rollout's TP size "
+      "(default: training's; 1 with --infer-pipeline-parallel-size 1: the whole model on "
+      "every rank, sampling at TP 1 x DP world size, weights moved in memory)")  # fmt: skip
+    a(
+        "--infer-pipeline-parallel-size",
+        type=int,
+        default=None,
+        help="the rollout's PP size (default: training's; see --infer-tensor-parallel-size)",
+    )
     _add_objective(g)
 
 
@@ -201,6 +212,7 @@ class GRPOConfig:
     reference: str | None = None
     reference_iteration: int | None = None
     lora: Any = None
+    reshard: bool = False  # the rollout at TP 1 x DP world size (grpo_reshard.py)
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -255,13 +267,14 @@ def plan(args: argparse.Namespace) -> StagePlan:
         raise UsageError("--stage grpo decodes its samples for the rewards: pass "
                          "--tokenizer-name-or-path (or --load an HF directory)")  # fmt: skip
     rbs, steps, prompt = _check_sizes(args)
+    lora_cfg = lora.from_args(args)
+    reshard = _rollout_layout(args, lora_cfg)
     _check_range("--clip-ratio", args.clip_ratio)
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
     if high < 0 or args.init_kl_coef < 0 or not 0 < args.temperature:
         raise UsageError("--clip-ratio-high and --init-kl-coef must be >= 0, --temperature > 0")
     rewards.resolve(args.verifier_function, args.verifier_weight)  # imports user functions now
     _warn_dropout(args)
-    lora_cfg = lora.from_args(args)
     prompt_data.check_files(prefix)
     data = prompt_data.open_prompts(prefix)
     rows = prompt_data.usable_rows(data, prefix, prompt, args.split)
@@ -274,10 +287,32 @@ def plan(args: argparse.Namespace) -> StagePlan:
         tuple(args.verifier_weight) if args.verifier_weight else None,
         args.overlong_buffer_len, args.overlong_penalty_factor, args.filter_groups,
         args.max_num_gen_batches, rows=np.asarray(rows), reference=ref,
-        reference_iteration=ref_iter, lora=lora_cfg,
+        reference_iteration=ref_iter, lora=lora_cfg, reshard=reshard,
     )  # fmt: skip
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([prompt_data.file_prefix(prefix, "input_ids")], cfg, data, records)
+
+
+def _rollout_layout(args: argparse.Namespace, lora_cfg: Any) -> bool:
+    """Whether the rollout runs at another layout than training (TP 1 x DP world), checked."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    itp, ipp = args.infer_tensor_parallel_size, args.infer_pipeline_parallel_size
+    itp, ipp = tp if itp is None else itp, pp if ipp is None else ipp
+    if (itp, ipp) == (tp, pp):
+        return False
+    if (itp, ipp) != (1, 1):
+        raise UsageError(f"--infer-tensor-parallel-size {itp} --infer-pipeline-parallel-size "
+                         f"{ipp}: a rollout layout other than training's must be 1 and 1 (the "
+                         "whole model on every rank); leave both unset to roll out at the "
+                         "training layout")  # fmt: skip
+    overlap = getattr(args, "overlap_param_gather", False)
+    for bad, what in ((lora_cfg, "LoRA"), (args.num_experts, "MoE models"),
+                      (overlap, "--overlap-param-gather")):  # fmt: skip
+        if bad:
+            raise UsageError(f"--infer-tensor-parallel-size 1 --infer-pipeline-parallel-size 1 "
+                             f"with {what} is not supported yet; roll out at the training "
+                             "layout (leave both unset)")  # fmt: skip
+    return True
 
 
 def _warn_dropout(args: argparse.Namespace) -> None:

@@ -126,11 +126,12 @@ def global_stats(roll: Rollout, mm: tuple[float, float, float], clock: Any,
                         dtype=torch.float64, device=device)  # fmt: skip
     most = torch.tensor([float(roll.rewards.max()), -float(roll.rewards.min()),
                          float(lengths.max()), -float(lengths.min()), mm[2], clock.rollout,
-                         clock.old, clock.ref], dtype=torch.float64, device=device)  # fmt: skip
+                         clock.old, clock.ref, clock.reshard], dtype=torch.float64,
+                        device=device)  # fmt: skip
     dist.all_reduce(sums)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     s, m = sums.tolist(), most.tolist()
     n, groups = max(s[1], 1.0), max(s[4], 1.0)
     return torch.tensor([s[0] / n, -m[1], m[0], s[2] / n, -m[3], m[2], s[3] / groups,
                          s[5] / groups, s[6] / max(s[7], 1.0), m[4], m[5], m[6], m[7],
-                         s[8] / max(m[5], 1e-9)], device=device)  # fmt: skip
+                         s[8] / max(m[5], 1e-9), m[8]], device=device)  # fmt: skip

@@ -32,7 +32,8 @@ ACTOR = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", 
 STATS = ("grpo/rewards/mean", "grpo/rewards/min", "grpo/rewards/max", "response_length/mean",
          "response_length/min", "response_length/max", "grpo/zero_adv_groups",
          "grpo/kept_groups", "rollout/logp_mismatch", "rollout/logp_mismatch_max",
-         "timing/rollout", "timing/old_log_p", "timing/reference_model", "rollout_tps")  # fmt: skip
+         "timing/rollout", "timing/old_log_p", "timing/reference_model", "rollout_tps",
+         "timing/reshard")  # fmt: skip
 
 
 def _per_token_loss(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
@@ -56,6 +57,7 @@ class _Clock:
     rollout: float = 0.0
     old: float = 0.0
     ref: float = 0.0
+    reshard: float = 0.0
 
 
 class GRPOTask(Task):
@@ -74,6 +76,7 @@ class GRPOTask(Task):
         self.eos = end_ids(self.tok)
         self.pad = self.tok.pad_id if self.tok.pad_id is not None else 0
         self.reference = cfg.reference or run.load
+        self.roller: Any = None  # the rollout model at TP 1 x DP world (--infer-* 1 1)
 
     # ---------------------------------------------------------------- the task interface
     def transforms(self) -> list[Any]:
@@ -178,6 +181,11 @@ class GRPOTask(Task):
         """One rollout of this replica's prompts: sampled, rewarded, with old/reference
         log-probs and the rollout's global statistics on every micro-batch."""
         clock = _Clock()
+        if self.cfg.reshard:
+            from anyspeed.training.tasks.grpo_reshard import RolloutModel
+
+            self.roller = self.roller or RolloutModel(trainer)
+            clock.reshard = self.roller.sync(trainer)
         t0 = time.perf_counter()
         roll = self.sample(trainer, data, prompt_rows, positions, args)
         clock.rollout = time.perf_counter() - t0
@@ -245,7 +253,8 @@ class GRPOTask(Task):
                       max_length=args.seq_length, vocab_size=self.vocab,
                       lockstep=args.expert_model_parallel_size > 1)  # fmt: skip
         rep = [p for p in prompts for _ in range(c.group)]
-        tokens, lps = trainer.sample(rep, req)
+        roller = self.roller
+        tokens, lps = roller.sample(rep, req) if roller else trainer.sample(rep, req)
         texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in tokens]
         prompt_texts = [decode(self.tok, p) for p in rep]
         labels = [a for a in answers for _ in range(c.group)]

@@ -1,0 +1,59 @@
+"""GRPO's rollout model inside spawned ranks: after a training step at TP2 / PP2 / TP2 x PP2,
+the weights it gathered, cut again by the checkpoint converter's own sharding
+(:func:`anyspeed.convert.engine.shard_tp`), equal every rank's training tensors bit for bit,
+and its logits equal the training model's on the same batch."""
+
+from __future__ import annotations
+
+import torch
+
+from anyspeed.layout import Layout
+from anyspeed.models import ModelConfig
+from anyspeed.training import synthetic
+from anyspeed.training.config import TrainConfig
+
+MODEL = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+             num_query_groups=2, vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0,
+             swiglu=True)  # fmt: skip
+CFG = dict(seq_length=16, micro_batch_size=2, global_batch_size=4, lr=1e-2)
+
+
+def gathered_weights(tp: int, pp: int) -> dict:
+    """(tensors compared, tensors differing from the training shards, max logit diff)."""
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.convert.engine import shard_tp
+    from anyspeed.convert.fused import materialize, tp_parts
+    from anyspeed.inference.forward import pipeline_forward
+    from anyspeed.training.step import Trainer, unwrap
+    from anyspeed.training.tasks.grpo_reshard import _LAYER, RolloutModel, _global_names, _tensors
+
+    model, cfg = ModelConfig(**MODEL), TrainConfig(**CFG)
+    t = Trainer(model, Layout(tp=tp, pp=pp), cfg)
+    mbs = synthetic.microbatches(model.vocab_size, cfg, 0)
+    t.step(mbs)  # weights away from their initial values
+    roll = RolloutModel(t)
+    seconds = roll.sync(t)
+    rank = ps.get_tensor_model_parallel_rank()
+    compared, differ = 0, []
+    for chunk in t.model:
+        numbers = _global_names(chunk)
+        for name, local in _tensors(chunk).items():
+            glob = name
+            if m := _LAYER.match(name):
+                glob = f"decoder.layers.{numbers[int(m.group(1))]}." + name[m.end() :]
+            if glob not in roll.targets:
+                continue
+            full = roll.targets[glob]
+            mine = full if full.shape == local.shape else materialize(
+                shard_tp(glob, full, tp, rank, tp_parts(glob, model)))  # fmt: skip
+            compared += 1
+            if not torch.equal(mine, local):
+                differ.append(glob)
+    batch = mbs[0]
+    want = pipeline_forward(t.model, batch["tokens"], batch["position_ids"])
+    with roll.states.rollout(), torch.no_grad():
+        got = unwrap(roll.chunks[0])(batch["tokens"], batch["position_ids"], None)
+    diff = None if want is None else float((got.float() - want.float()).abs().max())
+    return {"compared": compared, "differ": differ, "logit_diff": diff, "seconds": seconds,
+            "rollout_tensors": len(roll.targets)}  # fmt: skip
