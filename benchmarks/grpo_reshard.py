@@ -1,7 +1,8 @@
 """GRPO's rollout at TP 1 x DP (``--infer-tensor-parallel-size 1
---infer-pipeline-parallel-size 1``) against the rollout at the training layout, side by side
-in one run: seconds per rollout, the weights' move (reshard) per rollout, sampled tokens per
-second, and peak memory (the rollout model is a whole copy of the weights on every rank).
+--infer-pipeline-parallel-size 1 --infer-expert-parallel-size 1``) against the rollout at the
+training layout, side by side in one run: seconds per rollout, the weights' move (reshard) per
+rollout, sampled tokens per second, and peak memory (the rollout model is a whole copy of the
+weights on every rank).
 
     python benchmarks/grpo_reshard.py [--hidden 512] [--layers 4] [--prompt 96]
         [--response 32] [--steps 4]
@@ -21,7 +22,8 @@ from anyspeed.testing import run_distributed
 from grpo import make_sets, parser, tokenizer
 from sft import base_cli, posttrain_run
 
-INFER = ["--infer-tensor-parallel-size", "1", "--infer-pipeline-parallel-size", "1"]
+INFER = ["--infer-tensor-parallel-size", "1", "--infer-pipeline-parallel-size", "1",
+         "--infer-expert-parallel-size", "1"]  # fmt: skip
 LAYOUTS = {
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],

@@ -2,19 +2,21 @@
 --infer-pipeline-parallel-size 1``: the whole model on every rank, TP 1 x DP world): weights
 moved in memory from the training shards, the same rollouts (per-sample seeds) and the same
 loss and grad norm as one process within 1e-5 over 4 steps (two passes over each rollout),
-the rollout's log-probs equal to the training forward's within 1e-5; TP2 in CI, PP2 and
-TP2 x PP2 (4 processes) with ``-m slow``."""
+the rollout's log-probs equal to the training forward's within 1e-5; TP2 in CI, PP2,
+TP2 x PP2 (4 processes) and GRPO-LoRA at TP2 with ``-m slow``; the gathered weights (LoRA's
+adapters included) are the training shards bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 from test_grpo import cli
-from test_grpo_layouts import RUN, TOL
+from test_grpo_layouts import RUN, TOL, tiny_moe  # noqa: F401  (a fixture)
 
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
 
-INFER = ["--infer-tensor-parallel-size", "1", "--infer-pipeline-parallel-size", "1"]
+INFER = ["--infer-tensor-parallel-size", "1", "--infer-pipeline-parallel-size", "1",
+         "--infer-expert-parallel-size", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +56,45 @@ def test_model_parallel_rolling_out_at_tp1(one, add_prompts, tiny_qwen, hf_tok, 
     _check(_run(world, argv), one)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_gathered_weights_are_the_training_shards_bit_for_bit(tp, pp):
+@pytest.mark.parametrize("tp,pp,lora", [(2, 1, False), (1, 2, False), (2, 1, True)],
+                         ids=["tp2", "pp2", "tp2-lora"])  # fmt: skip
+def test_gathered_weights_are_the_training_shards_bit_for_bit(tp, pp, lora):
     from helpers import reshard_ranks
 
-    ranks = run_distributed(reshard_ranks.gathered_weights, 2, tp=tp, pp=pp, timeout=300)
+    ranks = run_distributed(reshard_ranks.gathered_weights, 2, tp=tp, pp=pp, lora=lora,
+                            timeout=300)  # fmt: skip
     for r in ranks:
         assert r["differ"] == [] and r["compared"] > 0, r
+        assert (r["adapters"] > 0) == lora, r
         assert r["logit_diff"] is None or r["logit_diff"] <= 1e-5, r
     # every rollout tensor came from some rank (the pipeline stages together hold them all)
     assert sum(r["compared"] for r in ranks) >= ranks[0]["rollout_tensors"]
+
+
+@pytest.mark.slow
+def test_lora_at_tp2_rolling_out_at_tp1(add_prompts, tiny_qwen, hf_tok):
+    """GRPO-LoRA (adapters on qkv, the gated fc1 and fc2) at TP2+SP rolling out at TP1 x DP2
+    against GRPO-LoRA in one process."""
+    lora = ["--lora-r", "4", "--lora-target-modules", "linear_qkv", "linear_fc1", "linear_fc2"]
+    argv = cli(tiny_qwen, add_prompts, hf_tok, *RUN, *lora, iters=4)
+    want = _run(1, argv)
+    _check(_run(2, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel", *INFER]),
+           want)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+], ids=["tp2-sp", "ep2"])  # fmt: skip
+def test_moe_rolling_out_at_tp1(add_prompts, hf_tok, tiny_moe, flags):  # noqa: F811
+    """A Qwen3-MoE model (4 experts) with its experts split by TP, or over EP ranks, rolling
+    out at TP1 x DP2 (every expert on every rank)."""
+    from anyspeed.training import hf_load
+
+    argv = cli(tiny_moe, add_prompts, hf_tok, *RUN, "--init-kl-coef", "0", iters=4)
+    want = _run(1, argv)
+    two = argv + flags + INFER
+    expanded = hf_load.expand(two, tiny_moe)  # the adaptor sees the MoE architecture flags
+    got = run_distributed(sft_ranks.posttrain, 2, argv=expanded, cli=two, timeout=600)[0]
+    _check(got, want)

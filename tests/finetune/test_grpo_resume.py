@@ -81,7 +81,7 @@ def test_lora_rollouts_use_the_adapters(add_prompts, tiny_qwen, hf_tok):
                 "--infer-pipeline-parallel-size",
                 "2",
             ],
-            "must be 1 and 1",
+            "must be 1, 1, 1",
         ),
         (
             [
@@ -89,13 +89,12 @@ def test_lora_rollouts_use_the_adapters(add_prompts, tiny_qwen, hf_tok):
                 "2",
                 "--infer-tensor-parallel-size",
                 "1",
-                "--lora-r",
+                "--num-experts",
                 "4",
-                "--lora-target-modules",
-                "linear_qkv",
+                "--moe-grouped-gemm",
             ],
-            "with LoRA is not supported",
-        ),
+            "with --moe-grouped-gemm is not supported",
+        ),  # fmt: skip
     ],
 )
 def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, extra, message):

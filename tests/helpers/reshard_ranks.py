@@ -1,7 +1,7 @@
 """GRPO's rollout model inside spawned ranks: after a training step at TP2 / PP2 / TP2 x PP2,
 the weights it gathered, cut again by the checkpoint converter's own sharding
-(:func:`anyspeed.convert.engine.shard_tp`), equal every rank's training tensors bit for bit,
-and its logits equal the training model's on the same batch."""
+(:func:`anyspeed.convert.engine.shard_tp`), equal every rank's training tensors bit for bit
+(LoRA's adapters included), and its logits equal the training model's on the same batch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MODEL = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_he
 CFG = dict(seq_length=16, micro_batch_size=2, global_batch_size=4, lr=1e-2)
 
 
-def gathered_weights(tp: int, pp: int) -> dict:
+def gathered_weights(tp: int, pp: int, lora: bool = False) -> dict:
     """(tensors compared, tensors differing from the training shards, max logit diff)."""
     from megatron.core import parallel_state as ps
 
@@ -26,10 +26,17 @@ def gathered_weights(tp: int, pp: int) -> dict:
     from anyspeed.convert.fused import materialize, tp_parts
     from anyspeed.inference.forward import pipeline_forward
     from anyspeed.training.step import Trainer, unwrap
-    from anyspeed.training.tasks.grpo_reshard import _LAYER, RolloutModel, _global_names, _tensors
+    from anyspeed.training.tasks.grpo_reshard import (
+        _ADAPTER,
+        _LAYER,
+        RolloutModel,
+        _global_names,
+        _tensors,
+    )
+    from helpers.task_ranks import ProbeTask
 
     model, cfg = ModelConfig(**MODEL), TrainConfig(**CFG)
-    t = Trainer(model, Layout(tp=tp, pp=pp), cfg)
+    t = Trainer(model, Layout(tp=tp, pp=pp), cfg, ProbeTask(lora=lora))
     mbs = synthetic.microbatches(model.vocab_size, cfg, 0)
     t.step(mbs)  # weights away from their initial values
     roll = RolloutModel(t)
@@ -45,8 +52,9 @@ def gathered_weights(tp: int, pp: int) -> dict:
             if glob not in roll.targets:
                 continue
             full = roll.targets[glob]
+            rule = _ADAPTER.sub(".weight", glob)  # an adapter is split as its layer
             mine = full if full.shape == local.shape else materialize(
-                shard_tp(glob, full, tp, rank, tp_parts(glob, model)))  # fmt: skip
+                shard_tp(rule, full, tp, rank, tp_parts(rule, model)))  # fmt: skip
             compared += 1
             if not torch.equal(mine, local):
                 differ.append(glob)
@@ -55,5 +63,6 @@ def gathered_weights(tp: int, pp: int) -> dict:
     with roll.states.rollout(), torch.no_grad():
         got = unwrap(roll.chunks[0])(batch["tokens"], batch["position_ids"], None)
     diff = None if want is None else float((got.float() - want.float()).abs().max())
+    adapters = sum(".lora_" in n for n in roll.targets)
     return {"compared": compared, "differ": differ, "logit_diff": diff, "seconds": seconds,
-            "rollout_tensors": len(roll.targets)}  # fmt: skip
+            "rollout_tensors": len(roll.targets), "adapters": adapters}  # fmt: skip

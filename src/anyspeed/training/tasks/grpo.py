@@ -38,6 +38,7 @@ YAML_KEYS = {
     "overlong_penalty_factor": "--overlong-penalty-factor",
     "infer_tensor_parallel_size": "--infer-tensor-parallel-size",
     "infer_pipeline_parallel_size": "--infer-pipeline-parallel-size",
+    "infer_expert_parallel_size": "--infer-expert-parallel-size",
 }  # fmt: skip
 
 
@@ -78,13 +79,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--top-p", type=float, default=1.0)
     a("--top-k", type=int, default=0, help="0 or -1: no top-k cut")
     a("--infer-tensor-parallel-size", type=int, default=None, help="the rollout's TP size "
-      "(default: training's; 1 with --infer-pipeline-parallel-size 1: the whole model on "
-      "every rank, sampling at TP 1 x DP world size, weights moved in memory)")  # fmt: skip
+      "(default: training's; 1, with the PP and EP sizes 1: the whole model on every rank, "
+      "sampling at TP 1 x DP world size, weights moved in memory)")  # fmt: skip
     a(
         "--infer-pipeline-parallel-size",
         type=int,
         default=None,
         help="the rollout's PP size (default: training's; see --infer-tensor-parallel-size)",
+    )
+    a(
+        "--infer-expert-parallel-size",
+        type=int,
+        default=None,
+        help="the rollout's EP size (default: training's; see --infer-tensor-parallel-size)",
     )
     _add_objective(g)
 
@@ -268,7 +275,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
                          "--tokenizer-name-or-path (or --load an HF directory)")  # fmt: skip
     rbs, steps, prompt = _check_sizes(args)
     lora_cfg = lora.from_args(args)
-    reshard = _rollout_layout(args, lora_cfg)
+    reshard = _rollout_layout(args)
     _check_range("--clip-ratio", args.clip_ratio)
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
     if high < 0 or args.init_kl_coef < 0 or not 0 < args.temperature:
@@ -293,25 +300,28 @@ def plan(args: argparse.Namespace) -> StagePlan:
     return StagePlan([prompt_data.file_prefix(prefix, "input_ids")], cfg, data, records)
 
 
-def _rollout_layout(args: argparse.Namespace, lora_cfg: Any) -> bool:
+def _rollout_layout(args: argparse.Namespace) -> bool:
     """Whether the rollout runs at another layout than training (TP 1 x DP world), checked."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    itp, ipp = args.infer_tensor_parallel_size, args.infer_pipeline_parallel_size
-    itp, ipp = tp if itp is None else itp, pp if ipp is None else ipp
-    if (itp, ipp) == (tp, pp):
+    train = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+             args.expert_model_parallel_size)  # fmt: skip
+    given = (args.infer_tensor_parallel_size, args.infer_pipeline_parallel_size,
+             args.infer_expert_parallel_size)  # fmt: skip
+    infer = tuple(t if g is None else g for t, g in zip(train, given, strict=True))
+    if infer == train:
         return False
-    if (itp, ipp) != (1, 1):
-        raise UsageError(f"--infer-tensor-parallel-size {itp} --infer-pipeline-parallel-size "
-                         f"{ipp}: a rollout layout other than training's must be 1 and 1 (the "
-                         "whole model on every rank); leave both unset to roll out at the "
-                         "training layout")  # fmt: skip
+    flags = (
+        "--infer-tensor-parallel-size, --infer-pipeline-parallel-size, --infer-expert-parallel-size"
+    )
+    if infer != (1, 1, 1):
+        raise UsageError(f"{flags} {' '.join(map(str, infer))}: a rollout layout other than "
+                         "training's must be 1, 1, 1 (the whole model on every rank); leave "
+                         "them unset to roll out at the training layout")  # fmt: skip
     overlap = getattr(args, "overlap_param_gather", False)
-    for bad, what in ((lora_cfg, "LoRA"), (args.num_experts, "MoE models"),
-                      (overlap, "--overlap-param-gather")):  # fmt: skip
+    grouped = getattr(args, "moe_grouped_gemm", False)
+    for bad, what in ((grouped, "--moe-grouped-gemm"), (overlap, "--overlap-param-gather")):
         if bad:
-            raise UsageError(f"--infer-tensor-parallel-size 1 --infer-pipeline-parallel-size 1 "
-                             f"with {what} is not supported yet; roll out at the training "
-                             "layout (leave both unset)")  # fmt: skip
+            raise UsageError(f"a rollout layout of its own ({flags} 1) with {what} is not "
+                             "supported yet; roll out at the training layout")  # fmt: skip
     return True
 
 

@@ -4,13 +4,15 @@ sequences, so the rollout runs at TP 1 x DP (world size) whatever the training l
 
 Before each rollout the weights move in memory from the training model: tensor-parallel shards
 are all-gathered and joined as the checkpoint converter joins them (:func:`merge_tp`, fused
-parts included), pipeline stages broadcast their layers (renumbered globally) to every rank.
+parts included; LoRA adapters as their layer's weight), expert-parallel ranks all-gather their
+experts and pipeline stages broadcast their layers (both renumbered globally) to every rank.
 The rollout model's tensors are then the gathered training model's, bit for bit. Megatron
 reads its process groups from ``parallel_state`` when it runs, so the rollout model is built
 and run inside a second, complete set of those globals made for TP 1 / PP 1
 (:class:`ParallelStates`); the training model keeps the groups it was built with.
 
-MindSpeed-RL's names: ``--infer-tensor-parallel-size 1 --infer-pipeline-parallel-size 1``.
+MindSpeed-RL's names: ``--infer-tensor-parallel-size 1 --infer-pipeline-parallel-size 1
+--infer-expert-parallel-size 1``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 
 _GLOBAL = re.compile(r"_[A-Z][A-Z0-9_]*$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_ADAPTER = re.compile(r"\.lora_[AB]$")
+_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")  # Megatron's SequentialMLP
 
 
 def _ps_globals() -> dict[str, Any]:
@@ -113,9 +117,9 @@ class RolloutModel:
         from anyspeed.training.model_pipeline import build_chunks
 
         self.states = ParallelStates()
-        with _same_rng(), self.states.rollout():
+        with _same_rng(), self.states.rollout():  # the task's transforms: LoRA's adapters
             chunks, _ = build_chunks(trainer.model_config, Layout(), trainer.cfg,
-                                     builder=trainer.task.build)  # fmt: skip
+                                     trainer.task.transforms(), trainer.task.build)  # fmt: skip
         self.chunks = [c.eval().requires_grad_(False) for c in chunks]
         self.targets = _tensors(self.chunks[0])
         self.preset = trainer.model_config
@@ -139,10 +143,12 @@ class RolloutModel:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from anyspeed.convert.engine import merge_tp
-        from anyspeed.convert.fused import materialize, tp_parts
-
-        tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+        ep, ep_group = (
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_model_parallel_group(),
+        )
+        groups = {False: ps.get_tensor_model_parallel_group(),
+                  True: ps.get_expert_tensor_parallel_group()}  # fmt: skip
         out: dict[str, torch.Tensor] = {}
         for chunk in trainer.model:
             numbers = _global_names(chunk)
@@ -152,12 +158,35 @@ class RolloutModel:
                 want = self.targets.get(name)
                 if want is None:  # e.g. the tied output weight's copy on the last stage
                     continue
-                if tp > 1 and want.shape != t.shape:
-                    parts = [torch.empty_like(t) for _ in range(tp)]
-                    dist.all_gather(parts, t.contiguous(), group=group)
-                    t = materialize(merge_tp(name, parts, tp_parts(name, self.preset)))
-                out[name] = t
+                expert = _EXPERT.search(name)
+                t = self._whole(name, t, want.shape, groups[expert is not None])
+                if expert is None or ep == 1:
+                    out[name] = t
+                    continue
+                # experts: this rank's are local_experts.0..n-1; EP rank x holds x*n .. x*n+n-1
+                parts = [torch.empty_like(t) for _ in range(ep)]
+                dist.all_gather(parts, t.contiguous(), group=ep_group)
+                n, i = (self.preset.num_experts or 0) // ep, int(expert.group(2))
+                for x, part in enumerate(parts):
+                    head, tail = name[: expert.start()], name[expert.end() :]
+                    out[f"{head}{expert.group(1)}{x * n + i}.{tail}"] = part
         return out
+
+    def _whole(self, name: str, t: torch.Tensor, shape: torch.Size, group: Any) -> torch.Tensor:
+        """``t`` whole: its tensor-parallel shards over ``group`` all-gathered and joined as the
+        checkpoint converter joins them; ``t`` itself where it is not split."""
+        import torch.distributed as dist
+
+        from anyspeed.convert.engine import merge_tp
+        from anyspeed.convert.fused import materialize, tp_parts
+
+        size = dist.get_world_size(group)
+        if size == 1 or shape == t.shape:
+            return t
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        rule = _ADAPTER.sub(".weight", name)  # an adapter is split as its layer
+        return materialize(merge_tp(rule, parts, tp_parts(rule, self.preset)))
 
     def _broadcast_stages(self, mine: dict[str, torch.Tensor]) -> set[str]:
         """Every stage's tensors into the rollout model on every rank of the pipeline."""
@@ -203,7 +232,8 @@ class RolloutModel:
             seeds = req.row_seeds[lo:hi] if req.row_seeds else None
             with self.states.rollout(), torch.no_grad():
                 mine = sample([unwrap(c) for c in self.chunks], prompts[lo:hi],
-                              replace(req, row_seeds=seeds), logprobs=True)  # fmt: skip
+                              replace(req, row_seeds=seeds, lockstep=False),
+                              logprobs=True)  # fmt: skip
         shares: list[Any] = [None] * n
         dist.all_gather_object(shares, mine, group=group)
         return ([t for s in shares for t in s[0]], [lp for s in shares for lp in s[1]])
