@@ -5,7 +5,7 @@ rollout, sampled tokens per second, and peak memory (the rollout model is a whol
 weights on every rank).
 
     python benchmarks/grpo_reshard.py [--hidden 512] [--layers 4] [--prompt 96]
-        [--response 32] [--steps 4]
+        [--response 32] [--steps 4] [--layouts pp2 tp2 tp2-pp2]
 """
 
 from __future__ import annotations
@@ -24,18 +24,20 @@ from sft import base_cli, posttrain_run
 
 INFER = ["--infer-tensor-parallel-size", "1", "--infer-pipeline-parallel-size", "1",
          "--infer-expert-parallel-size", "1"]  # fmt: skip
-LAYOUTS = {
-    "pp2": ["--pipeline-model-parallel-size", "2"],
-    "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+LAYOUTS = {  # name: (processes, flags)
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "tp2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
 }
 
 
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=4, help="optimizer steps = rollouts")
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=["pp2", "tp2"])
     a = p.parse_args()
     seq = a.prompt + a.response
-    print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}, 2 processes, hidden "
+    print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}, hidden "
           f"{a.hidden}, {a.layers} layers, prompt {a.prompt} + response {a.response} tokens, "
           f"16 sequences per rollout, fp32")  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
@@ -50,11 +52,12 @@ def main() -> None:
                  "--init-kl-coef", "0", "--log-interval", "1"]  # fmt: skip
         print(f"{'training':<10}{'rollout at':<14}{'rollout s':>10}{'reshard s':>10}"
               f"{'tokens/s':>10}{'peak MiB':>10}")  # fmt: skip
-        for name, flags in LAYOUTS.items():
-            for label, extra in ((name, []), ("TP1 x DP2", INFER)):
+        for name in a.layouts:
+            world, flags = LAYOUTS[name]
+            for label, extra in ((name, []), (f"TP1 x DP{world}", INFER)):
                 metrics = os.path.join(d, f"{name}-{len(extra)}.jsonl")
                 cli = base + flags + extra + ["--metrics-file", metrics]
-                out = run_distributed(posttrain_run, 2, argv=cli, cli=cli, timeout=1800)
+                out = run_distributed(posttrain_run, world, argv=cli, cli=cli, timeout=1800)
                 rows = [json.loads(line) for line in open(metrics)][1:]  # after the first
                 med = {k: float(np.median([r[k] for r in rows]))
                        for k in ("timing/rollout", "timing/reshard", "rollout_tps")}  # fmt: skip
