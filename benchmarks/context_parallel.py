@@ -72,14 +72,15 @@ def bench(cp: int, algo: str, degree: int | None, seq: int, steps: int) -> dict:
     from anyspeed.device import cpu_cuda
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig
+    from anyspeed.stages.pretrain.task import PretrainTask
     from anyspeed.training.config import TrainConfig
     from anyspeed.training.step import Trainer
     from anyspeed.training.synthetic import train_step
 
     model = ModelConfig(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1408,
                         vocab_size=256)  # fmt: skip
-    t = Trainer(model, Layout(cp=cp, cp_algo=algo, ulysses_degree=degree),
-                TrainConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1))  # fmt: skip
+    cfg = TrainConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1)
+    t = Trainer(model, Layout(cp=cp, cp_algo=algo, ulysses_degree=degree), cfg, PretrainTask())
     # Activation memory, counted exactly: the storage autograd keeps for the backward pass.
     saved: dict[int, int] = {}
 

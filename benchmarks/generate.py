@@ -87,9 +87,9 @@ def _hf_generate(hf: str, prompts: list[list[int]], new: int, copied: bool):
 def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int,
          threads: int) -> dict:  # fmt: skip
     from anyspeed.commands.session import load_model, model_of
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.inference.decode import Request, generate
     from anyspeed.layout import Layout
-    from anyspeed.training.distributed import init_distributed
 
     torch.set_num_threads(threads)
     init_distributed(Layout(), seed=0)

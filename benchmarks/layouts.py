@@ -28,12 +28,15 @@ def bench(layout: dict, steps: int, warmup: int, spec: dict, cfg: dict) -> dict:
     from anyspeed.device import cpu_cuda
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig
+    from anyspeed.stages.pretrain.task import PretrainTask
     from anyspeed.training.config import TrainConfig
     from anyspeed.training.step import Trainer
     from anyspeed.training.synthetic import train_step
 
     seq = spec.pop("seq_length", 32)
-    t = Trainer(ModelConfig(**spec), Layout(**layout), TrainConfig(seq_length=seq, **cfg))
+    t = Trainer(
+        ModelConfig(**spec), Layout(**layout), TrainConfig(seq_length=seq, **cfg), PretrainTask()
+    )
     for _ in range(warmup):
         train_step(t)
     torch.distributed.barrier()

@@ -38,13 +38,14 @@ def feature_run(recompute: dict, seq: int, steps: int) -> dict:
     from anyspeed.features.memory.meter import FirstForwardMeter
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig
+    from anyspeed.stages.pretrain.task import PretrainTask
     from anyspeed.training.config import TrainConfig
     from anyspeed.training.step import Trainer
     from anyspeed.training.synthetic import train_step
 
     cfg = TrainConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1,
                       recompute=recompute)  # fmt: skip
-    trainer = Trainer(ModelConfig(**MODEL), Layout(), cfg)
+    trainer = Trainer(ModelConfig(**MODEL), Layout(), cfg, PretrainTask())
     cpu_cuda.reset_peak_memory_stats()
     meter = FirstForwardMeter(trainer.model)
     train_step(trainer)

@@ -77,6 +77,7 @@ def e2e_rows(steps: int) -> list[dict]:
     from anyspeed import adaptor
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig
+    from anyspeed.stages.pretrain.task import PretrainTask
     from anyspeed.training import synthetic
     from anyspeed.training.config import TrainConfig
     from anyspeed.training.step import Trainer
@@ -99,7 +100,7 @@ def e2e_rows(steps: int) -> list[dict]:
                 moe_grouped_gemm=grouped,
             )
             cfg = TrainConfig(seq_length=256, micro_batch_size=4, global_batch_size=16)
-            t = Trainer(model, Layout(ep=2), cfg)
+            t = Trainer(model, Layout(ep=2), cfg, PretrainTask())
             synthetic.train_step(t)  # warm-up
             t0 = time.perf_counter()
             for _ in range(steps):

@@ -125,6 +125,7 @@ def e2e(seq: int, steps: int, bf16: bool) -> dict:
     from anyspeed.device import cpu_cuda
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig
+    from anyspeed.stages.pretrain.task import PretrainTask
     from anyspeed.training.config import TrainConfig
     from anyspeed.training.step import Trainer
     from anyspeed.training.synthetic import train_step
@@ -140,7 +141,7 @@ def e2e(seq: int, steps: int, bf16: bool) -> dict:
         rotary_base=1000000,
     )
     cfg = TrainConfig(seq_length=seq, micro_batch_size=1, global_batch_size=2, bf16=bf16)
-    trainer = Trainer(model, Layout(), cfg)
+    trainer = Trainer(model, Layout(), cfg, PretrainTask())
     params = sum(p.numel() for p in trainer.model[0].parameters())
     train_step(trainer)  # warm-up
     cpu_cuda.reset_peak_memory_stats()

@@ -25,12 +25,13 @@ def offload_run(model: dict, steps: int) -> dict:
 
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig
+    from anyspeed.stages.pretrain.task import PretrainTask
     from anyspeed.training.config import TrainConfig
     from anyspeed.training.step import Trainer
     from anyspeed.training.synthetic import train_step
 
     cfg = TrainConfig(seq_length=1024, micro_batch_size=2, global_batch_size=2, bf16=True)
-    trainer = Trainer(ModelConfig(**model), Layout(), cfg)
+    trainer = Trainer(ModelConfig(**model), Layout(), cfg, PretrainTask())
     cuda = torch.cuda.is_available()
     out, allocated = [], []
     for _ in range(steps):

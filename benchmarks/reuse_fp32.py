@@ -40,6 +40,7 @@ def rank(model: str, steps: int, distopt: bool) -> dict:
     from anyspeed import quiet
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig, get_preset
+    from anyspeed.stages.pretrain.task import PretrainTask
     from anyspeed.training import synthetic
     from anyspeed.training.config import TrainConfig
     from anyspeed.training.step import Trainer
@@ -50,7 +51,7 @@ def rank(model: str, steps: int, distopt: bool) -> dict:
                       global_batch_size=2 if distopt else 1, lr=1e-4)  # fmt: skip
     quiet.install()
     _fixed_mmap_threshold()
-    t = Trainer(config, Layout(distributed_optimizer=distopt), cfg)
+    t = Trainer(config, Layout(distributed_optimizer=distopt), cfg, PretrainTask())
     losses = [synthetic.train_step(t)["loss"]]  # the first step allocates the Adam states
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:

@@ -61,9 +61,10 @@ def make_sets(d: str, seq: int, n: int) -> tuple[str, str, int]:
 def posttrain_run(cli: list[str]) -> dict:
     """One ``anyspeed posttrain`` run in this rank: step times after the first, peak memory."""
     from anyspeed import quiet
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
     from anyspeed.training.engine import train
     from anyspeed.training.loop import Hook
-    from anyspeed.training.prepare import prepare
 
     class Clock(Hook):
         def __init__(self) -> None:
@@ -75,7 +76,7 @@ def posttrain_run(cli: list[str]) -> dict:
     quiet.install()  # this rank's third-party notices, as the command hides them
     args, _ = prepare(cli, command="posttrain")
     clock = Clock()
-    hist = train(args, extra_hooks=[clock])
+    hist = train(args, task_for(args), extra_hooks=[clock])
     trainer = hist.pop("trainer")
     trainable = sum(p.numel() for m in trainer.model for p in m.parameters() if p.requires_grad)
     return {
@@ -144,7 +145,7 @@ def packed_vs_padded(a: argparse.Namespace, d: str) -> None:
     )
     rates = {}
     for name, (prefix, _) in rows.items():
-        from anyspeed.training.tasks.sft_data import open_data, sample_order
+        from anyspeed.stages.common.instruction_data import open_data, sample_order
 
         data = open_data(prefix, a.seq)
         order = sample_order((0, len(data)), 8 * a.iters, 1234)[8:]

@@ -114,7 +114,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     args = p.parse_args()
-    from anyspeed.device import peak_flops
+    from anyspeed.device.flops import peak_flops
 
     fpt = flops_per_token()
     print(f"tiny Qwen2.5 ({LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}), seq {SEQ}, micro "

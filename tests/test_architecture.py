@@ -23,10 +23,12 @@ LAYERS = {
     "errors": 0, "argv": 0, "patching": 0, "launch": 0, "quiet": 0, "checkpoint.files": 0,
     "safe_pickle": 0,
     "device": 1, "layout": 1,
+    "distributed": 1.5,  # process groups, rank-0 printing, parallel states, resharding
     "features": 2,
     "adaptor": 3, "models": 3,
     "checkpoint": 4, "data": 4, "inference": 4, "convert": 5, "training": 6,
     "verify": 6.5,  # anyspeed verify's rank hook and gradient comparison, over training
+    "stages": 6.5,  # the stage table, command line -> Run, one folder per stage family
     "commands": 7,
     "cli": 7, "testing_pool": 7, "testing": 8,
     "testing_megatron": 8, "testing_megatron_table": 0, "testing_megatron_report": 1,
@@ -244,13 +246,13 @@ def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
 # the freezer; every other write to a parsed namespace in the training path is a bug (keep
 # derived state in the Run).
 PARSE_TIME = {
-    ("training/arguments.py", "parse_pretrain_args"),
-    ("training/checks.py", "complete"),
-    ("training/checks.py", "_complete_architecture"),
-    ("training/checks.py", "_complete_vocab"),
+    ("stages/arguments.py", "parse_pretrain_args"),
+    ("stages/checks.py", "complete"),
+    ("stages/checks.py", "_complete_architecture"),
+    ("stages/checks.py", "_complete_vocab"),
     ("training/run.py", "freeze"),
 }
-TRAINING_PATH = ("training", "commands/train.py")
+TRAINING_PATH = ("training", "stages", "commands/train.py")
 
 
 def _writes_to_args(tree: ast.AST) -> list[tuple[str, int]]:

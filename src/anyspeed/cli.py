@@ -19,8 +19,8 @@ def _check_training_flags(argv: Sequence[str]) -> None:
     """UsageError (one line) for a flag neither ``anyspeed pretrain`` nor a feature defines
     (misspelled ones name the closest), a bad value, or a number out of its range."""
     from anyspeed.features import build_parser as features_parser
-    from anyspeed.training.arguments import build_parser, unsupported_flag
-    from anyspeed.training.ranges import check_ranges
+    from anyspeed.stages.arguments import build_parser, unsupported_flag
+    from anyspeed.stages.ranges import check_ranges
 
     pretrain = build_parser()
     bad = unsupported_flag(argv, pretrain, features_parser(), prog="anyspeed features")

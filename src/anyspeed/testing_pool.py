@@ -50,7 +50,7 @@ def _reset(threads: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     from anyspeed import adaptor
-    from anyspeed.training.distributed import DEFAULT_TIMEOUT_MINUTES, set_timeout
+    from anyspeed.distributed.groups import DEFAULT_TIMEOUT_MINUTES, set_timeout
 
     adaptor.undo()
     set_timeout(DEFAULT_TIMEOUT_MINUTES)

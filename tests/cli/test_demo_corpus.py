@@ -11,8 +11,8 @@ import os
 import statistics
 from collections import Counter
 
-from anyspeed import demo
 from anyspeed.argv import get_flag
+from anyspeed.demo import common as demo
 
 
 def test_held_out_documents_sample_the_corpus(tmp_path):

@@ -50,7 +50,7 @@ def _pretrain(argv: list[str]) -> subprocess.CompletedProcess:
 def trained(tmp_path_factory):
     """The checkpoint, and the architecture the flags describe (parsed as pretrain parses
     them, independently of what the checkpoint recorded)."""
-    from anyspeed.training.prepare import prepare
+    from anyspeed.stages.prepare import prepare
 
     root = tmp_path_factory.mktemp("pretrained")
     ck = root / "ck"

@@ -15,6 +15,7 @@ import sysconfig
 import pytest
 
 from anyspeed import demo
+from anyspeed.demo import common as demo_common
 from anyspeed.demo.instructions import build_instructions, spread, write_jsonl
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -50,7 +51,7 @@ def test_answers_are_the_functions_docstrings_and_signatures():
 
 @pytest.mark.slow
 def test_whole_stdlib_gives_a_few_hundred_spread_over_modules():
-    records = build_instructions(demo.stdlib_files(), 400)
+    records = build_instructions(demo_common.stdlib_files(), 400)
     assert len(records) == 400
     modules = {r["instruction"].split("`")[1].split(".")[0] for r in records}
     assert len(modules) > 40, sorted(modules)

@@ -22,7 +22,7 @@ def test_resume_keeps_the_recorded_reference(pair_data, tiny_qwen, tmp_path):
     """The resumed run loads the DPO checkpoint as the policy and, from its record, the
     converted HF model (not the DPO checkpoint) as the reference: the losses continue as in
     one run."""
-    from anyspeed.training import hf_load
+    from anyspeed.convert import hf_cache as hf_load
 
     ck, const = str(tmp_path / "ck"), ["--lr-decay-style", "constant"]
     straight = cli(tiny_qwen, pair_data, *const, iters=4)

@@ -81,7 +81,7 @@ def test_moe_at_ep2_equals_one_process(add_prompts, hf_tok, tiny_moe):
     as one process."""
     one = cli(tiny_moe, add_prompts, hf_tok, *RUN, "--init-kl-coef", "0", iters=2)
     ref = run_distributed(sft_ranks.posttrain, 1, argv=one, cli=one, timeout=300)[0]
-    from anyspeed.training import hf_load
+    from anyspeed.convert import hf_cache as hf_load
 
     ep = one + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
     flags = hf_load.expand(ep, tiny_moe)  # the adaptor sees the MoE architecture flags

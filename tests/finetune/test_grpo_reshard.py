@@ -90,7 +90,7 @@ def test_lora_at_tp2_rolling_out_at_tp1(add_prompts, tiny_qwen, hf_tok):
 def test_moe_rolling_out_at_tp1(add_prompts, hf_tok, tiny_moe, flags):  # noqa: F811
     """A Qwen3-MoE model (4 experts) with its experts split by TP, or over EP ranks, rolling
     out at TP1 x DP2 (every expert on every rank)."""
-    from anyspeed.training import hf_load
+    from anyspeed.convert import hf_cache as hf_load
 
     argv = cli(tiny_moe, add_prompts, hf_tok, *RUN, "--init-kl-coef", "0", iters=4)
     want = _run(1, argv)

@@ -15,7 +15,7 @@ RUN = ["--verifier-function", "helpers.user_rewards:vowels", "--lr-decay-style",
 
 
 def test_resume_is_exact(add_prompts, tiny_qwen, hf_tok, tmp_path):
-    from anyspeed.training import hf_load
+    from anyspeed.convert import hf_cache as hf_load
 
     ck = str(tmp_path / "ck")
     straight = cli(tiny_qwen, add_prompts, hf_tok, *RUN, iters=4)
@@ -41,7 +41,7 @@ def test_lora_and_rl_config(add_prompts, tiny_qwen, hf_tok, tmp_path):
     argv = cli(tiny_qwen, add_prompts, hf_tok, "--rl-config", str(cfg), "--init-kl-coef",
                "0.2", "--lora-target-modules", "linear_qkv", "--lora-r", "4", "--lr", "0",
                "--verifier-function", "helpers.user_rewards:vowels")  # fmt: skip
-    from anyspeed.training.prepare import prepare
+    from anyspeed.stages.prepare import prepare
 
     run, _ = prepare(argv, "launcher", "posttrain")
     c = run.config

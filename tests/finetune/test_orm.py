@@ -34,8 +34,8 @@ def hf_scores(hf_dir: str, prefix: str) -> tuple[list[float], list[float]]:
 def orm_run(pair_data, tiny_qwen, tmp_path_factory) -> dict:
     """3 ORM steps saved, then one step at learning rate 0 from the saved model (its metrics
     are the saved model's scores), and the export."""
+    from anyspeed.convert import hf_cache as hf_load
     from anyspeed.convert import megatron_to_hf, verify
-    from anyspeed.training import hf_load
 
     d = tmp_path_factory.mktemp("orm")
     train = cli(tiny_qwen, pair_data, "--save", str(d / "ck"), "--save-interval", "3",

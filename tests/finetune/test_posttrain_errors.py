@@ -9,7 +9,7 @@ import pytest
 from test_sft_loss import cli
 
 from anyspeed.commands.train import posttrain as main
-from anyspeed.training.prepare import prepare
+from anyspeed.stages.prepare import prepare
 from helpers.inprocess import clean_after
 
 LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "--lora-r", "4"]

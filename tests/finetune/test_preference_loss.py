@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from anyspeed.training.tasks import preference_loss as P
+from anyspeed.stages.preference import loss as P
 
 TOL = 1e-7
 PC, PR = [-12.5, -30.0, -7.25], [-14.0, -21.5, -9.0]  # policy sums

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from anyspeed.errors import UsageError
-from anyspeed.training.prepare import prepare
+from anyspeed.stages.prepare import prepare
 from helpers.corpora import read_back, write_jsonl
 from helpers.instruction import preprocess
 

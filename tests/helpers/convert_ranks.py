@@ -122,8 +122,8 @@ def layout_logits(cases: dict[str, dict], tp: int, pp: int, tokens, ep: int = 1,
     from megatron.core import parallel_state as ps
 
     from anyspeed.checkpoint.files import rank_dir_name
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
-    from anyspeed.training.distributed import init_distributed
 
     init_distributed(Layout(tp=tp, pp=pp, ep=ep, etp=etp), seed=0)
     out = {}
@@ -164,8 +164,8 @@ def convert_all(cases: dict[str, dict], tokens, cli_case: str) -> dict[str, dict
     from the result, torch_dist -> HF."""
     from anyspeed.commands.convert import main as cli_main
     from anyspeed.convert import hf_to_megatron, mapped, megatron_to_hf
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
-    from anyspeed.training.distributed import init_distributed
 
     init_distributed(Layout(), seed=0)
     mapped.MIN_RANGE = 1  # every mapped buffer file to file (the tiny tensors are below 64 KiB)
@@ -207,10 +207,10 @@ def checkpoint_logits(ckpt: str, model: dict, tokens) -> torch.Tensor:
     own ``dist_checkpointing.load`` from the iteration directory ``ckpt``'s tracker names."""
     from megatron.core import dist_checkpointing
 
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
     from anyspeed.models import gpt
     from anyspeed.models.config import ModelConfig
-    from anyspeed.training.distributed import init_distributed
 
     init_distributed(Layout(), seed=0)
     cfg = ModelConfig.from_dict(model)

@@ -84,10 +84,10 @@ def lean_vs_megatron(layouts: list[tuple[int, int]], steps: int) -> dict:
 
 def _models(tp: int, pp: int):
     """Each case's random model at TP x PP (the same seed for every case)."""
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
     from anyspeed.models import gpt
     from anyspeed.models.config import ModelConfig
-    from anyspeed.training.distributed import init_distributed
 
     layout = Layout(tp=tp, pp=pp)
     init_distributed(layout, seed=0)

@@ -8,8 +8,8 @@ import time
 
 def _model(ckpt: str, tp: int, pp: int):
     from anyspeed.commands.session import load_model, model_of
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
-    from anyspeed.training.distributed import init_distributed
 
     layout = Layout(tp=tp, pp=pp)
     init_distributed(layout, seed=0)

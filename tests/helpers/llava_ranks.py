@@ -9,10 +9,10 @@ def llava_logits(state: dict, config_json: dict, tp: int, images, ids) -> dict:
     from megatron.core import parallel_state as ps
 
     from anyspeed.convert import llava as conv
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
     from anyspeed.models import gpt, multimodal
     from anyspeed.models.vision import llava_from_hf
-    from anyspeed.training.distributed import init_distributed
 
     layout = Layout(tp=tp)
     init_distributed(layout, seed=0)
@@ -26,11 +26,12 @@ def llava_logits(state: dict, config_json: dict, tp: int, images, ids) -> dict:
 
 def vlm_weights(cli: list[str]) -> dict:
     """Train ``anyspeed posttrain --stage vlm`` here; the tower's and projector's weights."""
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
     from anyspeed.training.engine import train
-    from anyspeed.training.prepare import prepare
 
     run, _ = prepare(cli, command="posttrain")
-    model = train(run)["trainer"].model[0].module
+    model = train(run, task_for(run))["trainer"].model[0].module
 
     def grab(m):
         return {k: v.detach().clone() for k, v in m.state_dict().items()

@@ -11,10 +11,10 @@ def zero_b_logits(preset: str, targets: list[str], r: int, tokens) -> dict:
     parameter count after."""
     import torch
 
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.inference.logits import forward_logits
     from anyspeed.layout import Layout
     from anyspeed.models import get_preset, gpt
-    from anyspeed.training.distributed import init_distributed
     from anyspeed.training.lora import apply_lora
 
     init_distributed(Layout(), seed=0)
@@ -44,11 +44,12 @@ def zero_b_logits(preset: str, targets: list[str], r: int, tokens) -> dict:
 def trained_logits(cli: list[str], tokens) -> object:
     """Logits of the model ``anyspeed posttrain CLI`` resumes (base + adapters, no step run)."""
     from anyspeed.inference.logits import forward_logits
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
     from anyspeed.training.engine import train
-    from anyspeed.training.prepare import prepare
 
     args, _ = prepare(cli, command="posttrain")
-    history = train(args)
+    history = train(args, task_for(args))
     return forward_logits(history["trainer"].model, tokens)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
+from anyspeed.stages.pretrain.task import PretrainTask
 from anyspeed.training.config import TrainConfig
 from anyspeed.training.step import Trainer
 from helpers import trainer_ranks
@@ -28,7 +29,9 @@ def metered_run(layout: dict, model: dict | None = None, steps: int = 5, load: s
 
     tracer = AllocationTrace(torch_device().type) if trace else contextlib.nullcontext()
     with tracer:  # from before the model exists: every tensor of the run
-        t = Trainer(ModelConfig(**(model or {})), Layout(**layout), TrainConfig(**cfg))
+        t = Trainer(
+            ModelConfig(**(model or {})), Layout(**layout), TrainConfig(**cfg), PretrainTask()
+        )
         if save_init:
             trainer_ranks.save_weights(t, save_init)
         if load:

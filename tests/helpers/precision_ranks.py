@@ -6,6 +6,7 @@ import torch
 
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
+from anyspeed.stages.pretrain.task import PretrainTask
 from anyspeed.training import synthetic
 from anyspeed.training.config import TrainConfig
 from anyspeed.training.step import Trainer
@@ -48,7 +49,9 @@ def reuse_runs(cases: list[dict], steps: int) -> list[dict]:
         adaptor.undo()
         adaptor.apply(argv=case["argv"])
         reuse_fp32.CHUNK_BYTES = case.get("chunk_bytes", 64 * 2**20)
-        t = Trainer(ModelConfig(), Layout(**case["layout"]), TrainConfig(bf16=True, lr=3e-3))
+        t = Trainer(
+            ModelConfig(), Layout(**case["layout"]), TrainConfig(bf16=True, lr=3e-3), PretrainTask()
+        )
         results = [synthetic.train_step(t) for _ in range(steps)]
         held = _held_bytes(t.optimizer)
         out.append(

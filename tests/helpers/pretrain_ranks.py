@@ -10,13 +10,14 @@ def pretrain(cli: list[str], crash_on_save: int | None = None, nan_at: int | Non
     (``os._exit(17)``) after the N-th checkpoint's data is written but before it is renamed into
     place; ``nan_at=N`` turns one weight into NaN just before iteration N (a diverging run).
     """
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
     from anyspeed.training.engine import train
     from anyspeed.training.hooks import FaultInjection
-    from anyspeed.training.prepare import prepare
 
     args, _ = prepare(cli)
     faults = FaultInjection(nan_at=nan_at, crash_on_save=crash_on_save)
-    history = train(args, extra_hooks=[faults])
+    history = train(args, task_for(args), extra_hooks=[faults])
     history.pop("trainer")
     return history
 

@@ -1,6 +1,6 @@
 """GRPO's rollout model inside spawned ranks: after a training step at TP2 / PP2 / TP2 x PP2,
 the weights it gathered, cut again by the checkpoint converter's own sharding
-(:func:`anyspeed.convert.engine.shard_tp`), equal every rank's training tensors bit for bit
+(:func:`anyspeed.distributed.resharding.shard_tp`), equal every rank's training tensors bit for bit
 (LoRA's adapters included), and its logits equal the training model's on the same batch."""
 
 from __future__ import annotations
@@ -22,17 +22,19 @@ def gathered_weights(tp: int, pp: int, lora: bool = False) -> dict:
     """(tensors compared, tensors differing from the training shards, max logit diff)."""
     from megatron.core import parallel_state as ps
 
-    from anyspeed.convert.engine import shard_tp
-    from anyspeed.convert.fused import materialize, tp_parts
-    from anyspeed.inference.forward import pipeline_forward
-    from anyspeed.training.step import Trainer, unwrap
-    from anyspeed.training.tasks.grpo_reshard import (
-        _ADAPTER,
-        _LAYER,
-        RolloutModel,
-        _global_names,
-        _tensors,
+    from anyspeed.distributed.resharding import (
+        ADAPTER,
+        global_layer_numbers,
+        global_name,
+        materialize,
+        shard_tp,
+        state_tensors,
+        tp_parts,
     )
+    from anyspeed.inference.forward import pipeline_forward
+    from anyspeed.stages.grpo.rollout import RolloutModel
+    from anyspeed.training.model_pipeline import unwrap
+    from anyspeed.training.step import Trainer
     from helpers.task_ranks import ProbeTask
 
     model, cfg = ModelConfig(**MODEL), TrainConfig(**CFG)
@@ -44,15 +46,13 @@ def gathered_weights(tp: int, pp: int, lora: bool = False) -> dict:
     rank = ps.get_tensor_model_parallel_rank()
     compared, differ = 0, []
     for chunk in t.model:
-        numbers = _global_names(chunk)
-        for name, local in _tensors(chunk).items():
-            glob = name
-            if m := _LAYER.match(name):
-                glob = f"decoder.layers.{numbers[int(m.group(1))]}." + name[m.end() :]
+        numbers = global_layer_numbers(unwrap(chunk))
+        for name, local in state_tensors(unwrap(chunk)).items():
+            glob = global_name(name, numbers)
             if glob not in roll.targets:
                 continue
             full = roll.targets[glob]
-            rule = _ADAPTER.sub(".weight", glob)  # an adapter is split as its layer
+            rule = ADAPTER.sub(".weight", glob)  # an adapter is split as its layer
             mine = full if full.shape == local.shape else materialize(
                 shard_tp(rule, full, tp, rank, tp_parts(rule, model)))  # fmt: skip
             compared += 1
@@ -60,7 +60,7 @@ def gathered_weights(tp: int, pp: int, lora: bool = False) -> dict:
                 differ.append(glob)
     batch = mbs[0]
     want = pipeline_forward(t.model, batch["tokens"], batch["position_ids"])
-    with roll.states.rollout(), torch.no_grad():
+    with roll.state.entered(), torch.no_grad():
         got = unwrap(roll.chunks[0])(batch["tokens"], batch["position_ids"], None)
     diff = None if want is None else float((got.float() - want.float()).abs().max())
     adapters = sum(".lora_" in n for n in roll.targets)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 def posttrain(cli: list[str]) -> dict:
     """Run ``anyspeed posttrain`` with ``cli`` in this rank; its history (no trainer)."""
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
     from anyspeed.training.engine import train
-    from anyspeed.training.prepare import prepare
 
     args, _ = prepare(cli, command="posttrain")
-    history = train(args)
+    history = train(args, task_for(args))
     history.pop("trainer")
     return history
 
@@ -30,12 +31,13 @@ def posttrain_many(clis: list[list[str]]) -> list[dict]:
 def overfit(cli: list[str], prefix: str) -> dict:
     """Train, then greedily decode every sample's prompt for as many tokens as its response."""
     from anyspeed.inference.generate import generate_ids
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
     from anyspeed.training.engine import train
-    from anyspeed.training.prepare import prepare
     from helpers.corpora import read_back
 
     args, _ = prepare(cli, command="posttrain")
-    history = train(args)
+    history = train(args, task_for(args))
     model = history.pop("trainer").model
     pairs = []
     ids = read_back(f"{prefix}_packed_input_ids_document")
@@ -50,11 +52,12 @@ def overfit(cli: list[str], prefix: str) -> dict:
 def reference_costs(cli: list[str]) -> dict:
     """Train (DPO), then what the frozen reference holds: parameters needing gradients, with
     a gradient (or Megatron's main_grad), or known to the optimizer."""
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
     from anyspeed.training.engine import train
-    from anyspeed.training.prepare import prepare
 
     run, _ = prepare(cli, command="posttrain")
-    trainer = train(run).pop("trainer")
+    trainer = train(run, task_for(run)).pop("trainer")
     ref = [p for c in trainer.frozen["reference"].chunks for p in c.parameters()]
     policy = [p for c in trainer.model for p in c.parameters()]
     in_opt = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}

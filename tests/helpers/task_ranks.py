@@ -8,9 +8,10 @@ import torch
 
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
+from anyspeed.stages.pretrain.task import PretrainTask
 from anyspeed.training import synthetic
 from anyspeed.training.config import TrainConfig
-from anyspeed.training.tasks import FrozenModel, PretrainTask
+from anyspeed.training.task import FrozenModel
 
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
              vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
@@ -57,7 +58,7 @@ class ProbeTask(PretrainTask):
         scalar = batch["labels"].double().mean() / 1000
 
         def loss_func(losses):
-            from anyspeed.training.tasks.pretrain import lm_loss
+            from anyspeed.stages.pretrain.task import lm_loss
 
             loss = lm_loss(losses, None)
             pair = torch.stack([losses.detach().double().sum(), torch.tensor(losses.numel())])

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
+from anyspeed.stages.pretrain.task import PretrainTask
 from anyspeed.training import synthetic
 from anyspeed.training.config import TrainConfig
 from anyspeed.training.step import Trainer
 
 
 def _trainer(layout: dict | None = None, model: dict | None = None, **cfg) -> Trainer:
-    return Trainer(ModelConfig(**(model or {})), Layout(**(layout or {})), TrainConfig(**cfg))
+    return Trainer(
+        ModelConfig(**(model or {})), Layout(**(layout or {})), TrainConfig(**cfg), PretrainTask()
+    )
 
 
 def _steps(t: Trainer, steps: int) -> list[dict]:

@@ -11,7 +11,7 @@ from test_moe_flags import check_args
 
 from anyspeed.errors import UsageError
 from anyspeed.models.arch_flags import window_type
-from anyspeed.training.arguments import parse_pretrain_args
+from anyspeed.stages.arguments import parse_pretrain_args
 
 RUN = ("--model tiny-gpt-oss --mock-data --vocab-size 512 --seq-length 64 --train-iters 2 "
        "--lr 1e-3 --global-batch-size 8 --micro-batch-size 2").split()  # fmt: skip

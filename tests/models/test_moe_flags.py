@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from anyspeed.errors import UsageError
-from anyspeed.training.arguments import parse_pretrain_args
-from anyspeed.training.checks import check, complete, gpt_data_prefixes
+from anyspeed.stages.arguments import parse_pretrain_args
+from anyspeed.stages.checks import check, complete, gpt_data_prefixes
 from anyspeed.training.run import freeze
 
 

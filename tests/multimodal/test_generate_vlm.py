@@ -43,7 +43,7 @@ def test_generate_image_command_prints_transformers_captions(tmp_path, capsys):
 
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
     from anyspeed.demo import mm_data
-    from anyspeed.training.tasks.vlm_data import load_image, render
+    from anyspeed.stages.vlm.data import load_image, render
 
     hf_dir = mm_data.make_model(str(tmp_path / "hf"))
     mm_data.make_records(str(tmp_path), 2, 3, "pics")

@@ -63,8 +63,8 @@ def _hf_first_loss(demo) -> float:
     import transformers as T
 
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
-    from anyspeed.training.tasks import vlm_data
-    from anyspeed.training.tasks.sft_data import sample_order
+    from anyspeed.stages.common.instruction_data import sample_order
+    from anyspeed.stages.vlm import data as vlm_data
 
     model = T.LlavaForConditionalGeneration.from_pretrained(demo["hf"]).eval()
     tok = load_tokenizer(TokenizerSpec(name_or_path=demo["hf"]))
@@ -125,7 +125,7 @@ def test_bad_records_are_counted_and_a_bad_line_is_one_error(demo, tmp_path, cap
     """A missing image, an image that cannot be decoded and more image tags than images are
     skipped and counted (naming the first); a line that is not a record stops before start."""
     from anyspeed.errors import UsageError
-    from anyspeed.training.prepare import prepare
+    from anyspeed.stages.prepare import prepare
 
     good = open(demo["data"], encoding="utf-8").read().splitlines()[:8]
     (tmp_path / "images").mkdir()
@@ -157,7 +157,7 @@ def test_bad_records_are_counted_and_a_bad_line_is_one_error(demo, tmp_path, cap
 
 def test_unsupported_layouts_and_lora_are_one_line_errors(demo):
     from anyspeed.errors import UsageError
-    from anyspeed.training.prepare import prepare
+    from anyspeed.stages.prepare import prepare
 
     for extra, needle in ((["--lora-r", "8"], "LoRA is not supported"),
                           (["--tensor-model-parallel-size", "2", "--sequence-parallel"],

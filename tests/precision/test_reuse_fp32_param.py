@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from anyspeed.device import detect
-from anyspeed.features import flags, registry
+from anyspeed.features import registry
 from anyspeed.features.base import FeatureError
 from anyspeed.features.precision.reuse_fp32 import decode, encode
 from anyspeed.testing import run_distributed
@@ -115,7 +115,7 @@ def test_residual_round_trip_is_exact_with_ties():
 
 
 def test_needs_bf16():
-    args = flags.parse_args(["--reuse-fp32-param"])
+    args = registry.parse_args(["--reuse-fp32-param"])
     with pytest.raises(FeatureError, match="--reuse-fp32-param needs --bf16"):
         registry.validate(args, detect())
 

@@ -233,7 +233,7 @@ def test_checkpoint_of_another_architecture(capsys, faults, flags, says):
     ck = faults["disk"]
     argv = _args(faults["prefix"], 3) + ["--load", ck, *flags]
     if says is None:  # tiny-qwen2.5 already has no linear biases: the flag changes nothing
-        from anyspeed.training.prepare import prepare
+        from anyspeed.stages.prepare import prepare
 
         prepare(argv, "launcher")
         return

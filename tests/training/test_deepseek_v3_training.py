@@ -98,7 +98,7 @@ def _mtp_reference(hf_dir, model, tokens: torch.Tensor, labels: torch.Tensor) ->
 
 
 def test_first_losses_equal_transformers_and_a_plain_pytorch_mtp(runs, monkeypatch):
-    from anyspeed.training.datasets import build_datasets
+    from anyspeed.stages.common.gpt_data import build_datasets
 
     root, argv, one, _ = runs
     model = _hf_model(root / "hf")

@@ -160,7 +160,7 @@ class _Store:
 def test_stall_report_names_every_rank_that_did_not_check_in(monkeypatch, capsys):
     """In-process, 4 ranks: 0 and 2 time out and check in, 1 and 3 never do. Rank 2 exits
     quietly, rank 0 prints the one line naming both."""
-    from anyspeed.training import stall
+    from anyspeed.distributed import stall
 
     store = _Store()
     monkeypatch.setattr(stall, "_store", lambda: store)

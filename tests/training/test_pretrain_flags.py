@@ -10,7 +10,7 @@ import pytest
 
 from anyspeed.models import PRESETS, get_preset
 from anyspeed.models.presets import model_from_args
-from anyspeed.training.arguments import parse_pretrain_args
+from anyspeed.stages.arguments import parse_pretrain_args
 
 # MindSpeed-LLM v2.3.0 examples/mcore/qwen25/pretrain_qwen25_7b_32k_ptd.sh, every argument
 # (paths replaced; the distributed launcher's own flags are torchrun's).
@@ -91,8 +91,8 @@ def _with(flag: str, value: str) -> list[str]:
 
 def test_every_numeric_flag_has_a_range():
     """The range table covers each flag the parser reads as a number, and names no other."""
-    from anyspeed.training.arguments import build_parser
-    from anyspeed.training.ranges import RANGES
+    from anyspeed.stages.arguments import build_parser
+    from anyspeed.stages.ranges import RANGES
 
     numeric = {a.option_strings[0] for a in build_parser()._actions
                if a.option_strings and a.type not in (None, str)}  # fmt: skip
@@ -113,7 +113,7 @@ def _inside(rng) -> str:
 
 
 def _range_rows():
-    from anyspeed.training.ranges import RANGES
+    from anyspeed.stages.ranges import RANGES
 
     return sorted(RANGES.items())
 
@@ -175,7 +175,7 @@ def test_data_path_weights_must_be_a_blend(weights):
     import argparse
 
     from anyspeed.errors import UsageError
-    from anyspeed.training.datasets import data_blend
+    from anyspeed.stages.common.gpt_data import data_blend
 
     path = [weights[0], "a", weights[1], "b"]
     with pytest.raises(UsageError, match=r"^--data-path: the weights .* must be >= 0 and not all"):

@@ -43,8 +43,8 @@ def test_continue_pretraining_from_hf_directory(tmp_path, monkeypatch):
 def hf_first_loss(model, argv: list[str], monkeypatch, world: int = 1) -> tuple[float, object]:
     """transformers' loss on the first global batch (two micro-batches of 2) of the dataset
     ``anyspeed pretrain argv`` builds; and the run's parsed args."""
-    from anyspeed.training.datasets import build_datasets
-    from anyspeed.training.prepare import prepare
+    from anyspeed.stages.common.gpt_data import build_datasets
+    from anyspeed.stages.prepare import prepare
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     run, _ = prepare(argv)
@@ -67,8 +67,8 @@ def test_new_weights_under_an_unchanged_config_are_converted_again(tmp_path, mon
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from anyspeed.convert import hf_cache as hf_load
     from anyspeed.convert import hf_to_megatron
-    from anyspeed.training import hf_load
 
     hf = tmp_path / "hf"
     cfg = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -117,8 +117,8 @@ def test_new_weights_under_an_unchanged_config_are_converted_again(tmp_path, mon
 
 def test_conversion_cache_that_cannot_be_created_is_one_line(tmp_path):
     """--save in a read-only place: one line naming it, not a traceback from makedirs."""
+    from anyspeed.convert import hf_cache as hf_load
     from anyspeed.errors import UsageError
-    from anyspeed.training import hf_load
 
     hf = tmp_path / "hf"
     hf.mkdir()

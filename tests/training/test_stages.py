@@ -11,10 +11,10 @@ import json
 import pytest
 
 from anyspeed.errors import UsageError
+from anyspeed.stages.prepare import prepare
+from anyspeed.stages.table import POSTTRAIN_STAGES, STAGES, get_stage
 from anyspeed.training import hooks as H
-from anyspeed.training.prepare import prepare
 from anyspeed.training.run import ParsedArgsWrite
-from anyspeed.training.stages import POSTTRAIN_STAGES, STAGES, get_stage
 
 MOCK = ("--model tiny-qwen2.5 --mock-data --vocab-size 512 --seq-length 32 --train-iters 2 "
         "--lr 1e-3 --global-batch-size 4 --micro-batch-size 2").split()  # fmt: skip

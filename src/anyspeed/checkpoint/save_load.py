@@ -38,6 +38,7 @@ from anyspeed.checkpoint.files import (
 from anyspeed.checkpoint.optimizer_groups import needs_regroup, regroup
 from anyspeed.checkpoint.reads import read_common, read_rng, tracked_dir, within
 from anyspeed.checkpoint.rng import rank_key, rng_state, set_rng_state
+from anyspeed.distributed.process import agree
 
 CHECKPOINT_VERSION = 3.0
 
@@ -117,16 +118,6 @@ def layout_signature() -> dict[str, int]:
 # a CheckpointException, which derives from BaseException.
 _FAILURES = (Exception, CheckpointException)
 
-
-def agree(error: str | None) -> str | None:
-    """The first error any rank had (in rank order), on every rank: all raise or none does."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return error
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e), None)
 
 
 def last_good(root: str) -> str | None:

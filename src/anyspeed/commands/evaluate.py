@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from anyspeed.commands import eval_tasks, runner, session
+from anyspeed.distributed.process import is_rank0, print0
 from anyspeed.errors import OneLineArgumentParser, UsageError
 
 PROG = "anyspeed evaluate"
@@ -91,7 +92,7 @@ def _check_execution(args: argparse.Namespace) -> None:
     from anyspeed.inference.eval.execution import missing_protections
 
     for line in missing_protections():
-        runner.print0(f"{PROG}: warning: {line}", file=sys.stderr)
+        print0(f"{PROG}: warning: {line}", file=sys.stderr)
 
 
 def _check_output(path: str | None) -> None:
@@ -165,8 +166,8 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
     if res.get("total", res.get("tokens")) == 0:
         raise ValueError(f"--task {args.task}: no item was scored (check --task-data-path "
                          "and --max-eval-samples)")  # fmt: skip
-    runner.print0(table(args.task, res))
-    if args.output_json and runner.is_rank0():
+    print0(table(args.task, res))
+    if args.output_json and is_rank0():
         doc = {"task": args.task, "load": getattr(args, "hf_dir", None) or args.load, **res}
         try:
             with open(args.output_json, "w", encoding="utf-8") as f:
@@ -177,7 +178,7 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
                 f"--output-json {args.output_json}: could not write the results "
                 f"({exc.strerror or exc}); they are printed above"
             ) from None
-        runner.print0(f"{PROG}: wrote {args.output_json}")
+        print0(f"{PROG}: wrote {args.output_json}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from anyspeed.commands import runner, session
 from anyspeed.commands.prompting import prompts, render, request, sampling_params, text_of
+from anyspeed.distributed.process import print0
 from anyspeed.errors import OneLineArgumentParser, UsageError
 
 PROG = "anyspeed generate"
@@ -95,7 +96,7 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
     else:
         outs = generate(model, ids_of, req)
     for prompt, ids in zip(texts, outs, strict=True):
-        runner.print0(f"prompt: {prompt}\n{text_of(tok, ids, req.eos_ids)}\n")
+        print0(f"prompt: {prompt}\n{text_of(tok, ids, req.eos_ids)}\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

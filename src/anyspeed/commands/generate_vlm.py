@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from anyspeed.convert.megatron_io import megatron_session
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
     from anyspeed.inference.vlm import greedy
-    from anyspeed.training.tasks.vlm_data import load_image, render
+    from anyspeed.stages.vlm.data import load_image, render
 
     tok = load_tokenizer(TokenizerSpec(name_or_path=tok_dir))
     try:

@@ -46,7 +46,7 @@ def _number(flag: str, value: str | None, kind: type) -> float | None:
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | None]:
     """(pretraining flags, --world-size, --fits GiB); UsageError (one line) on bad input."""
-    from anyspeed.training.arguments import parse_pretrain_args
+    from anyspeed.stages.arguments import parse_pretrain_args
 
     try:
         world, argv = pop_flag(list(argv), "--world-size")

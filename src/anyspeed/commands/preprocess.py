@@ -9,8 +9,8 @@ import threading
 
 from anyspeed import quiet
 from anyspeed.data.errors import DataError, UsageError
-from anyspeed.data.handlers import HANDLER_NAMES
 from anyspeed.data.readers import FORMATS
+from anyspeed.data.registry import HANDLER_NAMES
 from anyspeed.data.templates import TEMPLATES
 from anyspeed.errors import OneLineArgumentParser, report
 

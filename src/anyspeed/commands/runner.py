@@ -10,20 +10,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from anyspeed.commands import session
+from anyspeed.distributed.process import is_rank0
 from anyspeed.errors import UsageError, report
 
 Body = Callable[[argparse.Namespace, list, Any, Any], None]  # args, model, config, tokenizer
 
 
-def is_rank0() -> bool:
-    """Whether this is global rank 0 (the one that prints and writes)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def print0(*a: Any, **k: Any) -> None:
-    """Print on global rank 0 only."""
-    if is_rank0():
-        print(*a, **k, flush=True)
 
 
 def load_tokenizer(args: argparse.Namespace):
@@ -92,8 +84,8 @@ def _run_here(prog: str, args: argparse.Namespace, config: Any, tok: Any, body: 
     import torch.distributed as dist
 
     from anyspeed import adaptor
+    from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
-    from anyspeed.training.distributed import init_distributed
 
     adaptor.apply(argv=[])
     layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)

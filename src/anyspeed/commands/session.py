@@ -70,7 +70,7 @@ def resolve(args: argparse.Namespace) -> ModelConfig:
     its conversion will be), checked against the flags; cheap, before any process group."""
     import os
 
-    from anyspeed.training import hf_load
+    from anyspeed.convert import hf_cache as hf_load
 
     if not os.path.isdir(args.load):
         raise UsageError(f"--load {args.load!r}: no such directory")
@@ -121,7 +121,7 @@ def _check_layout(args: argparse.Namespace, model: ModelConfig) -> None:
 def materialize(args: argparse.Namespace, argv: list[str],
                 prog: str = "anyspeed generate") -> ModelConfig:  # fmt: skip
     """Convert an HF ``--load`` (once, cached) and return the architecture it now holds."""
-    from anyspeed.training import hf_load
+    from anyspeed.convert import hf_cache as hf_load
 
     conv = argparse.Namespace(
         padded_vocab_size=None,

@@ -16,16 +16,16 @@ from anyspeed.errors import UsageError, report
 
 
 def _help(argv: list[str], command: str) -> int:
-    from anyspeed.training.arguments import build_parser
-    from anyspeed.training.prepare import stage_of
-    from anyspeed.training.stages import POSTTRAIN_STAGES, build_stage_parser
+    from anyspeed.stages.arguments import build_parser
+    from anyspeed.stages.prepare import stage_of
+    from anyspeed.stages.table import POSTTRAIN_STAGES, build_stage_parser
 
     try:
         build_stage_parser(stage_of(argv, command)).print_help()
     except UsageError:  # posttrain without a (known) --stage: the shared flags and the stages
         p = build_parser()
         p.prog = f"anyspeed {command}"
-        from anyspeed.training import posttrain_flags
+        from anyspeed.stages import flags as posttrain_flags
 
         posttrain_flags.add_arguments(p)
         p.print_help()
@@ -44,8 +44,8 @@ def _launch(run: Any, argv: list[str], command: str) -> int:
 
 
 def _sample(run: Any, history: dict[str, Any]) -> None:
+    from anyspeed.distributed.process import print0
     from anyspeed.inference.generate import generate_text
-    from anyspeed.training.hooks import print0
 
     args = run.args
     text = generate_text(history["trainer"].model, args, args.generate_prompt,
@@ -59,12 +59,12 @@ def main(argv: Sequence[str] | None = None, command: str = "pretrain",
     """Entry point: parse, check (before any process group), launch or run, report;
     ``hooks`` (loop hooks) join the run's own in this process."""
     from anyspeed.checkpoint.errors import CheckpointError
-    from anyspeed.training import stall
-    from anyspeed.training.distributed import is_rank0
-    from anyspeed.training.hooks import NonFiniteLoss, print0
+    from anyspeed.distributed import stall
+    from anyspeed.distributed.process import is_rank0, print0
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.training.hooks import NonFiniteLoss
     from anyspeed.training.loop import DataExhausted
-    from anyspeed.training.prepare import prepare
-    from anyspeed.training.tasks.base import TaskStopped
+    from anyspeed.training.task import TaskStopped
 
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = f"anyspeed {command}"
@@ -82,11 +82,12 @@ def main(argv: Sequence[str] | None = None, command: str = "pretrain",
 
         os.environ.update(single_process_env())
     from anyspeed import adaptor
+    from anyspeed.stages.table import task_for
     from anyspeed.training.engine import train
 
     adaptor.apply(run.args)
     try:
-        history = train(run, extra_hooks=hooks)
+        history = train(run, task_for(run), extra_hooks=hooks)
     except (NonFiniteLoss, CheckpointError, DataExhausted, TaskStopped) as exc:  # rank 0 says why
         return report(prog, exc, code=1) if is_rank0() else 1
     except RuntimeError as exc:

@@ -84,7 +84,7 @@ def split(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[str]]:
 
 
 def _check(argv: list[str], command: str, which: str) -> tuple[Any, list[str]]:
-    from anyspeed.training.prepare import prepare
+    from anyspeed.stages.prepare import prepare
 
     try:
         return prepare(argv, "launcher", command)

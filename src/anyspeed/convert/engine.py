@@ -16,16 +16,23 @@ import torch
 from anyspeed.convert.expert_slices import hf_slice_shape, slice_to_hf, slice_to_megatron
 from anyspeed.convert.fused import (  # noqa: F401 - re-exported: the engine's tensor vocabulary
     PERMUTED,
-    TP_PARTS,
-    Stacked,
     delta_net_shapes,
     fuse,
     fuse_lazy,
     fuse_qkv,
-    materialize,
     part_rows,
     split_fused,
+)
+from anyspeed.distributed.resharding import (  # noqa: F401 - re-exported, as above
+    TP_PARTS,
+    Stacked,
+    materialize,
+    merge_tp,
+    shard_shape,
+    shard_tp,
     take_rows,
+    tp_parts,
+    tp_rule,
 )
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import ExpertSlice, FamilyMapping, Fused
@@ -35,23 +42,6 @@ Group = str | int
 
 # Tensors whose first dim is the (padded) vocabulary.
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-_COLUMN = (
-    "linear_qkv.weight",
-    "linear_qkv.bias",
-    "core_attention.softmax_offset",  # one sink per head: split with the heads
-    "word_embeddings.weight",
-    "output_layer.weight",
-    "linear_q_proj.weight",
-    "linear_q_down_proj.weight",
-    "linear_q_up_proj.weight",
-    "eh_proj.weight",  # MTP: [embedding; hidden] -> hidden, gathered after
-    "linear_kv_up_proj.weight",
-    "A_log",  # a gated DeltaNet's per-value-head decay
-    "dt_bias",
-)
-# MLA's KV down-projection is whole on every TP rank (see models.mla.DuplicatedLinear).
-_ROW = ("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")
-_SWIGLU = ("linear_fc1.weight", "linear_fc1.bias")
 
 
 MTP_PREFIX = "mtp.layers.{j}."
@@ -285,13 +275,6 @@ def to_hf(
     return out
 
 
-# ------------------------------------------------------------------------ tensor parallelism
-def _rule(name: str) -> str:
-    for kind, suffixes in (("column", _COLUMN), ("row", _ROW), ("swiglu", _SWIGLU)):
-        if name.endswith(suffixes):
-            return kind
-    return "replicated"
-
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a tensor whose storage is exactly its own bytes (``torch.save`` writes a view's
@@ -302,48 +285,3 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
 
 
-def shard_tp(name: str, t: torch.Tensor | Stacked, tp: int, rank: int,
-             sizes: tuple[int, ...] | None = None) -> torch.Tensor | Stacked:  # fmt: skip
-    """Rank ``rank``'s shard (of ``tp``) of Megatron tensor ``name``, as Megatron-LM shards it.
-    Dim-0 shards are row views; only a row-parallel (dim-1) shard is a copy. ``sizes``: the
-    parts a tensor is split in part by part (:func:`~anyspeed.convert.fused.tp_parts`)."""
-    rule = _rule(name)
-    if tp == 1 or (rule == "replicated" and not sizes):
-        return t
-    n = t.shape[0]
-    if rule == "swiglu":  # this rank's gate rows, then its up rows
-        sizes = (n // 2, n // 2)
-    if sizes:  # this rank's rows of each part, part after part
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return take_rows(t, [(a + rank * (p // tp), a + (rank + 1) * (p // tp))
-                             for a, p in zip(starts, sizes, strict=True)])  # fmt: skip
-    if rule == "column":
-        return take_rows(t, [(rank * n // tp, (rank + 1) * n // tp)])
-    return materialize(t).chunk(tp, dim=1)[rank].contiguous()
-
-
-def shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """The shape of every rank's :func:`shard_tp` of a tensor of ``shape`` (nothing copied)."""
-    rule = _rule(name)
-    if tp == 1 or (rule == "replicated" and not name.endswith(TP_PARTS)):
-        return tuple(shape)
-    if rule == "row":
-        return (shape[0], shape[1] // tp, *shape[2:])
-    return (shape[0] // tp, *shape[1:])
-
-
-def merge_tp(name: str, parts: list[torch.Tensor],
-             sizes: tuple[int, ...] | None = None) -> torch.Tensor | Stacked:  # fmt: skip
-    """Inverse of :func:`shard_tp` over all ranks; dim-0 merges stay a :class:`Stacked`."""
-    rule = _rule(name)
-    if len(parts) == 1 or (rule == "replicated" and not sizes):
-        return parts[0]
-    if rule == "swiglu":
-        sizes = (parts[0].shape[0] * len(parts) // 2,) * 2
-    if sizes:  # every rank's rows of part 0, then of part 1, ...
-        local = [p // len(parts) for p in sizes]
-        split = [torch.split(p, local, dim=0) for p in parts]
-        return Stacked([s[i] for i in range(len(sizes)) for s in split])
-    if rule == "column":
-        return Stacked(list(parts))
-    return torch.cat(parts, dim=1)

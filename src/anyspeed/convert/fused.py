@@ -9,44 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from anyspeed.distributed.resharding import Stacked, take_rows
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import Fused
-
-
-# -------------------------------------------------------------------------------- row views
-class Stacked:
-    """``torch.cat(parts)`` along dim 0, not yet materialised: a writer that stores the parts
-    as separate chunks (torch_dist keeps SwiGLU's gate and up apart) takes them as they are,
-    and the safetensors writer writes them one after another (mapped ones file to file)."""
-
-    def __init__(self, parts: list[torch.Tensor]) -> None:
-        self.parts = parts
-        self.shape = torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
-        self.dtype = parts[0].dtype
-
-    def materialize(self) -> torch.Tensor:
-        return torch.cat(self.parts, dim=0)
-
-
-def materialize(t: torch.Tensor | Stacked) -> torch.Tensor:
-    """A real tensor for ``t`` (a copy only when it is a :class:`Stacked`)."""
-    return t.materialize() if isinstance(t, Stacked) else t
-
-
-def take_rows(t: torch.Tensor | Stacked, ranges: list[tuple[int, int]]) -> torch.Tensor | Stacked:
-    """Rows ``ranges`` of ``t`` one after another, as views: one tensor, or a :class:`Stacked`."""
-    parts: list[torch.Tensor] = []
-    for lo, hi in ranges:
-        if not isinstance(t, Stacked):
-            parts.append(t[lo:hi])
-            continue
-        at = 0
-        for p in t.parts:
-            a, b = max(lo, at), min(hi, at + p.shape[0])
-            if a < b:
-                parts.append(p[a - at : b - at])
-            at += p.shape[0]
-    return parts[0] if len(parts) == 1 else Stacked(parts)
 
 
 # ------------------------------------------------------------------------------------ fusions
@@ -153,16 +118,5 @@ def delta_net_shapes(preset: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-# Tensors Megatron splits over TP part by part (a gated DeltaNet's input projection and
-# convolution): each rank holds its rows of every part.
-TP_PARTS = ("self_attention.in_proj.weight", "self_attention.conv1d.weight")
 
 
-def tp_parts(name: str, preset: ModelConfig | None) -> tuple[int, ...] | None:
-    """The parts (full rows) that TP splits Megatron tensor ``name`` in one by one, or None."""
-    if preset is None or not name.endswith(TP_PARTS) or not any(preset.linear_attention_layers()):
-        return None
-    hv = preset.linear_num_value_heads
-    qk = preset.linear_num_key_heads * preset.linear_key_head_dim
-    v = hv * preset.linear_value_head_dim
-    return (qk, qk, v, v, hv, hv) if name.endswith(TP_PARTS[0]) else (qk, qk, v)

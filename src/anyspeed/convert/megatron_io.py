@@ -30,15 +30,21 @@ import torch
 from anyspeed.checkpoint.files import iteration_dir, legacy_ranks, rank_dir_name, write_tracker
 from anyspeed.checkpoint.reads import torch_load
 from anyspeed.checkpoint.record import model_record
-from anyspeed.convert.engine import EMBED, HEAD, Group, Stacked, merge_tp, shard_shape, shard_tp
+from anyspeed.convert.engine import EMBED, HEAD, Group
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.fused import tp_parts
 from anyspeed.convert.mapped import FileSink
+from anyspeed.distributed.resharding import (
+    LAYER,
+    LOCAL_EXPERT,
+    Stacked,
+    merge_tp,
+    shard_shape,
+    shard_tp,
+    tp_parts,
+)
 from anyspeed.models.config import ModelConfig
 
 LEGACY_ITERATION = 1
-_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
-LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(transformer_layer\.)?")
 
 
@@ -61,7 +67,7 @@ def legacy_expert_parallel(common: dict[str, Any]) -> int:
 
 def _holds(name: str, x: int, per_rank: int) -> bool:
     """Whether EP rank ``x`` (of ``per_rank`` experts each) holds full-model tensor ``name``."""
-    mt = _LOCAL_EXPERT.search(name)
+    mt = LOCAL_EXPERT.search(name)
     return mt is None or x * per_rank <= int(mt.group(2)) < (x + 1) * per_rank
 
 
@@ -70,7 +76,7 @@ def _expert_slice(names: list[str], x: int, per_rank: int) -> dict[str, str]:
     renumbered from 0, everything else as is)."""
     out = {}
     for n in names:
-        mt = _LOCAL_EXPERT.search(n)
+        mt = LOCAL_EXPERT.search(n)
         if mt is None:
             out[n] = n
         elif _holds(n, x, per_rank):
@@ -278,13 +284,13 @@ def _stage_sources(shards: dict[tuple[int, int], dict], tp: int, ep: int) -> dic
         for n, v in shards[(0, x)].items():
             if not isinstance(v, torch.Tensor):
                 continue
-            mt = _LOCAL_EXPERT.search(n)
+            mt = LOCAL_EXPERT.search(n)
             if mt is None:
                 out.setdefault(n, (0, n))
                 continue
             if per_rank is None:
                 per_rank = 1 + max(int(m.group(2)) for k in shards[(0, x)]
-                                   if (m := _LOCAL_EXPERT.search(k)))  # fmt: skip
+                                   if (m := LOCAL_EXPERT.search(k)))  # fmt: skip
             glob = x * per_rank + int(mt.group(2))
             out[n[: mt.start()] + f"{mt.group(1)}{glob}." + n[mt.end() :]] = (x, n)
     return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -154,7 +153,7 @@ class InstructionHandler(Handler):
         convs: list[list[Segment] | RecordError] = []
         for rec in records:
             try:
-                convs.append(self.segments(_check_messages(self.messages(rec)), tok))
+                convs.append(self.segments(check_messages(self.messages(rec)), tok))
             except RecordError as exc:
                 convs.append(exc)
         results: list[Sample | RecordError] = []
@@ -202,7 +201,7 @@ class InstructionHandler(Handler):
         return out
 
 
-def _check_messages(messages: list[dict]) -> list[dict]:
+def check_messages(messages: list[dict]) -> list[dict]:
     """Validate roles/contents and drop trailing turns that have no response to learn."""
     for msg in messages:
         if msg["role"] not in ("system", "user", "assistant"):
@@ -218,7 +217,8 @@ def _check_messages(messages: list[dict]) -> list[dict]:
     return messages
 
 
-def _get(rec: dict, key: str | None, required: bool = True) -> Any:
+def get_field(rec: dict, key: str | None, required: bool = True) -> Any:
+    """Record field ``key``: a RecordError when required and missing, else None."""
     if key is None or rec.get(key) is None:
         if required:
             raise RecordError("missing key", repr(key))
@@ -240,15 +240,15 @@ class AlpacaHandler(InstructionHandler):
 
     def messages(self, rec: dict) -> list[dict]:
         prompt = self.prompt(rec)
-        return prompt + [{"role": "assistant", "content": _get(rec, self.map["response"])}]
+        return prompt + [{"role": "assistant", "content": get_field(rec, self.map["response"])}]
 
     def prompt(self, rec: dict) -> list[dict]:
         """System, history turns and the final user turn (instruction + input)."""
         m = self.map
-        prompt = _get(rec, m["prompt"])
-        query = _get(rec, m.get("query"), required=False)
-        system = _get(rec, m.get("system"), required=False)
-        history = _get(rec, m.get("history"), required=False) or []
+        prompt = get_field(rec, m["prompt"])
+        query = get_field(rec, m.get("query"), required=False)
+        system = get_field(rec, m.get("system"), required=False)
+        history = get_field(rec, m.get("history"), required=False) or []
         out = [{"role": "system", "content": system}] if system else []
         try:
             for q, a in history:
@@ -282,11 +282,11 @@ class SharegptHandler(InstructionHandler):
             tags["assistant_tag"]: "assistant",
             tags["system_tag"]: "system",
         }
-        turns = _get(rec, self.map["messages"])
+        turns = get_field(rec, self.map["messages"])
         if not isinstance(turns, list):
             raise RecordError("bad messages", "expected a list")
         out = []
-        system = _get(rec, self.map.get("system"), required=False)
+        system = get_field(rec, self.map.get("system"), required=False)
         if system:
             out.append({"role": "system", "content": system})
         for turn in turns:
@@ -312,60 +312,3 @@ class OpenAIHandler(SharegptHandler):
             "system_tag": "system",
         },
     }
-
-
-HANDLERS: dict[str, type[Handler]] = {
-    "GeneralPretrainHandler": PretrainHandler,
-    "AlpacaStyleInstructionHandler": AlpacaHandler,
-    "SharegptStyleInstructionHandler": SharegptHandler,
-    "OpenAIStyleInstructionHandler": OpenAIHandler,
-    "OpenAIInstructionHandler": OpenAIHandler,
-}
-# Preference (DPO) handlers live in anyspeed.data.pairwise, which builds on this module; it is
-# imported when one of them is named.
-PAIRWISE_HANDLERS = ("AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler")
-# Prompts for reinforcement learning (GRPO) likewise live in anyspeed.data.rl.
-RL_HANDLERS = ("R1AlpacaStyleInstructionHandler",)
-HANDLER_NAMES = (*HANDLERS, *PAIRWISE_HANDLERS, *RL_HANDLERS)
-
-
-def handler_class(name: str) -> type[Handler]:
-    """The class ``--handler-name`` names (UsageError for an unknown name)."""
-    if name in PAIRWISE_HANDLERS:
-        from anyspeed.data.pairwise import PAIRWISE
-
-        return PAIRWISE[name]
-    if name in RL_HANDLERS:
-        from anyspeed.data.rl import RL
-
-        return RL[name]
-    cls = HANDLERS.get(name)
-    if cls is None:
-        raise UsageError(f"unknown --handler-name {name!r}; choose from {', '.join(HANDLER_NAMES)}")
-    return cls
-
-
-def build_handler(
-    name: str,
-    tok: Tokenizer,
-    json_keys: list[str],
-    append_eod: bool,
-    map_keys: str | None = None,
-    prompt_type: str | None = None,
-    seq_length: int | None = None,
-) -> Handler:
-    """Construct the handler ``--handler-name`` names, validating its flags (UsageError)."""
-    cls = handler_class(name)
-    if cls is PretrainHandler:
-        if append_eod and tok.eod_id is None:
-            raise UsageError("--append-eod: the tokenizer has no end-of-document token")
-        if prompt_type is not None or map_keys is not None:
-            raise UsageError(f"--prompt-type/--map-keys do not apply to {name}")
-        return PretrainHandler(json_keys, append_eod, tok.eod_id)
-    try:
-        mapping = json.loads(map_keys) if map_keys else None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--map-keys is not valid JSON: {exc.msg}") from None
-    if mapping is not None and not isinstance(mapping, dict):
-        raise UsageError("--map-keys must be a JSON object")
-    return cls(tok, mapping, prompt_type, append_eod, seq_length)  # type: ignore[call-arg]

@@ -19,8 +19,8 @@ from anyspeed.data.handlers import (
     InstructionHandler,
     Sample,
     SharegptHandler,
-    _check_messages,
-    _get,
+    check_messages,
+    get_field,
     vocab_dtype,
 )
 from anyspeed.data.templates import Segment
@@ -44,7 +44,7 @@ class PairwiseHandler(InstructionHandler):
 
     def answer(self, rec: dict, which: str) -> Any:
         """The raw ``chosen``/``rejected`` value of a record (checked by the caller)."""
-        return _get(rec, self.map.get(which))
+        return get_field(rec, self.map.get(which))
 
     def process(self, records: list[dict], tok: Tokenizer) -> list[Sample | RecordError]:
         convs: list[list[Segment] | RecordError] = []
@@ -77,7 +77,7 @@ class PairwiseHandler(InstructionHandler):
         pair = []
         for which in ANSWERS:
             text = _answer_text(self.answer(rec, which), which)
-            messages = _check_messages([*prompt, {"role": "assistant", "content": text}])
+            messages = check_messages([*prompt, {"role": "assistant", "content": text}])
             segs = self.segments(messages, tok)
             pair.append([(t, False, eod) for t, _, eod in segs[:-1]] + segs[-1:])
         if pair[0][:-1] != pair[1][:-1]:

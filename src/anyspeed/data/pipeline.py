@@ -15,16 +15,11 @@ from typing import Any
 import numpy as np
 
 from anyspeed.data.errors import DataError, RecordError, UsageError
-from anyspeed.data.handlers import (
-    PAIRWISE_HANDLERS,
-    RL_HANDLERS,
-    Handler,
-    Sample,
-    build_handler,
-)
+from anyspeed.data.handlers import Handler, Sample
 from anyspeed.data.packing import Packer
 from anyspeed.data.progress import Progress, Stats
 from anyspeed.data.readers import InputFile, Item, Reader, decode_item, resolve_inputs
+from anyspeed.data.registry import PAIRWISE_HANDLERS, RL_HANDLERS, build_handler
 from anyspeed.data.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
 from anyspeed.data.workers import init_worker, mp_context, stop_pool
 from anyspeed.data.writer import (

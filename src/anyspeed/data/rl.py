@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from anyspeed.data.errors import RecordError, UsageError
-from anyspeed.data.handlers import AlpacaHandler, Sample, _check_messages, _get
+from anyspeed.data.handlers import AlpacaHandler, Sample, check_messages, get_field
 from anyspeed.data.templates import Segment
 from anyspeed.data.tokenizer import Tokenizer
 
@@ -44,7 +44,7 @@ class R1AlpacaHandler(AlpacaHandler):
         answers: list[str | None] = []  # None where the record is already an error
         for rec in records:
             try:
-                answer = _answer(_get(rec, self.map.get("response")), self.map.get("response"))
+                answer = _answer(get_field(rec, self.map.get("response")), self.map.get("response"))
                 prompts.append(self._prompt(rec, answer, tok))
                 answers.append(answer)
             except RecordError as exc:
@@ -72,7 +72,7 @@ class R1AlpacaHandler(AlpacaHandler):
 
     def _prompt(self, rec: dict, answer: str, tok: Tokenizer) -> list[Segment]:
         """The segments of the conversation before its final answer, all of them prompt."""
-        messages = _check_messages([*self.prompt(rec), {"role": "assistant", "content": answer}])
+        messages = check_messages([*self.prompt(rec), {"role": "assistant", "content": answer}])
         if not messages[-2]["content"].strip():  # the user turn the answer answers
             raise RecordError("empty prompt", repr(self.map.get("prompt")))
         segs = self.segments(messages, tok)

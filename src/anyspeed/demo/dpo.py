@@ -20,9 +20,9 @@ import json
 import os
 import time
 
-from anyspeed.demo import DEMO_ARCH, VOCAB, fresh_metrics, tp_layout
+from anyspeed.demo.common import DEMO_ARCH, VOCAB, fresh_metrics, tp_layout
 from anyspeed.demo.instructions import write_jsonl
-from anyspeed.demo.sft import PROMPT_TYPE, _answers, _show, preprocess, sft_model
+from anyspeed.demo.sft import PROMPT_TYPE, generated_answers, preprocess, sft_model, show_answer
 
 STEPS = 8
 DPO_TRAIN = [
@@ -101,9 +101,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"demo: after, iteration {last['iteration']}: reward margin "
               f"{last['rewards/margins']:.3f}, accuracy {last['rewards/accuracies']:.2f} (the "
               "chosen answer's implicit reward above the rejected one's)")  # fmt: skip
-        answers = _answers(args, save, tok_dir, train, f"[8/{STEPS}]")
+        answers = generated_answers(args, save, tok_dir, train, f"[8/{STEPS}]")
         if answers:
-            _show(train, answers)
+            show_answer(train, answers)
         rc = 0 if answers and last["rewards/accuracies"] >= TARGET else 1
     print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
     return rc

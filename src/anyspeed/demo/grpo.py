@@ -26,9 +26,9 @@ import random
 import re
 import time
 
-from anyspeed.demo import DEMO_ARCH, VOCAB, fresh_metrics, tokenizer_steps, tp_layout
+from anyspeed.demo.common import DEMO_ARCH, VOCAB, fresh_metrics, tokenizer_steps, tp_layout
 from anyspeed.demo.instructions import write_jsonl
-from anyspeed.demo.sft import PROMPT_TYPE, _answers, preprocess
+from anyspeed.demo.sft import PROMPT_TYPE, generated_answers, preprocess
 
 STEPS = 8
 TOP = 20  # operands 0..TOP-1
@@ -105,7 +105,7 @@ def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, str, list[d
 
 def _heldout(args: argparse.Namespace, save: str, tok_dir: str, held: list[dict],
              step: str) -> float | None:  # fmt: skip
-    answers = _answers(args, save, tok_dir, held, step)
+    answers = generated_answers(args, save, tok_dir, held, step)
     if not answers:
         return None
     acc = accuracy(answers, held)
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     last = sum(r[-5:]) / len(r[-5:])
     print(f"demo: mean reward {r[0]:.2f} (step 1, before any update) -> {last:.2f} (the last 5 "
           f"steps); held-out greedy accuracy {before:.2f} -> {after:.2f}")  # fmt: skip
-    sample = _answers(args, save, tok_dir, held[:1], f"[8/{STEPS}]", sample=True)
+    sample = generated_answers(args, save, tok_dir, held[:1], f"[8/{STEPS}]", sample=True)
     if sample:
         print(f"demo: a sampled answer: {held[0]['instruction']} -> {sample[0]!r}")
     rc = 0 if last > r[0] else 1

@@ -15,8 +15,8 @@ import argparse
 import os
 import time
 
-from anyspeed.demo import fresh_metrics, loss_fell
 from anyspeed.demo import mm_data as D
+from anyspeed.demo.common import fresh_metrics, loss_fell
 
 TRAIN = [
     "--micro-batch-size", "8", "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style",
@@ -36,7 +36,7 @@ def _captions(save: str, held: str, folder: str) -> list[tuple[str, str]]:
     from anyspeed.convert.megatron_io import megatron_session
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
     from anyspeed.inference.vlm import greedy
-    from anyspeed.training.tasks.vlm_data import load_image, render
+    from anyspeed.stages.vlm.data import load_image, render
 
     tok = load_tokenizer(TokenizerSpec(name_or_path=os.path.join(folder, "hf")))
     records = [json.loads(line) for line in open(held, encoding="utf-8")]

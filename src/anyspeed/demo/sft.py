@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from anyspeed.demo import (
+from anyspeed.demo.common import (
     DEMO_ARCH,
     VOCAB,
     fresh_metrics,
@@ -73,7 +73,7 @@ def preprocess(src: str, prefix: str, tok_dir: str, handler: str) -> int:
                       "--quiet"])  # fmt: skip
 
 
-def _answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict],
+def generated_answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict],
              step: str = "[6/6]", sample: bool = False) -> list[str]:  # fmt: skip
     """Step 6: ``anyspeed generate`` (greedy, TP=N like training) on every trained prompt, as
     a user would run it; the answers in order, or [] when it failed (it has said why)."""
@@ -112,7 +112,7 @@ def _parse(text: str, prompts: list[str]) -> list[str]:
     return answers
 
 
-def _show(train: list[dict], answers: list[str]) -> None:
+def show_answer(train: list[dict], answers: list[str]) -> None:
     """One question (the first "What does ..." one) with the expected and generated answer,
     and how many trained prompts were answered exactly."""
     i = next((k for k, r in enumerate(train) if r["instruction"].startswith("What")), 0)
@@ -129,9 +129,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     t0 = time.perf_counter()
     rc, save, tok_dir, train = sft_model(args, extra, 6)
     if rc == 0:
-        answers = _answers(args, save, tok_dir, train)
+        answers = generated_answers(args, save, tok_dir, train)
         if answers:
-            _show(train, answers)
+            show_answer(train, answers)
         rc = 0 if answers else 1
     print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
     return rc

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceInfo", "detect", "torch_device", "peak_flops"]
+__all__ = ["DeviceInfo", "detect", "torch_device"]
 
 # Default process-group backend per device type.
 _DIST_BACKEND = {"cuda": "nccl", "cpu": "gloo", "npu": "hccl", "xpu": "xccl", "mps": "gloo"}
@@ -89,9 +89,3 @@ def torch_device(index: int | None = None) -> torch.device:
         index = mod.current_device()
     return torch.device(info.type, index)
 
-
-def peak_flops(dtype: torch.dtype = torch.bfloat16) -> float:
-    """Peak dense matmul FLOP/s of this device for ``dtype`` (configured, cached or measured)."""
-    from anyspeed.device.flops import peak_flops as _peak
-
-    return _peak(dtype)

@@ -32,8 +32,15 @@ from anyspeed.features.base import (
     KernelFeature,
     add_flag,
 )
-from anyspeed.features.flags import MEGATRON_FLAGS, add_arguments, build_parser, parse_args
-from anyspeed.features.registry import enabled_features, features, validate
+from anyspeed.features.flags import MEGATRON_FLAGS
+from anyspeed.features.registry import (
+    add_arguments,
+    build_parser,
+    enabled_features,
+    features,
+    parse_args,
+    validate,
+)
 
 __all__ = [
     "DEFAULT_OPTIMIZATION_LEVEL",

@@ -1,5 +1,7 @@
 """The features' flags: added to a full parser, or parsed on their own.
 
+The registry (:mod:`.registry`) binds these to the process's features.
+
 * :func:`add_arguments` is what Megatron-LM's parser and ``anyspeed pretrain``'s get:
   ``--optimization-level`` and every feature's own flags, each only when the parser lacks it.
 * :func:`build_parser` / :func:`parse_args` parse a command line on their own (the import-time
@@ -14,11 +16,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from anyspeed.features import registry
 from anyspeed.features.base import (
     DEFAULT_OPTIMIZATION_LEVEL,
     OPTIMIZATION_LEVELS,
     ArgumentParser,
+    Feature,
     add_flag,
 )
 
@@ -65,8 +67,10 @@ def _level(value: str) -> int:
     return level
 
 
-def add_arguments(parser: argparse._ActionsContainer) -> argparse._ActionsContainer:
-    """Add ``--optimization-level`` and every feature's own flags to ``parser`` (e.g.
+def add_arguments(
+    parser: argparse._ActionsContainer, feats: Sequence[Feature]
+) -> argparse._ActionsContainer:
+    """Add ``--optimization-level`` and the flags of each of ``feats`` to ``parser`` (e.g.
     Megatron-LM's); a flag the parser already defines keeps its definition."""
     group = parser.add_argument_group("anyspeed")
     add_flag(
@@ -77,13 +81,13 @@ def add_arguments(parser: argparse._ActionsContainer) -> argparse._ActionsContai
         help="0: device compatibility only; 1: + device-affine kernels; "
         "2: + accelerated features, each enabled by its own flag (default 2)",
     )
-    for feature in registry.features():
+    for feature in feats:
         feature.add_arguments(group)
     return parser
 
 
-def build_parser() -> ArgumentParser:
-    """The standalone parser: the features' flags and, type-only, :data:`MEGATRON_FLAGS`."""
+def build_parser(feats: Sequence[Feature]) -> ArgumentParser:
+    """The standalone parser: ``feats``' flags and, type-only, :data:`MEGATRON_FLAGS`."""
     parser = ArgumentParser(prog="anyspeed", add_help=False, allow_abbrev=False)
     group = parser.add_argument_group("Megatron-LM flags read by anyspeed")
     for flag, kind in MEGATRON_FLAGS:
@@ -91,11 +95,11 @@ def build_parser() -> ArgumentParser:
             group.add_argument(flag, action="store_true", default=False, help=argparse.SUPPRESS)
         else:
             group.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
-    add_arguments(parser)
+    add_arguments(parser, feats)
     return parser
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str], feats: Sequence[Feature]) -> argparse.Namespace:
     """Parse the flags anyspeed reads out of ``argv`` (other flags are Megatron's: ignored)."""
-    args, _ = build_parser().parse_known_args(list(argv))
+    args, _ = build_parser(feats).parse_known_args(list(argv))
     return args

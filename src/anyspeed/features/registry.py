@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Sequence
 
 from anyspeed.device import DeviceInfo
+from anyspeed.features import flags
 from anyspeed.features.attention_core import AttentionCore
-from anyspeed.features.base import Feature
+from anyspeed.features.base import ArgumentParser, Feature
 from anyspeed.features.comm.feature import GlooCollectives
 from anyspeed.features.compat.accepted_flags import AcceptedFlags
 from anyspeed.features.compat.cuda_only import CudaOnlyOptions
@@ -58,7 +60,7 @@ def build() -> list[Feature]:
         MindSpeedRopeFlags(),
         LayoutCheck(),
         AcceptedFlags(kernels=kernels),
-        MegatronLMArgs(),
+        MegatronLMArgs(add_flags=add_arguments),
         MegatronLMCompat(),
         SafeLoading(),
         MegatronLMSafeLoading(),
@@ -110,3 +112,18 @@ def validate(args: argparse.Namespace, device: DeviceInfo) -> None:
 def enabled_features(args: argparse.Namespace, device: DeviceInfo) -> list[Feature]:
     """Features that the command line switches on, in registry order."""
     return [f for f in features() if f.is_enabled(args, device)]
+
+
+def add_arguments(parser: argparse._ActionsContainer) -> argparse._ActionsContainer:
+    """``--optimization-level`` and every feature's own flags, added to ``parser``."""
+    return flags.add_arguments(parser, features())
+
+
+def build_parser() -> ArgumentParser:
+    """The standalone parser of the features' flags (:func:`.flags.build_parser`)."""
+    return flags.build_parser(features())
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The flags anyspeed reads out of ``argv`` (other flags are Megatron's: ignored)."""
+    return flags.parse_args(argv, features())

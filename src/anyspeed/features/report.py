@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from anyspeed.device import DeviceInfo, detect
-from anyspeed.features import flags, registry
+from anyspeed.features import registry
 from anyspeed.features.base import Feature
 from anyspeed.patching import PatchManager
 
@@ -33,7 +33,7 @@ def _row(feature: Feature, args: Any, device: DeviceInfo) -> dict[str, Any]:
 def build(argv: Sequence[str]) -> dict[str, Any]:
     """The report for a training command line; FeatureError (one line) when it is refused."""
     device = detect()
-    args = flags.parse_args(argv)
+    args = registry.parse_args(argv)
     registry.validate(args, device)
     return {
         "device": device.type,

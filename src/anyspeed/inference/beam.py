@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from anyspeed.inference.decode import Batch, Request, Stepper, _budget, share
+from anyspeed.inference.decode import Batch, Request, Stepper, share, token_budget
 from anyspeed.inference.sampling import SamplingParams, filter_logits
 
 
@@ -54,7 +54,7 @@ def beam_search(model: list[torch.nn.Module], prompt: Sequence[int], req: Reques
                 length_penalty: float = 1.0) -> list[int]:  # fmt: skip
     """The best hypothesis' new tokens (identical on every rank)."""
     batch = Batch.left_padded([prompt] * beams, req.pad_id)
-    steps = _budget(batch.tokens.shape[1], req)
+    steps = token_budget(batch.tokens.shape[1], req)
     stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache,
                       req.vocab_size)  # fmt: skip
     scores = torch.full((beams,), float("-inf"))

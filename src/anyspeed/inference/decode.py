@@ -161,7 +161,7 @@ class Request:
         return any(s in text for s in self.stop)
 
 
-def _budget(width: int, req: Request) -> int:
+def token_budget(width: int, req: Request) -> int:
     if req.max_length is not None and width >= req.max_length:
         raise PromptTooLong(f"a prompt of {width} tokens does not fit in the context of "
                             f"{req.max_length} tokens (--max-length / --seq-length)")  # fmt: skip
@@ -186,7 +186,7 @@ def sample(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: 
     recomputes it), identical on every rank."""
     width = _widest(max(len(p) for p in prompts)) if req.lockstep else None
     batch = Batch.left_padded(prompts, req.pad_id, width)
-    steps = _budget(batch.tokens.shape[1], req)
+    steps = token_budget(batch.tokens.shape[1], req)
     stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache,
                       req.vocab_size)  # fmt: skip
     gen = torch.Generator().manual_seed(req.seed)

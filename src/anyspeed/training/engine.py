@@ -12,9 +12,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from anyspeed.training.hooks import print0
+from anyspeed.distributed.process import print0
 from anyspeed.training.loop import Hook
 from anyspeed.training.run import Run
+from anyspeed.training.task import Task
 
 
 def build_scheduler(optimizer: Any, run: Run):
@@ -86,9 +87,9 @@ def resume(run: Run, trainer: Any, scheduler: Any, state: Any, root: str | None 
     print0(f"{run.prog}: loaded {root} at iteration {state.iteration}")
 
 
-def _start(run: Run, task: Any) -> tuple[Any, Any, Any]:
+def _start(run: Run, task: Task) -> tuple[Any, Any, Any]:
     """Trainer, scheduler and loop state, loaded; the task's frozen models built."""
-    from anyspeed.training.distributed import set_timeout
+    from anyspeed.distributed.groups import set_timeout
     from anyspeed.training.frozen import build_frozen
     from anyspeed.training.loop import LoopState
     from anyspeed.training.step import Trainer
@@ -105,9 +106,8 @@ def _start(run: Run, task: Any) -> tuple[Any, Any, Any]:
     return trainer, scheduler, state
 
 
-def train(run: Run, extra_hooks: Sequence[Hook] = (), task: Any = None) -> dict[str, Any]:
-    """Train checked ``run`` in this process (one rank of the job); its stage's task unless
-    ``task`` is given.
+def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, Any]:
+    """Train checked ``run`` on ``task`` in this process (one rank of the job).
 
     Returns the history (per-iteration losses, metrics, grad norms, learning rates,
     validation losses) with the trainer under ``"trainer"``. ``extra_hooks`` run after the
@@ -116,15 +116,13 @@ def train(run: Run, extra_hooks: Sequence[Hook] = (), task: Any = None) -> dict[
     import torch
 
     from anyspeed.checkpoint.record import model_record
-    from anyspeed.device import peak_flops, torch_device
-    from anyspeed.device.flops import slow_precision_warning
+    from anyspeed.device import torch_device
+    from anyspeed.device.flops import peak_flops, slow_precision_warning
     from anyspeed.training import hooks as H
     from anyspeed.training.loop import run as run_loop
     from anyspeed.training.memory_hook import SavedBytesHook
     from anyspeed.training.metrics import peak_memory_bytes
-    from anyspeed.training.stages import STAGES
 
-    task = task or STAGES[run.stage]().task(run)
     trainer, scheduler, state = _start(run, task)
     if run.args.mock_data:  # mock datasets have nothing to cache; Megatron warns per split
         import logging

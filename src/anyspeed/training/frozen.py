@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from anyspeed.training.tasks.base import FrozenModel
+from anyspeed.training.task import FrozenModel
 
 
 @dataclass

@@ -9,15 +9,9 @@ import os
 import time
 from typing import Any
 
-from anyspeed.training.distributed import is_rank0
+from anyspeed.distributed.process import agree, is_rank0, print0
 from anyspeed.training.loop import Hook, LoopState
 from anyspeed.training.moe_metrics import log_fields
-
-
-def print0(*parts: Any) -> None:
-    """Print on global rank 0 only."""
-    if is_rank0():
-        print(*parts, flush=True)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -208,9 +202,9 @@ class CheckpointHook(Hook):
         self.last_saved = state.iteration if resumed else None
         if not self.args.save:
             return
+
         from anyspeed.checkpoint.errors import CheckpointError
         from anyspeed.checkpoint.files import DirectoryInUse, lock_dir, remove_stale
-        from anyspeed.checkpoint.save_load import agree
 
         error = None
         if is_rank0():  # one run per --save directory; then what killed runs left there

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from anyspeed.training.hooks import print0
+from anyspeed.distributed.process import print0
 from anyspeed.training.loop import Hook, LoopState
 
 

@@ -8,7 +8,8 @@ to every pipeline chunk in order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,3 +123,47 @@ def _set_sync_funcs(model: list[torch.nn.Module], layout: Layout) -> None:
         config.grad_sync_func = one_or_list([m.start_grad_sync for m in model])
     if layout.overlap_param_gather:
         config.param_sync_func = one_or_list([m.start_param_sync for m in model])
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Sequence parallelism switched off (and back) in ``model``'s layers and config: decoding
+    feeds one token per row, which cannot be split over the tensor-parallel ranks. The
+    weights are the same either way; only where activations are gathered changes."""
+    flags = ("sequence_parallel", "reduce_scatter_embeddings")
+    on = [(m, f) for chunk in model for m in chunk.modules() for f in flags
+          if getattr(m, f, None) is True]  # fmt: skip
+    configs = {id(c): c for chunk in model for m in chunk.modules()
+               if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "sequence_parallel", False)}  # fmt: skip
+    for m, f in on:
+        setattr(m, f, False)
+    for c in configs.values():
+        c.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for m, f in on:
+            setattr(m, f, True)
+        for c in configs.values():
+            c.sequence_parallel = True
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model chunk inside DDP and precision wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+@contextlib.contextmanager
+def eval_mode(model: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """``model`` in eval mode inside the block; the chunks that were training train again."""
+    training = [m for m in model if m.training]
+    for m in training:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m in training:
+            m.train()

@@ -2,25 +2,33 @@
 
 :class:`Trainer` owns the model chunks (built by :mod:`anyspeed.training.model_pipeline`) and
 the optimizer, and runs one optimizer step or one evaluation over the micro-batches it is
-given; the :class:`~anyspeed.training.tasks.Task` supplies the forward step and loss. Data,
+given; the :class:`~anyspeed.training.task.Task` supplies the forward step and loss. Data,
 logging, checkpoints and stopping belong to the loop (:mod:`anyspeed.training.loop`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from anyspeed.distributed.groups import init_distributed
+from anyspeed.distributed.process import world_size
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
 from anyspeed.training.config import TrainConfig
-from anyspeed.training.distributed import init_distributed, world_size
-from anyspeed.training.model_pipeline import Transform, build_model, build_optimizer
+from anyspeed.training.model_pipeline import (
+    Transform,
+    build_model,
+    build_optimizer,
+    eval_mode,
+    sequence_parallel_off,
+    unwrap,
+)
 from anyspeed.training.moe_metrics import MoEMetrics
-from anyspeed.training.tasks import PretrainTask, Task
+from anyspeed.training.task import Task
 
 
 class Trainer:
@@ -31,7 +39,7 @@ class Trainer:
         model: ModelConfig,
         layout: Layout,
         cfg: TrainConfig,
-        task: Task | None = None,
+        task: Task,
         transforms: Sequence[Transform] = (),
     ) -> None:
         world = world_size()
@@ -39,7 +47,7 @@ class Trainer:
         self.dp = layout.dp(world)
         cfg.check(self.dp)
         self.model_config, self.layout, self.cfg = model, layout, cfg
-        self.task = task or PretrainTask()
+        self.task = task
         init_distributed(layout, cfg.seed)
         self.model = build_model(model, layout, cfg, [*self.task.transforms(), *transforms],
                                  builder=self.task.build)  # fmt: skip
@@ -177,45 +185,3 @@ class Trainer:
             return sample([unwrap(m) for m in self.model], prompts, request, logprobs=True)
 
 
-@contextlib.contextmanager
-def sequence_parallel_off(model: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Sequence parallelism switched off (and back) in ``model``'s layers and config: decoding
-    feeds one token per row, which cannot be split over the tensor-parallel ranks. The
-    weights are the same either way; only where activations are gathered changes."""
-    flags = ("sequence_parallel", "reduce_scatter_embeddings")
-    on = [(m, f) for chunk in model for m in chunk.modules() for f in flags
-          if getattr(m, f, None) is True]  # fmt: skip
-    configs = {id(c): c for chunk in model for m in chunk.modules()
-               if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "sequence_parallel", False)}  # fmt: skip
-    for m, f in on:
-        setattr(m, f, False)
-    for c in configs.values():
-        c.sequence_parallel = False
-    try:
-        yield
-    finally:
-        for m, f in on:
-            setattr(m, f, True)
-        for c in configs.values():
-            c.sequence_parallel = True
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model chunk inside DDP and precision wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-@contextlib.contextmanager
-def eval_mode(model: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """``model`` in eval mode inside the block; the chunks that were training train again."""
-    training = [m for m in model if m.training]
-    for m in training:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m in training:
-            m.train()

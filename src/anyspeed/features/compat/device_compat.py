@@ -93,7 +93,7 @@ class MegatronCoreCompat(Feature):
 
         pm.register_wrap(
             ckpt_worker.TARGET,
-            ckpt_worker.spawned_with_anyspeed,
+            ckpt_worker.spawned_with(install_in_child),
             feature=self.name,
             reason="the asynchronous save's persistent worker is a spawned process without the "
             "one line: its torch.cuda.set_device(rank % device_count()) divides by zero and "
@@ -171,3 +171,14 @@ def _cpu_initialized(init):
         return init(self, *args, **kwargs)
 
     return init_on_cpu
+
+
+def install_in_child() -> PatchManager:
+    """``device-compat``'s patches applied in this process (a spawned checkpoint worker, where
+    the one line never ran); the manager that holds them."""
+    from anyspeed.device import detect
+
+    manager = PatchManager()
+    DeviceCompat().register_patches(manager, argparse.Namespace(), detect())
+    manager.apply()
+    return manager

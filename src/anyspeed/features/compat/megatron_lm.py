@@ -19,7 +19,7 @@ import argparse
 import functools
 import importlib.util
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from anyspeed.device import DeviceInfo
 from anyspeed.errors import UsageError, report
@@ -42,14 +42,16 @@ class MegatronLMArgs(Feature):
     # registers this feature's patches (handed in, so the features never import the adaptor).
     apply_args: Callable[[argparse.Namespace], object] | None = None
 
+    def __init__(self, add_flags: Callable[[Any], Any]) -> None:
+        # adds every feature's flags to a parser: handed in by the registry, which holds them
+        self.add_flags = add_flags
+
     def available(self, device: DeviceInfo) -> tuple[bool, str]:
         return (True, "") if steps.megatron_lm_available() else (False, _NEEDS_CHECKOUT)
 
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
-        from anyspeed import features
-
         feature = self
 
         def parse_wrapper(parse_args):
@@ -58,7 +60,7 @@ class MegatronLMArgs(Feature):
                 def provider(parser):
                     if extra_args_provider is not None:
                         parser = extra_args_provider(parser)
-                    return features.add_arguments(parser)
+                    return feature.add_flags(parser)
 
                 return parse_args(provider, ignore_unknown_args)
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from anyspeed.inference.eval.readers import TaskDataError, _files, read_jsonl
+from anyspeed.inference.eval.readers import TaskDataError, files_under, read_jsonl
 
 OPTION_LETTERS = "ABCDEFGHIJ"
 CHINESE_TASKS = ("gaokao", "logiqa-zh", "jec-qa")
@@ -37,7 +37,7 @@ class Exam:
 
 def read_bbh(root: str) -> dict[str, list[Exam]]:
     """Every ``{task}.json`` under ``root``: its examples in file order."""
-    files = _files(root, (".json",))
+    files = files_under(root, (".json",))
     if not files:
         raise TaskDataError(f"--task-data-path {root!r}: no BBH task .json files")
     out = {}
@@ -116,7 +116,7 @@ def _agieval_record(rec: dict, task: str, where: str) -> Exam:
 
 def read_agieval(root: str) -> dict[str, list[Exam]]:
     """Every ``{task}.jsonl`` under ``root``: its questions in file order."""
-    files = _files(root, (".jsonl",))
+    files = files_under(root, (".jsonl",))
     if not files:
         raise TaskDataError(f"--task-data-path {root!r}: no AGIEval task .jsonl files")
     out = {}

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from anyspeed.inference.eval.readers import TaskDataError, _files, read_jsonl
+from anyspeed.inference.eval.readers import TaskDataError, files_under, read_jsonl
 
 DEPTHS = (0, 25, 50, 75, 100)
 _ENDS = (". ", "。", "! ", "? ", "\n")
@@ -43,7 +43,7 @@ class Haystack:
 
 def read_needlebench(root: str) -> tuple[list[Needle], list[Haystack]]:
     """The needles and every haystack file under ``root``."""
-    files = _files(root, (".jsonl",))
+    files = files_under(root, (".jsonl",))
     needles_path = next((f for f in files if f.name == "needles.jsonl"), None)
     if needles_path is None:
         raise TaskDataError(f"--task-data-path {root!r}: no needles.jsonl (NeedleBench's layout)")

@@ -39,7 +39,7 @@ class Choice:
     answer: int
 
 
-def _files(root: str, suffixes: tuple[str, ...]) -> list[Path]:
+def files_under(root: str, suffixes: tuple[str, ...]) -> list[Path]:
     path = Path(root)
     if path.is_file():
         return [path]
@@ -71,7 +71,7 @@ def read_choices(root: str, layout: str, split: str) -> dict[str, list[Choice]]:
     """Questions by subject of one split (``test``/``val``/``dev``) in ``layout``
     (``mmlu`` | ``cmmlu`` | ``ceval``)."""
     out: dict[str, list[Choice]] = {}
-    for path in _files(root, (".csv",)):
+    for path in files_under(root, (".csv",)):
         subject = _subject(path, split)
         if subject is None:
             continue
@@ -110,7 +110,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def _one_file(root: str, names: tuple[str, ...]) -> str:
-    files = _files(root, (".jsonl", ".jsonl.gz", ".json"))
+    files = files_under(root, (".jsonl", ".jsonl.gz", ".json"))
     preferred = [f for f in files if any(n in f.name for n in names)]
     if not (preferred or files):
         raise TaskDataError(f"--task-data-path {root!r}: no jsonl file found")

@@ -8,7 +8,7 @@ from typing import Any
 
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families.base import Family, FamilyMapping, gate_up, tiny
-from anyspeed.models.families.moe_hf import QWEN_EXPERT, _int, pattern_text
+from anyspeed.models.families.moe_hf import QWEN_EXPERT, int_of, pattern_text
 
 # What Megatron-Core's MLATransformerConfig fixes for YaRN: configs that differ are refused.
 _YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
@@ -68,11 +68,11 @@ def mla_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     return dict(
         multi_latent_attention=True,
         qk_layernorm=True,  # kv_a_layernorm: Megatron builds it only with QK norm
-        q_lora_rank=_int(config, "q_lora_rank", default=0) or None,
-        kv_lora_rank=_int(config, "kv_lora_rank"),
-        qk_head_dim=_int(config, "qk_nope_head_dim"),
-        qk_pos_emb_head_dim=_int(config, "qk_rope_head_dim"),
-        v_head_dim=_int(config, "v_head_dim"),
+        q_lora_rank=int_of(config, "q_lora_rank", default=0) or None,
+        kv_lora_rank=int_of(config, "kv_lora_rank"),
+        qk_head_dim=int_of(config, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=int_of(config, "qk_rope_head_dim"),
+        v_head_dim=int_of(config, "v_head_dim"),
         kv_channels=None,
         num_query_groups=None,
         moe_aux_loss_coeff=float(config.get("aux_loss_alpha") or 0.0),
@@ -84,14 +84,14 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if config.get("topk_method", "greedy") != "greedy" or config.get("scoring_func", "softmax") \
             != "softmax":  # fmt: skip
         raise ValueError("deepseek_v2: only greedy top-k over softmax scores is supported")
-    dense = _int(config, "first_k_dense_replace", default=0)
-    shared = _int(config, "n_shared_experts", default=0)
-    expert_ffn = _int(config, "moe_intermediate_size")
+    dense = int_of(config, "first_k_dense_replace", default=0)
+    shared = int_of(config, "n_shared_experts", default=0)
+    expert_ffn = int_of(config, "moe_intermediate_size")
     scale = float(config.get("routed_scaling_factor") or 1.0)
     return dict(
         mla_from_hf(config),
-        num_experts=_int(config, "n_routed_experts"),
-        moe_router_topk=_int(config, "num_experts_per_tok"),
+        num_experts=int_of(config, "n_routed_experts"),
+        moe_router_topk=int_of(config, "num_experts_per_tok"),
         moe_ffn_hidden_size=expert_ffn,
         moe_layer_freq=pattern_text([int(i >= dense) for i in range(num_layers)]),
         moe_shared_expert_intermediate_size=shared * expert_ffn or None,

@@ -10,7 +10,7 @@ from typing import Any
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import deepseek_v2
 from anyspeed.models.families.base import Family, tiny
-from anyspeed.models.families.moe_hf import _int, pattern_text
+from anyspeed.models.families.moe_hf import int_of, pattern_text
 
 PRESETS = (
     ModelConfig(
@@ -67,8 +67,11 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if not config.get("norm_topk_prob", True):
         raise ValueError("deepseek_v3: norm_topk_prob=false is not supported (Megatron's "
                          "sigmoid router renormalises the top-k weights)")  # fmt: skip
-    experts, topk = _int(config, "n_routed_experts"), _int(config, "num_experts_per_tok")
-    groups, group_topk = _int(config, "n_group", default=1), _int(config, "topk_group", default=1)
+    experts, topk = int_of(config, "n_routed_experts"), int_of(config, "num_experts_per_tok")
+    groups, group_topk = (
+        int_of(config, "n_group", default=1),
+        int_of(config, "topk_group", default=1),
+    )
     limited = 1 < groups and group_topk < groups
     if limited and topk != _GROUP_BEST * group_topk:
         raise ValueError(
@@ -76,8 +79,8 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
             f"topk_group {group_topk} (Megatron ranks groups by their best "
             "top-k/topk_group experts, transformers by their best two)"
         )
-    dense = _int(config, "first_k_dense_replace", default=0)
-    expert_ffn = _int(config, "moe_intermediate_size")
+    dense = int_of(config, "first_k_dense_replace", default=0)
+    expert_ffn = int_of(config, "moe_intermediate_size")
     scale = float(config.get("routed_scaling_factor") or 1.0)
     return dict(
         deepseek_v2.mla_from_hf(config),
@@ -85,7 +88,8 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         moe_router_topk=topk,
         moe_ffn_hidden_size=expert_ffn,
         moe_layer_freq=pattern_text([int(i >= dense) for i in range(num_layers)]),
-        moe_shared_expert_intermediate_size=_int(config, "n_shared_experts", default=0) * expert_ffn
+        moe_shared_expert_intermediate_size=int_of(config, "n_shared_experts", default=0)
+        * expert_ffn
         or None,
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,

@@ -17,7 +17,7 @@ from anyspeed.models.families.base import (
     qkv,
     tiny,
 )
-from anyspeed.models.families.moe_hf import _int
+from anyspeed.models.families.moe_hf import int_of
 
 ALPHA = 1.702  # the GLU's sigmoid slope: Megatron's quick-GELU
 _TRAITS = dict(
@@ -75,15 +75,15 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         raise ValueError(f"gpt_oss: swiglu_alpha {config['swiglu_alpha']} is not supported "
                          f"(Megatron's quick-GELU fixes it to {ALPHA})")  # fmt: skip
     window = config.get("sliding_window")
-    ffn = _int(config, "intermediate_size")
+    ffn = int_of(config, "intermediate_size")
     return dict(
-        num_experts=_int(config, "num_local_experts"),
-        moe_router_topk=_int(config, "num_experts_per_tok"),
+        num_experts=int_of(config, "num_local_experts"),
+        moe_router_topk=int_of(config, "num_experts_per_tok"),
         moe_ffn_hidden_size=ffn,
         moe_aux_loss_coeff=float(config.get("router_aux_loss_coef") or 0.0),
         add_bias_linear=True,
         softmax_type="learnable",
-        window_size=None if window is None else _int(config, "sliding_window") - 1,
+        window_size=None if window is None else int_of(config, "sliding_window") - 1,
         window_attn_skip_freq=None
         if window is None
         else _skip_freq(config.get("layer_types"), num_layers),

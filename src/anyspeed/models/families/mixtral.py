@@ -7,7 +7,7 @@ from typing import Any
 
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families.base import LLAMA_MAPPING, Family, gate_up, tiny
-from anyspeed.models.families.moe_hf import _int, check_router
+from anyspeed.models.families.moe_hf import check_router, int_of
 
 PRESETS = (
     ModelConfig(
@@ -31,9 +31,9 @@ PRESETS = (
 
 def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return dict(
-        num_experts=_int(config, "num_local_experts"),
-        moe_router_topk=_int(config, "num_experts_per_tok"),
-        moe_ffn_hidden_size=_int(config, "intermediate_size"),
+        num_experts=int_of(config, "num_local_experts"),
+        moe_router_topk=int_of(config, "num_experts_per_tok"),
+        moe_ffn_hidden_size=int_of(config, "intermediate_size"),
         moe_aux_loss_coeff=float(config.get("router_aux_loss_coef") or 0.0),
     )
 

@@ -24,7 +24,7 @@ def pattern_text(bits: list[int]) -> str:
     return "+".join(f"[{b}]*{n}" for b, n in runs)
 
 
-def _int(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+def int_of(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:
         value = config.get(key)
         if value is not None:
@@ -40,16 +40,16 @@ def qwen_moe_from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen1.5/2/3-MoE: experts in every ``decoder_sparse_step``-th layer except
     ``mlp_only_layers``; ``norm_topk_prob`` false means softmax over all experts, then top-k
     (Megatron's pre-softmax), true means top-k then softmax (Megatron's default)."""
-    step = _int(config, "decoder_sparse_step", default=1)
+    step = int_of(config, "decoder_sparse_step", default=1)
     dense = config.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
         raise ValueError("config.json mlp_only_layers is not a list of layer numbers")
     bits = [int(i not in dense and step > 0 and (i + 1) % step == 0) for i in range(num_layers)]
     shared = config.get("shared_expert_intermediate_size") or None
     return dict(
-        num_experts=_int(config, "num_experts", "num_local_experts"),
-        moe_router_topk=_int(config, "num_experts_per_tok"),
-        moe_ffn_hidden_size=_int(config, "moe_intermediate_size"),
+        num_experts=int_of(config, "num_experts", "num_local_experts"),
+        moe_router_topk=int_of(config, "num_experts_per_tok"),
+        moe_ffn_hidden_size=int_of(config, "moe_intermediate_size"),
         moe_layer_freq=pattern_text(bits),
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=bool(shared),

@@ -19,8 +19,8 @@ from anyspeed.models.families.base import LLAMA_MAPPING, Family, Fused, every_nt
 from anyspeed.models.families.moe_hf import (
     QWEN_EXPERT,
     QWEN_MOE,
-    _int,
     check_router,
+    int_of,
     qwen_moe_from_hf,
     qwen_moe_to_hf,
 )
@@ -58,7 +58,7 @@ def _layer_types(config: dict[str, Any], num_layers: int) -> str:
     """``--linear-attention-freq`` for HF's ``layer_types`` (or ``full_attention_interval``)."""
     types = config.get("layer_types")
     if types is None:
-        return str(_int(config, "full_attention_interval", default=4))
+        return str(int_of(config, "full_attention_interval", default=4))
     if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {
         "linear_attention", "full_attention"
     }:  # fmt: skip
@@ -79,17 +79,17 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         raise ValueError("qwen3_next: attention_bias=true is not supported")
     return dict(
         qwen_moe_from_hf(config, num_layers),
-        kv_channels=_int(config, "head_dim", default=256),
+        kv_channels=int_of(config, "head_dim", default=256),
         rotary_percent=_rotary_percent(config),
         layernorm_zero_centered_gamma=True,
         attention_output_gate=True,
         experimental_attention_variant="gated_delta_net",
         linear_attention_freq=_layer_types(config, num_layers),
-        linear_conv_kernel_dim=_int(config, "linear_conv_kernel_dim", default=4),
-        linear_key_head_dim=_int(config, "linear_key_head_dim", default=128),
-        linear_value_head_dim=_int(config, "linear_value_head_dim", default=128),
-        linear_num_key_heads=_int(config, "linear_num_key_heads", default=16),
-        linear_num_value_heads=_int(config, "linear_num_value_heads", default=32),
+        linear_conv_kernel_dim=int_of(config, "linear_conv_kernel_dim", default=4),
+        linear_key_head_dim=int_of(config, "linear_key_head_dim", default=128),
+        linear_value_head_dim=int_of(config, "linear_value_head_dim", default=128),
+        linear_num_key_heads=int_of(config, "linear_num_key_heads", default=16),
+        linear_num_value_heads=int_of(config, "linear_num_value_heads", default=32),
     )
 
 

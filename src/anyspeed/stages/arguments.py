@@ -14,12 +14,12 @@ import difflib
 from collections.abc import Sequence
 
 from anyspeed.argv import get_flag
+from anyspeed.distributed.groups import DEFAULT_TIMEOUT_MINUTES
 from anyspeed.errors import OneLineArgumentParser, UsageError
 from anyspeed.models import config as model_config
 from anyspeed.models import recompute
 from anyspeed.models.presets import apply_preset
-from anyspeed.training.distributed import DEFAULT_TIMEOUT_MINUTES
-from anyspeed.training.ranges import check_ranges
+from anyspeed.stages.ranges import check_ranges
 
 __all__ = ["UsageError", "build_parser", "parse_pretrain_args", "unsupported_flag"]
 

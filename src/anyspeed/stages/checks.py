@@ -85,7 +85,7 @@ def check(args: argparse.Namespace, world_size: int, data_prefixes: list[str] | 
 
 def gpt_data_prefixes(args: argparse.Namespace) -> list[str] | None:
     """The pretraining stage's data: --data-path's prefixes, or None with --mock-data."""
-    from anyspeed.training.datasets import data_blend
+    from anyspeed.stages.common.gpt_data import data_blend
 
     if args.mock_data:
         if args.data_path:
@@ -126,7 +126,7 @@ def _complete_architecture(args: argparse.Namespace) -> None:
 
 
 def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | None:
-    """Checkpoint and output paths (the numbers' ranges: :mod:`anyspeed.training.ranges`);
+    """Checkpoint and output paths (the numbers' ranges: :mod:`anyspeed.stages.ranges`);
     the checkpoint to start from (None when there is none)."""
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
@@ -253,7 +253,7 @@ def _check_data_files(args: argparse.Namespace, prefix: str) -> None:
     exactly the size it describes, token ids within the vocabulary, every split non-empty.
     The index is read once, by anyspeed's validating reader."""
     from anyspeed.data.writer import IndexFileError, check_dataset
-    from anyspeed.training.datasets import max_token_id
+    from anyspeed.stages.common.gpt_data import max_token_id
 
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
@@ -280,7 +280,7 @@ def _check_data_files(args: argparse.Namespace, prefix: str) -> None:
 def _check_split(args: argparse.Namespace, prefix: str, lengths: np.ndarray) -> None:
     """A split with a share of the data but no documents makes Megatron's GPTDataset loop
     forever counting epochs: refuse it, naming the split."""
-    from anyspeed.training.datasets import split_tokens
+    from anyspeed.stages.common.gpt_data import split_tokens
 
     try:
         tokens = split_tokens(lengths, args.split)

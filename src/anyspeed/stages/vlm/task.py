@@ -4,7 +4,7 @@ image-text conversations, with MindSpeed-MM's / Megatron-LM's freeze switches.
 ``--load <HF LLaVA dir>`` starts from transformers' ``LlavaForConditionalGeneration`` weights
 (converted in memory, each rank its TP shard); ``--load <checkpoint>`` resumes a ``vlm`` run. The
 loss is the global token mean over the assistant's tokens (image and prompt tokens carry none),
-the same at every TP/DP layout. The data: :mod:`anyspeed.training.tasks.vlm_data`.
+the same at every TP/DP layout. The data: :mod:`anyspeed.stages.vlm.data`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 from anyspeed.errors import UsageError
 from anyspeed.models.vision import RECORD
-from anyspeed.training.stages import StagePlan
-from anyspeed.training.tasks.base import LossFunc, Task
+from anyspeed.stages.common.losses import per_token_loss
+from anyspeed.training.task import LossFunc, StagePlan, Task
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,7 +113,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
     """The vlm checks: the model, the layout, the tokenizer and the data (bad records counted)."""
     from anyspeed.layout import Layout
     from anyspeed.models.multimodal import check_layout
-    from anyspeed.training.tasks import vlm_data
+    from anyspeed.stages.vlm import data as vlm_data
 
     if args.lora_target_modules or args.lora_r or args.lora_load:
         raise UsageError("--lora-*: LoRA is not supported for --stage vlm yet; train in "
@@ -181,10 +181,6 @@ def make_task(run: Any) -> VLMTask:
     return VLMTask(run.config)
 
 
-def _per_token_loss(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
-    chunk.config.calculate_per_token_loss = True  # gradients / global token count
-    return chunk
-
 
 class VLMTask(Task):
     """Caption / conversation loss of a LLaVA model on images and text."""
@@ -205,7 +201,7 @@ class VLMTask(Task):
         return [chunk]
 
     def transforms(self) -> list[Any]:
-        return [_per_token_loss]
+        return [per_token_loss]
 
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
         """An HF start: every rank reads the HF tensors and copies in its TP shard."""
@@ -231,7 +227,7 @@ class VLMTask(Task):
 
     def forward_step(self, data_iterator: Iterator[dict[str, Any]],
                      model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
-        from anyspeed.training.tasks.sft import token_loss
+        from anyspeed.stages.common.losses import token_loss
 
         b = next(data_iterator)
         losses, mask = model(b["images"], b["tokens"], None, None, labels=b["labels"],
@@ -244,15 +240,15 @@ class VLMTask(Task):
         return losses, loss_func
 
     def datasets(self, run: Any) -> list[Any]:
-        from anyspeed.training.tasks.sft_data import split_rows
+        from anyspeed.stages.common.instruction_data import split_rows
 
         data = run.data
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
     def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
                 trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
-        from anyspeed.training.tasks.sft_data import global_batches
-        from anyspeed.training.tasks.vlm_data import micro_batch
+        from anyspeed.stages.common.instruction_data import global_batches
+        from anyspeed.stages.vlm.data import micro_batch
 
         data, rows = dataset
         v = self.cfg.llava.vision

@@ -2,10 +2,10 @@
 global batch; full or LoRA.
 
 The loss function hands Megatron's schedule (token-loss sum, token count); with the config's
-``calculate_per_token_loss`` Megatron sums gradients over micro-batches and data/context
+``calculateper_token_loss`` Megatron sums gradients over micro-batches and data/context
 replicas and divides by the global count, so the loss is the mean over every response token of
 the global batch at any TP/PP/CP/DP layout (never a mean of per-sample or per-micro-batch means).
-The data: :mod:`anyspeed.training.tasks.sft_data`.
+The data: :mod:`anyspeed.stages.common.instruction_data`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import torch
 from anyspeed.errors import UsageError
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.logprobs import packed_params, token_logprobs
-from anyspeed.training.stages import StagePlan
-from anyspeed.training.tasks.base import LossFunc, Task
+from anyspeed.stages.common.instruction_data import one_prefix
+from anyspeed.stages.common.lora_start import lora_start
+from anyspeed.stages.common.losses import per_token_loss, token_loss
+from anyspeed.training.task import LossFunc, StagePlan, Task
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,8 +83,8 @@ class SFTConfig:
 
 def plan(args: argparse.Namespace) -> StagePlan:
     """The SFT checks (before the generic ones); the instruction data, opened once."""
+    from anyspeed.stages.common import instruction_data as sft_data
     from anyspeed.training import lora
-    from anyspeed.training.tasks import sft_data
 
     if not args.is_instruction_dataset:
         raise UsageError(
@@ -102,26 +104,12 @@ def plan(args: argparse.Namespace) -> StagePlan:
     return StagePlan([sft_data.file_prefix(prefix, "input_ids")], cfg, data, records)
 
 
-def one_prefix(args: argparse.Namespace, what: str) -> str:
-    """The one ``--data-path`` prefix of a fine-tuning stage (``--prompt-type`` checked)."""
-    if getattr(args, "prompt_type", None) is not None:
-        from anyspeed.data.templates import TEMPLATES
-
-        if args.prompt_type not in TEMPLATES:
-            raise UsageError(
-                f"--prompt-type {args.prompt_type!r} is unknown; choose one of "
-                f"{', '.join(sorted(TEMPLATES))}"
-            )
-    if args.mock_data or not args.data_path or len(args.data_path) != 1:
-        raise UsageError(f"--data-path: give exactly one {what} dataset prefix")
-    return args.data_path[0]
-
 
 def _check_lengths(args: argparse.Namespace, prefix: str, seen: Any) -> None:
     """Packed at another --seq-length: refused (rows would be cut and samples mixed). Samples
     longer than --seq-length: counted and reported; nothing left to learn: refused."""
     from anyspeed.launch import reports_here
-    from anyspeed.training.tasks.sft_data import split_rows
+    from anyspeed.stages.common.instruction_data import split_rows
 
     s = args.seq_length
     if seen.packed_at is not None and seen.packed_at != s:
@@ -187,43 +175,12 @@ def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any, seen: Any
         )
 
 
-def lora_start(lora_cfg: Any, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
-    """A LoRA run's start: base weights from ``--load`` (weights only), then adapters,
-    optimizer and position from ``--lora-load``; checkpoints written afterwards hold the
-    adapters. False without LoRA (the engine's resume)."""
-    if lora_cfg is None:
-        return False
-    from anyspeed.checkpoint import save_load as ckpt
-    from anyspeed.training.engine import resume
-    from anyspeed.training.lora import set_view
-
-    if run.load:
-        set_view(trainer.model, "base")
-        ckpt.load_checkpoint(run.load, trainer.model, None, None, finetune=True,
-                             load_rng=False)  # fmt: skip
-    set_view(trainer.model, "adapters")
-    if lora_cfg.load:
-        resume(run, trainer, scheduler, state, root=lora_cfg.load, flag="--lora-load")
-    return True
-
 
 def make_task(run: Any) -> SFTTask:
     """The SFT task of a checked run."""
     return SFTTask(run.config)
 
 
-def token_loss(losses: torch.Tensor, mask: torch.Tensor):
-    """(sum of masked token losses, token count, [sum, count]) of one micro-batch (this
-    rank's share of it under context parallelism)."""
-    mask = mask.reshape(-1).float()
-    total = (losses.float().reshape(-1) * mask).sum()
-    count = mask.sum()
-    return total, count.to(torch.int), torch.stack([total.detach(), count.detach()])
-
-
-def _per_token_loss(chunk: torch.nn.Module, model: ModelConfig) -> torch.nn.Module:
-    chunk.config.calculate_per_token_loss = True  # gradients / global token count
-    return chunk
 
 
 def _unfused_rope(chunk: torch.nn.Module, model: ModelConfig) -> torch.nn.Module:
@@ -242,7 +199,7 @@ class SFTTask(Task):
         self.cfg = cfg
 
     def transforms(self) -> list[Any]:
-        own = [_per_token_loss, _unfused_rope] if self.cfg.packed else [_per_token_loss]
+        own = [per_token_loss, _unfused_rope] if self.cfg.packed else [per_token_loss]
         return own + ([self.cfg.lora.transform()] if self.cfg.lora else [])
 
     def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
@@ -269,14 +226,14 @@ class SFTTask(Task):
 
     def datasets(self, run: Any) -> list[Any]:
         """(train, valid, test): the instruction data with each split's row range (or None)."""
-        from anyspeed.training.tasks.sft_data import split_rows
+        from anyspeed.stages.common.instruction_data import split_rows
 
         data = run.data
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
     def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
                 trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
-        from anyspeed.training.tasks.sft_data import batches
+        from anyspeed.stages.common.instruction_data import batches
 
         data, rows = dataset
         return batches(data, run.args, rows, consumed, device, self.cfg.pad_id)

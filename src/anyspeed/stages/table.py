@@ -2,55 +2,31 @@
 
 A stage is one row: its own flags, its checks (which return the data it opened, its config and
 the records its checkpoints carry) and its task. The parse, the generic checks, the launcher,
-the engine and the hooks are shared; a new stage adds its task module (and data module) and a
-row here.
+the engine and the hooks are shared; a new stage adds its folder under ``stages/`` and a row
+here (docs/architecture.md says what else: its preprocessing handler, its export).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
 
 from anyspeed.errors import UsageError
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """What a stage's checks produce from the frozen flags (before the generic checks):
-    the ``.bin/.idx`` prefixes the generic checks validate (None: none, e.g. mock data), the
-    stage's config and opened data, and records for every checkpoint of the run."""
-
-    data_prefixes: list[str] | None = None
-    config: Any = None
-    data: Any = None
-    records: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One row of the table (``command``: the CLI command that runs it)."""
-
-    name: str
-    command: str
-    help: str
-    flags: Sequence[Callable[[argparse.ArgumentParser], None]]
-    plan: Callable[[argparse.Namespace], StagePlan]
-    task: Callable[[Any], Any]  # (Run) -> Task
-    argv: Callable[[list[str]], list[str]] | None = None  # rewrites the command line first
+from anyspeed.stages.flags import POSTTRAIN_STAGES
+from anyspeed.training.run import Run
+from anyspeed.training.task import Stage, Task
 
 
 def _pretrain() -> Stage:
-    from anyspeed.training.tasks import pretrain
+    from anyspeed.stages.pretrain import task as pretrain
 
     return Stage("pretrain", "pretrain", "next-token prediction on Megatron's GPT datasets",
                  (), pretrain.plan, pretrain.make_task)  # fmt: skip
 
 
 def _sft() -> Stage:
-    from anyspeed.training import posttrain_flags
-    from anyspeed.training.tasks import sft
+    from anyspeed.stages import flags as posttrain_flags
+    from anyspeed.stages.sft import task as sft
 
     return Stage("sft", "posttrain", "supervised fine-tuning (full or LoRA) on instruction data",
                  (posttrain_flags.add_arguments, sft.add_arguments), sft.plan,
@@ -59,8 +35,9 @@ def _sft() -> Stage:
 
 def _preference(kind: str) -> Callable[[], Stage]:
     def row() -> Stage:
-        from anyspeed.training import posttrain_flags
-        from anyspeed.training.tasks import preference, sft
+        from anyspeed.stages import flags as posttrain_flags
+        from anyspeed.stages.preference import task as preference
+        from anyspeed.stages.sft import task as sft
 
         own = {"dpo": preference.add_dpo_arguments, "simpo": preference.add_simpo_arguments}
         helps = {
@@ -86,8 +63,10 @@ def _preference(kind: str) -> Callable[[], Stage]:
 
 
 def _orm() -> Stage:
-    from anyspeed.training import posttrain_flags
-    from anyspeed.training.tasks import orm, preference, sft
+    from anyspeed.stages import flags as posttrain_flags
+    from anyspeed.stages.preference import orm
+    from anyspeed.stages.preference import task as preference
+    from anyspeed.stages.sft import task as sft
 
     return Stage("orm", "posttrain", "an outcome reward model (a scalar head) on pairwise data",
                  (posttrain_flags.add_arguments, sft.add_arguments,
@@ -95,8 +74,8 @@ def _orm() -> Stage:
 
 
 def _grpo() -> Stage:
-    from anyspeed.training import posttrain_flags
-    from anyspeed.training.tasks import grpo
+    from anyspeed.stages import flags as posttrain_flags
+    from anyspeed.stages.grpo import flags as grpo
 
     return Stage("grpo", "posttrain", "colocated GRPO (DAPO's options) with rule rewards on "
                  "prompt data", (posttrain_flags.add_arguments, grpo.add_arguments), grpo.plan,
@@ -104,8 +83,8 @@ def _grpo() -> Stage:
 
 
 def _vlm() -> Stage:
-    from anyspeed.training import posttrain_flags
-    from anyspeed.training.tasks import vlm
+    from anyspeed.stages import flags as posttrain_flags
+    from anyspeed.stages.vlm import task as vlm
 
     return Stage("vlm", "posttrain", "a LLaVA vision-language model (CLIP/SigLIP tower, "
                  "projector, language model) on image-text conversations",
@@ -123,7 +102,6 @@ STAGES: dict[str, Callable[[], Stage]] = {
     "grpo": _grpo,
     "vlm": _vlm,
 }
-POSTTRAIN_STAGES = ("sft", "dpo", "simpo", "orm", "grpo", "vlm")
 
 
 def get_stage(name: str | None, command: str = "posttrain") -> Stage:
@@ -138,7 +116,7 @@ def get_stage(name: str | None, command: str = "posttrain") -> Stage:
 
 def build_stage_parser(stage: Stage) -> argparse.ArgumentParser:
     """The pretraining parser plus the stage's own flags, named for its command."""
-    from anyspeed.training.arguments import build_parser
+    from anyspeed.stages.arguments import build_parser
 
     p = build_parser()
     p.prog = f"anyspeed {stage.command}"
@@ -147,3 +125,8 @@ def build_stage_parser(stage: Stage) -> argparse.ArgumentParser:
     for add in stage.flags:
         add(p)
     return p
+
+
+def task_for(run: Run) -> Task:
+    """The task of checked ``run``'s stage (what :func:`anyspeed.training.engine.train` runs)."""
+    return STAGES[run.stage]().task(run)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from anyspeed.errors import UsageError
-from anyspeed.training.tasks.base import TaskStopped
+from anyspeed.training.task import TaskStopped
 
 # (prompts, completions, labels) -> one reward per sample
 RewardFn = Callable[[list[str], list[str], list[str]], list[float]]

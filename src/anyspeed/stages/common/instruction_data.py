@@ -270,7 +270,7 @@ def global_batches(
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from anyspeed.training.datasets import num_samples
+    from anyspeed.stages.common.gpt_data import num_samples
 
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs, g = args.micro_batch_size, args.global_batch_size
@@ -285,3 +285,18 @@ def global_batches(
             micro.append(batch)
         consumed += g
         yield micro
+
+
+def one_prefix(args: argparse.Namespace, what: str) -> str:
+    """The one ``--data-path`` prefix of a fine-tuning stage (``--prompt-type`` checked)."""
+    if getattr(args, "prompt_type", None) is not None:
+        from anyspeed.data.templates import TEMPLATES
+
+        if args.prompt_type not in TEMPLATES:
+            raise UsageError(
+                f"--prompt-type {args.prompt_type!r} is unknown; choose one of "
+                f"{', '.join(sorted(TEMPLATES))}"
+            )
+    if args.mock_data or not args.data_path or len(args.data_path) != 1:
+        raise UsageError(f"--data-path: give exactly one {what} dataset prefix")
+    return args.data_path[0]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from anyspeed.errors import UsageError
-from anyspeed.training.tasks.sft_data import IGNORE, file_prefix, split_rows
+from anyspeed.stages.common.instruction_data import IGNORE, file_prefix, split_rows
 
 __all__ = ["PromptData", "check_files", "file_prefix", "open_prompts", "usable_rows"]
 

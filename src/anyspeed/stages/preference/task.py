@@ -10,13 +10,12 @@ The loss is the mean over the global batch's pairs, the same at every layout and
 size: each micro-batch hands Megatron's schedule (sum of pair losses, pair count) and the
 gradients are divided once by the global pair count. Under context parallelism each answer's
 log-probability sum is completed across the CP ranks (an all-reduce with gradients) before the
-non-linear loss. The formulas: :mod:`anyspeed.training.tasks.preference_loss`.
+non-linear loss. The formulas: :mod:`anyspeed.stages.preference.loss`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +24,17 @@ import torch
 
 from anyspeed.errors import UsageError
 from anyspeed.models.logprobs import token_logprobs
-from anyspeed.training.stages import StagePlan
-from anyspeed.training.tasks import preference_loss as P
-from anyspeed.training.tasks.base import FrozenModel, LossFunc, Task
+from anyspeed.stages.common.losses import cp_sum, per_token_loss
+from anyspeed.stages.common.reference import (
+    add_reference_arguments,
+    hf_vocab,
+    reference,
+    reference_model,
+    reference_record,
+)
+from anyspeed.stages.common.values import check_positive, check_range
+from anyspeed.stages.preference import loss as P
+from anyspeed.training.task import FrozenModel, LossFunc, StagePlan, Task
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")  # fmt: skip
@@ -55,20 +62,6 @@ def add_dpo_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight of the chosen answer's SFT loss added to the DPO loss")  # fmt: skip
     add_reference_arguments(g)
 
-
-def add_reference_arguments(g: Any) -> None:
-    """``--ref-model`` and ``--refer-model-iter`` (DPO, GRPO)."""
-    g.add_argument(
-        "--ref-model",
-        default=None,
-        help="the reference checkpoint (default: --load; under LoRA the base model)",
-    )
-    g.add_argument(
-        "--refer-model-iter",
-        type=int,
-        default=None,
-        help="the reference's iteration (default: the one its tracker names)",
-    )
 
 
 def add_simpo_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,9 +95,9 @@ class PreferenceConfig:
 
 def plan(args: argparse.Namespace, kind: str) -> StagePlan:
     """The preference checks (before the generic ones); the pairwise data, opened once."""
+    from anyspeed.stages.common.instruction_data import one_prefix
+    from anyspeed.stages.preference import data as pairwise_data
     from anyspeed.training import lora
-    from anyspeed.training.tasks import pairwise_data
-    from anyspeed.training.tasks.sft import one_prefix
 
     if not args.is_pairwise_dataset:
         raise UsageError(f"--stage {kind} trains on pairwise datasets: add --is-pairwise-dataset "
@@ -122,8 +115,8 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
     data = pairwise_data.open_pairs(prefix)
     pairwise_data.check_lengths(data, prefix, args.seq_length, args.split)
     if kind == "dpo":
-        _check_range("--dpo-label-smoothing", args.dpo_label_smoothing)
-        _check_positive("--dpo-beta", args.dpo_beta)
+        check_range("--dpo-label-smoothing", args.dpo_label_smoothing)
+        check_positive("--dpo-beta", args.dpo_beta)
         ref, ref_iter = reference(args, lora_cfg, "dpo")
         cfg = PreferenceConfig(kind, prefix, args.dpo_loss_type, args.dpo_beta,
                                args.dpo_label_smoothing, args.pref_ftx, reference=ref,
@@ -131,89 +124,14 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
     elif kind == "orm":
         cfg = PreferenceConfig(kind, prefix, "sigmoid", 1.0, 0.0, 0.0)
     else:
-        _check_range("--simpo-label-smoothing", args.simpo_label_smoothing)
-        _check_positive("--simpo-beta", args.simpo_beta)
+        check_range("--simpo-label-smoothing", args.simpo_label_smoothing)
+        check_positive("--simpo-beta", args.simpo_beta)
         cfg = PreferenceConfig(kind, prefix, args.simpo_loss_type, args.simpo_beta,
                                args.simpo_label_smoothing, args.pref_ftx,
                                gamma_beta_ratio=args.gamma_beta_ratio, lora=lora_cfg)  # fmt: skip
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([pairwise_data.file_prefix(prefix, "chosen_input_ids")], cfg, data, records)
 
-
-def _check_range(flag: str, value: float) -> None:
-    if not 0 <= value < 0.5:
-        raise UsageError(f"{flag} {value} is out of range: give a value in [0, 0.5)")
-
-
-def _check_positive(flag: str, value: float) -> None:
-    if not value > 0:
-        raise UsageError(f"{flag} {value}: give a positive value")
-
-
-def reference(args: argparse.Namespace, lora_cfg: Any,
-              stage: str) -> tuple[str | None, int | None]:  # fmt: skip
-    """The reference checkpoint (root, iteration) of a ``stage`` run, checked; (None, None)
-    under LoRA (the base with adapters off) or for the run's own ``--load`` resolved at start.
-
-    Resuming a run of this stage (its ``--load`` such a checkpoint, no ``--finetune``) keeps
-    the reference that run recorded, so a resumed run compares with the same model."""
-    from anyspeed.checkpoint.errors import CheckpointFileError
-    from anyspeed.checkpoint.reads import read_common, tracked_dir
-
-    if lora_cfg is not None:
-        if args.ref_model:
-            raise UsageError("--ref-model with LoRA: the reference is the --load base model "
-                             "with its adapters off; drop --ref-model")  # fmt: skip
-        return None, None
-    ref, it = args.ref_model, args.refer_model_iter
-    try:
-        if ref is None and args.load and not args.finetune:
-            path = tracked_dir(args.load)
-            common = read_common(path) if path else {}
-            recorded = common.get("anyspeed_reference")
-            if common.get("anyspeed_stage") == stage and recorded:
-                ref, it = recorded["path"], it if it is not None else recorded["iteration"]
-        if ref is None:
-            if not args.load:
-                raise UsageError(
-                    f"--stage {stage} needs a reference model: --load the model "
-                    "to start from (an SFT checkpoint) or pass --ref-model"
-                )
-            return None, it
-        _check_reference(args, ref, it)
-    except CheckpointFileError as exc:
-        raise UsageError(f"--ref-model {ref or args.load!r}: {exc}") from None
-    return os.path.abspath(ref), it
-
-
-def _check_reference(args: argparse.Namespace, ref: str, it: int | None) -> None:
-    """The reference is a checkpoint of this architecture (one line otherwise)."""
-    from anyspeed.checkpoint.checks import check_fits
-    from anyspeed.checkpoint.files import iteration_dir
-    from anyspeed.checkpoint.reads import tracked_dir
-    from anyspeed.models.presets import model_from_args
-
-    if not os.path.isdir(ref) or tracked_dir(ref) is None:
-        raise UsageError(f"--ref-model {ref!r} is not a checkpoint directory (no tracker file); "
-                         "give a directory anyspeed or Megatron-LM saved")  # fmt: skip
-    if it is not None and not os.path.isdir(iteration_dir(ref, it)):
-        raise UsageError(f"--refer-model-iter {it}: {iteration_dir(ref, it)} does not exist")
-    check_fits(ref, model_from_args(args))
-
-
-def reference_model(lora_cfg: Any, ref: str | None, it: int | None) -> dict[str, FrozenModel]:
-    """The frozen reference a task asks for: the base with adapters off under LoRA (no second
-    copy), else a copy with checkpoint ``ref``'s weights."""
-    if lora_cfg is not None:
-        return {"reference": FrozenModel(adapters_off=True)}
-    return {"reference": FrozenModel(load=ref, iteration=it)}
-
-
-def reference_record(lora_cfg: Any, ref: str | None, it: int | None) -> dict[str, Any]:
-    """The checkpoint record of a full reference, so that a resumed run keeps it."""
-    if lora_cfg is not None or not ref:
-        return {}
-    return {"anyspeed_reference": {"path": os.path.abspath(ref), "iteration": it}}
 
 
 def make_task(run: Any) -> PreferenceTask:
@@ -222,31 +140,6 @@ def make_task(run: Any) -> PreferenceTask:
     return PreferenceTask(cfg, run.load, hf_vocab(cfg.reference or run.load))
 
 
-def hf_vocab(load: str | None) -> int | None:
-    """The Hugging Face vocabulary of a checkpoint converted from HF (its log-softmax spans
-    those rows, not the padding): None otherwise, normalising over every row as Megatron's
-    training loss does."""
-    from anyspeed.checkpoint.reads import read_common, tracked_dir
-
-    path = tracked_dir(load) if load else None
-    common = read_common(path) if path else {}
-    return common.get("anyspeed_convert", {}).get("hf_vocab_size")
-
-
-def _per_token_loss(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
-    chunk.config.calculate_per_token_loss = True  # gradients / global pair count
-    return chunk
-
-
-def _cp_sum(x: torch.Tensor) -> torch.Tensor:
-    """``x`` summed over the context-parallel ranks, with gradients (identity at CP 1)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_context_parallel_world_size() == 1:
-        return x
-    import torch.distributed.nn.functional as dist_fn
-
-    return dist_fn.all_reduce(x, group=ps.get_context_parallel_group())
 
 
 class PreferenceTask(Task):
@@ -261,7 +154,7 @@ class PreferenceTask(Task):
         self.reference = cfg.reference or load  # full DPO's reference checkpoint
 
     def transforms(self) -> list[Any]:
-        return [_per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
+        return [per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
 
     def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
         return seq_length, 2 * micro_batch_size  # a pair is two sequences
@@ -277,7 +170,7 @@ class PreferenceTask(Task):
         return reference_record(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
-        from anyspeed.training.tasks.sft import lora_start
+        from anyspeed.stages.common.lora_start import lora_start
 
         return lora_start(self.cfg.lora, run, trainer, scheduler, state)
 
@@ -302,7 +195,7 @@ class PreferenceTask(Task):
         mask = mask.float()
         sums = (logprobs.float() * mask).sum(-1)
         ref = torch.zeros_like(sums) if ref is None else ref.to(sums)
-        full = _cp_sum(torch.stack([sums, ref, mask.sum(-1)]))
+        full = cp_sum(torch.stack([sums, ref, mask.sum(-1)]))
         m = sums.shape[0] // 2
         lp = P.PairLogps(full[0, :m], full[0, m:], full[1, :m], full[1, m:], full[2, :m],
                          full[2, m:])  # fmt: skip
@@ -321,7 +214,7 @@ class PreferenceTask(Task):
 
     def datasets(self, run: Any) -> list[Any]:
         """(train, valid, test): the pairs with each split's row range (or None)."""
-        from anyspeed.training.tasks.sft_data import split_rows
+        from anyspeed.stages.common.instruction_data import split_rows
 
         data = run.data
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
@@ -330,7 +223,7 @@ class PreferenceTask(Task):
                 trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
         """Micro-batches of pairs; under DPO each carries the reference's answer log-prob
         sums (this rank's CP share), from one forward-only pass of the frozen reference."""
-        from anyspeed.training.tasks.pairwise_data import batches
+        from anyspeed.stages.preference.data import batches
 
         data, rows = dataset
         for micro in batches(data, run.args, rows, consumed, device, self.cfg.pad_id):

@@ -1,17 +1,25 @@
-"""The task interface the engine drives: what is learned, apart from how (step, loop, hooks).
+"""The interface between the engine and the stages: what is learned (:class:`Task`), apart from
+how (step, loop, hooks), and a row of the stage table (:class:`Stage`, :class:`StagePlan`).
 
 A task supplies Megatron's forward step and loss (with named metrics), its data (which may see
 the model: a policy's own samples), model transforms, and extra frozen models built at the
-training layout (a reference policy). docs/architecture.md says what a new stage touches.
+training layout (a reference policy). The engine knows no stage by name: it runs the task it is
+given. docs/architecture.md says what a new stage touches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+import argparse
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # the engine's types; they import this module's interface, not back
+    from anyspeed.training.loop import LoopState
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
 
 LossFunc = Callable[[torch.Tensor], tuple]
 
@@ -45,8 +53,9 @@ class Task:
     loss_key: str = "lm loss"
     metrics: tuple[str, ...] = ()
 
-    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
-                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+    def forward_step(
+        self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, LossFunc]:
         raise NotImplementedError
 
     def build(self, model: Any, config: Any, layout: Any) -> list[torch.nn.Module] | None:
@@ -70,20 +79,51 @@ class Task:
         """Extra entries every checkpoint of the run carries (e.g. the reference it used)."""
         return {}
 
-    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+    def load(self, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
         """Load the task's starting point; False: the engine's resume from ``run.load``."""
         return False
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: Trainer) -> None:
         """Called once the model, the optimizer, the frozen models and the load are in place."""
 
-    def datasets(self, run: Any) -> list[Any]:
+    def datasets(self, run: Run) -> list[Any]:
         """(train, valid, test) data sources; None for an empty split."""
         raise NotImplementedError
 
-    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
-                trainer: Any = None) -> Iterator[list[dict[str, Any]]]:  # fmt: skip
+    def batches(
+        self,
+        dataset: Any,
+        run: Run,
+        consumed: int,
+        device: torch.device,
+        trainer: Trainer | None = None,
+    ) -> Iterator[list[dict[str, Any]]]:
         """This rank's micro-batches of each next global batch, from ``consumed`` samples on.
         ``trainer`` is the training model's owner: a task may generate from it here, between
         optimizer steps (:meth:`Trainer.generate`)."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What a stage's checks produce from the frozen flags (before the generic checks):
+    the ``.bin/.idx`` prefixes the generic checks validate (None: none, e.g. mock data), the
+    stage's config and opened data, and records for every checkpoint of the run."""
+
+    data_prefixes: list[str] | None = None
+    config: Any = None
+    data: Any = None
+    records: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of the stage table (``command``: the CLI command that runs it)."""
+
+    name: str
+    command: str
+    help: str
+    flags: Sequence[Callable[[argparse.ArgumentParser], None]]
+    plan: Callable[[argparse.Namespace], StagePlan]
+    task: Callable[[Run], Task]
+    argv: Callable[[list[str]], list[str]] | None = None  # rewrites the command line first

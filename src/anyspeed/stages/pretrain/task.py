@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from anyspeed.training.stages import StagePlan
-from anyspeed.training.tasks.base import LossFunc, Task
+from anyspeed.training.task import LossFunc, StagePlan, Task
 
 
 def lm_loss(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -53,21 +52,21 @@ class PretrainTask(Task):
 
     def datasets(self, run: Any) -> list[Any]:
         """(train, valid, test) datasets of a checked run; None for an empty split."""
-        from anyspeed.training.datasets import build_datasets
+        from anyspeed.stages.common.gpt_data import build_datasets
 
         return build_datasets(run.args, run.tokenizer)
 
     def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
                 trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
         """This rank's micro-batches of each next global batch, from ``consumed`` on."""
-        from anyspeed.training.datasets import batches
+        from anyspeed.stages.common.gpt_data import batches
 
         return batches(dataset, run.args, consumed, device)
 
 
 def plan(args: argparse.Namespace) -> StagePlan:
     """The pretraining stage's data: --data-path's prefixes (checked), or mock tokens."""
-    from anyspeed.training.checks import gpt_data_prefixes
+    from anyspeed.stages.checks import gpt_data_prefixes
 
     return StagePlan(data_prefixes=gpt_data_prefixes(args))
 

@@ -19,14 +19,10 @@ import numpy as np
 import torch
 
 from anyspeed.models.logprobs import token_logprobs
-from anyspeed.training.tasks import grpo_loss as L
-from anyspeed.training.tasks.base import FrozenModel, LossFunc, Task
-from anyspeed.training.tasks.grpo_batches import (
-    Rollout,
-    global_stats,
-    micro_batches,
-    mismatch,
-)
+from anyspeed.stages.common.losses import per_token_loss
+from anyspeed.stages.grpo import loss as L
+from anyspeed.stages.grpo.batches import Rollout, global_stats, micro_batches, mismatch
+from anyspeed.training.task import FrozenModel, LossFunc, Task
 
 ACTOR = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy")
 STATS = ("grpo/rewards/mean", "grpo/rewards/min", "grpo/rewards/max", "response_length/mean",
@@ -35,10 +31,6 @@ STATS = ("grpo/rewards/mean", "grpo/rewards/min", "grpo/rewards/max", "response_
          "timing/rollout", "timing/old_log_p", "timing/reference_model", "rollout_tps",
          "timing/reshard")  # fmt: skip
 
-
-def _per_token_loss(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
-    chunk.config.calculate_per_token_loss = True  # gradients / the global count
-    return chunk
 
 
 def _anyone(flag: bool) -> bool:
@@ -68,7 +60,7 @@ class GRPOTask(Task):
 
     def __init__(self, cfg: Any, run: Any, hf_vocab: int | None) -> None:
         from anyspeed.data.tokenizer import end_ids
-        from anyspeed.training.tasks import rewards
+        from anyspeed.stages.grpo import rewards
 
         self.cfg, self.tok = cfg, run.tokenizer
         self.vocab = hf_vocab or self.tok.vocab_size  # rollout and training: the same rows
@@ -80,24 +72,24 @@ class GRPOTask(Task):
 
     # ---------------------------------------------------------------- the task interface
     def transforms(self) -> list[Any]:
-        return [_per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
+        return [per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
 
     def frozen_models(self) -> dict[str, FrozenModel]:
-        from anyspeed.training.tasks.preference import reference_model
+        from anyspeed.stages.common.reference import reference_model
 
         if self.cfg.beta == 0:  # no KL term: no reference is built
             return {}
         return reference_model(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
     def records(self) -> dict[str, Any]:
-        from anyspeed.training.tasks.preference import reference_record
+        from anyspeed.stages.common.reference import reference_record
 
         if self.cfg.beta == 0:
             return {}
         return reference_record(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
-        from anyspeed.training.tasks.sft import lora_start
+        from anyspeed.stages.common.lora_start import lora_start
 
         return lora_start(self.cfg.lora, run, trainer, scheduler, state)
 
@@ -118,7 +110,7 @@ class GRPOTask(Task):
 
     def token_loss(self, logp: torch.Tensor, entropy: torch.Tensor, b: dict) -> tuple:
         """(loss sum, count, metrics) of one micro-batch under the aggregation mode."""
-        from anyspeed.training.tasks.preference import _cp_sum
+        from anyspeed.stages.common.losses import cp_sum
 
         c = self.cfg
         mask = b["loss_mask"].float()
@@ -130,7 +122,7 @@ class GRPOTask(Task):
             per_token = per_token + c.beta * kl
         if c.entropy_coeff:
             per_token = per_token - c.entropy_coeff * entropy
-        seq = _cp_sum(torch.stack([(per_token * mask).sum(-1), mask.sum(-1)]))
+        seq = cp_sum(torch.stack([(per_token * mask).sum(-1), mask.sum(-1)]))
         total, count = L.aggregate(seq[0], seq[1], c.agg, c.max_response)
         n = mask.sum().double()
 
@@ -152,7 +144,7 @@ class GRPOTask(Task):
         ``ppo_epochs`` passes are done (resuming mid-rollout rolls out again)."""
         from megatron.core import parallel_state as ps
 
-        from anyspeed.training.tasks.sft_data import sample_order
+        from anyspeed.stages.common.instruction_data import sample_order
 
         data, rows = dataset
         c, args = self.cfg, run.args
@@ -182,7 +174,7 @@ class GRPOTask(Task):
         log-probs and the rollout's global statistics on every micro-batch."""
         clock = _Clock()
         if self.cfg.reshard:
-            from anyspeed.training.tasks.grpo_reshard import RolloutModel
+            from anyspeed.stages.grpo.rollout import RolloutModel
 
             self.roller = self.roller or RolloutModel(trainer)
             clock.reshard = self.roller.sync(trainer)
@@ -241,7 +233,7 @@ class GRPOTask(Task):
         from anyspeed.inference.decode import Request
         from anyspeed.inference.generate import decode
         from anyspeed.inference.sampling import SamplingParams
-        from anyspeed.training.tasks import rewards
+        from anyspeed.stages.grpo import rewards
 
         c = self.cfg
         prompts = [[int(t) for t in data.input_ids[i]] for i in rows]
@@ -263,7 +255,7 @@ class GRPOTask(Task):
             scores = rewards.score(self.reward_fn, prompt_texts, texts, labels)
         except rewards.RewardError as exc:
             error = str(exc)
-        from anyspeed.checkpoint.save_load import agree
+        from anyspeed.distributed.process import agree
 
         error = agree(error)  # every rank stops, with the first rank's reason
         if error is not None:

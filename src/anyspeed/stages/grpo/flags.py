@@ -2,9 +2,9 @@
 the training layout: rollout, old/reference log-probs and the update in the same processes.
 
 This module holds the flags (MindSpeed-RL's config names; ``--rl-config FILE`` may stand in for
-them), the checks and the config; the task is :mod:`anyspeed.training.tasks.grpo_task`, the
-objective :mod:`anyspeed.training.tasks.grpo_loss`, the rewards
-:mod:`anyspeed.training.tasks.rewards`. Batch sizes: ``--rollout-batch-size`` prompts per
+them), the checks and the config; the task is :mod:`anyspeed.stages.grpo.task`, the
+objective :mod:`anyspeed.stages.grpo.loss`, the rewards
+:mod:`anyspeed.stages.grpo.rewards`. Batch sizes: ``--rollout-batch-size`` prompts per
 rollout (MindSpeed-RL's ``global_batch_size``), ``--n-samples-per-prompt`` samples each, and
 ``--global-batch-size`` sequences per optimizer step (MindSpeed-RL's ``mini_batch_size``, also
 accepted under that name); ``--ppo-epochs`` passes over each rollout.
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from anyspeed.errors import UsageError
-from anyspeed.training.stages import StagePlan
-from anyspeed.training.tasks import grpo_loss as L
+from anyspeed.stages.grpo import loss as L
+from anyspeed.training.task import StagePlan
 
 # --rl-config keys (MindSpeed-RL's rl_config / generate_config names) -> flags
 YAML_KEYS = {
@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_objective(g: Any) -> None:
     """The objective's and the rewards' flags."""
-    from anyspeed.training.tasks.preference import add_reference_arguments
+    from anyspeed.stages.common.reference import add_reference_arguments
 
     a = g.add_argument
     a("--clip-ratio", type=float, default=0.2, help="epsilon of the ratio clip")
@@ -261,10 +261,12 @@ def _check_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
 
 def plan(args: argparse.Namespace) -> StagePlan:
     """The GRPO checks (before the generic ones); the prompt data, opened once."""
+    from anyspeed.stages.common.instruction_data import one_prefix
+    from anyspeed.stages.common.reference import reference
+    from anyspeed.stages.common.values import check_range
+    from anyspeed.stages.grpo import data as prompt_data
+    from anyspeed.stages.grpo import rewards
     from anyspeed.training import lora
-    from anyspeed.training.tasks import prompt_data, rewards
-    from anyspeed.training.tasks.preference import _check_range, reference
-    from anyspeed.training.tasks.sft import one_prefix
 
     prefix = one_prefix(args, "prompt")
     if args.context_parallel_size > 1:
@@ -274,14 +276,14 @@ def plan(args: argparse.Namespace) -> StagePlan:
         raise UsageError("--stage grpo decodes its samples for the rewards: pass "
                          "--tokenizer-name-or-path (or --load an HF directory)")  # fmt: skip
     rbs, steps, prompt = _check_sizes(args)
-    lora_cfg = lora.from_args(args)
     reshard = _rollout_layout(args)
-    _check_range("--clip-ratio", args.clip_ratio)
+    check_range("--clip-ratio", args.clip_ratio)
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
     if high < 0 or args.init_kl_coef < 0 or not 0 < args.temperature:
         raise UsageError("--clip-ratio-high and --init-kl-coef must be >= 0, --temperature > 0")
     rewards.resolve(args.verifier_function, args.verifier_weight)  # imports user functions now
     _warn_dropout(args)
+    lora_cfg = lora.from_args(args)
     prompt_data.check_files(prefix)
     data = prompt_data.open_prompts(prefix)
     rows = prompt_data.usable_rows(data, prefix, prompt, args.split)
@@ -339,8 +341,8 @@ def _warn_dropout(args: argparse.Namespace) -> None:
 
 def make_task(run: Any) -> Any:
     """The GRPO task of a checked run."""
-    from anyspeed.training.tasks.grpo_task import GRPOTask
-    from anyspeed.training.tasks.preference import hf_vocab
+    from anyspeed.stages.common.reference import hf_vocab
+    from anyspeed.stages.grpo.task import GRPOTask
 
     cfg = run.config
     return GRPOTask(cfg, run, hf_vocab(cfg.reference or run.load))

@@ -6,7 +6,7 @@ and turned into micro-batches of pairs.
 A micro-batch of ``m`` pairs is one [2m, L] batch: rows 0..m-1 the chosen answers, rows
 m..2m-1 the rejected ones, each padded at the end to L (``--seq-length``, or with
 ``--variable-seq-lengths`` the pair batch's longest, rounded up). Labels are shifted once, here,
-as for SFT (:mod:`anyspeed.training.tasks.sft_data`); prompt tokens carry no label.
+as for SFT (:mod:`anyspeed.stages.common.instruction_data`); prompt tokens carry no label.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from anyspeed.errors import UsageError
-from anyspeed.training.tasks.sft_data import (
+from anyspeed.stages.common.instruction_data import (
     IGNORE,
     PAIRWISE,
     InstructionData,

@@ -1,5 +1,5 @@
 """The flags every ``anyspeed posttrain`` stage shares: ``--stage`` and LoRA (MindSpeed-LLM's
-names and defaults). Each stage adds its own in its task module."""
+names and defaults). Each stage adds its own in its folder."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import argparse
 
 from anyspeed.models.lora import TARGETS as LORA_TARGETS
 
+# the stages of ``anyspeed posttrain`` (the table, anyspeed.stages.table, has a row for each)
+POSTTRAIN_STAGES = ("sft", "dpo", "simpo", "orm", "grpo", "vlm")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``--stage`` and the LoRA flags."""
-    from anyspeed.training.stages import POSTTRAIN_STAGES
-
     g = p.add_argument_group("post-training")
     g.add_argument(
         "--stage",

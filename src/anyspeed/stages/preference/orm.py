@@ -18,17 +18,16 @@ from typing import Any
 import torch
 
 from anyspeed.errors import UsageError
-from anyspeed.training.stages import StagePlan
-from anyspeed.training.tasks import preference_loss as P
-from anyspeed.training.tasks.base import LossFunc
-from anyspeed.training.tasks.preference import PreferenceTask
+from anyspeed.stages.preference import loss as P
+from anyspeed.stages.preference.task import PreferenceTask
+from anyspeed.training.task import LossFunc, StagePlan
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
 def plan(args: argparse.Namespace) -> StagePlan:
     """The pairwise data checks of DPO, and what a reward model cannot do here."""
-    from anyspeed.training.tasks import preference
+    from anyspeed.stages.preference import task as preference
 
     if args.lora_target_modules:
         raise UsageError("--stage orm trains the whole model and its head; drop "
@@ -102,7 +101,7 @@ class ORMTask(PreferenceTask):
 
     def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
                 trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
-        from anyspeed.training.tasks.pairwise_data import batches
+        from anyspeed.stages.preference.data import batches
 
         data, rows = dataset
         return batches(data, run.args, rows, consumed, device, self.cfg.pad_id)

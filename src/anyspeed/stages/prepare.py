@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 
 from anyspeed.argv import get_flag, set_flag
+from anyspeed.convert import hf_cache as hf_load
 from anyspeed.errors import UsageError
-from anyspeed.training import checks, hf_load
-from anyspeed.training.arguments import parse_pretrain_args
+from anyspeed.stages import checks
+from anyspeed.stages.arguments import parse_pretrain_args
+from anyspeed.stages.table import STAGES, build_stage_parser, get_stage
 from anyspeed.training.run import Run, freeze
-from anyspeed.training.stages import STAGES, Stage, build_stage_parser, get_stage
+from anyspeed.training.task import Stage
 
 
 def stage_of(argv: list[str], command: str) -> Stage:

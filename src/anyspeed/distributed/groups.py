@@ -1,7 +1,7 @@
 """Process group and Megatron parallel state for a layout, with Megatron-LM's seeding.
 
 Collectives time out after ``--distributed-timeout-minutes`` (:data:`DEFAULT_TIMEOUT_MINUTES`
-rather than gloo's half hour); :mod:`anyspeed.training.stall` turns a timeout into one line
+rather than gloo's half hour); :mod:`anyspeed.distributed.stall` turns a timeout into one line
 naming the rank that did not answer.
 """
 
@@ -18,6 +18,11 @@ from anyspeed.layout import Layout
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron-LM's default; gloo's own is 30 minutes
 _timeout = {"minutes": DEFAULT_TIMEOUT_MINUTES}
+
+
+def timeout_minutes() -> float:
+    """The bound :func:`set_timeout` gave (for a second set of groups made later)."""
+    return _timeout["minutes"]
 
 
 def set_timeout(minutes: float) -> None:
@@ -46,7 +51,7 @@ def init_distributed(layout: Layout, seed: int) -> None:
     minutes = _timeout["minutes"]
     if not dist.is_initialized():
         dist.init_process_group(backend=info.dist_backend, timeout=timedelta(minutes=minutes))
-        from anyspeed.training.stall import register
+        from anyspeed.distributed.stall import register
 
         register()
     if ps.model_parallel_is_initialized():
@@ -66,13 +71,3 @@ def init_distributed(layout: Layout, seed: int) -> None:
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
-
-
-def world_size() -> int:
-    """The job's world size from the launcher's environment (1 without a launcher)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def is_rank0() -> bool:
-    """Whether this process is global rank 0 (the one that prints)."""
-    return int(os.environ.get("RANK", "0")) == 0

@@ -1,0 +1,25 @@
+"""How a LoRA run of any stage starts: base weights, then adapters, optimizer and position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def lora_start(lora_cfg: Any, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+    """A LoRA run's start: base weights from ``--load`` (weights only), then adapters,
+    optimizer and position from ``--lora-load``; checkpoints written afterwards hold the
+    adapters. False without LoRA (the engine's resume)."""
+    if lora_cfg is None:
+        return False
+    from anyspeed.checkpoint import save_load as ckpt
+    from anyspeed.training.engine import resume
+    from anyspeed.training.lora import set_view
+
+    if run.load:
+        set_view(trainer.model, "base")
+        ckpt.load_checkpoint(run.load, trainer.model, None, None, finetune=True,
+                             load_rng=False)  # fmt: skip
+    set_view(trainer.model, "adapters")
+    if lora_cfg.load:
+        resume(run, trainer, scheduler, state, root=lora_cfg.load, flag="--lora-load")
+    return True

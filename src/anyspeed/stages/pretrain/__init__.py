@@ -1,0 +1,1 @@
+"""``anyspeed pretrain``: next-token prediction on Megatron's GPT datasets."""

@@ -1,0 +1,1 @@
+"""``--stage sft``: supervised fine-tuning (full or LoRA) on instruction data."""

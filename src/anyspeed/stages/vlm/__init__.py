@@ -1,0 +1,1 @@
+"""``--stage vlm``: a LLaVA vision-language model on image-text conversations."""
