@@ -243,16 +243,19 @@ def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
 
 
 # The parse itself, the functions that complete the parsed flags before they are frozen, and
-# the freezer; every other write to a parsed namespace in the training path is a bug (keep
-# derived state in the Run).
+# the freezer; every other write to a parsed namespace in the training and inference commands
+# is a bug (keep derived state in the Run or the InferenceRun).
 PARSE_TIME = {
     ("stages/arguments.py", "parse_pretrain_args"),
     ("stages/checks.py", "complete"),
     ("stages/checks.py", "_complete_architecture"),
     ("stages/checks.py", "_complete_vocab"),
     ("training/run.py", "freeze"),
+    ("commands/session.py", "complete"),  # an inference command's defaults from its model
+    ("commands/evaluate.py", "_complete"),  # the evaluated task's defaults
+    ("commands/memory.py", "parse"),  # the padded vocabulary the estimate needs
 }
-TRAINING_PATH = ("training", "stages", "commands/train.py")
+TRAINING_PATH = ("training", "stages", "commands")
 
 
 def _writes_to_args(tree: ast.AST) -> list[tuple[str, int]]:

@@ -92,9 +92,9 @@ COMMANDS = {
 
 # What ``anyspeed --help`` says of each command (a test holds it to COMMANDS).
 USAGE = {
-    "demo": "demo [--sft | --moe]",
+    "demo": "demo [--sft | --dpo | --grpo | --mm | --moe]",
     "pretrain": "pretrain [--nproc-per-node N] FLAGS...",
-    "posttrain": "posttrain --stage sft [--nproc-per-node N] FLAGS...",
+    "posttrain": "posttrain --stage sft|dpo|simpo|orm|grpo|vlm [--nproc-per-node N] FLAGS...",
     "preprocess": "preprocess ...",
     "train-tokenizer": "train-tokenizer ...",
     "convert": "convert ...",

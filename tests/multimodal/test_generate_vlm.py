@@ -14,6 +14,7 @@ from anyspeed.inference.vlm import greedy
 from anyspeed.models import gpt, multimodal
 from anyspeed.models.vision import llava_from_hf
 from helpers import llava
+from helpers.inprocess import clean_after
 
 
 def _hf_greedy(hf, ids: torch.Tensor, images: torch.Tensor, n: int) -> list[list[int]]:
@@ -78,3 +79,30 @@ def test_bad_image_is_one_line(tmp_path, capsys):
         assert generate_main(["--load", str(hf_dir), "--image", str(f)]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err
+
+
+def _captions(out: str) -> list[str]:
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("image: "))
+    return [line for line in lines[first:] if line.strip()]
+
+
+def test_generate_image_at_tp2_equals_tp1_and_refuses_what_does_not_apply(tmp_path, capfd):
+    """The same runner as every model: ``--image`` at TP2 (two ranks under torchrun) prints
+    TP1's captions token for token; a text-only model with ``--image``, and PP 2, are one
+    line each."""
+    from anyspeed.demo import mm_data
+
+    hf_dir = mm_data.make_model(str(tmp_path / "hf"))
+    mm_data.make_records(str(tmp_path), 2, 3, "pics")
+    files = [str(tmp_path / "images" / f"pics_0000{i}.png") for i in range(2)]
+    base = ["--load", hf_dir, "--image", files[0], "--image", files[1], "--max-new-tokens", "6"]
+    with clean_after():  # the one-process run leaves its launcher variables set
+        assert generate_main(base) == 0
+    one = _captions(capfd.readouterr().out)
+    assert generate_main([*base, "--tensor-model-parallel-size", "2"]) == 0
+    two = _captions(capfd.readouterr().out)
+    assert len(one) == 4 and one == two, (one, two)
+    assert generate_main([*base, "--pipeline-model-parallel-size", "2"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert "--pipeline-model-parallel-size" in err[-1] and len(err) == 1

@@ -180,14 +180,15 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
     """The conversion (and ``--verify``) that ``main`` set up."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    from anyspeed.commands import convert_llava
     from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf, verify
+    from anyspeed.convert.llava_api import holds_llava
 
     start = time.perf_counter()
     try:
-        llava = direction in (("hf", "mg"), ("mg", "hf")) and convert_llava.is_llava_input(args)
+        both = direction in (("hf", "mg"), ("mg", "hf"))
+        llava = both and holds_llava(args.load_dir, args.load_model_type)  # its record says
         if llava:
-            hf_dir, mg_dir = convert_llava.run(args, direction)
+            hf_dir, mg_dir = _llava(args, direction)
         elif direction == ("hf", "mg"):
             hf_to_megatron(
                 args.load_dir,
@@ -259,6 +260,35 @@ def _lora(args: argparse.Namespace) -> dict:
         "alpha": args.lora_alpha,
         "target_modules": args.lora_target_modules,
     }
+
+
+
+def _llava(args: argparse.Namespace, direction: tuple[str, str]) -> tuple[str | None, str]:
+    """A LLaVA model converted; (HF dir, Megatron dir) for ``--verify``. ConvertError for a
+    flag LLaVA lacks."""
+    from anyspeed.convert import ConvertError
+    from anyspeed.convert import llava_api as api
+
+    unsupported = [
+        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size != 1),
+        ("--target-expert-parallel-size", args.target_expert_parallel_size != 1),
+        ("--num-layer-list", args.num_layer_list is not None),
+        ("--mtp-num-layers", args.mtp_num_layers is not None),
+        ("--lora-load", bool(args.lora_load or args.save_lora_to_hf)),
+    ]
+    for flag, given in unsupported:
+        if given:
+            raise ConvertError(f"{flag}: not supported for LLaVA models (saved as torch_dist, "
+                               "which loads at any TP and PP)")  # fmt: skip
+    if direction == ("hf", "mg"):
+        api.hf_to_megatron(args.load_dir, args.save_dir, tp=args.target_tensor_parallel_size,
+                           ckpt_format=args.ckpt_format,
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                           params_dtype=args.params_dtype)  # fmt: skip
+        return args.load_dir, args.save_dir
+    api.megatron_to_hf(args.load_dir, args.save_dir, args.hf_cfg_dir,
+                       max_shard_size=args.max_shard_size)  # fmt: skip
+    return args.save_dir, args.load_dir
 
 
 if __name__ == "__main__":

@@ -113,14 +113,26 @@ def _check_output(path: str | None) -> None:
                          "choose a writable path") from None  # fmt: skip
 
 
-def _check(args: argparse.Namespace, tok: Any) -> None:
+def _complete(args: argparse.Namespace, tok: Any) -> None:
+    """Parse time: the task's defaults for the flags not given, and whether prompts go
+    through the chat template."""
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 256 if args.chain_of_thought else eval_tasks.NEW_TOKENS.get(
+            args.task, 256)  # fmt: skip
+    if args.num_fewshot is None:
+        args.num_fewshot = eval_tasks.FEWSHOT.get(args.task, 0)
+    args.use_chat = not args.no_chat_template and tok.has_chat_template
+
+
+def _check(args: argparse.Namespace, model: Any, tok: Any) -> Any:
+    """The flags checked and the task's items opened (the run's ``data``)."""
+    if session.is_llava(model):
+        raise UsageError(f"--load {args.load!r} holds a LLaVA model: anyspeed evaluate scores "
+                         "text models")  # fmt: skip
     _check_execution(args)
     _check_output(args.output_json)
     if args.task != "human_eval" and not args.task_data_path:
         raise UsageError(f"--task {args.task} needs --task-data-path")
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 256 if args.chain_of_thought else eval_tasks.NEW_TOKENS.get(
-            args.task, 256)  # fmt: skip
     if args.chain_of_thought and args.task != "bbh":
         raise UsageError("--chain-of-thought is for --task bbh")
     for flag in ("evaluation_batch_size", "max_new_tokens"):
@@ -133,17 +145,15 @@ def _check(args: argparse.Namespace, tok: Any) -> None:
     if args.needle_lengths is not None and (not args.needle_lengths
                                             or min(args.needle_lengths) < 1):  # fmt: skip
         raise UsageError("--needle-lengths must be positive token counts")
-    if args.num_fewshot is None:
-        args.num_fewshot = eval_tasks.FEWSHOT.get(args.task, 0)
     if args.num_fewshot < 0:
         raise UsageError("--num-fewshot must be 0 or more")
-    args.use_chat = not args.no_chat_template and tok.has_chat_template
-    args.prepared = eval_tasks.PREPARE[args.task](args, tok)
-    if not args.prepared.prompts:
+    prepared = eval_tasks.PREPARE[args.task](args, tok)
+    if not prepared.prompts:
         raise UsageError(
             f"--task {args.task}: no item to score in --task-data-path "
             f"{args.task_data_path} (empty, or all used as --num-fewshot shots)"
         )
+    return prepared
 
 
 def table(task: str, res: dict[str, Any]) -> str:
@@ -161,14 +171,15 @@ def table(task: str, res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
-    res = eval_tasks.run(args, args.prepared, model, tok)
+def _body(run: session.InferenceRun, model: list) -> None:
+    args = run.args
+    res = eval_tasks.run(args, run.data, model, run.tokenizer)
     if res.get("total", res.get("tokens")) == 0:
         raise ValueError(f"--task {args.task}: no item was scored (check --task-data-path "
                          "and --max-eval-samples)")  # fmt: skip
     print0(table(args.task, res))
     if args.output_json and is_rank0():
-        doc = {"task": args.task, "load": getattr(args, "hf_dir", None) or args.load, **res}
+        doc = {"task": args.task, "load": args.load, **res}
         try:
             with open(args.output_json, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1)
@@ -184,7 +195,8 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``anyspeed evaluate``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return runner.run(PROG, build_parser(), argv, _check, _body)
+    cmd = runner.Command(PROG, build_parser(), _check, _body, complete=_complete)
+    return runner.run(cmd, argv)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ beam_search_with_sampling, chat), ``--max-new-tokens``, ``--temperature``, ``--t
 Prompts come from ``--prompt`` (repeatable) or ``--prompts-file`` (one per line) and run as one
 left-padded batch; ``chat`` reads turns from stdin and streams the answer. TP x PP ranks are
 started with torchrun (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``).
+
+A LLaVA model (a ``vlm`` checkpoint, a converted one, or an HF LLaVA directory: its record
+says which) describes or answers about ``--image`` files (repeatable), greedily, one row per
+image, at any tensor-parallel size; the prompt (default "what is in the picture?") is rendered
+as the ``vlm`` stage trains: ``USER: <image>\\n{prompt}\\nASSISTANT: ``.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from anyspeed.commands import runner, session
+from anyspeed.commands import image, runner, session
 from anyspeed.commands.prompting import prompts, render, request, sampling_params, text_of
 from anyspeed.distributed.process import print0
 from anyspeed.errors import OneLineArgumentParser, UsageError
@@ -48,10 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render prompts with the tokenizer's chat template")  # fmt: skip
     g.add_argument("--prompt-type", choices=sorted(TEMPLATES), default=None)
     g.add_argument("--history-turns", type=int, default=3)
+    g.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for a LLaVA model to describe (repeatable)")  # fmt: skip
     return p
 
 
-def _check(args: argparse.Namespace, tok: Any) -> None:
+def _check(args: argparse.Namespace, model: Any, tok: Any) -> None:
+    if args.image or session.is_llava(model):
+        image.check(args, model)
+        return
     try:
         sampling_params(args).check()
     except ValueError as exc:
@@ -78,7 +88,11 @@ def _encoded(args: argparse.Namespace, tok: Any, texts: list[str]) -> list[list[
     return tok.encode(rendered, special=not (args.hf_chat_template or args.prompt_type))
 
 
-def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
+def _body(run: session.InferenceRun, model: list) -> None:
+    args, tok = run.args, run.tokenizer
+    if run.llava:
+        image.generate(run, model)
+        return
     if args.task == "chat":
         from anyspeed.commands.chat import chat
 
@@ -102,11 +116,8 @@ def _body(args: argparse.Namespace, model: list, config: Any, tok: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``anyspeed generate``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a == "--image" or a.startswith("--image=") for a in argv):  # a vision-language model
-        from anyspeed.commands import generate_vlm
-
-        return generate_vlm.main(argv)
-    return runner.run(PROG, build_parser(), argv, _check, _body)
+    cmd = runner.Command(PROG, build_parser(), _check, _body, early=image.check_files)
+    return runner.run(cmd, argv)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,39 @@
-"""The life of an inference command: parse and check (before any process group), launch
-``TP x PP`` ranks with torchrun when asked, load the model, run the body, report errors in one
-line. ``anyspeed generate`` and ``anyspeed evaluate`` differ only in their flags and body."""
+"""The life of an inference command: parse once into a frozen :class:`~.session.InferenceRun`
+and check it (before any process group), launch ``TP x PP`` ranks with torchrun when asked, load
+the model (GPT or LLaVA, as its record says), run the body, report errors in one line.
+``anyspeed generate`` and ``anyspeed evaluate`` differ only in their flags, checks and body."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from anyspeed.commands import session
+from anyspeed.commands.session import InferenceRun
 from anyspeed.distributed.process import is_rank0
 from anyspeed.errors import UsageError, report
+from anyspeed.layout import Layout
+from anyspeed.training.run import freeze
 
-Body = Callable[[argparse.Namespace, list, Any, Any], None]  # args, model, config, tokenizer
+Body = Callable[[InferenceRun, list], None]  # the run, this rank's model chunks
+
+
+@dataclass(frozen=True)
+class Command:
+    """What an inference command adds to the runner: ``early(args)`` checks that need no
+    tokenizer; ``complete(args, tok)`` fills in defaults at parse time (before the flags are
+    frozen); ``check(args, model, tok)`` checks the rest and returns what it opened (the run's
+    ``data``); ``body(run, chunks)`` does the work on every rank."""
+
+    prog: str
+    parser: argparse.ArgumentParser
+    check: Callable[[argparse.Namespace, Any, Any], Any]
+    body: Body
+    early: Callable[[argparse.Namespace], None] | None = None
+    complete: Callable[[argparse.Namespace, Any], None] | None = None
 
 
 
@@ -30,12 +50,14 @@ def load_tokenizer(args: argparse.Namespace):
     return load(spec)
 
 
-def _prepare(parser: argparse.ArgumentParser, argv: list[str],
-             check: Callable[[argparse.Namespace, Any], None], prog: str):  # fmt: skip
-    args = parser.parse_args(argv)
+def prepare(cmd: Command, argv: list[str]) -> InferenceRun:
+    """Parse, complete, freeze and check ``argv`` (UsageError), before any process group."""
+    args = cmd.parser.parse_args(argv)
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 exclude each other")
-    model = session.resolve(args)
+    if cmd.early is not None:
+        cmd.early(args)
+    model, hf_dir = session.complete(args)
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.nproc_per_node not in (None, world):
         raise UsageError(f"--nproc-per-node {args.nproc_per_node} must equal TP x PP = {world} "
@@ -44,57 +66,61 @@ def _prepare(parser: argparse.ArgumentParser, argv: list[str],
     if launched != world:
         raise UsageError(f"{launched} ranks were launched for TP x PP = {world}")
     tok = load_tokenizer(args)
-    if tok.vocab_size > model.vocab_size:
+    vocab = session.language(model).vocab_size
+    if tok.vocab_size > vocab:
         raise UsageError(f"the tokenizer's {tok.vocab_size} tokens do not fit the checkpoint's "
-                         f"vocabulary of {model.vocab_size}: wrong "
-                         "--tokenizer-name-or-path?")  # fmt: skip
-    check(args, tok)
-    if args.hf_dir:  # every check passed: now the (cached) conversion
-        model = session.materialize(args, argv, prog)
-    return args, model, tok
+                         f"vocabulary of {vocab}: wrong --tokenizer-name-or-path?")  # fmt: skip
+    if cmd.complete is not None:
+        cmd.complete(args, tok)
+    freeze(args)
+    data = cmd.check(args, model, tok)
+    load = args.load
+    if hf_dir:  # every check passed: now the (cached) conversion
+        load = session.materialize(args, hf_dir, cmd.prog)
+        model = session.model_of(load)
+    layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+    return InferenceRun(cmd.prog, args, model, layout, load, hf_dir, tok, data)
 
 
-def run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str],
-        check: Callable[[argparse.Namespace, Any], None], body: Body) -> int:  # fmt: skip
-    """Parse, check, launch or run ``body(args, model chunks, model config, tokenizer)``
-    (``-h`` / ``--help`` prints the parser's help)."""
+def run(cmd: Command, argv: Sequence[str]) -> int:
+    """Parse, check, launch or run ``cmd.body`` on every rank (``-h`` / ``--help`` prints the
+    parser's help)."""
     argv = list(argv)
     if "-h" in argv or "--help" in argv:
-        parser.print_help()
+        cmd.parser.print_help()
         return 0
     under_launcher = "WORLD_SIZE" in os.environ
     try:
-        args, config, tok = _prepare(parser, argv, check, prog)
+        run = prepare(cmd, argv)
     except (UsageError, ValueError) as exc:  # TaskDataError and the readers' errors too
-        return report(prog, exc) if is_rank0() else 2
-    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        return report(cmd.prog, exc) if is_rank0() else 2
+    world = run.layout.tp * run.layout.pp
     if not under_launcher and world > 1:
         from anyspeed.launch import supervise, torchrun_command, torchrun_env
 
-        cmd = torchrun_command(world, "anyspeed", [prog.split()[-1], *argv])
-        return supervise(cmd, torchrun_env(world), prog)
+        line = torchrun_command(world, "anyspeed", [cmd.prog.split()[-1], *argv])
+        return supervise(line, torchrun_env(world), cmd.prog)
     if not under_launcher:
         from anyspeed.launch import single_process_env
 
         os.environ.update(single_process_env())
-    return _run_here(prog, args, config, tok, body)
+    return _run_here(run, cmd.body)
 
 
-def _run_here(prog: str, args: argparse.Namespace, config: Any, tok: Any, body: Body) -> int:
+def _run_here(run: InferenceRun, body: Body) -> int:
     import torch.distributed as dist
 
     from anyspeed import adaptor
     from anyspeed.distributed.groups import init_distributed
-    from anyspeed.layout import Layout
 
     adaptor.apply(argv=[])
-    layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+    args = run.args
     try:
-        init_distributed(layout, args.seed)
-        model = session.load_model(args.load, config, layout, bf16=args.bf16, fp16=args.fp16)
-        body(args, model, config, tok)
+        init_distributed(run.layout, args.seed)
+        model = session.load_model(run.load, run.model, run.layout, args.bf16, args.fp16)
+        body(run, model)
     except (UsageError, ValueError) as exc:
-        return report(prog, exc, code=1) if is_rank0() else 1
+        return report(run.prog, exc, code=1) if is_rank0() else 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,14 +1,17 @@
 """A loaded model to run inference on: checkpoint (any saved layout) or HF directory -> chunks.
 
 Shared by ``anyspeed generate`` and ``anyspeed evaluate``: the architecture comes from the
-checkpoint's model record (:mod:`anyspeed.checkpoint.record`); an
-HF directory is converted once (cached) as ``anyspeed pretrain --load`` does; the weights load
-at the layout asked for, whatever layout saved them.
+checkpoint's model record (:mod:`anyspeed.checkpoint.record`), which also says whether it is a
+GPT or a LLaVA model (``anyspeed_llava``); an HF directory is converted once (cached) as
+``anyspeed pretrain --load`` does; the weights load at the layout asked for, whatever layout
+saved them.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,15 +41,42 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                            help=argparse.SUPPRESS)  # fmt: skip
 
 
-def model_of(ckpt: str) -> ModelConfig:
-    """The architecture the checkpoint under ``ckpt`` records (UsageError naming ``--load``)."""
+@dataclass(frozen=True)
+class InferenceRun:
+    """One checked inference command line: the flags (completed at parse time, then frozen),
+    the model (``ModelConfig``, or ``LlavaConfig`` for a vision-language model), the layout,
+    the checkpoint the weights load from (an HF ``--load``'s cached conversion), the tokenizer
+    and what the command's check opened (``evaluate``: the task's items)."""
+
+    prog: str
+    args: argparse.Namespace
+    model: Any
+    layout: Layout
+    load: str
+    hf_dir: str | None
+    tokenizer: Any
+    data: Any = None
+
+    @property
+    def llava(self) -> bool:
+        """Whether the model is a LLaVA vision-language model."""
+        return is_llava(self.model)
+
+
+def model_of(ckpt: str) -> Any:
+    """The architecture the checkpoint under ``ckpt`` records: a ``ModelConfig``, or the
+    ``LlavaConfig`` of a LLaVA checkpoint (UsageError naming ``--load``)."""
     from anyspeed.checkpoint.reads import read_common, tracked_dir
     from anyspeed.checkpoint.record import model_in_common
+    from anyspeed.models.vision import RECORD, from_record
 
     try:
         path = tracked_dir(ckpt)
-        model = model_in_common(read_common(path), ckpt, as_hf=False) if path else None
-    except UsageError as exc:  # a broken file or model record
+        common = read_common(path) if path else {}
+        model = model_in_common(common, ckpt, as_hf=False) if path else None
+        if model is not None and RECORD in common:
+            return from_record(common[RECORD], model)
+    except (UsageError, ValueError) as exc:  # a broken file or model record
         raise UsageError(f"--load {ckpt!r}: {exc}") from None
     if path is None:
         raise UsageError(f"--load {ckpt!r}: not a checkpoint or Hugging Face directory")
@@ -55,8 +85,19 @@ def model_of(ckpt: str) -> ModelConfig:
     return model
 
 
-def check_flags(args: argparse.Namespace, model: ModelConfig) -> None:
+def is_llava(model: Any) -> bool:
+    """Whether ``model`` (what :func:`model_of` returns) is a LLaVA model."""
+    return not isinstance(model, ModelConfig)
+
+
+def language(model: Any) -> ModelConfig:
+    """The language model of ``model`` (itself for a GPT)."""
+    return model if isinstance(model, ModelConfig) else model.language
+
+
+def check_flags(args: argparse.Namespace, model: Any) -> None:
     """UsageError when an architecture flag given disagrees with the checkpoint."""
+    model = language(model)
     for row in ARCH_FLAGS:
         given = getattr(args, f"arch_{row.field}", None)
         if given is not None and given != getattr(model, row.field):
@@ -65,43 +106,52 @@ def check_flags(args: argparse.Namespace, model: ModelConfig) -> None:
                              "matching checkpoint")  # fmt: skip
 
 
-def resolve(args: argparse.Namespace) -> ModelConfig:
+def complete(args: argparse.Namespace) -> tuple[Any, str | None]:
     """The architecture ``--load`` holds (an HF directory's from its config.json, padded as
-    its conversion will be), checked against the flags; cheap, before any process group."""
+    its conversion will be) and the HF directory (None for a checkpoint), checked against the
+    flags; cheap, before any process group. Parse time: fills in the defaults that come from
+    the model (``--tokenizer-name-or-path``, ``--max-length``) before the flags are frozen."""
     import os
 
-    from anyspeed.convert import hf_cache as hf_load
+    from anyspeed.convert.hf_cache import hf_dir_of
 
     if not os.path.isdir(args.load):
         raise UsageError(f"--load {args.load!r}: no such directory")
-    args.hf_dir = hf_load.hf_dir_of(["--load", args.load])
-    if args.hf_dir:
-        if args.tokenizer_name_or_path is None and _has_tokenizer(args.hf_dir):
-            args.tokenizer_name_or_path = args.hf_dir
-        model = _hf_model(args)
+    hf_dir = hf_dir_of(["--load", args.load])
+    if hf_dir:
+        if args.tokenizer_name_or_path is None and _has_tokenizer(hf_dir):
+            args.tokenizer_name_or_path = hf_dir
+        model = _hf_model(args, hf_dir)
     else:
         model = model_of(args.load)
+        if args.tokenizer_name_or_path is None and _has_tokenizer(args.load):
+            args.tokenizer_name_or_path = args.load  # a converted LLaVA keeps its tokenizer
     check_flags(args, model)
-    _check_layout(args, model)
+    _check_layout(args, language(model))
     if args.max_length is None:
-        args.max_length = model.max_position_embeddings
-    return model
+        args.max_length = language(model).max_position_embeddings
+    return model, hf_dir
 
 
-def _hf_model(args: argparse.Namespace) -> ModelConfig:
+def _hf_model(args: argparse.Namespace, hf_dir: str) -> Any:
     import dataclasses
 
     from anyspeed.convert.hf_io import read_config
+    from anyspeed.convert.llava_api import is_llava_config
     from anyspeed.models.config import padded_vocab_size
     from anyspeed.models.hf import preset_from_hf
+    from anyspeed.models.vision import llava_from_hf
 
     try:
-        model = preset_from_hf(read_config(args.hf_dir))
+        config = read_config(hf_dir)
+        model = llava_from_hf(config) if is_llava_config(config) else preset_from_hf(config)
     except ValueError as exc:
-        raise UsageError(f"--load {args.hf_dir!r}: {exc}") from None
-    vocab = padded_vocab_size(model.vocab_size, args.make_vocab_size_divisible_by,
+        raise UsageError(f"--load {hf_dir!r}: {exc}") from None
+    vocab = padded_vocab_size(language(model).vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)  # fmt: skip
-    return dataclasses.replace(model, vocab_size=vocab)
+    if isinstance(model, ModelConfig):
+        return dataclasses.replace(model, vocab_size=vocab)
+    return model.with_language(vocab_size=vocab)
 
 
 def _check_layout(args: argparse.Namespace, model: ModelConfig) -> None:
@@ -118,10 +168,9 @@ def _check_layout(args: argparse.Namespace, model: ModelConfig) -> None:
                          f"{model.num_layers} layers")  # fmt: skip
 
 
-def materialize(args: argparse.Namespace, argv: list[str],
-                prog: str = "anyspeed generate") -> ModelConfig:  # fmt: skip
-    """Convert an HF ``--load`` (once, cached) and return the architecture it now holds."""
-    from anyspeed.convert import hf_cache as hf_load
+def materialize(args: argparse.Namespace, hf_dir: str, prog: str = "anyspeed generate") -> str:
+    """Convert HF directory ``hf_dir`` (once, cached); the checkpoint it is converted to."""
+    from anyspeed.convert.hf_cache import convert
 
     conv = argparse.Namespace(
         padded_vocab_size=None,
@@ -131,8 +180,7 @@ def materialize(args: argparse.Namespace, argv: list[str],
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
     )
-    args.load = hf_load.convert(conv, args.hf_dir, prog)
-    return model_of(args.load)
+    return convert(conv, hf_dir, prog)
 
 
 def _has_tokenizer(d: str) -> bool:
@@ -141,16 +189,23 @@ def _has_tokenizer(d: str) -> bool:
     return any(os.path.isfile(os.path.join(d, f)) for f in ("tokenizer.json", "tokenizer.model"))
 
 
-def load_model(ckpt: str, model: ModelConfig, layout: Layout, bf16: bool = False,
+def load_model(ckpt: str, model: Any, layout: Layout, bf16: bool = False,
                fp16: bool = False) -> list[torch.nn.Module]:  # fmt: skip
-    """This rank's chunks with the checkpoint's weights, in eval mode (parallel state set)."""
+    """This rank's chunks with the checkpoint's weights, in eval mode (parallel state set): a
+    GPT's pipeline chunks, or the one chunk of a LLaVA model (``model`` a ``LlavaConfig``)."""
     from anyspeed.checkpoint.errors import CheckpointMismatch
     from anyspeed.checkpoint.save_load import load_weights
     from anyspeed.device import torch_device
-    from anyspeed.models import gpt
+    from anyspeed.models import gpt, multimodal
 
-    config = gpt.transformer_config(model, layout, bf16=bf16, fp16=fp16)
-    chunks = [c.to(torch_device()).eval() for c in gpt.build_chunks(model, config, layout)]
+    if isinstance(model, ModelConfig):
+        config = gpt.transformer_config(model, layout, bf16=bf16, fp16=fp16)
+        built = gpt.build_chunks(model, config, layout)
+    else:  # weights come from the checkpoint: no initialisation to draw
+        config = gpt.transformer_config(model.language, layout, bf16=bf16, fp16=fp16,
+                                        perform_initialization=False)  # fmt: skip
+        built = [multimodal.build_llava(model, config, layout)]
+    chunks = [c.to(torch_device()).eval() for c in built]
     try:
         load_weights(ckpt, chunks)
     except CheckpointMismatch as exc:

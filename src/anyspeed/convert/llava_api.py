@@ -32,7 +32,22 @@ def is_llava_config(config: dict[str, Any]) -> bool:
 
 
 def is_llava_checkpoint(common: dict[str, Any]) -> bool:
+    """Whether a checkpoint's common state records a LLaVA model (``anyspeed_llava``)."""
     return RECORD in common
+
+
+def holds_llava(load_dir: str | Path, model_type: str) -> bool:
+    """Whether ``load_dir`` holds a LLaVA model: an HF directory (``model_type`` "hf") whose
+    config.json says so, or a Megatron checkpoint whose record does."""
+    load = Path(load_dir)
+    if model_type == "hf":
+        return (load / "config.json").is_file() and is_llava_config(read_config(load))
+    from anyspeed.checkpoint.reads import checkpoint_dir, read_common
+
+    try:
+        return is_llava_checkpoint(read_common(checkpoint_dir(load)))
+    except Exception:  # noqa: BLE001 - not readable here: the GPT path reports it
+        return False
 
 
 def _config(hf_config: dict[str, Any]) -> LlavaConfig:

@@ -32,10 +32,11 @@ def _captions(save: str, held: str, folder: str) -> list[tuple[str, str]]:
 
     import torch
 
-    from anyspeed.commands.vlm_session import load_llava
+    from anyspeed.commands.session import load_model, model_of
     from anyspeed.convert.megatron_io import megatron_session
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
     from anyspeed.inference.vlm import greedy
+    from anyspeed.layout import Layout
     from anyspeed.stages.vlm.data import load_image, render
 
     tok = load_tokenizer(TokenizerSpec(name_or_path=os.path.join(folder, "hf")))
@@ -46,7 +47,7 @@ def _captions(save: str, held: str, folder: str) -> list[tuple[str, str]]:
     images = torch.stack([load_image(os.path.join(folder, r["image"]), D.IMAGE_SIZE, "clip")
                           for r in records])  # fmt: skip
     with megatron_session():
-        model, cfg = load_llava(save)
+        (model,) = load_model(save, model_of(save), Layout())
         rows = greedy(model, images, prompt, 10, D.VOCAB, (tok.eod_id,))
     import tokenizers
 

@@ -1,5 +1,5 @@
 """Captioning / answering with a LLaVA model: greedy decoding from images and a prompt
-(:mod:`anyspeed.commands.vlm_session` loads a trained checkpoint).
+(``anyspeed generate --image`` runs it on any checkpoint, :mod:`anyspeed.commands.image`).
 
 Decoding recomputes the whole sequence per new token (no KV cache yet: Megatron's LLaVAModel
 keeps its image embeddings in the inference context, which anyspeed's decoder does not drive).

@@ -1,0 +1,79 @@
+"""``anyspeed generate --image FILE``: what a LLaVA model says about images, greedily with the KV
+cache, one row per image, through the same runner as every model (any TP; PP is refused)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from anyspeed.commands import session
+from anyspeed.distributed.process import print0
+from anyspeed.errors import UsageError
+from anyspeed.layout import Layout
+
+DEFAULT_PROMPT = "what is in the picture?"
+
+
+def check_files(args: argparse.Namespace) -> None:
+    """Every ``--image`` decodes (one line naming the file otherwise), before any model work."""
+    from PIL import Image
+
+    for f in args.image:
+        try:
+            with Image.open(f) as im:
+                im.verify()
+        except FileNotFoundError:
+            raise UsageError(f"--image {f!r}: no such file") from None
+        except Exception as exc:  # noqa: BLE001 - any decoder failure
+            raise UsageError(f"--image {f!r}: cannot be decoded ({type(exc).__name__})") from None
+
+
+def check(args: argparse.Namespace, model: Any) -> None:
+    """The flags of a generation from images (one line for what does not apply)."""
+    if not session.is_llava(model):
+        raise UsageError(f"--image: --load {args.load!r} holds a text-only model; drop --image "
+                         "or load a LLaVA model")  # fmt: skip
+    if not args.image:
+        raise UsageError(f"--load {args.load!r} holds a LLaVA model: pass --image FILE")
+    if args.pipeline_model_parallel_size != 1:
+        raise UsageError("--pipeline-model-parallel-size: generation from images runs with "
+                         "tensor parallelism only (the tower sits on the first stage)")  # fmt: skip
+    if args.task != "greedy" or args.stop or args.prompts_file or len(args.prompt) > 1:
+        raise UsageError("--image: greedy generation with at most one --prompt (no --task, "
+                         "--stop or --prompts-file)")  # fmt: skip
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be positive")
+    try:
+        from anyspeed.models.multimodal import check_layout
+
+        check_layout(model, Layout(tp=args.tensor_model_parallel_size))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def generate(run: session.InferenceRun, chunks: list) -> None:
+    """Print each image's greedy answer (rank 0)."""
+    import torch
+
+    from anyspeed.device import torch_device
+    from anyspeed.inference.generate import decode
+    from anyspeed.inference.vlm import greedy
+    from anyspeed.stages.vlm.data import load_image, render
+
+    args, tok, cfg = run.args, run.tokenizer, run.model
+    text = args.prompt[0] if args.prompt else DEFAULT_PROMPT
+    turn = text if "<image>" in text else f"<image>\n{text}"
+    prompt, _ = render({"conversations": [{"from": "human", "value": turn}]}, tok,
+                       cfg.image_token_id)  # fmt: skip
+    prompt += tok.encode(["ASSISTANT: "], special=False)[0]
+    v = cfg.vision
+    model = chunks[0]
+    images = torch.stack([load_image(f, v.image_size, v.kind) for f in args.image])
+    images = images.to(device=torch_device(), dtype=next(model.parameters()).dtype)
+    ends = (tok.eod_id,) if tok.eod_id is not None else ()
+    # the tokenizer's rows only (as text generation): a padded vocabulary's extra rows never win
+    rows = greedy(model, images, prompt, args.max_new_tokens, tok.vocab_size, ends,
+                  args.use_kv_cache)  # fmt: skip
+    fast = getattr(tok, "backend", None)  # the tokenizer.json's own decoder, as the vlm stage
+    for f, row in zip(args.image, rows, strict=True):
+        print0(f"image: {f}\n{fast.decode(row) if fast else decode(tok, row)}\n")
