@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from anyspeed.inference.eval import prompts, readers
+from anyspeed.inference.eval import answers, prompts, readers
 from anyspeed.inference.eval.readers import TaskDataError
 from anyspeed.inference.eval.scoring import pick_choices
 from helpers.eval_fixtures import write_ceval, write_cmmlu, write_jsonl, write_mmlu
@@ -82,9 +82,9 @@ def test_prompts_and_answer_extraction() -> None:
     assert text == ("The following are multiple choice questions (with answers) about high "
                     "school math.\n\n1+1?\nA. 1\nB. 2\nC. 3\nD. 4\nAnswer: B\n\n"
                     "1+1?\nA. 1\nB. 2\nC. 3\nD. 4\nAnswer:")  # fmt: skip
-    assert prompts.extract_number(" So 3 + 4 = 7. The answer is 1,234.\n\nQuestion: x") == "1234"
-    assert prompts.extract_number("we get 12 then -5.0") == "-5"
-    assert prompts.extract_number("no digits") is None
+    assert answers.extract_number(" So 3 + 4 = 7. The answer is 1,234.\n\nQuestion: x") == "1234"
+    assert answers.extract_number("we get 12 then -5.0") == "-5"
+    assert answers.extract_number("no digits") is None
 
 
 def test_planted_answers_score_100_percent(tmp_path: Path, auto_tok) -> None:

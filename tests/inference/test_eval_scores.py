@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from anyspeed.commands import eval_tasks, evaluate
+from anyspeed.commands.session import InferenceRun
 from anyspeed.inference.eval import execution, readers
 from anyspeed.inference.eval.readers import TaskDataError
+from anyspeed.layout import Layout
 from helpers.convert_ranks import tiny_hf_model
 from helpers.eval_fixtures import write_jsonl
 
@@ -64,11 +66,16 @@ def test_nothing_to_score_is_an_error(capsys, hf_dir: str, tmp_path: Path) -> No
     assert len(err) == 1 and "no item to score" in err[0], err
 
 
+def _run(args: argparse.Namespace) -> InferenceRun:
+    """A run around ``args`` for the command's body (no model: ``eval_tasks.run`` is stubbed)."""
+    return InferenceRun("anyspeed evaluate", args, None, Layout(), args.load, None, None)
+
+
 def test_nothing_scored_after_the_run_is_an_error(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(eval_tasks, "run", lambda *a: eval_tasks.accuracy_table([], []))
-    args = argparse.Namespace(task="boolq", prepared=None, output_json=None, load="x")
+    args = argparse.Namespace(task="boolq", output_json=None, load="x")
     with pytest.raises(ValueError, match="no item was scored"):
-        evaluate._body(args, [], None, None)
+        evaluate._body(_run(args), [])
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
@@ -119,10 +126,9 @@ def test_results_are_printed_when_the_final_write_fails(capsys, monkeypatch,
     res = eval_tasks.accuracy_table(["boolq", "boolq"], [True, False])
     monkeypatch.setattr(eval_tasks, "run", lambda *a: dict(res, picks=[0, 1]))
     gone = tmp_path / "gone"  # checked before the run, removed during it
-    args = argparse.Namespace(task="boolq", prepared=None, output_json=str(gone / "r.json"),
-                              load="ckpt")  # fmt: skip
+    args = argparse.Namespace(task="boolq", output_json=str(gone / "r.json"), load="ckpt")
     with pytest.raises(ValueError) as info:
-        evaluate._body(args, [], None, None)
+        evaluate._body(_run(args), [])
     msg = str(info.value)
     assert "\n" not in msg and f"--output-json {gone / 'r.json'}: could not write" in msg
     out = capsys.readouterr().out

@@ -15,7 +15,7 @@ import torch
 
 from anyspeed.features.moe.grouped_gemm import grouped_matmul, kernel_accepts
 from anyspeed.models.config import ModelConfig
-from anyspeed.models.moe import layer_pattern as moe_layer_pattern
+from anyspeed.models.patterns import layer_pattern as moe_layer_pattern
 from anyspeed.testing import run_distributed
 from helpers import moe_ranks
 

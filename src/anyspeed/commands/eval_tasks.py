@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anyspeed.errors import UsageError
+from anyspeed.inference.eval import answers as A
 from anyspeed.inference.eval import exams as X
 from anyspeed.inference.eval import prompts as P
 from anyspeed.inference.eval import readers as R
@@ -167,7 +168,7 @@ def _prepare_gsm8k(args: argparse.Namespace, tok: Any) -> Prepared:
     rows = R.read_gsm8k(args.task_data_path)
     shots = rows[: args.num_fewshot]
     rows = rows[args.num_fewshot :]  # the shots are not scored
-    out = Prepared(answers=[P.normalize_number(a) for _, a in rows], groups=["gsm8k"] * len(rows))
+    out = Prepared(answers=[A.normalize_number(a) for _, a in rows], groups=["gsm8k"] * len(rows))
     return _limit(args, out, [P.gsm8k_prompt(q, shots) for q, _ in rows], tok)
 
 
@@ -294,7 +295,7 @@ def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
         chunk = prep.prompts[start : start + args.evaluation_batch_size]
         texts += [text_of(tok, ids, eos) for ids in generate(model, chunk, req)]
     if args.task == "gsm8k":
-        got = [P.extract_number(t) for t in texts]
+        got = [A.extract_number(t) for t in texts]
         hits = [g == a for g, a in zip(got, prep.answers, strict=True)]
         return dict(accuracy_table(prep.groups, hits), predictions=got)
     if args.task in ("bbh", "agieval", "needlebench"):

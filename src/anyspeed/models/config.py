@@ -18,7 +18,8 @@ from typing import Any
 
 from anyspeed.models.arch_flags import ARCH_FLAGS, ArchFlag, add_arguments  # noqa: F401
 from anyspeed.models.mla_checks import check_mla
-from anyspeed.models.moe import check_moe, layer_pattern
+from anyspeed.models.moe import check_moe
+from anyspeed.models.patterns import layer_pattern
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
               "rope_type")  # fmt: skip

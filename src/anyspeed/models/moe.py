@@ -1,5 +1,5 @@
-"""MoE settings of the model type: Megatron's ``--moe-layer-freq`` pattern, and the checks that
-name a flag before anything is built (a bad combination is otherwise an assertion in every rank)."""
+"""MoE settings of the model type: the checks that name a flag before anything is built (a bad
+combination is otherwise an assertion in every rank); the layer pattern is :mod:`.patterns`."""
 
 from __future__ import annotations
 
@@ -37,27 +37,3 @@ def check_moe(model: Any) -> None:
         raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
 
 
-def layer_pattern(freq: str | int, num_layers: int, flag: str = "--moe-layer-freq") -> list[int]:
-    """Megatron's ``--moe-layer-freq``: ``N`` (every N-th layer is MoE, from the first) or a
-    list expression such as ``([0]*1+[1]*3)``, read without ``eval``; 1 marks a MoE layer."""
-    text = str(freq).replace(" ", "")
-    if text.isdigit():
-        n = int(text)
-        if n < 1:
-            raise ValueError(f"{flag} must be >= 1 (got {n})")
-        return [1 if i % n == 0 else 0 for i in range(num_layers)]
-    body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
-    pattern: list[int] = []
-    for term in body.split("+"):
-        values, _, times = term.partition("*")
-        if not (values.startswith("[") and values.endswith("]")) or (times and not times.isdigit()):
-            raise ValueError(f"{flag}: cannot read {freq!r} (e.g. 2 or '[0]*1+[1]*3')")
-        items = [v for v in values[1:-1].split(",") if v]
-        if any(v not in ("0", "1") for v in items):
-            raise ValueError(f"{flag}: entries must be 0 or 1 (got {freq!r})")
-        pattern += [int(v) for v in items] * int(times or 1)
-    if len(pattern) != num_layers:
-        raise ValueError(
-            f"{flag} {freq!r} describes {len(pattern)} layers; --num-layers is {num_layers}"
-        )
-    return pattern

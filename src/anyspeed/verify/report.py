@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from anyspeed.argv import pop_flag, set_flag
+from anyspeed.argv import get_flag, pop_flag, set_flag
 from anyspeed.verify.grads import differs, first_difference, worst
 
 # The flags that choose a layout (flag -> takes a value): the reference leaves them out.
@@ -67,7 +67,20 @@ def command_lines(argv: Sequence[str], steps: int,
     for flag, value in {**SET_FLAGS, "--train-iters": str(steps)}.items():
         run = set_flag(run, flag, value)
     ref = drop_flags(run, LAYOUT_FLAGS) + list(reference)
+    if get_flag(reference, "--make-vocab-size-divisible-by") is None:
+        ref = same_padded_vocab(run, ref)
     return run, ref
+
+
+def same_padded_vocab(run: Sequence[str], ref: Sequence[str]) -> list[str]:
+    """``ref`` padding the vocabulary as ``run`` does: Megatron pads it to a multiple of
+    ``--make-vocab-size-divisible-by`` x TP, so at TP4 a 32,000 vocabulary is 32,256 rows."""
+    tp_flag, div_flag = "--tensor-model-parallel-size", "--make-vocab-size-divisible-by"
+    tp, tp_ref = (int(get_flag(a, tp_flag) or 1) for a in (run, ref))
+    multiple = int(get_flag(run, div_flag) or 128) * tp
+    if get_flag(run, "--padded-vocab-size") or tp == tp_ref or multiple % tp_ref:
+        return list(ref)
+    return set_flag(ref, div_flag, str(multiple // tp_ref))
 
 
 @dataclass(frozen=True)

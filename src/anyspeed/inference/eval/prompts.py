@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 from anyspeed.inference.eval.readers import LETTERS, Choice
 
 
@@ -45,21 +43,3 @@ def gsm8k_prompt(question: str, shots: list[tuple[str, str]]) -> str:
     return f"{solved}Question: {question.strip()}\nAnswer:"
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def extract_number(text: str) -> str | None:
-    """The final answer of a GSM8K completion: the number after "The answer is" (or "####"),
-    else the last number; commas and a trailing ".0" dropped."""
-    text = text.split("\n\nQuestion:")[0]
-    m = re.search(r"(?:answer is|####)\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", text, re.IGNORECASE)
-    found = m.group(1) if m else (_NUMBER.findall(text) or [None])[-1]
-    return None if found is None else normalize_number(found)
-
-
-def normalize_number(s: str) -> str:
-    """``"1,234.0"`` -> ``"1234"``: the form answers are compared in."""
-    s = s.replace(",", "").strip().rstrip(".")
-    if re.fullmatch(r"-?\d+\.0+", s):
-        s = s.split(".")[0]
-    return s

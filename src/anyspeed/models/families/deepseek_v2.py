@@ -8,7 +8,8 @@ from typing import Any
 
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families.base import Family, FamilyMapping, gate_up, tiny
-from anyspeed.models.families.moe_hf import QWEN_EXPERT, int_of, pattern_text
+from anyspeed.models.families.moe_hf import QWEN_EXPERT, int_of
+from anyspeed.models.patterns import pattern_text
 
 # What Megatron-Core's MLATransformerConfig fixes for YaRN: configs that differ are refused.
 _YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}

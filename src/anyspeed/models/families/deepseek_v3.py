@@ -10,7 +10,8 @@ from typing import Any
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import deepseek_v2
 from anyspeed.models.families.base import Family, tiny
-from anyspeed.models.families.moe_hf import int_of, pattern_text
+from anyspeed.models.families.moe_hf import int_of
+from anyspeed.models.patterns import pattern_text
 
 PRESETS = (
     ModelConfig(

@@ -7,21 +7,7 @@ from typing import Any
 
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families.base import gate_up
-from anyspeed.models.moe import layer_pattern
-
-
-def pattern_text(bits: list[int]) -> str:
-    """Megatron's ``--moe-layer-freq`` for a 0/1 layer list: ``1`` when every layer is MoE, else
-    run-length terms such as ``[0]*1+[1]*26`` (which :func:`layer_pattern` reads back)."""
-    if all(bits):
-        return "1"
-    runs: list[list[int]] = []
-    for b in bits:
-        if runs and runs[-1][0] == b:
-            runs[-1][1] += 1
-        else:
-            runs.append([b, 1])
-    return "+".join(f"[{b}]*{n}" for b, n in runs)
+from anyspeed.models.patterns import layer_pattern, pattern_text
 
 
 def int_of(config: dict[str, Any], *keys: str, default: Any = None) -> Any:

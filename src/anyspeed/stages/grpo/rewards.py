@@ -15,9 +15,20 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 
 from anyspeed.errors import UsageError
+from anyspeed.inference.eval.answers import (
+    GSM8K_STRICT,
+    LAST_NUMBER,
+    R1_FORMAT,
+    gsm8k_gold,
+    last_answer_tag,
+    last_boxed,
+    math_gold,
+    norm_gsm8k,
+    norm_math,
+    same_answer,
+)
 from anyspeed.training.task import TaskStopped
 
 # (prompts, completions, labels) -> one reward per sample
@@ -32,88 +43,6 @@ class RewardError(TaskStopped):
     names the function and the sample (index, and the first 60 chars of its completion)."""
 
 
-# --- answers and their comparison ---------------------------------------------------------------
-
-_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
-_NUMBER = re.compile(r"-?[0-9][0-9\,]*\.?[0-9]*")
-_DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)")
-_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d*)?")
-# (sign, numerator, denominator): \frac{a}{b}, \frac12, a/b
-_RATIOS = (re.compile(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}"), re.compile(r"(-?)\\frac(\d)(\d)"),
-           re.compile(r"()([^/]+)/([^/]+)"))  # fmt: skip
-_LEFT_RIGHT = re.compile(r"\\(left|right)(?![a-zA-Z])")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
-
-
-def _number(text: str) -> Fraction | None:
-    """A normalised answer as an exact number: a decimal (``-3``, ``2.50``, ``.5``), ``a/b``,
-    ``\\frac{a}{b}`` or ``\\frac12`` (a leading ``-`` allowed); None for anything else."""
-    if _DECIMAL.fullmatch(text):
-        return Fraction(text)
-    for pattern in _RATIOS:
-        if (m := pattern.fullmatch(text)) and _DECIMAL.fullmatch(m[2]) and _DECIMAL.fullmatch(m[3]):
-            value, den = Fraction(m[2]), Fraction(m[3])
-            return None if den == 0 else (-value if m[1] else value) / den
-    return None
-
-
-def _same(answer: str, gold: str) -> float:
-    """1.0 if two normalised answers are equal as strings or as numbers, else 0.0."""
-    if not answer or not gold:
-        return 0.0
-    if answer == gold:
-        return 1.0
-    a, b = _number(answer), _number(gold)
-    return 1.0 if a is not None and a == b else 0.0
-
-
-def _norm_number(text: str) -> str:
-    """A GSM8K answer normalised: stripped, commas removed, one trailing '.' removed."""
-    return text.strip().replace(",", "").removesuffix(".")
-
-
-def _norm_math(text: str) -> str:
-    """A math answer normalised: whitespace, ``\\left``/``\\right``, ``\\!``/``\\,``/``\\;``
-    and ``$`` removed, ``\\dfrac``/``\\tfrac`` read as ``\\frac``, one trailing '.' removed,
-    thousands separators (``1,000``) removed."""
-    text = _LEFT_RIGHT.sub("", text)
-    for old, new in (("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""),
-                     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac")):  # fmt: skip
-        text = text.replace(old, new)
-    text = "".join(text.split()).removesuffix(".")
-    return text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
-
-
-def _last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (nested braces balanced); None if there is none
-    or it is not closed (a truncated answer)."""
-    start = text.rfind("\\boxed{")
-    begin, depth = start + len("\\boxed{"), 1
-    for i in range(begin, len(text) if start >= 0 else 0):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i]
-    return None
-
-
-def _last_answer(text: str) -> str | None:
-    """The content of the last ``<answer>...</answer>``, or that content's last ``\\boxed{}``."""
-    found = _ANSWER.findall(text)
-    return (_last_boxed(found[-1]) or found[-1]) if found else None
-
-
-def _gsm8k_gold(label: str) -> str:
-    """The label's answer: the text after its last ``####``, else the whole label."""
-    return _norm_number(label.rsplit("####", 1)[-1])
-
-
-def _math_gold(label: str) -> str:
-    """The label's answer: the content of its last ``\\boxed{}``, else the whole label."""
-    boxed = _last_boxed(label)
-    return _norm_math(label if boxed is None else boxed)
-
-
 # --- the built-in rewards -----------------------------------------------------------------------
 
 
@@ -122,11 +51,11 @@ def _rule(
 ) -> list[float]:
     """1.0 where the answer ``extract`` finds equals the label's, both normalised (the math or
     the GSM8K way); 0.0 where they differ or there is no answer."""
-    norm, gold = (_norm_math, _math_gold) if is_math else (_norm_number, _gsm8k_gold)
+    norm, gold = (norm_math, math_gold) if is_math else (norm_gsm8k, gsm8k_gold)
     out = []
     for completion, label in zip(completions, labels, strict=True):
         answer = extract(completion)
-        out.append(0.0 if answer is None else _same(norm(answer), gold(str(label))))
+        out.append(0.0 if answer is None else same_answer(norm(answer), gold(str(label))))
     return out
 
 
@@ -138,13 +67,13 @@ def gsm8k(prompts: list[str], completions: list[str], labels: list[str]) -> list
     """GSM8K, strict (verl's rule): the answer is the number of the completion's last
     ``#### <number>``; none gives 0.0. Equal to the gold after removing commas and a trailing
     '.', or as numbers ('42.0' == '42'), gives 1.0."""
-    return _rule(completions, labels, _last_match(_GSM8K_STRICT), is_math=False)
+    return _rule(completions, labels, _last_match(GSM8K_STRICT), is_math=False)
 
 
 def gsm8k_flexible(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
     """GSM8K, flexible: the answer is the completion's last number, compared as :func:`gsm8k`
     does (for models not trained to write ``####``)."""
-    return _rule(completions, labels, _last_match(_NUMBER), is_math=False)
+    return _rule(completions, labels, _last_match(LAST_NUMBER), is_math=False)
 
 
 def boxed(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
@@ -157,19 +86,19 @@ def boxed(prompts: list[str], completions: list[str], labels: list[str]) -> list
     vs ``1/3``, units, ``\\text{}``, percentages, intervals and sets written differently all
     count as different; only ``\\boxed{`` is read (not ``\\boxed 5`` or ``\\fbox``).
     """
-    return _rule(completions, labels, _last_boxed, is_math=True)
+    return _rule(completions, labels, last_boxed, is_math=True)
 
 
 def answer_tag(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
     """The content of the completion's last ``<answer>...</answer>`` (its last ``\\boxed{}``
     if it has one) against the gold as :func:`boxed` compares them; used with ``format``."""
-    return _rule(completions, labels, _last_answer, is_math=True)
+    return _rule(completions, labels, last_answer_tag, is_math=True)
 
 
 def r1_format(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
     """The R1 format reward: 1.0 if the completion is ``<think>...</think>`` then
     ``<answer>...</answer>`` and nothing else (whitespace aside), else 0.0."""
-    return [1.0 if _FORMAT.match(c) else 0.0 for c in completions]
+    return [1.0 if R1_FORMAT.match(c) else 0.0 for c in completions]
 
 
 BUILTIN: dict[str, RewardFn] = {
