@@ -33,7 +33,7 @@ cd "$checkout"
 # (torchrun's ranks included, which outlive a killed torchrun and would load the machine).
 run_file() {
   setsid env ANYSPEED_MEGATRON_RESULTS="$2" "$PYTHON" -m torch.distributed.run --standalone \
-    --nproc-per-node "$NPROC" -m pytest -p anyspeed.testing_megatron -p no:cacheprovider -q \
+    --nproc-per-node "$NPROC" -m pytest -p anyspeed.testing.megatron -p no:cacheprovider -q \
     --timeout "$TEST_TIMEOUT" ${PYTEST_ARGS:-} "$1" > "$3" 2>&1 &
   local pid=$! waited=0 rc
   while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$FILE_TIMEOUT" ]; do
@@ -66,5 +66,5 @@ for d in "${dirs[@]}"; do
     echo "$status"
   done < <(find "tests/unit_tests/$d" -name 'test_*.py' -type f | sort)
 done
-PYTHONPATH="$here/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m anyspeed.testing_megatron_report \
+PYTHONPATH="$here/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m anyspeed.testing.megatron_report \
   "$OUT" | tee "$OUT/summary.txt"

@@ -12,7 +12,7 @@ import pytest
 
 # Keep each test process small on a 2-core machine; spawned ranks set their own thread counts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Distributed tests share their ranks (anyspeed.testing_pool): starting a rank costs seconds.
+# Distributed tests share their ranks (anyspeed.testing.pool): starting a rank costs seconds.
 os.environ.setdefault("ANYSPEED_SHARED_RANKS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ``import helpers...``
 

@@ -30,9 +30,8 @@ LAYERS = {
     "verify": 6.5,  # anyspeed verify's rank hook and gradient comparison, over training
     "stages": 6.5,  # the stage table, command line -> Run, one folder per stage family
     "commands": 7,
-    "cli": 7, "testing_pool": 7, "testing": 8,
-    "testing_megatron": 8, "testing_megatron_table": 0, "testing_megatron_report": 1,
-    "testing_megatron_groups": 7,
+    "cli": 7,
+    "testing": 8,  # what the tests and Megatron's unit tests run on: ranks, the pool, plugin
     "__main__": 7, "__init__": 7, "megatron_adaptor": 7,
     "demo": 8,  # runs other commands (preprocess, train-tokenizer, pretrain)
 }  # fmt: skip

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from anyspeed.testing_megatron_report import merged, report
-from anyspeed.testing_megatron_table import cuda_only_reason, known_skip
+from anyspeed.testing.megatron_report import merged, report
+from anyspeed.testing.megatron_table import cuda_only_reason, known_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 MLM = os.environ.get("ANYSPEED_MEGATRON_LM")

@@ -355,8 +355,8 @@ def groups_after_destroy() -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from anyspeed import testing_megatron_groups
-    from anyspeed.testing_megatron_groups import _groups
+    from anyspeed.testing import megatron_groups as testing_megatron_groups
+    from anyspeed.testing.megatron_groups import _groups
 
     plain = ps.destroy_model_parallel
     testing_megatron_groups.install()

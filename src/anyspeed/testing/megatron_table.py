@@ -1,5 +1,5 @@
 """Which of Megatron-Core's unit tests cannot run without CUDA-only code, and why: the table
-:mod:`anyspeed.testing_megatron` skips by, and the failure classes its summary uses. Each entry
+:mod:`anyspeed.testing.megatron` skips by, and the failure classes its summary uses. Each entry
 names what the test needs; ``docs/megatron-tests.md`` lists them with the counts."""
 
 from __future__ import annotations

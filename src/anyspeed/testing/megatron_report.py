@@ -1,5 +1,5 @@
 """The summary of a Megatron-Core unit-test run under anyspeed (``scripts/megatron_tests.sh``):
-``python -m anyspeed.testing_megatron_report OUT_DIR``. Per directory: passed, failed and
+``python -m anyspeed.testing.megatron_report OUT_DIR``. Per directory: passed, failed and
 skipped tests (each rank's outcomes merged: a test fails if it failed on any rank), the files
 that timed out or crashed, and every failure with its first error line and its class."""
 
@@ -10,7 +10,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from anyspeed.testing_megatron_table import explain_failure, known_skip
+from anyspeed.testing.megatron_table import explain_failure, known_skip
 
 RANK = {"passed": 0, "skipped": 1, "failed": 2}
 

@@ -1,6 +1,6 @@
 """Megatron's ``destroy_model_parallel`` forgets its process groups; under gloo they stay alive.
 
-Used by :mod:`anyspeed.testing_megatron` only: a model built before a teardown keeps using the
+Used by :mod:`anyspeed.testing.megatron` only: a model built before a teardown keeps using the
 groups it captured (Megatron 0.16 modules hold them), which anyspeed's own runs rely on when
 they build a second trainer in one process, so the one line itself leaves them alive.
 

@@ -84,9 +84,9 @@ def run_distributed(
     ``fn`` must be importable by name (a module-level function). ``argv`` is the command line
     the adaptor sees in each process (feature flags). Threads are split across the ranks.
     Under ``ANYSPEED_SHARED_RANKS=1`` the ranks of earlier calls run it, unless ``fresh``
-    (:mod:`anyspeed.testing_pool`).
+    (:mod:`anyspeed.testing.pool`).
     """
-    from anyspeed import testing_pool
+    from anyspeed.testing import pool as testing_pool
 
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)

@@ -1,14 +1,14 @@
 """A pytest plugin that runs Megatron-Core's own unit tests (Megatron-LM ``tests/unit_tests``)
 under anyspeed's one line on any device: ``torchrun --nproc-per-node 8 -m pytest -p
-anyspeed.testing_megatron FILE`` (``scripts/megatron_tests.sh`` runs it file by file).
+anyspeed.testing.megatron FILE`` (``scripts/megatron_tests.sh`` runs it file by file).
 
 What it does, and nothing else: the one line before any test imports Megatron; a Transformer
 Engine version of 0 where TE is not installed (Megatron's ``conftest.py`` asks for one); no
 download of Megatron's test dataset (no network at run time); ``torch.cuda.is_available()``
 true (``torch.cuda`` is this device under the one line); the gloo groups Megatron's
-``destroy_model_parallel`` forgets destroyed (:mod:`anyspeed.testing_megatron_groups`);
+``destroy_model_parallel`` forgets destroyed (:mod:`anyspeed.testing.megatron_groups`);
 tests that need CUDA-only packages or kernels skipped with the reason
-(:mod:`anyspeed.testing_megatron_table`); and each
+(:mod:`anyspeed.testing.megatron_table`); and each
 rank's outcomes written as JSON lines for the summary (``ANYSPEED_MEGATRON_RESULTS``).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from anyspeed.testing_megatron_table import cuda_only_reason, known_skip
+from anyspeed.testing.megatron_table import cuda_only_reason, known_skip
 
 DATASET_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
 
@@ -41,7 +41,7 @@ def _no_dataset_download() -> None:
     not fetched (its tests then fail or skip on the missing files, and say so)."""
 
     def download_and_extract_asset(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("anyspeed.testing_megatron: no network at run time")
+        raise RuntimeError("anyspeed.testing.megatron: no network at run time")
 
     mod = types.ModuleType(DATASET_MODULE)
     mod.download_and_extract_asset = download_and_extract_asset  # type: ignore[attr-defined]
@@ -57,7 +57,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: Any, args
     _te_version_shim()
     _no_dataset_download()
     _device_is_cuda()
-    from anyspeed import testing_megatron_groups
+    from anyspeed.testing import megatron_groups as testing_megatron_groups
 
     testing_megatron_groups.install()  # hundreds of set-ups per file: keep one set of groups
 
