@@ -35,9 +35,11 @@ def _features_report(argv: Sequence[str], as_json: bool) -> int:
     from anyspeed.features import report as features
 
     if "-h" in argv or "--help" in argv:
-        print("usage: anyspeed features [--json] [TRAINING FLAGS...]: every feature, its level, "
-              "flags and availability; with `anyspeed pretrain` flags also whether it is on and "
-              "the patches it applies")  # fmt: skip
+        print(
+            "usage: anyspeed features [--json] [TRAINING FLAGS...]: every feature, its level, "
+            "flags and availability; with `anyspeed pretrain` flags also whether it is on and "
+            "the patches it applies"
+        )
         return 0
     try:  # FeatureError is a UsageError
         _check_training_flags(argv)
@@ -53,12 +55,16 @@ def _models(argv: Sequence[str]) -> int:
     from anyspeed.models.presets import PRESETS
 
     if "-h" in argv or "--help" in argv:
-        print("usage: anyspeed models: every architecture preset (--model NAME), its family "
-              "and parameter count")  # fmt: skip
+        print(
+            "usage: anyspeed models: every architecture preset (--model NAME), its family "
+            "and parameter count"
+        )
         return 0
     if argv:
-        return report("anyspeed models", UsageError(f"unrecognized arguments: {' '.join(argv)} "
-                                                    "(it takes no flags)"))  # fmt: skip
+        return report(
+            "anyspeed models",
+            UsageError(f"unrecognized arguments: {' '.join(argv)} (it takes no flags)"),
+        )
     for name, p in PRESETS.items():
         print(f"{name:<16} {p.family:<8} {p.num_parameters() / 1e6:>10,.1f}M params")
     return 0

@@ -30,8 +30,17 @@ def free_port() -> int:
 def torchrun_command(nproc: int, module: str, argv: list[str]) -> list[str]:
     """torchrun (``--standalone --nproc-per-node=N -m module argv...``) through
     :func:`torchrun_main`, which turns a rank's death into one line."""
-    return [sys.executable, "-m", "anyspeed.launch", f"anyspeed {argv[0]}" if argv else module,
-            "--standalone", f"--nproc-per-node={nproc}", "-m", module, *argv]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "anyspeed.launch",
+        f"anyspeed {argv[0]}" if argv else module,
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        *argv,
+    ]
 
 
 def torchrun_main(argv: list[str]) -> int:
@@ -54,11 +63,17 @@ def torchrun_main(argv: list[str]) -> int:
             return 1
         rank = min(unsaid, key=lambda r: unsaid[r].timestamp)
         failure = unsaid[rank]
-        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
-               else f"ended with exit code {failure.exitcode}")  # fmt: skip
-        print(f"{prog}: error: rank {rank} (pid {failure.pid}) {how}; every rank has stopped "
-              "(checkpoints already written are complete)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        how = (
+            f"was killed by {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"ended with exit code {failure.exitcode}"
+        )
+        print(
+            f"{prog}: error: rank {rank} (pid {failure.pid}) {how}; every rank has stopped "
+            "(checkpoints already written are complete)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 
@@ -86,8 +101,14 @@ def reports_here() -> bool:
 
 def single_process_env() -> dict[str, str]:
     """The launcher environment of rank 0 in a world of one (a fresh local port)."""
-    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
 
 
 def _track(proc: subprocess.Popen, seen: dict[int, Any]) -> None:
@@ -154,8 +175,11 @@ def supervise(cmd: list[str], env: dict[str, str], prog: str, grace_s: float = 1
             signal.signal(s, handler)
     if got:
         name = signal.Signals(got[0]).name
-        print(f"{prog}: stopped by {name}; torchrun and every rank it started have ended",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{prog}: stopped by {name}; torchrun and every rank it started have ended",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + got[0]
     return proc.returncode
 

@@ -180,7 +180,7 @@ class Layout:
                     get("decoder_last_pipeline_num_layers"), "--decoder-last-pipeline-num-layers"
                 ),
                 get("num_layer_list"),
-            ),  # fmt: skip
+            ),
             ep=_int(get("expert_model_parallel_size", 1), "--expert-model-parallel-size"),
             etp=1  # MindSpeed's --moe-tp-extend-ep: the TP ranks widen EP instead
             if get("moe_tp_extend_ep", False)
@@ -381,16 +381,20 @@ def uneven_stages(pp: int, first: int | None, last: int | None, layer_list: Any)
     try:
         counts = [int(x) for x in str(layer_list).split(",")]
     except ValueError:
-        raise ValueError(f"--num-layer-list {layer_list!r}: give one whole number per stage, "
-                         "comma-separated (e.g. 3,5)") from None  # fmt: skip
+        raise ValueError(
+            f"--num-layer-list {layer_list!r}: give one whole number per stage, "
+            "comma-separated (e.g. 3,5)"
+        ) from None
     if len(counts) != pp or first is not None or last is not None:
         raise ValueError(
             f"--num-layer-list {layer_list!r} needs one entry per pipeline stage "
             f"({pp}) and no --decoder-first/last-pipeline-num-layers"
         )
     if pp > 2 and len(set(counts[1:-1])) > 1:
-        raise ValueError(f"--num-layer-list {layer_list!r}: the middle stages must be equal "
-                         "(Megatron-Core splits them evenly)")  # fmt: skip
+        raise ValueError(
+            f"--num-layer-list {layer_list!r}: the middle stages must be equal "
+            "(Megatron-Core splits them evenly)"
+        )
     if len(set(counts)) == 1:
         return {}
     return {"first_stage_layers": counts[0], "last_stage_layers": counts[-1]}

@@ -188,8 +188,7 @@ class PatchManager:
             for p in sorted((p for p in plist if p.kind == "wrap"), key=lambda p: (p.order, p.seq)):
                 obj = p.obj(obj)
             setattr(owner, attr, obj)
-            self._applied[target] = _Applied(owner, attr, original, installed=obj,
-                                             previous=current)  # fmt: skip
+            self._applied[target] = _Applied(owner, attr, original, installed=obj, previous=current)
             if current is not _MISSING and _is_rebindable(current):
                 replaced[id(current)] = (current, obj, target)
         if replaced:

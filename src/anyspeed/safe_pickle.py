@@ -37,30 +37,39 @@ class UnsafePickleError(ValueError):
 _DCP = "torch.distributed.checkpoint"
 # module -> names a checkpoint may use. Each is a data class, an enum, or a function that only
 # builds data from its arguments; none reaches the file system, a shell or the interpreter.
-_ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n) for m, n in {
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "bytearray", "complex", "slice"},
-    # an in-memory byte buffer: what a Megatron ShardedObject (and TE's pre-2.0 extra state)
-    # may hold, on megatron.core.safe_globals' list; its state is bytes, a position, a dict
-    "_io": {"BytesIO"},
-    "io": {"BytesIO"},
-    "argparse": {"Namespace"},
-    "types": {"SimpleNamespace"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "signal": {"Signals"},
-    "torch": {"Size", "device"},
-    "torch.serialization": {"_get_layout"},
-    f"{_DCP}.metadata": {
-        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    f"{_DCP}.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
-    f"{_DCP}.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "numpy": {"ndarray", "dtype"},
-    "numpy.core.multiarray": {"_reconstruct", "scalar"},
-    "numpy._core.multiarray": {"_reconstruct", "scalar"},
-    "megatron.core.optimizer.optimizer_config": {"OptimizerConfig"},
-}.items()}  # fmt: skip
+_ALLOWED: dict[str, frozenset[str]] = {
+    m: frozenset(n)
+    for m, n in {
+        "collections": {"OrderedDict"},
+        "builtins": {"set", "frozenset", "bytearray", "complex", "slice"},
+        # an in-memory byte buffer: what a Megatron ShardedObject (and TE's pre-2.0 extra state)
+        # may hold, on megatron.core.safe_globals' list; its state is bytes, a position, a dict
+        "_io": {"BytesIO"},
+        "io": {"BytesIO"},
+        "argparse": {"Namespace"},
+        "types": {"SimpleNamespace"},
+        "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+        "signal": {"Signals"},
+        "torch": {"Size", "device"},
+        "torch.serialization": {"_get_layout"},
+        f"{_DCP}.metadata": {
+            "Metadata",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        },
+        f"{_DCP}.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+        f"{_DCP}.filesystem": {"_StorageInfo", "_StoragePrefix"},
+        "numpy": {"ndarray", "dtype"},
+        "numpy.core.multiarray": {"_reconstruct", "scalar"},
+        "numpy._core.multiarray": {"_reconstruct", "scalar"},
+        "megatron.core.optimizer.optimizer_config": {"OptimizerConfig"},
+    }.items()
+}
 
 
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None):
@@ -91,9 +100,13 @@ def _encode(text: str, encoding: str = "utf-8") -> bytes:
 
 
 # Megatron modules whose enums Megatron-LM stores in ``args`` (imported to read them).
-_MEGATRON_ENUM_MODULES = frozenset({
-    "megatron.core.enums", "megatron.core.transformer.enums", "megatron.core.rerun_state_machine",
-})  # fmt: skip
+_MEGATRON_ENUM_MODULES = frozenset(
+    {
+        "megatron.core.enums",
+        "megatron.core.transformer.enums",
+        "megatron.core.rerun_state_machine",
+    }
+)
 
 _CHECKED: dict[tuple[str, str], Callable[..., Any]] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
@@ -185,8 +198,10 @@ class Unpickler(pickle._Unpickler):
 
 _WHY = "a checkpoint holds plain data only; this file was not written by Megatron or anyspeed"
 # The two forms of the message, found again in the text of an error that wraps one.
-_MESSAGE = re.compile(r"\S+: (refusing [^\n]*? \(" + _WHY + r"[^)\n]*\)|"
-                      r"not a readable checkpoint pickle \([^\n]*)")  # fmt: skip
+_MESSAGE = re.compile(
+    r"\S+: (refusing [^\n]*? \(" + _WHY + r"[^)\n]*\)|"
+    r"not a readable checkpoint pickle \([^\n]*)"
+)
 
 
 def refusal(what: str, exc: BaseException) -> UnsafePickleError:
@@ -250,12 +265,20 @@ def load_torch(
 
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
-    name = what or (os.fspath(source) if isinstance(source, (str, os.PathLike)) else
-                    str(getattr(source, "name", "checkpoint data")))  # fmt: skip
+    name = what or (
+        os.fspath(source)
+        if isinstance(source, (str, os.PathLike))
+        else str(getattr(source, "name", "checkpoint data"))
+    )
     load_fn = getattr(torch.load, "__wrapped__", torch.load)  # torch's own, not a wrapper
     try:
-        return load_fn(source, map_location=map_location, pickle_module=sys.modules[__name__],
-                       weights_only=False, mmap=mmap)  # fmt: skip
+        return load_fn(
+            source,
+            map_location=map_location,
+            pickle_module=sys.modules[__name__],
+            weights_only=False,
+            mmap=mmap,
+        )
     except UnsafePickleError as exc:
         raise UnsafePickleError(f"{name}: {str(exc).split(': ', 1)[-1]}") from None
     except FileNotFoundError:

@@ -55,9 +55,9 @@ def _read_only(directory: str) -> Iterator[None]:
 
 def _armed(kind: str, rank: int, at_save: int, save_dir: str):  # noqa: ANN202
     """A wrapper of ``save_checkpoint`` that arms the fault around save number ``at_save``."""
-    from anyspeed.checkpoint import save_load
+    from anyspeed.checkpoint import save as save_module
 
-    real, count = save_load.save_checkpoint, [0]
+    real, count = save_module.save_checkpoint, [0]
 
     def save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         count[0] += 1
@@ -68,7 +68,7 @@ def _armed(kind: str, rank: int, at_save: int, save_dir: str):  # noqa: ANN202
         with fault:
             return real(*args, **kwargs)
 
-    return mock.patch.object(save_load, "save_checkpoint", save)
+    return mock.patch.object(save_module, "save_checkpoint", save)
 
 
 def _break_rng(source: str, load_dir: str, rank: int) -> None:

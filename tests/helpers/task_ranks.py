@@ -91,7 +91,7 @@ def interface(tp: int, pp: int, ckpt_dir: str) -> dict:
     if last:
         out["logprob_diff"] = max(_max_diff(g, r) for g, r in zip(got, before, strict=True))
         out["real_vocab_diff"] = max(_max_diff(g, r) for g, r in zip(got_real, real, strict=True))
-    from anyspeed.checkpoint.save_load import save_checkpoint
+    from anyspeed.checkpoint.save import save_checkpoint
 
     save_checkpoint(ckpt_dir, 1, t.model, None, None, {}, save_rng=False)
     t.frozen = build_frozen(t, {"reference": FrozenModel(load=ckpt_dir)})  # the real load path

@@ -54,11 +54,13 @@ def test_the_reference_pads_the_vocabulary_as_the_layout():
     _, ref = command_lines([*user, "--make-vocab-size-divisible-by=64"], 1,
                            ["--tensor-model-parallel-size", "2"])  # fmt: skip
     assert "--make-vocab-size-divisible-by=128" in ref
+    assert ref[-2:] == ["--tensor-model-parallel-size", "2"]  # the reference's own flags last
     for kept, extra in (([*user, "--padded-vocab-size", "32000"], []),
                         (user, ["--make-vocab-size-divisible-by", "8"]),
                         (user[2:], [])):  # fmt: skip
         _, ref = command_lines(kept, 1, extra)
         assert ref.count("--make-vocab-size-divisible-by") == len(extra) // 2
+        assert ref[len(ref) - len(extra):] == extra
 
 
 def test_split_needs_the_training_command():

@@ -11,8 +11,9 @@
 * :mod:`.record` -- the one model record (``anyspeed_model``) every writer stores and every
   reader (convert, generate/evaluate, LoRA merge) takes the architecture from
   (Megatron-LM's ``args``: :mod:`.megatron_lm_args`).
-* :mod:`.save_load` -- atomic training saves and loads at any layout (:mod:`.rng`,
-  :mod:`.optimizer_groups`), and :func:`.save_load.load_weights` for inference.
+* :mod:`.save` / :mod:`.load` -- atomic training saves, and loads at any layout (what both
+  share: :mod:`.state`; :mod:`.rng`, :mod:`.optimizer_groups`), and :func:`.load.load_weights`
+  for inference.
 
 Nothing is imported here: ``anyspeed.checkpoint.files`` stays a standard-library import.
 """

@@ -70,8 +70,9 @@ def verify(it_dir: str) -> tuple[Any, dict[str, Any]]:
     return meta, read_common(it_dir)
 
 
-def check_load(load_dir: str, layout: Layout, dp: int, *, finetune: bool = False,
-               load_rng: bool = True) -> None:  # fmt: skip
+def check_load(
+    load_dir: str, layout: Layout, dp: int, *, finetune: bool = False, load_rng: bool = True
+) -> None:
     """Every file the load of ``load_dir`` reads is there, whole and readable (one
     CheckpointFileError line otherwise). The RNG files (restored only at the saved ``layout``
     and ``dp`` size, without ``finetune``) are read once, by the launcher or a lone process:
@@ -114,8 +115,9 @@ def _dim(shapes: dict[str, tuple[int, ...]], key: str, i: int) -> int | None:
     return shape[i] if shape is not None and -len(shape) <= i < len(shape) else None
 
 
-def _differences(cfg: ModelConfig,
-                 shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, Any, Any]]:  # fmt: skip
+def _differences(
+    cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]
+) -> list[tuple[str, Any, Any]]:
     """(flag, this run's value, the checkpoint's value) for each architecture flag the
     checkpoint's global shapes contradict, in the flag table's order."""
     attn = _LAYER + "self_attention."
@@ -142,23 +144,38 @@ def _differences(cfg: ModelConfig,
         ("--disable-bias-linear", not cfg.add_bias_linear, attn + "linear_proj.bias" not in shapes),
         ("--add-qkv-bias", cfg.add_qkv_bias or cfg.add_bias_linear, qkv + ".bias" in shapes),
         ("--qk-layernorm", cfg.qk_layernorm, attn + "q_layernorm.weight" in shapes),
-        ("--untie-embeddings-and-output-weights", not cfg.tie_embeddings,
-         None if "output_layer.score.weight" in shapes  # a reward model: no vocab projection
-         else "output_layer.weight" in shapes),
+        (
+            "--untie-embeddings-and-output-weights",
+            not cfg.tie_embeddings,
+            None
+            if "output_layer.score.weight" in shapes  # a reward model: no vocab projection
+            else "output_layer.weight" in shapes,
+        ),
         ("--padded-vocab-size", cfg.vocab_size, _dim(shapes, emb, 0)),
-        ("--num-experts", cfg.num_experts or 0,
-         _dim(shapes, experts, 1) if experts in shapes else 0 if fc2 in shapes else None),
-        ("--moe-ffn-hidden-size", cfg.expert_ffn_size if cfg.is_moe else None,
-         _dim(shapes, experts, 3)),
-    ]  # fmt: skip
-    return [(flag, ours, theirs) for flag, ours, theirs in checks
-            if theirs is not None and ours != theirs]  # fmt: skip
+        (
+            "--num-experts",
+            cfg.num_experts or 0,
+            _dim(shapes, experts, 1) if experts in shapes else 0 if fc2 in shapes else None,
+        ),
+        (
+            "--moe-ffn-hidden-size",
+            cfg.expert_ffn_size if cfg.is_moe else None,
+            _dim(shapes, experts, 3),
+        ),
+    ]
+    return [
+        (flag, ours, theirs)
+        for flag, ours, theirs in checks
+        if theirs is not None and ours != theirs
+    ]
 
 
 def _say(flag: str, ours: Any, theirs: Any) -> str:
     if isinstance(ours, bool):
-        return (f"the checkpoint was saved {'with' if theirs else 'without'} {flag}, this run "
-                f"is {'with' if ours else 'without'} it")  # fmt: skip
+        return (
+            f"the checkpoint was saved {'with' if theirs else 'without'} {flag}, this run "
+            f"is {'with' if ours else 'without'} it"
+        )
     return f"the checkpoint has {flag} {theirs}, this run has {ours}"
 
 

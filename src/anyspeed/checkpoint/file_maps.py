@@ -59,8 +59,11 @@ def address(buf: Any) -> tuple[int, int]:
 def file_range(buf: Any) -> tuple[str, int] | None:
     """(path, file offset) when ``buf``'s bytes are those of a region mapped by :func:`map_file`."""
     addr, size = address(buf)
-    hits = [(p, base + addr - s) for s, e, p, base in _regions.copy().values()
-            if s <= addr and addr + size <= e]  # fmt: skip
+    hits = [
+        (p, base + addr - s)
+        for s, e, p, base in _regions.copy().values()
+        if s <= addr and addr + size <= e
+    ]
     return hits[0] if len(hits) == 1 else None
 
 

@@ -19,9 +19,22 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["LOCK", "RELEASE", "TRACKER", "DirectoryInUse", "iteration_dir", "legacy_ranks",
-           "lock_dir", "lock_holder", "pid_alive", "rank_dir_name", "read_tracker",
-           "remove_stale", "unlock_dir", "write_tracker"]  # fmt: skip
+__all__ = [
+    "LOCK",
+    "RELEASE",
+    "TRACKER",
+    "DirectoryInUse",
+    "iteration_dir",
+    "legacy_ranks",
+    "lock_dir",
+    "lock_holder",
+    "pid_alive",
+    "rank_dir_name",
+    "read_tracker",
+    "remove_stale",
+    "unlock_dir",
+    "write_tracker",
+]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -174,8 +187,10 @@ def lock_dir(root: str | os.PathLike[str]) -> int:
     except OSError:
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise DirectoryInUse(f"{os.fspath(root)} is in use by another run (pid {text or '?'}); "
-                             "wait for it to end or save elsewhere") from None  # fmt: skip
+        raise DirectoryInUse(
+            f"{os.fspath(root)} is in use by another run (pid {text or '?'}); "
+            "wait for it to end or save elsewhere"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _HELD[os.path.realpath(os.fspath(root))] = fd
@@ -200,8 +215,9 @@ def rank_dir_name(t: int, s: int, x: int, pp: int, ep: int) -> str:
     return f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (f"_{x:03d}" if ep > 1 else "")
 
 
-def legacy_ranks(it_dir: str | os.PathLike[str],
-                 expert_parallel: bool) -> dict[tuple[int, int, int], Path]:  # fmt: skip
+def legacy_ranks(
+    it_dir: str | os.PathLike[str], expert_parallel: bool
+) -> dict[tuple[int, int, int], Path]:
     """(tp, pp, ep) rank -> file. ``mp_rank_TT_NNN`` is a pipeline stage unless the checkpoint
     was saved with expert parallelism and no pipeline (Megatron-LM writes both alike)."""
     ranks = {}

@@ -41,8 +41,12 @@ MODEL_TYPE_HF = {
 }
 
 # What every supported HF family is: Megatron-LM argument -> the value it must have.
-_REQUIRED = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
-             "add_bias_linear": False}  # fmt: skip
+_REQUIRED = {
+    "position_embedding_type": "rope",
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "add_bias_linear": False,
+}
 
 
 def family_for(model_type_hf: str) -> str:
@@ -88,11 +92,14 @@ def megatron_lm_model(
 def check_family(model: ModelConfig, where: str | Path, model_type_hf: str | None) -> ModelConfig:
     """``model`` when its family's traits (QKV bias, QK norm) match it, else ModelRecordError."""
     if model_type_hf and family_for(model_type_hf) != model.family:
-        raise ModelRecordError(f"--model-type-hf {model_type_hf}: {where} holds a {model.family} "
-                           "model")  # fmt: skip
+        raise ModelRecordError(
+            f"--model-type-hf {model_type_hf}: {where} holds a {model.family} model"
+        )
     traits = FAMILIES[model.family]
-    for have, want, arg in ((model.add_qkv_bias, traits.qkv_bias, "add_qkv_bias"),
-                            (model.qk_layernorm, traits.qk_norm, "qk_layernorm")):  # fmt: skip
+    for have, want, arg in (
+        (model.add_qkv_bias, traits.qkv_bias, "add_qkv_bias"),
+        (model.qk_layernorm, traits.qk_norm, "qk_layernorm"),
+    ):
         if have != want:
             raise ModelRecordError(
                 f"{where}: {model.family} models have {arg}={want}, the checkpoint's args "

@@ -28,8 +28,7 @@ def _all_groups(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every saved param group, plus each with ``is_expert_parallel`` flipped: a group of
     expert parameters at EP2 is an ordinary group at EP1 (same hyper-parameters and step)."""
     groups = [g for e in entries for g in e.get("optimizer", {}).get("param_groups", [])]
-    flipped = [{**g, "is_expert_parallel": not g.get("is_expert_parallel", False)}
-               for g in groups]  # fmt: skip
+    flipped = [{**g, "is_expert_parallel": not g.get("is_expert_parallel", False)} for g in groups]
     return groups + flipped
 
 

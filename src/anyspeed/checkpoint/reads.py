@@ -98,8 +98,11 @@ def read_common(path: str | os.PathLike[str]) -> dict[str, Any]:
         if file is None:
             raise CheckpointFileError(f"{it_dir}: no mp_rank_00 rank file")
         common = torch_load(file)
-        common = {k: v for k, v in common.items() if k != "model"} if isinstance(common, dict) \
-            else common  # fmt: skip
+        common = (
+            {k: v for k, v in common.items() if k != "model"}
+            if isinstance(common, dict)
+            else common
+        )
     if not isinstance(common, dict):
         raise CheckpointFileError(f"{file}: not a checkpoint's common state")
     return common

@@ -27,9 +27,13 @@ def model_record(model: ModelConfig) -> dict[str, Any]:
     return {MODEL_KEY: model.to_dict()}
 
 
-def model_in_common(common: dict[str, Any], where: str | os.PathLike[str],
-                    model_type_hf: str | None = None, *,
-                    as_hf: bool = True) -> ModelConfig | None:  # fmt: skip
+def model_in_common(
+    common: dict[str, Any],
+    where: str | os.PathLike[str],
+    model_type_hf: str | None = None,
+    *,
+    as_hf: bool = True,
+) -> ModelConfig | None:
     """The model a checkpoint's common state records (``model_type_hf`` picks or checks the
     family); None when it holds no record. An unreadable record is a ModelRecordError, and so
     is, with ``as_hf`` (conversion), an anyspeed model its HF family's traits contradict

@@ -24,8 +24,11 @@ def _read_turn() -> str | None:
                 line = raw.decode("utf-8")
                 break
             except UnicodeDecodeError as exc:
-                print(f"(stdin: that line is not UTF-8 text, byte 0x{raw[exc.start]:02x} at "
-                      f"offset {exc.start}; type it again)", flush=True)  # fmt: skip
+                print(
+                    f"(stdin: that line is not UTF-8 text, byte 0x{raw[exc.start]:02x} at "
+                    f"offset {exc.start}; type it again)",
+                    flush=True,
+                )
         box[0] = None if not line or line.strip() in ("exit", "quit") else line.rstrip("\n")
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
@@ -74,12 +77,15 @@ def chat(args: argparse.Namespace, model: list, tok: Any) -> None:
         out = generate(model, [ids], req, on_tokens=_Stream(tok, req.eos_ids))[0]
         if int(os.environ.get("RANK", "0")) == 0:
             print(flush=True)
-        history += [{"role": "user", "content": line},
-                    {"role": "assistant", "content": text_of(tok, out, req.eos_ids)}]  # fmt: skip
+        history += [
+            {"role": "user", "content": line},
+            {"role": "assistant", "content": text_of(tok, out, req.eos_ids)},
+        ]
 
 
-def _fit(args: argparse.Namespace, tok: Any, history: list[dict], line: str,
-         special: bool) -> tuple[list[dict], list[int] | None]:  # fmt: skip
+def _fit(
+    args: argparse.Namespace, tok: Any, history: list[dict], line: str, special: bool
+) -> tuple[list[dict], list[int] | None]:
     """The history kept (the last ``--history-turns`` exchanges, the oldest dropped until the
     new turn fits the context) and the prompt's ids; None when the turn alone does not fit."""
     from anyspeed.commands.prompting import render
@@ -92,7 +98,9 @@ def _fit(args: argparse.Namespace, tok: Any, history: list[dict], line: str,
             return keep, ids
         if not keep:
             if int(os.environ.get("RANK", "0")) == 0:
-                print(f"(this turn is {len(ids)} tokens, over the context of "
-                      f"{args.max_length} (--max-length); say it shorter)")  # fmt: skip
+                print(
+                    f"(this turn is {len(ids)} tokens, over the context of "
+                    f"{args.max_length} (--max-length); say it shorter)"
+                )
             return keep, None
         keep = keep[2:]  # drop the oldest exchange

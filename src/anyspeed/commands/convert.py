@@ -40,14 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--target-expert-parallel-size", type=int, default=1,
-                   help="expert-parallel ranks of the legacy layout (torch_dist: any)")  # fmt: skip
+    p.add_argument(
+        "--target-expert-parallel-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks of the legacy layout (torch_dist: any)",
+    )
     p.add_argument("--ckpt-format", choices=["torch_dist", "legacy"], default="torch_dist")
-    p.add_argument("--num-layer-list", default=None,
-                   help="layers per pipeline stage, comma-separated (legacy)")  # fmt: skip
-    p.add_argument("--mtp-num-layers", type=int, default=None,
-                   help="multi-token prediction layers to convert (hf -> mg; default: every one "
-                   "the checkpoint holds; 0 leaves them out)")  # fmt: skip
+    p.add_argument(
+        "--num-layer-list", default=None, help="layers per pipeline stage, comma-separated (legacy)"
+    )
+    p.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        help="multi-token prediction layers to convert (hf -> mg; default: every one "
+        "the checkpoint holds; 0 leaves them out)",
+    )
     p.add_argument(
         "--hf-cfg-dir",
         help="HF directory whose config.json and tokenizer files "
@@ -248,8 +257,13 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
         said = describe_save_failure(where, exc)  # the OS error, or a 1 MiB probe write's
         if not isinstance(root_cause(exc), OSError) and not said.startswith("[Errno"):
             raise  # not a file error: a bug to see whole
-        return report(PROG, UsageError(f"could not write --save-dir {args.save_dir}: {said}; "
-                                       "nothing was kept there"), code=1)  # fmt: skip
+        return report(
+            PROG,
+            UsageError(
+                f"could not write --save-dir {args.save_dir}: {said}; nothing was kept there"
+            ),
+            code=1,
+        )
     return 0
 
 
@@ -260,7 +274,6 @@ def _lora(args: argparse.Namespace) -> dict:
         "alpha": args.lora_alpha,
         "target_modules": args.lora_target_modules,
     }
-
 
 
 def _llava(args: argparse.Namespace, direction: tuple[str, str]) -> tuple[str | None, str]:
@@ -278,16 +291,23 @@ def _llava(args: argparse.Namespace, direction: tuple[str, str]) -> tuple[str | 
     ]
     for flag, given in unsupported:
         if given:
-            raise ConvertError(f"{flag}: not supported for LLaVA models (saved as torch_dist, "
-                               "which loads at any TP and PP)")  # fmt: skip
+            raise ConvertError(
+                f"{flag}: not supported for LLaVA models (saved as torch_dist, "
+                "which loads at any TP and PP)"
+            )
     if direction == ("hf", "mg"):
-        api.hf_to_megatron(args.load_dir, args.save_dir, tp=args.target_tensor_parallel_size,
-                           ckpt_format=args.ckpt_format,
-                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                           params_dtype=args.params_dtype)  # fmt: skip
+        api.hf_to_megatron(
+            args.load_dir,
+            args.save_dir,
+            tp=args.target_tensor_parallel_size,
+            ckpt_format=args.ckpt_format,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            params_dtype=args.params_dtype,
+        )
         return args.load_dir, args.save_dir
-    api.megatron_to_hf(args.load_dir, args.save_dir, args.hf_cfg_dir,
-                       max_shard_size=args.max_shard_size)  # fmt: skip
+    api.megatron_to_hf(
+        args.load_dir, args.save_dir, args.hf_cfg_dir, max_shard_size=args.max_shard_size
+    )
     return args.save_dir, args.load_dir
 
 

@@ -29,8 +29,9 @@ class Prepared:
     extra: list[Any] = field(default_factory=list)  # HumanEval problems
 
 
-def _wrap(args: argparse.Namespace, tok: Any, texts: list[str],
-          chat: bool | None = None) -> list[list[int]]:  # fmt: skip
+def _wrap(
+    args: argparse.Namespace, tok: Any, texts: list[str], chat: bool | None = None
+) -> list[list[int]]:
     """Token ids of ``texts``, as a chat user turn unless --no-chat-template (or none), or
     ``chat`` says otherwise."""
     chat = args.use_chat if chat is None else chat
@@ -47,8 +48,10 @@ def _shots(dev: dict, subject: str, n: int) -> list:
     """The first ``n`` dev questions of ``subject`` (an error when it has none)."""
     shots = dev.get(subject, [])[:n]
     if n and not shots:
-        raise UsageError(f"--num-fewshot {n}: no dev questions for {subject!r} (add its dev "
-                         "CSV or pass --num-fewshot 0)")  # fmt: skip
+        raise UsageError(
+            f"--num-fewshot {n}: no dev questions for {subject!r} (add its dev "
+            "CSV or pass --num-fewshot 0)"
+        )
     return shots
 
 
@@ -68,8 +71,14 @@ def _prepare_choices(args: argparse.Namespace, tok: Any) -> Prepared:
     return _limit(args, out, texts, tok)
 
 
-def _limit(args: argparse.Namespace, out: Prepared, texts: list[str], tok: Any,
-           per_task: bool = False, chat: bool | None = None) -> Prepared:  # fmt: skip
+def _limit(
+    args: argparse.Namespace,
+    out: Prepared,
+    texts: list[str],
+    tok: Any,
+    per_task: bool = False,
+    chat: bool | None = None,
+) -> Prepared:
     """The first --max-eval-samples items (all when ``per_task``: already cut per task),
     tokenized; a prompt over the context is an error."""
     n = len(texts) if per_task else args.max_eval_samples or len(texts)
@@ -77,8 +86,10 @@ def _limit(args: argparse.Namespace, out: Prepared, texts: list[str], tok: Any,
     out.prompts = _wrap(args, tok, texts[:n], chat)
     for ids in out.prompts:
         if len(ids) >= args.max_length:
-            raise UsageError(f"a {args.task} prompt is {len(ids)} tokens, over the context of "
-                             f"{args.max_length} (--max-length; fewer --num-fewshot)")  # fmt: skip
+            raise UsageError(
+                f"a {args.task} prompt is {len(ids)} tokens, over the context of "
+                f"{args.max_length} (--max-length; fewer --num-fewshot)"
+            )
     return out
 
 
@@ -104,13 +115,14 @@ def _prepare_likelihood(args: argparse.Namespace, tok: Any) -> Prepared:
     n = args.max_eval_samples or len(texts)
     out.answers, out.groups = out.answers[:n], out.groups[:n]
     out.prompts = tok.encode(texts[:n], special=True)
-    out.extra = [tok.encode([" " + o.strip() for o in opts], special=False)
-                 for opts in options[:n]]  # fmt: skip
+    out.extra = [tok.encode([" " + o.strip() for o in opts], special=False) for opts in options[:n]]
     for ctx, conts in zip(out.prompts, out.extra, strict=True):
         if len(ctx) + max(len(c) for c in conts) > args.max_length:
-            raise UsageError(f"a {args.task} item is {len(ctx) + max(map(len, conts))} tokens, "
-                             f"over the context of {args.max_length} (--max-length; fewer "
-                             "--num-fewshot)")  # fmt: skip
+            raise UsageError(
+                f"a {args.task} item is {len(ctx) + max(map(len, conts))} tokens, "
+                f"over the context of {args.max_length} (--max-length; fewer "
+                "--num-fewshot)"
+            )
     return out
 
 
@@ -123,8 +135,10 @@ def _prepare_needle(args: argparse.Namespace, tok: Any) -> Prepared:
     top = args.max_length - args.max_new_tokens - 16  # chat-template turns fit too
     lengths = args.needle_lengths or [top * i // 4 for i in range(1, 5)]
     if max(lengths) > top:
-        raise UsageError(f"--needle-lengths {max(lengths)}: over the {top} tokens the context "
-                         f"leaves (--max-length {args.max_length} - --max-new-tokens)")  # fmt: skip
+        raise UsageError(
+            f"--needle-lengths {max(lengths)}: over the {top} tokens the context "
+            f"leaves (--max-length {args.max_length} - --max-new-tokens)"
+        )
 
     def encode(text: str) -> list[int]:
         return tok.encode([text], special=False)[0]
@@ -132,21 +146,31 @@ def _prepare_needle(args: argparse.Namespace, tok: Any) -> Prepared:
     hay = {s.name: encode(s.text[: 8 * max(lengths)] + "\n") for s in stacks}  # ~4 chars/token
     out, texts = Prepared(), []
     for stack, nd, length, depth in N.needle_items(needles, stacks, lengths, args.needle_depths):
-        texts.append(N.build_prompt(hay[stack.name], nd, length, depth, lambda t: len(encode(t)),
-                                    lambda ids: decode(tok, ids)))  # fmt: skip
+        texts.append(
+            N.build_prompt(
+                hay[stack.name],
+                nd,
+                length,
+                depth,
+                lambda t: len(encode(t)),
+                lambda ids: decode(tok, ids),
+            )
+        )
         out.answers.append(nd)
         out.groups.append(f"{stack.name} {length} tokens")
         out.extra.append(depth)
     return _limit(args, out, texts, tok)
 
 
-def _run_likelihood(args: argparse.Namespace, prep: Prepared, model: list,
-                    tok: Any) -> dict[str, Any]:  # fmt: skip
+def _run_likelihood(
+    args: argparse.Namespace, prep: Prepared, model: list, tok: Any
+) -> dict[str, Any]:
     from anyspeed.inference.eval.scoring import continuation_logprobs
 
     pairs = [(ctx, c) for ctx, conts in zip(prep.prompts, prep.extra, strict=True) for c in conts]
-    scores = continuation_logprobs(model, pairs, args.evaluation_batch_size, tok.pad_id or 0,
-                                   tok.vocab_size)  # fmt: skip
+    scores = continuation_logprobs(
+        model, pairs, args.evaluation_batch_size, tok.pad_id or 0, tok.vocab_size
+    )
     picks, i = [], 0
     for conts in prep.extra:
         mean = [total / max(count, 1) for total, count in scores[i : i + len(conts)]]
@@ -174,8 +198,9 @@ def _prepare_gsm8k(args: argparse.Namespace, tok: Any) -> Prepared:
 
 def _prepare_humaneval(args: argparse.Namespace, tok: Any) -> Prepared:
     problems = R.read_humaneval(args.task_data_path)
-    out = Prepared(answers=[None] * len(problems), groups=["human_eval"] * len(problems),
-                   extra=problems)  # fmt: skip
+    out = Prepared(
+        answers=[None] * len(problems), groups=["human_eval"] * len(problems), extra=problems
+    )
     # code continues the prompt verbatim: never a chat turn
     return _limit(args, out, [p["prompt"] for p in problems], tok, chat=False)
 
@@ -222,16 +247,26 @@ def _prepare_exams(args: argparse.Namespace, tok: Any) -> Prepared:
             out.answers.append(item)
             out.groups.append(task)
     if not texts:
-        raise UsageError(f"--task {args.task}: no question left to score after "
-                         f"--num-fewshot {args.num_fewshot}")  # fmt: skip
+        raise UsageError(
+            f"--task {args.task}: no question left to score after --num-fewshot {args.num_fewshot}"
+        )
     return _limit(args, out, texts, tok, per_task=True)
 
 
-PREPARE = {"mmlu": _prepare_choices, "cmmlu": _prepare_choices, "ceval": _prepare_choices,
-           "boolq": _prepare_boolq, "gsm8k": _prepare_gsm8k, "human_eval": _prepare_humaneval,
-           "ppl": _prepare_ppl, "bbh": _prepare_exams, "agieval": _prepare_exams,
-           "mmlu_ppl": _prepare_likelihood, "hellaswag": _prepare_likelihood,
-           "needlebench": _prepare_needle}  # fmt: skip
+PREPARE = {
+    "mmlu": _prepare_choices,
+    "cmmlu": _prepare_choices,
+    "ceval": _prepare_choices,
+    "boolq": _prepare_boolq,
+    "gsm8k": _prepare_gsm8k,
+    "human_eval": _prepare_humaneval,
+    "ppl": _prepare_ppl,
+    "bbh": _prepare_exams,
+    "agieval": _prepare_exams,
+    "mmlu_ppl": _prepare_likelihood,
+    "hellaswag": _prepare_likelihood,
+    "needlebench": _prepare_needle,
+}
 FEWSHOT = {
     "mmlu": 5,
     "cmmlu": 5,
@@ -241,8 +276,13 @@ FEWSHOT = {
 }  # default --num-fewshot (else 0)
 NEW_TOKENS = {"bbh": 32, "agieval": 32, "needlebench": 64}  # default --max-new-tokens (or 256)
 # Where a generated answer is over: the next few-shot question, or the next top-level code
-STOPS = {"gsm8k": ("\n\nQuestion:",), "bbh": ("\n\nQ:",), "agieval": ("\n\n",),
-         "needlebench": ("\n\n",), "human_eval": STOP_CODE}  # fmt: skip
+STOPS = {
+    "gsm8k": ("\n\nQuestion:",),
+    "bbh": ("\n\nQ:",),
+    "agieval": ("\n\n",),
+    "needlebench": ("\n\n",),
+    "human_eval": STOP_CODE,
+}
 
 
 def accuracy_table(groups: list[str], correct: list[bool]) -> dict[str, Any]:
@@ -253,9 +293,14 @@ def accuracy_table(groups: list[str], correct: list[bool]) -> dict[str, Any]:
         per[g][0] += int(ok)
         per[g][1] += 1
     total = sum(c for c, _ in per.values()), sum(n for _, n in per.values())
-    return {"accuracy": total[0] / max(total[1], 1), "correct": total[0], "total": total[1],
-            "groups": {g: {"accuracy": c / n, "correct": c, "total": n}
-                       for g, (c, n) in sorted(per.items())}}  # fmt: skip
+    return {
+        "accuracy": total[0] / max(total[1], 1),
+        "correct": total[0],
+        "total": total[1],
+        "groups": {
+            g: {"accuracy": c / n, "correct": c, "total": n} for g, (c, n) in sorted(per.items())
+        },
+    }
 
 
 def run(args: argparse.Namespace, prep: Prepared, model: list, tok: Any) -> dict[str, Any]:
@@ -265,31 +310,38 @@ def run(args: argparse.Namespace, prep: Prepared, model: list, tok: Any) -> dict
         from anyspeed.inference.eval.scoring import sequence_nll
 
         nll, count = sequence_nll(model, prep.prompts, bs, tok.pad_id or 0)
-        return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count,
-                "tokens": count}  # fmt: skip
+        return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count, "tokens": count}
     if args.task in ("mmlu_ppl", "hellaswag"):
         return _run_likelihood(args, prep, model, tok)
     if prep.candidates:
         from anyspeed.inference.eval.scoring import model_next_logits, pick_choices
 
-        picks = pick_choices(model_next_logits(model, tok.pad_id or 0), prep.prompts,
-                             prep.candidates, bs)  # fmt: skip
+        picks = pick_choices(
+            model_next_logits(model, tok.pad_id or 0), prep.prompts, prep.candidates, bs
+        )
         hits = [p == a for p, a in zip(picks, prep.answers, strict=True)]
         res = accuracy_table(prep.groups, hits)
         return dict(res, picks=picks)
     return _run_generation(args, prep, model, tok)
 
 
-def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
-                    tok: Any) -> dict[str, Any]:  # fmt: skip
+def _run_generation(
+    args: argparse.Namespace, prep: Prepared, model: list, tok: Any
+) -> dict[str, Any]:
     from anyspeed.commands.prompting import end_ids, text_of
     from anyspeed.inference.decode import Request, generate
     from anyspeed.inference.generate import decode
 
     eos = end_ids(tok)
-    req = Request(args.max_new_tokens, eos_ids=eos, pad_id=tok.pad_id or 0,
-                  max_length=args.max_length, vocab_size=tok.vocab_size,
-                  stop=STOPS[args.task], detokenize=lambda ids: decode(tok, ids))  # fmt: skip
+    req = Request(
+        args.max_new_tokens,
+        eos_ids=eos,
+        pad_id=tok.pad_id or 0,
+        max_length=args.max_length,
+        vocab_size=tok.vocab_size,
+        stop=STOPS[args.task],
+        detokenize=lambda ids: decode(tok, ids),
+    )
     texts = []
     for start in range(0, len(prep.prompts), args.evaluation_batch_size):
         chunk = prep.prompts[start : start + args.evaluation_batch_size]
@@ -301,8 +353,11 @@ def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
     if args.task in ("bbh", "agieval", "needlebench"):
         from anyspeed.inference.eval.needle import found
 
-        checks: dict[str, Any] = {"bbh": lambda t, e: X.bbh_correct(t, e.target),
-                                  "agieval": X.agieval_correct, "needlebench": found}  # fmt: skip
+        checks: dict[str, Any] = {
+            "bbh": lambda t, e: X.bbh_correct(t, e.target),
+            "agieval": X.agieval_correct,
+            "needlebench": found,
+        }
         hits = [checks[args.task](t, e) for t, e in zip(texts, prep.answers, strict=True)]
         res = dict(accuracy_table(prep.groups, hits), predictions=texts)
         return dict(res, depths=prep.extra) if args.task == "needlebench" else res
@@ -311,8 +366,11 @@ def _run_generation(args: argparse.Namespace, prep: Prepared, model: list,
     completions = [truncate_code(t) for t in texts]
     outcomes = check_completions(prep.extra, completions, timeout=args.execution_timeout)
     res = accuracy_table(prep.groups, [o.passed for o in outcomes])
-    return dict(res, pass_at_1=res["accuracy"],
-                failures={o.task_id: o.reason for o in outcomes if not o.passed})  # fmt: skip
+    return dict(
+        res,
+        pass_at_1=res["accuracy"],
+        failures={o.task_id: o.reason for o in outcomes if not o.passed},
+    )
 
 
 def truncate_code(text: str) -> str:

@@ -37,12 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--task-data-path", default=None)
     g.add_argument("--max-eval-samples", type=int, default=None)
     g.add_argument("--evaluation-batch-size", type=int, default=1)
-    g.add_argument("--no-chat-template", action="store_true",
-                   help="plain prompts even when the tokenizer has a chat template")  # fmt: skip
-    g.add_argument("--num-fewshot", type=int, default=None,
-                   help="solved examples each (mmlu/cmmlu/ceval 5, bbh 3; else 0)")  # fmt: skip
-    g.add_argument("--chain-of-thought", action="store_true",
-                   help="bbh: prompt with the task's cot-prompts/{task}.txt")  # fmt: skip
+    g.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="plain prompts even when the tokenizer has a chat template",
+    )
+    g.add_argument(
+        "--num-fewshot",
+        type=int,
+        default=None,
+        help="solved examples each (mmlu/cmmlu/ceval 5, bbh 3; else 0)",
+    )
+    g.add_argument(
+        "--chain-of-thought",
+        action="store_true",
+        help="bbh: prompt with the task's cot-prompts/{task}.txt",
+    )
     g.add_argument(
         "--needle-lengths",
         type=_ints,
@@ -57,13 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P,P,...",
         help="needlebench: needle depths in percent of the text",
     )
-    g.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens per answer (bbh/agieval 32, needlebench 64; else 256)")  # fmt: skip
-    g.add_argument("--execution-timeout", type=float, default=10.0,
-                   help="seconds each HumanEval program may run")  # fmt: skip
-    g.add_argument("--allow-code-execution", action="store_true",
-                   help="human_eval: run the model-written programs (in a sandbox; also "
-                   "HF_ALLOW_CODE_EVAL=1)")  # fmt: skip
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens per answer (bbh/agieval 32, needlebench 64; else 256)",
+    )
+    g.add_argument(
+        "--execution-timeout",
+        type=float,
+        default=10.0,
+        help="seconds each HumanEval program may run",
+    )
+    g.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="human_eval: run the model-written programs (in a sandbox; also HF_ALLOW_CODE_EVAL=1)",
+    )
     g.add_argument("--output-json", default=None, help="also write the result here as JSON")
     return p
 
@@ -72,16 +92,18 @@ def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
-                                         "integers") from None  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
 
 
 def _check_execution(args: argparse.Namespace) -> None:
     """--execution-timeout is positive; human_eval runs model-written code only when asked,
     and says first which sandbox protections this machine lacks."""
     if not 0 < args.execution_timeout < float("inf"):
-        raise UsageError(f"--execution-timeout {args.execution_timeout:g}: must be a positive "
-                         "number of seconds")  # fmt: skip
+        raise UsageError(
+            f"--execution-timeout {args.execution_timeout:g}: must be a positive number of seconds"
+        )
     if args.task != "human_eval":
         return
     if not args.allow_code_execution and os.environ.get("HF_ALLOW_CODE_EVAL") != "1":
@@ -109,16 +131,19 @@ def _check_output(path: str | None) -> None:
             open(path, "xb").close()
             os.remove(path)
     except OSError as exc:
-        raise UsageError(f"--output-json {path}: cannot be written ({exc.strerror or exc}); "
-                         "choose a writable path") from None  # fmt: skip
+        raise UsageError(
+            f"--output-json {path}: cannot be written ({exc.strerror or exc}); "
+            "choose a writable path"
+        ) from None
 
 
 def _complete(args: argparse.Namespace, tok: Any) -> None:
     """Parse time: the task's defaults for the flags not given, and whether prompts go
     through the chat template."""
     if args.max_new_tokens is None:
-        args.max_new_tokens = 256 if args.chain_of_thought else eval_tasks.NEW_TOKENS.get(
-            args.task, 256)  # fmt: skip
+        args.max_new_tokens = (
+            256 if args.chain_of_thought else eval_tasks.NEW_TOKENS.get(args.task, 256)
+        )
     if args.num_fewshot is None:
         args.num_fewshot = eval_tasks.FEWSHOT.get(args.task, 0)
     args.use_chat = not args.no_chat_template and tok.has_chat_template
@@ -127,8 +152,9 @@ def _complete(args: argparse.Namespace, tok: Any) -> None:
 def _check(args: argparse.Namespace, model: Any, tok: Any) -> Any:
     """The flags checked and the task's items opened (the run's ``data``)."""
     if session.is_llava(model):
-        raise UsageError(f"--load {args.load!r} holds a LLaVA model: anyspeed evaluate scores "
-                         "text models")  # fmt: skip
+        raise UsageError(
+            f"--load {args.load!r} holds a LLaVA model: anyspeed evaluate scores text models"
+        )
     _check_execution(args)
     _check_output(args.output_json)
     if args.task != "human_eval" and not args.task_data_path:
@@ -142,8 +168,9 @@ def _check(args: argparse.Namespace, model: Any, tok: Any) -> Any:
         raise UsageError("--max-eval-samples must be positive")
     if any(not 0 <= d <= 100 for d in args.needle_depths) or not args.needle_depths:
         raise UsageError("--needle-depths must be percentages from 0 to 100")
-    if args.needle_lengths is not None and (not args.needle_lengths
-                                            or min(args.needle_lengths) < 1):  # fmt: skip
+    if args.needle_lengths is not None and (
+        not args.needle_lengths or min(args.needle_lengths) < 1
+    ):
         raise UsageError("--needle-lengths must be positive token counts")
     if args.num_fewshot < 0:
         raise UsageError("--num-fewshot must be 0 or more")
@@ -159,15 +186,18 @@ def _check(args: argparse.Namespace, model: Any, tok: Any) -> Any:
 def table(task: str, res: dict[str, Any]) -> str:
     """The result as a text table (one row per subject, then the total)."""
     if task == "ppl":
-        return (f"{'task':<12}{'tokens':>10}{'nll/token':>12}{'perplexity':>14}\n"
-                f"{task:<12}{res['tokens']:>10}{res['nll_per_token']:>12.4f}"
-                f"{res['perplexity']:>14.3f}")  # fmt: skip
+        return (
+            f"{'task':<12}{'tokens':>10}{'nll/token':>12}{'perplexity':>14}\n"
+            f"{task:<12}{res['tokens']:>10}{res['nll_per_token']:>12.4f}"
+            f"{res['perplexity']:>14.3f}"
+        )
     width = max([len(g) for g in res["groups"]] + [len(task) + 6, 7]) + 2
     lines = [f"{'subject':<{width}}{'correct':>9}{'total':>7}{'accuracy':>10}"]
     for g, r in res["groups"].items():
         lines.append(f"{g:<{width}}{r['correct']:>9}{r['total']:>7}{r['accuracy']:>10.4f}")
-    lines.append(f"{task + ' (all)':<{width}}{res['correct']:>9}{res['total']:>7}"
-                 f"{res['accuracy']:>10.4f}")  # fmt: skip
+    lines.append(
+        f"{task + ' (all)':<{width}}{res['correct']:>9}{res['total']:>7}{res['accuracy']:>10.4f}"
+    )
     return "\n".join(lines)
 
 
@@ -175,8 +205,10 @@ def _body(run: session.InferenceRun, model: list) -> None:
     args = run.args
     res = eval_tasks.run(args, run.data, model, run.tokenizer)
     if res.get("total", res.get("tokens")) == 0:
-        raise ValueError(f"--task {args.task}: no item was scored (check --task-data-path "
-                         "and --max-eval-samples)")  # fmt: skip
+        raise ValueError(
+            f"--task {args.task}: no item was scored (check --task-data-path "
+            "and --max-eval-samples)"
+        )
     print0(table(args.task, res))
     if args.output_json and is_rank0():
         doc = {"task": args.task, "load": args.load, **res}

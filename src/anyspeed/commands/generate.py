@@ -46,15 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-beams", type=int, default=4)
     g.add_argument("--length-penalty", type=float, default=1.0)
     g.add_argument("--use-kv-cache", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end an answer once its text contains TEXT (repeatable; greedy, "
-                        "do_sample, chat)")  # fmt: skip
-    g.add_argument("--hf-chat-template", action="store_true",
-                   help="render prompts with the tokenizer's chat template")  # fmt: skip
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end an answer once its text contains TEXT (repeatable; greedy, do_sample, chat)",
+    )
+    g.add_argument(
+        "--hf-chat-template",
+        action="store_true",
+        help="render prompts with the tokenizer's chat template",
+    )
     g.add_argument("--prompt-type", choices=sorted(TEMPLATES), default=None)
     g.add_argument("--history-turns", type=int, default=3)
-    g.add_argument("--image", action="append", default=[], metavar="FILE",
-                   help="an image for a LLaVA model to describe (repeatable)")  # fmt: skip
+    g.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image for a LLaVA model to describe (repeatable)",
+    )
     return p
 
 
@@ -72,15 +84,18 @@ def _check(args: argparse.Namespace, model: Any, tok: Any) -> None:
     if any(not s for s in args.stop) or (args.stop and args.task.startswith("beam_search")):
         raise UsageError("--stop needs a non-empty text, and is not for beam search")
     if args.hf_chat_template and not tok.has_chat_template:
-        raise UsageError(f"--hf-chat-template: tokenizer {tok.name} has no chat template; "
-                         "pass --prompt-type")  # fmt: skip
+        raise UsageError(
+            f"--hf-chat-template: tokenizer {tok.name} has no chat template; pass --prompt-type"
+        )
     texts = prompts(args)
     if args.task != "chat" and not texts:
         raise UsageError(f"--task {args.task} needs --prompt or --prompts-file")
     for text, ids in zip(texts, _encoded(args, tok, texts), strict=True):
         if len(ids) >= args.max_length:
-            raise UsageError(f"prompt {text[:40]!r} is {len(ids)} tokens, longer than the "
-                             f"context of {args.max_length} (--max-length)")  # fmt: skip
+            raise UsageError(
+                f"prompt {text[:40]!r} is {len(ids)} tokens, longer than the "
+                f"context of {args.max_length} (--max-length)"
+            )
 
 
 def _encoded(args: argparse.Namespace, tok: Any, texts: list[str]) -> list[list[int]]:
@@ -105,8 +120,7 @@ def _body(run: session.InferenceRun, model: list) -> None:
     texts = prompts(args)
     ids_of = _encoded(args, tok, texts)
     if args.task.startswith("beam_search"):
-        outs = [beam_search(model, ids, req, args.num_beams, args.length_penalty)
-                for ids in ids_of]  # fmt: skip
+        outs = [beam_search(model, ids, req, args.num_beams, args.length_penalty) for ids in ids_of]
     else:
         outs = generate(model, ids_of, req)
     for prompt, ids in zip(texts, outs, strict=True):

@@ -31,16 +31,22 @@ def check_files(args: argparse.Namespace) -> None:
 def check(args: argparse.Namespace, model: Any) -> None:
     """The flags of a generation from images (one line for what does not apply)."""
     if not session.is_llava(model):
-        raise UsageError(f"--image: --load {args.load!r} holds a text-only model; drop --image "
-                         "or load a LLaVA model")  # fmt: skip
+        raise UsageError(
+            f"--image: --load {args.load!r} holds a text-only model; drop --image "
+            "or load a LLaVA model"
+        )
     if not args.image:
         raise UsageError(f"--load {args.load!r} holds a LLaVA model: pass --image FILE")
     if args.pipeline_model_parallel_size != 1:
-        raise UsageError("--pipeline-model-parallel-size: generation from images runs with "
-                         "tensor parallelism only (the tower sits on the first stage)")  # fmt: skip
+        raise UsageError(
+            "--pipeline-model-parallel-size: generation from images runs with "
+            "tensor parallelism only (the tower sits on the first stage)"
+        )
     if args.task != "greedy" or args.stop or args.prompts_file or len(args.prompt) > 1:
-        raise UsageError("--image: greedy generation with at most one --prompt (no --task, "
-                         "--stop or --prompts-file)")  # fmt: skip
+        raise UsageError(
+            "--image: greedy generation with at most one --prompt (no --task, "
+            "--stop or --prompts-file)"
+        )
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be positive")
     try:
@@ -63,8 +69,9 @@ def generate(run: session.InferenceRun, chunks: list) -> None:
     args, tok, cfg = run.args, run.tokenizer, run.model
     text = args.prompt[0] if args.prompt else DEFAULT_PROMPT
     turn = text if "<image>" in text else f"<image>\n{text}"
-    prompt, _ = render({"conversations": [{"from": "human", "value": turn}]}, tok,
-                       cfg.image_token_id)  # fmt: skip
+    prompt, _ = render(
+        {"conversations": [{"from": "human", "value": turn}]}, tok, cfg.image_token_id
+    )
     prompt += tok.encode(["ASSISTANT: "], special=False)[0]
     v = cfg.vision
     model = chunks[0]
@@ -72,8 +79,9 @@ def generate(run: session.InferenceRun, chunks: list) -> None:
     images = images.to(device=torch_device(), dtype=next(model.parameters()).dtype)
     ends = (tok.eod_id,) if tok.eod_id is not None else ()
     # the tokenizer's rows only (as text generation): a padded vocabulary's extra rows never win
-    rows = greedy(model, images, prompt, args.max_new_tokens, tok.vocab_size, ends,
-                  args.use_kv_cache)  # fmt: skip
+    rows = greedy(
+        model, images, prompt, args.max_new_tokens, tok.vocab_size, ends, args.use_kv_cache
+    )
     fast = getattr(tok, "backend", None)  # the tokenizer.json's own decoder, as the vlm stage
     for f, row in zip(args.image, rows, strict=True):
         print0(f"image: {f}\n{fast.decode(row) if fast else decode(tok, row)}\n")

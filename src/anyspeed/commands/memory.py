@@ -59,8 +59,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | 
             raise UsageError(f"--{name.replace('_', '-')} is required (or use --model NAME)")
     if args.padded_vocab_size is None:
         if args.vocab_size is None:
-            raise UsageError("no vocabulary size: pass --model NAME, --vocab-size N or "
-                             "--padded-vocab-size N")  # fmt: skip
+            raise UsageError(
+                "no vocabulary size: pass --model NAME, --vocab-size N or --padded-vocab-size N"
+            )
         args.padded_vocab_size = padded_vocab_size(
             args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
@@ -77,12 +78,16 @@ def options(args: argparse.Namespace, dp: int, recompute: str | None = None) -> 
         rec = RECOMPUTE_CHOICES[recompute]
         act = norm = None if recompute == "act+norm" else 0
     return Options(
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
         num_microbatches=max(gbs // (args.micro_batch_size * dp), 1),
         precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        optimizer=args.optimizer, recompute=rec, recompute_activation=act, recompute_norm=norm,
-    )  # fmt: skip
+        optimizer=args.optimizer,
+        recompute=rec,
+        recompute_activation=act,
+        recompute_norm=norm,
+    )
 
 
 def _gib(n: float) -> str:
@@ -91,13 +96,22 @@ def _gib(n: float) -> str:
 
 def describe(mem: RankMemory) -> str:
     """The per-rank table of one estimate."""
-    grads = "gradients" + (f" ({mem.main_gradients / GIB:.3f} GiB fp32 copies: not with "
-                           "activations)" if mem.main_gradients else "")  # fmt: skip
-    rows = [("parameters", mem.parameters), (grads, mem.gradients),
-            ("optimizer state", mem.optimizer),
-            (f"activations ({mem.microbatches_in_flight:g} micro-batch(es) in flight; "
-             f"{mem.activations_per_microbatch / 2**20:.1f} MiB each)", mem.activations),
-            ("peak (total)", mem.total)]  # fmt: skip
+    grads = "gradients" + (
+        f" ({mem.main_gradients / GIB:.3f} GiB fp32 copies: not with activations)"
+        if mem.main_gradients
+        else ""
+    )
+    rows = [
+        ("parameters", mem.parameters),
+        (grads, mem.gradients),
+        ("optimizer state", mem.optimizer),
+        (
+            f"activations ({mem.microbatches_in_flight:g} micro-batch(es) in flight; "
+            f"{mem.activations_per_microbatch / 2**20:.1f} MiB each)",
+            mem.activations,
+        ),
+        ("peak (total)", mem.total),
+    ]
     return "\n".join(f"  {name:<62} {_gib(value)} GiB" for name, value in rows)
 
 
@@ -109,8 +123,9 @@ def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
         if world % (tp * pp) or tp > 8:
             continue
         for distopt, rec in itertools.product((False, True), RECOMPUTE_CHOICES):
-            lay = Layout(tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=distopt,
-                         ep=ep)  # fmt: skip
+            lay = Layout(
+                tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=distopt, ep=ep
+            )
             if distopt and lay.dp(world) == 1:
                 continue
             try:
@@ -138,8 +153,10 @@ def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float
     ]
     for total, lay, rec in sorted(rows, key=lambda r: r[0]):
         distopt = "yes" if lay.distributed_optimizer else "no"
-        out.append(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp(world):>3} {lay.ep:>3} {distopt:<8} "
-                   f"{rec:<10} {_gib(total)}")  # fmt: skip
+        out.append(
+            f"  {lay.tp:>3} {lay.pp:>3} {lay.dp(world):>3} {lay.ep:>3} {distopt:<8} "
+            f"{rec:<10} {_gib(total)}"
+        )
     return "\n".join(out)
 
 
@@ -148,9 +165,11 @@ def run(argv: Sequence[str]) -> str:
     args, world, budget = parse(argv)
     model = model_from_args(args)
     if any(model.linear_attention_layers()):
-        raise UsageError(f"{model.name}: anyspeed memory does not model gated DeltaNet layers "
-                         "(--experimental-attention-variant) yet; measure a run instead "
-                         "(anyspeed pretrain prints its peak memory per rank)")  # fmt: skip
+        raise UsageError(
+            f"{model.name}: anyspeed memory does not model gated DeltaNet layers "
+            "(--experimental-attention-variant) yet; measure a run instead "
+            "(anyspeed pretrain prints its peak memory per rank)"
+        )
     try:
         lay = Layout.from_args(args)
         world = world or lay.tp * lay.pp * lay.cp

@@ -21,7 +21,8 @@ def render(args: argparse.Namespace, tok: Any, messages: list[dict]) -> str:
         from anyspeed.data.templates import TEMPLATES
 
         segs = TEMPLATES[args.prompt_type].segments(
-            [*messages, {"role": "assistant", "content": ""}])  # fmt: skip
+            [*messages, {"role": "assistant", "content": ""}]
+        )
         return "".join(text for text, _, _ in segs[:-1])  # up to the open answer
     return messages[-1]["content"]
 
@@ -30,10 +31,12 @@ def sampling_params(args: argparse.Namespace):
     """The sampling the flags describe (``--task``, ``--temperature``, ``--top-k``, ``--top-p``)."""
     from anyspeed.inference.sampling import SamplingParams
 
-    return SamplingParams(greedy=args.task not in ("do_sample", "beam_search_with_sampling",
-                                                    "chat"),
-                          temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p)  # fmt: skip
+    return SamplingParams(
+        greedy=args.task not in ("do_sample", "beam_search_with_sampling", "chat"),
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
 
 
 def request(args: argparse.Namespace, tok: Any):
@@ -41,10 +44,18 @@ def request(args: argparse.Namespace, tok: Any):
     from anyspeed.inference.decode import Request
     from anyspeed.inference.generate import decode
 
-    return Request(args.max_new_tokens, sampling_params(args), eos_ids=end_ids(tok),
-                   pad_id=tok.pad_id or 0, use_kv_cache=args.use_kv_cache, seed=args.seed,
-                   max_length=args.max_length, vocab_size=tok.vocab_size,
-                   stop=tuple(args.stop), detokenize=lambda ids: decode(tok, ids))  # fmt: skip
+    return Request(
+        args.max_new_tokens,
+        sampling_params(args),
+        eos_ids=end_ids(tok),
+        pad_id=tok.pad_id or 0,
+        use_kv_cache=args.use_kv_cache,
+        seed=args.seed,
+        max_length=args.max_length,
+        vocab_size=tok.vocab_size,
+        stop=tuple(args.stop),
+        detokenize=lambda ids: decode(tok, ids),
+    )
 
 
 def text_of(tok: Any, ids: list[int], eos: tuple[int, ...]) -> str:
@@ -60,8 +71,10 @@ def prompts(args: argparse.Namespace) -> list[str]:
     for text in args.prompt:
         bad = next((c for c in text if "\udc80" <= c <= "\udcff"), None)
         if bad is not None:  # bytes the command line could not decode, kept as surrogates
-            raise UsageError(f"--prompt {text[:40]!r}: not UTF-8 text (byte "
-                             f"0x{ord(bad) - 0xDC00:02x}); pass UTF-8")  # fmt: skip
+            raise UsageError(
+                f"--prompt {text[:40]!r}: not UTF-8 text (byte "
+                f"0x{ord(bad) - 0xDC00:02x}); pass UTF-8"
+            )
     texts = list(args.prompt)
     if args.prompts_file:
         try:
@@ -71,6 +84,7 @@ def prompts(args: argparse.Namespace) -> list[str]:
             raise UsageError(f"--prompts-file {args.prompts_file!r}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
             byte = f"0x{exc.object[exc.start]:02x} at offset {exc.start}"
-            raise UsageError(f"--prompts-file {args.prompts_file!r}: not UTF-8 text (byte "
-                             f"{byte})") from None  # fmt: skip
+            raise UsageError(
+                f"--prompts-file {args.prompts_file!r}: not UTF-8 text (byte {byte})"
+            ) from None
     return texts

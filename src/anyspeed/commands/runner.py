@@ -36,8 +36,6 @@ class Command:
     complete: Callable[[argparse.Namespace, Any], None] | None = None
 
 
-
-
 def load_tokenizer(args: argparse.Namespace):
     """The HF tokenizer ``--tokenizer-name-or-path`` (or the HF ``--load``) names."""
     from anyspeed.data.tokenizer import TokenizerSpec
@@ -60,16 +58,20 @@ def prepare(cmd: Command, argv: list[str]) -> InferenceRun:
     model, hf_dir = session.complete(args)
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.nproc_per_node not in (None, world):
-        raise UsageError(f"--nproc-per-node {args.nproc_per_node} must equal TP x PP = {world} "
-                         "(inference runs one model copy)")  # fmt: skip
+        raise UsageError(
+            f"--nproc-per-node {args.nproc_per_node} must equal TP x PP = {world} "
+            "(inference runs one model copy)"
+        )
     launched = int(os.environ.get("WORLD_SIZE", world))
     if launched != world:
         raise UsageError(f"{launched} ranks were launched for TP x PP = {world}")
     tok = load_tokenizer(args)
     vocab = session.language(model).vocab_size
     if tok.vocab_size > vocab:
-        raise UsageError(f"the tokenizer's {tok.vocab_size} tokens do not fit the checkpoint's "
-                         f"vocabulary of {vocab}: wrong --tokenizer-name-or-path?")  # fmt: skip
+        raise UsageError(
+            f"the tokenizer's {tok.vocab_size} tokens do not fit the checkpoint's "
+            f"vocabulary of {vocab}: wrong --tokenizer-name-or-path?"
+        )
     if cmd.complete is not None:
         cmd.complete(args, tok)
     freeze(args)

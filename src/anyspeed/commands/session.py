@@ -24,21 +24,35 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """``--load``, the tokenizer, the layout and the optional architecture flags to check."""
     g = p.add_argument_group("model")
     g.add_argument("--load", required=True, help="Megatron checkpoint or Hugging Face directory")
-    g.add_argument("--tokenizer-name-or-path", default=None,
-                   help="HF tokenizer directory (default: --load when it holds one)")  # fmt: skip
+    g.add_argument(
+        "--tokenizer-name-or-path",
+        default=None,
+        help="HF tokenizer directory (default: --load when it holds one)",
+    )
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--nproc-per-node", type=int, default=None)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--max-length", "--seq-length", dest="max_length", type=int, default=None,
-                   help="context window in tokens (default: max positions)")  # fmt: skip
+    g.add_argument(
+        "--max-length",
+        "--seq-length",
+        dest="max_length",
+        type=int,
+        default=None,
+        help="context window in tokens (default: max positions)",
+    )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     for row in ARCH_FLAGS:  # accepted so a mismatch with the checkpoint is a clear error
         if row.arch and row.type is not None:
-            g.add_argument(row.flag, dest=f"arch_{row.field}", type=row.type, default=None,
-                           help=argparse.SUPPRESS)  # fmt: skip
+            g.add_argument(
+                row.flag,
+                dest=f"arch_{row.field}",
+                type=row.type,
+                default=None,
+                help=argparse.SUPPRESS,
+            )
 
 
 @dataclass(frozen=True)
@@ -101,9 +115,11 @@ def check_flags(args: argparse.Namespace, model: Any) -> None:
     for row in ARCH_FLAGS:
         given = getattr(args, f"arch_{row.field}", None)
         if given is not None and given != getattr(model, row.field):
-            raise UsageError(f"{row.flag} {given} does not match the checkpoint "
-                             f"({getattr(model, row.field)}); drop the flag or load the "
-                             "matching checkpoint")  # fmt: skip
+            raise UsageError(
+                f"{row.flag} {given} does not match the checkpoint "
+                f"({getattr(model, row.field)}); drop the flag or load the "
+                "matching checkpoint"
+            )
 
 
 def complete(args: argparse.Namespace) -> tuple[Any, str | None]:
@@ -147,8 +163,11 @@ def _hf_model(args: argparse.Namespace, hf_dir: str) -> Any:
         model = llava_from_hf(config) if is_llava_config(config) else preset_from_hf(config)
     except ValueError as exc:
         raise UsageError(f"--load {hf_dir!r}: {exc}") from None
-    vocab = padded_vocab_size(language(model).vocab_size, args.make_vocab_size_divisible_by,
-                              args.tensor_model_parallel_size)  # fmt: skip
+    vocab = padded_vocab_size(
+        language(model).vocab_size,
+        args.make_vocab_size_divisible_by,
+        args.tensor_model_parallel_size,
+    )
     if isinstance(model, ModelConfig):
         return dataclasses.replace(model, vocab_size=vocab)
     return model.with_language(vocab_size=vocab)
@@ -157,15 +176,19 @@ def _hf_model(args: argparse.Namespace, hf_dir: str) -> Any:
 def _check_layout(args: argparse.Namespace, model: ModelConfig) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
-        raise UsageError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
-                         "must be positive")  # fmt: skip
+        raise UsageError(
+            "--tensor-model-parallel-size and --pipeline-model-parallel-size must be positive"
+        )
     if model.vocab_size % tp or model.num_attention_heads % tp:
-        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the checkpoint's "
-                         f"vocabulary ({model.vocab_size}) and heads "
-                         f"({model.num_attention_heads})")  # fmt: skip
+        raise UsageError(
+            f"--tensor-model-parallel-size {tp} does not divide the checkpoint's "
+            f"vocabulary ({model.vocab_size}) and heads "
+            f"({model.num_attention_heads})"
+        )
     if model.num_layers % pp:
-        raise UsageError(f"--pipeline-model-parallel-size {pp} does not divide the "
-                         f"{model.num_layers} layers")  # fmt: skip
+        raise UsageError(
+            f"--pipeline-model-parallel-size {pp} does not divide the {model.num_layers} layers"
+        )
 
 
 def materialize(args: argparse.Namespace, hf_dir: str, prog: str = "anyspeed generate") -> str:
@@ -189,12 +212,13 @@ def _has_tokenizer(d: str) -> bool:
     return any(os.path.isfile(os.path.join(d, f)) for f in ("tokenizer.json", "tokenizer.model"))
 
 
-def load_model(ckpt: str, model: Any, layout: Layout, bf16: bool = False,
-               fp16: bool = False) -> list[torch.nn.Module]:  # fmt: skip
+def load_model(
+    ckpt: str, model: Any, layout: Layout, bf16: bool = False, fp16: bool = False
+) -> list[torch.nn.Module]:
     """This rank's chunks with the checkpoint's weights, in eval mode (parallel state set): a
     GPT's pipeline chunks, or the one chunk of a LLaVA model (``model`` a ``LlavaConfig``)."""
     from anyspeed.checkpoint.errors import CheckpointMismatch
-    from anyspeed.checkpoint.save_load import load_weights
+    from anyspeed.checkpoint.load import load_weights
     from anyspeed.device import torch_device
     from anyspeed.models import gpt, multimodal
 
@@ -202,8 +226,9 @@ def load_model(ckpt: str, model: Any, layout: Layout, bf16: bool = False,
         config = gpt.transformer_config(model, layout, bf16=bf16, fp16=fp16)
         built = gpt.build_chunks(model, config, layout)
     else:  # weights come from the checkpoint: no initialisation to draw
-        config = gpt.transformer_config(model.language, layout, bf16=bf16, fp16=fp16,
-                                        perform_initialization=False)  # fmt: skip
+        config = gpt.transformer_config(
+            model.language, layout, bf16=bf16, fp16=fp16, perform_initialization=False
+        )
         built = [multimodal.build_llava(model, config, layout)]
     chunks = [c.to(torch_device()).eval() for c in built]
     try:

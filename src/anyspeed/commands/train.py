@@ -39,8 +39,7 @@ def _launch(run: Any, argv: list[str], command: str) -> int:
     from anyspeed.launch import supervise, torchrun_command, torchrun_env
 
     n = run.args.nproc_per_node
-    return supervise(torchrun_command(n, "anyspeed", [command, *argv]), torchrun_env(n),
-                     run.prog)  # fmt: skip
+    return supervise(torchrun_command(n, "anyspeed", [command, *argv]), torchrun_env(n), run.prog)
 
 
 def _sample(run: Any, history: dict[str, Any]) -> None:
@@ -48,14 +47,16 @@ def _sample(run: Any, history: dict[str, Any]) -> None:
     from anyspeed.inference.generate import generate_text
 
     args = run.args
-    text = generate_text(history["trainer"].model, args, args.generate_prompt,
-                         args.generate_tokens, run.tokenizer)  # fmt: skip
+    text = generate_text(
+        history["trainer"].model, args, args.generate_prompt, args.generate_tokens, run.tokenizer
+    )
     if text is not None:
         print0(f"\nprompt: {args.generate_prompt!r}\nsample: {text!r}")
 
 
-def main(argv: Sequence[str] | None = None, command: str = "pretrain",
-         hooks: Sequence[Any] = ()) -> int:  # fmt: skip
+def main(
+    argv: Sequence[str] | None = None, command: str = "pretrain", hooks: Sequence[Any] = ()
+) -> int:
     """Entry point: parse, check (before any process group), launch or run, report;
     ``hooks`` (loop hooks) join the run's own in this process."""
     from anyspeed.checkpoint.errors import CheckpointError
@@ -101,8 +102,10 @@ def main(argv: Sequence[str] | None = None, command: str = "pretrain",
     losses = history["loss"]
     if losses:
         label = history["trainer"].task.loss_key
-        print0(f"{prog}: done, iteration {history['iterations'][-1]}, {label} "
-               f"{losses[0]:.4f} -> {losses[-1]:.4f}")  # fmt: skip
+        print0(
+            f"{prog}: done, iteration {history['iterations'][-1]}, {label} "
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+        )
     import torch.distributed as dist
 
     if dist.is_initialized():

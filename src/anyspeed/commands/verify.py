@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         usage=f"{PROG} [OPTIONS] {{pretrain,posttrain}} TRAINING FLAGS...",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),  # fmt: skip
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
     p.add_argument("--steps", type=int, default=3, help="optimizer steps compared (default 3)")
     p.add_argument(
@@ -41,9 +41,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1e-5,
         help="relative tolerance of loss and grad norm (default 1e-5)",
     )
-    p.add_argument("--grad-rtol", type=float, default=1e-4,
-                   help="tolerance of each gradient tensor: |g - reference| over |reference| "
-                   "(L2 norms; default 1e-4)")  # fmt: skip
+    p.add_argument(
+        "--grad-rtol",
+        type=float,
+        default=1e-4,
+        help="tolerance of each gradient tensor: |g - reference| over |reference| "
+        "(L2 norms; default 1e-4)",
+    )
     p.add_argument(
         "--grad-atol",
         type=float,
@@ -56,9 +60,12 @@ def _parser() -> argparse.ArgumentParser:
         help="flags of the reference run, quoted (default: one process, no "
         "parallelism), e.g. '--nproc-per-node 2 --tensor-model-parallel-size 2'",
     )
-    p.add_argument("--workdir", default=None,
-                   help="where the initial weights and gradients go (an empty or new "
-                   "directory, kept); default: a temporary one, removed")  # fmt: skip
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where the initial weights and gradients go (an empty or new "
+        "directory, kept); default: a temporary one, removed",
+    )
     p.add_argument("--role", default=None, help=argparse.SUPPRESS)  # set for launched ranks
     return p
 
@@ -67,14 +74,17 @@ def split(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[str]]:
     """(verify's options, the training command, its flags); UsageError when unusable."""
     at = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
     if at is None:
-        raise UsageError("name the training command after verify's options: "
-                         "`anyspeed verify [OPTIONS] pretrain|posttrain FLAGS...`")  # fmt: skip
+        raise UsageError(
+            "name the training command after verify's options: "
+            "`anyspeed verify [OPTIONS] pretrain|posttrain FLAGS...`"
+        )
     p = _parser()
     try:
         opts = p.parse_args(list(argv[:at]))
     except SystemExit as exc:
-        raise UsageError(f"unrecognized verify options: {' '.join(argv[:at])} (see "
-                         f"`{PROG} --help`)") from exc  # fmt: skip
+        raise UsageError(
+            f"unrecognized verify options: {' '.join(argv[:at])} (see `{PROG} --help`)"
+        ) from exc
     if opts.steps < 1:
         raise UsageError(f"--steps {opts.steps}: compare at least 1 step")
     for name in ("rtol", "grad_rtol", "grad_atol"):
@@ -95,10 +105,13 @@ def _check(argv: list[str], command: str, which: str) -> tuple[Any, list[str]]:
 def _workdir(opts: argparse.Namespace) -> tuple[str, bool]:
     if opts.workdir is None:
         return tempfile.mkdtemp(prefix="anyspeed-verify-"), True
-    if os.path.exists(opts.workdir) and (not os.path.isdir(opts.workdir)
-                                         or os.listdir(opts.workdir)):  # fmt: skip
-        raise UsageError(f"--workdir {opts.workdir!r} is not an empty directory (give a new "
-                         "one: verify writes weights and gradients there)")  # fmt: skip
+    if os.path.exists(opts.workdir) and (
+        not os.path.isdir(opts.workdir) or os.listdir(opts.workdir)
+    ):
+        raise UsageError(
+            f"--workdir {opts.workdir!r} is not an empty directory (give a new "
+            "one: verify writes weights and gradients there)"
+        )
     os.makedirs(opts.workdir, exist_ok=True)
     return opts.workdir, False
 
@@ -106,16 +119,19 @@ def _workdir(opts: argparse.Namespace) -> tuple[str, bool]:
 def _describe(run: Any) -> str:
     lay, n = run.layout, run.world
     moe = f" EP={lay.ep} ETP={lay.expert_tp}" if run.model.is_moe else ""
-    return (f"TP={lay.tp} PP={lay.pp} VPP={lay.chunks} CP={lay.cp} DP={lay.dp(n)}{moe} "
-            f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer} ({n} "
-            f"process{'es' if n > 1 else ''})")  # fmt: skip
+    return (
+        f"TP={lay.tp} PP={lay.pp} VPP={lay.chunks} CP={lay.cp} DP={lay.dp(n)}{moe} "
+        f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer} ({n} "
+        f"process{'es' if n > 1 else ''})"
+    )
 
 
 def _launch(role: str, n: int, workdir: str, command: str, argv: list[str]) -> int:
     from anyspeed.launch import supervise, torchrun_command, torchrun_env
 
-    cmd = torchrun_command(n, "anyspeed", ["verify", "--role", role, "--workdir", workdir,
-                                           command, *argv])  # fmt: skip
+    cmd = torchrun_command(
+        n, "anyspeed", ["verify", "--role", role, "--workdir", workdir, command, *argv]
+    )
     return supervise(cmd, torchrun_env(n), PROG)
 
 
@@ -149,20 +165,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout_run, layout_argv = _check(layout_argv, command, "layout's")
         ref_run, ref_argv = _check(ref_argv, command, "reference")
         if ref_run.args.global_batch_size != layout_run.args.global_batch_size:
-            raise UsageError("--reference may not change --global-batch-size (the runs must "
-                             "train on the same batches)")  # fmt: skip
+            raise UsageError(
+                "--reference may not change --global-batch-size (the runs must "
+                "train on the same batches)"
+            )
         workdir, temporary = _workdir(opts)
     except UsageError as exc:
         return report(PROG, exc)
-    print(f"{PROG}: {opts.steps} steps of the reference, {_describe(ref_run)}, then of the "
-          f"layout, {_describe(layout_run)}, from the same initial weights and batches "
-          f"(dropout off; weights and gradients under {workdir})", flush=True)  # fmt: skip
+    print(
+        f"{PROG}: {opts.steps} steps of the reference, {_describe(ref_run)}, then of the "
+        f"layout, {_describe(layout_run)}, from the same initial weights and batches "
+        f"(dropout off; weights and gradients under {workdir})",
+        flush=True,
+    )
     try:
         for role, run, args in ((REFERENCE, ref_run, ref_argv), (LAYOUT, layout_run, layout_argv)):
             rc = _launch(role, run.world, workdir, command, args)
             if rc:
-                print(f"{PROG}: the {role} run stopped (exit {rc}); nothing compared",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"{PROG}: the {role} run stopped (exit {rc}); nothing compared", file=sys.stderr
+                )
                 return rc
         tol = Tolerance(opts.rtol, opts.grad_rtol, opts.grad_atol)
         lines, ok = verdict(_steps(workdir, REFERENCE), _steps(workdir, LAYOUT), tol)

@@ -6,8 +6,10 @@ and legacy layouts (:mod:`.megatron_io`); where a checkpoint is, its format and 
 :mod:`anyspeed.checkpoint`.
 """
 
-from anyspeed.convert.api import hf_to_megatron, is_hf_dir, megatron_to_hf
+from anyspeed.convert.api import is_hf_dir
 from anyspeed.convert.errors import ConvertError
+from anyspeed.convert.to_hf import megatron_to_hf
+from anyspeed.convert.to_megatron import hf_to_megatron
 from anyspeed.convert.verify import verify
 
 __all__ = [

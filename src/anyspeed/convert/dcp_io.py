@@ -133,8 +133,9 @@ def _planner_class(
                 raise ConvertError(f"internal: no source for Megatron tensor {name}")
             want = tuple(placeholders[name].shape)
             if tuple(full.shape) != want:
-                raise ConvertError(f"{name}: shape {tuple(full.shape)} does not match the "
-                                   f"model's {want}")  # fmt: skip
+                raise ConvertError(
+                    f"{name}: shape {tuple(full.shape)} does not match the model's {want}"
+                )
             return _view_data(full, view, offset, self.current[1], name)
 
     return Planner
@@ -216,8 +217,9 @@ class DcpReader:
         """The chunks of ``key`` that may overlap rows ``[lo, hi)`` of its first dim: found by
         bisection (a layer's or an expert's region is a few of a stacked key's many chunks)."""
         if key not in self._index:
-            chunks = sorted(self.tensors[key].chunks, key=lambda c: c.offsets[0] if c.offsets
-                            else 0)  # fmt: skip
+            chunks = sorted(
+                self.tensors[key].chunks, key=lambda c: c.offsets[0] if c.offsets else 0
+            )
             starts = [c.offsets[0] if c.offsets else 0 for c in chunks]
             longest = max((c.sizes[0] if c.sizes else 1 for c in chunks), default=1)
             self._index[key] = (starts, chunks, longest)
@@ -236,8 +238,10 @@ class DcpReader:
         if info is None:
             raise ConvertError(f"{self.dir}: no storage for {key} at {list(offsets)}")
         if getattr(info, "transform_descriptors", None):
-            raise ConvertError(f"{self.dir}: {key} is stored transformed "
-                               f"({info.transform_descriptors}); not supported")  # fmt: skip
+            raise ConvertError(
+                f"{self.dir}: {key} is stored transformed "
+                f"({info.transform_descriptors}); not supported"
+            )
         path = self.dir / info.relative_path
         if path not in self._sizes:
             self._sizes[path] = path.stat().st_size if path.is_file() else -1
@@ -263,8 +267,10 @@ class DcpReader:
         near = self._chunks_near(key, offset[0], offset[0] + size[0]) if size else md.chunks
         for ch in near:
             lo = [max(o, c) for o, c in zip(offset, ch.offsets, strict=True)]
-            hi = [min(o + s, c + n) for o, s, c, n in zip(offset, size, ch.offsets, ch.sizes,
-                                                          strict=True)]  # fmt: skip
+            hi = [
+                min(o + s, c + n)
+                for o, s, c, n in zip(offset, size, ch.offsets, ch.sizes, strict=True)
+            ]
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
             t = self._chunk(key, ch.offsets)
@@ -276,13 +282,19 @@ class DcpReader:
             view = t[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, ch.offsets, strict=True))]
             pieces.append((lo, hi, view))
         if sum(v.numel() for _, _, v in pieces) != math.prod(size):
-            raise ConvertError(f"{self.dir}: {key} does not cover the region {list(offset)} + "
-                               f"{list(size)} (chunks missing or overlapping)")  # fmt: skip
+            raise ConvertError(
+                f"{self.dir}: {key} does not cover the region {list(offset)} + "
+                f"{list(size)} (chunks missing or overlapping)"
+            )
         out_shape = tuple(size[squeeze:])
         d = squeeze  # pieces that span the region but along dim d are rows of the result
         ends = [o + s for o, s in zip(offset, size, strict=True)]
-        if all(lo[i] == offset[i] and hi[i] == ends[i] for lo, hi, _ in pieces
-               for i in range(len(size)) if i != d):  # fmt: skip
+        if all(
+            lo[i] == offset[i] and hi[i] == ends[i]
+            for lo, hi, _ in pieces
+            for i in range(len(size))
+            if i != d
+        ):
             pieces.sort(key=lambda p: p[0][d])
             if all(a[1][d] == b[0][d] for a, b in zip(pieces, pieces[1:], strict=False)):
                 views = [v.reshape(v.shape[squeeze:]) for _, _, v in pieces]

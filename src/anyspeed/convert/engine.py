@@ -169,23 +169,32 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
     if preset.multi_latent_attention:
         n, rope, lora = preset.num_attention_heads, preset.qk_pos_emb_head_dim, preset.kv_lora_rank
         q_rank = preset.q_lora_rank or 0
-        shapes.update({
-            "linear_q_proj.weight": (n * (preset.qk_head_dim + rope), h),
-            "linear_q_down_proj.weight": (q_rank, h),
-            "q_layernorm.weight": (q_rank,),
-            "linear_q_up_proj.weight": (n * (preset.qk_head_dim + rope), q_rank),
-            "linear_kv_down_proj.weight": (lora + rope, h),
-            "kv_layernorm.weight": (lora,),
-            "linear_kv_up_proj.weight": (n * (preset.qk_head_dim + preset.v_head_dim), lora),
-            "linear_proj.weight": (h, n * preset.v_head_dim),
-        })  # fmt: skip
+        shapes.update(
+            {
+                "linear_q_proj.weight": (n * (preset.qk_head_dim + rope), h),
+                "linear_q_down_proj.weight": (q_rank, h),
+                "q_layernorm.weight": (q_rank,),
+                "linear_q_up_proj.weight": (n * (preset.qk_head_dim + rope), q_rank),
+                "linear_kv_down_proj.weight": (lora + rope, h),
+                "kv_layernorm.weight": (lora,),
+                "linear_kv_up_proj.weight": (n * (preset.qk_head_dim + preset.v_head_dim), lora),
+                "linear_proj.weight": (h, n * preset.v_head_dim),
+            }
+        )
     if ".mlp." in name and preset.is_moe:
         ffn = preset.moe_shared_expert_intermediate_size if ".shared_experts." in name else ffn
         ffn = preset.expert_ffn_size if ".experts.local_experts." in name else ffn
-        shapes.update({"linear_fc1.weight": (2 * ffn, h), "linear_fc2.weight": (h, ffn),
-                       "linear_fc1.bias": (2 * ffn,), "router.weight": (preset.num_experts, h),
-                       "router.bias": (preset.num_experts,), "gate_weight": (1, h),
-                       "router.expert_bias": (preset.num_experts,)})  # fmt: skip
+        shapes.update(
+            {
+                "linear_fc1.weight": (2 * ffn, h),
+                "linear_fc2.weight": (h, ffn),
+                "linear_fc1.bias": (2 * ffn,),
+                "router.weight": (preset.num_experts, h),
+                "router.bias": (preset.num_experts,),
+                "gate_weight": (1, h),
+                "router.expert_bias": (preset.num_experts,),
+            }
+        )
     for suffix, shape in shapes.items():
         if name.endswith(suffix):
             return shape
@@ -275,7 +284,6 @@ def to_hf(
     return out
 
 
-
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a tensor whose storage is exactly its own bytes (``torch.save`` writes a view's
     whole storage): no copy when ``t`` is contiguous."""
@@ -283,5 +291,3 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
     raw = t.reshape(-1).view(torch.uint8).numpy()
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
-
-

@@ -54,8 +54,12 @@ def _gated_qkv_rows(preset: ModelConfig) -> list[list[tuple[int, int]]]:
     Megatron's ``linear_qkv`` per query group its queries, their gates, K, V."""
     ng, per, d = _qkv_dims(preset)
     step = (2 * per + 2) * d
-    q = [(g * step + o + j * d, g * step + o + (j + 1) * d)
-         for g in range(ng) for j in range(per) for o in (0, per * d)]  # fmt: skip
+    q = [
+        (g * step + o + j * d, g * step + o + (j + 1) * d)
+        for g in range(ng)
+        for j in range(per)
+        for o in (0, per * d)
+    ]
     k = [(g * step + 2 * per * d, g * step + (2 * per + 1) * d) for g in range(ng)]
     v = [(g * step + (2 * per + 1) * d, (g + 1) * step) for g in range(ng)]
     return [q, k, v]
@@ -69,8 +73,9 @@ def _delta_in_rows(preset: ModelConfig) -> list[list[tuple[int, int]]]:
     r, qk, v = hv // hk, hk * dk, hv * dv
     starts = (0, qk, 2 * qk, 2 * qk + v)  # q, k, v, z
     sizes = (dk, dk, r * dv, r * dv)
-    qkvz = [(s + h * n, s + (h + 1) * n)
-            for h in range(hk) for s, n in zip(starts, sizes, strict=True)]  # fmt: skip
+    qkvz = [
+        (s + h * n, s + (h + 1) * n) for h in range(hk) for s, n in zip(starts, sizes, strict=True)
+    ]
     b = 2 * qk + 2 * v
     ba = [(s + h * r, s + (h + 1) * r) for h in range(hk) for s in (b, b + hv)]
     return [qkvz, ba]
@@ -116,7 +121,3 @@ def delta_net_shapes(preset: ModelConfig) -> dict[str, tuple[int, ...]]:
         "out_norm.weight": (dv,),
         "out_proj.weight": (preset.hidden_size, v),
     }
-
-
-
-

@@ -43,10 +43,14 @@ def expand(argv: list[str], hf_dir: str) -> list[str]:
         raise UsageError(f"--load {hf_dir!r}: {exc}") from None
     tp = int(_flag(argv, "--tensor-model-parallel-size", "1"))
     divisible = int(_flag(argv, "--make-vocab-size-divisible-by", "128"))
-    flags = set_flag(preset.megatron_args(), "--padded-vocab-size",
-                      str(padded_vocab_size(preset.vocab_size, divisible, tp)))  # fmt: skip
-    has_tok = any(os.path.isfile(os.path.join(hf_dir, f))
-                  for f in ("tokenizer.json", "tokenizer_config.json"))  # fmt: skip
+    flags = set_flag(
+        preset.megatron_args(),
+        "--padded-vocab-size",
+        str(padded_vocab_size(preset.vocab_size, divisible, tp)),
+    )
+    has_tok = any(
+        os.path.isfile(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    )
     if has_tok and not _flag(argv, "--tokenizer-type"):
         flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", hf_dir]
     return merge_flags(flags, argv)
@@ -79,8 +83,7 @@ def converted_dir(args: argparse.Namespace, hf_dir: str) -> str:
     """Where the converted checkpoint for this run lives (under --save, else a temp dir),
     named after the weights' identity and the run's vocabulary padding and dtype."""
     padded = "" if args.padded_vocab_size is None else str(args.padded_vocab_size)
-    key = "|".join([os.path.abspath(hf_dir), *weights_identity(hf_dir), padded,
-                    _dtype(args)])  # fmt: skip
+    key = "|".join([os.path.abspath(hf_dir), *weights_identity(hf_dir), padded, _dtype(args)])
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     root = args.save or os.path.join(tempfile.gettempdir(), "anyspeed-hf")
     return os.path.join(root, f"from-hf-{os.path.basename(os.path.abspath(hf_dir))}-{digest}")
@@ -90,8 +93,9 @@ def _dtype(args: argparse.Namespace) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
-def convert(args: argparse.Namespace, hf_dir: str, prog: str = "anyspeed pretrain",
-            timeout: float = 3600.0) -> str:  # fmt: skip
+def convert(
+    args: argparse.Namespace, hf_dir: str, prog: str = "anyspeed pretrain", timeout: float = 3600.0
+) -> str:
     """Convert for parsed ``args`` (once; local rank 0 under a launcher, others wait) and
     return the directory; ``prog`` names the command that runs in its progress line."""
     out = converted_dir(args, hf_dir)
@@ -106,11 +110,26 @@ def convert(args: argparse.Namespace, hf_dir: str, prog: str = "anyspeed pretrai
                 f"--load {hf_dir!r}: cannot create {os.path.dirname(out)} for its conversion "
                 f"({exc.strerror}); check --save"
             ) from None
-        cmd = [sys.executable, "-m", "anyspeed.cli", "convert", "--load-model-type", "hf",
-               "--save-model-type", "mg", "--load-dir", hf_dir, "--save-dir", out,
-               "--target-tensor-parallel-size", str(args.tensor_model_parallel_size),
-               "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by),
-               "--params-dtype", _dtype(args)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "anyspeed.cli",
+            "convert",
+            "--load-model-type",
+            "hf",
+            "--save-model-type",
+            "mg",
+            "--load-dir",
+            hf_dir,
+            "--save-dir",
+            out,
+            "--target-tensor-parallel-size",
+            str(args.tensor_model_parallel_size),
+            "--make-vocab-size-divisible-by",
+            str(args.make_vocab_size_divisible_by),
+            "--params-dtype",
+            _dtype(args),
+        ]
         print(f"{prog}: converting {hf_dir} -> {out}", flush=True)
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:

@@ -61,8 +61,14 @@ def read_config(directory: str | Path) -> dict:
     return read_json(path)
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-           "F64": torch.float64, "I64": torch.int64, "I32": torch.int32}  # fmt: skip
+_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -70,10 +76,17 @@ def file_in(directory: Path, name: object, source: Path | str) -> Path:
     """``directory / name`` when ``name`` (named by ``source``) is a plain file name whose file
     stays inside ``directory``; a Hugging Face hub cache snapshot's links into its repository's
     ``blobs/`` are the one way out that is allowed."""
-    if (not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name
-            or "\\" in name or "\0" in name):  # fmt: skip
-        raise ConvertError(f"{source} names {name!r}, not a file in {directory} (absolute "
-                           "paths and .. are refused)")  # fmt: skip
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or Path(name).name != name
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise ConvertError(
+            f"{source} names {name!r}, not a file in {directory} (absolute "
+            "paths and .. are refused)"
+        )
     root = directory.resolve()
     real = (directory / name).resolve()
     hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
@@ -93,17 +106,23 @@ class HFCheckpoint:
         index = self.dir / INDEX
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
-            if not (isinstance(weight_map, dict) and weight_map
-                    and all(isinstance(v, str) for v in weight_map.values())):  # fmt: skip
-                raise ConvertError(f"{index}: no weight_map of tensor name -> shard file name "
-                                   "(as transformers writes it)")  # fmt: skip
+            if not (
+                isinstance(weight_map, dict)
+                and weight_map
+                and all(isinstance(v, str) for v in weight_map.values())
+            ):
+                raise ConvertError(
+                    f"{index}: no weight_map of tensor name -> shard file name "
+                    "(as transformers writes it)"
+                )
             self.weight_map: dict[str, str] = weight_map
         elif (self.dir / "model.safetensors").is_file():
             names = self._header("model.safetensors")[1]
             self.weight_map = dict.fromkeys(names, "model.safetensors")
         else:
-            raise ConvertError(f"{self.dir}: no model.safetensors or {INDEX} (only safetensors "
-                               "weights are read)")  # fmt: skip
+            raise ConvertError(
+                f"{self.dir}: no model.safetensors or {INDEX} (only safetensors weights are read)"
+            )
         for shard in sorted(set(self.weight_map.values()), key=str):
             if not file_in(self.dir, shard, f"{index}: weight_map").is_file():
                 raise ConvertError(f"{self.dir}: missing shard {shard} (listed in {INDEX})")
@@ -161,8 +180,18 @@ class HFCheckpoint:
         return t
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
@@ -174,8 +203,9 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
     unit = _UNITS.get(m.group(2).upper()) if m else None
     size = int(float(m.group(1)) * unit) if unit and len(m.group(1)) < 20 else 0
     if size < 1:
-        raise ConvertError(f"{flag} {text!r}: expected a size such as 5GB, 500MB, 2GiB or a "
-                           "number of bytes")  # fmt: skip
+        raise ConvertError(
+            f"{flag} {text!r}: expected a size such as 5GB, 500MB, 2GiB or a number of bytes"
+        )
     return size
 
 
@@ -187,8 +217,12 @@ class ShardedWriter:
     and the header (padded with spaces, which the format allows) when its shard is complete.
     """
 
-    def __init__(self, directory: Path, plan: list[tuple[str, tuple[int, ...]]],
-                 max_shard_size: str | int = "5GB") -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: Path,
+        plan: list[tuple[str, tuple[int, ...]]],
+        max_shard_size: str | int = "5GB",
+    ) -> None:
         self.dir, self.plan, self.max = Path(directory), plan, parse_size(max_shard_size)
         self.shard_of: dict[str, int] = {}
         self.files: list[str] = []
@@ -211,8 +245,10 @@ class ShardedWriter:
         self.files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         for i, names in enumerate(shards):
             self.shard_of.update((name, i) for name, _ in names)
-            worst = {name: {"dtype": "BF16", "shape": list(shape), "data_offsets": [10**15] * 2}
-                     for name, shape in names}  # fmt: skip
+            worst = {
+                name: {"dtype": "BF16", "shape": list(shape), "data_offsets": [10**15] * 2}
+                for name, shape in names
+            }
             worst["__metadata__"] = {"format": "pt"}
             self.reserve.append(8 + -(-(len(json.dumps(worst)) + 64) // 8) * 8)
 
@@ -232,8 +268,11 @@ class ShardedWriter:
                 self.idx, self.offset, self.header = idx, 0, {}
             # A lazy concatenation is written part by part; mapped bytes go file to file.
             end = self.offset + self.f.write_tensor(t)
-            self.header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
-                                 "data_offsets": [self.offset, end]}  # fmt: skip
+            self.header[name] = {
+                "dtype": _CODES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [self.offset, end],
+            }
             self.offset = end
             self.total += end - self.header[name]["data_offsets"][0]
 

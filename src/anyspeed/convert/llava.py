@@ -53,17 +53,21 @@ def _lm_hf(name: str) -> str:
 
 def _layer_map(cfg: LlavaConfig) -> dict[str, str]:
     """Megatron tower name -> HF tower name, the fused QKV left out."""
-    out = {"conv1.weight": "embeddings.patch_embedding.weight",
-           "position_embeddings.weight": "embeddings.position_embedding.weight"}  # fmt: skip
+    out = {
+        "conv1.weight": "embeddings.patch_embedding.weight",
+        "position_embeddings.weight": "embeddings.position_embedding.weight",
+    }
     if cfg.vision.kind == "siglip":
         out["conv1.bias"] = "embeddings.patch_embedding.bias"
     else:
         out.update({"ln_pre.weight": "pre_layrnorm.weight", "ln_pre.bias": "pre_layrnorm.bias"})
     per_layer = {
-        "input_layernorm.{}": "layer_norm1.{}", "pre_mlp_layernorm.{}": "layer_norm2.{}",
+        "input_layernorm.{}": "layer_norm1.{}",
+        "pre_mlp_layernorm.{}": "layer_norm2.{}",
         "self_attention.linear_proj.{}": "self_attn.out_proj.{}",
-        "mlp.linear_fc1.{}": "mlp.fc1.{}", "mlp.linear_fc2.{}": "mlp.fc2.{}",
-    }  # fmt: skip
+        "mlp.linear_fc1.{}": "mlp.fc1.{}",
+        "mlp.linear_fc2.{}": "mlp.fc2.{}",
+    }
     for i in range(cfg.vision.num_layers):
         for mg, hf in per_layer.items():
             for p in ("weight", "bias"):
@@ -85,8 +89,9 @@ def _split_heads(t: torch.Tensor, heads: int) -> list[torch.Tensor]:
     return [x.reshape(-1, *t.shape[1:]) for x in t.reshape(heads, 3, -1, *t.shape[1:]).unbind(1)]
 
 
-def to_megatron(cfg: LlavaConfig, read: Callable[[str], torch.Tensor],
-                vocab_rows: int) -> dict[str, torch.Tensor]:  # fmt: skip
+def to_megatron(
+    cfg: LlavaConfig, read: Callable[[str], torch.Tensor], vocab_rows: int
+) -> dict[str, torch.Tensor]:
     """The whole (TP1) Megatron state of ``cfg`` from HF tensors ``read(current-layout name)``;
     the vocabulary padded with zero rows to ``vocab_rows``."""
     lm, m = cfg.language, mapping_for(cfg.language.family)
@@ -117,8 +122,9 @@ def to_hf(cfg: LlavaConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.T
     """HF tensors (current layout) from the whole Megatron state; vocabulary rows cut."""
     lm, m = cfg.language, mapping_for(cfg.language.family)
     out: dict[str, torch.Tensor] = {}
-    sub = {k[len("language_model.") :]: t for k, t in state.items()
-           if k.startswith("language_model.")}  # fmt: skip
+    sub = {
+        k[len("language_model.") :]: t for k, t in state.items() if k.startswith("language_model.")
+    }
     for g in engine.groups(lm):
         part = engine.to_hf(m, lm, g, sub, lm.vocab_size)
         out.update({_lm_hf(k): engine.materialize(t) for k, t in part.items()})
@@ -200,6 +206,7 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: int, r
             if k in state:
                 src = shard(k, state[k], tp, rank)
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"{k}: shape {tuple(src.shape)} where the model has "
-                                     f"{tuple(dst.shape)}")  # fmt: skip
+                    raise ValueError(
+                        f"{k}: shape {tuple(src.shape)} where the model has {tuple(dst.shape)}"
+                    )
                 dst.copy_(src)

@@ -62,15 +62,25 @@ def build_model(cfg: LlavaConfig, dtype: torch.dtype):
     from anyspeed.models import gpt, multimodal
 
     config = gpt.transformer_config(
-        cfg.language, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        params_dtype=dtype, pipeline_dtype=dtype, perform_initialization=False,
-    )  # fmt: skip
+        cfg.language,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        perform_initialization=False,
+    )
     return multimodal.build_llava(cfg, config)
 
 
-def hf_to_megatron(hf_dir: str | Path, save_dir: str | Path, *, tp: int = 1,
-                   ckpt_format: str = "torch_dist", make_vocab_size_divisible_by: int = 1,
-                   params_dtype: str | None = None) -> Path:  # fmt: skip
+def hf_to_megatron(
+    hf_dir: str | Path,
+    save_dir: str | Path,
+    *,
+    tp: int = 1,
+    ckpt_format: str = "torch_dist",
+    make_vocab_size_divisible_by: int = 1,
+    params_dtype: str | None = None,
+) -> Path:
     """An HF LLaVA directory -> a torch_dist checkpoint at ``save_dir`` (vocabulary padded to a
     multiple of ``make_vocab_size_divisible_by`` x ``tp``)."""
     from megatron.core import dist_checkpointing
@@ -80,8 +90,9 @@ def hf_to_megatron(hf_dir: str | Path, save_dir: str | Path, *, tp: int = 1,
     from anyspeed.convert.megatron_io import common_state, megatron_session
 
     if ckpt_format != "torch_dist":
-        raise ConvertError(f"--ckpt-format {ckpt_format}: LLaVA converts to torch_dist only "
-                           "(it loads at any TP)")  # fmt: skip
+        raise ConvertError(
+            f"--ckpt-format {ckpt_format}: LLaVA converts to torch_dist only (it loads at any TP)"
+        )
     ck = HFCheckpoint(hf_dir)
     cfg = _config(ck.config)
     layout = conv.layout_of(ck.names)
@@ -90,13 +101,19 @@ def hf_to_megatron(hf_dir: str | Path, save_dir: str | Path, *, tp: int = 1,
     padded = padded_vocab_size(cfg.language.vocab_size, max(1, make_vocab_size_divisible_by), tp)
     state = conv.to_megatron(cfg, lambda n: ck.get(conv.hf_name(n, layout)).to(dtype), padded)
     mg = cfg.with_language(vocab_size=padded)
-    extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": cfg.language.vocab_size,
-             "hf_layout": layout}  # fmt: skip
+    extra = {
+        "hf_config_json": json.dumps(ck.config),
+        "hf_vocab_size": cfg.language.vocab_size,
+        "hf_layout": layout,
+    }
     with staged_output(save_dir) as tmp, megatron_session():
         model = build_model(mg, dtype)
         conv.load_into(model, state, 1, 0)
-        common = {**common_state(mg.language, 0, extra), RECORD: record(cfg, ck.config),
-                  "anyspeed_dtype": {v: k for k, v in DTYPES.items()}[dtype]}  # fmt: skip
+        common = {
+            **common_state(mg.language, 0, extra),
+            RECORD: record(cfg, ck.config),
+            "anyspeed_dtype": {v: k for k, v in DTYPES.items()}[dtype],
+        }
         release = Path(iteration_dir(tmp, RELEASE))
         release.mkdir()
         dist_checkpointing.save({"model": model.sharded_state_dict(), **common}, str(release))
@@ -112,16 +129,17 @@ def _hf_config(common: dict[str, Any], hf_cfg_dir: str | Path | None) -> dict[st
         return json.loads(saved) if isinstance(saved, str) else saved
     if hf_cfg_dir and (Path(hf_cfg_dir) / "config.json").is_file():
         return read_config(hf_cfg_dir)
-    raise ConvertError("the checkpoint records no HF config: pass --hf-cfg-dir with the "
-                       "model's config.json")  # fmt: skip
+    raise ConvertError(
+        "the checkpoint records no HF config: pass --hf-cfg-dir with the model's config.json"
+    )
 
 
 def load_megatron(load_dir: str | Path) -> tuple[torch.nn.Module, LlavaConfig, dict[str, Any]]:
     """The checkpoint's model (one rank, TP1, eval; inside a megatron session), its config
     and common state."""
+    from anyspeed.checkpoint.load import load_weights
     from anyspeed.checkpoint.reads import checkpoint_dir, read_common
     from anyspeed.checkpoint.record import model_in_common
-    from anyspeed.checkpoint.save_load import load_weights
 
     common = read_common(checkpoint_dir(load_dir))
     if not is_llava_checkpoint(common):
@@ -133,9 +151,13 @@ def load_megatron(load_dir: str | Path) -> tuple[torch.nn.Module, LlavaConfig, d
     return model.eval(), cfg, common
 
 
-def megatron_to_hf(load_dir: str | Path, save_dir: str | Path,
-                   hf_cfg_dir: str | Path | None = None, *,
-                   max_shard_size: str | int = "5GB") -> Path:  # fmt: skip
+def megatron_to_hf(
+    load_dir: str | Path,
+    save_dir: str | Path,
+    hf_cfg_dir: str | Path | None = None,
+    *,
+    max_shard_size: str | int = "5GB",
+) -> Path:
     """A LLaVA torch_dist checkpoint (converted or trained at any TP) -> an HF directory."""
     from anyspeed.convert.api import staged_output
     from anyspeed.convert.megatron_io import megatron_session
@@ -149,8 +171,7 @@ def megatron_to_hf(load_dir: str | Path, save_dir: str | Path,
     out = conv.to_hf(cfg.with_language(vocab_size=vocab), state)
     named = {conv.hf_name(k, layout): t for k, t in out.items()}
     with staged_output(save_dir) as tmp:
-        writer = ShardedWriter(tmp, [(k, tuple(t.shape)) for k, t in named.items()],
-                               max_shard_size)  # fmt: skip
+        writer = ShardedWriter(tmp, [(k, tuple(t.shape)) for k, t in named.items()], max_shard_size)
         writer.add(named)
         writer.close()
         if hf_cfg_dir:
@@ -183,8 +204,10 @@ def verify(hf_dir: str | Path, mg_dir: str | Path, tolerance: float = 1e-4) -> f
         one = torch.full((1, 1), cfg.image_token_id)
         with torch.no_grad():
             mine, _ = model(images, torch.cat([text[:, :4], one, text[:, 4:]], 1), None, None)
-            ref = hf(input_ids=torch.cat([text[:, :4], one.expand(1, n), text[:, 4:]], 1),
-                     pixel_values=images).logits  # fmt: skip
+            ref = hf(
+                input_ids=torch.cat([text[:, :4], one.expand(1, n), text[:, 4:]], 1),
+                pixel_values=images,
+            ).logits
     diff = float((mine[..., : ref.shape[-1]].float() - ref.float()).abs().max())
     if not diff <= tolerance:
         raise ConvertError(f"--verify: logits differ by {diff:.3g} (tolerance {tolerance:g})")

@@ -138,8 +138,11 @@ def empty_model(preset: ModelConfig, dtype: torch.dtype):
 # ----------------------------------------------------------------------------------- legacy
 def _extra_states(names: list[str], last_stage: bool) -> dict[str, None]:
     """The ``_extra_state`` entries Megatron's linear layers add to a state dict."""
-    mods = {n.rsplit(".", 1)[0] for n in names
-            if ".linear_" in n or ".eh_proj." in n or n.startswith("output_layer")}  # fmt: skip
+    mods = {
+        n.rsplit(".", 1)[0]
+        for n in names
+        if ".linear_" in n or ".eh_proj." in n or n.startswith("output_layer")
+    }
     if last_stage:
         mods.add("output_layer")
     return {f"{m}._extra_state": None for m in sorted(mods)}
@@ -241,8 +244,12 @@ def read_legacy(
         by_group = _by_group(sources, first_stage=s == 0)
         layers = sorted(g for g in by_group if isinstance(g, int))
         mtp = sorted(g for g in by_group if isinstance(g, tuple))
-        order = [*([EMBED] if EMBED in by_group else []), *layers, *mtp,
-                 *([HEAD] if HEAD in by_group else [])]  # fmt: skip
+        order = [
+            *([EMBED] if EMBED in by_group else []),
+            *layers,
+            *mtp,
+            *([HEAD] if HEAD in by_group else []),
+        ]
         for g in order:
             out = {}
             for n in by_group[g]:
@@ -289,8 +296,9 @@ def _stage_sources(shards: dict[tuple[int, int], dict], tp: int, ep: int) -> dic
                 out.setdefault(n, (0, n))
                 continue
             if per_rank is None:
-                per_rank = 1 + max(int(m.group(2)) for k in shards[(0, x)]
-                                   if (m := LOCAL_EXPERT.search(k)))  # fmt: skip
+                per_rank = 1 + max(
+                    int(m.group(2)) for k in shards[(0, x)] if (m := LOCAL_EXPERT.search(k))
+                )
             glob = x * per_rank + int(mt.group(2))
             out[n[: mt.start()] + f"{mt.group(1)}{glob}." + n[mt.end() :]] = (x, n)
     return out

@@ -27,5 +27,6 @@ def reward_mapping(m: FamilyMapping) -> FamilyMapping:
 def reward_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json of the sequence-classification model of causal LM config ``cfg``."""
     arch = [a.replace("ForCausalLM", "ForSequenceClassification") for a in cfg["architectures"]]
-    return dict(cfg, architectures=arch, num_labels=1, id2label={"0": "LABEL_0"},
-                label2id={"LABEL_0": 0})  # fmt: skip
+    return dict(
+        cfg, architectures=arch, num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}
+    )

@@ -21,9 +21,23 @@ from anyspeed.convert.errors import ConvertError
 # The safetensors library refuses headers above 100 MB; so do we (no memory bomb).
 MAX_HEADER = 100_000_000
 # Every dtype code of the safetensors format, with its size in bytes.
-ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
-            "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
-            "F64": 8}  # fmt: skip
+ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 @dataclass(frozen=True)
@@ -74,13 +88,16 @@ def _entry(name: str, info: object, data_size: int) -> Entry:
     if not 0 <= begin <= end:
         raise ValueError(f"tensor {name} has data_offsets {_short(offsets)}, not 0 <= begin <= end")
     if end > data_size:
-        raise ValueError(f"truncated: tensor {name} ends at data byte {_short(end)}, the file "
-                         f"holds {data_size}")  # fmt: skip
+        raise ValueError(
+            f"truncated: tensor {name} ends at data byte {_short(end)}, the file holds {data_size}"
+        )
     need = _nbytes(shape, ITEMSIZE[dtype], data_size)
     if end - begin != need:
         needs = f"{need} bytes" if need <= data_size else "more bytes than the file holds"
-        raise ValueError(f"tensor {name} holds {end - begin} bytes; shape {_short(shape)} of "
-                         f"{dtype} needs {needs}")  # fmt: skip
+        raise ValueError(
+            f"tensor {name} holds {end - begin} bytes; shape {_short(shape)} of "
+            f"{dtype} needs {needs}"
+        )
     return Entry(dtype, tuple(shape), begin, end)
 
 

@@ -91,9 +91,11 @@ def _probe(preset: ModelConfig) -> tuple[ModelConfig, dict[Any, int]]:
         kinds = list(dict.fromkeys(_layer_kinds(preset)))
         bits = lambda i: "[" + ",".join(str(int(k[i])) for k in kinds) + "]"  # noqa: E731
         probe = dataclasses.replace(
-            _few_experts(preset), num_layers=len(kinds), moe_layer_freq=bits(0),
+            _few_experts(preset),
+            num_layers=len(kinds),
+            moe_layer_freq=bits(0),
             linear_attention_freq=bits(1),
-        )  # fmt: skip
+        )
         return probe, {k: j for j, k in enumerate(kinds)}
     kinds = preset.moe_layers()
     preset = _few_experts(preset)

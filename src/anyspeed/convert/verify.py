@@ -104,8 +104,9 @@ def _hf_token_scores(auto: Any, config: Any, ck: Any, tokens: torch.Tensor) -> t
     """A sequence-classification model's head at every position, [b, s, labels] (its own
     output is the last non-pad token's row of this)."""
     model = auto.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict({n: ck.get(n).float() for n in ck.names},
-                                                strict=False)  # fmt: skip
+    missing, unexpected = model.load_state_dict(
+        {n: ck.get(n).float() for n in ck.names}, strict=False
+    )
     if missing or unexpected:
         raise ConvertError(f"transformers misses {missing[:3]}, does not expect {unexpected[:3]}")
     model.eval()

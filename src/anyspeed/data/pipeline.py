@@ -197,8 +197,11 @@ def prepare(cfg: Config) -> tuple[Job, Tokenizer]:
         removed = remove_stale_temp_files(prefix)
         if removed and cfg.progress:
             name = os.path.basename(removed[0])
-            print(f"anyspeed preprocess: removed {len(removed)} temporary files of an "
-                  f"interrupted run ({name}, ...)", file=sys.stderr)  # fmt: skip
+            print(
+                f"anyspeed preprocess: removed {len(removed)} temporary files of an "
+                f"interrupted run ({name}, ...)",
+                file=sys.stderr,
+            )
     pad = tok.pad_id if tok.pad_id is not None else tok.eod_id
     job = Job(files, prefixes, dtypes, cfg.tokenizer, handler, cfg, cfg.workers, cfg.progress, pad)
     return job, tok

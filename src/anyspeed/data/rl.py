@@ -35,8 +35,9 @@ class R1AlpacaHandler(AlpacaHandler):
         seq_length: int | None = None,
     ) -> None:
         if append_eod:
-            raise UsageError(f"--append-eod does not apply to {self.name}: a prompt ends where "
-                             "the answer starts")  # fmt: skip
+            raise UsageError(
+                f"--append-eod does not apply to {self.name}: a prompt ends where the answer starts"
+            )
         super().__init__(tok, map_keys, prompt_type, False, seq_length)
 
     def process(self, records: list[dict], tok: Tokenizer) -> list[Sample | RecordError]:

@@ -129,8 +129,11 @@ def train_tokenizer(
             f"({counts.records} records read); no tokenizer was written"
         )
     if tok.get_vocab_size() < vocab_size:
-        print(f"anyspeed train-tokenizer: warning: the corpus gave {tok.get_vocab_size()} of the "
-              f"{vocab_size} tokens asked (too little text)", file=sys.stderr)  # fmt: skip
+        print(
+            f"anyspeed train-tokenizer: warning: the corpus gave {tok.get_vocab_size()} of the "
+            f"{vocab_size} tokens asked (too little text)",
+            file=sys.stderr,
+        )
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,

@@ -39,31 +39,60 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="anyspeed demo", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", default="anyspeed-demo", help="where data and checkpoints go")
     p.add_argument("--nproc-per-node", type=int, default=2)
-    p.add_argument("--train-iters", type=int, default=None,
-                   help="training iterations (default 400; 100 with --sft; 40 DPO "
-                   "iterations with --dpo)")  # fmt: skip
-    p.add_argument("--corpus-mb", type=float, default=None,
-                   help="MiB of the standard library to train the tokenizer on (default 6; "
-                   "--grpo: 1, what its page measures)")  # fmt: skip
-    p.add_argument("--moe", action="store_true",
-                   help="a Qwen3-MoE-style model, experts over the processes (EP=N)")  # fmt: skip
-    p.add_argument("--sft", action="store_true",
-                   help="supervised fine-tuning on an instruction set from the stdlib, then "
-                   "answer one of its prompts")  # fmt: skip
-    p.add_argument("--dpo", action="store_true",
-                   help="the SFT demo, then DPO on a preference set built from its questions "
-                   "(the expected answer preferred to another function's)")  # fmt: skip
-    p.add_argument("--grpo", action="store_true",
-                   help="a verifiable addition task: a short SFT, then GRPO with a rule reward "
-                   "(held-out accuracy before and after)")  # fmt: skip
-    p.add_argument("--mm", action="store_true",
-                   help="a vision-language model (LLaVA) captioning drawn shapes, trained on "
-                   "the processes (data parallel)")  # fmt: skip
-    p.add_argument("--sft-iters", type=int, default=None,
-                   help="with --dpo/--grpo: SFT iterations first (default 100/300)")  # fmt: skip
-    p.add_argument("--sft-samples", type=int, default=32,
-                   help="with --sft: how many instructions to train on and answer "
-                   "(default 32)")  # fmt: skip
+    p.add_argument(
+        "--train-iters",
+        type=int,
+        default=None,
+        help="training iterations (default 400; 100 with --sft; 40 DPO iterations with --dpo)",
+    )
+    p.add_argument(
+        "--corpus-mb",
+        type=float,
+        default=None,
+        help="MiB of the standard library to train the tokenizer on (default 6; "
+        "--grpo: 1, what its page measures)",
+    )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="a Qwen3-MoE-style model, experts over the processes (EP=N)",
+    )
+    p.add_argument(
+        "--sft",
+        action="store_true",
+        help="supervised fine-tuning on an instruction set from the stdlib, then "
+        "answer one of its prompts",
+    )
+    p.add_argument(
+        "--dpo",
+        action="store_true",
+        help="the SFT demo, then DPO on a preference set built from its questions "
+        "(the expected answer preferred to another function's)",
+    )
+    p.add_argument(
+        "--grpo",
+        action="store_true",
+        help="a verifiable addition task: a short SFT, then GRPO with a rule reward "
+        "(held-out accuracy before and after)",
+    )
+    p.add_argument(
+        "--mm",
+        action="store_true",
+        help="a vision-language model (LLaVA) captioning drawn shapes, trained on "
+        "the processes (data parallel)",
+    )
+    p.add_argument(
+        "--sft-iters",
+        type=int,
+        default=None,
+        help="with --dpo/--grpo: SFT iterations first (default 100/300)",
+    )
+    p.add_argument(
+        "--sft-samples",
+        type=int,
+        default=32,
+        help="with --sft: how many instructions to train on and answer (default 32)",
+    )
     return p
 
 
@@ -74,11 +103,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from anyspeed.errors import UsageError, report
 
     if (args.sft or args.dpo or args.grpo) and args.moe:
-        return report("anyspeed demo", UsageError("--sft/--dpo fine-tune the dense demo model; "
-                                                  "drop --moe"))  # fmt: skip
+        return report(
+            "anyspeed demo", UsageError("--sft/--dpo fine-tune the dense demo model; drop --moe")
+        )
     if args.sft_samples < 1:
-        return report("anyspeed demo", UsageError(f"--sft-samples {args.sft_samples}: give at "
-                                                  "least 1 instruction to train on"))  # fmt: skip
+        return report(
+            "anyspeed demo",
+            UsageError(
+                f"--sft-samples {args.sft_samples}: give at least 1 instruction to train on"
+            ),
+        )
     if args.mm:
         from anyspeed.demo.mm import run
 
@@ -111,9 +145,24 @@ def _pretrain(args: argparse.Namespace, extra: list[str]) -> int:
         return rc
     corpus = os.path.join(args.workdir, "stdlib.jsonl")
     prefix = os.path.join(args.workdir, "stdlib")
-    rc = data_main(["preprocess", "--input", corpus, "--output-prefix", prefix,
-                    "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir,
-                    "--append-eod", "--workers", "2", "--overwrite", "--quiet"])  # fmt: skip
+    rc = data_main(
+        [
+            "preprocess",
+            "--input",
+            corpus,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "PretrainedFromHF",
+            "--tokenizer-name-or-path",
+            tok_dir,
+            "--append-eod",
+            "--workers",
+            "2",
+            "--overwrite",
+            "--quiet",
+        ]
+    )
     if rc:
         return rc
     data = prefix + "_text_document"
@@ -127,13 +176,32 @@ def _pretrain(args: argparse.Namespace, extra: list[str]) -> int:
         model[model.index("tiny-qwen2.5")] = "tiny-qwen3-moe"
         layout = ["--expert-model-parallel-size", str(n), *DEMO_MOE]
     cmd = [
-        "--nproc-per-node", str(n), *model, *layout, "--padded-vocab-size", str(VOCAB),
-        "--train-iters", str(iters),
-        "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir,
-        "--data-path", data, "--save", save, "--save-interval", str(iters),
-        "--generate-prompt", PROMPT, "--generate-tokens", "48", "--metrics-file", metrics,
+        "--nproc-per-node",
+        str(n),
+        *model,
+        *layout,
+        "--padded-vocab-size",
+        str(VOCAB),
+        "--train-iters",
+        str(iters),
+        "--tokenizer-type",
+        "PretrainedFromHF",
+        "--tokenizer-name-or-path",
+        tok_dir,
+        "--data-path",
+        data,
+        "--save",
+        save,
+        "--save-interval",
+        str(iters),
+        "--generate-prompt",
+        PROMPT,
+        "--generate-tokens",
+        "48",
+        "--metrics-file",
+        metrics,
         *extra,
-    ]  # fmt: skip
+    ]
     print(f"[4/4] anyspeed pretrain {' '.join(cmd)}", flush=True)
     rc = pretrain_main(cmd)
     if rc == 0:

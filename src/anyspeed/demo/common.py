@@ -12,24 +12,68 @@ import sysconfig
 
 # Qwen2.5's architecture (GQA, QKV bias, RMSNorm, SwiGLU, RoPE, tied embeddings) at CPU size.
 DEMO_ARCH = [
-    "--model", "tiny-qwen2.5", "--num-layers", "4", "--hidden-size", "128",
-    "--ffn-hidden-size", "352", "--num-attention-heads", "4", "--num-query-groups", "2",
-    "--seq-length", "128", "--max-position-embeddings", "128",
-]  # fmt: skip
+    "--model",
+    "tiny-qwen2.5",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--ffn-hidden-size",
+    "352",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+]
 DEMO_MODEL = [
-    *DEMO_ARCH, "--micro-batch-size", "8", "--global-batch-size", "16",
-    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
-    "--lr-warmup-iters", "20", "--weight-decay", "0.1", "--adam-beta2", "0.95",
-    "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--split", "98,1,1", "--eval-interval", "100", "--eval-iters", "4", "--log-interval", "25",
-]  # fmt: skip
+    *DEMO_ARCH,
+    "--micro-batch-size",
+    "8",
+    "--global-batch-size",
+    "16",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "20",
+    "--weight-decay",
+    "0.1",
+    "--adam-beta2",
+    "0.95",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--split",
+    "98,1,1",
+    "--eval-interval",
+    "100",
+    "--eval-iters",
+    "4",
+    "--log-interval",
+    "25",
+]
 CORPUS_SEED = 0  # the documents' order: Megatron holds out the last ones (--split)
 # With --moe: Qwen3-MoE's architecture (QK norm, 8 experts, top-2, aux loss) at CPU size,
 # experts spread over the processes (expert parallel) with the all-to-all dispatcher.
 DEMO_MOE = [
-    "--moe-ffn-hidden-size", "128", "--moe-aux-loss-coeff", "0.01",
-    "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
-]  # fmt: skip
+    "--moe-ffn-hidden-size",
+    "128",
+    "--moe-aux-loss-coeff",
+    "0.01",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--moe-grouped-gemm",
+]
 VOCAB = 1024
 PROMPT = "def read_file(path):\n    "
 
@@ -40,8 +84,11 @@ def stdlib_files() -> list[str]:
     stdlib = sysconfig.get_paths()["stdlib"]
     files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
     files += sorted(glob.glob(os.path.join(stdlib, "*", "*.py")))
-    return [f for f in files if "site-packages" not in f
-            and "test" not in os.path.basename(os.path.dirname(f))]  # fmt: skip
+    return [
+        f
+        for f in files
+        if "site-packages" not in f and "test" not in os.path.basename(os.path.dirname(f))
+    ]
 
 
 def build_corpus(path: str, max_bytes: int, split: str | None = None) -> tuple[list[str], int]:
@@ -112,15 +159,29 @@ def tokenizer_steps(
     os.makedirs(workdir, exist_ok=True)
     corpus = os.path.join(workdir, "stdlib.jsonl")
     names, size = build_corpus(corpus, int(corpus_mb * 2**20), split)
-    print(f"[1/{steps}] corpus: {len(names)} Python standard-library files (shuffled, seed "
-          f"{CORPUS_SEED}), {size / 2**20:.1f} MB -> {corpus}")  # fmt: skip
+    print(
+        f"[1/{steps}] corpus: {len(names)} Python standard-library files (shuffled, seed "
+        f"{CORPUS_SEED}), {size / 2**20:.1f} MB -> {corpus}"
+    )
     if split:
         valid, test = held_out(names, split)
-        print(f"      held out (--split {split}): validation {', '.join(valid) or 'none'}; "
-              f"test {', '.join(test) or 'none'}")  # fmt: skip
+        print(
+            f"      held out (--split {split}): validation {', '.join(valid) or 'none'}; "
+            f"test {', '.join(test) or 'none'}"
+        )
     tok_dir = os.path.join(workdir, "tokenizer")
-    rc = data_main(["train-tokenizer", "--input", corpus, "--vocab-size", str(VOCAB),
-                    "--output-dir", tok_dir, "--overwrite"])  # fmt: skip
+    rc = data_main(
+        [
+            "train-tokenizer",
+            "--input",
+            corpus,
+            "--vocab-size",
+            str(VOCAB),
+            "--output-dir",
+            tok_dir,
+            "--overwrite",
+        ]
+    )
     if rc == 0:
         print(f"[2/{steps}] tokenizer: byte-level BPE, {VOCAB} tokens -> {tok_dir}")
     return rc, tok_dir
@@ -138,9 +199,11 @@ def loss_fell(metrics: str, what: str) -> tuple[bool, list[dict]]:
     rows = [json.loads(line) for line in open(metrics)]
     first, last = rows[0]["lm_loss"], rows[-1]["lm_loss"]
     fell = last < 0.75 * first
-    print(f"demo: {what} {first:.3f} (iteration {rows[0]['iteration']}) -> {last:.3f} "
-          f"(iteration {rows[-1]['iteration']}): "
-          + ("clearly falling, OK" if fell else "NOT clearly falling"))  # fmt: skip
+    print(
+        f"demo: {what} {first:.3f} (iteration {rows[0]['iteration']}) -> {last:.3f} "
+        f"(iteration {rows[-1]['iteration']}): "
+        + ("clearly falling, OK" if fell else "NOT clearly falling")
+    )
     return fell, rows
 
 

@@ -26,11 +26,32 @@ from anyspeed.demo.sft import PROMPT_TYPE, generated_answers, preprocess, sft_mo
 
 STEPS = 8
 DPO_TRAIN = [
-    "--dpo-beta", "0.1", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
-    "--lr-warmup-iters", "5", "--weight-decay", "0", "--clip-grad", "1.0",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "100,0,0",
-    "--eval-iters", "0", "--log-interval", "1", "--variable-seq-lengths",
-]  # fmt: skip
+    "--dpo-beta",
+    "0.1",
+    "--lr",
+    "1e-4",
+    "--min-lr",
+    "1e-5",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "5",
+    "--weight-decay",
+    "0",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--split",
+    "100,0,0",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--variable-seq-lengths",
+]
 TARGET = 0.9
 
 
@@ -44,8 +65,14 @@ def pairs(train: list[dict]) -> list[dict]:
         wrong = next((r["output"] for r in others if r["output"] != rec["output"]), None)
         if wrong is None:
             continue
-        out.append({"instruction": rec["instruction"], "input": "", "chosen": rec["output"],
-                    "rejected": wrong})  # fmt: skip
+        out.append(
+            {
+                "instruction": rec["instruction"],
+                "input": "",
+                "chosen": rec["output"],
+                "rejected": wrong,
+            }
+        )
     return out
 
 
@@ -54,9 +81,12 @@ def _preference_data(args: argparse.Namespace, tok_dir: str, train: list[dict]) 
     prefix = os.path.join(args.workdir, "dpo")
     rc = preprocess(src, prefix, tok_dir, "AlpacaStylePairwiseHandler")
     if rc == 0:
-        print(f"[6/{STEPS}] preference set: {src} (the expected answer chosen, another "
-              f"function's rejected) -> {prefix}_packed_{{chosen,rejected}}_{{input_ids,"
-              "labels}_document", flush=True)  # fmt: skip
+        print(
+            f"[6/{STEPS}] preference set: {src} (the expected answer chosen, another "
+            f"function's rejected) -> {prefix}_packed_{{chosen,rejected}}_{{input_ids,"
+            "labels}_document",
+            flush=True,
+        )
     return rc, prefix
 
 
@@ -81,13 +111,37 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     n, iters = args.nproc_per_node, args.train_iters or 40
     samples = len(pairs(train))
     cmd = [
-        "--nproc-per-node", str(n), "--stage", "dpo", "--is-pairwise-dataset",
-        "--prompt-type", PROMPT_TYPE, *DEMO_ARCH, *tp_layout(n),
-        "--padded-vocab-size", str(VOCAB), "--load", sft_save, "--finetune",
-        "--micro-batch-size", "4", "--global-batch-size", str(samples - samples % 4),
-        "--train-iters", str(iters), *DPO_TRAIN, "--data-path", prefix, "--save", save,
-        "--save-interval", str(iters), "--metrics-file", metrics, *extra,
-    ]  # fmt: skip
+        "--nproc-per-node",
+        str(n),
+        "--stage",
+        "dpo",
+        "--is-pairwise-dataset",
+        "--prompt-type",
+        PROMPT_TYPE,
+        *DEMO_ARCH,
+        *tp_layout(n),
+        "--padded-vocab-size",
+        str(VOCAB),
+        "--load",
+        sft_save,
+        "--finetune",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        str(samples - samples % 4),
+        "--train-iters",
+        str(iters),
+        *DPO_TRAIN,
+        "--data-path",
+        prefix,
+        "--save",
+        save,
+        "--save-interval",
+        str(iters),
+        "--metrics-file",
+        metrics,
+        *extra,
+    ]
     print(f"[7/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
     rc = posttrain_main(cmd)
     if rc == 0:
@@ -98,9 +152,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             f"margin {first['rewards/margins']:.3f}, accuracy "
             f"{first['rewards/accuracies']:.2f} (rewards ~0: ties decided by rounding)"
         )
-        print(f"demo: after, iteration {last['iteration']}: reward margin "
-              f"{last['rewards/margins']:.3f}, accuracy {last['rewards/accuracies']:.2f} (the "
-              "chosen answer's implicit reward above the rejected one's)")  # fmt: skip
+        print(
+            f"demo: after, iteration {last['iteration']}: reward margin "
+            f"{last['rewards/margins']:.3f}, accuracy {last['rewards/accuracies']:.2f} (the "
+            "chosen answer's implicit reward above the rejected one's)"
+        )
         answers = generated_answers(args, save, tok_dir, train, f"[8/{STEPS}]")
         if answers:
             show_answer(train, answers)

@@ -37,20 +37,70 @@ HELD_OUT = 80  # pairs never trained on (neither SFT nor GRPO)
 # model 46% accurate and little room (+0.26 reward), (1, 2) 12% (below the 20-50% aimed at)
 FORMS = (2, 3)
 SFT_TRAIN = [
-    "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
-    "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0",
-    "--attention-dropout", "0", "--split", "100,0,0", "--eval-iters", "0",
-    "--log-interval", "20", "--variable-seq-lengths", "--micro-batch-size", "16",
-    "--global-batch-size", "64",
-]  # fmt: skip
+    "--lr",
+    "2e-3",
+    "--min-lr",
+    "2e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "10",
+    "--weight-decay",
+    "0.01",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--split",
+    "100,0,0",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "20",
+    "--variable-seq-lengths",
+    "--micro-batch-size",
+    "16",
+    "--global-batch-size",
+    "64",
+]
 GRPO_TRAIN = [
-    "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "1.0",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "100,0,0",
-    "--eval-iters", "0", "--log-interval", "1", "--n-samples-per-prompt", "8",
-    "--global-batch-size", "128", "--micro-batch-size", "32", "--max-response-length", "8",
-    "--rollout-batch-size", "32",
-    "--temperature", "0.5", "--init-kl-coef", "0", "--verifier-function", "gsm8k",
-]  # fmt: skip
+    "--lr",
+    "1e-4",
+    "--lr-decay-style",
+    "constant",
+    "--weight-decay",
+    "0",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--split",
+    "100,0,0",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--n-samples-per-prompt",
+    "8",
+    "--global-batch-size",
+    "128",
+    "--micro-batch-size",
+    "32",
+    "--max-response-length",
+    "8",
+    "--rollout-batch-size",
+    "32",
+    "--temperature",
+    "0.5",
+    "--init-kl-coef",
+    "0",
+    "--verifier-function",
+    "gsm8k",
+]
 
 
 def task(seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -91,20 +141,28 @@ def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, str, list[d
     sft = write_jsonl(os.path.join(args.workdir, "grpo-sft.jsonl"), sft_records(train))
     rl = write_jsonl(os.path.join(args.workdir, "grpo-prompts.jsonl"), train)
     write_jsonl(os.path.join(args.workdir, "grpo-heldout.jsonl"), held)
-    print(f"[3/{STEPS}] task: 'What is a + b?' -> '#### a+b' for a, b < {TOP}: {len(train)} "
-          "questions for SFT (each answered '#### n' and 'n') and GRPO, "
-          f"{len(held)} held out from both", flush=True)  # fmt: skip
+    print(
+        f"[3/{STEPS}] task: 'What is a + b?' -> '#### a+b' for a, b < {TOP}: {len(train)} "
+        "questions for SFT (each answered '#### n' and 'n') and GRPO, "
+        f"{len(held)} held out from both",
+        flush=True,
+    )
     sft_prefix, rl_prefix = (os.path.join(args.workdir, n) for n in ("grpo-sft", "grpo-rl"))
     rc = preprocess(sft, sft_prefix, tok_dir, "AlpacaStyleInstructionHandler") or preprocess(
-        rl, rl_prefix, tok_dir, "R1AlpacaStyleInstructionHandler")  # fmt: skip
+        rl, rl_prefix, tok_dir, "R1AlpacaStyleInstructionHandler"
+    )
     if rc == 0:
-        print(f"[4/{STEPS}] preprocess: {sft_prefix}_packed_* (SFT), {rl_prefix}_packed_* "
-              "(prompts + answers for the verifier)", flush=True)  # fmt: skip
+        print(
+            f"[4/{STEPS}] preprocess: {sft_prefix}_packed_* (SFT), {rl_prefix}_packed_* "
+            "(prompts + answers for the verifier)",
+            flush=True,
+        )
     return rc, sft_prefix, rl_prefix, held
 
 
-def _heldout(args: argparse.Namespace, save: str, tok_dir: str, held: list[dict],
-             step: str) -> float | None:  # fmt: skip
+def _heldout(
+    args: argparse.Namespace, save: str, tok_dir: str, held: list[dict], step: str
+) -> float | None:
     answers = generated_answers(args, save, tok_dir, held, step)
     if not answers:
         return None
@@ -116,6 +174,33 @@ def _heldout(args: argparse.Namespace, save: str, tok_dir: str, held: list[dict]
 def _rewards(metrics: str) -> list[float]:
     with open(metrics, encoding="utf-8") as f:
         return [r["grpo/rewards/mean"] for r in map(json.loads, f) if "grpo/rewards/mean" in r]
+
+
+def _sft(args: argparse.Namespace, common: list[str], sft_prefix: str) -> str | None:
+    """Step 5: the SFT model GRPO starts from; its checkpoint (None when training failed)."""
+    from anyspeed.commands.train import posttrain as posttrain_main
+
+    sft_save = os.path.join(args.workdir, "grpo-sft-checkpoints")
+    iters = args.sft_iters or 300  # fewer leave the model too weak to learn from (0.05 accurate)
+    cmd = [
+        "--stage",
+        "sft",
+        "--is-instruction-dataset",
+        *common,
+        *SFT_TRAIN,
+        "--train-iters",
+        str(iters),
+        "--data-path",
+        sft_prefix,
+        "--save",
+        sft_save,
+        "--save-interval",
+        str(iters),
+    ]
+    print(f"[5/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return None
+    return sft_save
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -131,24 +216,47 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if rc:
         return rc
     n = args.nproc_per_node
-    common = ["--nproc-per-node", str(n), "--prompt-type", PROMPT_TYPE, *DEMO_ARCH,
-              *tp_layout(n), "--padded-vocab-size", str(VOCAB), "--tokenizer-type",
-              "PretrainedFromHF", "--tokenizer-name-or-path", tok_dir]  # fmt: skip
-    sft_save = os.path.join(args.workdir, "grpo-sft-checkpoints")
-    iters = args.sft_iters or 300  # fewer leave the model too weak to learn from (0.05 accurate)
-    cmd = ["--stage", "sft", "--is-instruction-dataset", *common, *SFT_TRAIN,
-           "--train-iters", str(iters), "--data-path", sft_prefix, "--save", sft_save,
-           "--save-interval", str(iters)]  # fmt: skip
-    print(f"[5/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
-    if posttrain_main(cmd):
+    common = [
+        "--nproc-per-node",
+        str(n),
+        "--prompt-type",
+        PROMPT_TYPE,
+        *DEMO_ARCH,
+        *tp_layout(n),
+        "--padded-vocab-size",
+        str(VOCAB),
+        "--tokenizer-type",
+        "PretrainedFromHF",
+        "--tokenizer-name-or-path",
+        tok_dir,
+    ]
+    sft_save = _sft(args, common, sft_prefix)
+    if sft_save is None:
         return 1
     before = _heldout(args, sft_save, tok_dir, held, f"[6/{STEPS}]")
     save = os.path.join(args.workdir, "grpo-checkpoints")
     metrics = fresh_metrics(os.path.join(args.workdir, "grpo-metrics.jsonl"))
     steps = args.train_iters or 50
-    cmd = ["--stage", "grpo", *common, "--load", sft_save, "--finetune", *GRPO_TRAIN,
-           "--train-iters", str(steps), "--data-path", rl_prefix, "--save", save,
-           "--save-interval", str(steps), "--metrics-file", metrics, *extra]  # fmt: skip
+    cmd = [
+        "--stage",
+        "grpo",
+        *common,
+        "--load",
+        sft_save,
+        "--finetune",
+        *GRPO_TRAIN,
+        "--train-iters",
+        str(steps),
+        "--data-path",
+        rl_prefix,
+        "--save",
+        save,
+        "--save-interval",
+        str(steps),
+        "--metrics-file",
+        metrics,
+        *extra,
+    ]
     print(f"[7/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
     if posttrain_main(cmd):
         return 1
@@ -157,8 +265,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if not r or before is None or after is None:
         return 1
     last = sum(r[-5:]) / len(r[-5:])
-    print(f"demo: mean reward {r[0]:.2f} (step 1, before any update) -> {last:.2f} (the last 5 "
-          f"steps); held-out greedy accuracy {before:.2f} -> {after:.2f}")  # fmt: skip
+    print(
+        f"demo: mean reward {r[0]:.2f} (step 1, before any update) -> {last:.2f} (the last 5 "
+        f"steps); held-out greedy accuracy {before:.2f} -> {after:.2f}"
+    )
     sample = generated_answers(args, save, tok_dir, held[:1], f"[8/{STEPS}]", sample=True)
     if sample:
         print(f"demo: a sampled answer: {held[0]['instruction']} -> {sample[0]!r}")

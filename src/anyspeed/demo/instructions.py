@@ -36,12 +36,10 @@ def _pairs(module: str, node: ast.FunctionDef) -> Iterator[dict]:
     name = f"`{module}.{node.name}`"
     summary = _summary(node)
     if summary:
-        yield {"instruction": f"What does the function {name} do?", "input": "",
-               "output": summary}  # fmt: skip
+        yield {"instruction": f"What does the function {name} do?", "input": "", "output": summary}
     signature = f"def {node.name}({ast.unparse(node.args)}):"
     if len(signature) <= MAX_ANSWER_CHARS and summary:
-        yield {"instruction": f"Write the signature of {name}.", "input": "",
-               "output": signature}  # fmt: skip
+        yield {"instruction": f"Write the signature of {name}.", "input": "", "output": signature}
 
 
 def _candidates(files: list[str]) -> Iterator[dict]:
@@ -57,8 +55,11 @@ def _candidates(files: list[str]) -> Iterator[dict]:
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
         for node in tree.body:
-            if (isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
-                    and not node.decorator_list):  # fmt: skip
+            if (
+                isinstance(node, ast.FunctionDef)
+                and not node.name.startswith("_")
+                and not node.decorator_list
+            ):
                 yield from _pairs(module, node)
 
 

@@ -19,11 +19,33 @@ from anyspeed.demo import mm_data as D
 from anyspeed.demo.common import fresh_metrics, loss_fell
 
 TRAIN = [
-    "--micro-batch-size", "8", "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style",
-    "cosine", "--lr-warmup-iters", "10", "--weight-decay", "0.0", "--clip-grad", "1.0",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "100,0,0",
-    "--seq-length", "48", "--log-interval", "20", "--make-vocab-size-divisible-by", "1",
-]  # fmt: skip
+    "--micro-batch-size",
+    "8",
+    "--lr",
+    "2e-3",
+    "--min-lr",
+    "2e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "10",
+    "--weight-decay",
+    "0.0",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--split",
+    "100,0,0",
+    "--seq-length",
+    "48",
+    "--log-interval",
+    "20",
+    "--make-vocab-size-divisible-by",
+    "1",
+]
 
 
 def _captions(save: str, held: str, folder: str) -> list[tuple[str, str]]:
@@ -44,8 +66,9 @@ def _captions(save: str, held: str, folder: str) -> list[tuple[str, str]]:
     question = dict(records[0], conversations=records[0]["conversations"][:1])
     prompt, _ = render(question, tok, D.IMAGE_TOKEN)
     prompt += tok.encode(["ASSISTANT: "], special=False)[0]
-    images = torch.stack([load_image(os.path.join(folder, r["image"]), D.IMAGE_SIZE, "clip")
-                          for r in records])  # fmt: skip
+    images = torch.stack(
+        [load_image(os.path.join(folder, r["image"]), D.IMAGE_SIZE, "clip") for r in records]
+    )
     with megatron_session():
         (model,) = load_model(save, model_of(save), Layout())
         rows = greedy(model, images, prompt, 10, D.VOCAB, (tok.eod_id,))
@@ -70,10 +93,28 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     save = os.path.join(work, "vlm-checkpoints")
     metrics = fresh_metrics(os.path.join(work, "vlm-metrics.jsonl"))
     n, iters = args.nproc_per_node, args.train_iters or 200
-    cmd = ["--nproc-per-node", str(n), "--stage", "vlm", "--load", hf, "--data-path", train,
-           "--global-batch-size", str(8 * n), "--train-iters", str(iters), *TRAIN,
-           "--save", save, "--save-interval", str(iters), "--metrics-file", metrics,
-           *extra]  # fmt: skip
+    cmd = [
+        "--nproc-per-node",
+        str(n),
+        "--stage",
+        "vlm",
+        "--load",
+        hf,
+        "--data-path",
+        train,
+        "--global-batch-size",
+        str(8 * n),
+        "--train-iters",
+        str(iters),
+        *TRAIN,
+        "--save",
+        save,
+        "--save-interval",
+        str(iters),
+        "--metrics-file",
+        metrics,
+        *extra,
+    ]
     print(f"[3/4] anyspeed posttrain {' '.join(cmd)}", flush=True)
     rc = posttrain_main(cmd)
     if rc:
@@ -81,8 +122,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     fell, rows = loss_fell(metrics, "caption loss")
     first, last = rows[0]["lm_loss"], rows[-1]["lm_loss"]
     halved = last <= 0.5 * first
-    print(f"demo: caption loss fell {100 * (1 - last / first):.0f}% "
-          + ("(at least 50%, OK)" if halved else "(less than 50%)"))  # fmt: skip
+    print(
+        f"demo: caption loss fell {100 * (1 - last / first):.0f}% "
+        + ("(at least 50%, OK)" if halved else "(less than 50%)")
+    )
     pairs = _captions(save, held, work)
     right = sum(t == g for t, g in pairs)
     print(f"[4/4] held-out captions exactly right: {right}/{len(pairs)}")

@@ -8,14 +8,33 @@ import json
 import os
 import random
 
-COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 80, 230),
-           "yellow": (230, 220, 40), "white": (240, 240, 240)}  # fmt: skip
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (50, 80, 230),
+    "yellow": (230, 220, 40),
+    "white": (240, 240, 240),
+}
 SHAPES = ("circle", "square", "triangle")
 SIDES = ("left", "right")
 QUESTION = "<image>\nwhat is in the picture?"
 IMAGE_SIZE = 32
-WORDS = ["USER", "ASSISTANT", ":", "what", "is", "in", "the", "picture", "?", "a", "on",
-         *COLOURS, *SHAPES, *SIDES]  # fmt: skip
+WORDS = [
+    "USER",
+    "ASSISTANT",
+    ":",
+    "what",
+    "is",
+    "in",
+    "the",
+    "picture",
+    "?",
+    "a",
+    "on",
+    *COLOURS,
+    *SHAPES,
+    *SIDES,
+]
 SPECIAL = ["<pad>", "</s>", "<unk>"]
 VOCAB = 64  # the language model's rows; the image token is the last
 IMAGE_TOKEN = VOCAB - 1
@@ -54,8 +73,7 @@ def make_records(folder: str, n: int, seed: int, name: str) -> str:
             what = rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(SIDES)
             image = os.path.join("images", f"{name}_{i:05d}.png")
             draw(os.path.join(folder, image), *what, rng)
-            conv = [{"from": "human", "value": QUESTION},
-                    {"from": "gpt", "value": caption(*what)}]  # fmt: skip
+            conv = [{"from": "human", "value": QUESTION}, {"from": "gpt", "value": caption(*what)}]
             f.write(json.dumps({"id": f"{name}{i}", "image": image, "conversations": conv}) + "\n")
     return path
 
@@ -69,8 +87,9 @@ def make_tokenizer(directory: str) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     fast.save_pretrained(directory)
 
 
@@ -80,17 +99,37 @@ def make_model(directory: str, seed: int = 0, kind: str = "clip") -> str:
     import torch
     import transformers as T
 
-    vision = dict(model_type=f"{kind}_vision_model", hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, image_size=IMAGE_SIZE,
-                  patch_size=8)  # fmt: skip
-    text = dict(model_type="llama", hidden_size=128, intermediate_size=256,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=VOCAB, rms_norm_eps=1e-5, max_position_embeddings=128,
-                eos_token_id=1, pad_token_id=0, bos_token_id=None)  # fmt: skip
+    vision = dict(
+        model_type=f"{kind}_vision_model",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=8,
+    )
+    text = dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     strategy = "default" if kind == "clip" else "full"
-    cfg = T.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                        vision_feature_layer=-1,
-                        vision_feature_select_strategy=strategy)  # fmt: skip
+    cfg = T.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy=strategy,
+    )
     torch.manual_seed(seed)
     T.utils.logging.disable_progress_bar()  # one tiny file: no "Writing model shards" bar
     T.LlavaForConditionalGeneration(cfg).save_pretrained(directory)

@@ -39,11 +39,30 @@ SET_SIZE = 400
 MAX_NEW_TOKENS = 64
 # Settings that overfit a few dozen samples from scratch: full batch, no weight decay.
 SFT_TRAIN = [
-    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
-    "--weight-decay", "0", "--clip-grad", "1.0", "--hidden-dropout", "0",
-    "--attention-dropout", "0", "--split", "100,0,0", "--eval-iters", "0",
-    "--log-interval", "10", "--variable-seq-lengths",
-]  # fmt: skip
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "10",
+    "--weight-decay",
+    "0",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--split",
+    "100,0,0",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "10",
+    "--variable-seq-lengths",
+]
 
 
 def _data(args: argparse.Namespace, tok_dir: str, steps: int) -> tuple[int, str, list[dict]]:
@@ -53,13 +72,17 @@ def _data(args: argparse.Namespace, tok_dir: str, steps: int) -> tuple[int, str,
     full = write_jsonl(os.path.join(args.workdir, "instructions.jsonl"), records)
     train = spread(records, args.sft_samples)
     src = write_jsonl(os.path.join(args.workdir, "sft-train.jsonl"), train)
-    print(f"[3/{steps}] instruction set: {len(records)} questions on standard-library functions -> "
-          f"{full}; {len(train)} of them to train on -> {src}")  # fmt: skip
+    print(
+        f"[3/{steps}] instruction set: {len(records)} questions on standard-library functions -> "
+        f"{full}; {len(train)} of them to train on -> {src}"
+    )
     prefix = os.path.join(args.workdir, "sft")
     rc = preprocess(src, prefix, tok_dir, "AlpacaStyleInstructionHandler")
     if rc == 0:
-        print(f"[4/{steps}] preprocess: {prefix}_packed_{{input_ids,attention_mask,labels}}"
-              f"_document (--prompt-type {PROMPT_TYPE}; prompt tokens carry no loss)")  # fmt: skip
+        print(
+            f"[4/{steps}] preprocess: {prefix}_packed_{{input_ids,attention_mask,labels}}"
+            f"_document (--prompt-type {PROMPT_TYPE}; prompt tokens carry no loss)"
+        )
     return rc, prefix, train
 
 
@@ -67,14 +90,35 @@ def preprocess(src: str, prefix: str, tok_dir: str, handler: str) -> int:
     """``anyspeed preprocess`` of a demo jsonl with the demo's template; its exit code."""
     from anyspeed.commands.preprocess import main as data_main
 
-    return data_main(["preprocess", "--input", src, "--output-prefix", prefix,
-                      "--tokenizer-name-or-path", tok_dir, "--handler-name", handler,
-                      "--prompt-type", PROMPT_TYPE, "--workers", "1", "--overwrite",
-                      "--quiet"])  # fmt: skip
+    return data_main(
+        [
+            "preprocess",
+            "--input",
+            src,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-name-or-path",
+            tok_dir,
+            "--handler-name",
+            handler,
+            "--prompt-type",
+            PROMPT_TYPE,
+            "--workers",
+            "1",
+            "--overwrite",
+            "--quiet",
+        ]
+    )
 
 
-def generated_answers(args: argparse.Namespace, save: str, tok_dir: str, train: list[dict],
-             step: str = "[6/6]", sample: bool = False) -> list[str]:  # fmt: skip
+def generated_answers(
+    args: argparse.Namespace,
+    save: str,
+    tok_dir: str,
+    train: list[dict],
+    step: str = "[6/6]",
+    sample: bool = False,
+) -> list[str]:
     """Step 6: ``anyspeed generate`` (greedy, TP=N like training) on every trained prompt, as
     a user would run it; the answers in order, or [] when it failed (it has said why)."""
     from anyspeed.launch import single_process_env
@@ -82,16 +126,28 @@ def generated_answers(args: argparse.Namespace, save: str, tok_dir: str, train: 
     prompts = os.path.join(args.workdir, "sft-prompts.txt")
     with open(prompts, "w", encoding="utf-8") as f:
         f.writelines(r["instruction"] + "\n" for r in train)
-    cmd = ["generate", "--load", save, "--tokenizer-name-or-path", tok_dir,
-           "--prompt-type", PROMPT_TYPE, "--prompts-file", prompts,
-           "--max-new-tokens", str(MAX_NEW_TOKENS),
-           "--tensor-model-parallel-size", str(args.nproc_per_node),
-           *(["--task", "do_sample", "--temperature", "1.0"] if sample else [])]  # fmt: skip
+    cmd = [
+        "generate",
+        "--load",
+        save,
+        "--tokenizer-name-or-path",
+        tok_dir,
+        "--prompt-type",
+        PROMPT_TYPE,
+        "--prompts-file",
+        prompts,
+        "--max-new-tokens",
+        str(MAX_NEW_TOKENS),
+        "--tensor-model-parallel-size",
+        str(args.nproc_per_node),
+        *(["--task", "do_sample", "--temperature", "1.0"] if sample else []),
+    ]
     print(f"{step} anyspeed {' '.join(cmd)}", flush=True)
     # A one-process posttrain made this process rank 0 of a world of one: not the child's.
     env = {k: v for k, v in os.environ.items() if k not in single_process_env()}
-    out = subprocess.run([sys.executable, "-m", "anyspeed", *cmd], env=env,
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "anyspeed", *cmd], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         return _parse(out.stdout, [r["instruction"] for r in train]) if out.returncode == 0 else []
     except ValueError:  # a prompt's answer is missing from the output
@@ -120,8 +176,10 @@ def show_answer(train: list[dict], answers: list[str]) -> None:
     print(f"demo: prompt:   {train[i]['instruction']}")
     print(f"demo: expected: {train[i]['output']}")
     print(f"demo: answer:   {answers[i]}")
-    print(f"demo: the answer {'matches' if answers[i] == train[i]['output'] else 'DIFFERS'}; "
-          f"{right} of {len(train)} trained prompts answered exactly")  # fmt: skip
+    print(
+        f"demo: the answer {'matches' if answers[i] == train[i]['output'] else 'DIFFERS'}; "
+        f"{right} of {len(train)} trained prompts answered exactly"
+    )
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -137,8 +195,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     return rc
 
 
-def sft_model(args: argparse.Namespace, extra: list[str],
-              steps: int) -> tuple[int, str, str, list[dict]]:  # fmt: skip
+def sft_model(
+    args: argparse.Namespace, extra: list[str], steps: int
+) -> tuple[int, str, str, list[dict]]:
     """Steps 1-5: tokenizer, instruction set, ``anyspeed posttrain --stage sft``; 1 unless the
     response loss has clearly fallen. (exit code, checkpoint, tokenizer, records trained on)."""
     from anyspeed.commands.train import posttrain as posttrain_main
@@ -153,13 +212,34 @@ def sft_model(args: argparse.Namespace, extra: list[str],
     metrics = fresh_metrics(os.path.join(args.workdir, "sft-metrics.jsonl"))
     n, iters, samples = args.nproc_per_node, args.sft_iters or 100, len(train)
     cmd = [
-        "--nproc-per-node", str(n), "--stage", "sft", "--is-instruction-dataset",
-        "--prompt-type", PROMPT_TYPE, *DEMO_ARCH, *tp_layout(n),
-        "--padded-vocab-size", str(VOCAB), "--micro-batch-size", str(math.gcd(samples, 16)),
-        "--global-batch-size", str(samples), "--train-iters", str(iters), *SFT_TRAIN,
-        "--data-path", prefix, "--save", save, "--save-interval", str(iters),
-        "--metrics-file", metrics, *extra,
-    ]  # fmt: skip
+        "--nproc-per-node",
+        str(n),
+        "--stage",
+        "sft",
+        "--is-instruction-dataset",
+        "--prompt-type",
+        PROMPT_TYPE,
+        *DEMO_ARCH,
+        *tp_layout(n),
+        "--padded-vocab-size",
+        str(VOCAB),
+        "--micro-batch-size",
+        str(math.gcd(samples, 16)),
+        "--global-batch-size",
+        str(samples),
+        "--train-iters",
+        str(iters),
+        *SFT_TRAIN,
+        "--data-path",
+        prefix,
+        "--save",
+        save,
+        "--save-interval",
+        str(iters),
+        "--metrics-file",
+        metrics,
+        *extra,
+    ]
     print(f"[5/{steps}] anyspeed posttrain {' '.join(cmd)}", flush=True)
     rc = posttrain_main(cmd)
     if rc == 0:

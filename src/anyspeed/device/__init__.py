@@ -88,4 +88,3 @@ def torch_device(index: int | None = None) -> torch.device:
         mod = getattr(torch, info.type)
         index = mod.current_device()
     return torch.device(info.type, index)
-

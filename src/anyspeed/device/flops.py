@@ -123,9 +123,11 @@ def slow_precision_warning(dtype: torch.dtype) -> str | None:
     info = detect()
     where = f"{info.type} ({torch.backends.cpu.get_cpu_capability()})" if info.is_cpu else info.name
     name = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
-    return (f"{name} matmuls on this {where} run {fp32 / slow:.0f}x slower than fp32 "
-            f"({slow / 1e9:.2g} vs {fp32 / 1e9:.3g} GFLOP/s measured): training will crawl; "
-            f"drop --{name} to train in fp32")  # fmt: skip
+    return (
+        f"{name} matmuls on this {where} run {fp32 / slow:.0f}x slower than fp32 "
+        f"({slow / 1e9:.2g} vs {fp32 / 1e9:.3g} GFLOP/s measured): training will crawl; "
+        f"drop --{name} to train in fp32"
+    )
 
 
 def matmul_rate(dtype: torch.dtype) -> float:

@@ -75,8 +75,12 @@ def register_dist_backend(pm: PatchManager, info: DeviceInfo, feature: str) -> N
         pm.register_wrap(f"torch.distributed.{name}", group_wrapper, feature=feature, reason=why_pg)
         # torch's own helpers (new_subgroups_by_enumeration, Megatron's HyperCommGrid through
         # it) call the module's function, not the package attribute.
-        pm.register_wrap(f"torch.distributed.distributed_c10d.{name}", group_wrapper,
-                         feature=feature, reason=why_pg)  # fmt: skip
+        pm.register_wrap(
+            f"torch.distributed.distributed_c10d.{name}",
+            group_wrapper,
+            feature=feature,
+            reason=why_pg,
+        )
     pm.register_wrap(
         "torch.distributed.barrier",
         barrier_wrapper,
@@ -216,7 +220,9 @@ def _register_gloo_uneven(pm: PatchManager, feature: str) -> None:
         return reduce_scatter
 
     why = "gloo: list all-gather of unequal sizes (padded) and list reduce-scatter (all-reduce)"
-    pm.register_wrap("torch.distributed.all_gather", all_gather_wrapper, feature=feature,
-                     reason=why)  # fmt: skip
-    pm.register_wrap("torch.distributed.reduce_scatter", reduce_scatter_wrapper,
-                     feature=feature, reason=why)  # fmt: skip
+    pm.register_wrap(
+        "torch.distributed.all_gather", all_gather_wrapper, feature=feature, reason=why
+    )
+    pm.register_wrap(
+        "torch.distributed.reduce_scatter", reduce_scatter_wrapper, feature=feature, reason=why
+    )

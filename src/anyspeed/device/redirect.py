@@ -271,8 +271,9 @@ def register_device_args(pm: PatchManager, info: DeviceInfo, feature: str) -> No
         )
 
 
-def _register_megatron_allocations(pm: PatchManager, info: DeviceInfo, map_device: Callable,
-                                   feature: str, why: str) -> None:  # fmt: skip
+def _register_megatron_allocations(
+    pm: PatchManager, info: DeviceInfo, map_device: Callable, feature: str, why: str
+) -> None:
     """CUDA named where the factory wrappers cannot see it: a checkpoint tensor's ``init_data``
     (its ``init_fn`` is the ``torch.empty`` bound at import) and torch's ``DeviceMesh``."""
 

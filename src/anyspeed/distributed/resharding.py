@@ -106,8 +106,9 @@ def tp_rule(name: str) -> str:
     return "replicated"
 
 
-def shard_tp(name: str, t: torch.Tensor | Stacked, tp: int, rank: int,
-             sizes: tuple[int, ...] | None = None) -> torch.Tensor | Stacked:  # fmt: skip
+def shard_tp(
+    name: str, t: torch.Tensor | Stacked, tp: int, rank: int, sizes: tuple[int, ...] | None = None
+) -> torch.Tensor | Stacked:
     """Rank ``rank``'s shard (of ``tp``) of Megatron tensor ``name``, as Megatron-LM shards it.
     Dim-0 shards are row views; only a row-parallel (dim-1) shard is a copy. ``sizes``: the
     parts a tensor is split in part by part (:func:`tp_parts`)."""
@@ -119,8 +120,13 @@ def shard_tp(name: str, t: torch.Tensor | Stacked, tp: int, rank: int,
         sizes = (n // 2, n // 2)
     if sizes:  # this rank's rows of each part, part after part
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return take_rows(t, [(a + rank * (p // tp), a + (rank + 1) * (p // tp))
-                             for a, p in zip(starts, sizes, strict=True)])  # fmt: skip
+        return take_rows(
+            t,
+            [
+                (a + rank * (p // tp), a + (rank + 1) * (p // tp))
+                for a, p in zip(starts, sizes, strict=True)
+            ],
+        )
     if rule == "column":
         return take_rows(t, [(rank * n // tp, (rank + 1) * n // tp)])
     return materialize(t).chunk(tp, dim=1)[rank].contiguous()
@@ -136,8 +142,9 @@ def shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     return (shape[0] // tp, *shape[1:])
 
 
-def merge_tp(name: str, parts: list[torch.Tensor],
-             sizes: tuple[int, ...] | None = None) -> torch.Tensor | Stacked:  # fmt: skip
+def merge_tp(
+    name: str, parts: list[torch.Tensor], sizes: tuple[int, ...] | None = None
+) -> torch.Tensor | Stacked:
     """Inverse of :func:`shard_tp` over all ranks; dim-0 merges stay a :class:`Stacked`."""
     rule = tp_rule(name)
     if len(parts) == 1 or (rule == "replicated" and not sizes):
@@ -156,8 +163,11 @@ def merge_tp(name: str, parts: list[torch.Tensor],
 # ------------------------------------------------------------- a live model, gathered whole
 def state_tensors(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors of (unwrapped) model chunk ``chunk`` by local name, detached."""
-    return {n: t.detach() for n, t in chunk.state_dict(keep_vars=True).items()
-            if isinstance(t, torch.Tensor) and not n.endswith("_extra_state")}  # fmt: skip
+    return {
+        n: t.detach()
+        for n, t in chunk.state_dict(keep_vars=True).items()
+        if isinstance(t, torch.Tensor) and not n.endswith("_extra_state")
+    }
 
 
 def global_layer_numbers(chunk: torch.nn.Module) -> dict[int, int]:
@@ -173,8 +183,9 @@ def global_name(name: str, numbers: dict[int, int]) -> str:
     return name
 
 
-def gather_whole(chunks: list[torch.nn.Module], shapes: dict[str, torch.Size],
-                 preset: Any) -> dict[str, torch.Tensor]:  # fmt: skip
+def gather_whole(
+    chunks: list[torch.nn.Module], shapes: dict[str, torch.Size], preset: Any
+) -> dict[str, torch.Tensor]:
     """This pipeline stage's tensors whole, by global name, for the names in ``shapes`` (their
     whole shapes): tensor-parallel shards all-gathered and joined by :func:`merge_tp`, experts
     all-gathered over expert parallelism and numbered globally. Every rank of the stage calls
@@ -183,8 +194,10 @@ def gather_whole(chunks: list[torch.nn.Module], shapes: dict[str, torch.Size],
     from megatron.core import parallel_state as ps
 
     ep, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()
-    groups = {False: ps.get_tensor_model_parallel_group(),
-              True: ps.get_expert_tensor_parallel_group()}  # fmt: skip
+    groups = {
+        False: ps.get_tensor_model_parallel_group(),
+        True: ps.get_expert_tensor_parallel_group(),
+    }
     out: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         numbers = global_layer_numbers(chunk)
@@ -208,8 +221,7 @@ def gather_whole(chunks: list[torch.nn.Module], shapes: dict[str, torch.Size],
     return out
 
 
-def _joined(name: str, t: torch.Tensor, shape: torch.Size, group: Any,
-            preset: Any) -> torch.Tensor:  # fmt: skip
+def _joined(name: str, t: torch.Tensor, shape: torch.Size, group: Any, preset: Any) -> torch.Tensor:
     """``t`` whole: its shards over ``group`` all-gathered and joined; ``t`` where not split."""
     import torch.distributed as dist
 

@@ -39,8 +39,9 @@ def _rank() -> int:
 def register() -> None:
     """Record this rank's host, pid and parent pid in the process group's store."""
     try:
-        _store().set(f"{PREFIX}/pid/{_rank()}",
-                     f"{socket.gethostname()} {os.getpid()} {os.getppid()}")  # fmt: skip
+        _store().set(
+            f"{PREFIX}/pid/{_rank()}", f"{socket.gethostname()} {os.getpid()} {os.getppid()}"
+        )
     except Exception:  # noqa: BLE001 - only the stall report loses its detail
         pass
 
@@ -55,17 +56,26 @@ def is_peer_lost(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective that lost a peer (its process ended: killed, crashed)."""
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("connection reset by peer", "connection closed by peer",
-                            "broken pipe", "connection refused"))  # fmt: skip
+        s in text
+        for s in (
+            "connection reset by peer",
+            "connection closed by peer",
+            "broken pipe",
+            "connection refused",
+        )
+    )
 
 
 def exit_on_lost_peer(prog: str) -> NoReturn:
     """After a collective lost a peer: one line (unless our launcher reports the rank that
     ended), exit 1 at once without tearing down the broken group."""
     if not os.environ.get("ANYSPEED_LAUNCHED"):
-        print(f"{prog}: error: rank {_rank()} lost contact with another rank (its process "
-              "ended); stopping (checkpoints already written are complete)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{prog}: error: rank {_rank()} lost contact with another rank (its process "
+            "ended); stopping (checkpoints already written are complete)",
+            file=sys.stderr,
+            flush=True,
+        )
     sys.stdout.flush()
     os._exit(1)
 

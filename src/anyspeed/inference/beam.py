@@ -20,8 +20,14 @@ from anyspeed.inference.decode import Batch, Request, Stepper, share, token_budg
 from anyspeed.inference.sampling import SamplingParams, filter_logits
 
 
-def _pick(total: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor, k: int,
-          params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def _pick(
+    total: torch.Tensor,
+    logits: torch.Tensor,
+    scores: torch.Tensor,
+    k: int,
+    params: SamplingParams,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, ...]:
     """``k`` flat (beam, token) indices: the best by ``total``, or drawn from the filtered
     distribution; with their ``total`` scores, best first."""
     if params.greedy:
@@ -34,29 +40,40 @@ def _pick(total: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor, k: in
     return vals, flat[order]
 
 
-def _candidates(logits: torch.Tensor | None, scores: torch.Tensor, k: int, n: int,
-                params: SamplingParams, gen: torch.Generator):  # fmt: skip
+def _candidates(
+    logits: torch.Tensor | None,
+    scores: torch.Tensor,
+    k: int,
+    n: int,
+    params: SamplingParams,
+    gen: torch.Generator,
+):
     """``k`` (score, beam, token) extensions, chosen on the last stage and shared (fewer when
     sampling leaves fewer tokens; padded with -inf scores)."""
     vals = torch.full((k,), float("-inf"))
     flat = torch.zeros(k, dtype=torch.int64)
     if logits is not None:
         logits = logits.float()
-        got_vals, got_flat = _pick(scores[:, None] + logits.log_softmax(dim=-1), logits, scores,
-                                   k, params, gen)  # fmt: skip
+        got_vals, got_flat = _pick(
+            scores[:, None] + logits.log_softmax(dim=-1), logits, scores, k, params, gen
+        )
         vals[: len(got_vals)], flat[: len(got_flat)] = got_vals, got_flat
     vals, flat = share(vals), share(flat)
     return vals, flat // n, flat % n
 
 
 @torch.inference_mode()
-def beam_search(model: list[torch.nn.Module], prompt: Sequence[int], req: Request, beams: int,
-                length_penalty: float = 1.0) -> list[int]:  # fmt: skip
+def beam_search(
+    model: list[torch.nn.Module],
+    prompt: Sequence[int],
+    req: Request,
+    beams: int,
+    length_penalty: float = 1.0,
+) -> list[int]:
     """The best hypothesis' new tokens (identical on every rank)."""
     batch = Batch.left_padded([prompt] * beams, req.pad_id)
     steps = token_budget(batch.tokens.shape[1], req)
-    stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache,
-                      req.vocab_size)  # fmt: skip
+    stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache, req.vocab_size)
     scores = torch.full((beams,), float("-inf"))
     scores[0] = 0.0  # identical beams at the start: extend only the first
     gen = torch.Generator().manual_seed(req.seed)
@@ -93,6 +110,8 @@ def beam_search(model: list[torch.nn.Module], prompt: Sequence[int], req: Reques
         scores = torch.tensor(keep_scores)
         stepper.reorder(rows_t)
         stepper.append(torch.tensor(keep_toks))
-    pool = finished + [(s / max(len(b), 1) ** length_penalty, b)
-                       for s, b in zip(scores.tolist(), live, strict=True)]  # fmt: skip
+    pool = finished + [
+        (s / max(len(b), 1) ** length_penalty, b)
+        for s, b in zip(scores.tolist(), live, strict=True)
+    ]
     return max(pool, key=lambda f: f[0])[1]

@@ -32,8 +32,9 @@ class Batch:
     pad: torch.Tensor
 
     @classmethod
-    def left_padded(cls, prompts: Sequence[Sequence[int]], pad_id: int,
-                    width: int | None = None) -> Batch:  # fmt: skip
+    def left_padded(
+        cls, prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+    ) -> Batch:
         """One row per prompt, padded on the left with ``pad_id`` (to ``width`` if wider)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -73,16 +74,25 @@ def share(t: torch.Tensor) -> torch.Tensor:
     from anyspeed.device import torch_device
 
     buf = t.to(torch_device())
-    dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
-                   group=ps.get_pipeline_model_parallel_group())  # fmt: skip
+    dist.broadcast(
+        buf,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
     return buf.cpu()
 
 
 class Stepper:
     """Feeds a batch through the model step by step, with or without the KV cache."""
 
-    def __init__(self, model: list[torch.nn.Module], batch: Batch, total: int, use_kv_cache: bool,
-                 vocab_size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: list[torch.nn.Module],
+        batch: Batch,
+        total: int,
+        use_kv_cache: bool,
+        vocab_size: int | None = None,
+    ) -> None:
         self.model, self.batch, self.vocab = model, batch, vocab_size
         self.seq = batch.tokens.clone()
         self.context = None
@@ -98,8 +108,13 @@ class Stepper:
         end = self.seq.shape[1]
         ctx = self.context
         start = 0 if ctx is None else ctx.sequence_len_offset
-        out = pipeline_forward(self.model, self.seq[:, start:end], self.batch.positions(start, end),
-                               self.batch.mask(start, end), ctx)  # fmt: skip
+        out = pipeline_forward(
+            self.model,
+            self.seq[:, start:end],
+            self.batch.positions(start, end),
+            self.batch.mask(start, end),
+            ctx,
+        )
         if ctx is not None:
             ctx.sequence_len_offset = end
             ctx.enable_decode_mode()
@@ -163,32 +178,41 @@ class Request:
 
 def token_budget(width: int, req: Request) -> int:
     if req.max_length is not None and width >= req.max_length:
-        raise PromptTooLong(f"a prompt of {width} tokens does not fit in the context of "
-                            f"{req.max_length} tokens (--max-length / --seq-length)")  # fmt: skip
+        raise PromptTooLong(
+            f"a prompt of {width} tokens does not fit in the context of "
+            f"{req.max_length} tokens (--max-length / --seq-length)"
+        )
     room = req.max_new_tokens if req.max_length is None else req.max_length - width
     return max(0, min(req.max_new_tokens, room))
 
 
 @torch.inference_mode()
-def generate(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: Request,
-             on_tokens: OnTokens | None = None) -> list[list[int]]:  # fmt: skip
+def generate(
+    model: list[torch.nn.Module],
+    prompts: Sequence[Sequence[int]],
+    req: Request,
+    on_tokens: OnTokens | None = None,
+) -> list[list[int]]:
     """The new tokens of each prompt (ending at and including an EOS id or the tokens that
     complete a stop string), identical on every rank; ``on_tokens`` hears each step's tokens as
     they come (for streaming)."""
     return sample(model, prompts, req, on_tokens)[0]
 
 
-def sample(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: Request,
-           on_tokens: OnTokens | None = None, logprobs: bool = False,
-           ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
+def sample(
+    model: list[torch.nn.Module],
+    prompts: Sequence[Sequence[int]],
+    req: Request,
+    on_tokens: OnTokens | None = None,
+    logprobs: bool = False,
+) -> tuple[list[list[int]], list[list[float]]]:
     """:func:`generate`, and with ``logprobs`` each new token's log-probability under the
     sampling temperature's distribution (before top-k/top-p: the policy's, as training
     recomputes it), identical on every rank."""
     width = _widest(max(len(p) for p in prompts)) if req.lockstep else None
     batch = Batch.left_padded(prompts, req.pad_id, width)
     steps = token_budget(batch.tokens.shape[1], req)
-    stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache,
-                      req.vocab_size)  # fmt: skip
+    stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache, req.vocab_size)
     gen = torch.Generator().manual_seed(req.seed)
     rows = [torch.Generator().manual_seed(s) for s in req.row_seeds] if req.row_seeds else None
     out: list[list[int]] = [[] for _ in prompts]
@@ -199,8 +223,9 @@ def sample(model: list[torch.nn.Module], prompts: Sequence[Sequence[int]], req: 
         chosen = torch.zeros(len(prompts), dtype=torch.int64)
         lp = torch.zeros(len(prompts), dtype=torch.float32)
         if logits is not None and rows is not None:
-            chosen = torch.cat([next_tokens(logits[i : i + 1], req.params, g)
-                                for i, g in enumerate(rows)])  # fmt: skip
+            chosen = torch.cat(
+                [next_tokens(logits[i : i + 1], req.params, g) for i, g in enumerate(rows)]
+            )
         elif logits is not None:
             chosen = next_tokens(logits, req.params, gen)
         if logits is not None:

@@ -45,9 +45,14 @@ def pipeline_forward(
 
 
 @torch.no_grad()
-def pipeline_logprobs(model: list[torch.nn.Module], tokens: torch.Tensor, labels: torch.Tensor,
-                      positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                      vocab_size: int | None = None) -> torch.Tensor | None:  # fmt: skip
+def pipeline_logprobs(
+    model: list[torch.nn.Module],
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+) -> torch.Tensor | None:
     """log p(labels[b, s]) after ``tokens[b, :s+1]`` [b, s] (fp32) through the shared
     log-prob forward (:func:`anyspeed.models.logprobs.token_logprobs`); ``vocab_size``
     excludes the embedding's padded rows. On the last pipeline stage, None elsewhere."""
@@ -105,8 +110,13 @@ def _scheduled(model: list[torch.nn.Module], tokens: torch.Tensor, call: Any) ->
     return out[0]
 
 
-def _direct(chunk: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
-            mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:  # fmt: skip
+def _direct(
+    chunk: torch.nn.Module,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor | None,
+    kwargs: dict,
+) -> torch.Tensor:
     """One un-pipelined chunk called directly: the schedule's per-call cost matters when
     decoding one token at a time."""
     training = chunk.training

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 
-def generate_ids(model: list, prompt_ids: list[int], new_tokens: int, max_len: int,
-                 eod: int | None = None) -> list[int]:  # fmt: skip
+def generate_ids(
+    model: list, prompt_ids: list[int], new_tokens: int, max_len: int, eod: int | None = None
+) -> list[int]:
     """Greedy continuation of ``prompt_ids`` (identical on every rank)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps

@@ -11,9 +11,15 @@ import torch
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, images: torch.Tensor, prompt: list[int], new_tokens: int,
-           vocab_size: int, end_ids: tuple[int, ...] = (),
-           use_kv_cache: bool = True) -> list[list[int]]:  # fmt: skip
+def greedy(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    prompt: list[int],
+    new_tokens: int,
+    vocab_size: int,
+    end_ids: tuple[int, ...] = (),
+    use_kv_cache: bool = True,
+) -> list[list[int]]:
     """Per image (one image per row, the same ``prompt``, which holds the image token once),
     the greedy continuation, stopping at an end id. With the KV cache the prompt and image run
     once (Megatron's static inference context), then one token per step."""

@@ -37,8 +37,9 @@ class ArchFlag:
         if self.type is None:
             parser.add_argument(self.flag, action="store_true")
         else:
-            parser.add_argument(self.flag, type=self.type, default=self.default,
-                                choices=self.choices)  # fmt: skip
+            parser.add_argument(
+                self.flag, type=self.type, default=self.default, choices=self.choices
+            )
 
     def read(self, args: argparse.Namespace) -> Any:
         value = getattr(args, self.flag[2:].replace("-", "_"), self.default)
@@ -70,12 +71,12 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         str,
         "learned_absolute",
         choices=("rope", "learned_absolute", "yarn"),
-    ),  # fmt: skip
+    ),
     ArchFlag("rotary_base", "--rotary-base", int, 10000),
     ArchFlag("rotary_percent", "--rotary-percent", float, 1.0),
     ArchFlag(
         "normalization", "--normalization", str, "LayerNorm", choices=("LayerNorm", "RMSNorm")
-    ),  # fmt: skip
+    ),
     ArchFlag("norm_epsilon", "--norm-epsilon", float, 1e-5),
     ArchFlag("swiglu", "--swiglu", None),
     ArchFlag("add_bias_linear", "--disable-bias-linear", None, invert=True),
@@ -87,9 +88,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
     ArchFlag("moe_ffn_hidden_size", "--moe-ffn-hidden-size", int),
     ArchFlag("moe_router_topk", "--moe-router-topk", int, 2),
     ArchFlag("moe_layer_freq", "--moe-layer-freq", str, "1"),
-    ArchFlag(
-        "moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size", int
-    ),  # fmt: skip
+    ArchFlag("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size", int),
     ArchFlag("moe_shared_expert_gate", "--moe-shared-expert-gate", None),
     ArchFlag(
         "moe_router_score_function",
@@ -97,7 +96,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         str,
         "softmax",
         choices=("softmax", "sigmoid"),
-    ),  # fmt: skip
+    ),
     ArchFlag("moe_router_pre_softmax", "--moe-router-pre-softmax", None),
     ArchFlag("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor", float),
     ArchFlag("moe_router_num_groups", "--moe-router-num-groups", int),
@@ -119,7 +118,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "--yarn-original-max-position-embeddings",
         int,
         4096,
-    ),  # fmt: skip
+    ),
     ArchFlag("yarn_beta_fast", "--yarn-beta-fast", float, 32.0),
     ArchFlag("yarn_beta_slow", "--yarn-beta-slow", float, 1.0),
     ArchFlag(
@@ -127,14 +126,14 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "--yarn-no-round-correction-range",
         None,
         invert=True,
-    ),  # fmt: skip
+    ),
     ArchFlag(
         "softmax_type",
         "--softmax-type",
         str,
         "vanilla",
         choices=("vanilla", "off-by-one", "learnable"),
-    ),  # fmt: skip
+    ),
     ArchFlag("window_size", "--window-size", window_type),
     ArchFlag("window_attn_skip_freq", "--window-attn-skip-freq", str),
     ArchFlag("quick_geglu", "--quick-geglu", None),
@@ -147,7 +146,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "--experimental-attention-variant",
         str,
         choices=("gated_delta_net",),
-    ),  # fmt: skip
+    ),
     ArchFlag("linear_attention_freq", "--linear-attention-freq", str),
     ArchFlag("linear_conv_kernel_dim", "--linear-conv-kernel-dim", int, 4),
     ArchFlag("linear_key_head_dim", "--linear-key-head-dim", int, 128),
@@ -162,7 +161,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
     ArchFlag("moe_z_loss_coeff", "--moe-z-loss-coeff", float, arch=False),
     ArchFlag(
         "moe_router_bias_update_rate", "--moe-router-bias-update-rate", float, 1e-3, arch=False
-    ),  # fmt: skip
+    ),
     ArchFlag(
         "moe_router_load_balancing_type",
         "--moe-router-load-balancing-type",
@@ -178,10 +177,8 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
             "group_limited_greedy",
         ),  # MindSpeed-LLM's: mindspeed-moe-flags
         arch=False,
-    ),  # fmt: skip
-    ArchFlag(
-        "moe_router_dtype", "--moe-router-dtype", str, choices=("fp32", "fp64"), arch=False
-    ),  # fmt: skip
+    ),
+    ArchFlag("moe_router_dtype", "--moe-router-dtype", str, choices=("fp32", "fp64"), arch=False),
     ArchFlag(
         "moe_token_dispatcher_type",
         "--moe-token-dispatcher-type",
@@ -189,7 +186,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "allgather",
         choices=("allgather", "alltoall", "alltoall_seq", "flex"),
         arch=False,
-    ),  # fmt: skip
+    ),
     ArchFlag("moe_grouped_gemm", "--moe-grouped-gemm", None, arch=False),
     ArchFlag("moe_expert_capacity_factor", "--moe-expert-capacity-factor", float, arch=False),
     ArchFlag(
@@ -197,7 +194,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "--moe-pad-expert-input-to-capacity",
         None,
         arch=False,
-    ),  # fmt: skip
+    ),
     ArchFlag(
         "moe_token_drop_policy",
         "--moe-token-drop-policy",
@@ -205,7 +202,7 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "probs",
         choices=("probs", "position"),
         arch=False,
-    ),  # fmt: skip
+    ),
 )
 
 

@@ -21,14 +21,29 @@ from anyspeed.models.mla_checks import check_mla
 from anyspeed.models.moe import check_moe
 from anyspeed.models.patterns import layer_pattern
 
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-              "rope_type")  # fmt: skip
+MLA_FIELDS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+)
 YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")  # MLA's or a GPT's YaRN
-GPT_YARN_FIELDS = ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-                   "yarn_correction_range_round_to_int")  # fmt: skip
-LINEAR_FIELDS = ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
-                 "linear_value_head_dim", "linear_num_key_heads",
-                 "linear_num_value_heads")  # fmt: skip
+GPT_YARN_FIELDS = (
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_correction_range_round_to_int",
+)
+LINEAR_FIELDS = (
+    "linear_attention_freq",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
 
 
 @dataclass(frozen=True)
@@ -185,9 +200,11 @@ class ModelConfig:
             return [False] * self.num_layers
         freq = self.linear_attention_freq
         if freq is None:
-            raise ValueError("--experimental-attention-variant gated_delta_net needs "
-                             "--linear-attention-freq (e.g. 4: every 4th layer full "
-                             "attention)")  # fmt: skip
+            raise ValueError(
+                "--experimental-attention-variant gated_delta_net needs "
+                "--linear-attention-freq (e.g. 4: every 4th layer full "
+                "attention)"
+            )
         if str(freq).isdigit():
             return [(i + 1) % int(freq) != 0 for i in range(self.num_layers)]
         return [bool(x) for x in layer_pattern(freq, self.num_layers, "--linear-attention-freq")]
@@ -201,8 +218,9 @@ class ModelConfig:
         if self.window_size is not None:
             self.window_layers()  # the --window-attn-skip-freq pattern fits --num-layers
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError("--linear-num-value-heads must be a multiple of "
-                             "--linear-num-key-heads")  # fmt: skip
+            raise ValueError(
+                "--linear-num-value-heads must be a multiple of --linear-num-key-heads"
+            )
         self.linear_attention_layers()
 
     @property
@@ -289,8 +307,10 @@ class ModelConfig:
         """One gated DeltaNet: the [q; k; v; z; beta; alpha] projection, the causal convolution
         over q, k, v, per-head decay (A_log, dt_bias), the gated output norm, the output."""
         qk = self.linear_num_key_heads * self.linear_key_head_dim
-        v, heads = self.linear_num_value_heads * self.linear_value_head_dim, \
-            self.linear_num_value_heads  # fmt: skip
+        v, heads = (
+            self.linear_num_value_heads * self.linear_value_head_dim,
+            self.linear_num_value_heads,
+        )
         proj = self.hidden_size * (2 * qk + 2 * v + 2 * heads)
         conv = (2 * qk + v) * self.linear_conv_kernel_dim
         return proj + conv + 2 * heads + self.linear_value_head_dim + v * self.hidden_size
@@ -307,8 +327,11 @@ class ModelConfig:
         """Parameters of one layer's attention (multi-latent: low-rank Q and KV projections)."""
         h, d, n = self.hidden_size, self.head_dim, self.num_attention_heads
         if self.multi_latent_attention:
-            qk, rope, r = self.qk_head_dim + self.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim, \
-                self.q_lora_rank  # fmt: skip
+            qk, rope, r = (
+                self.qk_head_dim + self.qk_pos_emb_head_dim,
+                self.qk_pos_emb_head_dim,
+                self.q_lora_rank,
+            )
             q = h * r + r + r * n * qk if r else h * n * qk
             kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank
             kv += self.kv_lora_rank * n * (self.qk_head_dim + self.v_head_dim)

@@ -174,14 +174,17 @@ def layer_spec(model: ModelConfig, config=None, vp_stage: int | None = None):
     mla = model.multi_latent_attention
     if not model.is_moe:
         spec = specs.get_gpt_layer_local_spec(
-            normalization=model.normalization, qk_layernorm=model.qk_layernorm,
+            normalization=model.normalization,
+            qk_layernorm=model.qk_layernorm,
             multi_latent_attention=mla,
-        )  # fmt: skip
+        )
     else:
         spec = specs.get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization=model.normalization,
+            config,
+            use_transformer_engine=False,
+            normalization=model.normalization,
             vp_stage=vp_stage,
-        )  # fmt: skip
+        )
     if any(model.linear_attention_layers()):
         spec = with_linear_attention(model, config, spec, vp_stage)
     return use_latent_core(spec) if mla else spec

@@ -13,8 +13,11 @@ from anyspeed.models.families import FAMILIES
 
 HF_ARCHITECTURES = {name: f.hf_architecture for name, f in FAMILIES.items()}
 # Megatron's RotaryEmbedding applies LLaMA-3 scaling with only the factor configurable.
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192}  # fmt: skip
+_MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 _REQUIRED = object()
@@ -47,8 +50,10 @@ def hf_family(config: dict[str, Any]) -> str:
     family = by_arch.get(archs[0]) if archs else config.get("model_type")
     if not isinstance(family, str) or family not in HF_ARCHITECTURES or len(set(archs)) > 1:
         got = ", ".join(archs) or f"model_type {config.get('model_type')!r:.40}"
-        raise ValueError(f"unsupported architecture {got}; supported: "
-                         f"{', '.join(sorted(HF_ARCHITECTURES.values()))}")  # fmt: skip
+        raise ValueError(
+            f"unsupported architecture {got}; supported: "
+            f"{', '.join(sorted(HF_ARCHITECTURES.values()))}"
+        )
     return family
 
 
@@ -67,8 +72,10 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise ValueError(f"rope scaling {kind!r} is not supported (only llama3)")
     for key, want in _MEGATRON_LLAMA3_ROPE.items():
         if _number(scaling, key, float, want) != want:
-            raise ValueError(f"llama3 rope scaling {key}={scaling[key]} is not supported "
-                             f"(Megatron fixes it to {want})")  # fmt: skip
+            raise ValueError(
+                f"llama3 rope scaling {key}={scaling[key]} is not supported "
+                f"(Megatron fixes it to {want})"
+            )
     keep = ("rope_type", "factor", *_MEGATRON_LLAMA3_ROPE)
     return base, {k: scaling[k] for k in keep if k in scaling}
 
@@ -128,8 +135,10 @@ def hf_config(model: ModelConfig) -> dict[str, Any]:
     """Fields of the family's Hugging Face ``config.json`` for ``model``."""
     traits = FAMILIES[model.family]
     if any(model.linear_attention_layers()) and not traits.mapping.linear:
-        raise ValueError(f"{model.family}: its Hugging Face model has no gated DeltaNet layers "
-                         "(--experimental-attention-variant; Qwen3-Next's has)")  # fmt: skip
+        raise ValueError(
+            f"{model.family}: its Hugging Face model has no gated DeltaNet layers "
+            "(--experimental-attention-variant; Qwen3-Next's has)"
+        )
     cfg: dict[str, Any] = {
         "model_type": model.family,
         "num_hidden_layers": model.num_layers,

@@ -15,11 +15,19 @@ def _core(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
-                   labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   packed_seq_params: Any = None, vocab_size: int | None = None,
-                   temperature: float = 1.0, entropy: bool = False,
-                   entropy_grad: bool = False, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+def token_logprobs(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    packed_seq_params: Any = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor:
     """log p(labels[b, s] | tokens[b, :s+1]) as [b, s] (fp32) on a chunk that ends the
     pipeline; on an earlier chunk, its output (hidden states for the next stage).
 
@@ -32,8 +40,7 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, position_ids: t
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    out = model(tokens, position_ids, attention_mask, packed_seq_params=packed_seq_params,
-                **kwargs)  # fmt: skip
+    out = model(tokens, position_ids, attention_mask, packed_seq_params=packed_seq_params, **kwargs)
     if not _core(model).post_process:
         return out
     logits = out.float()  # [b, s, vocab / TP]
@@ -88,5 +95,10 @@ def packed_params(batch: dict[str, Any]) -> Any:
 
     cu = batch["cu_seqlens"]
     longest = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )

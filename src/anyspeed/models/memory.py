@@ -127,8 +127,9 @@ def _norm(tokens: int, h: int, e: int, recomputed: bool) -> int:
     return 2 * tokens * h * F32 + tokens * F32 + tokens * h * e
 
 
-def layer_activations(m: ModelConfig, lay: Layout, o: Options, act: bool, norm: bool,
-                      moe: bool = False) -> int:  # fmt: skip
+def layer_activations(
+    m: ModelConfig, lay: Layout, o: Options, act: bool, norm: bool, moe: bool = False
+) -> int:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
     e, tp, b, d, h = o.dtype_bytes, lay.tp, o.micro_batch_size, m.head_dim, m.hidden_size
     s = o.seq_length // lay.cp
@@ -189,8 +190,9 @@ def _selected(flag: int | None, i: int) -> bool:
     return flag is None or i < flag
 
 
-def chunk_activations(m: ModelConfig, lay: Layout, o: Options, first: bool, last: bool,
-                      layers: range | None = None) -> int:  # fmt: skip
+def chunk_activations(
+    m: ModelConfig, lay: Layout, o: Options, first: bool, last: bool, layers: range | None = None
+) -> int:
     """Bytes one model chunk (decoder ``layers``, default the first) keeps for backward for
     one micro-batch on one rank."""
     e, b = o.dtype_bytes, o.micro_batch_size
@@ -203,8 +205,14 @@ def chunk_activations(m: ModelConfig, lay: Layout, o: Options, first: bool, last
     total = 0
     for i in range(full, len(layers)):
         act, norm = _selected(o.recompute_activation, i), _selected(o.recompute_norm, i)
-        total += layer_activations(m, lay, o, act and o.recompute_activation != 0,
-                                   norm and o.recompute_norm != 0, moe[layers[i]])  # fmt: skip
+        total += layer_activations(
+            m,
+            lay,
+            o,
+            act and o.recompute_activation != 0,
+            norm and o.recompute_norm != 0,
+            moe[layers[i]],
+        )
     if full:
         per_unit = o.recompute.num_layers if o.recompute.method == "uniform" else 1
         hidden = normed * h * e
@@ -247,8 +255,9 @@ def _state_bytes(o: Options, params: int, dp: int, distributed: bool) -> tuple[i
     return params * (F32 if fp32_grads else 2) + shard(main_grads), shard(opt), shard(main_grads)
 
 
-def estimate_stage(m: ModelConfig, lay: Layout, world_size: int, o: Options,
-                   stage: int) -> RankMemory:  # fmt: skip
+def estimate_stage(
+    m: ModelConfig, lay: Layout, world_size: int, o: Options, stage: int
+) -> RankMemory:
     """The memory of a rank of pipeline stage ``stage``."""
     params, experts = stage_parameters(m, lay, stage)
     distopt, expert_dp = lay.distributed_optimizer, world_size // (lay.ep * lay.expert_tp * lay.pp)

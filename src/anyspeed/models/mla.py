@@ -23,11 +23,19 @@ class LatentAttention(MegatronModule):
     """Core attention with separate key and value head sizes (the ``core_attention`` of
     ``MLASelfAttention``); inputs [s, b, heads, d], output [s, b, heads x v_channels]."""
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: float | None = None,
-                 softmax_scale: float | None = None, k_channels: int | None = None,
-                 v_channels: int | None = None, cp_comm_type: str | None = None,
-                 pg_collection: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size > 1:
             raise ValueError("--multi-latent-attention does not run with --context-parallel-size")
@@ -39,10 +47,16 @@ class LatentAttention(MegatronModule):
         self.dropout_p = p
         self.current_max_attn_logits = None  # Megatron's QK-clip reads it (off here)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
-                attention_bias: torch.Tensor | None = None,
-                packed_seq_params: Any = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
         if attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError("multi-latent attention: no attention bias or packed input")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type

@@ -35,5 +35,3 @@ def check_moe(model: Any) -> None:
         raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     if model.moe_shared_expert_gate and not model.moe_shared_expert_intermediate_size:
         raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
-
-

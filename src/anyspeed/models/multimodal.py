@@ -21,18 +21,23 @@ from anyspeed.models.vision import LlavaConfig, VisionConfig, extra_key, extra_s
 def check_layout(cfg: LlavaConfig, layout: Layout) -> None:
     """ValueError (one line, naming the flag) for a layout the local LLaVA path cannot run."""
     if layout.vpp:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage: not supported for LLaVA "
-                         "(the tower sits on the first stage); use plain PP")  # fmt: skip
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage: not supported for LLaVA "
+            "(the tower sits on the first stage); use plain PP"
+        )
     if layout.cp > 1 or layout.sequence_parallel:
-        raise ValueError("--context-parallel-size / --sequence-parallel: Megatron's LLaVAModel "
-                         "needs Transformer Engine attention for them; use TP and DP")  # fmt: skip
+        raise ValueError(
+            "--context-parallel-size / --sequence-parallel: Megatron's LLaVAModel "
+            "needs Transformer Engine attention for them; use TP and DP"
+        )
     if layout.ep > 1:
         raise ValueError("--expert-model-parallel-size > 1 is not supported for LLaVA")
     v = cfg.vision
     for name, n in (("vision heads", v.num_attention_heads), ("vision ffn", v.ffn_hidden_size)):
         if n % layout.tp:
-            raise ValueError(f"--tensor-model-parallel-size {layout.tp} does not divide the "
-                             f"{name} ({n})")  # fmt: skip
+            raise ValueError(
+                f"--tensor-model-parallel-size {layout.tp} does not divide the {name} ({n})"
+            )
 
 
 def _vision_activation(name: str):
@@ -50,16 +55,26 @@ def vision_config(v: VisionConfig, layout: Layout, dtype: torch.dtype, **overrid
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw: dict[str, Any] = dict(
-        num_layers=v.num_layers, hidden_size=v.hidden_size, ffn_hidden_size=v.ffn_hidden_size,
+        num_layers=v.num_layers,
+        hidden_size=v.hidden_size,
+        ffn_hidden_size=v.ffn_hidden_size,
         num_attention_heads=v.num_attention_heads,
         kv_channels=v.hidden_size // v.num_attention_heads,
-        normalization="LayerNorm", layernorm_epsilon=v.norm_epsilon,
-        add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
-        activation_func=_vision_activation(v.activation), hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=layout.tp, params_dtype=dtype,
-        pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        normalization="LayerNorm",
+        layernorm_epsilon=v.norm_epsilon,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        gated_linear_unit=False,
+        activation_func=_vision_activation(v.activation),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         **gpt.PORTABLE_CONFIG,
-    )  # fmt: skip
+    )
     kw.update(overrides)
     config = TransformerConfig(**kw)
     config.vision_model_type = v.kind  # LLaVAModel reads it by attribute
@@ -107,10 +122,18 @@ def build_llava(
     init = dict(perform_initialization=config.perform_initialization, **overrides)
     scaling = lm.rope_scaling or {}
     projector = gpt.transformer_config(
-        lm, layout, bf16=config.bf16, fp16=config.fp16, ffn_hidden_size=lm.hidden_size,
-        add_bias_linear=True, gated_linear_unit=False, activation_func=F.gelu,
-        params_dtype=dtype, pipeline_dtype=dtype, **init,
-    )  # fmt: skip
+        lm,
+        layout,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        ffn_hidden_size=lm.hidden_size,
+        add_bias_linear=True,
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        **init,
+    )
     model = LLaVAModel(
         language_transformer_config=config,
         language_transformer_layer_spec=gpt.layer_spec(lm, config),
@@ -152,13 +175,23 @@ def stage_chunk(cfg: LlavaConfig, config, layout: Layout, **kw: Any):
     """This rank's pipeline stage of the LLaVA model (from Megatron's parallel state)."""
     from megatron.core import parallel_state as ps
 
-    return build_llava(cfg, config, layout, pre_process=ps.is_pipeline_first_stage(),
-                       post_process=ps.is_pipeline_last_stage(), **kw)  # fmt: skip
+    return build_llava(
+        cfg,
+        config,
+        layout,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        **kw,
+    )
 
 
-def freeze(model: torch.nn.Module, *, vision: bool = False, projector: bool = False,
-           language: bool = False) -> None:  # fmt: skip
+def freeze(
+    model: torch.nn.Module, *, vision: bool = False, projector: bool = False, language: bool = False
+) -> None:
     """MindSpeed-MM's freeze switches: no gradients (and no optimizer state) for the parts."""
     inner = getattr(model, "module", model)
-    inner.freeze(freeze_language_model=language, freeze_vision_model=vision,
-                 freeze_vision_projection=projector)  # fmt: skip
+    inner.freeze(
+        freeze_language_model=language,
+        freeze_vision_model=vision,
+        freeze_vision_projection=projector,
+    )

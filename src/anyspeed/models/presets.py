@@ -56,8 +56,7 @@ def infer_family(values: dict[str, Any]) -> str:
     def distance(f: Any) -> tuple[bool, bool, bool, bool]:
         family_sinks = any(p.softmax_type != "vanilla" for p in f.presets)
         family_delta = any(p.experimental_attention_variant for p in f.presets)
-        return family_delta != delta, family_sinks != sinks, f.qk_norm != norm, \
-            f.qkv_bias != bias  # fmt: skip
+        return family_delta != delta, family_sinks != sinks, f.qk_norm != norm, f.qkv_bias != bias
 
     ranked = sorted(FAMILIES.values(), key=distance)
     return ranked[0].name  # sorted() is stable: registry order breaks ties

@@ -29,8 +29,9 @@ class RewardHead(torch.nn.Module):
             self.score.weight.normal_(0.0, init_std, generator=gen)
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, hidden: torch.Tensor, weight: Any = None,
-                runtime_gather_output: Any = None) -> tuple[torch.Tensor, None]:  # fmt: skip
+    def forward(
+        self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -47,14 +48,14 @@ def reward_head(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
     core.share_embeddings_and_output_weights = False
     if core.post_process:
         cfg = core.config
-        core.output_layer = RewardHead(cfg.hidden_size, cfg.init_method_std,
-                                       cfg.sequence_parallel)  # fmt: skip
+        core.output_layer = RewardHead(cfg.hidden_size, cfg.init_method_std, cfg.sequence_parallel)
         core.sharded_state_dict = types.MethodType(_state_with_head, core)
     return chunk
 
 
-def _state_with_head(core: Any, prefix: str = "", sharded_offsets: tuple = (),
-                     metadata: dict | None = None) -> dict:  # fmt: skip
+def _state_with_head(
+    core: Any, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+) -> dict:
     """The model's sharded state dict with the head's own entry: Megatron's language model
     would treat ``output_layer.weight`` as a vocabulary projection (padding, tying), so its
     output-layer handling is skipped while the dict is built."""

@@ -72,9 +72,14 @@ def record(cfg: LlavaConfig, hf_config: dict[str, Any] | None = None) -> str:
     the HF config.json it came from (so the checkpoint converts back on its own)."""
     import json
 
-    return json.dumps({"vision": dataclasses.asdict(cfg.vision), "drop_class_token":
-                       cfg.drop_class_token, "image_token_id": cfg.image_token_id,
-                       "hf_config": hf_config})  # fmt: skip
+    return json.dumps(
+        {
+            "vision": dataclasses.asdict(cfg.vision),
+            "drop_class_token": cfg.drop_class_token,
+            "image_token_id": cfg.image_token_id,
+            "hf_config": hf_config,
+        }
+    )
 
 
 def from_record(text: str, language: ModelConfig | None) -> LlavaConfig:
@@ -98,20 +103,25 @@ def vision_from_hf(vc: dict[str, Any], feature_layer: Any) -> VisionConfig:
     """The tower transformers' ``vision_config`` describes, cut at ``vision_feature_layer``."""
     kind = VISION_KINDS.get(vc.get("model_type", ""))
     if kind is None:
-        raise ValueError(f"vision_config.model_type {vc.get('model_type')!r} is not supported "
-                         f"(choose one of {', '.join(VISION_KINDS)})")  # fmt: skip
+        raise ValueError(
+            f"vision_config.model_type {vc.get('model_type')!r} is not supported "
+            f"(choose one of {', '.join(VISION_KINDS)})"
+        )
     act = vc.get("hidden_act", "quick_gelu" if kind == "clip" else "gelu_pytorch_tanh")
     if act not in ACTIVATIONS:
-        raise ValueError(f"vision_config.hidden_act {act!r} is not supported "
-                         f"(choose one of {', '.join(ACTIVATIONS)})")  # fmt: skip
+        raise ValueError(
+            f"vision_config.hidden_act {act!r} is not supported "
+            f"(choose one of {', '.join(ACTIVATIONS)})"
+        )
     layers = _int(vc, "num_hidden_layers", "vision_config")
     if not isinstance(feature_layer, int) or isinstance(feature_layer, bool):
-        raise ValueError(f"vision_feature_layer {feature_layer!r}: only one layer (an integer) "
-                         "is supported, not a list of layers")  # fmt: skip
+        raise ValueError(
+            f"vision_feature_layer {feature_layer!r}: only one layer (an integer) "
+            "is supported, not a list of layers"
+        )
     used = layers + 1 + feature_layer if feature_layer < 0 else feature_layer
     if not 1 <= used <= layers:
-        raise ValueError(f"vision_feature_layer {feature_layer} selects no tower layer of "
-                         f"{layers}")  # fmt: skip
+        raise ValueError(f"vision_feature_layer {feature_layer} selects no tower layer of {layers}")
     return VisionConfig(
         kind=kind,
         hidden_size=_int(vc, "hidden_size", "vision_config"),
@@ -135,24 +145,34 @@ def llava_from_hf(config: dict[str, Any]) -> LlavaConfig:
     strategy = config.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise ValueError(f"vision_feature_select_strategy {strategy!r}: choose default or full")
-    vision = vision_from_hf(config.get("vision_config") or {},
-                            config.get("vision_feature_layer", -2))  # fmt: skip
+    vision = vision_from_hf(
+        config.get("vision_config") or {}, config.get("vision_feature_layer", -2)
+    )
     if vision.kind == "siglip" and strategy == "default":
-        raise ValueError("vision_feature_select_strategy 'default' with a SigLIP tower drops a "
-                         "patch (SigLIP has no class token): only 'full' is supported")  # fmt: skip
+        raise ValueError(
+            "vision_feature_select_strategy 'default' with a SigLIP tower drops a "
+            "patch (SigLIP has no class token): only 'full' is supported"
+        )
     act = config.get("projector_hidden_act", "gelu")
     if act != "gelu" or config.get("multimodal_projector_bias", True) is not True:
-        raise ValueError(f"projector_hidden_act {act!r} / multimodal_projector_bias: only the "
-                         "gelu projector with biases is supported")  # fmt: skip
+        raise ValueError(
+            f"projector_hidden_act {act!r} / multimodal_projector_bias: only the "
+            "gelu projector with biases is supported"
+        )
     text = dict(config.get("text_config") or {})
     text.setdefault("architectures", None)
     language = preset_from_hf(text, name="hf-llava")
     token = config.get("image_token_id", config.get("image_token_index"))
     if not isinstance(token, int) or not 0 <= token < language.vocab_size:
-        raise ValueError(f"image_token_id {token!r} is not a token of the vocabulary "
-                         f"({language.vocab_size})")  # fmt: skip
-    return LlavaConfig(language=language, vision=vision, image_token_id=token,
-                       drop_class_token=strategy == "default")  # fmt: skip
+        raise ValueError(
+            f"image_token_id {token!r} is not a token of the vocabulary ({language.vocab_size})"
+        )
+    return LlavaConfig(
+        language=language,
+        vision=vision,
+        image_token_id=token,
+        drop_class_token=strategy == "default",
+    )
 
 
 def extra_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -160,25 +180,39 @@ def extra_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     tower): the layers past the used ones, the post-norm and SigLIP's pooling head."""
     h, f = v.hidden_size, v.ffn_hidden_size
     one = {
-        "layer_norm1.weight": (h,), "layer_norm1.bias": (h,),
-        "layer_norm2.weight": (h,), "layer_norm2.bias": (h,),
-        "mlp.fc1.weight": (f, h), "mlp.fc1.bias": (f,),
-        "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,),
-    }  # fmt: skip
+        "layer_norm1.weight": (h,),
+        "layer_norm1.bias": (h,),
+        "layer_norm2.weight": (h,),
+        "layer_norm2.bias": (h,),
+        "mlp.fc1.weight": (f, h),
+        "mlp.fc1.bias": (f,),
+        "mlp.fc2.weight": (h, f),
+        "mlp.fc2.bias": (h,),
+    }
     for p in ("q", "k", "v", "out"):
         one[f"self_attn.{p}_proj.weight"], one[f"self_attn.{p}_proj.bias"] = (h, h), (h,)
-    out = {f"encoder.layers.{i}.{k}": s for i in range(v.num_layers, v.held_layers)
-           for k, s in one.items()}  # fmt: skip
+    out = {
+        f"encoder.layers.{i}.{k}": s
+        for i in range(v.num_layers, v.held_layers)
+        for k, s in one.items()
+    }
     out["post_layernorm.weight"], out["post_layernorm.bias"] = (h,), (h,)
     if v.siglip_head:
-        out.update({
-            "head.probe": (1, 1, h),
-            "head.attention.in_proj_weight": (3 * h, h), "head.attention.in_proj_bias": (3 * h,),
-            "head.attention.out_proj.weight": (h, h), "head.attention.out_proj.bias": (h,),
-            "head.layernorm.weight": (h,), "head.layernorm.bias": (h,),
-            "head.mlp.fc1.weight": (f, h), "head.mlp.fc1.bias": (f,),
-            "head.mlp.fc2.weight": (h, f), "head.mlp.fc2.bias": (h,),
-        })  # fmt: skip
+        out.update(
+            {
+                "head.probe": (1, 1, h),
+                "head.attention.in_proj_weight": (3 * h, h),
+                "head.attention.in_proj_bias": (3 * h,),
+                "head.attention.out_proj.weight": (h, h),
+                "head.attention.out_proj.bias": (h,),
+                "head.layernorm.weight": (h,),
+                "head.layernorm.bias": (h,),
+                "head.mlp.fc1.weight": (f, h),
+                "head.mlp.fc1.bias": (f,),
+                "head.mlp.fc2.weight": (h, f),
+                "head.mlp.fc2.bias": (h,),
+            }
+        )
     return out
 
 
@@ -196,9 +230,20 @@ def tiny_llava(kind: str = "clip", **language: Any) -> LlavaConfig:
     from anyspeed.models.presets import get_preset
 
     lm = dataclasses.replace(get_preset("tiny-llama"), name="tiny-llava", **language)
-    vision = VisionConfig(kind=kind, hidden_size=32, ffn_hidden_size=64, num_layers=2,
-                          num_attention_heads=4, image_size=32, patch_size=8,
-                          activation="quick_gelu" if kind == "clip" else "gelu_pytorch_tanh",
-                          hf_num_layers=2)  # fmt: skip
-    return LlavaConfig(language=lm, vision=vision, image_token_id=lm.vocab_size - 1,
-                       drop_class_token=kind == "clip")  # fmt: skip
+    vision = VisionConfig(
+        kind=kind,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        activation="quick_gelu" if kind == "clip" else "gelu_pytorch_tanh",
+        hf_num_layers=2,
+    )
+    return LlavaConfig(
+        language=lm,
+        vision=vision,
+        image_token_id=lm.vocab_size - 1,
+        drop_class_token=kind == "clip",
+    )

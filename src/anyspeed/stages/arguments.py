@@ -44,27 +44,47 @@ def _launch_and_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="layers of the first pipeline stage (uneven stages)")  # fmt: skip
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="layers of the last pipeline stage (uneven stages)")  # fmt: skip
+    g.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="layers of the first pipeline stage (uneven stages)",
+    )
+    g.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="layers of the last pipeline stage (uneven stages)",
+    )
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="tensor-parallel ranks in an expert (default: the TP size)")  # fmt: skip
+    g.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks in an expert (default: the TP size)",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="gradient bucket size in elements (default: Megatron's)")  # fmt: skip
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="gradient bucket size in elements (default: Megatron's)",
+    )
 
 
 def _architecture_and_tokenizer(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("architecture")
     model_config.add_arguments(g)
     g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size without a tokenizer (mock data)")  # fmt: skip
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary size without a tokenizer (mock data)",
+    )
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g = p.add_argument_group("tokenizer")
     g.add_argument(
@@ -72,8 +92,9 @@ def _architecture_and_tokenizer(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=("PretrainedFromHF", "HuggingFaceTokenizer", "NullTokenizer"),
     )
-    g.add_argument("--tokenizer-name-or-path", "--tokenizer-model",
-                   dest="tokenizer_name_or_path", default=None)  # fmt: skip
+    g.add_argument(
+        "--tokenizer-name-or-path", "--tokenizer-model", dest="tokenizer_name_or_path", default=None
+    )
 
 
 def _training(p: argparse.ArgumentParser) -> None:
@@ -102,8 +123,12 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="static loss scale for --fp16 (default: dynamic)")  # fmt: skip
+    g.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="static loss scale for --fp16 (default: dynamic)",
+    )
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
@@ -136,8 +161,12 @@ def _data_and_checkpoints(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (after saving) when the iteration is a multiple of this")  # fmt: skip
+    g.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="stop (after saving) when the iteration is a multiple of this",
+    )
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -169,34 +198,50 @@ def build_parser() -> argparse.ArgumentParser:
     """The pretraining parser (anyspeed feature flags and accepted no-ops included)."""
     from anyspeed import features
 
-    p = OneLineArgumentParser(prog="anyspeed pretrain", allow_abbrev=False,
-                              description=__doc__.split("\n")[0])  # fmt: skip
-    for add in (_launch_and_parallel, _architecture_and_tokenizer, _training,
-                _data_and_checkpoints, _logging, recompute.add_arguments):  # fmt: skip
+    p = OneLineArgumentParser(
+        prog="anyspeed pretrain", allow_abbrev=False, description=__doc__.split("\n")[0]
+    )
+    for add in (
+        _launch_and_parallel,
+        _architecture_and_tokenizer,
+        _training,
+        _data_and_checkpoints,
+        _logging,
+        recompute.add_arguments,
+    ):
         add(p)
     features.add_arguments(p)
     return p
 
 
-def unsupported_flag(argv: Sequence[str], *parsers: argparse.ArgumentParser,
-                     prog: str = "anyspeed pretrain", help_cmd: str | None = None,
-                     ) -> str | None:  # fmt: skip
+def unsupported_flag(
+    argv: Sequence[str],
+    *parsers: argparse.ArgumentParser,
+    prog: str = "anyspeed pretrain",
+    help_cmd: str | None = None,
+) -> str | None:
     """The one-line error for the first ``--flag`` in ``argv`` that none of ``parsers`` defines
     (naming the closest known flag when it looks misspelled); None when every flag is known."""
-    known = {flag for parser in parsers for action in parser._actions
-             for flag in action.option_strings}  # fmt: skip
+    known = {
+        flag for parser in parsers for action in parser._actions for flag in action.option_strings
+    }
     for tok in argv:
         flag = tok.split("=", 1)[0]
         if tok.startswith("--") and flag not in known:
             close = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.85)
             fix = f"did you mean {close[0]}?" if close else "remove it."
-            return (f"unsupported flag {flag}: {prog} does not implement it ({fix} "
-                    f"See `{help_cmd or prog} --help` for the flags it takes)")  # fmt: skip
+            return (
+                f"unsupported flag {flag}: {prog} does not implement it ({fix} "
+                f"See `{help_cmd or prog} --help` for the flags it takes)"
+            )
     return None
 
 
-def parse_pretrain_args(argv: Sequence[str], parser: argparse.ArgumentParser | None = None,
-                        prog: str = "anyspeed pretrain") -> argparse.Namespace:  # fmt: skip
+def parse_pretrain_args(
+    argv: Sequence[str],
+    parser: argparse.ArgumentParser | None = None,
+    prog: str = "anyspeed pretrain",
+) -> argparse.Namespace:
     """Parse a pretraining command line once; a preset expands first, unknown flags are
     errors, and so is a numeric flag out of its range. ``args.model`` keeps the preset's name."""
     try:

@@ -33,8 +33,15 @@ def _require(args: argparse.Namespace, *names: str) -> None:
 def complete(args: argparse.Namespace) -> Any:
     """Complete the derived flag values (the one place that writes the parsed namespace,
     before it is frozen) and return the tokenizer (or None); UsageError on a bad request."""
-    _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-             "train_iters", "global_batch_size")  # fmt: skip
+    _require(
+        args,
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "train_iters",
+        "global_batch_size",
+    )
     if args.lr is None:
         raise UsageError("--lr is required")
     if args.bf16 and args.fp16:
@@ -54,8 +61,12 @@ class Checked:
     load: str | None
 
 
-def check(args: argparse.Namespace, world_size: int, data_prefixes: list[str] | None,
-          tokenizer: Any = None) -> Checked:  # fmt: skip
+def check(
+    args: argparse.Namespace,
+    world_size: int,
+    data_prefixes: list[str] | None,
+    tokenizer: Any = None,
+) -> Checked:
     """Every generic problem as one UsageError line, before process groups start: layout,
     batch split, paths, the ``.bin/.idx`` files ``data_prefixes`` name (None: no files, e.g.
     mock data), and a --load checkpoint that fits. Reads ``args``; writes nothing."""
@@ -136,8 +147,10 @@ def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | No
 
         holder = lock_holder(args.save)
         if holder is not None:
-            raise UsageError(f"--save {args.save!r} is in use by another run (pid {holder}); "
-                             "wait for it to end or choose another --save")  # fmt: skip
+            raise UsageError(
+                f"--save {args.save!r} is in use by another run (pid {holder}); "
+                "wait for it to end or choose another --save"
+            )
     load = _check_load(args, layout, world) if args.load else None
     if args.metrics_file:
         _check_writable(os.path.dirname(os.path.abspath(args.metrics_file)), "--metrics-file")
@@ -171,19 +184,26 @@ def _check_load(args: argparse.Namespace, layout: Layout, world: int) -> str | N
         raise UsageError(f"--load: {exc}") from None
     if latest is None:
         if args.finetune:
-            raise UsageError(f"--finetune needs a checkpoint, but --load {args.load!r} has no "
-                             f"{TRACKER}")  # fmt: skip
+            raise UsageError(
+                f"--finetune needs a checkpoint, but --load {args.load!r} has no {TRACKER}"
+            )
         from anyspeed.launch import reports_here
 
         if reports_here():
-            print(f"anyspeed: warning: --load {args.load!r} holds no checkpoint yet "
-                  f"(no {TRACKER}); starting from scratch", file=sys.stderr)  # fmt: skip
+            print(
+                f"anyspeed: warning: --load {args.load!r} holds no checkpoint yet "
+                f"(no {TRACKER}); starting from scratch",
+                file=sys.stderr,
+            )
         return None
     try:
         checkpoint_checks.check_load(
-            args.load, layout, layout.dp(world), finetune=args.finetune,
+            args.load,
+            layout,
+            layout.dp(world),
+            finetune=args.finetune,
             load_rng=not args.no_load_rng,
-        )  # fmt: skip
+        )
     except CheckpointFileError as exc:
         raise UsageError(f"--load {args.load!r}: {exc}") from None
     return args.load
@@ -214,8 +234,9 @@ def _complete_vocab(args: argparse.Namespace) -> Any:
     tp = args.tensor_model_parallel_size
     if args.tokenizer_type in ("PretrainedFromHF", "HuggingFaceTokenizer"):
         if not args.tokenizer_name_or_path:
-            raise UsageError(f"--tokenizer-type {args.tokenizer_type} needs "
-                             "--tokenizer-name-or-path")  # fmt: skip
+            raise UsageError(
+                f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-name-or-path"
+            )
         from anyspeed.data.errors import UsageError as DataUsageError
         from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
 

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=POSTTRAIN_STAGES,
         default=None,
         help=f"what to train: {', '.join(POSTTRAIN_STAGES)}",
-    )  # fmt: skip
+    )
     g = p.add_argument_group("LoRA")
     g.add_argument("--lora-r", type=int, default=None, help="adapter rank (default 16)")
     g.add_argument("--lora-alpha", type=float, default=None, help="scale alpha / r (default 32)")

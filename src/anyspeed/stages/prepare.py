@@ -24,8 +24,9 @@ def stage_of(argv: list[str], command: str) -> Stage:
     return get_stage(get_flag(argv, "--stage"), command)
 
 
-def prepare(argv: list[str], where: str | None = None,
-            command: str = "pretrain") -> tuple[Run, list[str]]:  # fmt: skip
+def prepare(
+    argv: list[str], where: str | None = None, command: str = "pretrain"
+) -> tuple[Run, list[str]]:
     """Parse and check a command line (UsageError on any problem), before process groups.
 
     ``--load <HF dir>`` brings the architecture and tokenizer flags from the directory and
@@ -52,9 +53,21 @@ def prepare(argv: list[str], where: str | None = None,
         argv = set_flag(argv, "--load", load)
     if load and not hf_dir and not args.finetune and not getattr(plan.config, "lora", None):
         _check_resumed_stage(load, stage.name)
-    run = Run(stage=stage.name, prog=prog, args=args, model=checked.model, layout=checked.layout,
-              train=checked.train, world=world, tokenizer=tokenizer, load=load, hf_dir=hf_dir,
-              config=plan.config, data=plan.data, records=dict(plan.records))  # fmt: skip
+    run = Run(
+        stage=stage.name,
+        prog=prog,
+        args=args,
+        model=checked.model,
+        layout=checked.layout,
+        train=checked.train,
+        world=world,
+        tokenizer=tokenizer,
+        load=load,
+        hf_dir=hf_dir,
+        config=plan.config,
+        data=plan.data,
+        records=dict(plan.records),
+    )
     return run, argv
 
 

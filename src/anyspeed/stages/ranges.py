@@ -29,8 +29,12 @@ class Range:
 
     def violation(self, value: float) -> str | None:
         """What ``value`` breaks ("must be >= 1"), or None when it is in range."""
-        bounds = ((self.ge, ">=", operator.ge), (self.gt, ">", operator.gt),
-                  (self.le, "<=", operator.le), (self.lt, "<", operator.lt))  # fmt: skip
+        bounds = (
+            (self.ge, ">=", operator.ge),
+            (self.gt, ">", operator.gt),
+            (self.le, "<=", operator.le),
+            (self.lt, "<", operator.lt),
+        )
         for bound, name, ok in bounds:
             if bound is not None and not ok(value, bound):
                 return f"must be {name} {_num(bound)}"

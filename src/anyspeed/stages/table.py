@@ -20,17 +20,28 @@ from anyspeed.training.task import Stage, Task
 def _pretrain() -> Stage:
     from anyspeed.stages.pretrain import task as pretrain
 
-    return Stage("pretrain", "pretrain", "next-token prediction on Megatron's GPT datasets",
-                 (), pretrain.plan, pretrain.make_task)  # fmt: skip
+    return Stage(
+        "pretrain",
+        "pretrain",
+        "next-token prediction on Megatron's GPT datasets",
+        (),
+        pretrain.plan,
+        pretrain.make_task,
+    )
 
 
 def _sft() -> Stage:
     from anyspeed.stages import flags as posttrain_flags
     from anyspeed.stages.sft import task as sft
 
-    return Stage("sft", "posttrain", "supervised fine-tuning (full or LoRA) on instruction data",
-                 (posttrain_flags.add_arguments, sft.add_arguments), sft.plan,
-                 sft.make_task)  # fmt: skip
+    return Stage(
+        "sft",
+        "posttrain",
+        "supervised fine-tuning (full or LoRA) on instruction data",
+        (posttrain_flags.add_arguments, sft.add_arguments),
+        sft.plan,
+        sft.make_task,
+    )
 
 
 def _preference(kind: str) -> Callable[[], Stage]:
@@ -59,7 +70,7 @@ def _preference(kind: str) -> Callable[[], Stage]:
             preference.make_task,
         )
 
-    return row  # fmt: skip
+    return row
 
 
 def _orm() -> Stage:
@@ -68,28 +79,46 @@ def _orm() -> Stage:
     from anyspeed.stages.preference import task as preference
     from anyspeed.stages.sft import task as sft
 
-    return Stage("orm", "posttrain", "an outcome reward model (a scalar head) on pairwise data",
-                 (posttrain_flags.add_arguments, sft.add_arguments,
-                  preference.add_pairwise_arguments), orm.plan, orm.make_task)  # fmt: skip
+    return Stage(
+        "orm",
+        "posttrain",
+        "an outcome reward model (a scalar head) on pairwise data",
+        (posttrain_flags.add_arguments, sft.add_arguments, preference.add_pairwise_arguments),
+        orm.plan,
+        orm.make_task,
+    )
 
 
 def _grpo() -> Stage:
     from anyspeed.stages import flags as posttrain_flags
     from anyspeed.stages.grpo import flags as grpo
+    from anyspeed.stages.grpo import plan
 
-    return Stage("grpo", "posttrain", "colocated GRPO (DAPO's options) with rule rewards on "
-                 "prompt data", (posttrain_flags.add_arguments, grpo.add_arguments), grpo.plan,
-                 grpo.make_task, argv=grpo.expand_config)  # fmt: skip
+    return Stage(
+        "grpo",
+        "posttrain",
+        "colocated GRPO (DAPO's options) with rule rewards on prompt data",
+        (posttrain_flags.add_arguments, grpo.add_arguments),
+        plan.plan,
+        plan.make_task,
+        argv=grpo.expand_config,
+    )
 
 
 def _vlm() -> Stage:
     from anyspeed.stages import flags as posttrain_flags
     from anyspeed.stages.vlm import task as vlm
 
-    return Stage("vlm", "posttrain", "a LLaVA vision-language model (CLIP/SigLIP tower, "
-                 "projector, language model) on image-text conversations",
-                 (posttrain_flags.add_arguments, vlm.add_arguments), vlm.plan, vlm.make_task,
-                 argv=vlm.expand_argv)  # fmt: skip
+    return Stage(
+        "vlm",
+        "posttrain",
+        "a LLaVA vision-language model (CLIP/SigLIP tower, "
+        "projector, language model) on image-text conversations",
+        (posttrain_flags.add_arguments, vlm.add_arguments),
+        vlm.plan,
+        vlm.make_task,
+        argv=vlm.expand_argv,
+    )
 
 
 # name -> row builder (imports stay lazy: `anyspeed --help` must start fast)

@@ -105,8 +105,13 @@ def _record(item: pytest.Item, report: pytest.TestReport) -> None:
     elif report.outcome == "failed":
         text = _first_error_line(report)
     rank = os.environ.get("RANK", "0")
-    row = {"test": item.nodeid, "when": report.when, "outcome": report.outcome,
-           "reason": text[:400], "seconds": round(report.duration, 2)}  # fmt: skip
+    row = {
+        "test": item.nodeid,
+        "when": report.when,
+        "outcome": report.outcome,
+        "reason": text[:400],
+        "seconds": round(report.duration, 2),
+    }
     with open(f"{path}.rank{rank}.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 

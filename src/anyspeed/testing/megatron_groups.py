@@ -49,8 +49,9 @@ def destroying_groups(destroy: Callable[..., Any]) -> Callable[..., Any]:
     def destroy_model_parallel(*args: Any, **kwargs: Any) -> Any:
         import megatron.core.parallel_state as ps
 
-        held = {id(g): g for name, v in vars(ps).items() if name.startswith("_")
-                for g in _groups(v)}  # fmt: skip
+        held = {
+            id(g): g for name, v in vars(ps).items() if name.startswith("_") for g in _groups(v)
+        }
         out = destroy(*args, **kwargs)
         for name, v in list(vars(ps).items()):  # Megatron 0.16.1 forgets to reset these two
             if name.startswith("_INTRA_PARTIAL_DATA_PARALLEL_GROUP") and v is not None:

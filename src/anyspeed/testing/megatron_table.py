@@ -8,12 +8,34 @@ import re
 
 # Packages that exist for NVIDIA GPUs only: a test that fails importing one cannot run here.
 CUDA_ONLY_MODULES = (
-    "transformer_engine", "apex", "amp_C", "flash_attn", "flash_attn_3", "flashattn_hopper",
-    "triton", "fused_layer_norm_cuda", "fused_weight_gradient_mlp_cuda", "grouped_gemm",
-    "deep_ep", "nvshmem", "mamba_ssm", "causal_conv1d", "flashinfer", "cupy", "nvidia",
-    "tensorrt_llm", "modelopt", "vllm", "emerging_optimizers", "nv_one_logger", "hybrid_ep",
-    "cuda", "pynvml", "nvtx", "fla",
-)  # fmt: skip
+    "transformer_engine",
+    "apex",
+    "amp_C",
+    "flash_attn",
+    "flash_attn_3",
+    "flashattn_hopper",
+    "triton",
+    "fused_layer_norm_cuda",
+    "fused_weight_gradient_mlp_cuda",
+    "grouped_gemm",
+    "deep_ep",
+    "nvshmem",
+    "mamba_ssm",
+    "causal_conv1d",
+    "flashinfer",
+    "cupy",
+    "nvidia",
+    "tensorrt_llm",
+    "modelopt",
+    "vllm",
+    "emerging_optimizers",
+    "nv_one_logger",
+    "hybrid_ep",
+    "cuda",
+    "pynvml",
+    "nvtx",
+    "fla",
+)
 
 # (node-id pattern, reason): tests that need a CUDA feature anyspeed does not provide on
 # other devices. Patterns are regular expressions matched at the start of the node id

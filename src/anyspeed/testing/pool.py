@@ -61,8 +61,13 @@ def _serve(rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threa
     """One shared rank: run each task sent to it until it is told to stop (None)."""
     os.setpgrp()  # the parent ends this rank and what it started in one killpg
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+    )
     base = dict(os.environ)
     import torch
 
@@ -91,9 +96,14 @@ class Pool:
         ctx = mp.get_context("spawn")
         self.q = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_serve, args=(r, world, self.inboxes[r], self.q,
-                                                       dict(env), threads), daemon=False)
-                      for r in range(world)]  # fmt: skip
+        self.procs = [
+            ctx.Process(
+                target=_serve,
+                args=(r, world, self.inboxes[r], self.q, dict(env), threads),
+                daemon=False,
+            )
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
 

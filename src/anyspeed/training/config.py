@@ -57,10 +57,30 @@ class TrainConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
         """The settings checked pretraining ``args`` describe (Megatron-LM flag names)."""
-        names = ("seq_length", "micro_batch_size", "global_batch_size", "lr", "min_lr",
-                 "weight_decay", "clip_grad", "seed", "bf16", "fp16", "loss_scale",
-                 "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
-                 "adam_beta1", "adam_beta2", "adam_eps", "optimizer")  # fmt: skip
+        names = (
+            "seq_length",
+            "micro_batch_size",
+            "global_batch_size",
+            "lr",
+            "min_lr",
+            "weight_decay",
+            "clip_grad",
+            "seed",
+            "bf16",
+            "fp16",
+            "loss_scale",
+            "initial_loss_scale",
+            "min_loss_scale",
+            "loss_scale_window",
+            "hysteresis",
+            "adam_beta1",
+            "adam_beta2",
+            "adam_eps",
+            "optimizer",
+        )
         values = {n: getattr(args, n) for n in names}
-        return cls(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-                   recompute=Recompute.from_args(args), **values)  # fmt: skip
+        return cls(
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            recompute=Recompute.from_args(args),
+            **values,
+        )

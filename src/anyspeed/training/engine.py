@@ -62,27 +62,39 @@ def banner(run: Run, start: int, dp: int) -> str:
     )
 
 
-def resume(run: Run, trainer: Any, scheduler: Any, state: Any, root: str | None = None,
-           flag: str = "--load") -> None:  # fmt: skip
+def resume(
+    run: Run,
+    trainer: Any,
+    scheduler: Any,
+    state: Any,
+    root: str | None = None,
+    flag: str = "--load",
+) -> None:
     """Resume from ``root`` (default: the run's checkpoint; ``flag`` names it in errors):
     weights, optimizer, scheduler, RNG and the data position."""
-    from anyspeed.checkpoint import save_load as ckpt
     from anyspeed.checkpoint.errors import CheckpointMismatch
+    from anyspeed.checkpoint.load import load_checkpoint
 
     args = run.args
     root = root or run.load
     try:
-        common = ckpt.load_checkpoint(root, trainer.model, trainer.optimizer, scheduler,
-                                      finetune=args.finetune and root == run.load,
-                                      load_optim=not args.no_load_optim,
-                                      load_rng=not args.no_load_rng)  # fmt: skip
+        common = load_checkpoint(
+            root,
+            trainer.model,
+            trainer.optimizer,
+            scheduler,
+            finetune=args.finetune and root == run.load,
+            load_optim=not args.no_load_optim,
+            load_rng=not args.no_load_rng,
+        )
     except CheckpointMismatch as exc:
         if root == run.load:
             raise
         raise CheckpointMismatch(str(exc).replace("--load ", f"{flag} ", 1)) from None
     state.iteration = int(common.get("iteration", 0))
-    state.consumed = int(common.get("consumed_train_samples",
-                                    state.iteration * args.global_batch_size))  # fmt: skip
+    state.consumed = int(
+        common.get("consumed_train_samples", state.iteration * args.global_batch_size)
+    )
     state.consumed_valid = int(common.get("consumed_valid_samples", 0))
     print0(f"{run.prog}: loaded {root} at iteration {state.iteration}")
 
@@ -97,8 +109,9 @@ def _start(run: Run, task: Task) -> tuple[Any, Any, Any]:
     set_timeout(run.args.distributed_timeout_minutes)
     trainer = Trainer(run.model, run.layout, run.train, task)
     scheduler = build_scheduler(trainer.optimizer, run)
-    state = LoopState(trainer, scheduler, run.args.train_iters, run.args.global_batch_size,
-                      fp16=run.train.fp16)  # fmt: skip
+    state = LoopState(
+        trainer, scheduler, run.args.train_iters, run.args.global_batch_size, fp16=run.train.fp16
+    )
     if not task.load(run, trainer, scheduler, state) and run.load:
         resume(run, trainer, scheduler, state)
     trainer.frozen = build_frozen(trainer, task.frozen_models())
@@ -130,8 +143,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
         logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     train_ds, valid_ds, test_ds = task.datasets(run)
     device = torch_device()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision,
-                                                               torch.float32)  # fmt: skip
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision, torch.float32)
     peak = peak_flops(dtype) * int(os.environ.get("WORLD_SIZE", "1"))
     print0(banner(run, state.iteration, trainer.dp))
     slow = slow_precision_warning(dtype)  # e.g. bf16 on a CPU without bf16 matmul kernels
@@ -150,7 +162,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
                 "anyspeed_stage": run.stage,
                 **run.records,
                 **task.records(),
-            },  # fmt: skip
+            },
         ),
         *extra_hooks,
     ]

@@ -34,7 +34,7 @@ class Frozen:
 def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Frozen]:
     """One :class:`Frozen` per spec: the training model with adapters off, or a new copy of
     the architecture at the training layout with a checkpoint's weights (no grad, eval)."""
-    from anyspeed.checkpoint.save_load import load_weights
+    from anyspeed.checkpoint.load import load_weights
     from anyspeed.training.model_pipeline import build_chunks
 
     out = {}
@@ -42,8 +42,9 @@ def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Froze
         if spec.adapters_off:
             out[name] = Frozen(trainer.model, adapters_off=True)
             continue
-        chunks, _ = build_chunks(trainer.model_config, trainer.layout, trainer.cfg,
-                                 spec.transforms, trainer.task.build)  # fmt: skip
+        chunks, _ = build_chunks(
+            trainer.model_config, trainer.layout, trainer.cfg, spec.transforms, trainer.task.build
+        )
         for c in chunks:
             c.eval().requires_grad_(False)
         if spec.load:

@@ -63,8 +63,14 @@ class Reporter:
 class LogHook(Hook):
     """Megatron-LM's iteration line every ``--log-interval`` steps, plus metrics and TB."""
 
-    def __init__(self, reporter: Reporter, run: Any, flops_per_token: float,
-                 peak_flops: float, label: str = "lm loss") -> None:  # fmt: skip
+    def __init__(
+        self,
+        reporter: Reporter,
+        run: Any,
+        flops_per_token: float,
+        peak_flops: float,
+        label: str = "lm loss",
+    ) -> None:
         self.r, self.args, self.prog = reporter, run.args, run.prog
         self.label = label  # the task's loss name (pretraining: Megatron-LM's "lm loss")
         self.flops_tok, self.peak = flops_per_token, peak_flops
@@ -79,9 +85,11 @@ class LogHook(Hook):
             return flops / self.peak
         if not self.warned:
             self.warned = True
-            print0(f"{self.prog}: warning: {flops / 1e12:.3g} TFLOP/s achieved exceeds "
-                   f"the peak {self.peak / 1e12:.3g} TFLOP/s measured for this device, so MFU is "
-                   "not shown (set ANYSPEED_PEAK_TFLOPS to its real peak)")  # fmt: skip
+            print0(
+                f"{self.prog}: warning: {flops / 1e12:.3g} TFLOP/s achieved exceeds "
+                f"the peak {self.peak / 1e12:.3g} TFLOP/s measured for this device, so MFU is "
+                "not shown (set ANYSPEED_PEAK_TFLOPS to its real peak)"
+            )
         return None
 
     def on_abort(self, state: LoopState) -> None:
@@ -119,17 +127,37 @@ class LogHook(Hook):
             f"TFLOP/s: {tflops:.3f} | MFU: {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
             f"peak mem: {mem:.2f} GiB/rank | {self.r.progress.tag(it)}"
         )
-        self.r.record({"iteration": it, self.label.replace(" ", "_"): loss, "lr": out["lr"],
-                       "skipped": len(state.history["skipped"]), "grad_norm": out["grad_norm"],
-                       "tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "peak_mem_gib": mem,
-                       "ms_per_iter": dt * 1000, **named, **moe,
-                       **({"expert_load_per_layer": out["moe"]["load_per_layer"]}
-                          if moe else {})})  # fmt: skip
-        self.r.tb.scalars({self.label.replace(" ", "-"): loss, "learning-rate": out["lr"],
-                           "grad-norm": out["grad_norm"], "tokens-per-sec": tps, "tflops": tflops,
-                           "mem-peak-gib": mem, **({} if mfu is None else {"mfu": mfu}),
-                           **named, **{f"moe/{k}": v for k, v in moe.items()}},
-                          it)  # fmt: skip
+        self.r.record(
+            {
+                "iteration": it,
+                self.label.replace(" ", "_"): loss,
+                "lr": out["lr"],
+                "skipped": len(state.history["skipped"]),
+                "grad_norm": out["grad_norm"],
+                "tokens_per_s": tps,
+                "tflops": tflops,
+                "mfu": mfu,
+                "peak_mem_gib": mem,
+                "ms_per_iter": dt * 1000,
+                **named,
+                **moe,
+                **({"expert_load_per_layer": out["moe"]["load_per_layer"]} if moe else {}),
+            }
+        )
+        self.r.tb.scalars(
+            {
+                self.label.replace(" ", "-"): loss,
+                "learning-rate": out["lr"],
+                "grad-norm": out["grad_norm"],
+                "tokens-per-sec": tps,
+                "tflops": tflops,
+                "mem-peak-gib": mem,
+                **({} if mfu is None else {"mfu": mfu}),
+                **named,
+                **{f"moe/{k}": v for k, v in moe.items()},
+            },
+            it,
+        )
         self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
         self.metrics = {}
 
@@ -140,16 +168,18 @@ class LogHook(Hook):
 class EvalHook(Hook):
     """Validation every ``--eval-interval`` steps and at the end; the test split at the end."""
 
-    def __init__(self, reporter: Reporter, run: Any, task: Any,
-                 valid: Any, test: Any, device: Any) -> None:  # fmt: skip
+    def __init__(
+        self, reporter: Reporter, run: Any, task: Any, valid: Any, test: Any, device: Any
+    ) -> None:
         self.r, self.run, self.args, self.task = reporter, run, run.args, task
         self.valid_ds, self.test_ds, self.device = valid, test, device
         self.valid_iter = None
 
     def on_start(self, state: LoopState) -> None:
         if self.valid_ds is not None:
-            self.valid_iter = self.task.batches(self.valid_ds, self.run, state.consumed_valid,
-                                                self.device, state.trainer)  # fmt: skip
+            self.valid_iter = self.task.batches(
+                self.valid_ds, self.run, state.consumed_valid, self.device, state.trainer
+            )
 
     def _evaluate(self, state: LoopState, label: str, source: Any) -> float | None:
         if source is None or not self.args.eval_iters:
@@ -164,8 +194,10 @@ class EvalHook(Hook):
             return None
         loss = sum(losses) / len(losses)
         ppl = math.exp(min(loss, 20.0))
-        print0(f" {label} loss at iteration {state.iteration} | lm loss value: {loss:.6E} | "
-               f"lm loss PPL: {ppl:.6E}")  # fmt: skip
+        print0(
+            f" {label} loss at iteration {state.iteration} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E}"
+        )
         self.r.tb.scalars({f"lm-loss-{label.split()[0]}": loss}, state.iteration)
         return loss
 
@@ -218,11 +250,14 @@ class CheckpointHook(Hook):
             raise CheckpointError(error)
 
     def save(self, state: LoopState) -> None:
-        from anyspeed.checkpoint.save_load import save_checkpoint
+        from anyspeed.checkpoint.save import save_checkpoint
 
         args, t = self.args, time.perf_counter()
-        extra = dict(self.extra, consumed_train_samples=state.consumed,
-                     consumed_valid_samples=state.consumed_valid)  # fmt: skip
+        extra = dict(
+            self.extra,
+            consumed_train_samples=state.consumed,
+            consumed_valid_samples=state.consumed_valid,
+        )
         optimizer = None if args.no_save_optim else state.trainer.optimizer
         path = save_checkpoint(
             args.save,

@@ -8,9 +8,13 @@ from typing import Any
 import torch
 
 
-def logprob_pass(trainer: Any, chunks: list[torch.nn.Module], microbatches: list[dict],
-                 vocab_size: int | None = None,
-                 temperature: float = 1.0) -> list[torch.Tensor] | None:  # fmt: skip
+def logprob_pass(
+    trainer: Any,
+    chunks: list[torch.nn.Module],
+    microbatches: list[dict],
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+) -> list[torch.Tensor] | None:
     """[b, s] log-probabilities per micro-batch on the last pipeline stage (None elsewhere),
     through :func:`anyspeed.models.logprobs.token_logprobs` (vocab-parallel, any TP/PP/CP)."""
     from megatron.core import parallel_state as ps
@@ -20,9 +24,16 @@ def logprob_pass(trainer: Any, chunks: list[torch.nn.Module], microbatches: list
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)
-        out = token_logprobs(model, b["tokens"], b["position_ids"], b["labels"],
-                             b.get("attention_mask"), packed_params(b), vocab_size,
-                             temperature)  # fmt: skip
+        out = token_logprobs(
+            model,
+            b["tokens"],
+            b["position_ids"],
+            b["labels"],
+            b.get("attention_mask"),
+            packed_params(b),
+            vocab_size,
+            temperature,
+        )
 
         def collect(output_tensor, non_loss_data=True):
             return output_tensor.clone()

@@ -27,9 +27,18 @@ class LoopState:
     consumed_valid: int = 0
     fp16: bool = False
     hooks: Sequence[Hook] = ()
-    history: dict[str, Any] = field(default_factory=lambda: {
-        "iterations": [], "loss": [], "grad_norm": [], "lr": [], "valid": [], "saved": [],
-        "skipped": [], "loss_scale": []})  # fmt: skip
+    history: dict[str, Any] = field(
+        default_factory=lambda: {
+            "iterations": [],
+            "loss": [],
+            "grad_norm": [],
+            "lr": [],
+            "valid": [],
+            "saved": [],
+            "skipped": [],
+            "loss_scale": [],
+        }
+    )
 
     def notify(self, event: str, *args: Any) -> None:
         """Call ``on_<event>(self, *args)`` on every hook that has it."""

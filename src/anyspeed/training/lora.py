@@ -215,8 +215,15 @@ class LoRAConfig:
         """The model transform adding these adapters (applied before DDP)."""
 
         def transform(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
-            return apply_lora(chunk, list(self.target_modules), self.r, self.alpha,
-                              self.dropout, self.seed, self.modules_to_save)  # fmt: skip
+            return apply_lora(
+                chunk,
+                list(self.target_modules),
+                self.r,
+                self.alpha,
+                self.dropout,
+                self.seed,
+                self.modules_to_save,
+            )
 
         return transform
 
@@ -225,9 +232,13 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
     """The checked LoRA flags of ``args`` (None without --lora-target-modules); UsageError on
     an unknown target, bad sizes or a --lora-load that does not fit."""
     if not args.lora_target_modules:
-        flags = (("--lora-load", args.lora_load), ("--lora-r", args.lora_r),
-                 ("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout),
-                 ("--lora-modules-to-save", args.lora_modules_to_save))  # fmt: skip
+        flags = (
+            ("--lora-load", args.lora_load),
+            ("--lora-r", args.lora_r),
+            ("--lora-alpha", args.lora_alpha),
+            ("--lora-dropout", args.lora_dropout),
+            ("--lora-modules-to-save", args.lora_modules_to_save),
+        )
         given = [f for f, v in flags if v is not None and v != []]
         if given:  # else the run would silently be full fine-tuning
             raise UsageError(
@@ -246,8 +257,15 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
     dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
     if r < 1 or alpha <= 0 or not 0 <= dropout < 1:
         raise UsageError("--lora-r must be >= 1, --lora-alpha > 0 and --lora-dropout in [0, 1)")
-    cfg = LoRAConfig(tuple(args.lora_target_modules), r, alpha, dropout,
-                     tuple(args.lora_modules_to_save), args.lora_load, args.seed)  # fmt: skip
+    cfg = LoRAConfig(
+        tuple(args.lora_target_modules),
+        r,
+        alpha,
+        dropout,
+        tuple(args.lora_modules_to_save),
+        args.lora_load,
+        args.seed,
+    )
     if cfg.load:
         _check_lora_load(cfg)
     return cfg

@@ -49,6 +49,8 @@ class SavedBytesHook(Hook):
         if dist.is_initialized():
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
         state.history["saved_bytes"] = mine
-        print0(f"{self.prog}: activations saved for backward per micro-batch: "
-               f"{mine / 2**20:.2f} MiB on rank 0, {float(most[0]) / 2**20:.2f} MiB on the "
-               "largest rank")  # fmt: skip
+        print0(
+            f"{self.prog}: activations saved for backward per micro-batch: "
+            f"{mine / 2**20:.2f} MiB on rank 0, {float(most[0]) / 2**20:.2f} MiB on the "
+            "largest rank"
+        )

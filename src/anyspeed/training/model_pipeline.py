@@ -35,8 +35,9 @@ def build_chunks(
     (a task's) builds other models than the GPT from the same config (None: the GPT)."""
     from anyspeed.device import torch_device
 
-    config = gpt.transformer_config(model, layout, bf16=cfg.bf16, fp16=cfg.fp16,
-                                    **cfg.recompute.config_fields())  # fmt: skip
+    config = gpt.transformer_config(
+        model, layout, bf16=cfg.bf16, fp16=cfg.fp16, **cfg.recompute.config_fields()
+    )
     chunks = (builder and builder(model, config, layout)) or gpt.build_chunks(model, config, layout)
     for transform in transforms:
         chunks = [transform(chunk, model) for chunk in chunks]
@@ -48,8 +49,9 @@ def build_chunks(
     return chunks, config
 
 
-def wrap_ddp(chunks: list[torch.nn.Module], config: Any, layout: Layout,
-             cfg: TrainConfig) -> list[torch.nn.Module]:  # fmt: skip
+def wrap_ddp(
+    chunks: list[torch.nn.Module], config: Any, layout: Layout, cfg: TrainConfig
+) -> list[torch.nn.Module]:
     """Megatron's DDP around every chunk (gradient buckets on the first chunk only)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -63,7 +65,7 @@ def wrap_ddp(chunks: list[torch.nn.Module], config: Any, layout: Layout,
     return [
         DistributedDataParallel(
             config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
-        )  # fmt: skip
+        )
         for i, chunk in enumerate(chunks)
     ]
 
@@ -131,11 +133,19 @@ def sequence_parallel_off(model: Sequence[torch.nn.Module]) -> Iterator[None]:
     feeds one token per row, which cannot be split over the tensor-parallel ranks. The
     weights are the same either way; only where activations are gathered changes."""
     flags = ("sequence_parallel", "reduce_scatter_embeddings")
-    on = [(m, f) for chunk in model for m in chunk.modules() for f in flags
-          if getattr(m, f, None) is True]  # fmt: skip
-    configs = {id(c): c for chunk in model for m in chunk.modules()
-               if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "sequence_parallel", False)}  # fmt: skip
+    on = [
+        (m, f)
+        for chunk in model
+        for m in chunk.modules()
+        for f in flags
+        if getattr(m, f, None) is True
+    ]
+    configs = {
+        id(c): c
+        for chunk in model
+        for m in chunk.modules()
+        if (c := getattr(m, "config", None)) is not None and getattr(c, "sequence_parallel", False)
+    }
     for m, f in on:
         setattr(m, f, False)
     for c in configs.values():

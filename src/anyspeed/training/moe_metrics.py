@@ -53,8 +53,9 @@ class MoEMetrics:
     def collect(self, num_microbatches: int) -> dict[str, Any]:
         """The step's job-wide figures (a collective: every rank calls it): tokens per expert
         per MoE layer, the max/mean load, and each tracked loss averaged over MoE layers."""
-        table = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64,
-                            device=self.device)  # fmt: skip
+        table = torch.zeros(
+            self.num_layers, self.num_experts, dtype=torch.float64, device=self.device
+        )
         for layer, got in self.counts.items():
             table[layer - 1] += got.to(self.device)
         table = self._sum(table)
@@ -111,8 +112,12 @@ class MoEMetrics:
 
 def log_fields(moe: dict[str, Any]) -> tuple[str, dict[str, float]]:
     """The iteration line's MoE part and its scalars (aux/z losses, worst expert load)."""
-    names = {"load_balancing_loss": "aux loss", "seq_load_balancing_loss": "seq aux loss",
-             "global_load_balancing_loss": "global aux loss", "z_loss": "z loss"}  # fmt: skip
+    names = {
+        "load_balancing_loss": "aux loss",
+        "seq_load_balancing_loss": "seq aux loss",
+        "global_load_balancing_loss": "global aux loss",
+        "z_loss": "z loss",
+    }
     scalars = {k: float(moe[k]) for k in names if k in moe}
     scalars["expert_load_max_over_mean"] = float(moe["load_max_over_mean"])
     text = "".join(f"{names[k]}: {v:.4E} | " for k, v in scalars.items() if k in names)

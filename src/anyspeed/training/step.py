@@ -49,8 +49,9 @@ class Trainer:
         self.model_config, self.layout, self.cfg = model, layout, cfg
         self.task = task
         init_distributed(layout, cfg.seed)
-        self.model = build_model(model, layout, cfg, [*self.task.transforms(), *transforms],
-                                 builder=self.task.build)  # fmt: skip
+        self.model = build_model(
+            model, layout, cfg, [*self.task.transforms(), *transforms], builder=self.task.build
+        )
         self.optimizer = build_optimizer(self.model, cfg, layout)
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
         self.moe = None
@@ -63,9 +64,13 @@ class Trainer:
         # optimizer step: ``anyspeed verify`` reads the gradients there.
         self.before_update: list[Any] = []
 
-    def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], forward_only: bool,
-                      task: Task | None = None, model: list[Any] | None = None,
-                      ) -> tuple[float, dict[str, float]]:  # fmt: skip
+    def _run_schedule(
+        self,
+        mbs: list[dict[str, torch.Tensor]],
+        forward_only: bool,
+        task: Task | None = None,
+        model: list[Any] | None = None,
+    ) -> tuple[float, dict[str, float]]:
         """Run the pipeline schedule over ``mbs``; the loss and every named metric, each
         averaged over DP replicas (a ``[sum, count]`` metric: one global ratio)."""
         from megatron.core import parallel_state as ps
@@ -141,15 +146,22 @@ class Trainer:
         return self.evaluate_metrics(microbatches)[0]
 
     @torch.no_grad()
-    def evaluate_metrics(self, microbatches: list[dict[str, torch.Tensor]],
-                         ) -> tuple[float, dict[str, float]]:  # fmt: skip
+    def evaluate_metrics(
+        self,
+        microbatches: list[dict[str, torch.Tensor]],
+    ) -> tuple[float, dict[str, float]]:
         """(mean loss, named metrics) of ``microbatches`` without updating anything."""
         with eval_mode(self.model):
             return self._run_schedule(microbatches, forward_only=True)
 
-    def logprobs(self, microbatches: list[dict[str, torch.Tensor]], model: str | None = None,
-                 vocab_size: int | None = None, temperature: float = 1.0,
-                 exact: bool = False) -> list[torch.Tensor] | None:  # fmt: skip
+    def logprobs(
+        self,
+        microbatches: list[dict[str, torch.Tensor]],
+        model: str | None = None,
+        vocab_size: int | None = None,
+        temperature: float = 1.0,
+        exact: bool = False,
+    ) -> list[torch.Tensor] | None:
         """Per-token log-probabilities of each micro-batch's labels ([b, s] each, this rank's
         CP share) by the training model or the frozen model ``model``, forward only: a
         reference or old-policy pass (``temperature``: of a sampling policy). On the last
@@ -158,8 +170,11 @@ class Trainer:
         ratio must be exactly 1 before an update)."""
         from anyspeed.training.logprob_pass import logprob_pass
 
-        chunks, ctx = (self.model, contextlib.nullcontext()) if model is None else (
-            self.frozen[model].chunks, self.frozen[model].context())  # fmt: skip
+        chunks, ctx = (
+            (self.model, contextlib.nullcontext())
+            if model is None
+            else (self.frozen[model].chunks, self.frozen[model].context())
+        )
         grad = torch.enable_grad() if exact else torch.no_grad()
         with grad, eval_mode(chunks), ctx:
             return logprob_pass(self, chunks, microbatches, vocab_size, temperature)
@@ -175,13 +190,12 @@ class Trainer:
             return generate([unwrap(m) for m in self.model], prompts, request)
 
     @torch.no_grad()
-    def sample(self, prompts: list[list[int]],
-               request: Any) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
+    def sample(
+        self, prompts: list[list[int]], request: Any
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """:meth:`generate` with each new token's log-probability under the sampling
         temperature (a rollout's own log-probs), the same on every rank."""
         from anyspeed.inference.decode import sample
 
         with eval_mode(self.model), sequence_parallel_off(self.model):
             return sample([unwrap(m) for m in self.model], prompts, request, logprobs=True)
-
-

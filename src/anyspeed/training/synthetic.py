@@ -48,5 +48,6 @@ def microbatches(vocab_size: int, cfg: TrainConfig, step: int) -> list[dict[str,
 
 def train_step(trainer) -> dict:
     """One optimizer step of ``trainer`` on the synthetic batch of its current iteration."""
-    return trainer.step(microbatches(trainer.model_config.vocab_size, trainer.cfg,
-                                     trainer.iteration))  # fmt: skip
+    return trainer.step(
+        microbatches(trainer.model_config.vocab_size, trainer.cfg, trainer.iteration)
+    )

@@ -57,8 +57,9 @@ def _grad_of(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def params_holding(chunks: list[torch.nn.Module],
-                   values: dict[int, torch.Tensor]) -> Iterator[None]:  # fmt: skip
+def params_holding(
+    chunks: list[torch.nn.Module], values: dict[int, torch.Tensor]
+) -> Iterator[None]:
     """Every parameter's ``data`` replaced by ``values[id(param)]`` (and back): the model's
     sharded state dict then names those tensors under the parameters' keys."""
     saved = []
@@ -82,7 +83,7 @@ def save_grads(directory: str, chunks: list[torch.nn.Module]) -> None:
     """Write this step's gradients (after the data-parallel reduction) under ``directory``."""
     from megatron.core import dist_checkpointing
 
-    from anyspeed.checkpoint.save_load import model_state
+    from anyspeed.checkpoint.state import model_state
 
     bare = [_bare(c) for c in chunks]
     if torch.distributed.get_rank() == 0:
@@ -117,7 +118,7 @@ def compare_grads(reference: str, chunks: list[torch.nn.Module]) -> dict[str, li
     this rank's shard (replicated shards count each element equally often: the ratio holds)."""
     from megatron.core import dist_checkpointing
 
-    from anyspeed.checkpoint.save_load import model_state
+    from anyspeed.checkpoint.state import model_state
 
     bare = [_bare(c) for c in chunks]
     mine = grads(chunks)
@@ -132,8 +133,10 @@ def compare_grads(reference: str, chunks: list[torch.nn.Module]) -> dict[str, li
                 continue
             ref, got = loaded[key][name].double(), mine[id(p)].double()
             diff = float(((got - ref) ** 2).sum())
-            out[_global_name(chunk, name)] = [diff if math.isfinite(diff) else math.inf,
-                                              float((ref**2).sum())]  # fmt: skip
+            out[_global_name(chunk, name)] = [
+                diff if math.isfinite(diff) else math.inf,
+                float((ref**2).sum()),
+            ]
     return out
 
 
@@ -160,8 +163,9 @@ def differs(diff: float, norm: float, rtol: float, atol: float) -> bool:
     return not diff <= atol + rtol * norm
 
 
-def first_difference(diffs: dict[str, list[float]], rtol: float,
-                     atol: float) -> tuple[str, float, float] | None:  # fmt: skip
+def first_difference(
+    diffs: dict[str, list[float]], rtol: float, atol: float
+) -> tuple[str, float, float] | None:
     """The first tensor in model order whose gradient differs: (name, |difference|,
     |reference|)."""
     for name in sorted(diffs, key=model_order):

@@ -23,15 +23,17 @@ class VerifyHook(Hook):
         self.pending: dict[str, list[float]] = {}
 
     def on_start(self, state: LoopState) -> None:
-        from anyspeed.checkpoint import save_load as ckpt
+        from anyspeed.checkpoint.load import load_checkpoint
+        from anyspeed.checkpoint.save import save_checkpoint
 
         t = state.trainer
         init = os.path.join(self.workdir, "init")
         if self.role == REFERENCE:
-            ckpt.save_checkpoint(init, 0, t.model, None, None, {}, save_rng=False)
+            save_checkpoint(init, 0, t.model, None, None, {}, save_rng=False)
         else:  # the reference's weights, whatever this layout built or loaded
-            ckpt.load_checkpoint(init, t.model, t.optimizer, None, finetune=True,
-                                 load_optim=False, load_rng=False)  # fmt: skip
+            load_checkpoint(
+                init, t.model, t.optimizer, None, finetune=True, load_optim=False, load_rng=False
+            )
         t.before_update.append(self.capture)
 
     def capture(self, trainer: Any) -> None:
@@ -47,11 +49,21 @@ class VerifyHook(Hook):
             self.pending = G.merge(G.gather_objects(G.compare_grads(reference, trainer.model)))
 
     def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
-        metrics = {k: v for k, v in out.get("metrics", {}).items()
-                   if not k.startswith("timing/") and not k.endswith("_tps")}  # fmt: skip
-        self.steps.append({"iteration": state.iteration, "loss": out["loss"],
-                           "grad_norm": out["grad_norm"], "ok": out["ok"], "metrics": metrics,
-                           "grads": self.pending})  # fmt: skip
+        metrics = {
+            k: v
+            for k, v in out.get("metrics", {}).items()
+            if not k.startswith("timing/") and not k.endswith("_tps")
+        }
+        self.steps.append(
+            {
+                "iteration": state.iteration,
+                "loss": out["loss"],
+                "grad_norm": out["grad_norm"],
+                "ok": out["ok"],
+                "metrics": metrics,
+                "grads": self.pending,
+            }
+        )
         self.pending = {}
 
     def on_end(self, state: LoopState, completed: bool) -> None:

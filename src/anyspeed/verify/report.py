@@ -66,19 +66,19 @@ def command_lines(argv: Sequence[str], steps: int,
     run = drop_flags(argv, RUN_FLAGS)
     for flag, value in {**SET_FLAGS, "--train-iters": str(steps)}.items():
         run = set_flag(run, flag, value)
-    ref = drop_flags(run, LAYOUT_FLAGS) + list(reference)
-    if get_flag(reference, "--make-vocab-size-divisible-by") is None:
-        ref = same_padded_vocab(run, ref)
-    return run, ref
+    ref = same_padded_vocab(run, drop_flags(run, LAYOUT_FLAGS), reference)
+    return run, ref + list(reference)
 
 
-def same_padded_vocab(run: Sequence[str], ref: Sequence[str]) -> list[str]:
-    """``ref`` padding the vocabulary as ``run`` does: Megatron pads it to a multiple of
-    ``--make-vocab-size-divisible-by`` x TP, so at TP4 a 32,000 vocabulary is 32,256 rows."""
+def same_padded_vocab(run: Sequence[str], ref: Sequence[str],
+                      reference: Sequence[str]) -> list[str]:  # fmt: skip
+    """``ref`` padding the vocabulary as ``run`` does (unless ``reference`` sets the divisor):
+    Megatron pads to a multiple of ``--make-vocab-size-divisible-by`` x TP (32,256 at TP4)."""
     tp_flag, div_flag = "--tensor-model-parallel-size", "--make-vocab-size-divisible-by"
-    tp, tp_ref = (int(get_flag(a, tp_flag) or 1) for a in (run, ref))
+    tp, tp_ref = (int(get_flag(a, tp_flag) or 1) for a in (run, reference))
     multiple = int(get_flag(run, div_flag) or 128) * tp
-    if get_flag(run, "--padded-vocab-size") or tp == tp_ref or multiple % tp_ref:
+    if (get_flag(run, "--padded-vocab-size") or get_flag(reference, div_flag) or tp == tp_ref
+            or multiple % tp_ref):  # fmt: skip
         return list(ref)
     return set_flag(ref, div_flag, str(multiple // tp_ref))
 

@@ -24,8 +24,12 @@ class GlooCollectives(KernelFeature):
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
         super().add_arguments(parser)
-        add_flag(parser, "--no-gloo-all-reduce-collectives", action="store_true",
-                 help="keep gloo's own reduce-scatter / all-gather (for comparison)")  # fmt: skip
+        add_flag(
+            parser,
+            "--no-gloo-all-reduce-collectives",
+            action="store_true",
+            help="keep gloo's own reduce-scatter / all-gather (for comparison)",
+        )
 
     def requested(self, args: argparse.Namespace) -> bool:
         return not getattr(args, "no_gloo_all_reduce_collectives", False)
@@ -38,8 +42,10 @@ class GlooCollectives(KernelFeature):
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
-        for attr, fn in (("dist_reduce_scatter_func", gc.reduce_scatter),
-                         ("dist_all_gather_func", gc.all_gather)):  # fmt: skip
+        for attr, fn in (
+            ("dist_reduce_scatter_func", gc.reduce_scatter),
+            ("dist_all_gather_func", gc.all_gather),
+        ):
             pm.register_wrap(
                 f"{_TARGET}.{attr}",
                 lambda orig, fn=fn: gc.bind(fn, orig),

@@ -23,35 +23,62 @@ NOOPS: dict[str, tuple[bool, str]] = {
     "--use-mcore-models": (False, "anyspeed builds Megatron-Core models only"),
     "--no-masked-softmax-fusion": (False, "masked softmax: " + _FUSION_OFF),
     "--no-bias-gelu-fusion": (False, "bias-GeLU: " + _FUSION_OFF),
-    "--no-bias-swiglu-fusion": (False, "Megatron's bias-SwiGLU: " + _FUSION_OFF
-                                + "; --optimization-level chooses anyspeed's fused-swiglu"),
+    "--no-bias-swiglu-fusion": (
+        False,
+        "Megatron's bias-SwiGLU: "
+        + _FUSION_OFF
+        + "; --optimization-level chooses anyspeed's fused-swiglu",
+    ),
     "--no-bias-dropout-fusion": (False, "bias-dropout: " + _FUSION_OFF),
-    "--no-rope-fusion": (False, "Megatron's TE/apex RoPE: " + _FUSION_OFF
-                         + "; --optimization-level chooses anyspeed's fused-rope"),
-    "--no-gradient-accumulation-fusion": (False, "gradient-accumulation fusion needs a CUDA "
-                                          "kernel: always off here"),
+    "--no-rope-fusion": (
+        False,
+        "Megatron's TE/apex RoPE: "
+        + _FUSION_OFF
+        + "; --optimization-level chooses anyspeed's fused-rope",
+    ),
+    "--no-gradient-accumulation-fusion": (
+        False,
+        "gradient-accumulation fusion needs a CUDA kernel: always off here",
+    ),
     "--no-persist-layer-norm": (False, "apex persistent LayerNorm: never used here"),
     "--use-cpu-initialization": (False, "weights are always initialised on the CPU"),
-    "--attention-softmax-in-fp32": (False, "softmax already runs in fp32 (Megatron-Core's "
-                                    "default)"),
-    "--distributed-backend": (True, "process groups use this device's backend; nccl is mapped "
-                              "to it (device-compat)"),
-    "--transformer-impl": (True, "anyspeed builds Megatron's local spec; transformer_engine is "
-                           "refused off CUDA without Transformer Engine (cuda-only-options)"),
-    "--no-create-attention-mask-in-dataloader": (False, "anyspeed's data path builds a mask "
-                                                 "only for --reset-attention-mask"),
+    "--attention-softmax-in-fp32": (
+        False,
+        "softmax already runs in fp32 (Megatron-Core's default)",
+    ),
+    "--distributed-backend": (
+        True,
+        "process groups use this device's backend; nccl is mapped to it (device-compat)",
+    ),
+    "--transformer-impl": (
+        True,
+        "anyspeed builds Megatron's local spec; transformer_engine is "
+        "refused off CUDA without Transformer Engine (cuda-only-options)",
+    ),
+    "--no-create-attention-mask-in-dataloader": (
+        False,
+        "anyspeed's data path builds a mask only for --reset-attention-mask",
+    ),
     "--log-timers-to-tensorboard": (False, "anyspeed pretrain writes no timer series"),
     "--log-memory-to-tensorboard": (False, "anyspeed pretrain writes no memory series"),
-    "--log-validation-ppl-to-tensorboard": (False, "anyspeed pretrain writes no separate "
-                                            "validation-perplexity series"),
+    "--log-validation-ppl-to-tensorboard": (
+        False,
+        "anyspeed pretrain writes no separate validation-perplexity series",
+    ),
     "--num-workers": (True, "anyspeed pretrain reads samples in the training process"),
-    "--moe-permutation-async-comm": (False, "MindSpeed's asynchronous all-gathers around MoE "
-                                     "token permutation: the dispatchers here are synchronous "
-                                     "(gloo has no overlap to gain)"),
-    "--moe-alltoall-overlap-comm": (False, "MindSpeed's overlap of the MoE all-to-all with "
-                                    "expert compute is not implemented by anyspeed (it needs "
-                                    "CUDA streams): the all-to-all runs without overlap"),
-}  # fmt: skip
+    "--moe-permutation-async-comm": (
+        False,
+        "MindSpeed's asynchronous all-gathers around MoE "
+        "token permutation: the dispatchers here are synchronous "
+        "(gloo has no overlap to gain)",
+    ),
+    "--moe-alltoall-overlap-comm": (
+        False,
+        "MindSpeed's overlap of the MoE all-to-all with "
+        "expert compute is not implemented by anyspeed (it needs "
+        "CUDA streams): the all-to-all runs without overlap",
+    ),
+}
 
 
 class AcceptedFlags(Feature):

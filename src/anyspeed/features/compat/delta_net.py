@@ -23,16 +23,31 @@ from anyspeed.patching import PatchManager
 _MODULE = "megatron.core.ssm.gated_delta_net"
 
 
-def chunk_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-               g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None = None,
-               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-               **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def chunk_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fla``'s ``chunk_gated_delta_rule`` signature over anyspeed's chunked rule."""
     from anyspeed.features.ops.gated_delta import chunk_gated_delta_rule
 
-    return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
-                                  output_final_state=output_final_state,
-                                  use_qk_l2norm=use_qk_l2norm_in_kernel)  # fmt: skip
+    return chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+    )
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -74,25 +89,34 @@ class DeltaNetCompat(Feature):
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
         pm.register_replace(
-            f"{_MODULE}.GatedDeltaNet._apply_gated_norm", apply_gated_norm, feature=self.name,
+            f"{_MODULE}.GatedDeltaNet._apply_gated_norm",
+            apply_gated_norm,
+            feature=self.name,
             reason="torch.compile'd at import: inductor is not on every device",
-        )  # fmt: skip
+        )
         from anyspeed.features.inference.delta_net_state import with_state
 
         pm.register_wrap(
-            f"{_MODULE}.GatedDeltaNet.forward", with_state, feature=self.name,
+            f"{_MODULE}.GatedDeltaNet.forward",
+            with_state,
+            feature=self.name,
             reason="generation: Megatron's DeltaNet refuses an inference context; the "
             "convolution's last inputs and the rule's state are carried on it here",
-        )  # fmt: skip
+        )
         pm.register_replace(
             "megatron.core.transformer.attention.Attention._apply_output_gate",
-            apply_output_gate, feature=self.name,
+            apply_output_gate,
+            feature=self.name,
             reason="--attention-output-gate: torch.compile'd at import (inductor needs CUDA)",
-        )  # fmt: skip
+        )
         if _has_fla():
             return
         why = "fla (Triton) is not installed: the plain-PyTorch rule stands in"
-        for name, new in (("HAVE_FLA", True), ("chunk_gated_delta_rule", chunk_rule),
-                          ("l2norm", l2norm)):  # fmt: skip
-            pm.register_replace(f"{_MODULE}.{name}", new, feature=self.name, reason=why,
-                                create=name == "l2norm")  # fmt: skip
+        for name, new in (
+            ("HAVE_FLA", True),
+            ("chunk_gated_delta_rule", chunk_rule),
+            ("l2norm", l2norm),
+        ):
+            pm.register_replace(
+                f"{_MODULE}.{name}", new, feature=self.name, reason=why, create=name == "l2norm"
+            )

@@ -20,8 +20,12 @@ def flat_output_all_gather(orig: Callable[..., Any]) -> Callable[..., Any]:
     but another shape is viewed as ``[world * input.shape[0], *input.shape[1:]]``."""
 
     def all_gather_into_tensor(output, input, group=None, async_op=False):
-        if (input.dim() > 0 and output.is_contiguous() and input.is_contiguous()
-                and dist.get_backend(group) == "gloo"):  # fmt: skip
+        if (
+            input.dim() > 0
+            and output.is_contiguous()
+            and input.is_contiguous()
+            and dist.get_backend(group) == "gloo"
+        ):
             world = dist.get_world_size(group)
             want = (world * input.shape[0], *input.shape[1:])
             if output.numel() == world * input.numel() and tuple(output.shape) != want:

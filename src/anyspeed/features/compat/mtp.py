@@ -43,8 +43,9 @@ def metadata_with_groups(previous: Any) -> Any:
     ``metadata["dp_cp_group"]``, which a call without metadata (Megatron's default) lacks."""
 
     @functools.wraps(previous)
-    def sharded_state_dict(self: Any, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: dict | None = None) -> Any:  # fmt: skip
+    def sharded_state_dict(
+        self: Any, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> Any:
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
         if getattr(self, "mtp_process", False):

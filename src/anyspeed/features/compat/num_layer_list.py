@@ -22,12 +22,19 @@ class NumLayerList(Feature):
     flags = ("--num-layer-list",)
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
-        add_flag(parser, "--num-layer-list", type=str, default=None,
-                 help="MindSpeed-LLM: layers per pipeline stage, comma-separated")  # fmt: skip
+        add_flag(
+            parser,
+            "--num-layer-list",
+            type=str,
+            default=None,
+            help="MindSpeed-LLM: layers per pipeline stage, comma-separated",
+        )
 
     def flag_notes(self) -> dict[str, str]:
-        return {"--num-layer-list A,..,Z": "--decoder-first-pipeline-num-layers A "
-                "--decoder-last-pipeline-num-layers Z (middle stages equal)"}  # fmt: skip
+        return {
+            "--num-layer-list A,..,Z": "--decoder-first-pipeline-num-layers A "
+            "--decoder-last-pipeline-num-layers Z (middle stages equal)"
+        }
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
         text = getattr(args, "num_layer_list", None)
@@ -41,13 +48,14 @@ class NumLayerList(Feature):
                 getattr(args, "decoder_last_pipeline_num_layers", None),
                 text,
             )
-        except ValueError as exc:  # fmt: skip
+        except ValueError as exc:
             raise FeatureError(str(exc)) from None
         counts = [int(x) for x in text.split(",")]
         layers = getattr(args, "num_layers", None)
         if layers is not None and sum(counts) != layers:
-            raise FeatureError(f"--num-layer-list {text} adds up to {sum(counts)} layers; "
-                               f"--num-layers is {layers}")  # fmt: skip
+            raise FeatureError(
+                f"--num-layer-list {text} adds up to {sum(counts)} layers; --num-layers is {layers}"
+            )
         args.decoder_first_pipeline_num_layers = stages.get("first_stage_layers")
         args.decoder_last_pipeline_num_layers = stages.get("last_stage_layers")
         args.num_layer_list = None  # rewritten: later checks read Megatron's flags only

@@ -24,12 +24,28 @@ class MindSpeedRopeFlags(Feature):
     flags = ("--rope-scaling-type",)
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
-        add_flag(parser, "--rope-scaling-type", type=str, default=None, choices=("yarn",),
-                 help="MindSpeed-LLM: = --rope-type yarn")  # fmt: skip
-        add_flag(parser, "--rope-scaling-mscale", type=float, default=None,
-                 help="MindSpeed-LLM: = --mscale")  # fmt: skip
-        add_flag(parser, "--rope-scaling-mscale-all-dim", type=float, default=None,
-                 help="MindSpeed-LLM: = --mscale-all-dim")  # fmt: skip
+        add_flag(
+            parser,
+            "--rope-scaling-type",
+            type=str,
+            default=None,
+            choices=("yarn",),
+            help="MindSpeed-LLM: = --rope-type yarn",
+        )
+        add_flag(
+            parser,
+            "--rope-scaling-mscale",
+            type=float,
+            default=None,
+            help="MindSpeed-LLM: = --mscale",
+        )
+        add_flag(
+            parser,
+            "--rope-scaling-mscale-all-dim",
+            type=float,
+            default=None,
+            help="MindSpeed-LLM: = --mscale-all-dim",
+        )
         for key, want in _FIXED.items():
             flag = f"--rope-scaling-{key.replace('_', '-')}"
             note = f"MindSpeed-LLM: must be {want:g} (Megatron-Core fixes it)"
@@ -47,14 +63,18 @@ class MindSpeedRopeFlags(Feature):
         for key, want in _FIXED.items():
             given = getattr(args, f"rope_scaling_{key}", None)
             if given is not None and float(given) != want:
-                raise FeatureError(f"--rope-scaling-{key.replace('_', '-')} {given:g}: "
-                                   f"Megatron-Core 0.16.1 fixes it to {want:g}")  # fmt: skip
+                raise FeatureError(
+                    f"--rope-scaling-{key.replace('_', '-')} {given:g}: "
+                    f"Megatron-Core 0.16.1 fixes it to {want:g}"
+                )
         args.rope_type = "yarn"
         factor = getattr(args, "rope_scaling_factor", None)
         if factor is not None:
             args.rotary_scaling_factor = factor
-        for src, dst in (("rope_scaling_mscale", "mscale"),
-                         ("rope_scaling_mscale_all_dim", "mscale_all_dim")):  # fmt: skip
+        for src, dst in (
+            ("rope_scaling_mscale", "mscale"),
+            ("rope_scaling_mscale_all_dim", "mscale_all_dim"),
+        ):
             if getattr(args, src, None) is not None:
                 setattr(args, dst, getattr(args, src))
         args.rope_scaling_type = None  # rewritten: later checks read Megatron's flags only

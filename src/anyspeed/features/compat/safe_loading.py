@@ -65,13 +65,20 @@ def restricted_torch_load(load: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.load`` that, inside :func:`restricted`, unpickles with anyspeed's allow-list."""
 
     @functools.wraps(load)
-    def torch_load(f: Any, map_location: Any = None, pickle_module: Any = None, *,
-                   weights_only: bool | None = None, mmap: bool | None = None,
-                   **kwargs: Any) -> Any:  # fmt: skip
+    def torch_load(
+        f: Any,
+        map_location: Any = None,
+        pickle_module: Any = None,
+        *,
+        weights_only: bool | None = None,
+        mmap: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
         escalate = getattr(_scope, "escalate", None)
         if escalate is None:
-            return load(f, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
-                        **kwargs)  # fmt: skip
+            return load(
+                f, map_location, pickle_module, weights_only=weights_only, mmap=mmap, **kwargs
+            )
         what = os.fspath(f) if isinstance(f, (str, os.PathLike)) else None
         try:
             return safe_pickle.load_torch(f, what, map_location, mmap=mmap)
@@ -149,8 +156,9 @@ def scan_checkpoint(it_dir: str) -> None:
             continue  # the load reports a missing or misplaced file itself
         with open(os.path.join(it_dir, name), "rb") as f:
             f.seek(int(info.offset))
-            _scan_torch_save(f.read(int(info.length)), f"{os.path.join(it_dir, name)} "
-                             f"({index.fqn})")  # fmt: skip
+            _scan_torch_save(
+                f.read(int(info.length)), f"{os.path.join(it_dir, name)} ({index.fqn})"
+            )
 
 
 def _checkpoint_dir(load_dir: Any, args: Any) -> str | None:
@@ -220,21 +228,33 @@ class SafeLoading(Feature):
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
-        pm.register_wrap("torch.load", restricted_torch_load, feature=self.name,
-                         reason="inside a checkpoint read (below), unpickle with anyspeed's "
-                         "allow-list instead of torch's, which imports extend and an "
-                         "environment variable switches off")  # fmt: skip
-        pm.register_replace(f"{_DCP}.filesystem.FileSystemReader.read_metadata", read_metadata,
-                            feature=self.name, reason="torch reads .metadata with a bare "
-                            "pickle.load: a planted __reduce__ would run")  # fmt: skip
+        pm.register_wrap(
+            "torch.load",
+            restricted_torch_load,
+            feature=self.name,
+            reason="inside a checkpoint read (below), unpickle with anyspeed's "
+            "allow-list instead of torch's, which imports extend and an "
+            "environment variable switches off",
+        )
+        pm.register_replace(
+            f"{_DCP}.filesystem.FileSystemReader.read_metadata",
+            read_metadata,
+            feature=self.name,
+            reason="torch reads .metadata with a bare pickle.load: a planted __reduce__ would run",
+        )
         for target, why in (
-            (f"{_DCP}.default_planner.DefaultLoadPlanner.load_bytes", "sharded objects (RNG "
-             "state, optimizer groups) are read with torch.load(weights_only=False)"),
-            (f"{_DCP}.filesystem.FileSystemReader.read_data", "tensor chunks are read with "
-             "torch.load"),
+            (
+                f"{_DCP}.default_planner.DefaultLoadPlanner.load_bytes",
+                "sharded objects (RNG "
+                "state, optimizer groups) are read with torch.load(weights_only=False)",
+            ),
+            (
+                f"{_DCP}.filesystem.FileSystemReader.read_data",
+                "tensor chunks are read with torch.load",
+            ),
             (f"{_COMMON}.load_common", "common.pt is read with torch.load"),
             (f"{_COMMON}.load_sharded_objects", "sharded-object files are read with torch.load"),
-        ):  # fmt: skip
+        ):
             pm.register_wrap(target, restricting, feature=self.name, reason=why)
 
 
@@ -253,11 +273,20 @@ class MegatronLMSafeLoading(Feature):
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
-        why = ("Megatron-LM's checkpoint reads (legacy rank files, distrib_optim.pt, common.pt, "
-               "sharded objects) checked first and read through the restricted unpickler; its "
-               "legacy load turns any error into exit 0")  # fmt: skip
-        pm.register_wrap("megatron.training.checkpointing.load_checkpoint", one_line_refusal,
-                         feature=self.name, reason=why)  # fmt: skip
-        pm.register_wrap("megatron.training.checkpointing.load_args_from_checkpoint",
-                         functools.partial(one_line_refusal, load_arg_at=1), feature=self.name,
-                         reason=why)  # fmt: skip
+        why = (
+            "Megatron-LM's checkpoint reads (legacy rank files, distrib_optim.pt, common.pt, "
+            "sharded objects) checked first and read through the restricted unpickler; its "
+            "legacy load turns any error into exit 0"
+        )
+        pm.register_wrap(
+            "megatron.training.checkpointing.load_checkpoint",
+            one_line_refusal,
+            feature=self.name,
+            reason=why,
+        )
+        pm.register_wrap(
+            "megatron.training.checkpointing.load_args_from_checkpoint",
+            functools.partial(one_line_refusal, load_arg_at=1),
+            feature=self.name,
+            reason=why,
+        )

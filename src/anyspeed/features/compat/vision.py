@@ -62,12 +62,28 @@ def decode_layout(previous: Any) -> Any:
     """``LLaVAModel._preprocess_data`` whose KV-cache branch returns [s, b, h] embeddings."""
 
     @functools.wraps(previous)
-    def _preprocess_data(self: Any, image_embeddings: Any, language_embeddings: Any,
-                         input_ids: Any, loss_mask: Any, labels: Any,
-                         use_inference_kv_cache: Any, *args: Any,
-                         **kwargs: Any) -> Any:  # fmt: skip
-        out = previous(self, image_embeddings, language_embeddings, input_ids, loss_mask,
-                       labels, use_inference_kv_cache, *args, **kwargs)  # fmt: skip
+    def _preprocess_data(
+        self: Any,
+        image_embeddings: Any,
+        language_embeddings: Any,
+        input_ids: Any,
+        loss_mask: Any,
+        labels: Any,
+        use_inference_kv_cache: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        out = previous(
+            self,
+            image_embeddings,
+            language_embeddings,
+            input_ids,
+            loss_mask,
+            labels,
+            use_inference_kv_cache,
+            *args,
+            **kwargs,
+        )
         if use_inference_kv_cache and out[0] is not None:
             return out[0].transpose(0, 1).contiguous(), None, None
         return out

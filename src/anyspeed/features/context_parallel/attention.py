@@ -33,21 +33,34 @@ class CPAttention(SDPAttention):
             self.cp_algo = CPAlgo(comm)
         except ValueError:
             if self.cp_size > 1:
-                raise ValueError(f"context-parallel algorithm {comm!r} is not supported here "
-                                 f"(use one of {[a.value for a in CPAlgo]})") from None  # fmt: skip
+                raise ValueError(
+                    f"context-parallel algorithm {comm!r} is not supported here "
+                    f"(use one of {[a.value for a in CPAlgo]})"
+                ) from None
             self.cp_algo = CPAlgo.RING
         local = copy.copy(config)  # Megatron's base class asserts CP == 1 on its config
         local.context_parallel_size = 1
         super().__init__(local, *args, **kwargs)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):  # fmt: skip
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if self.cp_size == 1:
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias, packed_seq_params)  # fmt: skip
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
         if attention_mask is not None or packed_seq_params is not None:
-            raise ValueError("context parallelism supports causal attention without an explicit "
-                             "mask: drop --reset-attention-mask / padding masks")  # fmt: skip
+            raise ValueError(
+                "context parallelism supports causal attention without an explicit "
+                "mask: drop --reset-attention-mask / padding masks"
+            )
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         group = ps.get_context_parallel_group()

@@ -88,9 +88,16 @@ def block_grads(q, k, v, do, out, lse, scale: float, causal: bool):
     kind = _fused(q)
     if kind == "cpu":
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.to(q.dtype), q, ke.to(q.dtype), ve.to(q.dtype), out.to(q.dtype), lse.float(),
-            0.0, causal, scale=scale,
-        )  # fmt: skip
+            do.to(q.dtype),
+            q,
+            ke.to(q.dtype),
+            ve.to(q.dtype),
+            out.to(q.dtype),
+            lse.float(),
+            0.0,
+            causal,
+            scale=scale,
+        )
         return _fold_gqa(dq.float(), dk.float(), dv.float(), hkv)
     if kind == "cuda":
         b, h, sq, _ = q.shape
@@ -98,10 +105,20 @@ def block_grads(q, k, v, do, out, lse, scale: float, causal: bool):
         lse_k[..., :sq] = lse
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            do.float().contiguous(), q.float(), ke.float(), ve.float(), None,
-            out.float().contiguous(), lse_k, no_rng, no_rng, 0.0, [True, True, True, False],
-            causal, scale=scale,
-        )  # fmt: skip
+            do.float().contiguous(),
+            q.float(),
+            ke.float(),
+            ve.float(),
+            None,
+            out.float().contiguous(),
+            lse_k,
+            no_rng,
+            no_rng,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
         return _fold_gqa(dq.float(), dk.float(), dv.float(), hkv)
     s = _scores(q, ke, scale, causal)
     p = torch.exp(s - lse.unsqueeze(-1))

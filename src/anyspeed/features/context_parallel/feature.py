@@ -35,23 +35,48 @@ def cp_algo(args: argparse.Namespace) -> CPAlgo:
 class ContextParallel(Feature):
     name = "context-parallel"
     level = 2
-    flags = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp",
-             "--cp-attention-mask-type", "--use-cp-send-recv-overlap")  # fmt: skip
-    description = ("ring / Ulysses / hybrid context-parallel attention in pure PyTorch for the "
-                   "local spec (Megatron's own CP needs Transformer Engine)")  # fmt: skip
+    flags = (
+        "--context-parallel-size",
+        "--context-parallel-algo",
+        "--ulysses-degree-in-cp",
+        "--cp-attention-mask-type",
+        "--use-cp-send-recv-overlap",
+    )
+    description = (
+        "ring / Ulysses / hybrid context-parallel attention in pure PyTorch for the "
+        "local spec (Megatron's own CP needs Transformer Engine)"
+    )
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
         add_flag(parser, "--context-parallel-size", type=int, default=1)
-        add_flag(parser, "--context-parallel-algo", default=CPAlgo.RING.flag,
-                 help="megatron_cp_algo (ring), ulysses_cp_algo or hybrid_cp_algo (Ulysses "
-                 "inside, ring across)")  # fmt: skip
-        add_flag(parser, "--cp-attention-mask-type", "--attention-mask-type",
-                 dest="cp_attention_mask_type", default="causal",
-                 help="causal (the only kind anyspeed's CP computes)")  # fmt: skip
-        add_flag(parser, "--use-cp-send-recv-overlap", action="store_true",
-                 help="accepted: the ring always overlaps send/receive")  # fmt: skip
-        add_flag(parser, "--ulysses-degree-in-cp", type=int, default=None,
-                 help="hybrid_cp_algo: ranks per Ulysses group")  # fmt: skip
+        add_flag(
+            parser,
+            "--context-parallel-algo",
+            default=CPAlgo.RING.flag,
+            help="megatron_cp_algo (ring), ulysses_cp_algo or hybrid_cp_algo (Ulysses "
+            "inside, ring across)",
+        )
+        add_flag(
+            parser,
+            "--cp-attention-mask-type",
+            "--attention-mask-type",
+            dest="cp_attention_mask_type",
+            default="causal",
+            help="causal (the only kind anyspeed's CP computes)",
+        )
+        add_flag(
+            parser,
+            "--use-cp-send-recv-overlap",
+            action="store_true",
+            help="accepted: the ring always overlaps send/receive",
+        )
+        add_flag(
+            parser,
+            "--ulysses-degree-in-cp",
+            type=int,
+            default=None,
+            help="hybrid_cp_algo: ranks per Ulysses group",
+        )
 
     def requested(self, args: argparse.Namespace) -> bool:
         return cp_size(args) > 1

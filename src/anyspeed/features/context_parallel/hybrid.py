@@ -23,6 +23,10 @@ def hybrid_attention(q, k, v, scale: float, ulysses_group, ring_group) -> torch.
     chunks (g and 2R-1-g, U chunks each), so ring attention runs across groups unchanged.
     """
     return ulysses_around(
-        q, k, v, ulysses_group, lambda qh, kh, vh: ring_attention(qh, kh, vh, scale, ring_group),
+        q,
+        k,
+        v,
+        ulysses_group,
+        lambda qh, kh, vh: ring_attention(qh, kh, vh, scale, ring_group),
         load_balanced=True,
-    )  # fmt: skip
+    )

@@ -57,8 +57,7 @@ class _RingAttention(torch.autograd.Function):
                 nxt_kv, reqs = _ring_pass(kv, group)
             src = (rank - i) % world
             qs, ks, causal = _step_plan(rank, src, c)
-            bo, bl = partial_attention(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale,
-                                       causal)  # fmt: skip
+            bo, bl = partial_attention(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, causal)
             o, l_ = merge(out[:, :, qs], lse[:, :, qs], bo, bl)
             out[:, :, qs], lse[:, :, qs] = o, l_
             if reqs is not None:
@@ -87,9 +86,16 @@ class _RingAttention(torch.autograd.Function):
                 nxt_kv, kv_reqs = _ring_pass(kv, group)
             src = (rank - i) % world
             qs, ks, causal = _step_plan(rank, src, c)
-            gq, gk, gv = block_grads(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                     grad[:, :, qs], out[:, :, qs], lse[:, :, qs], scale,
-                                     causal)  # fmt: skip
+            gq, gk, gv = block_grads(
+                q[:, :, qs],
+                kv[0][:, :, ks],
+                kv[1][:, :, ks],
+                grad[:, :, qs],
+                out[:, :, qs],
+                lse[:, :, qs],
+                scale,
+                causal,
+            )
             dq[:, :, qs] += gq
             acc[0][:, :, ks] += gk
             acc[1][:, :, ks] += gv

@@ -99,7 +99,8 @@ def ulysses_attention(q, k, v, scale: float, group, load_balanced: bool = False)
     """
 
     def core(qh, kh, vh):
-        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                              enable_gqa=qh.shape[1] != kh.shape[1])  # fmt: skip
+        return F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1]
+        )
 
     return ulysses_around(q, k, v, group, core, load_balanced)

@@ -26,13 +26,23 @@ _PLAN = "_anyspeed_decode_plan"
 # TransformerConfig fields whose non-default value changes the layer's math beyond this step
 _PLAIN = {
     "flash_decode": False,
-    "fp32_residual_connection": False, "apply_residual_connection_post_layernorm": False,
-    "sequence_parallel": False, "apply_query_key_layer_scaling": False, "window_size": None,
-    "softmax_type": "vanilla", "attention_output_gate": False, "qk_l2_norm": False,
-    "no_rope_freq": None, "experimental_attention_variant": None, "glu_linear_offset": 0.0,
-    "activation_func_clamp_value": None, "mtp_num_layers": None, "use_te_activation_func": False,
-    "context_parallel_size": 1, "inference_fuse_tp_communication": False,
-}  # fmt: skip
+    "fp32_residual_connection": False,
+    "apply_residual_connection_post_layernorm": False,
+    "sequence_parallel": False,
+    "apply_query_key_layer_scaling": False,
+    "window_size": None,
+    "softmax_type": "vanilla",
+    "attention_output_gate": False,
+    "qk_l2_norm": False,
+    "no_rope_freq": None,
+    "experimental_attention_variant": None,
+    "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None,
+    "mtp_num_layers": None,
+    "use_te_activation_func": False,
+    "context_parallel_size": 1,
+    "inference_fuse_tp_communication": False,
+}
 
 
 @dataclass
@@ -77,8 +87,9 @@ def _layer(layer: Any) -> _Layer | None:
 
     attn = getattr(layer, "self_attention", None)
     latent = isinstance(attn, MLASelfAttention)
-    if not latent and (attn is None or not hasattr(attn, "linear_qkv")
-                       or not hasattr(attn, "linear_proj")):  # fmt: skip
+    if not latent and (
+        attn is None or not hasattr(attn, "linear_qkv") or not hasattr(attn, "linear_proj")
+    ):
         return None
     if not latent and attn.config.num_query_groups < attn.world_size:  # KV heads replicated
         return None
@@ -88,17 +99,24 @@ def _layer(layer: Any) -> _Layer | None:
     if any(isinstance(n, IdentityOp) for n in norms):  # a norm fused into the next linear
         return None
     dense = type(layer.mlp) is MLP
-    if dense and layer.mlp.config.activation_func not in (torch.nn.functional.silu,
-                                                          torch.nn.functional.gelu):  # fmt: skip
+    if dense and layer.mlp.config.activation_func not in (
+        torch.nn.functional.silu,
+        torch.nn.functional.gelu,
+    ):
         return None
     return _Layer(
-        number=attn.layer_number, norm1=norms[0], qkv=None if latent else _wb(attn.linear_qkv),
-        q_norm=None if latent else attn.q_layernorm, k_norm=None if latent else attn.k_layernorm,
-        proj=None if latent else _wb(attn.linear_proj), norm2=norms[1],
+        number=attn.layer_number,
+        norm1=norms[0],
+        qkv=None if latent else _wb(attn.linear_qkv),
+        q_norm=None if latent else attn.q_layernorm,
+        k_norm=None if latent else attn.k_layernorm,
+        proj=None if latent else _wb(attn.linear_proj),
+        norm2=norms[1],
         fc1=_wb(layer.mlp.linear_fc1) if dense else None,
-        fc2=_wb(layer.mlp.linear_fc2) if dense else None, mlp=None if dense else layer.mlp,
+        fc2=_wb(layer.mlp.linear_fc2) if dense else None,
+        mlp=None if dense else layer.mlp,
         attention=attn if latent else None,
-    )  # fmt: skip
+    )
 
 
 def _build(model: Any) -> _Plan | None:
@@ -115,8 +133,11 @@ def _build(model: Any) -> _Plan | None:
     layers = [_layer(layer) for layer in model.decoder.layers]
     if not layers or any(x is None for x in layers):
         return None
-    plain = [m.self_attention for m, x in zip(model.decoder.layers, layers, strict=True)
-             if x.attention is None]  # fmt: skip
+    plain = [
+        m.self_attention
+        for m, x in zip(model.decoder.layers, layers, strict=True)
+        if x.attention is None
+    ]
     if plain:  # RoPE applied here: the kinds no-grad-fast-path stores rotated
         from megatron.core.transformer import attention
 
@@ -128,12 +149,16 @@ def _build(model: Any) -> _Plan | None:
     groups = attn.num_query_groups_per_partition if attn else 1
     tp = model.decoder.layers[0].self_attention.pg_collection.tp
     return _Plan(
-        layers=layers, groups=groups,
-        per_group=attn.num_attention_heads_per_partition // groups if attn else 1, dim=dim,
-        scale=config.softmax_scale or 1.0 / math.sqrt(dim), gated=config.gated_linear_unit,
-        act=config.activation_func, tp_group=tp if tp.size() > 1 else None,
+        layers=layers,
+        groups=groups,
+        per_group=attn.num_attention_heads_per_partition // groups if attn else 1,
+        dim=dim,
+        scale=config.softmax_scale or 1.0 / math.sqrt(dim),
+        gated=config.gated_linear_unit,
+        act=config.activation_func,
+        tp_group=tp if tp.size() > 1 else None,
         softmax_fp32=config.attention_softmax_in_fp32,
-    )  # fmt: skip
+    )
 
 
 def plan_of(model: Any) -> _Plan | None:
@@ -145,8 +170,9 @@ def plan_of(model: Any) -> _Plan | None:
     return plan or None
 
 
-def _linear(x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], group: Any = None
-            ) -> torch.Tensor:  # fmt: skip
+def _linear(
+    x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], group: Any = None
+) -> torch.Tensor:
     """``x @ w.T`` (summed over the TP ``group`` for a row-parallel weight) ``+ b``."""
     out = torch.matmul(x, wb[0].t())
     if group is not None:
@@ -154,8 +180,13 @@ def _linear(x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], group
     return out if wb[1] is None else out + wb[1]
 
 
-def _attend(plan: _Plan, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def _attend(
+    plan: _Plan,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
     """One query per row over ``n`` cached slots: q [b, g, per_group, d], keys / values
     [n, b, g, d] (views of the cache) -> [b, g * per_group * d]; each query group shares its
     key/value head without repeating it. ``mask`` [b, 1, 1, >= n] hides True slots."""
@@ -169,8 +200,9 @@ def _attend(plan: _Plan, q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return torch.matmul(probs, values.permute(1, 2, 0, 3)).flatten(1)
 
 
-def _attention(plan: _Plan, lay: _Layer, h: torch.Tensor, ctx: Any, rope: tuple,
-               mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def _attention(
+    plan: _Plan, lay: _Layer, h: torch.Tensor, ctx: Any, rope: tuple, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Self-attention of one new token per row [1, b, hidden] through the static cache."""
     from anyspeed.features.ops.rope import rotate
 
@@ -191,8 +223,13 @@ def _attention(plan: _Plan, lay: _Layer, h: torch.Tensor, ctx: Any, rope: tuple,
     start, rows = ctx.sequence_len_offset, slice(ctx.batch_size_offset, ctx.batch_size_offset + b)
     keys[start, rows] = k[0]
     values[start, rows] = v[0]
-    out = _attend(plan, q[0].view(b, g, plan.per_group, d), keys[: start + 1, rows],
-                  values[: start + 1, rows], mask)  # fmt: skip
+    out = _attend(
+        plan,
+        q[0].view(b, g, plan.per_group, d),
+        keys[: start + 1, rows],
+        values[: start + 1, rows],
+        mask,
+    )
     return _linear(out[None], lay.proj, plan.tp_group)
 
 
@@ -209,8 +246,13 @@ def _mlp(plan: _Plan, lay: _Layer, h: torch.Tensor) -> torch.Tensor:
     return _linear(y, lay.fc2, plan.tp_group)
 
 
-def decode_step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None, ctx: Any) -> torch.Tensor | None:  # fmt: skip
+def decode_step(
+    model: Any,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    ctx: Any,
+) -> torch.Tensor | None:
     """Logits [b, 1, vocab] (gathered over TP) of one new token per row (a stage before the
     last returns its hidden states, as Megatron's forward does), the cache advanced as
     Megatron's forward would; None when this model or call needs Megatron's forward."""
@@ -242,7 +284,10 @@ def decode_step(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
         x = model.decoder.final_layernorm(x)
     if not model.post_process:
         return x  # hidden states [1, b, hidden] for the next pipeline stage
-    weight = model.shared_embedding_or_output_weight() if (
-        model.share_embeddings_and_output_weights) else None  # fmt: skip
+    weight = (
+        model.shared_embedding_or_output_weight()
+        if (model.share_embeddings_and_output_weights)
+        else None
+    )
     logits, _ = model.output_layer(x, weight=weight, runtime_gather_output=True)
     return logits.transpose(0, 1).contiguous()

@@ -61,8 +61,9 @@ def _convolve(self: Any, qkv: torch.Tensor, held: torch.Tensor | None) -> tuple[
     return self.act_fn(out), full[..., full.shape[-1] - (k - 1) :]
 
 
-def stateful_forward(self: Any, hidden_states: torch.Tensor, attention_mask: Any,
-                     context: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+def stateful_forward(
+    self: Any, hidden_states: torch.Tensor, attention_mask: Any, context: Any
+) -> tuple[torch.Tensor, Any]:
     """``GatedDeltaNet.forward`` for generation: [s, b, h] -> (output, bias), states kept."""
     from megatron.core.ssm import gated_delta_net as gdn
 
@@ -79,8 +80,9 @@ def stateful_forward(self: Any, hidden_states: torch.Tensor, attention_mask: Any
     held = states_of(context)
     conv_held, rule_held = held.get(self.layer_number, (None, None))
     qkv, conv_held = _convolve(self, qkv.transpose(1, 2), conv_held)
-    q, k, v = torch.split(qkv.transpose(1, 2), [self.qk_dim // tp, self.qk_dim // tp,
-                                                self.v_dim // tp], -1)  # fmt: skip
+    q, k, v = torch.split(
+        qkv.transpose(1, 2), [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], -1
+    )
     q = gdn.l2norm(q.reshape(b, s, -1, self.key_head_dim).contiguous())
     k = gdn.l2norm(k.reshape(b, s, -1, self.key_head_dim).contiguous())
     if heads // self.num_key_heads > 1:
@@ -89,8 +91,9 @@ def stateful_forward(self: Any, hidden_states: torch.Tensor, attention_mask: Any
     g = -self.A_log.exp() * F.softplus(alpha.float() + self.dt_bias)
     rule = recurrent_gated_delta_rule if s == 1 else gdn.chunk_gated_delta_rule
     kw = {} if s == 1 else {"use_qk_l2norm_in_kernel": False}
-    out, rule_held = rule(q, k, v, g=g, beta=beta.sigmoid(), initial_state=rule_held,
-                          output_final_state=True, **kw)  # fmt: skip
+    out, rule_held = rule(
+        q, k, v, g=g, beta=beta.sigmoid(), initial_state=rule_held, output_final_state=True, **kw
+    )
     held[self.layer_number] = (conv_held, rule_held)
     y = self._apply_gated_norm(out, gate.reshape(b, s, -1, self.value_head_dim))
     y = y.reshape(b, s, -1).transpose(0, 1).contiguous()
@@ -102,8 +105,9 @@ def with_state(previous: Any) -> Any:
     import functools
 
     @functools.wraps(previous)
-    def forward(self: Any, hidden_states: torch.Tensor, attention_mask: Any, *args: Any,
-                **kwargs: Any) -> Any:  # fmt: skip
+    def forward(
+        self: Any, hidden_states: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         context = kwargs.get("inference_context") or kwargs.get("inference_params")
         if context is None and len(args) >= 2:
             context = args[1]

@@ -36,11 +36,27 @@ def _linear(previous: Callable) -> Callable:
     (the forward of its autograd function, minus saving tensors for a backward that never runs)."""
 
     @functools.wraps(previous)
-    def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-               sequence_parallel, *args, **kwargs):  # fmt: skip
+    def linear(
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        *args,
+        **kwargs,
+    ):
         if torch.is_grad_enabled() or sequence_parallel:
-            return previous(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                            sequence_parallel, *args, **kwargs)  # fmt: skip
+            return previous(
+                input,
+                weight,
+                bias,
+                gradient_accumulation_fusion,
+                allreduce_dgrad,
+                sequence_parallel,
+                *args,
+                **kwargs,
+            )
         out = torch.matmul(input, weight.t())
         return out if bias is None else out + bias
 
@@ -95,12 +111,18 @@ def _store_rotated_keys(previous: Callable) -> Callable:
     @functools.wraps(previous)
     def adjust(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs):
         ctx = inference_context
-        if (ctx is None or kwargs.get("inference_params") is not None
-                or not ctx.is_static_batching() or self.config.flash_decode
-                or not isinstance(rotary_pos_emb, tuple) or rotary_pos_emb[1] is None
-                or rotary_pos_emb[0] is None):  # fmt: skip
-            return previous(self, inference_context, query, key, value, rotary_pos_emb, *args,
-                            **kwargs)  # fmt: skip
+        if (
+            ctx is None
+            or kwargs.get("inference_params") is not None
+            or not ctx.is_static_batching()
+            or self.config.flash_decode
+            or not isinstance(rotary_pos_emb, tuple)
+            or rotary_pos_emb[1] is None
+            or rotary_pos_emb[0] is None
+        ):
+            return previous(
+                self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
+            )
         start, cp = ctx.sequence_len_offset, self.pg_collection.cp
         query = _rotated(query, rotary_pos_emb[0], start, self.config, cp)
         key = _rotated(key, rotary_pos_emb[1], start, self.config, cp)
@@ -120,10 +142,16 @@ def _lean_decode(previous: Callable) -> Callable:
     @functools.wraps(previous)
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
         ctx = kwargs.get("inference_context")
-        if (ctx is not None and not args and not self.training and not torch.is_grad_enabled()
-                and ctx.is_static_batching() and ctx.is_decode_only()
-                and kwargs.get("runtime_gather_output")
-                and set(kwargs) <= {"inference_context", "runtime_gather_output"}):  # fmt: skip
+        if (
+            ctx is not None
+            and not args
+            and not self.training
+            and not torch.is_grad_enabled()
+            and ctx.is_static_batching()
+            and ctx.is_decode_only()
+            and kwargs.get("runtime_gather_output")
+            and set(kwargs) <= {"inference_context", "runtime_gather_output"}
+        ):
             out = decode_step(self, input_ids, position_ids, attention_mask, ctx)
             if out is not None:
                 return out
@@ -146,8 +174,10 @@ class NoGradFastPath(Feature):
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
         why = "no-grad: a plain matmul instead of the autograd function"
-        for name in ("linear_with_grad_accumulation_and_async_allreduce",
-                     "linear_with_frozen_weight"):  # fmt: skip
+        for name in (
+            "linear_with_grad_accumulation_and_async_allreduce",
+            "linear_with_frozen_weight",
+        ):
             pm.register_wrap(_LAYERS + name, _linear, feature=self.name, reason=why)
         regions: dict[str, Any] = {
             "copy_to_tensor_model_parallel_region": "",

@@ -40,8 +40,13 @@ class OptimizerOffload:
     ``device`` during them (``pin``: pinned host buffers; default: when ``device`` is not
     the CPU)."""
 
-    def __init__(self, optimizer, device: str | torch.device, host: str | torch.device = "cpu",
-                 pin: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        optimizer,
+        device: str | torch.device,
+        host: str | torch.device = "cpu",
+        pin: bool | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.device, self.host = torch.device(device), torch.device(host)
         self.pin = (self.device.type != "cpu" if pin is None else pin) and _pinnable()

@@ -40,8 +40,11 @@ class LayerSwap:
     def pack(self, t: torch.Tensor):
         if self.params is None:  # after DDP moved the parameters into its buffers
             self.params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        if (not t.is_cuda or t.untyped_storage().data_ptr() in self.params
-                or t.numel() * t.element_size() < MIN_BYTES):  # fmt: skip
+        if (
+            not t.is_cuda
+            or t.untyped_storage().data_ptr() in self.params
+            or t.numel() * t.element_size() < MIN_BYTES
+        ):
             return t
         s = self.swapper
         s.stream.wait_stream(torch.cuda.current_stream())

@@ -18,8 +18,9 @@ import torch
 def scale_after(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``MLP.forward`` whose biased, probability-scaled path adds the bias out of place."""
 
-    def mlp_forward(self: Any, hidden_states: torch.Tensor, per_token_scale: Any = None,
-                    **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    def mlp_forward(
+        self: Any, hidden_states: torch.Tensor, per_token_scale: Any = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, Any]:
         if per_token_scale is None or not self.config.add_bias_linear:
             return forward(self, hidden_states, per_token_scale, **kwargs)
         output, bias = forward(self, hidden_states, None, **kwargs)

@@ -36,9 +36,13 @@ class MoECompat(Feature):
     flags = ("--moe-tp-extend-ep",)
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
-        add_flag(parser, "--moe-tp-extend-ep", action="store_true",
-                 help="MindSpeed: experts are split over TP x EP ranks "
-                 "(= --expert-tensor-parallel-size 1)")  # fmt: skip
+        add_flag(
+            parser,
+            "--moe-tp-extend-ep",
+            action="store_true",
+            help="MindSpeed: experts are split over TP x EP ranks "
+            "(= --expert-tensor-parallel-size 1)",
+        )
 
     def flag_notes(self) -> dict[str, str]:
         return {

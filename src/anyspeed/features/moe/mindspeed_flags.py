@@ -29,18 +29,36 @@ class MindSpeedMoEFlags(Feature):
     name = "mindspeed-moe-flags"
     level = 0
     description = "MindSpeed-LLM's MoE router and shared-expert flags, as Megatron's options"
-    flags = ("--n-shared-experts", "--shared-expert-gate", "--first-k-dense-replace",
-             "--seq-aux", "--norm-topk-prob", "--router-gating-in-fp32")  # fmt: skip
+    flags = (
+        "--n-shared-experts",
+        "--shared-expert-gate",
+        "--first-k-dense-replace",
+        "--seq-aux",
+        "--norm-topk-prob",
+        "--router-gating-in-fp32",
+    )
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
-        add_flag(parser, "--n-shared-experts", type=int, default=None,
-                 help="MindSpeed: shared experts, each of the expert FFN size")  # fmt: skip
-        add_flag(parser, "--first-k-dense-replace", type=int, default=None,
-                 help="MindSpeed: the first K layers are dense, the rest MoE")  # fmt: skip
-        for flag, what in (("--shared-expert-gate", "= --moe-shared-expert-gate"),
-                           ("--seq-aux", "= --moe-router-load-balancing-type seq_aux_loss"),
-                           ("--norm-topk-prob", "renormalise the top-k probabilities"),
-                           ("--router-gating-in-fp32", "= --moe-router-dtype fp32")):  # fmt: skip
+        add_flag(
+            parser,
+            "--n-shared-experts",
+            type=int,
+            default=None,
+            help="MindSpeed: shared experts, each of the expert FFN size",
+        )
+        add_flag(
+            parser,
+            "--first-k-dense-replace",
+            type=int,
+            default=None,
+            help="MindSpeed: the first K layers are dense, the rest MoE",
+        )
+        for flag, what in (
+            ("--shared-expert-gate", "= --moe-shared-expert-gate"),
+            ("--seq-aux", "= --moe-router-load-balancing-type seq_aux_loss"),
+            ("--norm-topk-prob", "renormalise the top-k probabilities"),
+            ("--router-gating-in-fp32", "= --moe-router-dtype fp32"),
+        ):
             add_flag(parser, flag, action="store_true", help=f"MindSpeed: {what}")
 
     def flag_notes(self) -> dict[str, str]:

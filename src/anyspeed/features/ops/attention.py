@@ -80,8 +80,9 @@ class SDPAttention(DotProductAttention):
         def attend():
             if dropout_p > 0 and not fused_has_dropout(q.device):
                 # the fused kernels refuse dropout here: blocked attention, not S x S math
-                return blocked_attention(q, k, v, mask, causal=is_causal,
-                                         scale=self.softmax_scale, dropout_p=dropout_p)  # fmt: skip
+                return blocked_attention(
+                    q, k, v, mask, causal=is_causal, scale=self.softmax_scale, dropout_p=dropout_p
+                )
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -120,13 +121,22 @@ class SDPAttention(DotProductAttention):
         dropout_p = self.attention_dropout.p if self.training else 0.0
         fork = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
-            context = blocked_attention(q, k, v, keep, causal=True, scale=self.softmax_scale,
-                                        dropout_p=dropout_p, sink=self.softmax_offset,
-                                        window=None if window is None else window[0])  # fmt: skip
+            context = blocked_attention(
+                q,
+                k,
+                v,
+                keep,
+                causal=True,
+                scale=self.softmax_scale,
+                dropout_p=dropout_p,
+                sink=self.softmax_offset,
+                window=None if window is None else window[0],
+            )
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
-    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                params) -> torch.Tensor:  # fmt: skip
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params
+    ) -> torch.Tensor:
         """Packed (``thd``) sequences [t, heads, d]: causal SDPA within each cu_seqlens
         segment, so no token attends across a sample boundary and no [t, t] mask exists."""
         cu = params.cu_seqlens_q_padded
@@ -142,9 +152,14 @@ class SDPAttention(DotProductAttention):
                 # [len, heads, d] -> [1, heads, len, d]
                 q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
                 out = F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale,
+                    q,
+                    k,
+                    v,
+                    dropout_p=dropout_p,
+                    is_causal=True,
+                    scale=self.softmax_scale,
                     enable_gqa=gqa,
-                )  # fmt: skip
+                )
                 parts.append(out.squeeze(0).transpose(0, 1))
         context = torch.cat(parts, dim=0)
         return context.reshape(context.shape[0], self.hidden_size_per_partition)

@@ -37,16 +37,18 @@ def _threshold(p: float) -> int:
     return round(p * 65536) - 32768
 
 
-def block_drop(shape: tuple[int, ...], p: float, seed: int, ki: int,
-               device: torch.device) -> torch.Tensor:  # fmt: skip
+def block_drop(
+    shape: tuple[int, ...], p: float, seed: int, ki: int, device: torch.device
+) -> torch.Tensor:
     """Boolean drop-mask of one key block (True = dropped), regenerated identically in
     backward: uniform 16-bit draws (four per 64-bit draw of a generator seeded per block) below
     the threshold of ``p``."""
     gen = torch.Generator(device=device)
     gen.manual_seed(block_seed(seed, ki))
     n = math.prod(shape)
-    words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64,
-                          generator=gen, device=device)  # fmt: skip
+    words = torch.randint(
+        -(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, generator=gen, device=device
+    )
     return words.view(torch.int16)[:n].view(shape) < _threshold(p)
 
 
@@ -55,8 +57,17 @@ def _first_row(ks: int, causal: bool) -> int:
     return ks if causal else 0
 
 
-def full_keep(b: int, heads: int, sq: int, sk: int, p: float, seed: int, block: int = BLOCK,
-              causal: bool = False, device: str = "cpu") -> torch.Tensor:  # fmt: skip
+def full_keep(
+    b: int,
+    heads: int,
+    sq: int,
+    sk: int,
+    p: float,
+    seed: int,
+    block: int = BLOCK,
+    causal: bool = False,
+    device: str = "cpu",
+) -> torch.Tensor:
     """The whole [b, heads, sq, sk] dropout multiplier (0 or 1/(1-p)) the blocked kernel uses
     for a ``causal`` or non-causal call, for references and tests (rows a causal block cannot
     reach are 1: they are masked anyway)."""
@@ -218,12 +229,20 @@ def _mask5(keep: torch.Tensor, shape5: torch.Size) -> torch.Tensor:
     return keep.reshape(b, shape5[1], shape5[2], *keep.shape[-2:])
 
 
-def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      keep: torch.Tensor | None = None, *, causal: bool = False,
-                      scale: float | None = None, dropout_p: float = 0.0,
-                      seed: int | None = None, block: int = BLOCK,
-                      sink: torch.Tensor | None = None,
-                      window: int | None = None) -> torch.Tensor:  # fmt: skip
+def blocked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    block: int = BLOCK,
+    sink: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Attention like ``F.scaled_dot_product_attention`` (``keep``: boolean, True = attend),
     computed in blocks; the dropout seed is drawn from the device's current RNG when not given.
     ``sink``: one logit per query head added to each row's softmax denominator (GPT-OSS);
@@ -234,8 +253,9 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale = 1.0 / math.sqrt(q.shape[-1])
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), device=q.device))
-    return BlockedAttention.apply(q, k, v, keep, causal, scale, dropout_p, seed, block, sink,
-                                  window)  # fmt: skip
+    return BlockedAttention.apply(
+        q, k, v, keep, causal, scale, dropout_p, seed, block, sink, window
+    )
 
 
 def fused_has_dropout(device: torch.device) -> bool:

@@ -119,8 +119,10 @@ class FusedSwiGLU(OpFeature):
 class FusedRoPE(OpFeature):
     name = "fused-rope"
     flags = ("--use-fused-rotary-pos-emb",)
-    description = ("RoPE in one autograd node saving only cos/sin (rope scaling honoured; stands "
-                   "aside for multi-latent attention)")  # fmt: skip
+    description = (
+        "RoPE in one autograd node saving only cos/sin (rope scaling honoured; stands "
+        "aside for multi-latent attention)"
+    )
     target = "megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_pos_emb"
     impl = "anyspeed.features.ops.rope:fused_apply_rotary_pos_emb"
     reason = "Megatron's fused RoPE entry (TE-only) -> anyspeed's one-pass RoPE"

@@ -26,8 +26,14 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor, l2norm: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    l2norm: bool,
+) -> tuple[torch.Tensor, ...]:
     """[b, t, h, d] inputs -> fp32 [b, h, t, d] (queries scaled), and g, beta as [b, h, t]."""
     if l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
@@ -44,10 +50,15 @@ def _initial(state: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor) -> to
 
 
 def recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
     use_qk_l2norm: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rule token by token. q, k: [b, t, h, dk]; v: [b, t, h, dv]; g (log decay, <= 0),
     beta: [b, t, h]; state [b, h, dk, dv]. Returns ([b, t, h, dv] in v's dtype, the end state
     or None)."""
@@ -66,10 +77,16 @@ def recurrent_gated_delta_rule(
 
 
 def chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    chunk_size: int = 64, initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False, use_qk_l2norm: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`recurrent_gated_delta_rule`, chunk by chunk (same arguments and results)."""
     dtype, length = v.dtype, q.shape[1]
     q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)

@@ -21,8 +21,9 @@ def _rotate(t: torch.Tensor, interleaved: bool, sign: float) -> torch.Tensor:
     return torch.cat((-sign * x2, sign * x1), dim=-1)
 
 
-def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 transpose: bool) -> None:  # fmt: skip
+def _rotate_into(
+    out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool
+) -> None:
     """``out = x * cos + R(x) * sin`` (``R`` = rotate_half, or its transpose), half by half
     straight into ``out``: no cat and no rotated copy of ``x``."""
     h = x.shape[-1] // 2

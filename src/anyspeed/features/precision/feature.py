@@ -45,9 +45,13 @@ class ReuseFP32Param(Feature):
     flags = ("--reuse-fp32-param",)
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
-        add_flag(parser, "--reuse-fp32-param", action="store_true",
-                 help="with --bf16: hold fp32 master weights as bf16 weight + 16-bit residual "
-                 "(saves 2 bytes per parameter, bit-exact)")  # fmt: skip
+        add_flag(
+            parser,
+            "--reuse-fp32-param",
+            action="store_true",
+            help="with --bf16: hold fp32 master weights as bf16 weight + 16-bit residual "
+            "(saves 2 bytes per parameter, bit-exact)",
+        )
 
     def requested(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, "reuse_fp32_param", False))

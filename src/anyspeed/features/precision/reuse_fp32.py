@@ -65,8 +65,9 @@ def encode(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, tor
     return residual, torch.cat(ties) if ties else torch.empty(0, dtype=torch.long)
 
 
-def decode(model: torch.Tensor, residual: torch.Tensor, ties: torch.Tensor,
-           out: torch.Tensor) -> None:  # fmt: skip
+def decode(
+    model: torch.Tensor, residual: torch.Tensor, ties: torch.Tensor, out: torch.Tensor
+) -> None:
     """Write the exact fp32 master of ``model`` + ``residual`` (+ ``ties``) into ``out``."""
     out.view(-1).copy_(model.view(-1))  # bf16 -> fp32 is exact: the upper 16 bits
     bits = out.view(torch.int32).view(-1)

@@ -13,8 +13,11 @@ LAST_NUMBER = re.compile(r"-?[0-9][0-9\,]*\.?[0-9]*")
 _DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d*)?")
 # (sign, numerator, denominator): \frac{a}{b}, \frac12, a/b
-_RATIOS = (re.compile(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}"), re.compile(r"(-?)\\frac(\d)(\d)"),
-           re.compile(r"()([^/]+)/([^/]+)"))  # fmt: skip
+_RATIOS = (
+    re.compile(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}"),
+    re.compile(r"(-?)\\frac(\d)(\d)"),
+    re.compile(r"()([^/]+)/([^/]+)"),
+)
 _LEFT_RIGHT = re.compile(r"\\(left|right)(?![a-zA-Z])")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 R1_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
@@ -52,8 +55,14 @@ def norm_math(text: str) -> str:
     and ``$`` removed, ``\\dfrac``/``\\tfrac`` read as ``\\frac``, one trailing '.' removed,
     thousands separators (``1,000``) removed."""
     text = _LEFT_RIGHT.sub("", text)
-    for old, new in (("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""),
-                     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac")):  # fmt: skip
+    for old, new in (
+        ("\\!", ""),
+        ("\\,", ""),
+        ("\\;", ""),
+        ("$", ""),
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+    ):
         text = text.replace(old, new)
     text = "".join(text.split()).removesuffix(".")
     return text.replace(",", "") if _THOUSANDS.fullmatch(text) else text

@@ -109,8 +109,9 @@ def _agieval_record(rec: dict, task: str, where: str) -> Exam:
     label = rec.get("label")
     letters = "".join(sorted(label if isinstance(label, list) else [label or ""]))
     if not letters or any(c not in OPTION_LETTERS[: len(options)] for c in letters):
-        raise TaskDataError(f"{where}: label {label!r} is not a letter of its "
-                            f"{len(options)} options")  # fmt: skip
+        raise TaskDataError(
+            f"{where}: label {label!r} is not a letter of its {len(options)} options"
+        )
     return Exam(task, str(rec["question"]), letters, options, passage)
 
 

@@ -56,8 +56,9 @@ class Outcome:
 
 def program(problem: dict, completion: str) -> str:
     """The HumanEval program: prompt + completion, the tests, the call of ``check``."""
-    return (f"{problem['prompt']}{completion}\n\n{problem['test']}\n\n"
-            f"check({problem['entry_point']})\n")  # fmt: skip
+    return (
+        f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,8 +75,10 @@ def probe() -> dict[str, str]:
 
 def missing_protections() -> list[str]:
     """One line per protection the machine refuses: what is missing, why, what it allows."""
-    return [f"HumanEval sandbox: no {name} ({why}): {CONSEQUENCE[name]}"
-            for name, why in probe().items()]  # fmt: skip
+    return [
+        f"HumanEval sandbox: no {name} ({why}): {CONSEQUENCE[name]}"
+        for name, why in probe().items()
+    ]
 
 
 def _read_capped(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bytes, bool]:
@@ -104,8 +107,14 @@ def _read_capped(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bytes,
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), False
 
 
-def _launch(source: str, timeout: float, use: list[str], memory_bytes: int = 1 << 30,
-            processes: int = 1, probe: bool = False) -> dict:  # fmt: skip
+def _launch(
+    source: str,
+    timeout: float,
+    use: list[str],
+    memory_bytes: int = 1 << 30,
+    processes: int = 1,
+    probe: bool = False,
+) -> dict:
     """Run ``source`` through the launcher in a fresh work directory (removed after); the
     launcher's report plus the captured ``stdout`` / ``stderr``."""
     work = tempfile.mkdtemp(prefix="anyspeed-exec-")
@@ -115,17 +124,38 @@ def _launch(source: str, timeout: float, use: list[str], memory_bytes: int = 1 <
         with open(path, "w", encoding="utf-8") as f:
             f.write(source)
         os.chmod(path, 0o644)
-        cfg = {"workdir": work, "program": path, "timeout": timeout, "use": use, "probe": probe,
-               "python": sys.executable, "base_prefix": sys.base_prefix, "limits": {
-                   "memory_bytes": memory_bytes, "cpu_seconds": int(timeout) + 1,
-                   "file_bytes": 16 << 20, "open_files": 64, "processes": processes}}  # fmt: skip
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "TMPDIR": work,
-               "LANG": "C.UTF-8"}  # fmt: skip
+        cfg = {
+            "workdir": work,
+            "program": path,
+            "timeout": timeout,
+            "use": use,
+            "probe": probe,
+            "python": sys.executable,
+            "base_prefix": sys.base_prefix,
+            "limits": {
+                "memory_bytes": memory_bytes,
+                "cpu_seconds": int(timeout) + 1,
+                "file_bytes": 16 << 20,
+                "open_files": 64,
+                "processes": processes,
+            },
+        }
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": work,
+            "TMPDIR": work,
+            "LANG": "C.UTF-8",
+        }
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-B", sandbox.__file__, json.dumps(cfg), str(status_w)],
-            cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,),
-        )  # fmt: skip
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(status_w,),
+        )
         os.close(status_w)
         status_w = -1
         out, err, late = _read_capped(proc, time.monotonic() + timeout + LAUNCH_GRACE)
@@ -133,8 +163,9 @@ def _launch(source: str, timeout: float, use: list[str], memory_bytes: int = 1 <
         report = _status(status_r)
         if late and "status" not in report:
             report["timed_out"] = True
-        return dict(report, stdout=out.decode("utf-8", "replace"),
-                    stderr=err.decode("utf-8", "replace"))  # fmt: skip
+        return dict(
+            report, stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace")
+        )
     finally:
         for fd in (status_r, status_w):
             if fd >= 0:
@@ -183,8 +214,14 @@ def _remove(work: str) -> None:
     shutil.rmtree(work, onerror=retry)
 
 
-def run_program(task_id: str, source: str, timeout: float = 10.0, memory_bytes: int = 1 << 30,
-                use: list[str] | None = None, processes: int = 1) -> Outcome:  # fmt: skip
+def run_program(
+    task_id: str,
+    source: str,
+    timeout: float = 10.0,
+    memory_bytes: int = 1 << 30,
+    use: list[str] | None = None,
+    processes: int = 1,
+) -> Outcome:
     """Run ``source`` in the sandbox (``use``: the protections; default every one the machine
     allows); passed when it exits 0 within ``timeout``. ``processes`` is RLIMIT_NPROC."""
     if use is None:
@@ -205,8 +242,9 @@ def run_program(task_id: str, source: str, timeout: float = 10.0, memory_bytes: 
     return Outcome(task_id, False, why[:200], out)
 
 
-def check_completions(problems: list[dict], completions: list[str], timeout: float = 10.0,
-                      workers: int | None = None) -> list[Outcome]:  # fmt: skip
+def check_completions(
+    problems: list[dict], completions: list[str], timeout: float = 10.0, workers: int | None = None
+) -> list[Outcome]:
     """Every problem's completion run in parallel (one child per program), in order."""
     jobs = [(p["task_id"], program(p, c)) for p, c in zip(problems, completions, strict=True)]
     probe()  # once, before the threads

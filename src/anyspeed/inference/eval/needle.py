@@ -53,8 +53,9 @@ def read_needlebench(root: str) -> tuple[list[Needle], list[Haystack]]:
         if missing:
             raise TaskDataError(f"{needles_path}:{i}: a needle lacks {', '.join(missing)}")
         text, question = str(rec["needle"]).strip(), str(rec["retrieval_question"]).strip()
-        needles.append(Needle(text, question, str(rec["arg2"]).strip(),
-                              rec.get("language", "English")))  # fmt: skip
+        needles.append(
+            Needle(text, question, str(rec["arg2"]).strip(), rec.get("language", "English"))
+        )
     stacks = []
     for path in files:
         if path == needles_path:
@@ -77,33 +78,52 @@ def _at_sentence_end(text: str, at: int) -> int:
 def _prompt(context: str, needle: Needle) -> str:
     if needle.language == "Chinese":
         return f"以下是一份长文档：\n{context}\n\n根据文档回答：{needle.question}\n答案："
-    return (f"This is a long document:\n{context}\n\nAnswer from the document: "
-            f"{needle.question}\nAnswer:")  # fmt: skip
+    return (
+        f"This is a long document:\n{context}\n\nAnswer from the document: "
+        f"{needle.question}\nAnswer:"
+    )
 
 
-def build_prompt(hay_ids: list[int], needle: Needle, length: int, depth: int,
-                 count: Callable[[str], int],
-                 detok: Callable[[list[int]], str]) -> str:  # fmt: skip
+def build_prompt(
+    hay_ids: list[int],
+    needle: Needle,
+    length: int,
+    depth: int,
+    count: Callable[[str], int],
+    detok: Callable[[list[int]], str],
+) -> str:
     """The prompt of ``length`` tokens at most (``count`` measures) from the haystack's tokens
     ``hay_ids`` (repeated when short), the needle at ``depth`` percent of the text kept."""
     room = length - count(_prompt(needle.text, needle)) - 8  # a few tokens for joins
     if room <= 0:
-        raise TaskDataError(f"a needlebench context length of {length} tokens leaves no room "
-                            "for the haystack (longer --needle-lengths)")  # fmt: skip
+        raise TaskDataError(
+            f"a needlebench context length of {length} tokens leaves no room "
+            "for the haystack (longer --needle-lengths)"
+        )
     ids = list(hay_ids)
     while len(ids) < room:  # a short haystack repeats
         ids += hay_ids
     hay = detok(ids[:room])
-    cut = 0 if depth == 0 else len(hay) if depth == 100 else _at_sentence_end(
-        hay, len(hay) * depth // 100)  # fmt: skip
+    cut = (
+        0
+        if depth == 0
+        else len(hay)
+        if depth == 100
+        else _at_sentence_end(hay, len(hay) * depth // 100)
+    )
     return _prompt(f"{hay[:cut].rstrip()} {needle.text} {hay[cut:].lstrip()}".strip(), needle)
 
 
 Item = tuple[Haystack, Needle, int, int]
 
 
-def needle_items(needles: list[Needle], stacks: list[Haystack], lengths: list[int],
-                 depths: tuple[int, ...], seed: int = 0) -> list[Item]:  # fmt: skip
+def needle_items(
+    needles: list[Needle],
+    stacks: list[Haystack],
+    lengths: list[int],
+    depths: tuple[int, ...],
+    seed: int = 0,
+) -> list[Item]:
     """(haystack, needle, length, depth) for every haystack x length x depth; the needle of each
     is drawn (seeded) from those in the haystack's language."""
     rng = random.Random(seed)

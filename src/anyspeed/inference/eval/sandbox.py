@@ -34,8 +34,11 @@ import signal
 import sys
 import time
 
-CLONE = {"read-only-filesystem": 0x00020000, "pid-namespace": 0x20000000,
-         "network-namespace": 0x40000000}  # fmt: skip
+CLONE = {
+    "read-only-filesystem": 0x00020000,
+    "pid-namespace": 0x20000000,
+    "network-namespace": 0x40000000,
+}
 CLONE_NEWUSER = 0x10000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x4000, 1 << 18, 2, 4, 8
 AT_RECURSIVE, MOUNT_ATTR_RDONLY, SYS_MOUNT_SETATTR = 0x8000, 1, 442
@@ -67,8 +70,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _call(name: str, result: int) -> None:
@@ -90,9 +97,12 @@ def _mount(src: str | None, target: str, fstype: str | None, flags: int) -> None
 
 def _mount_setattr(path: str, flags: int, attr_set: int, attr_clr: int) -> None:
     attr = _MountAttr(attr_set, attr_clr, 0, 0)
-    _call(f"mount_setattr {path}", _libc.syscall(SYS_MOUNT_SETATTR, -100, path.encode(),
-                                                 flags, ctypes.byref(attr),
-                                                 ctypes.sizeof(attr)))  # fmt: skip
+    _call(
+        f"mount_setattr {path}",
+        _libc.syscall(
+            SYS_MOUNT_SETATTR, -100, path.encode(), flags, ctypes.byref(attr), ctypes.sizeof(attr)
+        ),
+    )
 
 
 def enter_namespaces(use: list[str], strict: bool, which: tuple[str, ...]) -> dict[str, str]:
@@ -107,8 +117,11 @@ def enter_namespaces(use: list[str], strict: bool, which: tuple[str, ...]) -> di
         try:
             uid, gid = os.getuid(), os.getgid()
             _call("unshare(CLONE_NEWUSER)", _libc.unshare(CLONE_NEWUSER))
-            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"),
-                               ("gid_map", f"0 {gid} 1")):  # fmt: skip
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"0 {uid} 1"),
+                ("gid_map", f"0 {gid} 1"),
+            ):
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
         except OSError as exc:
@@ -144,9 +157,13 @@ def setup_child(cfg: dict, use: list[str], strict: bool) -> dict[str, str]:
                 raise
             missing["read-only-filesystem"] = str(exc.strerror or exc)
     lim = cfg["limits"]
-    for name, value in (("RLIMIT_AS", lim["memory_bytes"]), ("RLIMIT_CPU", lim["cpu_seconds"]),
-                        ("RLIMIT_FSIZE", lim["file_bytes"]), ("RLIMIT_NOFILE", lim["open_files"]),
-                        ("RLIMIT_CORE", 0)):  # fmt: skip
+    for name, value in (
+        ("RLIMIT_AS", lim["memory_bytes"]),
+        ("RLIMIT_CPU", lim["cpu_seconds"]),
+        ("RLIMIT_FSIZE", lim["file_bytes"]),
+        ("RLIMIT_NOFILE", lim["open_files"]),
+        ("RLIMIT_CORE", 0),
+    ):
         resource.setrlimit(getattr(resource, name), (value, value))
     os.setsid()  # kill(0, ...) reaches the program's own group only
     cfg["exec"] = cfg["python"]
@@ -193,8 +210,10 @@ def _expose_python(cfg: dict, use: list[str]) -> str | None:
     if private is None:
         return None
     if "read-only-filesystem" not in use or not real.startswith(prefix + os.sep):
-        return (f"{private} is private to its owner, so another user cannot run {real} "
-                "(mounting it elsewhere needs read-only-filesystem)")  # fmt: skip
+        return (
+            f"{private} is private to its owner, so another user cannot run {real} "
+            "(mounting it elsewhere needs read-only-filesystem)"
+        )
     inner = os.path.join(cfg["workdir"], ".python")
     os.mkdir(inner, 0o755)
     _mount(prefix, inner, None, 0x1000 | MS_REC)  # MS_BIND; read-only like its source

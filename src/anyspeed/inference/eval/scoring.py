@@ -23,15 +23,18 @@ def model_next_logits(model: list[torch.nn.Module], pad_id: int = 0) -> NextLogi
     def next_logits(prompts: Sequence[Sequence[int]]) -> torch.Tensor | None:
         batch = Batch.left_padded(prompts, pad_id)
         width = batch.tokens.shape[1]
-        out = pipeline_forward(model, batch.tokens, batch.positions(0, width),
-                               batch.mask(0, width))  # fmt: skip
+        out = pipeline_forward(model, batch.tokens, batch.positions(0, width), batch.mask(0, width))
         return None if out is None else out[:, -1].float().cpu()
 
     return next_logits
 
 
-def pick_choices(next_logits: NextLogits, prompts: Sequence[Sequence[int]],
-                 candidates: Sequence[int], batch_size: int = 1) -> list[int]:  # fmt: skip
+def pick_choices(
+    next_logits: NextLogits,
+    prompts: Sequence[Sequence[int]],
+    candidates: Sequence[int],
+    batch_size: int = 1,
+) -> list[int]:
     """For each prompt the index into ``candidates`` (token ids, e.g. " A".." D") with the
     highest next-token logit."""
     picks: list[int] = []
@@ -47,8 +50,12 @@ def pick_choices(next_logits: NextLogits, prompts: Sequence[Sequence[int]],
 
 
 @torch.inference_mode()
-def sequence_nll(model: list[torch.nn.Module], sequences: Sequence[Sequence[int]],
-                 batch_size: int = 1, pad_id: int = 0) -> tuple[float, int]:  # fmt: skip
+def sequence_nll(
+    model: list[torch.nn.Module],
+    sequences: Sequence[Sequence[int]],
+    batch_size: int = 1,
+    pad_id: int = 0,
+) -> tuple[float, int]:
     """Summed negative log-likelihood of every token after the first, and their count."""
     total, count = 0.0, 0
     for start in range(0, len(sequences), batch_size):
@@ -57,8 +64,13 @@ def sequence_nll(model: list[torch.nn.Module], sequences: Sequence[Sequence[int]
             continue
         batch = Batch.left_padded(chunk, pad_id)
         width = batch.tokens.shape[1]
-        out = pipeline_logprobs(model, batch.tokens, _next_tokens(batch.tokens),
-                                batch.positions(0, width), batch.mask(0, width))  # fmt: skip
+        out = pipeline_logprobs(
+            model,
+            batch.tokens,
+            _next_tokens(batch.tokens),
+            batch.positions(0, width),
+            batch.mask(0, width),
+        )
         nll = torch.zeros(1, dtype=torch.float64)
         if out is not None:
             got = out[:, :-1].cpu()  # slot p scores the token at slot p + 1
@@ -70,10 +82,13 @@ def sequence_nll(model: list[torch.nn.Module], sequences: Sequence[Sequence[int]
 
 
 @torch.inference_mode()
-def continuation_logprobs(model: list[torch.nn.Module],
-                          pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-                          batch_size: int = 1, pad_id: int = 0,
-                          vocab_size: int | None = None) -> list[tuple[float, int]]:  # fmt: skip
+def continuation_logprobs(
+    model: list[torch.nn.Module],
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    batch_size: int = 1,
+    pad_id: int = 0,
+    vocab_size: int | None = None,
+) -> list[tuple[float, int]]:
     """For each (context, continuation) pair: the summed log-probability of the continuation's
     tokens after the context, and their count (``vocab_size``: the real vocabulary, without the
     embedding's padded rows)."""
@@ -82,9 +97,14 @@ def continuation_logprobs(model: list[torch.nn.Module],
         chunk = pairs[start : start + batch_size]
         batch = Batch.left_padded([list(c) + list(x) for c, x in chunk], pad_id)
         width = batch.tokens.shape[1]
-        logp = pipeline_logprobs(model, batch.tokens, _next_tokens(batch.tokens),
-                                 batch.positions(0, width), batch.mask(0, width),
-                                 vocab_size)  # fmt: skip
+        logp = pipeline_logprobs(
+            model,
+            batch.tokens,
+            _next_tokens(batch.tokens),
+            batch.positions(0, width),
+            batch.mask(0, width),
+            vocab_size,
+        )
         sums = torch.zeros(len(chunk), dtype=torch.float64)
         if logp is not None:
             for row, (_, cont) in enumerate(chunk):

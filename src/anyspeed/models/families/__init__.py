@@ -43,7 +43,7 @@ FAMILIES: dict[str, Family] = {
         deepseek_v3.FAMILY,
         gpt_oss.FAMILY,
         qwen3_next.FAMILY,
-    )  # fmt: skip
+    )
 }
 
 

@@ -65,12 +65,17 @@ class FamilyMapping:
     # attention's.
     linear: dict[str, str | Fused] = field(default_factory=dict)
 
-    def extend(self, family: str, layer: dict[str, str | Fused] | None = None,
-               **moe: dict[str, str | Fused]) -> FamilyMapping:  # fmt: skip
+    def extend(
+        self,
+        family: str,
+        layer: dict[str, str | Fused] | None = None,
+        **moe: dict[str, str | Fused],
+    ) -> FamilyMapping:
         """This mapping under another family name, with extra per-layer tensors (and, as
         ``moe=`` / ``expert=``, the tensors of its MoE layers)."""
-        return replace(self, family=family, top=dict(self.top),
-                       layer={**self.layer, **(layer or {})}, **moe)  # fmt: skip
+        return replace(
+            self, family=family, top=dict(self.top), layer={**self.layer, **(layer or {})}, **moe
+        )
 
 
 # Megatron-Core GPTModel (local spec) names <- Hugging Face LLaMA-style names.
@@ -124,6 +129,12 @@ def every_nth_off(flags: list[bool]) -> str:
 
 def tiny(base: ModelConfig, name: str, **changes) -> ModelConfig:
     """``base``'s traits at tiny size: 2 layers, hidden 64, 4 heads, vocabulary 512."""
-    size = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
-                num_query_groups=2, vocab_size=512)  # fmt: skip
+    size = dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=176,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=512,
+    )
     return replace(base, name=name, **{**size, **changes})

@@ -44,7 +44,7 @@ PRESETS = (
         rotary_scaling_factor=40.0,
         mscale=0.707,
         mscale_all_dim=0.707,
-    ),  # fmt: skip
+    ),
 )
 
 
@@ -57,11 +57,16 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"deepseek_v2: rope scaling {kind!r} is not supported (rope or yarn)")
     for key, want in _YARN_FIXED.items():
         if params.get(key, want) != want:
-            raise ValueError(f"deepseek_v2: yarn {key}={params[key]} is not supported "
-                             f"(Megatron-Core fixes it to {want})")  # fmt: skip
-    return dict(rope_type="yarn", rotary_scaling_factor=float(params["factor"]),
-                mscale=float(params.get("mscale", 1.0)),
-                mscale_all_dim=float(params.get("mscale_all_dim", 0.0)))  # fmt: skip
+            raise ValueError(
+                f"deepseek_v2: yarn {key}={params[key]} is not supported "
+                f"(Megatron-Core fixes it to {want})"
+            )
+    return dict(
+        rope_type="yarn",
+        rotary_scaling_factor=float(params["factor"]),
+        mscale=float(params.get("mscale", 1.0)),
+        mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
+    )
 
 
 def mla_from_hf(config: dict[str, Any]) -> dict[str, Any]:
@@ -82,8 +87,10 @@ def mla_from_hf(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    if config.get("topk_method", "greedy") != "greedy" or config.get("scoring_func", "softmax") \
-            != "softmax":  # fmt: skip
+    if (
+        config.get("topk_method", "greedy") != "greedy"
+        or config.get("scoring_func", "softmax") != "softmax"
+    ):
         raise ValueError("deepseek_v2: only greedy top-k over softmax scores is supported")
     dense = int_of(config, "first_k_dense_replace", default=0)
     shared = int_of(config, "n_shared_experts", default=0)
@@ -107,24 +114,35 @@ def moe_to_hf(model: ModelConfig, family: str, hf_name: str) -> dict[str, Any]:
     bits = model.moe_layers()
     dense = bits.index(True) if True in bits else model.num_layers
     if any(not b for b in bits[dense:]) or model.moe_shared_expert_gate:
-        raise ValueError(f"{family}: {hf_name} has dense layers first, then "
-                         "experts in every layer, and no shared-expert gate")  # fmt: skip
+        raise ValueError(
+            f"{family}: {hf_name} has dense layers first, then "
+            "experts in every layer, and no shared-expert gate"
+        )
     shared = model.moe_shared_expert_intermediate_size or 0
     if shared % model.expert_ffn_size:
         raise ValueError(f"{family}: the shared experts must be whole experts")
     out: dict[str, Any] = {
-        "n_routed_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
-        "moe_intermediate_size": model.expert_ffn_size, "first_k_dense_replace": dense,
+        "n_routed_experts": model.num_experts,
+        "num_experts_per_tok": model.moe_router_topk,
+        "moe_intermediate_size": model.expert_ffn_size,
+        "first_k_dense_replace": dense,
         "n_shared_experts": shared // model.expert_ffn_size,
         "routed_scaling_factor": model.moe_router_topk_scaling_factor or 1.0,
-        "q_lora_rank": model.q_lora_rank, "kv_lora_rank": model.kv_lora_rank,
-        "qk_nope_head_dim": model.qk_head_dim, "qk_rope_head_dim": model.qk_pos_emb_head_dim,
-        "v_head_dim": model.v_head_dim, "num_key_value_heads": model.num_attention_heads,
-    }  # fmt: skip
+        "q_lora_rank": model.q_lora_rank,
+        "kv_lora_rank": model.kv_lora_rank,
+        "qk_nope_head_dim": model.qk_head_dim,
+        "qk_rope_head_dim": model.qk_pos_emb_head_dim,
+        "v_head_dim": model.v_head_dim,
+        "num_key_value_heads": model.num_attention_heads,
+    }
     if model.rope_type == "yarn":
-        out["rope_scaling"] = {"type": "yarn", "factor": model.rotary_scaling_factor,
-                               "mscale": model.mscale, "mscale_all_dim": model.mscale_all_dim,
-                               **_YARN_FIXED}  # fmt: skip
+        out["rope_scaling"] = {
+            "type": "yarn",
+            "factor": model.rotary_scaling_factor,
+            "mscale": model.mscale,
+            "mscale_all_dim": model.mscale_all_dim,
+            **_YARN_FIXED,
+        }
     return out
 
 
@@ -190,7 +208,7 @@ FAMILY = Family(
             qk_head_dim=16,
             qk_pos_emb_head_dim=8,
             v_head_dim=16,
-        ),  # fmt: skip
+        ),
     ),
     moe_from_hf=_from_hf,
     moe_to_hf=_to_hf,

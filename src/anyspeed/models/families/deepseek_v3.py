@@ -50,7 +50,7 @@ PRESETS = (
         mscale=1.0,
         mscale_all_dim=1.0,
         mtp_num_layers=1,
-    ),  # fmt: skip
+    ),
 )
 # transformers' group scores are each group's top two experts; Megatron's its top-k/group-topk
 _GROUP_BEST = 2
@@ -58,16 +58,20 @@ _GROUP_BEST = 2
 
 def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if config.get("quantization_config"):
-        raise ValueError("deepseek_v3: the checkpoint is quantised (FP8 blocks): convert it to "
-                         "bf16 first (DeepSeek's fp8_cast_bf16.py)")  # fmt: skip
+        raise ValueError(
+            "deepseek_v3: the checkpoint is quantised (FP8 blocks): convert it to "
+            "bf16 first (DeepSeek's fp8_cast_bf16.py)"
+        )
     if config.get("rope_interleave", True) is not True:
         raise ValueError(
             "deepseek_v3: rope_interleave=false is not supported (Megatron's MLA "
             "reads the rotary channels interleaved, as DeepSeek stores them)"
         )
     if not config.get("norm_topk_prob", True):
-        raise ValueError("deepseek_v3: norm_topk_prob=false is not supported (Megatron's "
-                         "sigmoid router renormalises the top-k weights)")  # fmt: skip
+        raise ValueError(
+            "deepseek_v3: norm_topk_prob=false is not supported (Megatron's "
+            "sigmoid router renormalises the top-k weights)"
+        )
     experts, topk = int_of(config, "n_routed_experts"), int_of(config, "num_experts_per_tok")
     groups, group_topk = (
         int_of(config, "n_group", default=1),
@@ -106,8 +110,10 @@ def _to_hf(model: ModelConfig) -> dict[str, Any]:
         raise ValueError(f"{name} routes by sigmoid scores with an expert bias")
     groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
     if groups and model.moe_router_topk != _GROUP_BEST * (group_topk or 0):
-        raise ValueError(f"{name} ranks groups by their best two experts: --moe-router-topk "
-                         f"must be 2 x --moe-router-group-topk")  # fmt: skip
+        raise ValueError(
+            f"{name} ranks groups by their best two experts: --moe-router-topk "
+            f"must be 2 x --moe-router-group-topk"
+        )
     out = deepseek_v2.moe_to_hf(model, "deepseek_v3", "DeepseekV3ForCausalLM")
     out.update(
         n_group=groups or 1,
@@ -165,7 +171,7 @@ FAMILY = Family(
             qk_head_dim=16,
             qk_pos_emb_head_dim=8,
             v_head_dim=16,
-        ),  # fmt: skip
+        ),
     ),
     moe_from_hf=_from_hf,
     moe_to_hf=_to_hf,

@@ -21,17 +21,41 @@ from anyspeed.models.families.moe_hf import int_of
 
 ALPHA = 1.702  # the GLU's sigmoid slope: Megatron's quick-GELU
 _TRAITS = dict(
-    add_bias_linear=True, softmax_type="learnable", window_attn_skip_freq="2", swiglu=False,
-    quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
-    position_embedding_type="yarn", rotary_scaling_factor=32.0,
-    yarn_correction_range_round_to_int=False, moe_router_topk=4, moe_aux_loss_coeff=0.001,
-)  # fmt: skip
+    add_bias_linear=True,
+    softmax_type="learnable",
+    window_attn_skip_freq="2",
+    swiglu=False,
+    quick_geglu=True,
+    glu_linear_offset=1.0,
+    activation_func_clamp_value=7.0,
+    position_embedding_type="yarn",
+    rotary_scaling_factor=32.0,
+    yarn_correction_range_round_to_int=False,
+    moe_router_topk=4,
+    moe_aux_loss_coeff=0.001,
+)
 
 
 def _preset(name: str, layers: int, experts: int) -> ModelConfig:
-    return ModelConfig(name, "gpt_oss", layers, 2880, 2880, 64, 8, 201088, 131072, 150000.0,
-                       1e-5, kv_channels=64, window_size=127, num_experts=experts,
-                       moe_ffn_hidden_size=2880, add_qkv_bias=True, **_TRAITS)  # fmt: skip
+    return ModelConfig(
+        name,
+        "gpt_oss",
+        layers,
+        2880,
+        2880,
+        64,
+        8,
+        201088,
+        131072,
+        150000.0,
+        1e-5,
+        kv_channels=64,
+        window_size=127,
+        num_experts=experts,
+        moe_ffn_hidden_size=2880,
+        add_qkv_bias=True,
+        **_TRAITS,
+    )
 
 
 PRESETS = (_preset("gpt-oss-20b", 24, 32), _preset("gpt-oss-120b", 36, 128))
@@ -72,8 +96,10 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "transformers (from_pretrained with Mxfp4Config(dequantize=True), save_pretrained)"
         )
     if float(config.get("swiglu_alpha", ALPHA)) != ALPHA:
-        raise ValueError(f"gpt_oss: swiglu_alpha {config['swiglu_alpha']} is not supported "
-                         f"(Megatron's quick-GELU fixes it to {ALPHA})")  # fmt: skip
+        raise ValueError(
+            f"gpt_oss: swiglu_alpha {config['swiglu_alpha']} is not supported "
+            f"(Megatron's quick-GELU fixes it to {ALPHA})"
+        )
     window = config.get("sliding_window")
     ffn = int_of(config, "intermediate_size")
     return dict(
@@ -96,10 +122,16 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 
 def _to_hf(model: ModelConfig) -> dict[str, Any]:
-    want = dict(add_bias_linear=True, softmax_type="learnable", quick_geglu=True,
-                glu_linear_offset=1.0, position_embedding_type="yarn",
-                moe_router_score_function="softmax", moe_router_pre_softmax=False,
-                moe_shared_expert_intermediate_size=None)  # fmt: skip
+    want = dict(
+        add_bias_linear=True,
+        softmax_type="learnable",
+        quick_geglu=True,
+        glu_linear_offset=1.0,
+        position_embedding_type="yarn",
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        moe_shared_expert_intermediate_size=None,
+    )
     wrong = [k for k, v in want.items() if getattr(model, k) != v]
     if wrong or not all(model.moe_layers()) or model.activation_func_clamp_value is None:
         raise ValueError(f"gpt_oss: GptOssForCausalLM cannot express {wrong or 'this MLP'}")
@@ -160,7 +192,7 @@ FAMILY = Family(
             yarn_original_max_position_embeddings=64,
             rotary_scaling_factor=4.0,
             max_position_embeddings=256,
-        ),  # fmt: skip
+        ),
     ),
     moe_from_hf=_from_hf,
     moe_to_hf=_to_hf,

@@ -5,14 +5,32 @@ from __future__ import annotations
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families.base import LLAMA_MAPPING, Family, tiny
 
-_LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+_LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
-def _llama(name, layers, h, ffn, heads, groups, vocab=32000, maxpos=4096, base=10000.0,
-           scaling=None) -> ModelConfig:  # fmt: skip
-    return ModelConfig(name, "llama", layers, h, ffn, heads, groups, vocab, maxpos, base, 1e-5,
-                       rope_scaling=scaling)  # fmt: skip
+def _llama(
+    name, layers, h, ffn, heads, groups, vocab=32000, maxpos=4096, base=10000.0, scaling=None
+) -> ModelConfig:
+    return ModelConfig(
+        name,
+        "llama",
+        layers,
+        h,
+        ffn,
+        heads,
+        groups,
+        vocab,
+        maxpos,
+        base,
+        1e-5,
+        rope_scaling=scaling,
+    )
 
 
 PRESETS = (

@@ -25,7 +25,7 @@ PRESETS = (
         num_experts=8,
         moe_router_topk=2,
         moe_aux_loss_coeff=0.02,
-    ),  # fmt: skip
+    ),
 )
 
 

@@ -6,10 +6,24 @@ from anyspeed.models.config import ModelConfig
 from anyspeed.models.families.base import LLAMA_MAPPING, Family, qkv, tiny
 
 
-def _qwen2(name, layers, h, ffn, heads, groups, vocab=151936, maxpos=32768, tie=False,
-           base=1000000.0) -> ModelConfig:  # fmt: skip
-    return ModelConfig(name, "qwen2", layers, h, ffn, heads, groups, vocab, maxpos, base, 1e-6,
-                       add_qkv_bias=True, tie_embeddings=tie)  # fmt: skip
+def _qwen2(
+    name, layers, h, ffn, heads, groups, vocab=151936, maxpos=32768, tie=False, base=1000000.0
+) -> ModelConfig:
+    return ModelConfig(
+        name,
+        "qwen2",
+        layers,
+        h,
+        ffn,
+        heads,
+        groups,
+        vocab,
+        maxpos,
+        base,
+        1e-6,
+        add_qkv_bias=True,
+        tie_embeddings=tie,
+    )
 
 
 PRESETS = (

@@ -16,13 +16,30 @@ from anyspeed.models.families.moe_hf import (
 )
 
 
-def _qwen2_moe(name, layers, h, ffn, heads, groups, experts, topk, expert_ffn, shared,
-               max_pos) -> ModelConfig:  # fmt: skip
-    return ModelConfig(name, "qwen2_moe", layers, h, ffn, heads, groups, 151936, max_pos,
-                       1000000.0, 1e-6, add_qkv_bias=True, num_experts=experts,
-                       moe_router_topk=topk, moe_ffn_hidden_size=expert_ffn,
-                       moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True,
-                       moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001)  # fmt: skip
+def _qwen2_moe(
+    name, layers, h, ffn, heads, groups, experts, topk, expert_ffn, shared, max_pos
+) -> ModelConfig:
+    return ModelConfig(
+        name,
+        "qwen2_moe",
+        layers,
+        h,
+        ffn,
+        heads,
+        groups,
+        151936,
+        max_pos,
+        1000000.0,
+        1e-6,
+        add_qkv_bias=True,
+        num_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=expert_ffn,
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=True,
+        moe_router_pre_softmax=True,
+        moe_aux_loss_coeff=0.001,
+    )
 
 
 PRESETS = (
@@ -56,7 +73,7 @@ FAMILY = Family(
             moe_router_topk=2,
             moe_ffn_hidden_size=32,
             moe_shared_expert_intermediate_size=48,
-        ),  # fmt: skip
+        ),
     ),
     moe_from_hf=qwen_moe_from_hf,
     moe_to_hf=_to_hf,

@@ -7,8 +7,22 @@ from anyspeed.models.families.base import LLAMA_MAPPING, Family, tiny
 
 
 def _qwen3(name, layers, h, ffn, heads, groups, tie=False) -> ModelConfig:
-    return ModelConfig(name, "qwen3", layers, h, ffn, heads, groups, 151936, 40960, 1000000.0,
-                       1e-6, kv_channels=128, qk_layernorm=True, tie_embeddings=tie)  # fmt: skip
+    return ModelConfig(
+        name,
+        "qwen3",
+        layers,
+        h,
+        ffn,
+        heads,
+        groups,
+        151936,
+        40960,
+        1000000.0,
+        1e-6,
+        kv_channels=128,
+        qk_layernorm=True,
+        tie_embeddings=tie,
+    )
 
 
 PRESETS = (

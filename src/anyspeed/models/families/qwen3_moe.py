@@ -34,7 +34,7 @@ PRESETS = (
         moe_router_topk=8,
         moe_ffn_hidden_size=768,
         moe_aux_loss_coeff=0.001,
-    ),  # fmt: skip
+    ),
 )
 
 
@@ -66,7 +66,7 @@ FAMILY = Family(
             num_experts=8,
             moe_router_topk=2,
             moe_ffn_hidden_size=32,
-        ),  # fmt: skip
+        ),
     ),
     moe_from_hf=qwen_moe_from_hf,
     moe_to_hf=_to_hf,

@@ -26,11 +26,16 @@ from anyspeed.models.families.moe_hf import (
 )
 
 _TRAITS = dict(
-    kv_channels=256, qk_layernorm=True, layernorm_zero_centered_gamma=True,
-    attention_output_gate=True, rotary_percent=0.25,
-    experimental_attention_variant="gated_delta_net", linear_attention_freq="4",
-    moe_shared_expert_gate=True, moe_aux_loss_coeff=0.001,
-)  # fmt: skip
+    kv_channels=256,
+    qk_layernorm=True,
+    layernorm_zero_centered_gamma=True,
+    attention_output_gate=True,
+    rotary_percent=0.25,
+    experimental_attention_variant="gated_delta_net",
+    linear_attention_freq="4",
+    moe_shared_expert_gate=True,
+    moe_aux_loss_coeff=0.001,
+)
 
 PRESETS = (
     ModelConfig(
@@ -50,7 +55,7 @@ PRESETS = (
         moe_ffn_hidden_size=512,
         moe_shared_expert_intermediate_size=512,
         **_TRAITS,
-    ),  # fmt: skip
+    ),
 )
 
 
@@ -59,9 +64,11 @@ def _layer_types(config: dict[str, Any], num_layers: int) -> str:
     types = config.get("layer_types")
     if types is None:
         return str(int_of(config, "full_attention_interval", default=4))
-    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {
-        "linear_attention", "full_attention"
-    }:  # fmt: skip
+    if (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or not set(types) <= {"linear_attention", "full_attention"}
+    ):
         raise ValueError("qwen3_next: config.json layer_types must name each layer's attention")
     return every_nth_off([t == "linear_attention" for t in types])
 
@@ -95,13 +102,20 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 def _to_hf(model: ModelConfig) -> dict[str, Any]:
     check_router(model, "qwen3_next", "Qwen3NextForCausalLM")
-    want = dict(layernorm_zero_centered_gamma=True, attention_output_gate=True,
-                qk_layernorm=True, experimental_attention_variant="gated_delta_net",
-                moe_router_pre_softmax=False, moe_shared_expert_gate=True)  # fmt: skip
+    want = dict(
+        layernorm_zero_centered_gamma=True,
+        attention_output_gate=True,
+        qk_layernorm=True,
+        experimental_attention_variant="gated_delta_net",
+        moe_router_pre_softmax=False,
+        moe_shared_expert_gate=True,
+    )
     wrong = [k for k, v in want.items() if getattr(model, k) != v]
     if wrong or not model.moe_shared_expert_intermediate_size:
-        raise ValueError(f"qwen3_next: Qwen3NextForCausalLM cannot express "
-                         f"{wrong or 'a MoE without a shared expert'}")  # fmt: skip
+        raise ValueError(
+            f"qwen3_next: Qwen3NextForCausalLM cannot express "
+            f"{wrong or 'a MoE without a shared expert'}"
+        )
     linear = model.linear_attention_layers()
     return {
         **qwen_moe_to_hf(model),
@@ -160,7 +174,7 @@ FAMILY = Family(
             linear_num_key_heads=2,
             linear_num_value_heads=4,
             max_position_embeddings=512,
-        ),  # fmt: skip
+        ),
     ),
     moe_from_hf=_from_hf,
     moe_to_hf=_to_hf,

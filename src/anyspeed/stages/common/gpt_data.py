@@ -27,8 +27,12 @@ class DatasetTokenizer:
         self.eod = eod
         self._pad = pad
         # Part of the dataset cache key Megatron hashes (must be JSON-serialisable).
-        self.unique_identifiers = {"class": "anyspeed.DatasetTokenizer",
-                                   "vocab_size": vocab_size, "eod": eod, "pad": pad}  # fmt: skip
+        self.unique_identifiers = {
+            "class": "anyspeed.DatasetTokenizer",
+            "vocab_size": vocab_size,
+            "eod": eod,
+            "pad": pad,
+        }
 
     @property
     def pad(self) -> int:
@@ -76,8 +80,9 @@ def data_blend(args: argparse.Namespace) -> tuple[list[str], list[float] | None]
             raise UsageError("--data-path: give WEIGHT PREFIX pairs (an odd number of items)")
         weights = [float(w) for w in items[0::2]]
         if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-            raise UsageError(f"--data-path: the weights {items[0::2]} must be >= 0 and not all "
-                             "zero")  # fmt: skip
+            raise UsageError(
+                f"--data-path: the weights {items[0::2]} must be >= 0 and not all zero"
+            )
         return items[1::2], weights
     if any(_is_number(x) for x in items):
         raise UsageError("--data-path: either all PREFIX or WEIGHT PREFIX pairs, not a mix")

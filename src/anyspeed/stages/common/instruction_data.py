@@ -55,8 +55,10 @@ def check_files(prefix: str, kinds: tuple[str, ...] = KINDS) -> None:
     handler = "a *PairwiseHandler" if pairwise else "an *InstructionHandler"
     if not os.path.isfile(file_prefix(prefix, kinds[0]) + ".bin"):
         if os.path.isfile(prefix + ".bin"):
-            raise UsageError(f"--data-path {prefix!r} is a pretraining dataset, not {what} "
-                             f"dataset (preprocess with {handler})")  # fmt: skip
+            raise UsageError(
+                f"--data-path {prefix!r} is a pretraining dataset, not {what} "
+                f"dataset (preprocess with {handler})"
+            )
         if not pairwise and os.path.isfile(file_prefix(prefix, PAIRWISE[0]) + ".bin"):
             raise UsageError(
                 f"--data-path {prefix!r} is a pairwise (preference) dataset: "
@@ -250,8 +252,7 @@ def batches(
     def make(idx: list[int]) -> dict[str, torch.Tensor]:
         if data.packed:
             return packed_batch(data, idx)
-        n = pad_length([len(data.input_ids[i]) for i in idx], args.seq_length, multiple,
-                       variable)  # fmt: skip
+        n = pad_length([len(data.input_ids[i]) for i in idx], args.seq_length, multiple, variable)
         return padded_batch(data, idx, n, pad_id)
 
     return global_batches(args, rows, consumed, device, make)

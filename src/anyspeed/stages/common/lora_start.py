@@ -11,14 +11,13 @@ def lora_start(lora_cfg: Any, run: Any, trainer: Any, scheduler: Any, state: Any
     adapters. False without LoRA (the engine's resume)."""
     if lora_cfg is None:
         return False
-    from anyspeed.checkpoint import save_load as ckpt
+    from anyspeed.checkpoint.load import load_checkpoint
     from anyspeed.training.engine import resume
     from anyspeed.training.lora import set_view
 
     if run.load:
         set_view(trainer.model, "base")
-        ckpt.load_checkpoint(run.load, trainer.model, None, None, finetune=True,
-                             load_rng=False)  # fmt: skip
+        load_checkpoint(run.load, trainer.model, None, None, finetune=True, load_rng=False)
     set_view(trainer.model, "adapters")
     if lora_cfg.load:
         resume(run, trainer, scheduler, state, root=lora_cfg.load, flag="--lora-load")

@@ -26,8 +26,7 @@ def add_reference_arguments(g: Any) -> None:
     )
 
 
-def reference(args: argparse.Namespace, lora_cfg: Any,
-              stage: str) -> tuple[str | None, int | None]:  # fmt: skip
+def reference(args: argparse.Namespace, lora_cfg: Any, stage: str) -> tuple[str | None, int | None]:
     """The reference checkpoint (root, iteration) of a ``stage`` run, checked; (None, None)
     under LoRA (the base with adapters off) or for the run's own ``--load`` resolved at start.
 
@@ -38,8 +37,10 @@ def reference(args: argparse.Namespace, lora_cfg: Any,
 
     if lora_cfg is not None:
         if args.ref_model:
-            raise UsageError("--ref-model with LoRA: the reference is the --load base model "
-                             "with its adapters off; drop --ref-model")  # fmt: skip
+            raise UsageError(
+                "--ref-model with LoRA: the reference is the --load base model "
+                "with its adapters off; drop --ref-model"
+            )
         return None, None
     ref, it = args.ref_model, args.refer_model_iter
     try:
@@ -70,8 +71,10 @@ def _check_reference(args: argparse.Namespace, ref: str, it: int | None) -> None
     from anyspeed.models.presets import model_from_args
 
     if not os.path.isdir(ref) or tracked_dir(ref) is None:
-        raise UsageError(f"--ref-model {ref!r} is not a checkpoint directory (no tracker file); "
-                         "give a directory anyspeed or Megatron-LM saved")  # fmt: skip
+        raise UsageError(
+            f"--ref-model {ref!r} is not a checkpoint directory (no tracker file); "
+            "give a directory anyspeed or Megatron-LM saved"
+        )
     if it is not None and not os.path.isdir(iteration_dir(ref, it)):
         raise UsageError(f"--refer-model-iter {it}: {iteration_dir(ref, it)} does not exist")
     check_fits(ref, model_from_args(args))

@@ -40,18 +40,29 @@ class Rollout:
 
     def groups(self) -> list[Group]:
         g = self.group
-        return [Group(self.prompts[i : i + g], self.tokens[i : i + g], self.logps[i : i + g],
-                      self.rewards[i : i + g], self.advantages[i : i + g])
-                for i in range(0, len(self.tokens), g)]  # fmt: skip
+        return [
+            Group(
+                self.prompts[i : i + g],
+                self.tokens[i : i + g],
+                self.logps[i : i + g],
+                self.rewards[i : i + g],
+                self.advantages[i : i + g],
+            )
+            for i in range(0, len(self.tokens), g)
+        ]
 
     @classmethod
     def join(cls, groups: list[Group], want: int, kept: int) -> Rollout:
         groups = groups[:want]
-        return cls([p for x in groups for p in x.prompts], [t for x in groups for t in x.tokens],
-                   [lp for x in groups for lp in x.logps],
-                   torch.cat([x.rewards for x in groups]),
-                   torch.cat([x.advantages for x in groups]), len(groups[0].tokens),
-                   min(kept, want))  # fmt: skip
+        return cls(
+            [p for x in groups for p in x.prompts],
+            [t for x in groups for t in x.tokens],
+            [lp for x in groups for lp in x.logps],
+            torch.cat([x.rewards for x in groups]),
+            torch.cat([x.advantages for x in groups]),
+            len(groups[0].tokens),
+            min(kept, want),
+        )
 
 
 def _length(longest: int, args: Any) -> int:
@@ -64,12 +75,12 @@ def _length(longest: int, args: Any) -> int:
     return min(args.seq_length, -(-longest // multiple) * multiple)
 
 
-def micro_batches(roll: Rollout, args: Any, pad: int,
-                  device: torch.device) -> list[dict[str, Any]]:  # fmt: skip
+def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> list[dict[str, Any]]:
     """The rollout's sequences in order, ``--micro-batch-size`` per micro-batch, on ``device``."""
     n = len(roll.tokens)
-    length = _length(max(len(p) + len(t) for p, t in zip(roll.prompts, roll.tokens,
-                                                           strict=True)), args)  # fmt: skip
+    length = _length(
+        max(len(p) + len(t) for p, t in zip(roll.prompts, roll.tokens, strict=True)), args
+    )
     tokens = torch.full((n, length), pad, dtype=torch.int64)
     labels = torch.zeros((n, length), dtype=torch.int64)
     mask = torch.zeros((n, length))
@@ -84,12 +95,17 @@ def micro_batches(roll: Rollout, args: Any, pad: int,
     adv = roll.advantages.float()[:, None].expand(n, length)
     pos = torch.arange(length).expand(n, length)
     mbs = args.micro_batch_size
-    return [{"tokens": tokens[i : i + mbs].to(device), "labels": labels[i : i + mbs].to(device),
-             "loss_mask": mask[i : i + mbs].to(device),
-             "position_ids": pos[i : i + mbs].contiguous().to(device),
-             "advantages": adv[i : i + mbs].contiguous().to(device),
-             "rollout_logp": old[i : i + mbs].to(device)}
-            for i in range(0, n, mbs)]  # fmt: skip
+    return [
+        {
+            "tokens": tokens[i : i + mbs].to(device),
+            "labels": labels[i : i + mbs].to(device),
+            "loss_mask": mask[i : i + mbs].to(device),
+            "position_ids": pos[i : i + mbs].contiguous().to(device),
+            "advantages": adv[i : i + mbs].contiguous().to(device),
+            "rollout_logp": old[i : i + mbs].to(device),
+        }
+        for i in range(0, n, mbs)
+    ]
 
 
 def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:
@@ -108,8 +124,9 @@ def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:
     return total, count, most
 
 
-def global_stats(roll: Rollout, mm: tuple[float, float, float], clock: Any,
-                 device: torch.device) -> torch.Tensor:  # fmt: skip
+def global_stats(
+    roll: Rollout, mm: tuple[float, float, float], clock: Any, device: torch.device
+) -> torch.Tensor:
     """The rollout's statistics over every replica, in ``grpo_task.STATS`` order."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -117,21 +134,60 @@ def global_stats(roll: Rollout, mm: tuple[float, float, float], clock: Any,
     lengths = torch.tensor([float(len(t)) for t in roll.tokens], dtype=torch.float64)
     zero = sum(not g.has_signal() for g in roll.groups())
     first = ps.is_pipeline_last_stage(ignore_virtual=True) and not (
-        ps.get_tensor_model_parallel_rank())  # fmt: skip
+        ps.get_tensor_model_parallel_rank()
+    )
     k = float(first)  # each replica's counts once
-    sums = torch.tensor([k * float(roll.rewards.sum()), k * len(roll.rewards),
-                         k * float(lengths.sum()), k * zero, k * len(roll.groups()),
-                         k * roll.kept, mm[0], mm[1],
-                         k * float(sum(len(t) for t in roll.tokens))],
-                        dtype=torch.float64, device=device)  # fmt: skip
-    most = torch.tensor([float(roll.rewards.max()), -float(roll.rewards.min()),
-                         float(lengths.max()), -float(lengths.min()), mm[2], clock.rollout,
-                         clock.old, clock.ref, clock.reshard], dtype=torch.float64,
-                        device=device)  # fmt: skip
+    sums = torch.tensor(
+        [
+            k * float(roll.rewards.sum()),
+            k * len(roll.rewards),
+            k * float(lengths.sum()),
+            k * zero,
+            k * len(roll.groups()),
+            k * roll.kept,
+            mm[0],
+            mm[1],
+            k * float(sum(len(t) for t in roll.tokens)),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    most = torch.tensor(
+        [
+            float(roll.rewards.max()),
+            -float(roll.rewards.min()),
+            float(lengths.max()),
+            -float(lengths.min()),
+            mm[2],
+            clock.rollout,
+            clock.old,
+            clock.ref,
+            clock.reshard,
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(sums)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     s, m = sums.tolist(), most.tolist()
     n, groups = max(s[1], 1.0), max(s[4], 1.0)
-    return torch.tensor([s[0] / n, -m[1], m[0], s[2] / n, -m[3], m[2], s[3] / groups,
-                         s[5] / groups, s[6] / max(s[7], 1.0), m[4], m[5], m[6], m[7],
-                         s[8] / max(m[5], 1e-9), m[8]], device=device)  # fmt: skip
+    return torch.tensor(
+        [
+            s[0] / n,
+            -m[1],
+            m[0],
+            s[2] / n,
+            -m[3],
+            m[2],
+            s[3] / groups,
+            s[5] / groups,
+            s[6] / max(s[7], 1.0),
+            m[4],
+            m[5],
+            m[6],
+            m[7],
+            s[8] / max(m[5], 1e-9),
+            m[8],
+        ],
+        device=device,
+    )

@@ -52,8 +52,10 @@ def check_files(prefix: str) -> None:
         except (IndexFileError, OSError) as exc:
             raise UsageError(f"--data-path {prefix!r}: {exc}") from None
     if counts["input_ids"] != counts["labels"]:
-        raise UsageError(f"--data-path {prefix!r}: {counts['input_ids']} prompts and "
-                         f"{counts['labels']} answers (files of different runs)")  # fmt: skip
+        raise UsageError(
+            f"--data-path {prefix!r}: {counts['input_ids']} prompts and "
+            f"{counts['labels']} answers (files of different runs)"
+        )
     if counts["input_ids"] == 0:
         raise UsageError(f"--data-path {prefix!r} holds no prompts")
 
@@ -62,13 +64,17 @@ def open_prompts(prefix: str) -> PromptData:
     """The prompts and answers, memory-mapped; SFT data (prompt labels -100) is refused."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    data = PromptData(IndexedDataset(file_prefix(prefix, "input_ids")),
-                      IndexedDataset(file_prefix(prefix, "labels")))  # fmt: skip
+    data = PromptData(
+        IndexedDataset(file_prefix(prefix, "input_ids")),
+        IndexedDataset(file_prefix(prefix, "labels")),
+    )
     for i in range(min(len(data), 16)):
         if (np.asarray(data.labels[i]) == IGNORE).any():
-            raise UsageError(f"--data-path {prefix!r} is SFT data (labels -100 on the prompt): "
-                             "preprocess prompts with --handler-name "
-                             "R1AlpacaStyleInstructionHandler")  # fmt: skip
+            raise UsageError(
+                f"--data-path {prefix!r} is SFT data (labels -100 on the prompt): "
+                "preprocess prompts with --handler-name "
+                "R1AlpacaStyleInstructionHandler"
+            )
     return data
 
 
@@ -89,7 +95,9 @@ def usable_rows(data: PromptData, prefix: str, max_prompt: int, split: str) -> n
         )
     left = len(lengths) - len(keep)
     if left and reports_here():
-        print(f"anyspeed posttrain: warning: {left} of {len(lengths)} prompts of --data-path "
-              f"{prefix!r} are longer than --max-prompt-length {max_prompt} and left out",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"anyspeed posttrain: warning: {left} of {len(lengths)} prompts of --data-path "
+            f"{prefix!r} are longer than --max-prompt-length {max_prompt} and left out",
+            file=sys.stderr,
+        )
     return keep

@@ -26,8 +26,9 @@ ADVANTAGES = ("group_norm", "group_mean")  # GRPO; Dr. GRPO (no division by the 
 ADV_EPS = 1e-6  # MindSpeed-RL's epsilon in (r - mean) / (std + eps)
 
 
-def group_advantages(rewards: torch.Tensor, group: int, estimator: str = "group_norm",
-                     eps: float = ADV_EPS) -> torch.Tensor:  # fmt: skip
+def group_advantages(
+    rewards: torch.Tensor, group: int, estimator: str = "group_norm", eps: float = ADV_EPS
+) -> torch.Tensor:
     """Per-sample advantages of ``rewards`` [n] laid out as consecutive groups of ``group``
     samples of one prompt: (r - mean) / (std + eps) with the unbiased std (``group_norm``), or
     r - mean (``group_mean``). A group with equal rewards gets 0 everywhere."""
@@ -54,20 +55,26 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ValueError(f"unknown KL penalty {kind!r}")
 
 
-def policy_terms(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                 clip_low: float, clip_high: float) -> dict[str, torch.Tensor]:  # fmt: skip
+def policy_terms(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+) -> dict[str, torch.Tensor]:
     """Per-token clipped policy-gradient loss max(-A·ρ, -A·clip(ρ, 1-ε_low, 1+ε_high)) with
     ρ = exp(logp - old), whether the clip was active, and ``ppo_kl`` (old - logp)."""
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
-    return {"pg": torch.maximum(unclipped, clipped), "clipped": (clipped > unclipped).float(),
-            "ppo_kl": -log_ratio, "ratio": ratio}  # fmt: skip
+    return {
+        "pg": torch.maximum(unclipped, clipped),
+        "clipped": (clipped > unclipped).float(),
+        "ppo_kl": -log_ratio,
+        "ratio": ratio,
+    }
 
 
-def aggregate(seq_sum: torch.Tensor, seq_tokens: torch.Tensor, mode: str,
-              max_response_length: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def aggregate(
+    seq_sum: torch.Tensor, seq_tokens: torch.Tensor, mode: str, max_response_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) under ``mode`` (see the module doc) of one micro-batch, from each
     sequence's sum of per-token values and its response-token count ([b] each); sequences
     without a response token are left out of the sequence modes."""

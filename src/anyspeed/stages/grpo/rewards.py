@@ -137,8 +137,10 @@ def _raised(fn: Callable, name: str, batch: tuple[Sequence[str], ...], exc: Exce
             fn([prompts[i]], [completions[i]], [labels[i]])
         except Exception as one:  # any failure of user code is reported
             return f"reward function {name} raised {_first_line(one)} on {_sample(i, completions)}"
-    return (f"reward function {name} raised {_first_line(exc)} on a batch of {len(completions)} "
-            "samples (no sample fails alone)")  # fmt: skip
+    return (
+        f"reward function {name} raised {_first_line(exc)} on a batch of {len(completions)} "
+        "samples (no sample fails alone)"
+    )
 
 
 def _finite(value: object) -> float | None:
@@ -173,16 +175,19 @@ def score(
     except Exception as exc:
         raise RewardError(_raised(fn, name, (prompts, completions, labels), exc)) from exc
     if not isinstance(result, (list, tuple)):
-        raise RewardError(f"reward function {name} returned a {type(result).__name__}, not a "
-                          f"list of {n} rewards")  # fmt: skip
+        raise RewardError(
+            f"reward function {name} returned a {type(result).__name__}, not a list of {n} rewards"
+        )
     if len(result) != n:
         raise RewardError(f"reward function {name} returned {len(result)} rewards for {n} samples")
     out = []
     for i, value in enumerate(result):
         reward = _finite(value)
         if reward is None:
-            raise RewardError(f"reward function {name} returned {value!r} for "
-                              f"{_sample(i, completions)}: not a finite number")  # fmt: skip
+            raise RewardError(
+                f"reward function {name} returned {value!r} for "
+                f"{_sample(i, completions)}: not a finite number"
+            )
         out.append(reward)
     return out
 
@@ -193,13 +198,16 @@ def _load(name: str) -> Callable:
         return BUILTIN[name]
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
-        raise UsageError(f"{FLAG}: unknown reward {name!r}; use one of "
-                         f"{', '.join(sorted(BUILTIN))} or a 'module:function' path")  # fmt: skip
+        raise UsageError(
+            f"{FLAG}: unknown reward {name!r}; use one of "
+            f"{', '.join(sorted(BUILTIN))} or a 'module:function' path"
+        )
     try:
         obj = importlib.import_module(module_name)
     except Exception as exc:
-        raise UsageError(f"{FLAG} {name!r}: cannot import {module_name!r} "
-                         f"({_first_line(exc)})") from exc  # fmt: skip
+        raise UsageError(
+            f"{FLAG} {name!r}: cannot import {module_name!r} ({_first_line(exc)})"
+        ) from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UsageError(f"{FLAG} {name!r}: {module_name!r} has no attribute {attr!r}")

@@ -53,8 +53,13 @@ class RolloutModel:
     def __init__(self, trainer: Trainer) -> None:
         self.state = ParallelState.build(timeout_minutes())  # TP 1, PP 1: DP = world size
         with _same_rng(), self.state.entered():  # the task's transforms: LoRA's adapters
-            chunks, _ = build_chunks(trainer.model_config, Layout(), trainer.cfg,
-                                     trainer.task.transforms(), trainer.task.build)  # fmt: skip
+            chunks, _ = build_chunks(
+                trainer.model_config,
+                Layout(),
+                trainer.cfg,
+                trainer.task.transforms(),
+                trainer.task.build,
+            )
         self.chunks = [c.eval().requires_grad_(False) for c in chunks]
         self.targets = state_tensors(unwrap(self.chunks[0]))
         self.preset = trainer.model_config
@@ -75,8 +80,9 @@ class RolloutModel:
         self.synced_at = trainer.iteration
         return time.perf_counter() - t0
 
-    def sample(self, prompts: list[list[int]],
-               req: Any) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
+    def sample(
+        self, prompts: list[list[int]], req: Any
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """Sample ``prompts`` (the same list on every rank of a replica): each rank of the
         replica's model-parallel group decodes its contiguous share with the whole model,
         then every rank has every row (tokens and their log-probs)."""
@@ -93,9 +99,12 @@ class RolloutModel:
         if hi > lo:
             seeds = req.row_seeds[lo:hi] if req.row_seeds else None
             with self.state.entered(), torch.no_grad():
-                mine = sample([unwrap(c) for c in self.chunks], prompts[lo:hi],
-                              replace(req, row_seeds=seeds, lockstep=False),
-                              logprobs=True)  # fmt: skip
+                mine = sample(
+                    [unwrap(c) for c in self.chunks],
+                    prompts[lo:hi],
+                    replace(req, row_seeds=seeds, lockstep=False),
+                    logprobs=True,
+                )
         shares: list[Any] = [None] * n
         dist.all_gather_object(shares, mine, group=group)
         return ([t for s in shares for t in s[0]], [lp for s in shares for lp in s[1]])

@@ -25,12 +25,23 @@ from anyspeed.stages.grpo.batches import Rollout, global_stats, micro_batches, m
 from anyspeed.training.task import FrozenModel, LossFunc, Task
 
 ACTOR = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy")
-STATS = ("grpo/rewards/mean", "grpo/rewards/min", "grpo/rewards/max", "response_length/mean",
-         "response_length/min", "response_length/max", "grpo/zero_adv_groups",
-         "grpo/kept_groups", "rollout/logp_mismatch", "rollout/logp_mismatch_max",
-         "timing/rollout", "timing/old_log_p", "timing/reference_model", "rollout_tps",
-         "timing/reshard")  # fmt: skip
-
+STATS = (
+    "grpo/rewards/mean",
+    "grpo/rewards/min",
+    "grpo/rewards/max",
+    "response_length/mean",
+    "response_length/min",
+    "response_length/max",
+    "grpo/zero_adv_groups",
+    "grpo/kept_groups",
+    "rollout/logp_mismatch",
+    "rollout/logp_mismatch_max",
+    "timing/rollout",
+    "timing/old_log_p",
+    "timing/reference_model",
+    "rollout_tps",
+    "timing/reshard",
+)
 
 
 def _anyone(flag: bool) -> bool:
@@ -96,12 +107,20 @@ class GRPOTask(Task):
     def datasets(self, run: Any) -> list[Any]:
         return [(run.data, self.cfg.rows), None, None]
 
-    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
-                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+    def forward_step(
+        self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, LossFunc]:
         b = next(data_iterator)
-        out = token_logprobs(model, b["tokens"], b["position_ids"], b["labels"],
-                             vocab_size=self.vocab, temperature=self.cfg.temperature,
-                             entropy=True, entropy_grad=bool(self.cfg.entropy_coeff))  # fmt: skip
+        out = token_logprobs(
+            model,
+            b["tokens"],
+            b["position_ids"],
+            b["labels"],
+            vocab_size=self.vocab,
+            temperature=self.cfg.temperature,
+            entropy=True,
+            entropy_grad=bool(self.cfg.entropy_coeff),
+        )
 
         def loss_func(output: torch.Tensor):
             return self.token_loss(output[0], output[1], b)
@@ -129,17 +148,22 @@ class GRPOTask(Task):
         def mean(x: torch.Tensor) -> torch.Tensor:
             return torch.stack([(x.detach().double() * mask).sum(), n])
 
-        metrics = {self.loss_key: torch.stack([total.detach().double(), count.double()]),
-                   "actor/pg_loss": mean(t["pg"]), "actor/pg_clipfrac": mean(t["clipped"]),
-                   "actor/ppo_kl": mean(t["ppo_kl"]), "actor/kl_loss": mean(kl),
-                   "actor/entropy": mean(entropy)}  # fmt: skip
+        metrics = {
+            self.loss_key: torch.stack([total.detach().double(), count.double()]),
+            "actor/pg_loss": mean(t["pg"]),
+            "actor/pg_clipfrac": mean(t["clipped"]),
+            "actor/ppo_kl": mean(t["ppo_kl"]),
+            "actor/kl_loss": mean(kl),
+            "actor/entropy": mean(entropy),
+        }
         for i, name in enumerate(STATS):
             metrics[name] = torch.stack([b["stats"][i].double(), torch.ones_like(n)])
         return total, count.round().to(torch.int), metrics
 
     # ------------------------------------------------------------------------- rollouts
-    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
-                trainer: Any = None) -> Iterator[list[dict[str, Any]]]:  # fmt: skip
+    def batches(
+        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+    ) -> Iterator[list[dict[str, Any]]]:
         """Per optimizer step, this rank's micro-batches; a new rollout when the last one's
         ``ppo_epochs`` passes are done (resuming mid-rollout rolls out again)."""
         from megatron.core import parallel_state as ps
@@ -157,8 +181,14 @@ class GRPOTask(Task):
         per_step = gbs // dp // args.micro_batch_size
         while True:
             start = r * c.rollout_batch + rank * per_rank
-            micro = self.rollout(trainer, data, order[start : start + per_rank],
-                                 range(start, start + per_rank), args, device)  # fmt: skip
+            micro = self.rollout(
+                trainer,
+                data,
+                order[start : start + per_rank],
+                range(start, start + per_rank),
+                args,
+                device,
+            )
             steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
             for _ in range(c.epochs):
                 for step in steps:
@@ -168,8 +198,15 @@ class GRPOTask(Task):
                     yield step
             r += 1
 
-    def rollout(self, trainer: Any, data: Any, prompt_rows: np.ndarray, positions: range,
-                args: Any, device: torch.device) -> list[dict[str, Any]]:  # fmt: skip
+    def rollout(
+        self,
+        trainer: Any,
+        data: Any,
+        prompt_rows: np.ndarray,
+        positions: range,
+        args: Any,
+        device: torch.device,
+    ) -> list[dict[str, Any]]:
         """One rollout of this replica's prompts: sampled, rewarded, with old/reference
         log-probs and the rollout's global statistics on every micro-batch."""
         clock = _Clock()
@@ -183,16 +220,18 @@ class GRPOTask(Task):
         clock.rollout = time.perf_counter() - t0
         micro = micro_batches(roll, args, self.pad, device)
         t0 = time.perf_counter()
-        old = trainer.logprobs(micro, vocab_size=self.vocab, temperature=self.cfg.temperature,
-                               exact=True)  # fmt: skip
+        old = trainer.logprobs(
+            micro, vocab_size=self.vocab, temperature=self.cfg.temperature, exact=True
+        )
         clock.old = time.perf_counter() - t0
         if old is not None:
             for b, lp in zip(micro, old, strict=True):
                 b["old_logp"] = lp
         if self.cfg.beta:
             t0 = time.perf_counter()
-            ref = trainer.logprobs(micro, model="reference", vocab_size=self.vocab,
-                                   temperature=self.cfg.temperature)  # fmt: skip
+            ref = trainer.logprobs(
+                micro, model="reference", vocab_size=self.vocab, temperature=self.cfg.temperature
+            )
             clock.ref = time.perf_counter() - t0
             if ref is not None:
                 for b, lp in zip(micro, ref, strict=True):
@@ -202,8 +241,9 @@ class GRPOTask(Task):
             b["stats"] = stats
         return micro
 
-    def sample(self, trainer: Any, data: Any, prompt_rows: np.ndarray, positions: range,
-               args: Any) -> Rollout:  # fmt: skip
+    def sample(
+        self, trainer: Any, data: Any, prompt_rows: np.ndarray, positions: range, args: Any
+    ) -> Rollout:
         """Sample, score and (with ``--filter-groups``) refill: groups whose rewards are all
         equal carry no signal and are replaced by new prompts' groups, up to
         ``--max-num-gen-batches`` tries (then kept, with zero advantage)."""
@@ -225,8 +265,9 @@ class GRPOTask(Task):
             at = [positions.start + i for i in range(len(rows))]
         return Rollout.join(kept[:want] + dropped[: max(0, want - len(kept))], want, len(kept))
 
-    def sample_once(self, trainer: Any, data: Any, rows: list[int],
-                    keys: list[tuple[int, int]], args: Any) -> Rollout:  # fmt: skip
+    def sample_once(
+        self, trainer: Any, data: Any, rows: list[int], keys: list[tuple[int, int]], args: Any
+    ) -> Rollout:
         """Sample the groups of ``rows``; each sample draws from its own generator, seeded by
         (try, the prompt's place in the global order, the sample): the same tokens at every
         data-parallel size."""
@@ -238,12 +279,21 @@ class GRPOTask(Task):
         c = self.cfg
         prompts = [[int(t) for t in data.input_ids[i]] for i in rows]
         answers = [decode(self.tok, [int(t) for t in data.labels[i]]) for i in rows]
-        seeds = tuple((args.seed * 1_000_003 + t * 7919 + p * 131 + s) % 2**62
-                      for t, p in keys for s in range(c.group))  # fmt: skip
-        req = Request(c.max_response, SamplingParams(False, c.temperature, c.top_k, c.top_p),
-                      eos_ids=self.eos, pad_id=self.pad, row_seeds=seeds,
-                      max_length=args.seq_length, vocab_size=self.vocab,
-                      lockstep=args.expert_model_parallel_size > 1)  # fmt: skip
+        seeds = tuple(
+            (args.seed * 1_000_003 + t * 7919 + p * 131 + s) % 2**62
+            for t, p in keys
+            for s in range(c.group)
+        )
+        req = Request(
+            c.max_response,
+            SamplingParams(False, c.temperature, c.top_k, c.top_p),
+            eos_ids=self.eos,
+            pad_id=self.pad,
+            row_seeds=seeds,
+            max_length=args.seq_length,
+            vocab_size=self.vocab,
+            lockstep=args.expert_model_parallel_size > 1,
+        )
         rep = [p for p in prompts for _ in range(c.group)]
         roller = self.roller
         tokens, lps = roller.sample(rep, req) if roller else trainer.sample(rep, req)
@@ -261,8 +311,9 @@ class GRPOTask(Task):
         if error is not None:
             raise rewards.RewardError(error)
         if c.overlong_buffer > 0:
-            pen = rewards.overlong_penalty([len(t) for t in tokens], c.max_response,
-                                           c.overlong_buffer, c.overlong_factor)  # fmt: skip
+            pen = rewards.overlong_penalty(
+                [len(t) for t in tokens], c.max_response, c.overlong_buffer, c.overlong_factor
+            )
             scores = [s + p for s, p in zip(scores, pen, strict=True)]
         rew = torch.tensor(scores, dtype=torch.float64)
         adv = L.group_advantages(rew, c.group, c.adv_estimator)

@@ -88,9 +88,12 @@ def check_lengths(data: PairwiseData, prefix: str, seq_length: int, split: str) 
         )
     empty = int((~both).sum())
     if (cut_c or cut_r or empty) and reports_here():
-        print(f"anyspeed posttrain: warning: {cut_c} chosen and {cut_r} rejected answers of "
-              f"--data-path {prefix!r} are longer than --seq-length {seq_length} and cut to "
-              f"it; {empty} pairs keep no answer token on one side", file=sys.stderr)  # fmt: skip
+        print(
+            f"anyspeed posttrain: warning: {cut_c} chosen and {cut_r} rejected answers of "
+            f"--data-path {prefix!r} are longer than --seq-length {seq_length} and cut to "
+            f"it; {empty} pairs keep no answer token on one side",
+            file=sys.stderr,
+        )
 
 
 def pair_batch(data: PairwiseData, rows: list[int], length: int, pad_id: int) -> dict:
@@ -100,9 +103,14 @@ def pair_batch(data: PairwiseData, rows: list[int], length: int, pad_id: int) ->
     return {k: torch.cat([c[k], r[k]]) for k in c}
 
 
-def batches(data: PairwiseData, args: argparse.Namespace, rows: tuple[int, int],
-            consumed: int, device: torch.device,
-            pad_id: int = 0) -> Iterator[list[dict[str, Any]]]:  # fmt: skip
+def batches(
+    data: PairwiseData,
+    args: argparse.Namespace,
+    rows: tuple[int, int],
+    consumed: int,
+    device: torch.device,
+    pad_id: int = 0,
+) -> Iterator[list[dict[str, Any]]]:
     """Per iteration, this rank's micro-batches of pairs of the next global batch
     (``--micro-batch-size`` and ``--global-batch-size`` count pairs)."""
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
@@ -110,7 +118,6 @@ def batches(data: PairwiseData, args: argparse.Namespace, rows: tuple[int, int],
 
     def make(idx: list[int]) -> dict[str, torch.Tensor]:
         lens = [len(s.input_ids[i]) for s in (data.chosen, data.rejected) for i in idx]
-        return pair_batch(data, idx, pad_length(lens, args.seq_length, multiple, variable),
-                          pad_id)  # fmt: skip
+        return pair_batch(data, idx, pad_length(lens, args.seq_length, multiple, variable), pad_id)
 
     return global_batches(args, rows, consumed, device, make)

@@ -31,8 +31,9 @@ class PairLogps:
     n_rejected: torch.Tensor
 
 
-def _margin_loss(x: torch.Tensor, loss_type: str, beta: float,
-                 label_smoothing: float) -> torch.Tensor:  # fmt: skip
+def _margin_loss(
+    x: torch.Tensor, loss_type: str, beta: float, label_smoothing: float
+) -> torch.Tensor:
     """The loss of a preference margin ``x``: sigmoid -(1-ε)·log σ(βx) - ε·log σ(-βx) (cDPO's
     conservative form; ε=0: DPO's), hinge relu(1 - βx), ipo (x - 1/(2β))²."""
     if loss_type == "sigmoid":
@@ -45,8 +46,9 @@ def _margin_loss(x: torch.Tensor, loss_type: str, beta: float,
     raise ValueError(f"unknown preference loss type {loss_type!r}")
 
 
-def dpo_loss(lp: PairLogps, loss_type: str, beta: float, label_smoothing: float = 0.0,
-             pref_ftx: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def dpo_loss(
+    lp: PairLogps, loss_type: str, beta: float, label_smoothing: float = 0.0, pref_ftx: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(losses, chosen rewards, rejected rewards) per pair.
 
     With Δ = (π_c - ref_c) - (π_r - ref_r): sigmoid -(1-ε)·logσ(βΔ) - ε·logσ(-βΔ); hinge
@@ -81,14 +83,17 @@ def simpo_loss(
     return losses, (beta * ac).detach(), (beta * ar).detach()
 
 
-def orm_loss(chosen: torch.Tensor, rejected: torch.Tensor,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def orm_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The outcome reward model's pairwise loss -log σ(s_c - s_r) on scalar scores."""
     return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
 
 
-def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
-                 lp: PairLogps | None) -> dict[str, torch.Tensor]:  # fmt: skip
+def pair_metrics(
+    chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, lp: PairLogps | None
+) -> dict[str, torch.Tensor]:
     """Per-pair sums of TRL's metric names (``[sum, count]`` pairs: one global mean each)."""
     n = torch.tensor(float(chosen_rewards.numel()), device=chosen_rewards.device)
 

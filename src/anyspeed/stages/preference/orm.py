@@ -30,11 +30,14 @@ def plan(args: argparse.Namespace) -> StagePlan:
     from anyspeed.stages.preference import task as preference
 
     if args.lora_target_modules:
-        raise UsageError("--stage orm trains the whole model and its head; drop "
-                         "--lora-target-modules")  # fmt: skip
+        raise UsageError(
+            "--stage orm trains the whole model and its head; drop --lora-target-modules"
+        )
     if args.context_parallel_size > 1:
-        raise UsageError("--stage orm with --context-parallel-size > 1 is not supported (the "
-                         "score is read at each sequence's last token); use CP 1")  # fmt: skip
+        raise UsageError(
+            "--stage orm with --context-parallel-size > 1 is not supported (the "
+            "score is read at each sequence's last token); use CP 1"
+        )
     return preference.plan(args, "orm")
 
 
@@ -68,16 +71,24 @@ class ORMTask(PreferenceTask):
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
         """From a language-model checkpoint: its body, a fresh head (False: an ORM checkpoint,
         resumed or fine-tuned by the engine)."""
-        from anyspeed.checkpoint import save_load as ckpt
+        from anyspeed.checkpoint.load import load_checkpoint
 
         if not run.load or has_head(run.load):
             return False
-        ckpt.load_checkpoint(run.load, trainer.model, None, None, finetune=True,
-                             load_rng=False, keep=("output_layer.",))  # fmt: skip
+        load_checkpoint(
+            run.load,
+            trainer.model,
+            None,
+            None,
+            finetune=True,
+            load_rng=False,
+            keep=("output_layer.",),
+        )
         return True
 
-    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
-                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+    def forward_step(
+        self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None)
         mask = batch["loss_mask"]
@@ -99,8 +110,9 @@ class ORMTask(PreferenceTask):
         metrics[self.loss_key] = torch.stack([total.detach().double(), n])
         return total, torch.tensor(m, dtype=torch.int, device=total.device), metrics
 
-    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
-                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+    def batches(
+        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+    ) -> Iterator[list[dict[str, torch.Tensor]]]:
         from anyspeed.stages.preference.data import batches
 
         data, rows = dataset

@@ -36,8 +36,14 @@ from anyspeed.stages.common.values import check_positive, check_range
 from anyspeed.stages.preference import loss as P
 from anyspeed.training.task import FrozenModel, LossFunc, StagePlan, Task
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-           "logps/chosen", "logps/rejected")  # fmt: skip
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def add_pairwise_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,15 +59,23 @@ def add_pairwise_arguments(p: argparse.ArgumentParser) -> None:
 def add_dpo_arguments(p: argparse.ArgumentParser) -> None:
     """``--stage dpo``'s flags (MindSpeed-LLM's names and defaults)."""
     g = p.add_argument_group("DPO")
-    g.add_argument("--dpo-loss-type", choices=P.DPO_LOSSES, default="sigmoid",
-                   help="sigmoid (DPO), hinge (SLiC) or ipo")  # fmt: skip
+    g.add_argument(
+        "--dpo-loss-type",
+        choices=P.DPO_LOSSES,
+        default="sigmoid",
+        help="sigmoid (DPO), hinge (SLiC) or ipo",
+    )
     g.add_argument("--dpo-beta", type=float, default=0.1, help="the KL strength beta")
-    g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
-                   help="cDPO's label noise, in [0, 0.5)")  # fmt: skip
-    g.add_argument("--pref-ftx", type=float, default=0.0,
-                   help="weight of the chosen answer's SFT loss added to the DPO loss")  # fmt: skip
+    g.add_argument(
+        "--dpo-label-smoothing", type=float, default=0.0, help="cDPO's label noise, in [0, 0.5)"
+    )
+    g.add_argument(
+        "--pref-ftx",
+        type=float,
+        default=0.0,
+        help="weight of the chosen answer's SFT loss added to the DPO loss",
+    )
     add_reference_arguments(g)
-
 
 
 def add_simpo_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,11 +83,16 @@ def add_simpo_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("SimPO")
     g.add_argument("--simpo-loss-type", choices=P.SIMPO_LOSSES, default="sigmoid")
     g.add_argument("--simpo-beta", type=float, default=2.5, help="the reward scale beta")
-    g.add_argument("--gamma-beta-ratio", type=float, default=1.4,
-                   help="the target margin gamma over beta")  # fmt: skip
+    g.add_argument(
+        "--gamma-beta-ratio", type=float, default=1.4, help="the target margin gamma over beta"
+    )
     g.add_argument("--simpo-label-smoothing", type=float, default=0.0, help="in [0, 0.5)")
-    g.add_argument("--pref-ftx", type=float, default=0.0,
-                   help="weight of the chosen answer's SFT loss added to the loss")  # fmt: skip
+    g.add_argument(
+        "--pref-ftx",
+        type=float,
+        default=0.0,
+        help="weight of the chosen answer's SFT loss added to the loss",
+    )
 
 
 @dataclass(frozen=True)
@@ -100,16 +119,22 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
     from anyspeed.training import lora
 
     if not args.is_pairwise_dataset:
-        raise UsageError(f"--stage {kind} trains on pairwise datasets: add --is-pairwise-dataset "
-                         "(and preprocess with a *PairwiseHandler)")  # fmt: skip
+        raise UsageError(
+            f"--stage {kind} trains on pairwise datasets: add --is-pairwise-dataset "
+            "(and preprocess with a *PairwiseHandler)"
+        )
     prefix = one_prefix(args, "pairwise")
     if args.neat_pack or args.reset_attention_mask:
-        raise UsageError(f"--stage {kind}: pairwise data is not packed; drop --neat-pack / "
-                         "--reset-attention-mask")  # fmt: skip
+        raise UsageError(
+            f"--stage {kind}: pairwise data is not packed; drop --neat-pack / "
+            "--reset-attention-mask"
+        )
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
     if variable and args.pipeline_model_parallel_size > 1:
-        raise UsageError("--variable-seq-lengths with --pipeline-model-parallel-size > 1 is not "
-                         "supported; pad to --seq-length (drop the flag)")  # fmt: skip
+        raise UsageError(
+            "--variable-seq-lengths with --pipeline-model-parallel-size > 1 is not "
+            "supported; pad to --seq-length (drop the flag)"
+        )
     lora_cfg = lora.from_args(args)
     pairwise_data.check_pairs(prefix)
     data = pairwise_data.open_pairs(prefix)
@@ -118,20 +143,34 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
         check_range("--dpo-label-smoothing", args.dpo_label_smoothing)
         check_positive("--dpo-beta", args.dpo_beta)
         ref, ref_iter = reference(args, lora_cfg, "dpo")
-        cfg = PreferenceConfig(kind, prefix, args.dpo_loss_type, args.dpo_beta,
-                               args.dpo_label_smoothing, args.pref_ftx, reference=ref,
-                               reference_iteration=ref_iter, lora=lora_cfg)  # fmt: skip
+        cfg = PreferenceConfig(
+            kind,
+            prefix,
+            args.dpo_loss_type,
+            args.dpo_beta,
+            args.dpo_label_smoothing,
+            args.pref_ftx,
+            reference=ref,
+            reference_iteration=ref_iter,
+            lora=lora_cfg,
+        )
     elif kind == "orm":
         cfg = PreferenceConfig(kind, prefix, "sigmoid", 1.0, 0.0, 0.0)
     else:
         check_range("--simpo-label-smoothing", args.simpo_label_smoothing)
         check_positive("--simpo-beta", args.simpo_beta)
-        cfg = PreferenceConfig(kind, prefix, args.simpo_loss_type, args.simpo_beta,
-                               args.simpo_label_smoothing, args.pref_ftx,
-                               gamma_beta_ratio=args.gamma_beta_ratio, lora=lora_cfg)  # fmt: skip
+        cfg = PreferenceConfig(
+            kind,
+            prefix,
+            args.simpo_loss_type,
+            args.simpo_beta,
+            args.simpo_label_smoothing,
+            args.pref_ftx,
+            gamma_beta_ratio=args.gamma_beta_ratio,
+            lora=lora_cfg,
+        )
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([pairwise_data.file_prefix(prefix, "chosen_input_ids")], cfg, data, records)
-
 
 
 def make_task(run: Any) -> PreferenceTask:
@@ -140,15 +179,14 @@ def make_task(run: Any) -> PreferenceTask:
     return PreferenceTask(cfg, run.load, hf_vocab(cfg.reference or run.load))
 
 
-
-
 class PreferenceTask(Task):
     """DPO / SimPO on micro-batches of pairs ([chosen rows; rejected rows])."""
 
     metrics = METRICS
 
-    def __init__(self, cfg: PreferenceConfig, load: str | None = None,
-                 vocab_size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: PreferenceConfig, load: str | None = None, vocab_size: int | None = None
+    ) -> None:
         self.cfg, self.vocab_size = cfg, vocab_size
         self.name, self.loss_key = cfg.kind, f"{cfg.kind} loss"
         self.reference = cfg.reference or load  # full DPO's reference checkpoint
@@ -177,11 +215,17 @@ class PreferenceTask(Task):
     def setup(self, trainer: Any) -> None:
         self.trainer = trainer
 
-    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
-                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+    def forward_step(
+        self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)
-        output = token_logprobs(model, batch["tokens"], batch["position_ids"], batch["labels"],
-                                vocab_size=self.vocab_size)  # fmt: skip
+        output = token_logprobs(
+            model,
+            batch["tokens"],
+            batch["position_ids"],
+            batch["labels"],
+            vocab_size=self.vocab_size,
+        )
         mask, ref = batch["loss_mask"], batch.get("ref_logps")
 
         def loss_func(logprobs: torch.Tensor):
@@ -189,27 +233,33 @@ class PreferenceTask(Task):
 
         return output, loss_func
 
-    def pair_loss(self, logprobs: torch.Tensor, mask: torch.Tensor,
-                  ref: torch.Tensor | None) -> tuple:  # fmt: skip
+    def pair_loss(
+        self, logprobs: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None
+    ) -> tuple:
         """(sum of the pair losses, pair count, metrics) of one micro-batch of pairs."""
         mask = mask.float()
         sums = (logprobs.float() * mask).sum(-1)
         ref = torch.zeros_like(sums) if ref is None else ref.to(sums)
         full = cp_sum(torch.stack([sums, ref, mask.sum(-1)]))
         m = sums.shape[0] // 2
-        lp = P.PairLogps(full[0, :m], full[0, m:], full[1, :m], full[1, m:], full[2, :m],
-                         full[2, m:])  # fmt: skip
+        lp = P.PairLogps(
+            full[0, :m], full[0, m:], full[1, :m], full[1, m:], full[2, :m], full[2, m:]
+        )
         c = self.cfg
         if c.kind == "dpo":
             losses, rc, rr = P.dpo_loss(lp, c.loss_type, c.beta, c.label_smoothing, c.pref_ftx)
         else:
-            losses, rc, rr = P.simpo_loss(lp, c.loss_type, c.beta, c.gamma_beta_ratio,
-                                          c.label_smoothing, c.pref_ftx)  # fmt: skip
+            losses, rc, rr = P.simpo_loss(
+                lp, c.loss_type, c.beta, c.gamma_beta_ratio, c.label_smoothing, c.pref_ftx
+            )
         total = losses.sum()
         metrics = P.pair_metrics(rc, rr, lp)
-        metrics[self.loss_key] = torch.stack([total.detach().double(),
-                                              torch.tensor(float(m), dtype=torch.float64,
-                                                           device=total.device)])  # fmt: skip
+        metrics[self.loss_key] = torch.stack(
+            [
+                total.detach().double(),
+                torch.tensor(float(m), dtype=torch.float64, device=total.device),
+            ]
+        )
         return total, torch.tensor(m, dtype=torch.int, device=total.device), metrics
 
     def datasets(self, run: Any) -> list[Any]:
@@ -219,8 +269,9 @@ class PreferenceTask(Task):
         data = run.data
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
-    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
-                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+    def batches(
+        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+    ) -> Iterator[list[dict[str, torch.Tensor]]]:
         """Micro-batches of pairs; under DPO each carries the reference's answer log-prob
         sums (this rank's CP share), from one forward-only pass of the frozen reference."""
         from anyspeed.stages.preference.data import batches

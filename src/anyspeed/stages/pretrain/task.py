@@ -36,13 +36,19 @@ class PretrainTask(Task):
 
     name = "pretrain"
 
-    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
-                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+    def forward_step(
+        self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)
         loss_mask = batch.get("loss_mask")
         # the loss mask reaches the model for the multi-token prediction loss
-        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                       labels=batch["labels"], loss_mask=loss_mask)  # fmt: skip
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+            loss_mask=loss_mask,
+        )
 
         def loss_func(output_tensor: torch.Tensor):
             loss = lm_loss(output_tensor, loss_mask)
@@ -56,8 +62,9 @@ class PretrainTask(Task):
 
         return build_datasets(run.args, run.tokenizer)
 
-    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
-                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+    def batches(
+        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+    ) -> Iterator[list[dict[str, torch.Tensor]]]:
         """This rank's micro-batches of each next global batch, from ``consumed`` on."""
         from anyspeed.stages.common.gpt_data import batches
 

@@ -104,7 +104,6 @@ def plan(args: argparse.Namespace) -> StagePlan:
     return StagePlan([sft_data.file_prefix(prefix, "input_ids")], cfg, data, records)
 
 
-
 def _check_lengths(args: argparse.Namespace, prefix: str, seen: Any) -> None:
     """Packed at another --seq-length: refused (rows would be cut and samples mixed). Samples
     longer than --seq-length: counted and reported; nothing left to learn: refused."""
@@ -127,9 +126,12 @@ def _check_lengths(args: argparse.Namespace, prefix: str, seen: Any) -> None:
         )
     empty = int((~seen.learnable).sum())
     if (seen.cut or empty) and reports_here():
-        print(f"anyspeed posttrain: warning: {seen.cut} of {len(seen.learnable)} samples of "
-              f"--data-path {prefix!r} are longer than --seq-length {s} and cut to it; "
-              f"{empty} keep no response token and add no loss", file=sys.stderr)  # fmt: skip
+        print(
+            f"anyspeed posttrain: warning: {seen.cut} of {len(seen.learnable)} samples of "
+            f"--data-path {prefix!r} are longer than --seq-length {s} and cut to it; "
+            f"{empty} keep no response token and add no loss",
+            file=sys.stderr,
+        )
 
 
 def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any, seen: Any) -> None:
@@ -152,10 +154,12 @@ def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any, seen: Any
         from anyspeed.launch import reports_here
 
         if reports_here():  # one sample per row, or packed without --neat-pack: alike here
-            print(f"anyspeed posttrain: note: --data-path {cfg.prefix!r} holds one segment "
-                  "per row: each row attends as one sample (rows packed without --neat-pack "
-                  "would let their samples see each other; preprocess with --neat-pack)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"anyspeed posttrain: note: --data-path {cfg.prefix!r} holds one segment "
+                "per row: each row attends as one sample (rows packed without --neat-pack "
+                "would let their samples see each other; preprocess with --neat-pack)",
+                file=sys.stderr,
+            )
     if getattr(args, "experimental_attention_variant", None) and (
         args.neat_pack or args.reset_attention_mask
     ):
@@ -175,12 +179,9 @@ def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any, seen: Any
         )
 
 
-
 def make_task(run: Any) -> SFTTask:
     """The SFT task of a checked run."""
     return SFTTask(run.config)
-
-
 
 
 def _unfused_rope(chunk: torch.nn.Module, model: ModelConfig) -> torch.nn.Module:
@@ -211,11 +212,17 @@ class SFTTask(Task):
     def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
         return lora_start(self.cfg.lora, run, trainer, scheduler, state)
 
-    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
-                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+    def forward_step(
+        self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)
-        output = token_logprobs(model, batch["tokens"], batch["position_ids"], batch["labels"],
-                                packed_seq_params=packed_params(batch))  # fmt: skip
+        output = token_logprobs(
+            model,
+            batch["tokens"],
+            batch["position_ids"],
+            batch["labels"],
+            packed_seq_params=packed_params(batch),
+        )
         mask = batch["loss_mask"]
 
         def loss_func(logprobs: torch.Tensor):
@@ -231,8 +238,9 @@ class SFTTask(Task):
         data = run.data
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
-    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
-                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+    def batches(
+        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+    ) -> Iterator[list[dict[str, torch.Tensor]]]:
         from anyspeed.stages.common.instruction_data import batches
 
         data, rows = dataset

@@ -70,8 +70,9 @@ def render(record: dict[str, Any], tok: Any, image_token: int) -> tuple[list[int
     return tokens, learn
 
 
-def _problem(record: Any, folder: str, tokens: list[int],
-             image_token: int) -> tuple[str, str] | None:  # fmt: skip
+def _problem(
+    record: Any, folder: str, tokens: list[int], image_token: int
+) -> tuple[str, str] | None:
     """(kind, message) of why a record cannot train; None: it can."""
     tags = tokens.count(image_token)
     image = record.get("image")
@@ -107,8 +108,10 @@ def read(path: str, folder: str, tok: Any, image_token: int, text_len: int) -> V
                 turns = record["conversations"]
                 assert isinstance(turns, list) and turns
             except (ValueError, KeyError, TypeError, AssertionError):
-                raise UsageError(f"{where}: not a LLaVA record (a JSON object with a "
-                                 "non-empty 'conversations' list)") from None  # fmt: skip
+                raise UsageError(
+                    f"{where}: not a LLaVA record (a JSON object with a "
+                    "non-empty 'conversations' list)"
+                ) from None
             tokens, learn = render(record, tok, image_token)
             why = _problem(record, folder, tokens, image_token)
             tokens, learn = tokens[: text_len + 1], learn[: text_len + 1]
@@ -134,8 +137,9 @@ def load_image(path: str, size: int, kind: str) -> torch.Tensor:
     return (x - mean) / std
 
 
-def micro_batch(data: VLMData, idx: list[int], text_len: int, size: int, kind: str,
-                pad_id: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+def micro_batch(
+    data: VLMData, idx: list[int], text_len: int, size: int, kind: str, pad_id: int = 0
+) -> dict[str, torch.Tensor]:
     """Tokens [b, text_len], labels, loss mask and the batch's images [n, 3, size, size]."""
     b = len(idx)
     tokens = torch.full((b, text_len), pad_id, dtype=torch.long)

@@ -29,13 +29,25 @@ from anyspeed.training.task import LossFunc, StagePlan, Task
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The vision-language flags (Megatron-LM's multimodal names where they exist)."""
     g = p.add_argument_group("vision-language")
-    g.add_argument("--image-folder", default=None,
-                   help="directory the records' image paths are relative to (default: the "
-                   "jsonl's directory)")  # fmt: skip
-    g.add_argument("--freeze-ViT", "--freeze-vit", dest="freeze_vit", action="store_true",
-                   help="no training of the vision tower")  # fmt: skip
-    g.add_argument("--freeze-LM", "--freeze-lm", dest="freeze_lm", action="store_true",
-                   help="no training of the language model")  # fmt: skip
+    g.add_argument(
+        "--image-folder",
+        default=None,
+        help="directory the records' image paths are relative to (default: the jsonl's directory)",
+    )
+    g.add_argument(
+        "--freeze-ViT",
+        "--freeze-vit",
+        dest="freeze_vit",
+        action="store_true",
+        help="no training of the vision tower",
+    )
+    g.add_argument(
+        "--freeze-LM",
+        "--freeze-lm",
+        dest="freeze_lm",
+        action="store_true",
+        help="no training of the language model",
+    )
     g.add_argument("--freeze-projector", action="store_true", help="no training of the projector")
     g.add_argument("--vlm-hf-dir", default=None, help=argparse.SUPPRESS)
 
@@ -61,8 +73,13 @@ def expand_argv(argv: list[str]) -> list[str]:
     _, argv = pop_flag(argv, "--load")
     tp = int(get_flag(argv, "--tensor-model-parallel-size", "1") or 1)
     divisible = int(get_flag(argv, "--make-vocab-size-divisible-by", "128") or 128)
-    flags = [*cfg.language.megatron_args(), "--vlm-hf-dir", load, "--padded-vocab-size",
-             str(padded_vocab_size(cfg.language.vocab_size, divisible, tp))]  # fmt: skip
+    flags = [
+        *cfg.language.megatron_args(),
+        "--vlm-hf-dir",
+        load,
+        "--padded-vocab-size",
+        str(padded_vocab_size(cfg.language.vocab_size, divisible, tp)),
+    ]
     if os.path.isfile(os.path.join(load, "tokenizer.json")):
         flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", load]
     return merge_flags(flags, argv)
@@ -103,9 +120,11 @@ def _llava_config(args: argparse.Namespace) -> Any:
     path = tracked_dir(args.load) if args.load else None
     saved = read_common(path).get(RECORD) if path else None
     if not saved:
-        raise UsageError("--stage vlm starts from a Hugging Face LLaVA directory (--load "
-                         "DIR with config.json and safetensors) or resumes a vlm "
-                         "checkpoint")  # fmt: skip
+        raise UsageError(
+            "--stage vlm starts from a Hugging Face LLaVA directory (--load "
+            "DIR with config.json and safetensors) or resumes a vlm "
+            "checkpoint"
+        )
     return from_record(saved, None)
 
 
@@ -116,9 +135,11 @@ def plan(args: argparse.Namespace) -> StagePlan:
     from anyspeed.stages.vlm import data as vlm_data
 
     if args.lora_target_modules or args.lora_r or args.lora_load:
-        raise UsageError("--lora-*: LoRA is not supported for --stage vlm yet; train in "
-                         "full or freeze parts (--freeze-LM, --freeze-ViT, "
-                         "--freeze-projector)")  # fmt: skip
+        raise UsageError(
+            "--lora-*: LoRA is not supported for --stage vlm yet; train in "
+            "full or freeze parts (--freeze-LM, --freeze-ViT, "
+            "--freeze-projector)"
+        )
     cfg = _llava_config(args)
     try:
         check_layout(cfg, Layout.from_args(args))
@@ -126,18 +147,26 @@ def plan(args: argparse.Namespace) -> StagePlan:
         raise UsageError(str(exc)) from None
     text_len = args.seq_length - (cfg.image_seq_len - 1)
     if text_len < 2:
-        raise UsageError(f"--seq-length {args.seq_length}: an image alone takes "
-                         f"{cfg.image_seq_len} positions; raise it")  # fmt: skip
+        raise UsageError(
+            f"--seq-length {args.seq_length}: an image alone takes "
+            f"{cfg.image_seq_len} positions; raise it"
+        )
     if args.mock_data or not args.data_path or len(args.data_path) != 1:
         raise UsageError("--data-path: give exactly one LLaVA conversation .jsonl file")
     path = args.data_path[0]
     if not os.path.isfile(path):
         raise UsageError(f"--data-path {path!r}: no such file")
-    data = vlm_data.read(path, args.image_folder or os.path.dirname(path), _tokenizer(args),
-                         cfg.image_token_id, text_len)  # fmt: skip
+    data = vlm_data.read(
+        path,
+        args.image_folder or os.path.dirname(path),
+        _tokenizer(args),
+        cfg.image_token_id,
+        text_len,
+    )
     _report(path, data)
-    vcfg = VLMConfig(cfg, args.vlm_hf_dir, text_len, args.freeze_vit, args.freeze_lm,
-                     args.freeze_projector)  # fmt: skip
+    vcfg = VLMConfig(
+        cfg, args.vlm_hf_dir, text_len, args.freeze_vit, args.freeze_lm, args.freeze_projector
+    )
     from anyspeed.convert.hf_io import read_config
     from anyspeed.models.vision import record
 
@@ -158,8 +187,10 @@ def _recorded_hf_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _tokenizer(args: argparse.Namespace) -> Any:
     if args.tokenizer_type not in ("PretrainedFromHF", "HuggingFaceTokenizer"):
-        raise UsageError("--stage vlm tokenizes its records: pass --tokenizer-type "
-                         "PretrainedFromHF --tokenizer-name-or-path DIR")  # fmt: skip
+        raise UsageError(
+            "--stage vlm tokenizes its records: pass --tokenizer-type "
+            "PretrainedFromHF --tokenizer-name-or-path DIR"
+        )
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
 
     return load_tokenizer(TokenizerSpec(name_or_path=args.tokenizer_name_or_path))
@@ -173,13 +204,15 @@ def _report(path: str, data: Any) -> None:
         raise UsageError(f"--data-path {path!r}: no record can train (first: {first})")
     if data.skipped and reports_here():
         for kind, where in data.skipped.items():
-            print(f"anyspeed posttrain: warning: skipped {len(where)} records of {path!r} "
-                  f"({kind}; first: {where[0]})", file=sys.stderr)  # fmt: skip
+            print(
+                f"anyspeed posttrain: warning: skipped {len(where)} records of {path!r} "
+                f"({kind}; first: {where[0]})",
+                file=sys.stderr,
+            )
 
 
 def make_task(run: Any) -> VLMTask:
     return VLMTask(run.config)
-
 
 
 class VLMTask(Task):
@@ -217,21 +250,24 @@ class VLMTask(Task):
         chunk = trainer.model[0].module
         dtype = next(chunk.parameters()).dtype
         llava = dataclasses.replace(self.cfg.llava, language=run.model)
-        state_ = conv.to_megatron(llava, lambda n: ck.get(conv.hf_name(n, layout)).to(dtype),
-                                  run.model.vocab_size)  # fmt: skip
+        state_ = conv.to_megatron(
+            llava, lambda n: ck.get(conv.hf_name(n, layout)).to(dtype), run.model.vocab_size
+        )
         inner = getattr(chunk, "module", chunk)  # under a Float16Module
         conv.load_into(inner, state_, run.layout.tp, ps.get_tensor_model_parallel_rank())
         if hasattr(trainer.optimizer, "reload_model_params"):
             trainer.optimizer.reload_model_params()
         return True
 
-    def forward_step(self, data_iterator: Iterator[dict[str, Any]],
-                     model: torch.nn.Module) -> tuple[torch.Tensor, LossFunc]:  # fmt: skip
+    def forward_step(
+        self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, LossFunc]:
         from anyspeed.stages.common.losses import token_loss
 
         b = next(data_iterator)
-        losses, mask = model(b["images"], b["tokens"], None, None, labels=b["labels"],
-                             loss_mask=b["loss_mask"])  # fmt: skip
+        losses, mask = model(
+            b["images"], b["tokens"], None, None, labels=b["labels"], loss_mask=b["loss_mask"]
+        )
 
         def loss_func(output: torch.Tensor):
             total, count, report = token_loss(output, mask)
@@ -245,8 +281,9 @@ class VLMTask(Task):
         data = run.data
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
-    def batches(self, dataset: Any, run: Any, consumed: int, device: torch.device,
-                trainer: Any = None) -> Iterator[list[dict[str, torch.Tensor]]]:  # fmt: skip
+    def batches(
+        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+    ) -> Iterator[list[dict[str, torch.Tensor]]]:
         from anyspeed.stages.common.instruction_data import global_batches
         from anyspeed.stages.vlm.data import micro_batch
 
