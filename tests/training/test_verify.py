@@ -60,7 +60,7 @@ def test_the_reference_pads_the_vocabulary_as_the_layout():
                         (user[2:], [])):  # fmt: skip
         _, ref = command_lines(kept, 1, extra)
         assert ref.count("--make-vocab-size-divisible-by") == len(extra) // 2
-        assert ref[len(ref) - len(extra):] == extra
+        assert ref[len(ref) - len(extra) :] == extra
 
 
 def test_split_needs_the_training_command():

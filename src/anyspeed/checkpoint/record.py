@@ -59,3 +59,14 @@ def read_model(path: str | os.PathLike[str], model_type_hf: str | None = None) -
             "with the model's config.json)"
         )
     return model
+
+
+def hf_vocab(load: str | None) -> int | None:
+    """The Hugging Face vocabulary of a checkpoint converted from HF (its log-softmax spans
+    those rows, not the padding): None otherwise, normalising over every row as Megatron's
+    training loss does."""
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+
+    path = tracked_dir(load) if load else None
+    common = read_common(path) if path else {}
+    return common.get("anyspeed_convert", {}).get("hf_vocab_size")

@@ -61,6 +61,7 @@ def generate(run: session.InferenceRun, chunks: list) -> None:
     """Print each image's greedy answer (rank 0)."""
     import torch
 
+    from anyspeed.checkpoint.record import hf_vocab
     from anyspeed.device import torch_device
     from anyspeed.inference.generate import decode
     from anyspeed.inference.vlm import greedy
@@ -78,10 +79,9 @@ def generate(run: session.InferenceRun, chunks: list) -> None:
     images = torch.stack([load_image(f, v.image_size, v.kind) for f in args.image])
     images = images.to(device=torch_device(), dtype=next(model.parameters()).dtype)
     ends = (tok.eod_id,) if tok.eod_id is not None else ()
-    # the tokenizer's rows only (as text generation): a padded vocabulary's extra rows never win
-    rows = greedy(
-        model, images, prompt, args.max_new_tokens, tok.vocab_size, ends, args.use_kv_cache
-    )
+    # the HF model's rows (a converted checkpoint records them): the padding rows never win
+    vocab = hf_vocab(run.load) or cfg.language.vocab_size
+    rows = greedy(model, images, prompt, args.max_new_tokens, vocab, ends, args.use_kv_cache)
     fast = getattr(tok, "backend", None)  # the tokenizer.json's own decoder, as the vlm stage
     for f, row in zip(args.image, rows, strict=True):
         print0(f"image: {f}\n{fast.decode(row) if fast else decode(tok, row)}\n")

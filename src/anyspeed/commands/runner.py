@@ -102,11 +102,26 @@ def run(cmd: Command, argv: Sequence[str]) -> int:
 
         line = torchrun_command(world, "anyspeed", [cmd.prog.split()[-1], *argv])
         return supervise(line, torchrun_env(world), cmd.prog)
-    if not under_launcher:
-        from anyspeed.launch import single_process_env
+    if under_launcher:
+        return _run_here(run, cmd.body)
+    from anyspeed import adaptor
+    from anyspeed.launch import single_process_env
 
-        os.environ.update(single_process_env())
-    return _run_here(run, cmd.body)
+    # one process, maybe a caller's (a notebook, a test): leave its environment, parallel state
+    # and patches as they were
+    saved, patched = dict(os.environ), adaptor.state() is not None
+    os.environ.update(single_process_env())
+    try:
+        return _run_here(run, cmd.body)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if not patched:
+            adaptor.undo()
 
 
 def _run_here(run: InferenceRun, body: Body) -> int:

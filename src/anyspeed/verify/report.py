@@ -59,8 +59,9 @@ def drop_flags(argv: Sequence[str], flags: dict[str, bool]) -> list[str]:
     return out
 
 
-def command_lines(argv: Sequence[str], steps: int,
-                  reference: Sequence[str]) -> tuple[list[str], list[str]]:  # fmt: skip
+def command_lines(
+    argv: Sequence[str], steps: int, reference: Sequence[str]
+) -> tuple[list[str], list[str]]:
     """(the layout under test, the reference): ``steps`` iterations each, no checkpoints,
     dropout off; the reference without the layout's flags, plus ``reference``."""
     run = drop_flags(argv, RUN_FLAGS)
@@ -70,15 +71,16 @@ def command_lines(argv: Sequence[str], steps: int,
     return run, ref + list(reference)
 
 
-def same_padded_vocab(run: Sequence[str], ref: Sequence[str],
-                      reference: Sequence[str]) -> list[str]:  # fmt: skip
+def same_padded_vocab(
+    run: Sequence[str], ref: Sequence[str], reference: Sequence[str]
+) -> list[str]:
     """``ref`` padding the vocabulary as ``run`` does (unless ``reference`` sets the divisor):
     Megatron pads to a multiple of ``--make-vocab-size-divisible-by`` x TP (32,256 at TP4)."""
     tp_flag, div_flag = "--tensor-model-parallel-size", "--make-vocab-size-divisible-by"
     tp, tp_ref = (int(get_flag(a, tp_flag) or 1) for a in (run, reference))
     multiple = int(get_flag(run, div_flag) or 128) * tp
-    if (get_flag(run, "--padded-vocab-size") or get_flag(reference, div_flag) or tp == tp_ref
-            or multiple % tp_ref):  # fmt: skip
+    fixed = get_flag(run, "--padded-vocab-size") or get_flag(reference, div_flag)
+    if fixed or tp == tp_ref or multiple % tp_ref:
         return list(ref)
     return set_flag(ref, div_flag, str(multiple // tp_ref))
 
@@ -114,20 +116,25 @@ def _step_problems(r: dict[str, Any], g: dict[str, Any], tol: Tolerance) -> list
     out = []
     for key in ("loss", "grad_norm"):
         if _rel(r[key], g[key]) > tol.rtol:
-            out.append(f"{key.replace('_', ' ')} {g[key]:.9g} vs {r[key]:.9g} (relative "
-                       f"difference {_rel(r[key], g[key]):.2e} > {tol.rtol:g})")  # fmt: skip
+            out.append(
+                f"{key.replace('_', ' ')} {g[key]:.9g} vs {r[key]:.9g} (relative "
+                f"difference {_rel(r[key], g[key]):.2e} > {tol.rtol:g})"
+            )
     first = first_difference(g.get("grads", {}), tol.grad_rtol, tol.grad_atol)
     if first:
         name, diff, scale = first
         n = sum(differs(d, s, tol.grad_rtol, tol.grad_atol) for d, s in g["grads"].values())
-        out.append(f"first differing gradient {name}: |difference| {diff:.3e} = "
-                   f"{diff / scale if scale else math.inf:.2e} x |reference| {scale:.3e} "
-                   f"({n} of {len(g['grads'])} tensors differ)")  # fmt: skip
+        out.append(
+            f"first differing gradient {name}: |difference| {diff:.3e} = "
+            f"{diff / scale if scale else math.inf:.2e} x |reference| {scale:.3e} "
+            f"({n} of {len(g['grads'])} tensors differ)"
+        )
     return out
 
 
-def verdict(ref: list[dict[str, Any]], got: list[dict[str, Any]],
-            tol: Tolerance) -> tuple[list[str], bool]:  # fmt: skip
+def verdict(
+    ref: list[dict[str, Any]], got: list[dict[str, Any]], tol: Tolerance
+) -> tuple[list[str], bool]:
     """The per-step table and the verdict lines; True when every step is within ``tol``.
     The task's metrics are shown where they differ, not judged: a share of counts (DPO's
     reward accuracy, a clip fraction) flips on a tie that rounding decides."""
@@ -141,10 +148,12 @@ def verdict(ref: list[dict[str, Any]], got: list[dict[str, Any]],
     for i, (r, g) in enumerate(zip(ref, got, strict=False)):
         w = worst(g.get("grads", {}))
         wtxt = f"{w[1]:.1e} {w[0]}" if w else "-"
-        lines.append(f"{r['iteration']:>4} | {r['loss']:>16.9g} {g['loss']:>16.9g} "
-                     f"{_rel(r['loss'], g['loss']):>9.2e} | {r['grad_norm']:>15.7g} "
-                     f"{g['grad_norm']:>12.7g} {_rel(r['grad_norm'], g['grad_norm']):>9.2e} | "
-                     f"{wtxt}")  # fmt: skip
+        lines.append(
+            f"{r['iteration']:>4} | {r['loss']:>16.9g} {g['loss']:>16.9g} "
+            f"{_rel(r['loss'], g['loss']):>9.2e} | {r['grad_norm']:>15.7g} "
+            f"{g['grad_norm']:>12.7g} {_rel(r['grad_norm'], g['grad_norm']):>9.2e} | "
+            f"{wtxt}"
+        )
         problems = _step_problems(r, g, tol)
         if problems and failed is None:
             failed = (i + 1, problems)

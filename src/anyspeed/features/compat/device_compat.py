@@ -3,7 +3,8 @@
 * ``device-compat``: the device layer's central redirections (torch.cuda surface, CUDA device
   arguments, nccl -> device backend). Registers nothing on CUDA.
 * ``megatron-core-compat``: small, named adjustments inside megatron.core for non-CUDA devices
-  (the algorithms live in :mod:`.pipeline_p2p`, :mod:`.torch_adam` and :mod:`.ckpt_worker`).
+  (the algorithms live in :mod:`.pipeline_p2p`, :mod:`.torch_adam`, :mod:`.ckpt_worker` and
+  :mod:`.grad_norm`).
 """
 
 from __future__ import annotations
@@ -73,22 +74,7 @@ class MegatronCoreCompat(Feature):
         )
         if device.dist_backend == "gloo":
             self._register_gloo(pm)
-        pm.register_wrap(
-            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
-            torch_adam.with_initialized_torch_adam_state,
-            feature=self.name,
-            reason="with torch's Adam (no apex/TE) the distributed optimizer's state_dict needs "
-            "a 'step' per parameter, missing before the first step: checkpoint loading and "
-            "saving at iteration 0 would fail",
-        )
-        pm.register_wrap(
-            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
-            "_set_main_param_and_optimizer_states",
-            torch_adam.keep_torch_adam_step,
-            feature=self.name,
-            reason="with torch's Adam, a loaded distributed optimizer shares one step tensor "
-            "across parameters (advanced once per parameter); give each its own",
-        )
+        self._register_optimizer(pm)
         from anyspeed.features.compat import ckpt_worker
 
         pm.register_wrap(
@@ -110,8 +96,10 @@ class MegatronCoreCompat(Feature):
                 "stand-in, not a class: isinstance() fails building multi-latent attention",
             )
         if device.is_cpu:
-            for cls in ("rotary_pos_embedding.RotaryEmbedding",
-                        "yarn_rotary_pos_embedding.YarnRotaryEmbedding"):  # fmt: skip
+            for cls in (
+                "rotary_pos_embedding.RotaryEmbedding",
+                "yarn_rotary_pos_embedding.YarnRotaryEmbedding",
+            ):
                 pm.register_wrap(
                     f"megatron.core.models.common.embeddings.{cls}.__init__",
                     _cpu_initialized,
@@ -139,6 +127,35 @@ class MegatronCoreCompat(Feature):
                 reason="the device RNG is the CPU generator: silence the 'CPU RNG state changed' "
                 "warning that would fire on every fork",
             )
+
+    def _register_optimizer(self, pm: PatchManager) -> None:
+        """Megatron's optimizer without apex or Transformer Engine: the grad norm, torch's Adam."""
+        from anyspeed.features.compat import grad_norm
+
+        pm.register_replace(
+            "megatron.core.utils.local_multi_tensor_l2_norm",
+            grad_norm.multi_tensor_l2_norm,
+            feature=self.name,
+            reason="without TE/apex the grad norm Megatron clips with is torch.norm per tensor, "
+            "whose fp32 error on the CPU grows with the tensor's size (1e-4 at 4M elements), "
+            "so it changed with TP sharding; norms of 4K-element rows summed in fp64",
+        )
+        pm.register_wrap(
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+            torch_adam.with_initialized_torch_adam_state,
+            feature=self.name,
+            reason="with torch's Adam (no apex/TE) the distributed optimizer's state_dict needs "
+            "a 'step' per parameter, missing before the first step: checkpoint loading and "
+            "saving at iteration 0 would fail",
+        )
+        pm.register_wrap(
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+            "_set_main_param_and_optimizer_states",
+            torch_adam.keep_torch_adam_step,
+            feature=self.name,
+            reason="with torch's Adam, a loaded distributed optimizer shares one step tensor "
+            "across parameters (advanced once per parameter); give each its own",
+        )
 
     def _register_gloo(self, pm: PatchManager) -> None:
         """Where gloo differs from NCCL in what Megatron relies on."""

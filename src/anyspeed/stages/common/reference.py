@@ -93,14 +93,3 @@ def reference_record(lora_cfg: Any, ref: str | None, it: int | None) -> dict[str
     if lora_cfg is not None or not ref:
         return {}
     return {"anyspeed_reference": {"path": os.path.abspath(ref), "iteration": it}}
-
-
-def hf_vocab(load: str | None) -> int | None:
-    """The Hugging Face vocabulary of a checkpoint converted from HF (its log-softmax spans
-    those rows, not the padding): None otherwise, normalising over every row as Megatron's
-    training loss does."""
-    from anyspeed.checkpoint.reads import read_common, tracked_dir
-
-    path = tracked_dir(load) if load else None
-    common = read_common(path) if path else {}
-    return common.get("anyspeed_convert", {}).get("hf_vocab_size")

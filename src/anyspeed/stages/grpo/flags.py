@@ -203,5 +203,3 @@ def expand_config(argv: list[str]) -> list[str]:
             else:
                 flags += [flag, str(value)]
     return merge_flags(flags, argv)
-
-

@@ -213,7 +213,7 @@ def _warn_dropout(args: argparse.Namespace) -> None:
 
 def make_task(run: Any) -> Any:
     """The GRPO task of a checked run."""
-    from anyspeed.stages.common.reference import hf_vocab
+    from anyspeed.checkpoint.record import hf_vocab
     from anyspeed.stages.grpo.task import GRPOTask
 
     cfg = run.config

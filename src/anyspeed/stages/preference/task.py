@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from anyspeed.checkpoint.record import hf_vocab
 from anyspeed.errors import UsageError
 from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import cp_sum, per_token_loss
 from anyspeed.stages.common.reference import (
     add_reference_arguments,
-    hf_vocab,
     reference,
     reference_model,
     reference_record,
