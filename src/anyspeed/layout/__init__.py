@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from anyspeed.layout import checks as layout_checks
+
 
 class CPAlgo(str, Enum):
     """Context-parallel algorithm. The value is Megatron's ``cp_comm_type``; ``flag`` is the
@@ -187,159 +189,15 @@ class Layout:
             else _opt_int(get("expert_tensor_parallel_size"), "--expert-tensor-parallel-size"),
         )
 
-    def validate(
-        self,
-        world_size: int,
-        *,
-        num_layers: int | None = None,
-        num_attention_heads: int | None = None,
-        num_query_groups: int | None = None,
-        seq_length: int | None = None,
-        num_experts: int | None = None,
-    ) -> None:
-        """Raise ValueError (one line, naming the flag) when the layout cannot work."""
-        tp, pp, cp = self.tp, self.pp, self.cp
-        if tp < 1 or pp < 1 or cp < 1:
-            raise ValueError(
-                "--tensor-model-parallel-size, --pipeline-model-parallel-size and "
-                "--context-parallel-size must be >= 1"
-            )
-        if world_size % self.model_parallel_size:
-            raise ValueError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = "
-                f"{self.model_parallel_size}: change the sizes or the number of processes"
-            )
-        self._validate_cp(tp, num_attention_heads, seq_length)
-        if num_attention_heads is not None and num_attention_heads % tp:
-            raise ValueError(
-                f"--num-attention-heads {num_attention_heads} is not divisible by "
-                f"--tensor-model-parallel-size {tp}"
-            )
-        if num_query_groups and num_query_groups % tp and tp % num_query_groups:
-            raise ValueError(
-                f"--num-query-groups {num_query_groups} and --tensor-model-parallel-size {tp} "
-                "must divide one another"
-            )
-        if num_layers is not None:
-            self.stage_layers(num_layers)  # ValueError naming the flags when they cannot split
-        if self.sequence_parallel and tp == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        if self.vpp and pp < 2:
-            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
-        if self.overlap_param_gather and not self.distributed_optimizer:
-            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
-        self._validate_experts(world_size, num_experts)
-
-    def _validate_experts(self, world_size: int, num_experts: int | None) -> None:
-        ep, etp = self.ep, self.expert_tp
-        if ep < 1 or etp < 1:
-            raise ValueError(
-                "--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1"
-            )
-        if ep == 1 and self.etp in (None, self.tp):
-            return
-        if not num_experts:
-            raise ValueError(
-                "--expert-model-parallel-size/--expert-tensor-parallel-size need a MoE model: "
-                "add --num-experts"
-            )
-        if num_experts % ep:
-            raise ValueError(
-                f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}"
-            )
-        ranks = world_size // self.pp
-        if ranks % (ep * etp):
-            raise ValueError(
-                f"the {ranks} ranks of a pipeline stage are not divisible by "
-                f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp}: "
-                "change the sizes or the number of processes"
-            )
+    def validate(self, world_size: int, **sizes: int | None) -> None:
+        """Raise ValueError (one line, naming the flag) when the layout cannot work
+        (:func:`anyspeed.layout.checks.validate`: ``num_layers``, ``num_attention_heads``,
+        ``num_query_groups``, ``seq_length``, ``num_experts``)."""
+        layout_checks.validate(self, world_size, **sizes)
 
     def validate_for(self, world_size: int, model: Any, seq_length: int | None = None) -> None:
-        """:meth:`validate` with the sizes read from ``model`` (a ``ModelConfig``, or a checked
-        namespace where ``num_query_groups`` is None without GQA)."""
-        self.validate(
-            world_size,
-            num_layers=getattr(model, "num_layers", None),
-            num_attention_heads=getattr(model, "num_attention_heads", None),
-            num_query_groups=getattr(model, "num_query_groups", None),
-            seq_length=seq_length,
-            num_experts=getattr(model, "num_experts", None),
-        )
-        if getattr(model, "multi_latent_attention", False) and self.cp > 1:
-            raise ValueError(
-                "--multi-latent-attention does not run with --context-parallel-size "
-                f"{self.cp} (anyspeed's MLA core has no context-parallel form): use CP 1"
-            )
-        biases = getattr(model, "add_bias_linear", None)  # a namespace has the flag instead
-        if biases is None:
-            biases = not getattr(model, "disable_bias_linear", True)
-        if getattr(model, "num_experts", None) and biases and self.expert_tp > 1:
-            raise ValueError(
-                f"MoE experts with biases (GPT-OSS) need --expert-tensor-parallel-size 1 "
-                f"(Megatron-Core 0.16.1 cannot split them; it would be {self.expert_tp} here)"
-            )
-        sinks = getattr(model, "softmax_type", "vanilla") not in (None, "vanilla")
-        if self.cp > 1 and (sinks or getattr(model, "window_size", None) is not None):
-            what = "--softmax-type learnable/off-by-one" if sinks else "--window-size"
-            raise ValueError(
-                f"{what} (GPT-OSS attention) does not run with --context-parallel-size {self.cp} "
-                "(the context-parallel attention core has no sinks or windows): use CP 1"
-            )
-        if (
-            self.tp > 1
-            and not self.sequence_parallel
-            and getattr(model, "multi_latent_attention", False)
-        ):
-            raise ValueError(
-                f"--multi-latent-attention at --tensor-model-parallel-size {self.tp} needs "
-                "--sequence-parallel (without it Megatron-Core 0.16.1 leaves the gradient of the "
-                "shared rotary key partial on each TP rank)"
-            )
-        delta = getattr(model, "experimental_attention_variant", None)
-        heads = [getattr(model, f"linear_num_{k}_heads", 1) or 1 for k in ("key", "value")]
-        if delta and any(n % self.tp for n in heads):
-            raise ValueError(
-                f"--linear-num-key-heads {heads[0]} and --linear-num-value-heads {heads[1]} "
-                f"(gated DeltaNet) must be divisible by --tensor-model-parallel-size {self.tp}"
-            )
-        if self.cp > 1 and delta:
-            raise ValueError(
-                f"--experimental-attention-variant gated_delta_net (Qwen3-Next) does not run "
-                f"with --context-parallel-size {self.cp} (Megatron-Core 0.16.1's DeltaNet has "
-                "no context-parallel form): use CP 1"
-            )
-        if self.cp > 1 and getattr(model, "mtp_num_layers", None):
-            raise ValueError(
-                f"--mtp-num-layers does not run with --context-parallel-size {self.cp} "
-                "(Megatron-Core 0.16.1 averages the MTP loss per CP rank, not over the "
-                "sequence): use CP 1"
-            )
-
-    def _validate_cp(self, tp: int, heads: int | None, seq_length: int | None) -> None:
-        cp = self.cp
-        if cp == 1:
-            return
-        if seq_length is not None and seq_length % (2 * cp):
-            # Megatron's load-balanced split: two chunks per CP rank.
-            raise ValueError(
-                f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size "
-                f"{cp} = {2 * cp}"
-            )
-        if self.cp_algo is CPAlgo.HYBRID:
-            u = self.ulysses_degree
-            if not u or u < 1 or cp % u:
-                raise ValueError(
-                    f"--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp "
-                    f"dividing --context-parallel-size {cp} (got {u})"
-                )
-        degree = {CPAlgo.ULYSSES: cp, CPAlgo.HYBRID: self.ulysses_degree or 1}.get(self.cp_algo, 1)
-        if degree > 1 and heads is not None and heads % (tp * degree):
-            raise ValueError(
-                f"--num-attention-heads {heads} is not divisible by the Ulysses degree {degree} "
-                f"x --tensor-model-parallel-size {tp}"
-            )
+        """:meth:`validate` with the sizes (and kinds) read from ``model``."""
+        layout_checks.validate_for(self, world_size, model, seq_length)
 
 
 def virtual_stages(num_layers: int | None, pp: int, layers_per_chunk: int | None) -> int | None:
