@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from anyspeed.training.loop import LoopState
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
 
 
-def lora_start(lora_cfg: Any, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+def lora_start(lora_cfg: Any, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
     """A LoRA run's start: base weights from ``--load`` (weights only), then adapters,
     optimizer and position from ``--lora-load``; checkpoints written afterwards hold the
     adapters. False without LoRA (the engine's resume)."""

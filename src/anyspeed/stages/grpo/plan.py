@@ -7,12 +7,15 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from anyspeed.errors import UsageError
 from anyspeed.training.task import StagePlan
+
+if TYPE_CHECKING:
+    from anyspeed.training.run import Run
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def _warn_dropout(args: argparse.Namespace) -> None:
         )
 
 
-def make_task(run: Any) -> Any:
+def make_task(run: Run) -> Any:
     """The GRPO task of a checked run."""
     from anyspeed.checkpoint.record import hf_vocab
     from anyspeed.stages.grpo.task import GRPOTask

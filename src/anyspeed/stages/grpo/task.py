@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,11 @@ from anyspeed.stages.common.losses import per_token_loss
 from anyspeed.stages.grpo import loss as L
 from anyspeed.stages.grpo.batches import Rollout, global_stats, micro_batches, mismatch
 from anyspeed.training.task import FrozenModel, LossFunc, Task
+
+if TYPE_CHECKING:
+    from anyspeed.training.loop import LoopState
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
 
 ACTOR = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy")
 STATS = (
@@ -69,7 +74,7 @@ class GRPOTask(Task):
     name, loss_key = "grpo", "grpo loss"
     metrics = ACTOR + STATS
 
-    def __init__(self, cfg: Any, run: Any, hf_vocab: int | None) -> None:
+    def __init__(self, cfg: Any, run: Run, hf_vocab: int | None) -> None:
         from anyspeed.data.tokenizer import end_ids
         from anyspeed.stages.grpo import rewards
 
@@ -99,12 +104,12 @@ class GRPOTask(Task):
             return {}
         return reference_record(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
-    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+    def load(self, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
         from anyspeed.stages.common.lora_start import lora_start
 
         return lora_start(self.cfg.lora, run, trainer, scheduler, state)
 
-    def datasets(self, run: Any) -> list[Any]:
+    def datasets(self, run: Run) -> list[Any]:
         return [(run.data, self.cfg.rows), None, None]
 
     def forward_step(
@@ -162,7 +167,12 @@ class GRPOTask(Task):
 
     # ------------------------------------------------------------------------- rollouts
     def batches(
-        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+        self,
+        dataset: Any,
+        run: Run,
+        consumed: int,
+        device: torch.device,
+        trainer: Trainer | None = None,
     ) -> Iterator[list[dict[str, Any]]]:
         """Per optimizer step, this rank's micro-batches; a new rollout when the last one's
         ``ppo_epochs`` passes are done (resuming mid-rollout rolls out again)."""
@@ -200,7 +210,7 @@ class GRPOTask(Task):
 
     def rollout(
         self,
-        trainer: Any,
+        trainer: Trainer,
         data: Any,
         prompt_rows: np.ndarray,
         positions: range,
@@ -242,7 +252,7 @@ class GRPOTask(Task):
         return micro
 
     def sample(
-        self, trainer: Any, data: Any, prompt_rows: np.ndarray, positions: range, args: Any
+        self, trainer: Trainer, data: Any, prompt_rows: np.ndarray, positions: range, args: Any
     ) -> Rollout:
         """Sample, score and (with ``--filter-groups``) refill: groups whose rewards are all
         equal carry no signal and are replaced by new prompts' groups, up to
@@ -266,7 +276,7 @@ class GRPOTask(Task):
         return Rollout.join(kept[:want] + dropped[: max(0, want - len(kept))], want, len(kept))
 
     def sample_once(
-        self, trainer: Any, data: Any, rows: list[int], keys: list[tuple[int, int]], args: Any
+        self, trainer: Trainer, data: Any, rows: list[int], keys: list[tuple[int, int]], args: Any
     ) -> Rollout:
         """Sample the groups of ``rows``; each sample draws from its own generator, seeded by
         (try, the prompt's place in the global order, the sample): the same tokens at every

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,11 @@ from anyspeed.errors import UsageError
 from anyspeed.stages.preference import loss as P
 from anyspeed.stages.preference.task import PreferenceTask
 from anyspeed.training.task import LossFunc, StagePlan
+
+if TYPE_CHECKING:
+    from anyspeed.training.loop import LoopState
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
@@ -41,7 +46,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
     return preference.plan(args, "orm")
 
 
-def make_task(run: Any) -> ORMTask:
+def make_task(run: Run) -> ORMTask:
     """The reward-model task of a checked run."""
     return ORMTask(run.config)
 
@@ -68,7 +73,7 @@ class ORMTask(PreferenceTask):
     def records(self) -> dict[str, Any]:
         return {"anyspeed_reward_model": {"num_labels": 1}}
 
-    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+    def load(self, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
         """From a language-model checkpoint: its body, a fresh head (False: an ORM checkpoint,
         resumed or fine-tuned by the engine)."""
         from anyspeed.checkpoint.load import load_checkpoint
@@ -111,7 +116,12 @@ class ORMTask(PreferenceTask):
         return total, torch.tensor(m, dtype=torch.int, device=total.device), metrics
 
     def batches(
-        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+        self,
+        dataset: Any,
+        run: Run,
+        consumed: int,
+        device: torch.device,
+        trainer: Trainer | None = None,
     ) -> Iterator[list[dict[str, torch.Tensor]]]:
         from anyspeed.stages.preference.data import batches
 

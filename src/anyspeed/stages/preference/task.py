@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,11 @@ from anyspeed.stages.common.reference import (
 from anyspeed.stages.common.values import check_positive, check_range
 from anyspeed.stages.preference import loss as P
 from anyspeed.training.task import FrozenModel, LossFunc, StagePlan, Task
+
+if TYPE_CHECKING:
+    from anyspeed.training.loop import LoopState
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
 
 METRICS = (
     "rewards/chosen",
@@ -173,7 +178,7 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
     return StagePlan([pairwise_data.file_prefix(prefix, "chosen_input_ids")], cfg, data, records)
 
 
-def make_task(run: Any) -> PreferenceTask:
+def make_task(run: Run) -> PreferenceTask:
     """The preference task of a checked run."""
     cfg = run.config
     return PreferenceTask(cfg, run.load, hf_vocab(cfg.reference or run.load))
@@ -207,12 +212,12 @@ class PreferenceTask(Task):
             return {}
         return reference_record(self.cfg.lora, self.reference, self.cfg.reference_iteration)
 
-    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+    def load(self, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
         from anyspeed.stages.common.lora_start import lora_start
 
         return lora_start(self.cfg.lora, run, trainer, scheduler, state)
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
     def forward_step(
@@ -262,7 +267,7 @@ class PreferenceTask(Task):
         )
         return total, torch.tensor(m, dtype=torch.int, device=total.device), metrics
 
-    def datasets(self, run: Any) -> list[Any]:
+    def datasets(self, run: Run) -> list[Any]:
         """(train, valid, test): the pairs with each split's row range (or None)."""
         from anyspeed.stages.common.instruction_data import split_rows
 
@@ -270,7 +275,12 @@ class PreferenceTask(Task):
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
     def batches(
-        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+        self,
+        dataset: Any,
+        run: Run,
+        consumed: int,
+        device: torch.device,
+        trainer: Trainer | None = None,
     ) -> Iterator[list[dict[str, torch.Tensor]]]:
         """Micro-batches of pairs; under DPO each carries the reference's answer log-prob
         sums (this rank's CP share), from one forward-only pass of the frozen reference."""

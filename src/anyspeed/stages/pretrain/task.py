@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from anyspeed.training.task import LossFunc, StagePlan, Task
+
+if TYPE_CHECKING:
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
 
 
 def lm_loss(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -56,14 +60,19 @@ class PretrainTask(Task):
 
         return output, loss_func
 
-    def datasets(self, run: Any) -> list[Any]:
+    def datasets(self, run: Run) -> list[Any]:
         """(train, valid, test) datasets of a checked run; None for an empty split."""
         from anyspeed.stages.common.gpt_data import build_datasets
 
         return build_datasets(run.args, run.tokenizer)
 
     def batches(
-        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+        self,
+        dataset: Any,
+        run: Run,
+        consumed: int,
+        device: torch.device,
+        trainer: Trainer | None = None,
     ) -> Iterator[list[dict[str, torch.Tensor]]]:
         """This rank's micro-batches of each next global batch, from ``consumed`` on."""
         from anyspeed.stages.common.gpt_data import batches
@@ -78,5 +87,5 @@ def plan(args: argparse.Namespace) -> StagePlan:
     return StagePlan(data_prefixes=gpt_data_prefixes(args))
 
 
-def make_task(run: Any) -> PretrainTask:
+def make_task(run: Run) -> PretrainTask:
     return PretrainTask()

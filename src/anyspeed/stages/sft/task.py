@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,11 @@ from anyspeed.stages.common.instruction_data import one_prefix
 from anyspeed.stages.common.lora_start import lora_start
 from anyspeed.stages.common.losses import per_token_loss, token_loss
 from anyspeed.training.task import LossFunc, StagePlan, Task
+
+if TYPE_CHECKING:
+    from anyspeed.training.loop import LoopState
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,7 +184,7 @@ def _check_layout(args: argparse.Namespace, cfg: SFTConfig, data: Any, seen: Any
         )
 
 
-def make_task(run: Any) -> SFTTask:
+def make_task(run: Run) -> SFTTask:
     """The SFT task of a checked run."""
     return SFTTask(run.config)
 
@@ -209,7 +214,7 @@ class SFTTask(Task):
             return seq_length * micro_batch_size, 1
         return seq_length, micro_batch_size
 
-    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+    def load(self, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
         return lora_start(self.cfg.lora, run, trainer, scheduler, state)
 
     def forward_step(
@@ -231,7 +236,7 @@ class SFTTask(Task):
 
         return output, loss_func
 
-    def datasets(self, run: Any) -> list[Any]:
+    def datasets(self, run: Run) -> list[Any]:
         """(train, valid, test): the instruction data with each split's row range (or None)."""
         from anyspeed.stages.common.instruction_data import split_rows
 
@@ -239,7 +244,12 @@ class SFTTask(Task):
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
     def batches(
-        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+        self,
+        dataset: Any,
+        run: Run,
+        consumed: int,
+        device: torch.device,
+        trainer: Trainer | None = None,
     ) -> Iterator[list[dict[str, torch.Tensor]]]:
         from anyspeed.stages.common.instruction_data import batches
 

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,11 @@ from anyspeed.errors import UsageError
 from anyspeed.models.vision import RECORD
 from anyspeed.stages.common.losses import per_token_loss
 from anyspeed.training.task import LossFunc, StagePlan, Task
+
+if TYPE_CHECKING:
+    from anyspeed.training.loop import LoopState
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,7 +216,7 @@ def _report(path: str, data: Any) -> None:
             )
 
 
-def make_task(run: Any) -> VLMTask:
+def make_task(run: Run) -> VLMTask:
     return VLMTask(run.config)
 
 
@@ -236,7 +241,7 @@ class VLMTask(Task):
     def transforms(self) -> list[Any]:
         return [per_token_loss]
 
-    def load(self, run: Any, trainer: Any, scheduler: Any, state: Any) -> bool:
+    def load(self, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
         """An HF start: every rank reads the HF tensors and copies in its TP shard."""
         if not self.cfg.hf_dir:
             return False
@@ -275,14 +280,19 @@ class VLMTask(Task):
 
         return losses, loss_func
 
-    def datasets(self, run: Any) -> list[Any]:
+    def datasets(self, run: Run) -> list[Any]:
         from anyspeed.stages.common.instruction_data import split_rows
 
         data = run.data
         return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
 
     def batches(
-        self, dataset: Any, run: Any, consumed: int, device: torch.device, trainer: Any = None
+        self,
+        dataset: Any,
+        run: Run,
+        consumed: int,
+        device: torch.device,
+        trainer: Trainer | None = None,
     ) -> Iterator[list[dict[str, torch.Tensor]]]:
         from anyspeed.stages.common.instruction_data import global_batches
         from anyspeed.stages.vlm.data import micro_batch
