@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.code_graph import cycles
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "anyspeed"
 
 # A dotted name gives one module of a package a lower layer of its own (the checkpoint
@@ -146,9 +148,8 @@ def test_file_and_function_sizes():
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
 
 
-# Module-level circles allowed for now (each a frozenset of module names). Empty: the circles
-# left in training/ (checks <-> datasets) run through imports inside functions only, which
-# this rule does not count; the rewrite of training/ removes them.
+# Module-level circles allowed for now (each a frozenset of module names). Empty; circles
+# through imports inside functions are refused too (tests/test_architecture_graph.py).
 KNOWN_MODULE_CYCLES: set[frozenset[str]] = set()
 
 
@@ -199,46 +200,14 @@ def test_no_cycle_between_modules_of_a_package():
     of imports. Imports inside functions and under ``if TYPE_CHECKING:`` do not count."""
     modules = _modules()
     graph = {m: _module_level_imports(p, m, set(modules)) for m, p in modules.items()}
-    cycles = []
+    found = []
     for top in {_unit(m) for m in modules}:
         inside = {m for m in modules if _unit(m) == top}
         sub = {m: sorted(t for t in graph[m] if t in inside) for m in inside}
-        cycles += [c for c in _cycles(sub) if frozenset(c) not in KNOWN_MODULE_CYCLES]
-    assert not cycles, "modules of one package importing each other in a circle:\n" + "\n".join(
-        ", ".join(c) for c in cycles
+        found += [c for c in cycles(sub) if frozenset(c) not in KNOWN_MODULE_CYCLES]
+    assert not found, "modules of one package importing each other in a circle:\n" + "\n".join(
+        ", ".join(c) for c in found
     )
-
-
-def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
-    """One cycle per strongly connected component of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    out: list[list[str]] = []
-
-    def connect(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                connect(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            connect(v)
-    return out
 
 
 # The parse itself, the functions that complete the parsed flags before they are frozen, and

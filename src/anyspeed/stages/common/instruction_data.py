@@ -301,3 +301,9 @@ def one_prefix(args: argparse.Namespace, what: str) -> str:
     if args.mock_data or not args.data_path or len(args.data_path) != 1:
         raise UsageError(f"--data-path: give exactly one {what} dataset prefix")
     return args.data_path[0]
+
+
+def split_datasets(data: Any, split: str) -> list[tuple[Any, tuple[int, int]] | None]:
+    """(train, valid, test): ``data`` with each ``--split`` part's row range, or None for an
+    empty part (what a stage's ``Task.datasets`` returns for row data)."""
+    return [None if r is None else (data, r) for r in split_rows(len(data), split)]

@@ -281,10 +281,9 @@ class VLMTask(Task):
         return losses, loss_func
 
     def datasets(self, run: Run) -> list[Any]:
-        from anyspeed.stages.common.instruction_data import split_rows
+        from anyspeed.stages.common.instruction_data import split_datasets
 
-        data = run.data
-        return [None if r is None else (data, r) for r in split_rows(len(data), run.args.split)]
+        return split_datasets(run.data, run.args.split)
 
     def batches(
         self,
