@@ -142,3 +142,33 @@ def _conv(save) -> argparse.Namespace:
         tensor_model_parallel_size=1,
         make_vocab_size_divisible_by=128,
     )
+
+
+def test_dropout_comes_from_the_hf_config_and_flags_win(tmp_path, capsys):
+    """``--load <HF dir>``: the dropout the config records (0 where it records none), not
+    Megatron's 0.1, and said in one line; a flag given wins (issue 43, item 5)."""
+    import json
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from anyspeed.argv import get_flag
+    from anyspeed.convert.hf_cache import expand
+
+    hf = str(tmp_path / "hf")
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=176,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64)  # fmt: skip
+    Qwen2ForCausalLM(cfg).save_pretrained(hf)
+    argv = expand(["--load", hf], hf)
+    assert get_flag(argv, "--hidden-dropout") == "0.0"
+    assert get_flag(argv, "--attention-dropout") == "0.0"
+    assert "dropout from" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(cfg, attention_dropout=0.25)))
+    argv = expand(["--load", hf, "--hidden-dropout", "0.3"], hf)
+    assert get_flag(argv, "--hidden-dropout") == "0.3"
+    assert get_flag(argv, "--attention-dropout") == "0.25"
+    assert "attention 0.25 (--hidden-dropout as given)" in capsys.readouterr().out
+    both = expand(["--load", hf, "--hidden-dropout", "0", "--attention-dropout", "0.1"], hf)
+    assert get_flag(both, "--attention-dropout") == "0.1"
+    assert "dropout from" not in capsys.readouterr().out  # both given: nothing to say

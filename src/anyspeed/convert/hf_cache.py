@@ -33,9 +33,24 @@ def hf_dir_of(argv: list[str]) -> str | None:
     return load if is_hf_dir(load) else None
 
 
+def hf_dropout(config: dict) -> tuple[float, float]:
+    """(hidden, attention) dropout an HF ``config.json`` records, 0 where it records none (the
+    transformers convention; Megatron's own defaults are 0.1)."""
+    text = config.get("text_config") or config
+
+    def rate(*keys: str) -> float:
+        return float(next((text[k] for k in keys if text.get(k) is not None), 0.0))
+
+    return rate("hidden_dropout", "resid_pdrop", "hidden_dropout_prob"), rate(
+        "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"
+    )
+
+
 def expand(argv: list[str], hf_dir: str) -> list[str]:
-    """Architecture flags from the HF ``config.json`` (explicit flags win) and its tokenizer."""
+    """Architecture flags from the HF ``config.json`` (explicit flags win), its dropout (0 where
+    it records none, said in one line) and its tokenizer."""
     from anyspeed.convert.api import hf_dir_preset
+    from anyspeed.convert.hf_io import read_config
 
     try:
         preset = hf_dir_preset(hf_dir)
@@ -53,7 +68,25 @@ def expand(argv: list[str], hf_dir: str) -> list[str]:
     )
     if has_tok and not _flag(argv, "--tokenizer-type"):
         flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", hf_dir]
+    hidden, attention = hf_dropout(read_config(hf_dir))
+    flags += ["--hidden-dropout", str(hidden), "--attention-dropout", str(attention)]
+    given = [f for f in ("--hidden-dropout", "--attention-dropout") if _flag(argv, f) is not None]
+    if len(given) < 2:
+        _say_dropout(hf_dir, hidden, attention, given)
     return merge_flags(flags, argv)
+
+
+def _say_dropout(hf_dir: str, hidden: float, attention: float, given: list[str]) -> None:
+    """One line on rank 0 naming the dropout taken from the HF config (not Megatron's 0.1)."""
+    from anyspeed.launch import reports_here
+
+    if reports_here():
+        kept = f" ({given[0]} as given)" if given else ""
+        print(
+            f"anyspeed: dropout from {hf_dir}/config.json: hidden {hidden:g}, attention "
+            f"{attention:g}{kept}; --hidden-dropout/--attention-dropout override it",
+            flush=True,
+        )
 
 
 _MIB = 1 << 20
