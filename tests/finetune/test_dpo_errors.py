@@ -68,9 +68,15 @@ def test_no_reference_and_bad_numbers(capsys, pair_data, tiny_qwen):
                                           "--max-position-embeddings", "256"]  # fmt: skip
     assert "needs a reference model" in _error(capsys, no_load)
     err = _error(capsys, cli(tiny_qwen, pair_data, "--dpo-label-smoothing", "0.5"))
-    assert "--dpo-label-smoothing 0.5 is out of range" in err
+    assert "--dpo-label-smoothing must be < 0.5 (got 0.5)" in err
+    for flag, value, line in (
+        ("--dpo-beta", "inf", "--dpo-beta must be a finite number (got inf)"),
+        ("--pref-ftx", "nan", "--pref-ftx must be a finite number (got nan)"),
+        ("--pref-ftx", "-1", "--pref-ftx must be >= 0 (got -1)"),
+    ):
+        assert line in _error(capsys, cli(tiny_qwen, pair_data, flag, value))
     err = _error(capsys, cli(tiny_qwen, pair_data, "--simpo-beta", "0", stage="simpo"))
-    assert "--simpo-beta 0.0: give a positive value" in err
+    assert "--simpo-beta must be > 0 (got 0)" in err
     err = _error(capsys, cli(tiny_qwen, pair_data, "--dpo-beta", "1", stage="simpo"))
     assert "unsupported flag --dpo-beta" in err
     assert "`anyspeed posttrain --stage simpo --help`" in err

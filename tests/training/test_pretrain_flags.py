@@ -90,17 +90,22 @@ def _with(flag: str, value: str) -> list[str]:
 
 
 def test_every_numeric_flag_has_a_range():
-    """The range table covers each flag the parser reads as a number, and names no other."""
-    from anyspeed.stages.arguments import build_parser
+    """The range table covers each flag a stage's parser reads as a number (pretraining's and
+    every post-training stage's), and names no other."""
     from anyspeed.stages.ranges import RANGES
+    from anyspeed.stages.table import STAGES, build_stage_parser
 
-    numeric = {a.option_strings[0] for a in build_parser()._actions
+    numeric = {a.option_strings[0] for row in STAGES.values()
+               for a in build_stage_parser(row())._actions
                if a.option_strings and a.type not in (None, str)}  # fmt: skip
     assert numeric == set(RANGES)
 
 
 def _outside(rng) -> str:
-    """A value just outside ``rng``: below its lower bound, else above its upper one."""
+    """A value just outside ``rng``: below its lower bound, else above its upper one (for an
+    unbounded flag, a number that is not finite)."""
+    if (rng.ge, rng.gt, rng.le, rng.lt) == (None, None, None, None):
+        return "nan"
     if rng.ge is not None:
         return str(rng.ge - 1 if float(rng.ge).is_integer() else rng.ge - 0.5)
     if rng.gt is not None:
@@ -109,6 +114,8 @@ def _outside(rng) -> str:
 
 
 def _inside(rng) -> str:
+    if (rng.ge, rng.gt, rng.le, rng.lt) == (None, None, None, None):
+        return "1.0"
     return str(rng.ge if rng.ge is not None else rng.gt + 0.5 if rng.le is None else rng.le)
 
 
@@ -122,14 +129,30 @@ def _range_rows():
 def test_a_value_out_of_range_is_one_line_naming_the_flag(flag, rng):
     from anyspeed.errors import UsageError
 
-    bad = _outside(rng)
+    bad, parser = _outside(rng), _parser_for(flag)
     with pytest.raises(UsageError) as info:
-        parse_pretrain_args(_with(flag, bad))
+        parse_pretrain_args(_with(flag, bad), parser)
     text = str(info.value)
-    assert "\n" not in text and flag in text and bad.rstrip("0").rstrip(".") in text, text
+    # a flag that is another's alias (--mini-batch-size for --global-batch-size) is named as it
+    dest = parser._option_string_actions[flag].dest
+    names = [f for a in parser._actions if a.dest == dest for f in a.option_strings[:1]]
+    named = next((n for n in names if text.startswith(f"{n} ")), flag)
+    assert "\n" not in text and named in text and bad.rstrip("0").rstrip(".") in text, text
     if flag != "--optimization-level":  # its own type says 0, 1 or 2
-        assert text.startswith(f"{flag} must be ")
-    parse_pretrain_args(_with(flag, _inside(rng)))  # the bound itself is accepted
+        assert text.startswith(f"{named} must be ")
+    parse_pretrain_args(_with(flag, _inside(rng)), _parser_for(flag))  # the bound is accepted
+
+
+def _parser_for(flag: str):
+    """Pretraining's parser, or the first post-training stage's that has ``flag``."""
+    from anyspeed.stages.arguments import build_parser
+    from anyspeed.stages.table import STAGES, build_stage_parser
+
+    for row in (None, *STAGES.values()):
+        parser = build_parser() if row is None else build_stage_parser(row())
+        if flag in parser._option_string_actions:
+            return parser
+    raise AssertionError(f"no stage has {flag}")
 
 
 @pytest.mark.parametrize(("flag", "value", "line"), [

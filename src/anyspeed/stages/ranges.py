@@ -1,9 +1,10 @@
-"""The allowed range of every numeric ``anyspeed pretrain`` flag, checked once after parsing.
+"""The allowed range of every numeric flag of every stage, checked once after parsing.
 
 A size of 0 or a negative learning rate otherwise surfaces as a traceback deep in Megatron (or,
 for ``--seq-length 0``, as a SIGFPE with no message). :data:`RANGES` holds one row per numeric
-flag the parser accepts (a test keeps it complete); :func:`check_ranges` turns the first value
-out of range into one :class:`UsageError` line naming the flag, the bound and the value.
+flag a stage's parser accepts, ``anyspeed pretrain``'s and each post-training stage's (a test
+keeps it complete); :func:`check_ranges` turns the first value out of range, or a number that is
+not finite, into one :class:`UsageError` line naming the flag, the bound and the value.
 ``--split`` (weights, not a number) is checked here too.
 """
 
@@ -47,6 +48,7 @@ NONNEG = Range(ge=0.0)
 FRACTION = Range(ge=0.0, le=1.0)
 PROBABILITY = Range(ge=0.0, lt=1.0)  # dropout, Adam betas
 STRICTLY_POSITIVE = Range(gt=0.0)
+HALF = Range(ge=0.0, lt=0.5)  # label smoothing, a clip ratio
 
 RANGES: dict[str, Range] = {
     # launch and parallelism
@@ -158,6 +160,39 @@ RANGES: dict[str, Range] = {
     "--eval-interval": POSITIVE,
     "--eval-iters": COUNT,
     "--generate-tokens": POSITIVE,
+    # post-training: LoRA and the reference (every stage)
+    "--lora-r": POSITIVE,
+    "--lora-alpha": STRICTLY_POSITIVE,
+    "--lora-dropout": PROBABILITY,
+    "--refer-model-iter": COUNT,
+    # DPO, SimPO (their betas scale a log-sigmoid: 0 or below learns nothing or the reverse)
+    "--dpo-beta": STRICTLY_POSITIVE,
+    "--dpo-label-smoothing": HALF,
+    "--pref-ftx": NONNEG,  # a negative weight would train the chosen answer's likelihood down
+    "--simpo-beta": STRICTLY_POSITIVE,
+    "--simpo-label-smoothing": HALF,
+    "--gamma-beta-ratio": NONNEG,
+    # GRPO
+    "--n-samples-per-prompt": Range(ge=2),  # a group of one has no group-normalised advantage
+    "--rollout-batch-size": POSITIVE,
+    "--mini-batch-size": POSITIVE,
+    "--ppo-epochs": POSITIVE,
+    "--max-prompt-length": POSITIVE,
+    "--max-response-length": POSITIVE,
+    "--clip-ratio": HALF,
+    "--clip-ratio-high": NONNEG,
+    "--init-kl-coef": NONNEG,
+    "--entropy-coeff": NONNEG,
+    "--temperature": STRICTLY_POSITIVE,
+    "--top-k": COUNT,  # 0: off
+    "--top-p": Range(gt=0.0, le=1.0),
+    "--overlong-buffer-len": COUNT,
+    "--overlong-penalty-factor": NONNEG,
+    "--max-num-gen-batches": POSITIVE,
+    "--verifier-weight": Range(),  # any finite weight (a penalty may be negative)
+    "--infer-tensor-parallel-size": POSITIVE,
+    "--infer-pipeline-parallel-size": POSITIVE,
+    "--infer-expert-parallel-size": POSITIVE,
 }
 
 
@@ -184,12 +219,13 @@ def _flag_values(
 def check_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """UsageError (one line) for the first numeric flag out of its range, a float that is not
     finite, or a ``--split`` that is not N[,N[,N]] non-negative weights with a positive sum."""
-    for flag, value in _flag_values(args, parser):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{flag} must be a finite number (got {value})")
-        why = RANGES[flag].violation(value)
-        if why:
-            raise UsageError(f"{flag} {why} (got {_num(value)})")
+    for flag, given in _flag_values(args, parser):
+        for value in given if isinstance(given, list) else [given]:  # nargs: each value
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"{flag} must be a finite number (got {value})")
+            why = RANGES[flag].violation(value)
+            if why:
+                raise UsageError(f"{flag} {why} (got {_num(value)})")
     split = getattr(args, "split", None)
     if split is not None:
         check_split_weights(split)

@@ -102,7 +102,6 @@ def plan(args: argparse.Namespace) -> StagePlan:
     """The GRPO checks (before the generic ones); the prompt data, opened once."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
-    from anyspeed.stages.common.values import check_range
     from anyspeed.stages.grpo import data as prompt_data
     from anyspeed.stages.grpo import rewards
     from anyspeed.training import lora
@@ -120,10 +119,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
         )
     rbs, steps, prompt = _check_sizes(args)
     reshard = _rollout_layout(args)
-    check_range("--clip-ratio", args.clip_ratio)
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
-    if high < 0 or args.init_kl_coef < 0 or not 0 < args.temperature:
-        raise UsageError("--clip-ratio-high and --init-kl-coef must be >= 0, --temperature > 0")
     rewards.resolve(args.verifier_function, args.verifier_weight)  # imports user functions now
     _warn_dropout(args)
     lora_cfg = lora.from_args(args)

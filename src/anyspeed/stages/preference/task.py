@@ -32,7 +32,6 @@ from anyspeed.stages.common.reference import (
     reference_model,
     reference_record,
 )
-from anyspeed.stages.common.values import check_positive, check_range
 from anyspeed.stages.preference import loss as P
 from anyspeed.training.task import FrozenModel, LossFunc, StagePlan, Task
 
@@ -145,8 +144,6 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
     data = pairwise_data.open_pairs(prefix)
     pairwise_data.check_lengths(data, prefix, args.seq_length, args.split)
     if kind == "dpo":
-        check_range("--dpo-label-smoothing", args.dpo_label_smoothing)
-        check_positive("--dpo-beta", args.dpo_beta)
         ref, ref_iter = reference(args, lora_cfg, "dpo")
         cfg = PreferenceConfig(
             kind,
@@ -162,8 +159,6 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
     elif kind == "orm":
         cfg = PreferenceConfig(kind, prefix, "sigmoid", 1.0, 0.0, 0.0)
     else:
-        check_range("--simpo-label-smoothing", args.simpo_label_smoothing)
-        check_positive("--simpo-beta", args.simpo_beta)
         cfg = PreferenceConfig(
             kind,
             prefix,
