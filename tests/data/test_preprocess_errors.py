@@ -208,3 +208,17 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, hf_tok, sig):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "interrupted" in err
     assert _prefix_files(tmp_path) == []
+
+
+def test_map_keys_names_only_what_the_handler_reads(tmp_path, capsys, hf_tok):
+    """An unknown ``--map-keys`` name, a tag the handler has not, or a value that is not a field
+    name is one line naming it and what the handler reads (issue 43, item 3)."""
+
+    def err(handler: str, keys: str) -> str:
+        return _usage(capsys, tmp_path, hf_tok, "--handler-name", handler, "--map-keys", keys)
+
+    line = err("AlpacaStyleInstructionHandler", '{"respnse": "out"}')
+    assert "reads no 'respnse'; it reads history, prompt, query, response, system" in line
+    line = err("SharegptStyleInstructionHandler", '{"tags": {"speaker": "who"}}')
+    assert "tags reads no 'speaker'" in line and "role_tag" in line
+    assert "must name a record field" in err("AlpacaStylePairwiseHandler", '{"chosen": 3}')

@@ -100,6 +100,7 @@ class InstructionHandler(Handler):
         append_eod: bool = False,
         seq_length: int | None = None,
     ) -> None:
+        check_map_keys(map_keys or {}, self.default_map, getattr(self, "name", type(self).__name__))
         self.map = {**self.default_map, **(map_keys or {})}
         if "tags" in self.default_map:
             self.map["tags"] = {**self.default_map["tags"], **(map_keys or {}).get("tags", {})}
@@ -199,6 +200,25 @@ class InstructionHandler(Handler):
                 continue
             out.append((input_ids, labels))
         return out
+
+
+def check_map_keys(given: dict[str, Any], default: dict[str, Any], handler: str) -> None:
+    """``--map-keys`` names only what ``handler`` reads, each a record field (a string), and
+    ``tags`` only known tags; one UsageError line naming the name and the known ones."""
+    for key, value in given.items():
+        known = default.get("tags", {}) if key == "tags" else None
+        if key not in default:
+            raise UsageError(
+                f"--map-keys: {handler} reads no {key!r}; it reads {', '.join(sorted(default))}"
+            )
+        if known is not None and not isinstance(value, dict):
+            raise UsageError(f"--map-keys: 'tags' must be an object of {', '.join(sorted(known))}")
+        if known is not None:
+            check_map_keys(value, known, f"{handler}'s tags")
+        elif not isinstance(value, str):
+            raise UsageError(
+                f"--map-keys: {key!r} must name a record field (a string), not {value!r}"
+            )
 
 
 def check_messages(messages: list[dict]) -> list[dict]:

@@ -184,22 +184,62 @@ def expand_config(argv: list[str]) -> list[str]:
             doc = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise UsageError(f"--rl-config {path!r}: {exc}".splitlines()[0]) from None
-    flat: dict[str, Any] = {}
-    for section in (
-        doc,
-        doc.get("rl_config") or {},
-        doc.get("generate_config") or {},
-        (doc.get("generate_config") or {}).get("sampling_config") or {},
-    ):
-        flat.update({k: v for k, v in section.items() if not isinstance(v, dict)})
     flags: list[str] = []
-    for key, value in flat.items():
-        if key in YAML_KEYS and value is not None:
-            flag = YAML_KEYS[key]
-            if isinstance(value, bool):
-                flags += [flag] if value else []
-            elif isinstance(value, list):
-                flags += [flag, *map(str, value)]
-            else:
-                flags += [flag, str(value)]
+    for where, key, value in _yaml_values(doc, path):
+        flag = YAML_KEYS[key]
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif isinstance(value, list) and flag in LIST_FLAGS:
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, list | dict):
+            raise UsageError(f"--rl-config {path!r}: {where}{key} takes one value, not {value!r}")
+        else:
+            flags += [flag, str(value)]
     return merge_flags(flags, argv)
+
+
+# MindSpeed-RL's sections anyspeed reads (the rest of such a file configures other workers)
+SECTIONS = ("rl_config", "generate_config", "generate_config.sampling_config")
+LIST_FLAGS = ("--verifier-function", "--verifier-weight")
+
+
+def _yaml_values(doc: Any, path: str) -> list[tuple[str, str, Any]]:
+    """(section prefix, key, value) of every key anyspeed reads in an ``--rl-config`` document
+    (its top level and :data:`SECTIONS`); UsageError naming the file for a document or section
+    that is not a mapping; one warning line naming the keys it does not read."""
+    if not isinstance(doc, dict):
+        raise UsageError(
+            f"--rl-config {path!r}: the file must be a YAML mapping (key: value lines), "
+            f"not a {type(doc).__name__}"
+        )
+    found, unread = [], []
+    for name in ("", *SECTIONS):
+        section: Any = doc
+        for part in name.split(".") if name else ():
+            section = section.get(part) if isinstance(section, dict) else None
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise UsageError(f"--rl-config {path!r}: {name} must be a mapping, not {section!r}")
+        where = f"{name}." if name else ""
+        for key, value in section.items():
+            if key in YAML_KEYS and value is not None:
+                found.append((where, key, value))
+            elif not isinstance(value, dict) and key not in YAML_KEYS:
+                unread.append(where + str(key))
+    if unread:
+        _warn_unread(path, unread)
+    return found
+
+
+def _warn_unread(path: str, unread: list[str]) -> None:
+    from anyspeed.launch import reports_here
+
+    if reports_here():
+        import sys
+
+        print(
+            f"anyspeed posttrain: warning: --rl-config {path!r}: not read: "
+            f"{', '.join(unread)} (anyspeed reads {', '.join(sorted(YAML_KEYS))})",
+            file=sys.stderr,
+        )
