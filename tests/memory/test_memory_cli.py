@@ -46,7 +46,7 @@ def test_fits_lists_only_layouts_within_the_budget():
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (BASE + ["--fits", "lots"], "--fits must be a positive number"),
+    (BASE + ["--fits", "lots"], "--fits must be a positive, finite number"),
     (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
       "--seq-length", "32"], "no vocabulary size"),
     (BASE + ["--recompute-granularity", "full"], "--recompute-method"),
@@ -92,3 +92,10 @@ def test_moe_experts_split_over_ep():
     assert _gib(two, "total") < _gib(one, "total")
     fits = memory.run(moe + ["--global-batch-size", "8", "--fits", "1000"])
     assert {r.split()[3] for r in fits.splitlines()[2:]} == {"1", "2"}  # both EP sizes listed
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_fits_must_be_a_positive_finite_number(value):
+    """``--fits nan`` used to pass every layout and exit 0 (issue 43, item 11)."""
+    with pytest.raises(UsageError, match="--fits must be a positive, finite number"):
+        memory.run(BASE + ["--fits", value])

@@ -90,6 +90,14 @@ def test_expert_parallel_needs_experts():
         check_args(args, 2)
 
 
+def test_grouped_gemm_without_experts_is_refused():
+    """``--moe-grouped-gemm`` on a dense model used to be ignored (issue 43, item 11)."""
+    args = parse_pretrain_args([a for a in RUN if a not in ("--num-experts", "4")] +
+                               ["--moe-grouped-gemm"])  # fmt: skip
+    with pytest.raises(UsageError, match="--moe-grouped-gemm needs a MoE model"):
+        check_args(args, 1)
+
+
 def test_grouped_experts_with_biases_are_refused():
     """Megatron's GroupedMLP has no biases (GPT-OSS's experts train through SequentialMLP):
     refused before start instead of an assertion per rank."""

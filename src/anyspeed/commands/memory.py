@@ -39,8 +39,8 @@ def _number(flag: str, value: str | None, kind: type) -> float | None:
         number = kind(value)
     except ValueError:
         number = 0
-    if number <= 0:
-        raise UsageError(f"{flag} must be a positive number (got {value!r})")
+    if not 0 < number < float("inf"):  # nan fails both
+        raise UsageError(f"{flag} must be a positive, finite number (got {value!r})")
     return number
 
 

@@ -7,8 +7,11 @@ from typing import Any
 
 
 def check_moe(model: Any) -> None:
-    """ValueError (one line, naming the flag) when ``model``'s MoE settings cannot build."""
+    """ValueError (one line, naming the flag) when ``model``'s MoE settings cannot build, or
+    are given for a model without experts (they would be ignored)."""
     if not model.is_moe:
+        if model.moe_grouped_gemm:
+            raise ValueError("--moe-grouped-gemm needs a MoE model: add --num-experts")
         return
     model.moe_layers()  # the --moe-layer-freq pattern fits --num-layers
     if model.add_bias_linear and model.moe_grouped_gemm:  # GroupedMLP has no biases

@@ -252,6 +252,12 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
             f"--lora-target-modules {bad[0]!r} is not a layer of this model; "
             f"choose from {' '.join(TARGETS)}"
         )
+    mlp = [t for t in args.lora_target_modules if t in ("linear_fc1", "linear_fc2")]
+    if mlp and getattr(args, "num_experts", None):
+        raise UsageError(
+            f"--lora-target-modules {mlp[0]}: LoRA on MoE experts is not supported "
+            f"(--num-experts {args.num_experts}); adapt linear_qkv and linear_proj"
+        )
     r = 16 if args.lora_r is None else args.lora_r
     alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
     dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
