@@ -85,6 +85,9 @@ def test_prompts_and_answer_extraction() -> None:
     assert answers.extract_number(" So 3 + 4 = 7. The answer is 1,234.\n\nQuestion: x") == "1234"
     assert answers.extract_number("we get 12 then -5.0") == "-5"
     assert answers.extract_number("no digits") is None
+    # issue 43, item 8: the number after "The answer is:" wins over a later one
+    assert answers.extract_number("The answer is: 42 because 6*7") == "42"
+    assert answers.extract_number("The answer is: $1,000.") == "1000"
 
 
 def test_planted_answers_score_100_percent(tmp_path: Path, auto_tok) -> None:

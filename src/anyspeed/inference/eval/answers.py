@@ -102,10 +102,11 @@ _EVAL_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def extract_number(text: str) -> str | None:
-    """The final answer of a GSM8K completion: the number after "The answer is" (or "####"),
-    else the last number; commas and a trailing ".0" dropped."""
+    """The final answer of a GSM8K completion: the number after "The answer is" (a colon and
+    ``$`` allowed, as lm-eval's gsm8k-cot filter reads it) or "####", else the last number;
+    commas and a trailing ".0" dropped."""
     text = text.split("\n\nQuestion:")[0]
-    m = re.search(r"(?:answer is|####)\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", text, re.IGNORECASE)
+    m = re.search(r"(?:answer is|####)\s*:?\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", text, re.IGNORECASE)
     found = m.group(1) if m else (_EVAL_NUMBER.findall(text) or [None])[-1]
     return None if found is None else normalize_number(found)
 
