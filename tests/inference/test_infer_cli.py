@@ -40,6 +40,8 @@ def _error(capsys, main, argv: list[str]) -> str:
 def test_bad_input_is_one_line(capsys, hf_dir: str, tmp_path: Path) -> None:
     ev, gen = evaluate.main, generate.main
     load = ["--load", hf_dir]
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
     cases = [
         (ev, [*load, "--task", "mmlu", "--task-data-path", str(tmp_path / "none")],
          "--task-data-path"),
@@ -54,6 +56,7 @@ def test_bad_input_is_one_line(capsys, hf_dir: str, tmp_path: Path) -> None:
         (gen, ["--load", str(tmp_path / "nope"), "--prompt", "hi"], "no such directory"),
         (gen, [*load, "--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (gen, [*load, "--task", "greedy"], "needs --prompt or --prompts-file"),
+        (gen, [*load, "--prompts-file", str(blank)], "holds no prompt (every line empty)"),
         (gen, [str(tmp_path)], "--load"),
     ]  # fmt: skip
     for main, argv, message in cases:

@@ -236,3 +236,21 @@ def test_a_reference_layout_of_its_own():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "the reference, TP=2 PP=1" in out.stdout.splitlines()[0]
     assert out.stdout.splitlines()[-1].startswith("PASS: 3 steps")
+
+
+def test_bad_reference_quote_and_unwritable_workdir_are_one_line(tmp_path, capsys):
+    """Tracebacks before (issue 43, item 10): an unclosed quote in ``--reference`` and a
+    ``--workdir`` that cannot be written are one line naming the flag."""
+    from anyspeed.commands.verify import main
+
+    base = ["pretrain", "--model", "tiny-qwen2.5", "--mock-data", "--vocab-size", "512",
+            "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--lr", "1e-3", "--train-iters", "1"]  # fmt: skip
+    assert main(["--reference", "--seed '3", *base]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--reference" in err and "quotation" in err, err
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    assert main(["--workdir", str(blocked / "w"), *base]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--workdir" in err and "cannot be written" in err, err

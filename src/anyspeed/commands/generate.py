@@ -88,6 +88,8 @@ def _check(args: argparse.Namespace, model: Any, tok: Any) -> None:
             f"--hf-chat-template: tokenizer {tok.name} has no chat template; pass --prompt-type"
         )
     texts = prompts(args)
+    if args.task != "chat" and not texts and args.prompts_file:
+        raise UsageError(f"--prompts-file {args.prompts_file!r} holds no prompt (every line empty)")
     if args.task != "chat" and not texts:
         raise UsageError(f"--task {args.task} needs --prompt or --prompts-file")
     for text, ids in zip(texts, _encoded(args, tok, texts), strict=True):

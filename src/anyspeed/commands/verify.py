@@ -102,6 +102,14 @@ def _check(argv: list[str], command: str, which: str) -> tuple[Any, list[str]]:
         raise UsageError(f"the {which} run: {exc}") from None
 
 
+def _reference(text: str) -> list[str]:
+    """``--reference``'s flags, split as a shell would (one line for an unclosed quote)."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise UsageError(f"--reference {text!r}: {exc} (quote it as a shell would)") from None
+
+
 def _workdir(opts: argparse.Namespace) -> tuple[str, bool]:
     if opts.workdir is None:
         return tempfile.mkdtemp(prefix="anyspeed-verify-"), True
@@ -112,7 +120,15 @@ def _workdir(opts: argparse.Namespace) -> tuple[str, bool]:
             f"--workdir {opts.workdir!r} is not an empty directory (give a new "
             "one: verify writes weights and gradients there)"
         )
-    os.makedirs(opts.workdir, exist_ok=True)
+    try:
+        os.makedirs(opts.workdir, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=opts.workdir)  # noqa: SIM115 - only a probe
+        probe.close()
+    except OSError as exc:
+        raise UsageError(
+            f"--workdir {opts.workdir!r} cannot be written ({exc.strerror or exc}); give a "
+            "writable directory"
+        ) from None
     return opts.workdir, False
 
 
@@ -161,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts, command, train_argv = split(argv)
         if opts.role is not None:
             return _rank(opts, command, train_argv)
-        layout_argv, ref_argv = command_lines(train_argv, opts.steps, shlex.split(opts.reference))
+        layout_argv, ref_argv = command_lines(train_argv, opts.steps, _reference(opts.reference))
         layout_run, layout_argv = _check(layout_argv, command, "layout's")
         ref_run, ref_argv = _check(ref_argv, command, "reference")
         if ref_run.args.global_batch_size != layout_run.args.global_batch_size:
