@@ -131,16 +131,18 @@ def test_bad_records_are_skipped_and_counted(tmp_path, capsys, hf_tok):
         {"instruction": "q", "chosen": "", "rejected": "no"},  # empty chosen
         {"instruction": "q", "chosen": 3, "rejected": "no"},  # not a string
         {"instruction": "q", "chosen": "yes " * 200, "rejected": "no"},  # chosen too long
+        {"instruction": "q", "chosen": "yes", "rejected": "yes"},  # nothing to prefer
         ok,
     ]
     src = write_jsonl(str(tmp_path / "b.jsonl"), recs)
     prefix, err = _run(capsys, tmp_path, hf_tok, src, "--handler-name",
                        "AlpacaStylePairwiseHandler", "--prompt-type", "chatml",
                        "--seq-length", "64")  # fmt: skip
-    assert "6 documents read, 2 written" in err
-    assert "skipped 4" in err
+    assert "7 documents read, 2 written" in err
+    assert "skipped 5" in err
     for reason in ("missing key: 1", "empty answer: 1", "not a string: 1",
-                   "longer than --seq-length: 1"):  # fmt: skip
+                   "longer than --seq-length: 1",
+                   "identical chosen and rejected answers: 1"):  # fmt: skip
         assert reason in err
     assert "b.jsonl:2: missing key ('rejected')" in err
     assert "b.jsonl:3: empty answer ('chosen')" in err

@@ -86,3 +86,20 @@ def test_ref_model_with_lora(capsys, pair_data, tiny_qwen, other_arch):
     argv = cli(tiny_qwen, pair_data, "--ref-model", other_arch, "--lora-target-modules",
                "linear_qkv")  # fmt: skip
     assert "--ref-model with LoRA" in _error(capsys, argv)
+
+
+def test_pairs_with_nothing_to_prefer_are_refused(capsys, pair_data, tiny_qwen, tmp_path):
+    """Pairs whose chosen and rejected answers are the same tokens teach nothing (loss ln 2,
+    gradient 0): a run where every training pair is such is refused before start (issue 43,
+    item 1). The data: the pairwise set with its rejected columns replaced by its chosen ones."""
+    import shutil
+
+    same = str(tmp_path / "same")
+    for kind in ("input_ids", "labels"):
+        for ext in (".bin", ".idx"):
+            src = f"{pair_data}_packed_chosen_{kind}_document{ext}"
+            shutil.copy(src, f"{same}_packed_chosen_{kind}_document{ext}")
+            shutil.copy(src, f"{same}_packed_rejected_{kind}_document{ext}")
+    for stage in ("dpo", "orm"):
+        err = _error(capsys, cli(tiny_qwen, same, stage=stage))
+        assert "chosen and rejected answers are the same tokens" in err, err

@@ -74,9 +74,12 @@ class PairwiseHandler(InstructionHandler):
         prompt = self.conversation(rec)
         if not prompt or prompt[-1]["role"] != "user":
             raise RecordError("prompt does not end with a user turn")
-        pair = []
+        pair, texts = [], []
         for which in ANSWERS:
             text = _answer_text(self.answer(rec, which), which)
+            texts.append(text)
+            if len(texts) == 2 and texts[0] == texts[1]:  # nothing to prefer: loss ln 2, grad 0
+                raise RecordError("identical chosen and rejected answers", "nothing to prefer")
             messages = check_messages([*prompt, {"role": "assistant", "content": text}])
             segs = self.segments(messages, tok)
             pair.append([(t, False, eod) for t, _, eod in segs[:-1]] + segs[-1:])

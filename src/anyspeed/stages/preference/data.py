@@ -80,20 +80,40 @@ def check_lengths(data: PairwiseData, prefix: str, seq_length: int, split: str) 
     kc, cut_c = _learnable(data.chosen, seq_length)
     kr, cut_r = _learnable(data.rejected, seq_length)
     both = kc & kr
+    same = _identical(data, seq_length)
     rows = split_rows(len(both), split)[0]
-    if rows is None or not both[rows[0] : rows[1]].any():
+    train = slice(*rows) if rows is not None else slice(0, 0)
+    if not both[train].any():
         raise UsageError(
             f"--data-path {prefix!r}: no training pair keeps a chosen and a rejected answer "
             f"token within --seq-length {seq_length}: raise --seq-length or shorten the prompts"
         )
-    empty = int((~both).sum())
-    if (cut_c or cut_r or empty) and reports_here():
+    if not (both & ~same)[train].any():
+        raise UsageError(
+            f"--data-path {prefix!r}: every training pair's chosen and rejected answers are the "
+            f"same tokens within --seq-length {seq_length}: nothing to prefer (check --map-keys)"
+        )
+    empty, alike = int((~both).sum()), int((both & same).sum())
+    if (cut_c or cut_r or empty or 2 * alike > len(both)) and reports_here():
         print(
             f"anyspeed posttrain: warning: {cut_c} chosen and {cut_r} rejected answers of "
             f"--data-path {prefix!r} are longer than --seq-length {seq_length} and cut to "
-            f"it; {empty} pairs keep no answer token on one side",
+            f"it; {empty} pairs keep no answer token on one side; {alike} of {len(both)} "
+            "pairs have the same tokens on both sides (they teach nothing)",
             file=sys.stderr,
         )
+
+
+def _identical(data: PairwiseData, seq_length: int) -> np.ndarray:
+    """Per pair: whether its chosen and rejected rows are the same tokens and labels within
+    ``seq_length`` (the loss sees nothing that tells them apart)."""
+    out = np.zeros(len(data), dtype=bool)
+    for i in range(len(out)):
+        c, r = data.chosen, data.rejected
+        out[i] = np.array_equal(c.input_ids[i][:seq_length], r.input_ids[i][:seq_length]) and (
+            np.array_equal(c.labels[i][:seq_length], r.labels[i][:seq_length])
+        )
+    return out
 
 
 def pair_batch(data: PairwiseData, rows: list[int], length: int, pad_id: int) -> dict:
