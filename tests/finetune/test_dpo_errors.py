@@ -103,3 +103,20 @@ def test_pairs_with_nothing_to_prefer_are_refused(capsys, pair_data, tiny_qwen, 
     for stage in ("dpo", "orm"):
         err = _error(capsys, cli(tiny_qwen, same, stage=stage))
         assert "chosen and rejected answers are the same tokens" in err, err
+
+
+def test_damaged_reference_is_one_line_before_start(capsys, pair_data, tiny_qwen, tmp_path):
+    """``--ref-model`` gets the checks ``--load`` gets (issue 43, item 4): a damaged common
+    state or a truncated tensor file is one line naming ``--ref-model``, before start."""
+    from anyspeed.checkpoint.reads import tracked_dir
+    from anyspeed.convert import hf_to_megatron
+
+    for damage in ("common.pt", ".distcp"):
+        ref = str(hf_to_megatron(tiny_qwen, tmp_path / damage.strip(".")))
+        it_dir = tracked_dir(ref)
+        name = next(n for n in sorted(os.listdir(it_dir)) if n.endswith(damage))
+        path = os.path.join(it_dir, name)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        err = _error(capsys, cli(tiny_qwen, pair_data, "--ref-model", ref))
+        assert err.count("--ref-model") == 1 and "--load" not in err, err

@@ -65,7 +65,7 @@ def reference(args: argparse.Namespace, lora_cfg: Any, stage: str) -> tuple[str 
 
 def _check_reference(args: argparse.Namespace, ref: str, it: int | None) -> None:
     """The reference is a checkpoint of this architecture (one line otherwise)."""
-    from anyspeed.checkpoint.checks import check_fits
+    from anyspeed.checkpoint.checks import check_fits, verify
     from anyspeed.checkpoint.files import iteration_dir
     from anyspeed.checkpoint.reads import tracked_dir
     from anyspeed.models.presets import model_from_args
@@ -77,6 +77,7 @@ def _check_reference(args: argparse.Namespace, ref: str, it: int | None) -> None
         )
     if it is not None and not os.path.isdir(iteration_dir(ref, it)):
         raise UsageError(f"--refer-model-iter {it}: {iteration_dir(ref, it)} does not exist")
+    verify(iteration_dir(ref, it) if it is not None else tracked_dir(ref))  # as --load's files
     check_fits(ref, model_from_args(args))
 
 
