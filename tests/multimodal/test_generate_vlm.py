@@ -74,11 +74,38 @@ def test_bad_image_is_one_line(tmp_path, capsys):
     hf_dir = llava.save(llava.hf_model("clip"), tmp_path / "hf")
     (tmp_path / "bad.png").write_bytes(b"nope")
     (hf_dir / "tokenizer.json").write_text("{}")
+    from PIL import Image
+
+    Image.new("1", (5000, 4000)).save(tmp_path / "huge.png")  # 20M pixels in a few KB
+    capsys.readouterr()  # transformers' progress bar of the save above
     for f, needle in ((tmp_path / "bad.png", "cannot be decoded"),
-                      (tmp_path / "none.png", "no such file")):  # fmt: skip
+                      (tmp_path / "none.png", "no such file"),
+                      (tmp_path / "huge.png", "is 5000 x 4000 = 20000000 pixels, over "
+                                              "--max-image-pixels 16777216")):  # fmt: skip
         assert generate_main(["--load", str(hf_dir), "--image", str(f)]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err
+
+
+def test_images_over_the_pixel_limit_are_skipped_by_the_vlm_reader(tmp_path):
+    """The ``vlm`` stage's reader counts an image over ``--max-image-pixels`` under its own
+    reason, reading only its header (issue 43, item 7)."""
+    import json
+
+    from PIL import Image
+
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+    from anyspeed.demo import mm_data
+    from anyspeed.stages.vlm.data import read
+
+    hf_dir = mm_data.make_model(str(tmp_path / "hf"))
+    path = mm_data.make_records(str(tmp_path), 2, 0, "pics")
+    Image.new("1", (300, 300)).save(tmp_path / "images" / "pics_00001.png")
+    tok = load_tokenizer(TokenizerSpec(name_or_path=hf_dir))
+    data = read(path, str(tmp_path), tok, mm_data.IMAGE_TOKEN, 64, max_pixels=200 * 200)
+    assert len(data.samples) == 1 and list(data.skipped) == ["image too large"], data.skipped
+    assert "300 x 300 = 90000 pixels" in data.skipped["image too large"][0]
+    assert json.loads(open(path).readline())["image"].endswith("00000.png")
 
 
 def _captions(out: str) -> list[str]:

@@ -27,6 +27,7 @@ from anyspeed.distributed.process import print0
 from anyspeed.errors import OneLineArgumentParser, UsageError
 
 PROG = "anyspeed generate"
+MAX_IMAGE_PIXELS = 4096 * 4096  # stages.vlm.data.MAX_IMAGE_PIXELS: --help imports no torch
 TASKS = ("greedy", "do_sample", "beam_search", "beam_search_with_sampling", "chat")
 
 
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="FILE",
         help="an image for a LLaVA model to describe (repeatable)",
+    )
+    g.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MAX_IMAGE_PIXELS,
+        help="--image files with more pixels are refused before decoding (default 4096^2)",
     )
     return p
 

@@ -15,17 +15,17 @@ DEFAULT_PROMPT = "what is in the picture?"
 
 
 def check_files(args: argparse.Namespace) -> None:
-    """Every ``--image`` decodes (one line naming the file otherwise), before any model work."""
-    from PIL import Image
+    """Every ``--image`` is there, within ``--max-image-pixels`` and decodes (one line naming
+    the file otherwise), before any model work; only the headers are read."""
+    from anyspeed.stages.vlm.data import image_problem
 
+    if args.max_image_pixels < 1:
+        raise UsageError("--max-image-pixels must be >= 1")
     for f in args.image:
-        try:
-            with Image.open(f) as im:
-                im.verify()
-        except FileNotFoundError:
-            raise UsageError(f"--image {f!r}: no such file") from None
-        except Exception as exc:  # noqa: BLE001 - any decoder failure
-            raise UsageError(f"--image {f!r}: cannot be decoded ({type(exc).__name__})") from None
+        why = image_problem(f, args.max_image_pixels)
+        if why is not None:
+            reason = "no such file" if why[0] == "missing image" else why[1]
+            raise UsageError(f"--image {f!r}: {reason}")
 
 
 def check(args: argparse.Namespace, model: Any) -> None:

@@ -193,6 +193,8 @@ RANGES: dict[str, Range] = {
     "--infer-tensor-parallel-size": POSITIVE,
     "--infer-pipeline-parallel-size": POSITIVE,
     "--infer-expert-parallel-size": POSITIVE,
+    # vision-language
+    "--max-image-pixels": POSITIVE,
 }
 
 

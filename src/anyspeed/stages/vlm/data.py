@@ -70,8 +70,33 @@ def render(record: dict[str, Any], tok: Any, image_token: int) -> tuple[list[int
     return tokens, learn
 
 
+# Images are refused above this many pixels (--max-image-pixels) before they are decoded: the
+# towers see at most 384 x 384, and a 12000 x 12000 PNG of 420 KB decodes to 1.6 GB.
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+def image_problem(path: str, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[str, str] | None:
+    """(kind, reason) why image file ``path`` cannot be used (missing, too large, undecodable),
+    or None; only its header is read."""
+    if not os.path.isfile(path):
+        return "missing image", "does not exist"
+    try:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            w, h = im.size
+            if w * h > max_pixels:
+                return "image too large", (
+                    f"is {w} x {h} = {w * h} pixels, over --max-image-pixels {max_pixels}"
+                )
+            im.verify()
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is a bad image
+        return "undecodable image", f"cannot be decoded ({type(exc).__name__})"
+    return None
+
+
 def _problem(
-    record: Any, folder: str, tokens: list[int], image_token: int
+    record: Any, folder: str, tokens: list[int], image_token: int, max_pixels: int
 ) -> tuple[str, str] | None:
     """(kind, message) of why a record cannot train; None: it can."""
     tags = tokens.count(image_token)
@@ -81,19 +106,18 @@ def _problem(
     if tags != 1:
         return "image tags", f"{tags} {IMAGE_TAG} tags for one image"
     path = os.path.join(folder, str(image))
-    if not os.path.isfile(path):
-        return "missing image", f"image {path!r} does not exist"
-    try:
-        from PIL import Image
-
-        with Image.open(path) as im:
-            im.verify()
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is a bad image
-        return "undecodable image", f"image {path!r} cannot be decoded ({type(exc).__name__})"
-    return None
+    why = image_problem(path, max_pixels)
+    return None if why is None else (why[0], f"image {path!r} {why[1]}")
 
 
-def read(path: str, folder: str, tok: Any, image_token: int, text_len: int) -> VLMData:
+def read(
+    path: str,
+    folder: str,
+    tok: Any,
+    image_token: int,
+    text_len: int,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+) -> VLMData:
     """Every record of ``path`` that can train (cut to ``text_len`` + 1 tokens); records with
     a missing or broken image, or image tags that do not match their images, are skipped and
     counted by reason. A line that is not a conversation record is an error naming it."""
@@ -113,7 +137,7 @@ def read(path: str, folder: str, tok: Any, image_token: int, text_len: int) -> V
                     "non-empty 'conversations' list)"
                 ) from None
             tokens, learn = render(record, tok, image_token)
-            why = _problem(record, folder, tokens, image_token)
+            why = _problem(record, folder, tokens, image_token, max_pixels)
             tokens, learn = tokens[: text_len + 1], learn[: text_len + 1]
             if why is None and not any(learn[1:]):
                 why = "nothing to learn", "no assistant token within --seq-length"

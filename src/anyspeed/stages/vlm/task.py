@@ -23,6 +23,7 @@ import torch
 from anyspeed.errors import UsageError
 from anyspeed.models.vision import RECORD
 from anyspeed.stages.common.losses import per_token_loss
+from anyspeed.stages.vlm.data import MAX_IMAGE_PIXELS
 from anyspeed.training.task import LossFunc, StagePlan, Task
 
 if TYPE_CHECKING:
@@ -34,6 +35,12 @@ if TYPE_CHECKING:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The vision-language flags (Megatron-LM's multimodal names where they exist)."""
     g = p.add_argument_group("vision-language")
+    g.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MAX_IMAGE_PIXELS,
+        help="images with more pixels are skipped (counted) before decoding (default 4096^2)",
+    )
     g.add_argument(
         "--image-folder",
         default=None,
@@ -167,6 +174,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
         _tokenizer(args),
         cfg.image_token_id,
         text_len,
+        args.max_image_pixels,
     )
     _report(path, data)
     vcfg = VLMConfig(
