@@ -206,6 +206,19 @@ def test_error_names_the_sample_that_raises():
     assert isinstance(info.value.__cause__, ValueError)
 
 
+def test_the_training_call_of_a_weighted_sum_names_the_sample_once():
+    """GRPO scores the weighted sum through :func:`score` too: the failing function's message
+    comes through as it is, not nested in the sum's with the sample named twice (issue 43,
+    item 10)."""
+    fn = R.resolve(["helpers.user_rewards:explodes", "format"], None)
+    texts = ["fine", "boom here"]
+    with pytest.raises(R.RewardError) as info:
+        R.score(fn, ["p"] * 2, texts, ["l"] * 2)
+    message = str(info.value)
+    assert message.count("sample ") == 1 and "raised RewardError" not in message, message
+    assert message.startswith("reward function helpers.user_rewards:explodes raised ValueError")
+
+
 @pytest.mark.parametrize(
     "name, words",
     [

@@ -172,6 +172,8 @@ def score(
         raise ValueError(f"score: {len(prompts)} prompts, {n} completions, {len(labels)} labels")
     try:
         result = fn(prompts, completions, labels)
+    except RewardError:  # a weighted sum's own function failed: its message already says how
+        raise
     except Exception as exc:
         raise RewardError(_raised(fn, name, (prompts, completions, labels), exc)) from exc
     if not isinstance(result, (list, tuple)):
