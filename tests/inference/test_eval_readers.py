@@ -115,3 +115,20 @@ def test_planted_answers_score_100_percent(tmp_path: Path, auto_tok) -> None:
     assert res["accuracy"] == 1.0 and res["total"] == 9
     wrong = accuracy_table(["a"], [False])
     assert wrong["accuracy"] == 0.0
+
+
+def test_files_that_are_not_text_name_the_file(tmp_path: Path) -> None:
+    """An MMLU CSV of random bytes, or a jsonl.gz that is not gzip, is one TaskDataError line
+    naming the file (issue 43, item 10: a UnicodeDecodeError traceback before)."""
+    import random
+
+    write_mmlu(tmp_path, {"anatomy": 2}, shots=1)
+    bad = next(tmp_path.rglob("anatomy_test.csv"))
+    bad.write_bytes(bytes(random.Random(0).randrange(128, 256) for _ in range(200)))
+    with pytest.raises(readers.TaskDataError) as info:
+        readers.read_choices(str(tmp_path), "mmlu", "test")
+    assert str(bad) in str(info.value) and "not UTF-8 text" in str(info.value)
+    gz = tmp_path / "x.jsonl.gz"
+    gz.write_bytes(b"not gzip at all")
+    with pytest.raises(readers.TaskDataError, match="x.jsonl.gz: cannot be read as UTF-8 jsonl"):
+        readers.read_jsonl(str(gz))

@@ -56,8 +56,17 @@ def _answer(value: str, where: str) -> int:
 
 
 def _rows(path: Path) -> list[list[str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return [r for r in csv.reader(f) if r]
+    """The non-empty rows of CSV file ``path`` (TaskDataError naming it when it is not UTF-8
+    text or not CSV)."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return [r for r in csv.reader(f) if r]
+    except UnicodeDecodeError as exc:
+        raise TaskDataError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from None
+    except csv.Error as exc:
+        raise TaskDataError(f"{path}: not a CSV file ({exc})") from None
 
 
 def _subject(path: Path, split: str) -> str | None:
@@ -99,13 +108,17 @@ def read_jsonl(path: str) -> list[dict]:
         raise TaskDataError(f"--task-data-path {path!r}: no such file")
     opener = gzip.open if path.endswith(".gz") else open
     out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise TaskDataError(f"{path}:{i}: not JSON ({exc.msg})") from None
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise TaskDataError(f"{path}:{i}: not JSON ({exc.msg})") from None
+    except (UnicodeDecodeError, OSError, EOFError) as exc:  # gzip's errors are OSErrors
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TaskDataError(f"{path}: cannot be read as UTF-8 jsonl ({first})") from None
     return out
 
 
