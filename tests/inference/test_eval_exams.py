@@ -185,3 +185,25 @@ def test_likelihood_tasks_pick_the_best_mean_per_token(tmp_path: Path, hf_tok: s
     monkeypatch.setattr(scoring, "continuation_logprobs", stub)
     res = eval_tasks.run(args, prep, None, tok)
     assert res["accuracy"] == 1.0 and res["total"] == 5, res
+
+
+def test_ppl_on_a_truncated_bin_names_the_file(tmp_path: Path, hf_tok: str) -> None:
+    """``--task ppl`` on a ``.bin`` shorter than its ``.idx`` says so, naming the file (issue 43,
+    item 10: Megatron's reader failed without naming it)."""
+    import numpy as np
+
+    from anyspeed.commands import eval_tasks
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+    from anyspeed.data.writer import IndexedWriter
+
+    prefix = str(tmp_path / "docs")
+    w = IndexedWriter(prefix, np.int32)
+    w.add(np.arange(40, dtype=np.int32), np.array([20, 20]))
+    w.finish()
+    tok = load_tokenizer(TokenizerSpec("PretrainedFromHF", hf_tok))
+    assert len(eval_tasks.PREPARE["ppl"](_args("ppl", Path(prefix)), tok).prompts) == 2
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(60)
+    with pytest.raises(TaskDataError) as info:
+        eval_tasks.PREPARE["ppl"](_args("ppl", Path(prefix)), tok)
+    assert "docs.bin has 60 bytes" in str(info.value) and "--task-data-path" in str(info.value)

@@ -212,6 +212,12 @@ def _prepare_ppl(args: argparse.Namespace, tok: Any) -> Prepared:
     if os.path.isfile(path + ".idx") and os.path.isfile(path + ".bin"):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        from anyspeed.data.writer import IndexFileError, check_dataset
+
+        try:
+            check_dataset(path)  # the .idx validated and the .bin exactly its size
+        except IndexFileError as exc:
+            raise R.TaskDataError(f"--task-data-path {path!r}: {exc}") from None
         ds = IndexedDataset(path)
         docs = [ds[i].tolist() for i in range(len(ds))]
     else:
