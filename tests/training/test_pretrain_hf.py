@@ -172,3 +172,31 @@ def test_dropout_comes_from_the_hf_config_and_flags_win(tmp_path, capsys):
     both = expand(["--load", hf, "--hidden-dropout", "0", "--attention-dropout", "0.1"], hf)
     assert get_flag(both, "--attention-dropout") == "0.1"
     assert "dropout from" not in capsys.readouterr().out  # both given: nothing to say
+
+
+def test_a_checkpoint_resumes_from_its_own_model_record(tmp_path):
+    """Resuming needs only ``--load``: the checkpoint's model record brings the architecture
+    (about 20 flags had to be restated, and the error said only "--hidden-size is required";
+    issue 43, item 11); flags given still win and are checked against the checkpoint."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from anyspeed.convert import hf_to_megatron
+    from anyspeed.errors import UsageError
+    from anyspeed.models.hf import preset_from_hf
+    from anyspeed.stages.prepare import prepare
+
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=176,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64)  # fmt: skip
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    mg = str(hf_to_megatron(tmp_path / "hf", tmp_path / "mg"))
+    run = ["--load", mg, "--mock-data", "--seq-length", "32", "--micro-batch-size", "1",
+           "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", "511"]  # fmt: skip
+    checked, _ = prepare(run, "launcher", "pretrain")
+    want = preset_from_hf(cfg.to_dict())
+    assert (checked.model.num_layers, checked.model.hidden_size) == (2, 64)
+    assert checked.model.ffn_hidden_size == want.ffn_hidden_size
+    with pytest.raises(UsageError, match="hidden"):  # a flag given wins, and must fit
+        prepare([*run, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                 "4"], "launcher", "pretrain")  # fmt: skip

@@ -31,8 +31,9 @@ def prepare(
 
     ``--load <HF dir>`` brings the architecture and tokenizer flags from the directory and
     converts its weights (once); the returned argv (for the launched ranks) names the
-    converted checkpoint. ``where`` is "launcher" when no launcher set WORLD_SIZE (the world
-    is --nproc-per-node).
+    converted checkpoint. A ``--load`` checkpoint's model record brings the architecture
+    when the command line gives none. ``where`` is "launcher" when no launcher set
+    WORLD_SIZE (the world is --nproc-per-node).
     """
     prog = f"anyspeed {command}"
     stage = stage_of(argv, command)
@@ -41,6 +42,8 @@ def prepare(
     hf_dir = hf_load.hf_dir_of(argv)
     if hf_dir:
         argv = hf_load.expand(argv, hf_dir)
+    else:
+        argv = recorded_architecture(argv)
     args = parse_pretrain_args(argv, build_stage_parser(stage), prog=prog)
     world = (args.nproc_per_node or 1) if where == "launcher" else int(os.environ["WORLD_SIZE"])
     tokenizer = checks.complete(args)
@@ -69,6 +72,26 @@ def prepare(
         records=dict(plan.records),
     )
     return run, argv
+
+
+def recorded_architecture(argv: list[str]) -> list[str]:
+    """``argv`` with the architecture flags of its ``--load`` checkpoint's model record (or
+    Megatron-LM's args) before it, when it names no architecture itself (no ``--model``, no
+    ``--num-layers``): resuming needs only the checkpoint. Unreadable: ``argv`` as it is (the
+    checks that follow name the problem)."""
+    from anyspeed.argv import merge_flags
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+    from anyspeed.checkpoint.record import model_in_common
+
+    load = get_flag(argv, "--load")
+    if not load or get_flag(argv, "--model") or get_flag(argv, "--num-layers"):
+        return argv
+    try:
+        path = tracked_dir(load) if os.path.isdir(load) else None
+        model = model_in_common(read_common(path), load, as_hf=False) if path else None
+    except Exception:  # noqa: BLE001 - a damaged checkpoint: the load checks report it
+        return argv
+    return merge_flags(model.megatron_args(), argv) if model is not None else argv
 
 
 def _check_resumed_stage(load: str, stage: str) -> None:
