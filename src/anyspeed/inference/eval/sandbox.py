@@ -38,23 +38,39 @@ CLONE = {
     "read-only-filesystem": 0x00020000,
     "pid-namespace": 0x20000000,
     "network-namespace": 0x40000000,
+    "ipc-namespace": 0x08000000,  # System V IPC and POSIX queues die with the program
 }
 CLONE_NEWUSER = 0x10000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x4000, 1 << 18, 2, 4, 8
 AT_RECURSIVE, MOUNT_ATTR_RDONLY, SYS_MOUNT_SETATTR = 0x8000, 1, 442
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 1, 36, 38, 24
 UID_BASE = 1_000_000_000  # far above any real user; unique per launcher pid
-PROTECTIONS = ("pid-namespace", "network-namespace", "read-only-filesystem", "separate-user")
+PROTECTIONS = (
+    "pid-namespace",
+    "network-namespace",
+    "ipc-namespace",
+    "read-only-filesystem",
+    "separate-user",
+)
 # Runs in the program's interpreter before the program: a clearer message for the common
 # escapes (the kernel-level protections above are what hold; this layer is easy to bypass).
 RUNNER = """\
 import builtins, os, runpy, shutil, socket, subprocess, sys
 def _blocked(*a, **k):
     raise PermissionError("blocked by anyspeed evaluate's sandbox")
+_work = os.path.realpath(os.getcwd()) + os.sep  # the program's own writable directory
+def _in_work(f):
+    def guarded(*a, **k):  # file changes inside the work dir only (tempfile needs unlink)
+        paths = [os.fsdecode(x) for x in a[:2] if isinstance(x, (str, bytes, os.PathLike))]
+        if paths and all(os.path.realpath(x).startswith(_work) for x in paths):
+            return f(*a, **k)
+        raise PermissionError("blocked by anyspeed evaluate's sandbox (outside its directory)")
+    return guarded
+for _n in ("remove", "unlink", "rmdir", "rename", "replace", "truncate", "chmod"):
+    setattr(os, _n, _in_work(getattr(os, _n)))
 for _m, _names in ((socket, ("socket", "create_connection", "getaddrinfo", "socketpair")),
                    (os, ("system", "fork", "forkpty", "kill", "killpg", "execv", "execve",
-                         "execvp", "spawnv", "popen", "remove", "unlink", "rmdir",
-                         "removedirs", "rename", "renames", "truncate", "chmod", "chown",
+                         "execvp", "spawnv", "popen", "removedirs", "renames", "chown",
                          "putenv")),
                    (shutil, ("rmtree", "move", "chown")),
                    (subprocess, ("Popen", "run", "call", "check_call", "check_output"))):
@@ -62,7 +78,7 @@ for _m, _names in ((socket, ("socket", "create_connection", "getaddrinfo", "sock
         setattr(_m, _n, _blocked)
 builtins.exit = builtins.quit = _blocked
 _path = sys.argv.pop(1)
-del _m, _names, _n, _blocked
+del _m, _names, _n, _blocked, _in_work
 runpy.run_path(_path, run_name="__main__")
 """
 
@@ -141,7 +157,9 @@ def enter_namespaces(use: list[str], strict: bool, which: tuple[str, ...]) -> di
 def setup_child(cfg: dict, use: list[str], strict: bool) -> dict[str, str]:
     """In the program's process before exec: mounts, limits, session, user. The protections
     that failed, with the reason (raises instead when ``strict``)."""
-    missing = enter_namespaces(use, strict, ("network-namespace", "read-only-filesystem"))
+    missing = enter_namespaces(
+        use, strict, ("network-namespace", "ipc-namespace", "read-only-filesystem")
+    )
     use = [p for p in use if p not in missing]
     work = cfg["workdir"]
     if "read-only-filesystem" in use:
@@ -150,6 +168,7 @@ def setup_child(cfg: dict, use: list[str], strict: bool) -> dict[str, str]:
             _mount(work, work, None, 0x1000)  # MS_BIND: the work dir, its own mount
             _mount_setattr("/", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0)
             _mount_setattr(work, 0, 0, MOUNT_ATTR_RDONLY)
+            os.chdir(work)  # the writable mount, not the directory under it (EROFS)
             if "pid-namespace" in use:  # a /proc that shows this namespace only
                 _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         except OSError as exc:
