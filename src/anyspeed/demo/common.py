@@ -75,6 +75,12 @@ DEMO_MOE = [
     "--moe-grouped-gemm",
 ]
 VOCAB = 1024
+# What every fine-tuning demo passes: gradients clipped, no dropout, all data for training and
+# no evaluation (each demo scores its model itself afterwards).
+FINETUNE = [
+    "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--split", "100,0,0", "--eval-iters", "0",
+]  # fmt: skip
 PROMPT = "def read_file(path):\n    "
 
 

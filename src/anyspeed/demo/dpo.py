@@ -20,7 +20,7 @@ import json
 import os
 import time
 
-from anyspeed.demo.common import DEMO_ARCH, VOCAB, fresh_metrics, tp_layout
+from anyspeed.demo.common import DEMO_ARCH, FINETUNE, VOCAB, fresh_metrics, tp_layout
 from anyspeed.demo.instructions import write_jsonl
 from anyspeed.demo.sft import PROMPT_TYPE, generated_answers, preprocess, sft_model, show_answer
 
@@ -38,16 +38,7 @@ DPO_TRAIN = [
     "5",
     "--weight-decay",
     "0",
-    "--clip-grad",
-    "1.0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--split",
-    "100,0,0",
-    "--eval-iters",
-    "0",
+    *FINETUNE,
     "--log-interval",
     "1",
     "--variable-seq-lengths",

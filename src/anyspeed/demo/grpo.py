@@ -26,7 +26,14 @@ import random
 import re
 import time
 
-from anyspeed.demo.common import DEMO_ARCH, VOCAB, fresh_metrics, tokenizer_steps, tp_layout
+from anyspeed.demo.common import (
+    DEMO_ARCH,
+    FINETUNE,
+    VOCAB,
+    fresh_metrics,
+    tokenizer_steps,
+    tp_layout,
+)
 from anyspeed.demo.instructions import write_jsonl
 from anyspeed.demo.sft import PROMPT_TYPE, generated_answers, preprocess
 
@@ -47,16 +54,7 @@ SFT_TRAIN = [
     "10",
     "--weight-decay",
     "0.01",
-    "--clip-grad",
-    "1.0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--split",
-    "100,0,0",
-    "--eval-iters",
-    "0",
+    *FINETUNE,
     "--log-interval",
     "20",
     "--variable-seq-lengths",
@@ -72,16 +70,7 @@ GRPO_TRAIN = [
     "constant",
     "--weight-decay",
     "0",
-    "--clip-grad",
-    "1.0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--split",
-    "100,0,0",
-    "--eval-iters",
-    "0",
+    *FINETUNE,
     "--log-interval",
     "1",
     "--n-samples-per-prompt",
