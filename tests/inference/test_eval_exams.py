@@ -57,15 +57,34 @@ def test_bbh_answer_check(completion: str, target: str, ok: bool) -> None:
     assert exams.bbh_correct(completion, target) is ok
 
 
-@pytest.mark.parametrize(("completion", "target", "options", "ok"), [
-    (" A", "A", 4, True), (" (B) because", "B", 4, True), (" Because of C", "C", 4, True),
-    (" D\nA", "A", 4, False), (" A, C", "AC", 4, True), (" A", "AC", 4, False),
-    (" $\\frac{1}{2}$", "$\\frac{1}{2}$", 0, True), (" \\frac{1}{2} .", "\\frac{1}{2}", 0, True),
-    (" 3", "$\\frac{1}{2}$", 0, False),
+# The parsing cases of AGIEval's reference scorer (its post_process): single answers take the
+# letter after "answer is" / "答案是", else the first capital A-F ("Because" names B); the
+# multi-answer exams (jec-qa-kd, jec-qa-ca, gaokao-physics) take every letter A-F, as a set.
+@pytest.mark.parametrize(("completion", "task", "target", "ok"), [
+    (" A", "lsat-ar", "A", True), (" (B) because", "lsat-ar", "B", True),
+    (" Because of C", "lsat-ar", "C", False), (" Because of C", "lsat-ar", "B", True),
+    (" D\nA", "lsat-ar", "A", False), (" so the answer is (C).", "sat-math", "C", True),
+    (" A. No, the answer is D", "lsat-lr", "D", True), (" 答案是C", "logiqa-zh", "C", True),
+    (" (E)", "aqua-rat", "E", True), (" none", "aqua-rat", "A", False),
+    (" AC", "jec-qa-kd", "AC", True), (" CA", "jec-qa-ca", "AC", True),
+    (" (A)(C)", "gaokao-physics", "AC", True), (" A, C", "jec-qa-kd", "AC", True),
+    (" A", "jec-qa-kd", "AC", False), (" ACD", "jec-qa-kd", "AC", False),
+    (" B", "gaokao-physics", "B", True), (" BD", "gaokao-physics", "B", False),
+    (" AC", "jec-qa-kd", "A", False),
 ])  # fmt: skip
-def test_agieval_answer_check(completion: str, target: str, options: int, ok: bool) -> None:
-    item = exams.Exam("t", "q", target, tuple("xyzw"[:options]))
+def test_agieval_choice_follows_the_reference(
+    completion: str, task: str, target: str, ok: bool
+) -> None:
+    item = exams.Exam(task, "q", target, tuple("uvwxyz"))
     assert exams.agieval_correct(completion, item) is ok
+
+
+@pytest.mark.parametrize(("completion", "target", "ok"), [
+    (" $\\frac{1}{2}$", "$\\frac{1}{2}$", True), (" \\frac{1}{2} .", "\\frac{1}{2}", True),
+    (" 3", "$\\frac{1}{2}$", False),
+])  # fmt: skip
+def test_agieval_cloze_check(completion: str, target: str, ok: bool) -> None:
+    assert exams.agieval_correct(completion, exams.Exam("math", "q", target)) is ok
 
 
 @pytest.mark.parametrize(("kind", "content", "message"), [

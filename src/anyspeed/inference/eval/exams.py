@@ -147,13 +147,29 @@ def _plain(s: str) -> str:
     return re.sub(r"[\s$]", "", s).rstrip(".。")
 
 
+# The AGIEval authors' scoring (their ``post_process``): these tasks' questions may have several
+# right options, and every option letter A-F in the completion counts as chosen.
+MULTI_ANSWER_TASKS = ("jec-qa-kd", "jec-qa-ca", "gaokao-physics")
+
+
+def agieval_choice(text: str, item: Exam) -> str:
+    """The option letters a completion chooses, as AGIEval's reference parses them: on a
+    multi-answer task every letter A-F in it (sorted, once each); else the letter after
+    "answer is" ("答案是" in the Chinese exams), or failing that its first capital A-F."""
+    if item.task in MULTI_ANSWER_TASKS or len(item.target) > 1:
+        return "".join(sorted(set(re.findall(r"[A-F]", text))))
+    cue = "答案是" if item.task.startswith(CHINESE_TASKS) else "answer is"
+    said = re.search(cue + r".*?([A-G])", text)
+    if said:
+        return said.group(1)
+    first = re.search(r"[A-F]", text)
+    return first.group(0) if first else ""
+
+
 def agieval_correct(text: str, item: Exam) -> bool:
-    """Multiple choice: the option letters on the completion's first line equal the label;
-    cloze: its first line equals the answer (spaces and ``$`` ignored)."""
-    line = next((x for x in text.strip().split("\n") if x.strip()), "")
+    """Multiple choice: the chosen option letters (:func:`agieval_choice`) equal the label;
+    cloze: the completion's first line equals the answer (spaces and ``$`` ignored)."""
     if not item.options:
+        line = next((x for x in text.strip().split("\n") if x.strip()), "")
         return _plain(line) == _plain(item.target)
-    found = re.findall(r"(?<![A-Za-z])([A-J])(?![A-Za-z])", line)
-    if len(item.target) == 1:
-        return bool(found) and found[0] == item.target
-    return "".join(sorted(set(found))) == item.target
+    return agieval_choice(text, item) == item.target
