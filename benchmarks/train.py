@@ -133,11 +133,11 @@ def main() -> None:
         ref = rows[0][1]
         for name, r in rows:
             # MFU per process against one process's share of the machine's measured peak.
-            mfu = r["tokens_per_s"] * fpt / peak
+            mfu = "n/a" if peak is None else f"{100 * r['tokens_per_s'] * fpt / peak:.1f}%"
             speed = r["tokens_per_s"] / ref["tokens_per_s"]
             mem = r["peak_rss_gib"] / ref["peak_rss_gib"]
             print(f"{dt:<6} {name:<40} {r['tokens_per_s']:>9,.0f} {speed:>5.2f}x "
-                  f"{r['peak_rss_gib']:>10.2f} GiB {mem:>5.2f}x {100 * mfu:>5.1f}%",
+                  f"{r['peak_rss_gib']:>10.2f} GiB {mem:>5.2f}x {mfu:>6}",
                   flush=True)  # fmt: skip
 
 

@@ -94,3 +94,63 @@ def test_a_slow_dtype_is_measured_on_small_matrices():
     start = time.perf_counter()
     rate = flops.measure_matmul_flops(torch.bfloat16, seconds=0.05)
     assert rate > 0 and time.perf_counter() - start < 5.0
+
+
+def test_a_busy_machine_gives_no_peak_and_caches_nothing(cpu):
+    """Issue 43 item 12: a peak measured under load is low and inflated MFU to 52-84%; a
+    measurement that found the machine busy gives an unknown peak, no MFU and no cache entry."""
+    from anyspeed.training.engine import mfu_line
+    from anyspeed.training.hooks import LogHook
+
+    busy = {torch.float32: None, torch.bfloat16: None, torch.float16: None}
+    AVX2_saved = dict(AVX2)
+    AVX2.update(busy)
+    try:
+        got = flops.peak(torch.bfloat16)
+        assert got.flops is None and "busy" in got.source and "ANYSPEED_PEAK_TFLOPS" in got.source
+        assert flops.peak_flops(torch.float32) is None
+        assert len(cpu["calls"]) == 3  # measured again each time: nothing was cached
+        assert LogHook(None, _RUN, 1.0, None).mfu(1e9) is None
+        assert mfu_line("anyspeed pretrain", got).startswith("anyspeed pretrain: MFU not shown")
+        assert flops.slow_precision_warning(torch.bfloat16) is None
+    finally:
+        AVX2.update(AVX2_saved)
+    got = flops.peak(torch.float32)
+    assert got.flops == 13e9 and "fp32 matmul rate measured on this cpu (AVX2" in got.source
+    line = mfu_line("anyspeed pretrain", got)
+    assert line.startswith("anyspeed pretrain: MFU against 0.013 TFLOP/s per process: the best")
+
+
+def test_a_configured_or_datasheet_peak_names_its_source(cpu, monkeypatch):
+    monkeypatch.setenv("ANYSPEED_PEAK_TFLOPS", "2.5")
+    assert flops.peak(torch.float32) == flops.Peak(2.5e12, "ANYSPEED_PEAK_TFLOPS")
+    monkeypatch.delenv("ANYSPEED_PEAK_TFLOPS")
+    monkeypatch.setattr(flops, "detect", lambda: DeviceInfo("cuda", "nccl", "NVIDIA H100 PCIe"))
+    got = flops.peak(torch.bfloat16)
+    assert got.flops == 989e12 and "NVIDIA H100 PCIe datasheet" in got.source
+    assert not cpu["calls"]
+
+
+def test_contended_bursts_do_not_count():
+    """Real contention: one busy process per core leaves the measuring threads about half of
+    their time, so no burst counts; alone, the same measurement gives a rate."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(max(os.cpu_count() or 1, torch.get_num_threads()))
+    ]
+    try:
+        time.sleep(0.5)  # let them start
+        loaded = flops.measure_matmul_flops(torch.float32, n=256, seconds=0.4)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert loaded is None
+    # alone (a few tries: the machine running the tests may itself be shared)
+    alone = [flops.measure_matmul_flops(torch.float32, n=256, seconds=0.2) for _ in range(3)]
+    assert max(r or 0.0 for r in alone) > 1e8

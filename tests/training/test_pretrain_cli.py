@@ -41,6 +41,9 @@ def test_pretrain_command_end_to_end(tmp_path, hf_tok):
         assert field in logs[-1]
     assert "validation loss at iteration 5" in out.stdout
     assert "sample:" in out.stdout
+    # where MFU's peak came from, once, before the first iteration
+    said = [line for line in out.stdout.splitlines() if ": MFU " in line]
+    assert len(said) == 1 and out.stdout.index(said[0]) < out.stdout.index(logs[0]), said
     rows = [json.loads(line) for line in open(metrics)]
     assert [r["iteration"] for r in rows] == [2, 4, 6, 8, 10]
     assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]

@@ -4,6 +4,9 @@ Order of precedence: ``ANYSPEED_PEAK_TFLOPS`` (configured), the datasheet figure
 accelerator, the on-disk cache, and finally a short matmul measurement whose result is cached
 under ``~/.cache/anyspeed/peak_flops.json`` (keyed by device name, CPU capability, dtype and
 thread count: an AVX2-only CPU and an AVX512-BF16 one of the same name differ 60-fold in bf16).
+On a CPU only bursts in which the process had its cores to itself count: a peak measured while
+other work ran would be low and inflate MFU (52-84% for a hidden-64 model), so a machine busy
+throughout gives no peak and no MFU, and nothing is cached. :class:`Peak` says where it came from.
 
 A measured peak is the best rate over the run's dtype *and* fp32: half-precision work also runs
 on fp32 units (on a CPU without bf16 matmul kernels much of a bf16 step does), so the dtype's own
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,17 +46,31 @@ def _cache_path() -> Path:
 
 
 SLOW_RATIO = 4.0  # a half-precision matmul this many times slower than fp32 gets a warning
+# A CPU burst counts when the process's threads ran for at least this share of its wall time;
+# alone they run ~100%, beside one busy process per core ~50%.
+FREE_SHARE = 0.85
+
+
+@dataclass(frozen=True)
+class Peak:
+    """MFU's denominator for one process, FLOP/s (None: unknown, no MFU), and its origin."""
+
+    flops: float | None
+    source: str
 
 
 def _key(dtype: torch.dtype) -> str:
     info = detect()
     threads = torch.get_num_threads() if info.is_cpu else 0
     isa = f"|{torch.backends.cpu.get_cpu_capability()}" if info.is_cpu else ""
-    return f"{info.type}|{info.name}{isa}|{str(dtype).removeprefix('torch.')}|threads={threads}"
+    name = str(dtype).removeprefix("torch.")
+    return f"{info.type}|{info.name}{isa}|{name}|threads={threads}|uncontended"
 
 
-def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
-    """Measure sustained square-matmul FLOP/s on this device for ``dtype``.
+def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float | None:
+    """Measure sustained square-matmul FLOP/s on this device for ``dtype``: the best burst in
+    which (on a CPU) the process had its cores to itself; None when no burst did, or when
+    other work held part of the cores over the whole measurement.
 
     A dtype without fast kernels (bf16 on an AVX2 CPU: ~10 s per 1024^2 product) is measured
     on 256^2 matrices, so the measurement stays near ``seconds``.
@@ -73,9 +91,10 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5
     sync()
     # The best of several short bursts, not one long average: on a shared machine another
     # process's burst only spoils the bursts it overlaps, and a cached peak lasts.
-    best, begin = 0.0, time.perf_counter()
+    cores = torch.get_num_threads() if dev.type == "cpu" else 0
+    best, begin, cpu_begin = None, time.perf_counter(), time.process_time()
     while time.perf_counter() - begin < seconds:
-        iters, start = 0, time.perf_counter()
+        iters, start, cpu = 0, time.perf_counter(), time.process_time()
         while True:
             a @ b
             iters += 1
@@ -84,7 +103,13 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5
                 elapsed = time.perf_counter() - start
                 if elapsed >= seconds / 8:
                     break
-        best = max(best, 2.0 * n**3 * iters / elapsed)
+        if cores and time.process_time() - cpu < FREE_SHARE * cores * elapsed:
+            continue  # other work had part of the cores: the rate would understate the peak
+        best = max(best or 0.0, 2.0 * n**3 * iters / elapsed)
+    if cores and time.process_time() - cpu_begin < FREE_SHARE * cores * (
+        time.perf_counter() - begin
+    ):
+        return None  # busy throughout: a lucky burst is no evidence of the free rate
     return best
 
 
@@ -101,15 +126,35 @@ def _datasheet(dtype: torch.dtype) -> float | None:
     return None
 
 
-def peak_flops(dtype: torch.dtype = torch.bfloat16) -> float:
-    """Peak FLOP/s for ``dtype`` on this device: configured, datasheet, or the best measured
-    (cached) matmul rate of ``dtype`` and fp32."""
+def peak(dtype: torch.dtype = torch.bfloat16) -> Peak:
+    """This process's peak FLOP/s for ``dtype``: configured, datasheet, or the best measured
+    (cached) matmul rate of ``dtype`` and fp32; unknown when the machine was busy throughout."""
+    env = os.environ.get("ANYSPEED_PEAK_TFLOPS")
     known = _datasheet(dtype)
     if known is not None:
-        return known
-    if dtype == torch.float32:
-        return matmul_rate(dtype)
-    return max(matmul_rate(dtype), matmul_rate(torch.float32))
+        sheet = f"the {detect().name} datasheet's dense half-precision peak"
+        return Peak(known, "ANYSPEED_PEAK_TFLOPS" if env else sheet)
+    dtypes = [dtype] if dtype == torch.float32 else [dtype, torch.float32]
+    rates = {d: matmul_rate(d) for d in dtypes}
+    info = detect()
+    where = f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    where = f"this {info.type} ({where})" if info.is_cpu else info.name
+    if any(r is None for r in rates.values()):
+        return Peak(
+            None,
+            f"unknown: {where} was busy with other work throughout its matmul measurement "
+            "(nothing cached; rerun on an idle machine or set ANYSPEED_PEAK_TFLOPS)",
+        )
+    best = max(rates, key=lambda d: rates[d] or 0.0)
+    name = str(best).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+    return Peak(
+        rates[best], f"the best {name} matmul rate measured on {where}, cached in {_cache_path()}"
+    )
+
+
+def peak_flops(dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """Peak FLOP/s for ``dtype`` on this device (see :func:`peak`); None when unknown."""
+    return peak(dtype).flops
 
 
 def slow_precision_warning(dtype: torch.dtype) -> str | None:
@@ -118,7 +163,7 @@ def slow_precision_warning(dtype: torch.dtype) -> str | None:
     if dtype == torch.float32 or _datasheet(dtype) is not None:
         return None
     slow, fp32 = matmul_rate(dtype), matmul_rate(torch.float32)
-    if fp32 <= SLOW_RATIO * slow:
+    if slow is None or fp32 is None or fp32 <= SLOW_RATIO * slow:
         return None
     info = detect()
     where = f"{info.type} ({torch.backends.cpu.get_cpu_capability()})" if info.is_cpu else info.name
@@ -130,8 +175,9 @@ def slow_precision_warning(dtype: torch.dtype) -> str | None:
     )
 
 
-def matmul_rate(dtype: torch.dtype) -> float:
-    """This device's measured square-matmul FLOP/s for ``dtype`` (cached on disk)."""
+def matmul_rate(dtype: torch.dtype) -> float | None:
+    """This device's measured square-matmul FLOP/s for ``dtype`` (cached on disk); None, and
+    nothing cached, when the machine was too busy to measure it."""
     path, key = _cache_path(), _key(dtype)
     try:
         cache = json.loads(path.read_text())
@@ -140,6 +186,8 @@ def matmul_rate(dtype: torch.dtype) -> float:
     if key in cache:
         return float(cache[key])
     value = measure_matmul_flops(dtype)
+    if value is None:
+        return None
     cache[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from anyspeed.distributed.process import print0
+from anyspeed.distributed.process import print0, world_size
 from anyspeed.training.loop import Hook
 from anyspeed.training.run import Run
 from anyspeed.training.task import Task
@@ -60,6 +60,14 @@ def banner(run: Run, start: int, dp: int) -> str:
         f"layers{experts}, hidden {m.hidden_size}, vocab {m.vocab_size}, seq {run.seq_length} | "
         f"{run.train.precision} | iterations {start}->{run.args.train_iters}"
     )
+
+
+def mfu_line(prog: str, peak: Any) -> str:
+    """Where MFU's denominator came from (a :class:`~anyspeed.device.flops.Peak`), or why
+    there is no MFU: a figure is only as honest as its peak."""
+    if peak.flops is None:
+        return f"{prog}: MFU not shown: peak {peak.source}"
+    return f"{prog}: MFU against {peak.flops / 1e12:.4g} TFLOP/s per process: {peak.source}"
 
 
 def resume(
@@ -130,7 +138,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
 
     from anyspeed.checkpoint.record import model_record
     from anyspeed.device import torch_device
-    from anyspeed.device.flops import peak_flops, slow_precision_warning
+    from anyspeed.device.flops import peak, slow_precision_warning
     from anyspeed.training import hooks as H
     from anyspeed.training.loop import run as run_loop
     from anyspeed.training.memory_hook import SavedBytesHook
@@ -144,8 +152,9 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
     train_ds, valid_ds, test_ds = task.datasets(run)
     device = torch_device()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision, torch.float32)
-    peak = peak_flops(dtype) * int(os.environ.get("WORLD_SIZE", "1"))
+    denominator = peak(dtype)
     print0(banner(run, state.iteration, trainer.dp))
+    print0(mfu_line(run.prog, denominator))
     slow = slow_precision_warning(dtype)  # e.g. bf16 on a CPU without bf16 matmul kernels
     if slow:
         print0(f"{run.prog}: warning: {slow}")
@@ -153,7 +162,13 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
     hooks = [
         SavedBytesHook(run.prog),  # first: it prints before the progress bar is drawn
         H.NanGuard(run.args.save),
-        H.LogHook(reporter, run, run.model.flops_per_token(run.seq_length), peak, task.loss_key),
+        H.LogHook(
+            reporter,
+            run,
+            run.model.flops_per_token(run.seq_length),
+            None if denominator.flops is None else denominator.flops * world_size(),
+            task.loss_key,
+        ),
         H.EvalHook(reporter, run, task, valid_ds, test_ds, device),
         H.CheckpointHook(
             run,

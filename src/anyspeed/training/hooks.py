@@ -68,7 +68,7 @@ class LogHook(Hook):
         reporter: Reporter,
         run: Any,
         flops_per_token: float,
-        peak_flops: float,
+        peak_flops: float | None,
         label: str = "lm loss",
     ) -> None:
         self.r, self.args, self.prog = reporter, run.args, run.prog
@@ -79,8 +79,10 @@ class LogHook(Hook):
         self.warned = False
 
     def mfu(self, flops: float) -> float | None:
-        """Achieved / peak FLOP/s; None (with one warning) when the achieved rate exceeds the
-        peak: then the peak is wrong and no utilisation figure would be honest."""
+        """Achieved / peak FLOP/s; None when the peak is unknown, or (with one warning) when
+        the achieved rate exceeds it: then the peak is wrong and no figure would be honest."""
+        if self.peak is None:
+            return None
         if flops <= self.peak:
             return flops / self.peak
         if not self.warned:
