@@ -113,3 +113,31 @@ def test_split_with_no_documents(capsys, corpus):
     argv[argv.index("--split") + 1] = "969,30,1"
     err = _error(capsys, argv)
     assert "--split 969,30,1: the test split" in err and "gets none of its documents" in err
+
+
+def test_no_evaluation_needs_no_held_out_documents(tmp_path, corpus):
+    """Issue 43 item 12: with ``--eval-iters 0`` nothing reads the validation or test split, so
+    one that gets no document is no reason to refuse; training reads the same samples as when
+    the held-out splits are built (its boundary does not move)."""
+    import argparse
+
+    from anyspeed.stages.common.gpt_data import build_datasets
+
+    argv = base_args(corpus, 2)
+    argv[argv.index("--split") + 1] = "969,30,1"
+    argv[argv.index("--eval-iters") + 1] = "0"
+    (hist,) = run_distributed(pretrain_ranks.pretrain, 1, argv=argv, cli=argv, timeout=240)
+    assert hist["iterations"] == [1, 2]
+
+    args = argparse.Namespace(
+        seed=7, seq_length=32, mock_data=False, data_path=[corpus], split="969,30,1",
+        data_cache_path=str(tmp_path), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, padded_vocab_size=512, global_batch_size=8, train_iters=2,
+        eval_interval=2, eval_iters=0,
+    )  # fmt: skip
+    train, valid, test = build_datasets(args)
+    assert valid is None and test is None
+    args.eval_iters, args.split = 1, "969,31,0"  # the same training share; validation built
+    same, valid, _ = build_datasets(args)
+    assert valid is not None and len(train) == len(same)
+    assert all((train[i]["tokens"] == same[i]["tokens"]).all() for i in range(len(train)))

@@ -300,14 +300,16 @@ def _check_data_files(args: argparse.Namespace, prefix: str) -> None:
 
 def _check_split(args: argparse.Namespace, prefix: str, lengths: np.ndarray) -> None:
     """A split with a share of the data but no documents makes Megatron's GPTDataset loop
-    forever counting epochs: refuse it, naming the split."""
+    forever counting epochs: refuse it, naming the split (validation and test only when
+    ``--eval-iters`` reads them)."""
     from anyspeed.stages.common.gpt_data import split_tokens
 
     try:
         tokens = split_tokens(lengths, args.split)
     except (ValueError, AssertionError) as exc:
         raise UsageError(f"--split {args.split!r}: {exc or 'not N,N,N weights'}") from None
-    for name, count in zip(("training", "validation", "test"), tokens, strict=True):
+    names = ("training", "validation", "test") if args.eval_iters else ("training",)
+    for name, count in zip(names, tokens, strict=False):
         if count == 0:
             raise UsageError(
                 f"--split {args.split}: the {name} split of --data-path {prefix!r} gets none of "

@@ -112,7 +112,8 @@ def num_samples(args: argparse.Namespace) -> list[int]:
 
 
 def build_datasets(args: argparse.Namespace, tokenizer: Any = None) -> list[Any]:
-    """(train, valid, test) datasets; None for a split with no share of the data."""
+    """(train, valid, test) datasets; None for a split with no share of the data, and for
+    validation and test under ``--eval-iters 0``."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -131,6 +132,8 @@ def build_datasets(args: argparse.Namespace, tokenizer: Any = None) -> list[Any]
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.reset_attention_mask,
     )
+    if not args.eval_iters:  # nothing is evaluated: build (and need documents for) training only
+        config.split_matrix = [config.split_matrix[0], None, None]
     cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, num_samples(args), lambda: True, config).build()
 
