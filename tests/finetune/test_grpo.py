@@ -33,8 +33,16 @@ def test_degenerate_cases_and_zero_mismatch(add_prompts, tiny_qwen, hf_tok):
               "--verifier-function", "helpers.user_rewards:digits", iters=4)  # fmt: skip
     flat = cli(tiny_qwen, add_prompts, hf_tok, "--verifier-function",
                "helpers.user_rewards:constant", "--init-kl-coef", "0")  # fmt: skip
-    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=lr0, clis=[lr0, flat],
-                           timeout=300)[0]  # fmt: skip
+    # GSPO on policy (lr 0: every ratio 1) has GRPO's seq-mean-token-mean gradient
+    seq = ["--lr", "0", "--init-kl-coef", "0", "--loss-agg-mode", "seq-mean-token-mean",
+           "--verifier-function", "helpers.user_rewards:digits"]  # fmt: skip
+    grpo = cli(tiny_qwen, add_prompts, hf_tok, *seq)
+    gspo = cli(tiny_qwen, add_prompts, hf_tok, *seq, "--importance-sampling-level", "sequence")
+    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=lr0,
+                           clis=[lr0, flat, grpo, gspo], timeout=300)[0]  # fmt: skip
+    assert max(runs[2]["grad_norm"]) > 0
+    assert runs[3]["grad_norm"] == pytest.approx(runs[2]["grad_norm"], rel=1e-5)
+    assert runs[3]["metrics"]["actor/pg_clipfrac"] == [0.0, 0.0]
     m = runs[0]["metrics"]
     assert m["actor/ppo_kl"] == [0.0] * 4 and m["actor/pg_clipfrac"] == [0.0] * 4
     assert max(m["actor/kl_loss"]) < 1e-9
@@ -72,3 +80,16 @@ def test_failing_reward_stops_with_one_line(add_prompts, tiny_qwen, hf_tok, tmp_
     assert rc == 1
     assert not os.path.exists(os.path.join(ck, "latest_checkpointed_iteration.txt"))
     json.dumps(rc)
+
+
+def test_gspo_refuses_a_token_mean(capsys, add_prompts, tiny_qwen, hf_tok):
+    """One sequence ratio weighs each sequence once: GSPO under a token mean is refused before
+    start, naming both flags and the two ways out."""
+    from anyspeed.commands.train import posttrain
+
+    os.environ.pop("WORLD_SIZE", None)
+    argv = cli(tiny_qwen, add_prompts, hf_tok, "--importance-sampling-level", "sequence")
+    assert posttrain(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--importance-sampling-level sequence" in err
+    assert "--loss-agg-mode token-mean" in err and "sequence_token" in err

@@ -38,6 +38,7 @@ YAML_KEYS = {
     "verifier_weight": "--verifier-weight",
     "epochs": "--ppo-epochs",
     "loss_agg_mode": "--loss-agg-mode",
+    "importance_sampling_level": "--importance-sampling-level",
     "filter_groups": "--filter-groups",
     "overlong_buffer_len": "--overlong-buffer-len",
     "overlong_penalty_factor": "--overlong-penalty-factor",
@@ -139,6 +140,14 @@ def _add_objective(g: Any) -> None:
         choices=L.ADVANTAGES,
         default="group_norm",
         help="group_norm (GRPO) or group_mean (Dr. GRPO: no std)",
+    )
+    a(
+        "--importance-sampling-level",
+        choices=L.IS_LEVELS,
+        default="token",
+        help="the ratio the clip acts on (TRL's name): token (GRPO), sequence (GSPO: the "
+        "sequence's geometric-mean ratio; its paper clips at --clip-ratio 3e-4 "
+        "--clip-ratio-high 4e-4) or sequence_token (GSPO-token: that value, per-token gradients)",
     )
     a(
         "--loss-agg-mode",

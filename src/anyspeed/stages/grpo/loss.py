@@ -1,6 +1,7 @@
 """The GRPO objective, exactly and selectably: group-normalised advantages, the clipped
-policy-gradient term (DAPO's asymmetric clip), the KL penalty against a frozen reference, the
-entropy bonus, and the aggregation of per-token terms into a loss.
+policy-gradient term (DAPO's asymmetric clip) on a token or a sequence ratio (GSPO), the KL
+penalty against a frozen reference, the entropy bonus, and the aggregation of per-token terms
+into a loss.
 
 Pure tensor math shared by the GRPO task and its reference tests. Every aggregation is returned
 as (sum, count) for one micro-batch: Megatron's schedule (``calculate_per_token_loss``) adds the
@@ -18,12 +19,15 @@ exact at every layout:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "micro-token-mean")
 KL_PENALTIES = ("low_var_kl", "kl", "mse")  # k3, k1, k2
 ADVANTAGES = ("group_norm", "group_mean")  # GRPO; Dr. GRPO (no division by the group's std)
 ADV_EPS = 1e-6  # MindSpeed-RL's epsilon in (r - mean) / (std + eps)
+IS_LEVELS = ("token", "sequence", "sequence_token")  # TRL's importance_sampling_level names
 
 
 def group_advantages(
@@ -55,19 +59,42 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ValueError(f"unknown KL penalty {kind!r}")
 
 
+def log_importance(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Per-token log importance weight of the policy against the old one ([b, s]): each token's
+    log ratio (``token``: PPO, GRPO); its sequence's mean log ratio over the answer tokens
+    (``sequence``: GSPO, one ratio a sequence); or that mean's value with each token's own
+    gradient (``sequence_token``: GSPO-token). ``reduce`` sums the per-sequence [2, b] sums
+    over the ranks that share a sequence (context parallelism)."""
+    token = logp - old_logp
+    if level == "token":
+        return token
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance sampling level {level!r}")
+    sums = torch.stack([(token * mask).sum(-1), mask.sum(-1)])
+    sums = reduce(sums) if reduce is not None else sums
+    seq = (sums[0] / sums[1].clamp(min=1))[:, None]
+    if level == "sequence":
+        return seq.expand_as(token)
+    return seq.detach() + logp - logp.detach()
+
+
 def policy_terms(
-    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+    log_w: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
 ) -> dict[str, torch.Tensor]:
-    """Per-token clipped policy-gradient loss max(-A·ρ, -A·clip(ρ, 1-ε_low, 1+ε_high)) with
-    ρ = exp(logp - old), whether the clip was active, and ``ppo_kl`` (old - logp)."""
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
+    """Per-token clipped policy-gradient loss max(-A·w, -A·clip(w, 1-ε_low, 1+ε_high)) with
+    w = exp(``log_w``) (see :func:`log_importance`) and whether the clip was active."""
+    ratio = torch.exp(log_w)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     return {
         "pg": torch.maximum(unclipped, clipped),
         "clipped": (clipped > unclipped).float(),
-        "ppo_kl": -log_ratio,
         "ratio": ratio,
     }
 

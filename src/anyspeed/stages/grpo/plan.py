@@ -50,6 +50,7 @@ class GRPOConfig:
     reference_iteration: int | None = None
     lora: Any = None
     reshard: bool = False  # the rollout at TP 1 x DP world size (grpo_reshard.py)
+    is_level: str = "token"  # the ratio's level (GSPO: sequence)
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -156,9 +157,23 @@ def plan(args: argparse.Namespace) -> StagePlan:
         reference_iteration=ref_iter,
         lora=lora_cfg,
         reshard=reshard,
+        is_level=_is_level(args),
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([prompt_data.file_prefix(prefix, "input_ids")], cfg, data, records)
+
+
+def _is_level(args: argparse.Namespace) -> str:
+    """``--importance-sampling-level``, checked: a sequence ratio is one value per sequence,
+    so (as TRL and the GSPO paper have it) each sequence weighs the same in the loss."""
+    level = args.importance_sampling_level
+    if level == "sequence" and args.loss_agg_mode != "seq-mean-token-mean":
+        raise UsageError(
+            f"--importance-sampling-level sequence (GSPO) with --loss-agg-mode "
+            f"{args.loss_agg_mode}: GSPO averages per sequence; use --loss-agg-mode "
+            "seq-mean-token-mean, or sequence_token for a per-token aggregation"
+        )
+    return level
 
 
 def _rollout_layout(args: argparse.Namespace) -> bool:

@@ -138,8 +138,9 @@ class GRPOTask(Task):
 
         c = self.cfg
         mask = b["loss_mask"].float()
-        t = L.policy_terms(logp, b["old_logp"], b["advantages"], c.clip_low, c.clip_high)
-        per_token = t["pg"]
+        log_w = L.log_importance(logp, b["old_logp"], mask, c.is_level, cp_sum)
+        t = L.policy_terms(log_w, b["advantages"], c.clip_low, c.clip_high)
+        per_token = t["pg"] * b["is_weight"] if "is_weight" in b else t["pg"]
         kl = torch.zeros_like(logp)
         if c.beta:
             kl = L.kl_penalty(logp, b["ref_logp"], c.kl_penalty)
@@ -157,7 +158,7 @@ class GRPOTask(Task):
             self.loss_key: torch.stack([total.detach().double(), count.double()]),
             "actor/pg_loss": mean(t["pg"]),
             "actor/pg_clipfrac": mean(t["clipped"]),
-            "actor/ppo_kl": mean(t["ppo_kl"]),
+            "actor/ppo_kl": mean(b["old_logp"] - logp),
             "actor/kl_loss": mean(kl),
             "actor/entropy": mean(entropy),
         }
