@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import random
+import re
 import statistics
 import sysconfig
 
@@ -84,6 +85,19 @@ FINETUNE = [
 PROMPT = "def read_file(path):\n    "
 
 
+# Tables a tool wrote, which say so in their first lines: codec maps (``encodings/cp1252.py``,
+# "generated from ... with gencodec.py"), ``token.py``, ``pydoc_data/topics.py``. A tiny model
+# memorises their repeated lines first and its samples come out as ``0x0011: 0x0011, # LATIN``.
+GENERATED = re.compile(
+    r"auto-?generated|generated (?:from|by|on)|do not edit|character mapping codec", re.IGNORECASE
+)
+
+
+def is_generated(text: str) -> bool:
+    """Whether a source file declares itself generated (a table) in its first five lines."""
+    return GENERATED.search("\n".join(text.split("\n", 5)[:5])) is not None
+
+
 def stdlib_files() -> list[str]:
     """The standard library's ``.py`` files (top level and one folder down, tests left out),
     sorted, so every machine with this Python reads them in the same order."""
@@ -98,7 +112,8 @@ def stdlib_files() -> list[str]:
 
 
 def build_corpus(path: str, max_bytes: int, split: str | None = None) -> tuple[list[str], int]:
-    """Write stdlib ``.py`` files (see :func:`stdlib_files`) as jsonl, up to ``max_bytes``.
+    """Write stdlib ``.py`` files (see :func:`stdlib_files`; generated tables left out, see
+    :data:`GENERATED`) as jsonl, up to ``max_bytes``.
 
     Files are drawn in a seeded shuffle, so the corpus samples the whole library (in sorted
     order the cut at ``max_bytes`` keeps its alphabetical start). Megatron's ``--split`` holds
@@ -118,7 +133,7 @@ def build_corpus(path: str, max_bytes: int, split: str | None = None) -> tuple[l
             text = open(f, encoding="utf-8").read()
         except (UnicodeDecodeError, OSError):
             continue
-        if len(text) < 200:
+        if len(text) < 200 or is_generated(text):
             continue
         docs[os.path.relpath(f, stdlib)] = text
         size += len(text.encode())
