@@ -8,7 +8,7 @@ from helpers.code_graph import SRC, cycles, import_statements, modules, runtime_
 
 # The stage families under anyspeed.stages; the rest of stages/ (table, flags, prepare, checks,
 # arguments, ranges, common) is shared by all of them.
-STAGE_FAMILIES = ("pretrain", "sft", "preference", "grpo", "vlm")
+STAGE_FAMILIES = ("pretrain", "sft", "preference", "grpo", "ppo", "vlm")
 
 
 def test_no_import_circle_anywhere():
