@@ -38,8 +38,16 @@ def test_degenerate_cases_and_zero_mismatch(add_prompts, tiny_qwen, hf_tok):
            "--verifier-function", "helpers.user_rewards:digits"]  # fmt: skip
     grpo = cli(tiny_qwen, add_prompts, hf_tok, *seq)
     gspo = cli(tiny_qwen, add_prompts, hf_tok, *seq, "--importance-sampling-level", "sequence")
+    # rollout correction in fp32 at the training layout: weights 1 to ~1e-7, nothing rejected
+    corr = cli(tiny_qwen, add_prompts, hf_tok, *seq, "--rollout-is", "token",
+               "--rollout-rs", "geometric", "--rollout-rs-threshold", "1.001")  # fmt: skip
     runs = run_distributed(sft_ranks.posttrain_many, 1, argv=lr0,
-                           clis=[lr0, flat, grpo, gspo], timeout=300)[0]  # fmt: skip
+                           clis=[lr0, flat, grpo, gspo, corr], timeout=300)[0]  # fmt: skip
+    assert runs[4]["grad_norm"] == pytest.approx(runs[2]["grad_norm"], rel=1e-5)
+    c = runs[4]["metrics"]
+    assert c["rollout_corr/rollout_rs_masked_fraction"] == [0.0, 0.0]
+    assert max(abs(x) for x in c["rollout_corr/kl"] + c["rollout_corr/chi2_token"]) < 1e-5
+    assert c["rollout_corr/rollout_is_mean"] == pytest.approx([1.0, 1.0], abs=1e-5)
     assert max(runs[2]["grad_norm"]) > 0
     assert runs[3]["grad_norm"] == pytest.approx(runs[2]["grad_norm"], rel=1e-5)
     assert runs[3]["metrics"]["actor/pg_clipfrac"] == [0.0, 0.0]

@@ -193,6 +193,9 @@ RANGES: dict[str, Range] = {
     "--infer-tensor-parallel-size": POSITIVE,
     "--infer-pipeline-parallel-size": POSITIVE,
     "--infer-expert-parallel-size": POSITIVE,
+    "--rollout-is-threshold": STRICTLY_POSITIVE,
+    "--rollout-rs-threshold": STRICTLY_POSITIVE,
+    "--rollout-rs-threshold-lower": STRICTLY_POSITIVE,
     # vision-language
     "--max-image-pixels": POSITIVE,
 }

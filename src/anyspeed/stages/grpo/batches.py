@@ -117,9 +117,10 @@ def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:
         return 0.0, 0.0, 0.0
     total, count, most = 0.0, 0.0, 0.0
     for b in micro:
-        diff = (b["old_logp"] - b["rollout_logp"]).abs() * b["loss_mask"]
+        mask = b.get("answer_mask", b["loss_mask"])  # before any rollout-correction rejection
+        diff = (b["old_logp"] - b["rollout_logp"]).abs() * mask
         total += float(diff.double().sum())
-        count += float(b["loss_mask"].sum())
+        count += float(mask.sum())
         most = max(most, float(diff.max()))
     return total, count, most
 

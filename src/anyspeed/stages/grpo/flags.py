@@ -16,6 +16,7 @@ import argparse
 from typing import Any
 
 from anyspeed.errors import UsageError
+from anyspeed.stages.grpo import correction
 from anyspeed.stages.grpo import loss as L
 
 # --rl-config keys (MindSpeed-RL's rl_config / generate_config names) -> flags
@@ -39,6 +40,11 @@ YAML_KEYS = {
     "epochs": "--ppo-epochs",
     "loss_agg_mode": "--loss-agg-mode",
     "importance_sampling_level": "--importance-sampling-level",
+    "rollout_is": "--rollout-is",
+    "rollout_is_threshold": "--rollout-is-threshold",
+    "rollout_rs": "--rollout-rs",
+    "rollout_rs_threshold": "--rollout-rs-threshold",
+    "rollout_rs_threshold_lower": "--rollout-rs-threshold-lower",
     "filter_groups": "--filter-groups",
     "overlong_buffer_len": "--overlong-buffer-len",
     "overlong_penalty_factor": "--overlong-penalty-factor",
@@ -177,6 +183,7 @@ def _add_objective(g: Any) -> None:
         help="with --filter-groups: rollouts tried per step at most",
     )
     add_reference_arguments(g)
+    correction.add_arguments(g)
 
 
 def expand_config(argv: list[str]) -> list[str]:

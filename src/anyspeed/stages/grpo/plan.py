@@ -51,6 +51,7 @@ class GRPOConfig:
     lora: Any = None
     reshard: bool = False  # the rollout at TP 1 x DP world size (grpo_reshard.py)
     is_level: str = "token"  # the ratio's level (GSPO: sequence)
+    correction: Any = None  # rollout correction (correction.Correction), None: off
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -103,8 +104,8 @@ def plan(args: argparse.Namespace) -> StagePlan:
     """The GRPO checks (before the generic ones); the prompt data, opened once."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
+    from anyspeed.stages.grpo import correction, rewards
     from anyspeed.stages.grpo import data as prompt_data
-    from anyspeed.stages.grpo import rewards
     from anyspeed.training import lora
 
     prefix = one_prefix(args, "prompt")
@@ -158,6 +159,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
         lora=lora_cfg,
         reshard=reshard,
         is_level=_is_level(args),
+        correction=correction.from_args(args),
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([prompt_data.file_prefix(prefix, "input_ids")], cfg, data, records)

@@ -20,6 +20,7 @@ import torch
 
 from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import per_token_loss
+from anyspeed.stages.grpo import correction
 from anyspeed.stages.grpo import loss as L
 from anyspeed.stages.grpo.batches import Rollout, global_stats, micro_batches, mismatch
 from anyspeed.training.task import FrozenModel, LossFunc, Task
@@ -85,6 +86,7 @@ class GRPOTask(Task):
         self.pad = self.tok.pad_id if self.tok.pad_id is not None else 0
         self.reference = cfg.reference or run.load
         self.roller: Any = None  # the rollout model at TP 1 x DP world (--infer-* 1 1)
+        self.metrics = ACTOR + STATS + (correction.METRICS if cfg.correction else ())
 
     # ---------------------------------------------------------------- the task interface
     def transforms(self) -> list[Any]:
@@ -162,6 +164,8 @@ class GRPOTask(Task):
             "actor/kl_loss": mean(kl),
             "actor/entropy": mean(entropy),
         }
+        if c.correction is not None:
+            metrics.update(correction.diagnostics(b, c.correction))
         for i, name in enumerate(STATS):
             metrics[name] = torch.stack([b["stats"][i].double(), torch.ones_like(n)])
         return total, count.round().to(torch.int), metrics
@@ -238,6 +242,8 @@ class GRPOTask(Task):
         if old is not None:
             for b, lp in zip(micro, old, strict=True):
                 b["old_logp"] = lp
+                if self.cfg.correction is not None:
+                    correction.apply(b, self.cfg.correction)
         if self.cfg.beta:
             t0 = time.perf_counter()
             ref = trainer.logprobs(
