@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from anyspeed.stages.grpo import loss as L
+from anyspeed.stages.common.rl import objective as L
 
 TOL = 1e-6
 B, T, MICRO, MAX_LEN = 6, 7, 2, 9  # sequences, positions, sequences per micro-batch

@@ -1,14 +1,14 @@
 """The GRPO rule rewards: each built-in on right, wrong and malformed answers, the weighted sum of
 ``--verifier-function`` names, user functions by import path, the one-line usage errors, the
 reward errors naming function and sample, and DAPO's overlong penalty. Expectations are worked
-out by hand from the rules in :mod:`anyspeed.stages.grpo.rewards`."""
+out by hand from the rules in :mod:`anyspeed.stages.common.rl.rewards`."""
 
 from __future__ import annotations
 
 import pytest
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.grpo import rewards as R
+from anyspeed.stages.common.rl import rewards as R
 
 GSM8K_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"

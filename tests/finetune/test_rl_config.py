@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.grpo.flags import expand_config
+from anyspeed.stages.common.rl.flags import expand_config
 
 
 def _expand(tmp_path, text: str) -> list[str]:

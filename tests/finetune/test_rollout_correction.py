@@ -1,4 +1,4 @@
-"""Rollout correction (``stages/grpo/correction.py``) against a hand reference written per
+"""Rollout correction (``stages/common/rl/correction.py``) against a hand reference written per
 token from verl's definitions (float64): the loss and gradient of every weighting and masking
 mode over two passes of one rollout (ratios away from 1, caps and rejections active), the
 diagnostics, and the identity: with the rollout's log-probs equal to the old ones, correction on
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from anyspeed.stages.grpo import correction as C
-from anyspeed.stages.grpo import loss as L
+from anyspeed.stages.common.rl import correction as C
+from anyspeed.stages.common.rl import objective as L
 
 B, T, MICRO = 6, 7, 2
 LO, HI = 0.2, 0.28

@@ -32,7 +32,7 @@ def gathered_weights(tp: int, pp: int, lora: bool = False) -> dict:
         tp_parts,
     )
     from anyspeed.inference.forward import pipeline_forward
-    from anyspeed.stages.grpo.rollout import RolloutModel
+    from anyspeed.stages.common.rl.rollout_model import RolloutModel
     from anyspeed.training.model_pipeline import unwrap
     from anyspeed.training.step import Trainer
     from helpers.task_ranks import ProbeTask

@@ -91,16 +91,15 @@ def _orm() -> Stage:
 
 def _grpo() -> Stage:
     from anyspeed.stages import flags as posttrain_flags
-    from anyspeed.stages.grpo import flags as grpo
-    from anyspeed.stages.grpo import plan
+    from anyspeed.stages.grpo import stage as grpo
 
     return Stage(
         "grpo",
         "posttrain",
-        "colocated GRPO (DAPO's options) with rule rewards on prompt data",
+        "colocated GRPO (DAPO's and GSPO's options) with rule rewards on prompt data",
         (posttrain_flags.add_arguments, grpo.add_arguments),
-        plan.plan,
-        plan.make_task,
+        grpo.plan,
+        grpo.make_task,
         argv=grpo.expand_config,
     )
 

@@ -1,2 +1,2 @@
-"""``--stage grpo``: colocated GRPO with DAPO's options: flags, task, loss, batches, prompt
-data, rule rewards and the rollout at its own layout."""
+"""``--stage grpo``: colocated GRPO with DAPO's and GSPO's options, the shared RL machinery of
+:mod:`anyspeed.stages.common.rl` with group-normalised advantages."""

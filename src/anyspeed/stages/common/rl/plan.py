@@ -1,6 +1,6 @@
-"""``--stage grpo``'s checks before start and its config: batch sizes against the data-parallel
-size, the rollout layout, the reference, the rewards and the prompt data (the flags:
-:mod:`.flags`)."""
+"""The RL stages' checks before start and their config (``--stage grpo``, ``ppo``): batch sizes
+against the data-parallel size, the rollout layout, the reference, the rewards, rollout
+correction and the prompt data (the flags: :mod:`.flags`)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from anyspeed.errors import UsageError
 from anyspeed.training.task import StagePlan
 
 if TYPE_CHECKING:
-    from anyspeed.training.run import Run
+    pass
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
-    """The checked GRPO flags."""
+class RLConfig:
+    """The checked flags of an RL stage."""
 
     prefix: str
     group: int
@@ -49,9 +49,10 @@ class GRPOConfig:
     reference: str | None = None
     reference_iteration: int | None = None
     lora: Any = None
-    reshard: bool = False  # the rollout at TP 1 x DP world size (grpo_reshard.py)
+    reshard: bool = False  # the rollout at TP 1 x DP world size (rollout_model.py)
     is_level: str = "token"  # the ratio's level (GSPO: sequence)
     correction: Any = None  # rollout correction (correction.Correction), None: off
+    extra: Any = None  # the stage's own config (PPO: the critic's)
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -100,23 +101,24 @@ def _check_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     return rbs, steps, prompt
 
 
-def plan(args: argparse.Namespace) -> StagePlan:
-    """The GRPO checks (before the generic ones); the prompt data, opened once."""
+def rl_plan(args: argparse.Namespace, extra: Any = None) -> StagePlan:
+    """An RL stage's checks (before the generic ones); the prompt data, opened once. ``extra``:
+    the stage's own checked config (e.g. PPO's critic), kept in the config."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
-    from anyspeed.stages.grpo import correction, rewards
-    from anyspeed.stages.grpo import data as prompt_data
+    from anyspeed.stages.common.rl import correction, rewards
+    from anyspeed.stages.common.rl import prompts as prompt_data
     from anyspeed.training import lora
 
     prefix = one_prefix(args, "prompt")
     if args.context_parallel_size > 1:
         raise UsageError(
-            "--stage grpo with --context-parallel-size > 1 is not supported (the "
+            f"--stage {args.stage} with --context-parallel-size > 1 is not supported (the "
             "rollout decodes at CP 1); use CP 1"
         )
     if args.tokenizer_name_or_path is None:
         raise UsageError(
-            "--stage grpo decodes its samples for the rewards: pass "
+            f"--stage {args.stage} decodes its samples for the rewards: pass "
             "--tokenizer-name-or-path (or --load an HF directory)"
         )
     rbs, steps, prompt = _check_sizes(args)
@@ -128,8 +130,10 @@ def plan(args: argparse.Namespace) -> StagePlan:
     prompt_data.check_files(prefix)
     data = prompt_data.open_prompts(prefix)
     rows = prompt_data.usable_rows(data, prefix, prompt, args.split)
-    ref, ref_iter = (None, None) if args.init_kl_coef == 0 else reference(args, lora_cfg, "grpo")
-    cfg = GRPOConfig(
+    ref, ref_iter = (
+        (None, None) if args.init_kl_coef == 0 else reference(args, lora_cfg, args.stage)
+    )
+    cfg = RLConfig(
         prefix,
         args.n_samples_per_prompt,
         rbs,
@@ -160,6 +164,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
         reshard=reshard,
         is_level=_is_level(args),
         correction=correction.from_args(args),
+        extra=extra,
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([prompt_data.file_prefix(prefix, "input_ids")], cfg, data, records)
@@ -225,12 +230,3 @@ def _warn_dropout(args: argparse.Namespace) -> None:
             "reference) is not 1 (0) before an update; RL usually sets both to 0",
             file=sys.stderr,
         )
-
-
-def make_task(run: Run) -> Any:
-    """The GRPO task of a checked run."""
-    from anyspeed.checkpoint.record import hf_vocab
-    from anyspeed.stages.grpo.task import GRPOTask
-
-    cfg = run.config
-    return GRPOTask(cfg, run, hf_vocab(cfg.reference or run.load))

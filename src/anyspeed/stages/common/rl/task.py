@@ -1,7 +1,8 @@
-"""The GRPO task: each rollout samples ``n_samples_per_prompt`` answers per prompt from the
-policy at the training layout (the KV-cache decoder, the model's own code), scores them with the
-rule rewards, normalises the rewards per group, recomputes the old (and reference) log-probs
-forward-only, and then yields ``ppo_epochs`` passes of optimizer steps over it.
+"""The policy task of the RL stages (GRPO as it is; PPO adds a critic): each rollout samples
+``n_samples_per_prompt`` answers per prompt from the policy at the training layout (the KV-cache
+decoder, the model's own code), scores them with the rule rewards, normalises the rewards per
+group, recomputes the old (and reference) log-probs forward-only, and then yields
+``ppo_epochs`` passes of optimizer steps over it.
 
 Each data-parallel replica rolls out its own share of the prompts; every rank of a replica
 samples the same tokens. The rollout's own log-probs are kept: their difference from the
@@ -20,9 +21,9 @@ import torch
 
 from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import per_token_loss
-from anyspeed.stages.grpo import correction
-from anyspeed.stages.grpo import loss as L
-from anyspeed.stages.grpo.batches import Rollout, global_stats, micro_batches, mismatch
+from anyspeed.stages.common.rl import correction
+from anyspeed.stages.common.rl import objective as L
+from anyspeed.stages.common.rl.batches import Rollout, global_stats, micro_batches, mismatch
 from anyspeed.training.task import FrozenModel, LossFunc, Task
 
 if TYPE_CHECKING:
@@ -69,15 +70,16 @@ class _Clock:
     reshard: float = 0.0
 
 
-class GRPOTask(Task):
-    """Colocated GRPO: rollouts between optimizer steps, then clipped policy-gradient updates."""
+class PolicyTask(Task):
+    """Colocated policy optimisation: rollouts between optimizer steps, then clipped
+    policy-gradient updates (GRPO's group advantages unless a stage computes its own)."""
 
     name, loss_key = "grpo", "grpo loss"
     metrics = ACTOR + STATS
 
     def __init__(self, cfg: Any, run: Run, hf_vocab: int | None) -> None:
         from anyspeed.data.tokenizer import end_ids
-        from anyspeed.stages.grpo import rewards
+        from anyspeed.stages.common.rl import rewards
 
         self.cfg, self.tok = cfg, run.tokenizer
         self.vocab = hf_vocab or self.tok.vocab_size  # rollout and training: the same rows
@@ -226,7 +228,7 @@ class GRPOTask(Task):
         log-probs and the rollout's global statistics on every micro-batch."""
         clock = _Clock()
         if self.cfg.reshard:
-            from anyspeed.stages.grpo.rollout import RolloutModel
+            from anyspeed.stages.common.rl.rollout_model import RolloutModel
 
             self.roller = self.roller or RolloutModel(trainer)
             clock.reshard = self.roller.sync(trainer)
@@ -291,7 +293,7 @@ class GRPOTask(Task):
         from anyspeed.inference.decode import Request
         from anyspeed.inference.generate import decode
         from anyspeed.inference.sampling import SamplingParams
-        from anyspeed.stages.grpo import rewards
+        from anyspeed.stages.common.rl import rewards
 
         c = self.cfg
         prompts = [[int(t) for t in data.input_ids[i]] for i in rows]

@@ -1,4 +1,4 @@
-"""Rule rewards of the GRPO stage (reinforcement learning with verifiable rewards).
+"""Rule rewards of the RL stages (reinforcement learning with verifiable rewards).
 
 A reward function maps the batch's prompts, completions and labels (the reference answer text
 as the dataset holds it) to one finite number per sample. :data:`BUILTIN` holds the rule

@@ -1,4 +1,4 @@
-"""A GRPO rollout and the training micro-batches made from it: each sample is its prompt and
+"""An RL rollout and the training micro-batches made from it: each sample is its prompt and
 answer, right-padded; the labels are the next tokens, learned on the answer only, each answer
 token carrying its sequence's advantage and the log-prob the rollout sampled it with. Also the
 rollout's global statistics (rewards, lengths, mismatch, timing), the same on every rank."""
@@ -128,7 +128,7 @@ def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:
 def global_stats(
     roll: Rollout, mm: tuple[float, float, float], clock: Any, device: torch.device
 ) -> torch.Tensor:
-    """The rollout's statistics over every replica, in ``grpo_task.STATS`` order."""
+    """The rollout's statistics over every replica, in ``task.STATS`` order."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 

@@ -1,10 +1,9 @@
-"""``anyspeed posttrain --stage grpo``: colocated GRPO (and DAPO's options) on Megatron-Core at
-the training layout: rollout, old/reference log-probs and the update in the same processes.
+"""The flags of the colocated RL stages (``--stage grpo``, ``ppo``): rollout, old/reference
+log-probs and the update in the same processes, on Megatron-Core at the training layout.
 
-This module holds the flags (MindSpeed-RL's config names; ``--rl-config FILE`` may stand in for
-them); the checks and the config are :mod:`anyspeed.stages.grpo.plan`, the task
-:mod:`anyspeed.stages.grpo.task`, the objective :mod:`anyspeed.stages.grpo.loss`, the rewards
-:mod:`anyspeed.stages.grpo.rewards`. Batch sizes: ``--rollout-batch-size`` prompts per
+MindSpeed-RL's config names; ``--rl-config FILE`` may stand in for them. The checks and the
+config are :mod:`.plan`, the task :mod:`.task`, the objective :mod:`.objective`, the rewards
+:mod:`.rewards`. Batch sizes: ``--rollout-batch-size`` prompts per
 rollout (MindSpeed-RL's ``global_batch_size``), ``--n-samples-per-prompt`` samples each, and
 ``--global-batch-size`` sequences per optimizer step (MindSpeed-RL's ``mini_batch_size``, also
 accepted under that name); ``--ppo-epochs`` passes over each rollout.
@@ -16,8 +15,8 @@ import argparse
 from typing import Any
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.grpo import correction
-from anyspeed.stages.grpo import loss as L
+from anyspeed.stages.common.rl import correction
+from anyspeed.stages.common.rl import objective as L
 
 # --rl-config keys (MindSpeed-RL's rl_config / generate_config names) -> flags
 YAML_KEYS = {
@@ -55,8 +54,8 @@ YAML_KEYS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """GRPO's flags."""
-    g = p.add_argument_group("GRPO (MindSpeed-RL's names)")
+    """The RL stages' shared flags."""
+    g = p.add_argument_group("RL: GRPO, PPO (MindSpeed-RL's names)")
     a = g.add_argument
     a(
         "--rl-config",

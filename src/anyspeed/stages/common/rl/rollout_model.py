@@ -1,4 +1,4 @@
-"""GRPO's rollout at another layout than training: the whole model (tensor- and
+"""The RL rollout at another layout than training: the whole model (tensor- and
 pipeline-parallel size 1) on every rank, each rank sampling its share of its replica's
 sequences, so the rollout runs at TP 1 x DP (world size) whatever the training layout.
 
