@@ -8,6 +8,7 @@ runs the usual torchrun command, ``--distributed-backend nccl`` included.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -271,14 +272,10 @@ def _model_tensors(ckpt: Path, fmt: str) -> dict[str, torch.Tensor]:
             for k in keys}  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_pretrain_gpt_checkpoint_converts_to_hf_and_back(script, tmp_path, fmt):
-    """pretrain_gpt.py (the one line) saves a LLaMA-style TP2 model; anyspeed converts it to HF
-    from the stored args alone (tokenizer files from the user); transformers' logits equal
-    Megatron-LM's own on its own load; converting back gives Megatron-LM's tensors."""
-    from anyspeed.convert.verify import hf_logits
-
-    ckpt, hf, back = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "back"
+def _megatron_lm_checkpoint(script, tmp_path: Path, fmt: str):
+    """pretrain_gpt.py's (the one line) LLaMA-style TP2 checkpoint, fixed tokens, and the
+    logits Megatron-LM's own model gives on them after its own load."""
+    ckpt = tmp_path / "ckpt"
     torchrun(script, *LLAMA_TP2, "--train-iters", "2", "--save", str(ckpt), "--save-interval",
              "2", "--ckpt-format", fmt)  # fmt: skip
     tokens = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -287,7 +284,18 @@ def test_pretrain_gpt_checkpoint_converts_to_hf_and_back(script, tmp_path, fmt):
     torchrun(tmp_path / "logits.py", *LLAMA_TP2, "--load", str(ckpt), "--ckpt-format", fmt,
              "--exit-on-missing-checkpoint", TOKENS=str(tmp_path / "tokens.pt"),
              LOGITS=str(tmp_path / "logits.pt"))  # fmt: skip
-    megatron = torch.load(tmp_path / "logits.pt")
+    return ckpt, tokens, torch.load(tmp_path / "logits.pt")
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_pretrain_gpt_checkpoint_converts_to_hf_and_back(script, tmp_path, fmt):
+    """pretrain_gpt.py (the one line) saves a LLaMA-style TP2 model; anyspeed converts it to HF
+    from the stored args alone (tokenizer files from the user); transformers' logits equal
+    Megatron-LM's own on its own load; converting back gives Megatron-LM's tensors."""
+    from anyspeed.convert.verify import hf_logits
+
+    hf, back = tmp_path / "hf", tmp_path / "back"
+    ckpt, tokens, megatron = _megatron_lm_checkpoint(script, tmp_path, fmt)
     tok = tmp_path / "tokenizer"
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"stand-in": "tokenizer"}\n')
@@ -305,6 +313,34 @@ def test_pretrain_gpt_checkpoint_converts_to_hf_and_back(script, tmp_path, fmt):
     assert sorted(want) == sorted(have)
     for name, t in want.items():
         assert torch.equal(have[name], t), name
+
+
+def test_pretrain_gpt_checkpoint_converts_with_a_config_json_transformers_wrote(script, tmp_path):
+    """--hf-cfg-dir holding the config.json transformers saves for the same model (issue 43,
+    item 9): Megatron-LM stores --rope-type unset (None), which compares as its default; the
+    conversion keeps that config.json and transformers' logits equal Megatron-LM's own."""
+    from transformers import LlamaConfig
+
+    from anyspeed.convert.verify import hf_logits
+
+    ckpt, tokens, megatron = _megatron_lm_checkpoint(script, tmp_path, "torch_dist")
+    cfg, hf = tmp_path / "cfg", tmp_path / "hf"
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                rms_norm_eps=1e-5, tie_word_embeddings=False,
+                architectures=["LlamaForCausalLM"]).save_pretrained(cfg)  # fmt: skip
+    (cfg / "tokenizer.json").write_text('{"stand-in": "tokenizer"}\n')
+    assert "rope_parameters" in json.loads((cfg / "config.json").read_text())  # transformers 5
+    anyspeed_convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                     str(ckpt), "--save-dir", str(hf), "--hf-cfg-dir", str(cfg),
+                     "--model-type-hf", "llama2")  # fmt: skip
+    written, given = (json.loads((d / "config.json").read_text()) for d in (hf, cfg))
+    for c in (written, given):  # but the weights' dtype, filled in
+        c.pop("dtype", None), c.pop("torch_dtype", None)
+    assert written == given
+    got = hf_logits(hf, tokens)
+    assert megatron.shape == got.shape == (2, 16, 256) and megatron.std() > 0.1
+    assert (got - megatron).abs().max() <= 1e-4
 
 
 class _RunsCode:

@@ -76,6 +76,11 @@ def megatron_lm_model(
     values["disable_bias_linear"] = not args.add_bias_linear
     values.setdefault("norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5))
     values["model"] = None
+    # Left unset (None), --rope-type is Megatron-Core's default: YaRN for MLA, else RoPE.
+    if values.get("rope_type") is None:
+        values["rope_type"] = "yarn" if values.get("multi_latent_attention") else "rope"
+    # Megatron-LM stores zero-centred norms under TransformerConfig's name.
+    values.setdefault("apply_layernorm_1p", getattr(args, "layernorm_zero_centered_gamma", False))
     if not isinstance(values.get("padded_vocab_size"), int):
         raise ModelRecordError(f"{where}: the checkpoint's args have no padded_vocab_size")
     try:

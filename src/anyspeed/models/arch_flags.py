@@ -42,7 +42,11 @@ class ArchFlag:
             )
 
     def read(self, args: argparse.Namespace) -> Any:
-        value = getattr(args, self.flag[2:].replace("-", "_"), self.default)
+        """The field's value in ``args``; an argument left unset (absent or None, as
+        Megatron-LM stores ``--rope-type``) reads as the flag's default."""
+        value = getattr(args, self.flag[2:].replace("-", "_"), None)
+        if value is None:
+            value = self.default
         if self.type is None:
             return (not value) if self.invert else bool(value)
         return value

@@ -141,6 +141,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.rope_type is None:  # unset (Megatron-LM's --rope-type): Megatron-Core's default
+            object.__setattr__(self, "rope_type", "yarn" if self.multi_latent_attention else "rope")
         for name in ("moe_layer_freq", "linear_attention_freq"):  # Megatron-LM: int or list
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -148,15 +150,26 @@ class ModelConfig:
 
     def same_architecture(self, other: ModelConfig) -> list[str]:
         """The fields (compared ones, by meaning) in which ``other`` describes another model:
-        ``--moe-layer-freq 1`` and ``[1]*4`` are the same four MoE layers."""
+        ``--moe-layer-freq 1`` and ``[1]*4`` are the same four MoE layers, ``rope_type`` is
+        the RoPE applied (:meth:`rope_kind`), llama3 ``rope_scaling`` its factor."""
         out = []
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name == "moe_layer_freq" and self.is_moe and other.is_moe:
                 a, b = self.moe_layers(), other.moe_layers()
-            if f.compare and a != b:
+            if f.name == "rope_type":
+                a, b = self.rope_kind(), other.rope_kind()
+            if f.name == "rope_scaling":  # llama3's factor (Megatron fixes the rest)
+                a, b = [(m.rope_scaling or {}).get("factor") for m in (self, other)]
+            if (f.compare or f.name == "rope_scaling") and a != b:
                 out.append(f.name)
         return out
+
+    def rope_kind(self) -> str:
+        """The RoPE ``rope_type`` gives: only multi-latent attention reads it (plain attention
+        is RoPE, or YaRN by ``position_embedding_type``), and YaRN at factor 1 is plain RoPE."""
+        yarn = self.rope_type == "yarn" and self.rotary_scaling_factor != 1.0
+        return "yarn" if self.multi_latent_attention and yarn else "rope"
 
     @property
     def head_dim(self) -> int:

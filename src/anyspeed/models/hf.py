@@ -10,6 +10,7 @@ from typing import Any
 
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import FAMILIES
+from anyspeed.models.hf_rope import DEFAULT_MAX_POSITIONS, hf_rope_parameters
 
 HF_ARCHITECTURES = {name: f.hf_architecture for name, f in FAMILIES.items()}
 # Megatron's RotaryEmbedding applies LLaMA-3 scaling with only the factor configurable.
@@ -57,27 +58,24 @@ def hf_family(config: dict[str, Any]) -> str:
     return family
 
 
-def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope base, llama3 scaling or None) from either ``rope_scaling`` + ``rope_theta``
-    (transformers 4) or ``rope_parameters`` (transformers 5)."""
-    params, scaling = config.get("rope_parameters") or {}, config.get("rope_scaling")
-    scaling = scaling or params
-    if not isinstance(params, dict) or not isinstance(scaling, dict):
-        raise ValueError("config.json rope_parameters / rope_scaling is not an object")
-    base = _number(config, "rope_theta", float, None) or _number(params, "rope_theta", float, 1e4)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+def _llama3_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """The llama3 scaling of ``rope`` (:func:`hf_rope_parameters`), None for plain RoPE;
+    ValueError for another kind or a llama3 parameter Megatron's RotaryEmbedding fixes."""
+    kind = rope["rope_type"]
     if kind in (None, "default"):
-        return base, None
+        return None
     if kind != "llama3":
         raise ValueError(f"rope scaling {kind!r} is not supported (only llama3)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:  # transformers' llama3 reads it
+        raise ValueError("llama3 rope scaling of part of each head is not supported")
     for key, want in _MEGATRON_LLAMA3_ROPE.items():
-        if _number(scaling, key, float, want) != want:
+        if _number(rope, key, float, want) != want:
             raise ValueError(
-                f"llama3 rope scaling {key}={scaling[key]} is not supported "
+                f"llama3 rope scaling {key}={rope[key]} is not supported "
                 f"(Megatron fixes it to {want})"
             )
     keep = ("rope_type", "factor", *_MEGATRON_LLAMA3_ROPE)
-    return base, {k: scaling[k] for k in keep if k in scaling}
+    return {k: rope[k] for k in keep if k in rope}
 
 
 def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConfig:
@@ -94,14 +92,10 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
     hidden, heads = _number(config, "hidden_size", int), _number(config, "num_attention_heads", int)
     head_dim = _number(config, "head_dim", int, None)
     explicit = head_dim and (traits.qk_norm or head_dim != hidden // heads)
-    if traits.mla or traits.own_rope:  # the family's hook reads its rope (YaRN)
-        params = config.get("rope_parameters") or {}
-        base, scaling = (
-            _number(config, "rope_theta", float, None) or _number(params, "rope_theta", float, 1e4),
-            None,
-        )
-    else:
-        base, scaling = _hf_rope(config)
+    rope = hf_rope_parameters(config, family)  # what transformers reads
+    base = _number(rope, "rope_theta", float)
+    # the family's hook reads its own rope (YaRN); the rest have plain or llama3 RoPE
+    scaling = None if traits.mla or traits.own_rope else _llama3_scaling(rope)
     layers = _number(config, "num_hidden_layers", int)
     moe = traits.moe_from_hf(config, layers) if traits.moe_from_hf else {}
     fields = dict(
@@ -118,7 +112,9 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         ffn_hidden_size=_number(config, "intermediate_size", int),
         num_attention_heads=heads,
         vocab_size=_number(config, "vocab_size", int),
-        max_position_embeddings=_number(config, "max_position_embeddings", int, 4096),
+        max_position_embeddings=_number(
+            config, "max_position_embeddings", int, DEFAULT_MAX_POSITIONS
+        ),
         rotary_base=base,
         norm_epsilon=_number(config, "rms_norm_eps", float, 1e-6),
         **fields,
@@ -157,8 +153,8 @@ def hf_config(model: ModelConfig) -> dict[str, Any]:
         cfg["head_dim"] = model.head_dim
     if traits.attention_bias_key:
         cfg["attention_bias"] = model.add_qkv_bias
-    if model.rope_scaling:
-        cfg["rope_scaling"] = dict(model.rope_scaling)
+    if model.rope_scaling:  # all of llama3's keys: transformers needs them (and Megatron's)
+        cfg["rope_scaling"] = {"rope_type": "llama3", **_MEGATRON_LLAMA3_ROPE, **model.rope_scaling}
     if model.is_moe:
         if not traits.moe_to_hf:
             raise ValueError(f"{model.family}: its Hugging Face model has no experts")

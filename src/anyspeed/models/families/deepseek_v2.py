@@ -9,6 +9,12 @@ from typing import Any
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families.base import Family, FamilyMapping, gate_up, tiny
 from anyspeed.models.families.moe_hf import QWEN_EXPERT, int_of
+from anyspeed.models.hf_rope import (
+    DEFAULT_MAX_POSITIONS,
+    hf_rope_parameters,
+    yarn_factor,
+    yarn_mscales,
+)
 from anyspeed.models.patterns import pattern_text
 
 # What Megatron-Core's MLATransformerConfig fixes for YaRN: configs that differ are refused.
@@ -49,9 +55,9 @@ PRESETS = (
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in (None, "default"):
+    params = hf_rope_parameters(config, "deepseek_v2")
+    kind = params["rope_type"]
+    if kind == "default":
         return {"rope_type": "rope"}
     if kind != "yarn":
         raise ValueError(f"deepseek_v2: rope scaling {kind!r} is not supported (rope or yarn)")
@@ -61,11 +67,13 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
                 f"deepseek_v2: yarn {key}={params[key]} is not supported "
                 f"(Megatron-Core fixes it to {want})"
             )
+    mscale, all_dim = yarn_mscales(params, "deepseek_v2")
+    positions = int_of(config, "max_position_embeddings", default=DEFAULT_MAX_POSITIONS)
     return dict(
         rope_type="yarn",
-        rotary_scaling_factor=float(params["factor"]),
-        mscale=float(params.get("mscale", 1.0)),
-        mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
+        rotary_scaling_factor=yarn_factor(params, positions),
+        mscale=mscale,
+        mscale_all_dim=all_dim,
     )
 
 

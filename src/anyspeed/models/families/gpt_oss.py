@@ -18,6 +18,12 @@ from anyspeed.models.families.base import (
     tiny,
 )
 from anyspeed.models.families.moe_hf import int_of
+from anyspeed.models.hf_rope import (
+    DEFAULT_MAX_POSITIONS,
+    gpt_yarn,
+    hf_rope_parameters,
+    yarn_mscales_to_hf,
+)
 
 ALPHA = 1.702  # the GLU's sigmoid slope: Megatron's quick-GELU
 _TRAITS = dict(
@@ -74,18 +80,11 @@ def _skip_freq(layer_types: Any, num_layers: int) -> str | None:
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if params.get("rope_type", params.get("type")) != "yarn":
+    rope = hf_rope_parameters(config, "gpt_oss")
+    if rope["rope_type"] != "yarn":
         raise ValueError("gpt_oss: only YaRN rope_parameters are supported")
-    if params.get("attention_factor") is not None or "mscale" in params:
-        raise ValueError("gpt_oss: YaRN attention_factor / mscale overrides are not supported")
-    return dict(
-        position_embedding_type="yarn",
-        rotary_scaling_factor=float(params["factor"]),
-        yarn_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        yarn_beta_fast=float(params.get("beta_fast", 32.0)),
-        yarn_beta_slow=float(params.get("beta_slow", 1.0)),
-        yarn_correction_range_round_to_int=bool(params.get("truncate", True)),
+    return gpt_yarn(
+        rope, "gpt_oss", int_of(config, "max_position_embeddings", default=DEFAULT_MAX_POSITIONS)
     )
 
 
@@ -153,6 +152,7 @@ def _to_hf(model: ModelConfig) -> dict[str, Any]:
             "beta_fast": model.yarn_beta_fast,
             "beta_slow": model.yarn_beta_slow,
             "truncate": model.yarn_correction_range_round_to_int,
+            **yarn_mscales_to_hf(model),
         },
     }
 

@@ -24,6 +24,7 @@ from anyspeed.models.families.moe_hf import (
     qwen_moe_from_hf,
     qwen_moe_to_hf,
 )
+from anyspeed.models.hf_rope import hf_rope_parameters
 
 _TRAITS = dict(
     kv_channels=256,
@@ -74,11 +75,15 @@ def _layer_types(config: dict[str, Any], num_layers: int) -> str:
 
 
 def _rotary_percent(config: dict[str, Any]) -> float:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if params.get("rope_type", params.get("type", "default")) not in ("default", None):
-        raise ValueError("qwen3_next: only plain RoPE is supported (no rope scaling)")
-    value = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.25))
-    return float(value)
+    """The rotated share of each head; ValueError for scaled RoPE (YaRN): Megatron-Core's
+    YarnRotaryEmbedding rotates whole heads, Qwen3-Next a part of each."""
+    rope = hf_rope_parameters(config, "qwen3_next")
+    if rope["rope_type"] != "default":
+        raise ValueError(
+            f"qwen3_next: rope scaling {rope['rope_type']!r} is not supported (only plain "
+            "RoPE: Megatron-Core's YaRN cannot rotate part of a head)"
+        )
+    return float(rope["partial_rotary_factor"])
 
 
 def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
