@@ -101,3 +101,15 @@ def test_gspo_refuses_a_token_mean(capsys, add_prompts, tiny_qwen, hf_tok):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--importance-sampling-level sequence" in err
     assert "--loss-agg-mode token-mean" in err and "sequence_token" in err
+
+
+def test_a_group_of_one_is_refused(capsys, add_prompts, tiny_qwen, hf_tok):
+    """A group of one has no group-normalised advantage (PPO's critic has one: --stage ppo)."""
+    from anyspeed.commands.train import posttrain
+
+    os.environ.pop("WORLD_SIZE", None)
+    argv = cli(tiny_qwen, add_prompts, hf_tok, "--n-samples-per-prompt", "1",
+               "--global-batch-size", "4")  # fmt: skip
+    assert posttrain(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "a group of one" in err and "--stage ppo" in err

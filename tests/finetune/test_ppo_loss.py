@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from anyspeed.stages.common.rl import objective as L
 from anyspeed.stages.ppo import loss as P
 
 B, S, TOL = 5, 12, 1e-6
@@ -108,7 +109,7 @@ def test_dual_clip_policy_term():
     g = torch.Generator().manual_seed(4)
     ratio = torch.exp(torch.randn(B, S, generator=g, dtype=torch.float64))
     adv = torch.randn(B, S, generator=g, dtype=torch.float64) * 2
-    got = P.policy_loss(ratio, adv, 0.2, 0.28, dual_clip=3.0)
+    got = L.policy_terms(torch.log(ratio), adv, 0.2, 0.28, dual_clip=3.0)
     for i in range(B):
         for t in range(S):
             r, a = float(ratio[i, t]), float(adv[i, t])

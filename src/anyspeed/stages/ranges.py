@@ -173,7 +173,7 @@ RANGES: dict[str, Range] = {
     "--simpo-label-smoothing": HALF,
     "--gamma-beta-ratio": NONNEG,
     # GRPO
-    "--n-samples-per-prompt": Range(ge=2),  # a group of one has no group-normalised advantage
+    "--n-samples-per-prompt": POSITIVE,  # GRPO's plan refuses 1 (no group-normalised advantage)
     "--rollout-batch-size": POSITIVE,
     "--mini-batch-size": POSITIVE,
     "--ppo-epochs": POSITIVE,
@@ -194,6 +194,13 @@ RANGES: dict[str, Range] = {
     "--infer-pipeline-parallel-size": POSITIVE,
     "--infer-expert-parallel-size": POSITIVE,
     "--rollout-is-threshold": STRICTLY_POSITIVE,
+    # PPO
+    "--gamma": FRACTION,
+    "--lam": FRACTION,
+    "--critic-lr": NONNEG,
+    "--cliprange-value": NONNEG,
+    "--critic-warmup": COUNT,
+    "--clip-ratio-c": NONNEG,
     "--rollout-rs-threshold": STRICTLY_POSITIVE,
     "--rollout-rs-threshold-lower": STRICTLY_POSITIVE,
     # vision-language

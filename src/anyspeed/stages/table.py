@@ -104,6 +104,21 @@ def _grpo() -> Stage:
     )
 
 
+def _ppo() -> Stage:
+    from anyspeed.stages import flags as posttrain_flags
+    from anyspeed.stages.ppo import stage as ppo
+
+    return Stage(
+        "ppo",
+        "posttrain",
+        "colocated PPO: a critic (GAE) beside the policy, rule rewards on prompt data",
+        (posttrain_flags.add_arguments, ppo.add_arguments),
+        ppo.plan,
+        ppo.make_task,
+        argv=ppo.expand_config,
+    )
+
+
 def _vlm() -> Stage:
     from anyspeed.stages import flags as posttrain_flags
     from anyspeed.stages.vlm import task as vlm
@@ -128,6 +143,7 @@ STAGES: dict[str, Callable[[], Stage]] = {
     "simpo": _preference("simpo"),
     "orm": _orm,
     "grpo": _grpo,
+    "ppo": _ppo,
     "vlm": _vlm,
 }
 

@@ -179,6 +179,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
                 **task.records(),
             },
         ),
+        *task.hooks(run),
         *extra_hooks,
     ]
     try:

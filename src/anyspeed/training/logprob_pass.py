@@ -3,6 +3,7 @@ log-probabilities (the reference / old-policy pass of preference and RL stages).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,14 +18,10 @@ def logprob_pass(
 ) -> list[torch.Tensor] | None:
     """[b, s] log-probabilities per micro-batch on the last pipeline stage (None elsewhere),
     through :func:`anyspeed.models.logprobs.token_logprobs` (vocab-parallel, any TP/PP/CP)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from anyspeed.models.logprobs import packed_params, token_logprobs
 
-    def forward_step(data_iterator, model):
-        b = next(data_iterator)
-        out = token_logprobs(
+    def compute(model: torch.nn.Module, b: dict) -> torch.Tensor:
+        return token_logprobs(
             model,
             b["tokens"],
             b["position_ids"],
@@ -34,6 +31,24 @@ def logprob_pass(
             vocab_size,
             temperature,
         )
+
+    return output_pass(trainer, chunks, microbatches, compute)
+
+
+def output_pass(
+    trainer: Any,
+    chunks: list[torch.nn.Module],
+    microbatches: list[dict],
+    compute: Callable[[torch.nn.Module, dict], torch.Tensor],
+) -> list[torch.Tensor] | None:
+    """``compute(model, micro_batch)`` of each micro-batch through the pipeline schedule,
+    forward only: its outputs on the last pipeline stage (None elsewhere); e.g. a critic's
+    per-token values."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        out = compute(model, next(data_iterator))
 
         def collect(output_tensor, non_loss_data=True):
             return output_tensor.clone()

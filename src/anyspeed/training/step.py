@@ -41,6 +41,7 @@ class Trainer:
         cfg: TrainConfig,
         task: Task,
         transforms: Sequence[Transform] = (),
+        start_groups: bool = True,
     ) -> None:
         world = world_size()
         layout.validate_for(world, model, cfg.seq_length)
@@ -48,7 +49,8 @@ class Trainer:
         cfg.check(self.dp)
         self.model_config, self.layout, self.cfg = model, layout, cfg
         self.task = task
-        init_distributed(layout, cfg.seed)
+        if start_groups:  # False: a second model of the run (a critic) in the groups in place
+            init_distributed(layout, cfg.seed)
         self.model = build_model(
             model, layout, cfg, [*self.task.transforms(), *transforms], builder=self.task.build
         )

@@ -86,6 +86,10 @@ class Task:
     def setup(self, trainer: Trainer) -> None:
         """Called once the model, the optimizer, the frozen models and the load are in place."""
 
+    def hooks(self, run: Run) -> list[Any]:
+        """Loop hooks of the task's own (after the engine's; e.g. saving a second model)."""
+        return []
+
     def datasets(self, run: Run) -> list[Any]:
         """(train, valid, test) data sources; None for an empty split."""
         raise NotImplementedError

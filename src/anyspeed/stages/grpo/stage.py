@@ -17,9 +17,19 @@ expand_config = flags.expand_config
 
 
 def plan(args: argparse.Namespace) -> StagePlan:
-    """GRPO's checks: the shared RL ones."""
+    """GRPO's checks: a group of two or more, an estimator without a critic, then the shared
+    RL ones."""
+    from anyspeed.errors import UsageError
     from anyspeed.stages.common.rl.plan import rl_plan
 
+    if args.n_samples_per_prompt < 2:
+        raise UsageError(
+            f"--n-samples-per-prompt {args.n_samples_per_prompt}: a group of one has no "
+            "group-normalised advantage; sample 2 or more per prompt, or train a critic "
+            "with --stage ppo"
+        )
+    if args.adv_estimator == "gae":
+        raise UsageError("--adv-estimator gae needs a critic: use --stage ppo")
     return rl_plan(args)
 
 

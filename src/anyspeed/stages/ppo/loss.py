@@ -1,7 +1,8 @@
 """PPO's objective with a critic, as verl computes it (``core_algos``), in plain tensor math:
 token rewards (the KL penalty in the reward, the sequence reward at the last answer token),
-generalised advantage estimation with the returns, whitening over the answer tokens, the
-dual-clip policy term and the clipped value loss; and the critic's explained variance.
+generalised advantage estimation with the returns, whitening over the answer tokens and the
+clipped value loss; and the critic's explained variance. The policy term (dual clip included)
+is the RL stages' shared one, :func:`anyspeed.stages.common.rl.objective.policy_terms`.
 
 Tensors are [b, s] over a micro-batch's positions with ``mask`` 1 on the answer tokens. Where
 a mask has holes inside an answer (tool output in a multi-turn rollout) GAE follows verl: the
@@ -70,27 +71,6 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torc
     var = masked_mean((x - mean) ** 2, mask) * n / (n - 1)
     out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
     return out if shift_mean else out + mean
-
-
-def policy_loss(
-    ratio: torch.Tensor,
-    adv: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per-token PPO policy term max(−A·ρ, −A·clip(ρ)); with ``dual_clip`` c (> 1) the term of
-    a negative advantage is at most −A·c (dual-clip PPO). Also where each clip acted."""
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg = torch.maximum(unclipped, clipped)
-    out = {"pg": pg, "clipped": (clipped > unclipped).to(ratio.dtype)}
-    if dual_clip is not None:
-        bound = -adv * dual_clip
-        lower = (adv < 0) & (bound < pg)
-        out["pg"] = torch.where(lower, bound, pg)
-        out["dual_clipped"] = lower.to(ratio.dtype)
-    return out
 
 
 def value_loss(

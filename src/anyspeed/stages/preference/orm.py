@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anyspeed.errors import UsageError
+from anyspeed.stages.common.value_head import has_head
 from anyspeed.stages.preference import loss as P
 from anyspeed.stages.preference.task import PreferenceTask
 from anyspeed.training.task import LossFunc, StagePlan
@@ -127,16 +128,3 @@ class ORMTask(PreferenceTask):
 
         data, rows = dataset
         return batches(data, run.args, rows, consumed, device, self.cfg.pad_id)
-
-
-def has_head(load: str) -> bool:
-    """Whether the checkpoint under ``load`` holds a reward head."""
-    from megatron.core import dist_checkpointing
-
-    from anyspeed.checkpoint.reads import checkpoint_format, tracked_dir
-    from anyspeed.models.reward_head import HEAD_KEY
-
-    path = tracked_dir(load)
-    if path is None or checkpoint_format(path) != "torch_dist":
-        return False
-    return any(k.endswith(HEAD_KEY) for k in dist_checkpointing.load_tensors_metadata(path))

@@ -102,6 +102,7 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
             "loss_mask": mask[i : i + mbs].to(device),
             "position_ids": pos[i : i + mbs].contiguous().to(device),
             "advantages": adv[i : i + mbs].contiguous().to(device),
+            "scores": roll.rewards[i : i + mbs].float().to(device),  # each sequence's reward
             "rollout_logp": old[i : i + mbs].to(device),
         }
         for i in range(0, n, mbs)

@@ -144,7 +144,7 @@ def _add_objective(g: Any) -> None:
         "--adv-estimator",
         choices=L.ADVANTAGES,
         default="group_norm",
-        help="group_norm (GRPO) or group_mean (Dr. GRPO: no std)",
+        help="group_norm (GRPO), group_mean (Dr. GRPO: no std) or gae (PPO: a critic's)",
     )
     a(
         "--importance-sampling-level",

@@ -25,7 +25,8 @@ import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "micro-token-mean")
 KL_PENALTIES = ("low_var_kl", "kl", "mse")  # k3, k1, k2
-ADVANTAGES = ("group_norm", "group_mean")  # GRPO; Dr. GRPO (no division by the group's std)
+GROUP_ADVANTAGES = ("group_norm", "group_mean")  # GRPO; Dr. GRPO (no division by the std)
+ADVANTAGES = (*GROUP_ADVANTAGES, "gae")  # gae: a critic's (PPO)
 ADV_EPS = 1e-6  # MindSpeed-RL's epsilon in (r - mean) / (std + eps)
 IS_LEVELS = ("token", "sequence", "sequence_token")  # TRL's importance_sampling_level names
 
@@ -85,18 +86,26 @@ def log_importance(
 
 
 def policy_terms(
-    log_w: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+    log_w: torch.Tensor,
+    adv: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token clipped policy-gradient loss max(-A·w, -A·clip(w, 1-ε_low, 1+ε_high)) with
-    w = exp(``log_w``) (see :func:`log_importance`) and whether the clip was active."""
+    w = exp(``log_w``) (see :func:`log_importance`) and whether the clip was active. With
+    ``dual_clip`` c (dual-clip PPO, verl's ``clip_ratio_c``) the term of a negative advantage
+    is at most -A·c, so a huge ratio cannot make one token's loss unbounded."""
     ratio = torch.exp(log_w)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
-    return {
-        "pg": torch.maximum(unclipped, clipped),
-        "clipped": (clipped > unclipped).float(),
-        "ratio": ratio,
-    }
+    pg = torch.maximum(unclipped, clipped)
+    out = {"pg": pg, "clipped": (clipped > unclipped).to(pg.dtype), "ratio": ratio}
+    if dual_clip is not None:
+        lower = (adv < 0) & (-adv * dual_clip < pg)
+        out["pg"] = torch.where(lower, -adv * dual_clip, pg)
+        out["dual_clipped"] = lower.to(pg.dtype)
+    return out
 
 
 def aggregate(

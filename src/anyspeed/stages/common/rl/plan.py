@@ -53,6 +53,8 @@ class RLConfig:
     is_level: str = "token"  # the ratio's level (GSPO: sequence)
     correction: Any = None  # rollout correction (correction.Correction), None: off
     extra: Any = None  # the stage's own config (PPO: the critic's)
+    dual_clip: float | None = None  # dual-clip PPO's c (None: off)
+    kl_in_reward: bool = False  # the KL penalty in the reward (PPO), not in the loss
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -101,9 +103,10 @@ def _check_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     return rbs, steps, prompt
 
 
-def rl_plan(args: argparse.Namespace, extra: Any = None) -> StagePlan:
+def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> StagePlan:
     """An RL stage's checks (before the generic ones); the prompt data, opened once. ``extra``:
-    the stage's own checked config (e.g. PPO's critic), kept in the config."""
+    the stage's own checked config (e.g. PPO's critic); ``fields``: :class:`RLConfig` fields
+    the stage sets (``dual_clip``, ``kl_in_reward``)."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
     from anyspeed.stages.common.rl import correction, rewards
@@ -165,6 +168,7 @@ def rl_plan(args: argparse.Namespace, extra: Any = None) -> StagePlan:
         is_level=_is_level(args),
         correction=correction.from_args(args),
         extra=extra,
+        **fields,
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([prompt_data.file_prefix(prefix, "input_ids")], cfg, data, records)

@@ -143,10 +143,10 @@ class PolicyTask(Task):
         c = self.cfg
         mask = b["loss_mask"].float()
         log_w = L.log_importance(logp, b["old_logp"], mask, c.is_level, cp_sum)
-        t = L.policy_terms(log_w, b["advantages"], c.clip_low, c.clip_high)
+        t = L.policy_terms(log_w, b["advantages"], c.clip_low, c.clip_high, c.dual_clip)
         per_token = t["pg"] * b["is_weight"] if "is_weight" in b else t["pg"]
         kl = torch.zeros_like(logp)
-        if c.beta:
+        if c.beta and not c.kl_in_reward:
             kl = L.kl_penalty(logp, b["ref_logp"], c.kl_penalty)
             per_token = per_token + c.beta * kl
         if c.entropy_coeff:
@@ -168,9 +168,25 @@ class PolicyTask(Task):
         }
         if c.correction is not None:
             metrics.update(correction.diagnostics(b, c.correction))
+        metrics.update(self.step_metrics(b, n))
         for i, name in enumerate(STATS):
             metrics[name] = torch.stack([b["stats"][i].double(), torch.ones_like(n)])
         return total, count.round().to(torch.int), metrics
+
+    def step_metrics(self, b: dict, n: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A stage's own metrics of a micro-batch (``[sum, count]`` each; PPO: its critic's)."""
+        return {}
+
+    def warmup_rollouts(self) -> int:
+        """Rollouts before the policy's first step that train only a stage's critic."""
+        return 0
+
+    def warmed_up(self, done: int) -> None:
+        """After the ``done``-th warm-up rollout (PPO: one line of its critic's loss)."""
+
+    def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
+        """A stage's work on a rollout's micro-batches once the old (and reference) log-probs
+        are in (PPO: values, advantages and the critic's update); GRPO's advantages are set."""
 
     # ------------------------------------------------------------------------- rollouts
     def batches(
@@ -191,21 +207,23 @@ class PolicyTask(Task):
         c, args = self.cfg, run.args
         dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         per_rank, gbs = c.rollout_batch // dp, args.global_batch_size
-        r = consumed // (gbs * c.steps_per_rollout)
+        warm = self.warmup_rollouts()  # the first prompts train only a critic, once
+        r = consumed // (gbs * c.steps_per_rollout) + warm
         skip = (consumed // gbs) % c.steps_per_rollout
-        n = (args.train_iters // c.steps_per_rollout + 2) * c.rollout_batch
+        n = (args.train_iters // c.steps_per_rollout + 2 + warm) * c.rollout_batch
         order = rows[sample_order((0, len(rows)), n, args.seed)]
         per_step = gbs // dp // args.micro_batch_size
+
+        def rollout(at: int) -> list[dict[str, Any]]:
+            start = at * c.rollout_batch + rank * per_rank
+            where = range(start, start + per_rank)
+            return self.rollout(trainer, data, order[where.start : where.stop], where, args, device)
+
+        for w in range(warm if consumed == 0 else 0):
+            rollout(w)
+            self.warmed_up(w + 1)
         while True:
-            start = r * c.rollout_batch + rank * per_rank
-            micro = self.rollout(
-                trainer,
-                data,
-                order[start : start + per_rank],
-                range(start, start + per_rank),
-                args,
-                device,
-            )
+            micro = rollout(r)
             steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
             for _ in range(c.epochs):
                 for step in steps:
@@ -255,6 +273,7 @@ class PolicyTask(Task):
             if ref is not None:
                 for b, lp in zip(micro, ref, strict=True):
                     b["ref_logp"] = lp
+        self.prepare(trainer, micro)
         stats = global_stats(roll, mismatch(micro), clock, device)
         for b in micro:
             b["stats"] = stats
@@ -335,5 +354,8 @@ class PolicyTask(Task):
             )
             scores = [s + p for s, p in zip(scores, pen, strict=True)]
         rew = torch.tensor(scores, dtype=torch.float64)
-        adv = L.group_advantages(rew, c.group, c.adv_estimator)
+        if c.adv_estimator in L.GROUP_ADVANTAGES:
+            adv = L.group_advantages(rew, c.group, c.adv_estimator)
+        else:  # a critic's (set per token by the stage's prepare)
+            adv = torch.zeros_like(rew)
         return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows))

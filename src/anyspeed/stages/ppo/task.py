@@ -1,0 +1,121 @@
+"""The PPO task: the RL stages' policy task with a critic. Each rollout is scored (the
+sequence reward at its last answer token, the KL penalty per token when it goes in the
+reward), the critic's values give GAE advantages and returns, the advantages are whitened over
+every replica's answer tokens, the critic takes its optimizer steps on the clipped value loss,
+and the policy its steps on the clipped (dual-clip) policy loss, as verl orders them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from anyspeed.distributed.process import print0
+from anyspeed.stages.common.rl import objective as L
+from anyspeed.stages.common.rl.task import PolicyTask
+from anyspeed.stages.ppo import loss as P
+from anyspeed.stages.ppo.critic import Critic, SaveCritic
+
+if TYPE_CHECKING:
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
+
+CRITIC = (
+    "critic/vf_loss",
+    "critic/vpred_mean",
+    "critic/vf_clipfrac",
+    "critic/grad_norm",
+    "critic/vf_explained_var",
+)
+
+
+class PPOTask(PolicyTask):
+    """Colocated PPO: the policy and its critic at the training layout in the same processes."""
+
+    name, loss_key = "ppo", "ppo loss"
+
+    def __init__(self, cfg: Any, run: Run, hf_vocab: int | None) -> None:
+        super().__init__(cfg, run, hf_vocab)
+        self.run = run
+        self.critic: Any = None
+        self.metrics = (*self.metrics, *CRITIC)
+
+    def setup(self, trainer: Trainer) -> None:
+        self.critic = Critic(self.run, self.cfg, self.cfg.extra.lr)
+        self.critic.start(self.run, self.cfg.extra.load)
+
+    def hooks(self, run: Run) -> list[Any]:
+        return [SaveCritic(self)]
+
+    def warmup_rollouts(self) -> int:
+        return self.cfg.extra.warmup
+
+    def step_metrics(self, b: dict, n: torch.Tensor) -> dict[str, torch.Tensor]:
+        s = b["critic_stats"]
+        return {k: torch.stack([s[i].double(), torch.ones_like(n)]) for i, k in enumerate(CRITIC)}
+
+    def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
+        """Values, rewards per token, GAE, whitening; then the critic's steps (``ppo_epochs``
+        passes over the rollout's mini-batches), its metrics on each mini-batch."""
+        values = self.critic.values(micro)
+        explained = advantages(micro, values, self.cfg) if values is not None else 0.0
+        per_step = self.run.args.global_batch_size // trainer.dp // self.run.args.micro_batch_size
+        steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
+        sums = [torch.zeros(len(CRITIC) - 1, dtype=torch.float64) for _ in steps]
+        for _ in range(self.cfg.epochs):
+            for k, step in enumerate(steps):
+                out = self.critic.step(step)
+                sums[k] += torch.tensor([out[name] for name in CRITIC[:-1]], dtype=torch.float64)
+        for k, step in enumerate(steps):
+            stats = torch.cat([sums[k] / self.cfg.epochs, torch.tensor([explained])])
+            for b in step:
+                b["critic_stats"] = stats.to(b["tokens"].device)
+        self.last = (float(sum(x[0] for x in sums)) / len(sums) / self.cfg.epochs, explained)
+
+    def warmed_up(self, done: int) -> None:
+        print0(
+            f" critic warm-up rollout {done}/{self.cfg.extra.warmup} | critic/vf_loss: "
+            f"{self.last[0]:.6E} | critic/vf_explained_var: {self.last[1]:.4f}"
+        )
+
+
+def advantages(micro: list[dict[str, Any]], values: list[torch.Tensor], cfg: Any) -> float:
+    """Set each micro-batch's ``values``, ``returns`` and whitened ``advantages`` (over every
+    replica's answer tokens); returns the critic's explained variance of the returns."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    x = cfg.extra
+    sums = torch.zeros(7, dtype=torch.float64)
+    for b, v in zip(micro, values, strict=True):
+        mask = b["loss_mask"].float()
+        kl = None
+        if cfg.kl_in_reward and cfg.beta:
+            kl = L.kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_penalty)
+        rewards = P.token_rewards(b["scores"], mask, kl, cfg.beta)
+        adv, ret = P.gae(rewards, v, mask, x.gamma, x.lam)
+        b["values"], b["returns"], b["advantages"] = v, ret, adv
+        m, a, g, d = mask.double(), adv.double(), ret.double(), (ret - v).double()
+        sums += torch.stack(
+            [
+                m.sum(),
+                (a * m).sum(),
+                (a * a * m).sum(),
+                (g * m).sum(),
+                (g * g * m).sum(),
+                (d * m).sum(),
+                (d * d * m).sum(),
+            ]  # fmt: skip
+        ).cpu()
+    sums = sums.to(micro[0]["tokens"].device)
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    n, sa, saa, sg, sgg, sd, sdd = sums.tolist()
+
+    def var(s: float, ss: float) -> float:
+        return (ss - s * s / n) / (n - 1)
+
+    mean, std = sa / n, (var(sa, saa) + P.WHITEN_EPS) ** 0.5
+    for b in micro:
+        b["advantages"] = ((b["advantages"] - mean) / std).float()
+    return 1.0 - var(sd, sdd) / (var(sg, sgg) + P.EXPLAINED_EPS)

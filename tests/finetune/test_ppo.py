@@ -1,0 +1,54 @@
+"""PPO end to end on a converted tiny Qwen2 (1 process): the degenerate case (policy learning
+rate 0: ratio exactly 1, no clip) with the critic learning, its metrics and the explained
+variance; the critic saved inside the policy's checkpoint; bad flags refused in one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from anyspeed.testing import run_distributed
+from helpers import sft_ranks
+
+
+def cli(hf: str, prefix: str, tok: str, *extra: str, iters: int = 2) -> list[str]:
+    return ["--stage", "ppo", "--load", hf, "--finetune", "--data-path", prefix,
+            "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok,
+            "--seq-length", "96", "--max-response-length", "16", "--n-samples-per-prompt", "2",
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(iters),
+            "--lr", "1e-3", "--critic-lr", "1e-3", "--split", "100,0,0",
+            "--init-kl-coef", "0", "--verifier-function", "helpers.user_rewards:digits",
+            "--eval-iters", "0", "--log-interval", "1", "--no-progress-bar", "--seed", "5",
+            *extra]  # fmt: skip
+
+
+def test_policy_at_rest_and_critic_learning(add_prompts, tiny_qwen, hf_tok, tmp_path):
+    """Policy lr 0 with two passes per rollout: its ratio stays exactly 1 (ppo_kl 0, no clip)
+    while the critic trains: its value loss falls over the passes of each rollout; the critic
+    is saved inside the policy checkpoint."""
+    save = str(tmp_path / "ck")
+    argv = cli(tiny_qwen, add_prompts, hf_tok, "--lr", "0", "--ppo-epochs", "2", "--save", save,
+               iters=4)  # fmt: skip
+    (hist,) = run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)
+    m = hist["metrics"]
+    assert m["actor/ppo_kl"] == [0.0] * 4 and m["actor/pg_clipfrac"] == [0.0] * 4
+    for k in ("critic/vf_loss", "critic/vpred_mean", "critic/vf_explained_var"):
+        assert all(abs(x) < 1e6 for x in m[k]), (k, m[k])
+    assert max(m["critic/grad_norm"]) > 0
+    assert os.path.isfile(os.path.join(save, "iter_0000004", "critic",
+                                       "latest_checkpointed_iteration.txt"))  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "line"), [
+    (["--adv-estimator", "group_norm"], "PPO's advantages are its critic's (gae)"),
+    (["--clip-ratio-c", "0.5"], "--clip-ratio-c 0.5 must be above 1"),
+    (["--gamma", "1.5"], "--gamma must be <= 1"),
+])  # fmt: skip
+def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, extra, line):
+    from anyspeed.commands.train import posttrain
+
+    os.environ.pop("WORLD_SIZE", None)
+    assert posttrain(cli(tiny_qwen, add_prompts, hf_tok, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and line in err, err
