@@ -1,6 +1,7 @@
 """PPO end to end on a converted tiny Qwen2 (1 process): the degenerate case (policy learning
 rate 0: ratio exactly 1, no clip) with the critic learning, its metrics and the explained
-variance; the critic saved inside the policy's checkpoint; bad flags refused in one line."""
+variance; the critic saved inside the policy's checkpoint and 4 steps straight equal to 2
+saved + 2 resumed (policy and critic); a critic warm-up; bad flags refused in one line."""
 
 from __future__ import annotations
 
@@ -38,6 +39,42 @@ def test_policy_at_rest_and_critic_learning(add_prompts, tiny_qwen, hf_tok, tmp_
     assert max(m["critic/grad_norm"]) > 0
     assert os.path.isfile(os.path.join(save, "iter_0000004", "critic",
                                        "latest_checkpointed_iteration.txt"))  # fmt: skip
+
+
+RUN = ["--lr-decay-style", "constant", "--ppo-epochs", "2"]
+
+
+def test_resume_is_exact(add_prompts, tiny_qwen, hf_tok, tmp_path):
+    """The critic is resumed from the policy's checkpoint with its optimizer and schedule:
+    losses, grad norms and critic losses of 2 + 2 steps equal 4 straight, bit for bit."""
+    from anyspeed.convert import hf_cache
+
+    ck = str(tmp_path / "ck")
+    straight = cli(tiny_qwen, add_prompts, hf_tok, *RUN, iters=4)
+    first = cli(tiny_qwen, add_prompts, hf_tok, *RUN, "--save", ck, "--save-interval", "2",
+                iters=2)  # fmt: skip
+    resumed = hf_cache.expand(cli(ck, add_prompts, hf_tok, *RUN, iters=4), tiny_qwen)
+    resumed.remove("--finetune")
+    whole, a, b = run_distributed(sft_ranks.posttrain_many, 1, argv=straight,
+                                  clis=[straight, first, resumed], timeout=400)[0]  # fmt: skip
+    assert a["loss"] + b["loss"] == whole["loss"]
+    assert a["grad_norm"] + b["grad_norm"] == whole["grad_norm"]
+    for k in ("critic/vf_loss", "critic/grad_norm", "grpo/rewards/mean"):
+        assert a["metrics"][k] + b["metrics"][k] == whole["metrics"][k], k
+
+
+def test_critic_warmup(add_prompts, tiny_qwen, hf_tok):
+    """Two critic-only rollouts, then the policy's: with the policy at rest (lr 0) the warm run's
+    first rollout is a plain run's third, critic included: the same metrics bit for bit."""
+    still = [*RUN, "--lr", "0"]
+    warm = cli(tiny_qwen, add_prompts, hf_tok, *still, "--critic-warmup", "2", iters=2)
+    plain = cli(tiny_qwen, add_prompts, hf_tok, *still, iters=6)
+    w, p = run_distributed(sft_ranks.posttrain_many, 1, argv=warm, clis=[warm, plain],
+                           timeout=400)[0]  # fmt: skip
+    for k in ("critic/vf_loss", "critic/grad_norm", "critic/vf_explained_var",
+              "grpo/rewards/mean"):  # fmt: skip
+        assert w["metrics"][k] == p["metrics"][k][4:], k
+    assert w["grad_norm"] == p["grad_norm"][4:]
 
 
 @pytest.mark.parametrize(("extra", "line"), [

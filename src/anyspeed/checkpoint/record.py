@@ -69,4 +69,14 @@ def hf_vocab(load: str | None) -> int | None:
 
     path = tracked_dir(load) if load else None
     common = read_common(path) if path else {}
-    return common.get("anyspeed_convert", {}).get("hf_vocab_size")
+    return common.get("anyspeed_convert", {}).get("hf_vocab_size") or common.get(HF_VOCAB)
+
+
+HF_VOCAB = "anyspeed_hf_vocab"  # carried by every checkpoint of a run that started from one
+
+
+def hf_vocab_record(load: str | None) -> dict[str, int]:
+    """The record that keeps a converted start's HF vocabulary in the checkpoints trained
+    from it (a resumed RL run without a reference sampled over padding rows without it)."""
+    vocab = hf_vocab(load)
+    return {HF_VOCAB: vocab} if vocab else {}

@@ -136,7 +136,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
     """
     import torch
 
-    from anyspeed.checkpoint.record import model_record
+    from anyspeed.checkpoint.record import hf_vocab_record, model_record
     from anyspeed.device import torch_device
     from anyspeed.device.flops import peak, slow_precision_warning
     from anyspeed.training import hooks as H
@@ -174,6 +174,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
             run,
             {
                 **model_record(run.model),
+                **hf_vocab_record(run.load),
                 "anyspeed_stage": run.stage,
                 **run.records,
                 **task.records(),

@@ -52,7 +52,7 @@ class PPOTask(PolicyTask):
         return self.cfg.extra.warmup
 
     def step_metrics(self, b: dict, n: torch.Tensor) -> dict[str, torch.Tensor]:
-        s = b["critic_stats"]
+        s = b["critic_stats"][b.get("epoch", 0)]  # the critic's step of this pass
         return {k: torch.stack([s[i].double(), torch.ones_like(n)]) for i, k in enumerate(CRITIC)}
 
     def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
@@ -62,16 +62,16 @@ class PPOTask(PolicyTask):
         explained = advantages(micro, values, self.cfg) if values is not None else 0.0
         per_step = self.run.args.global_batch_size // trainer.dp // self.run.args.micro_batch_size
         steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
-        sums = [torch.zeros(len(CRITIC) - 1, dtype=torch.float64) for _ in steps]
-        for _ in range(self.cfg.epochs):
+        stats = torch.zeros(self.cfg.epochs, len(steps), len(CRITIC), dtype=torch.float64)
+        stats[..., -1] = explained
+        for e in range(self.cfg.epochs):
             for k, step in enumerate(steps):
                 out = self.critic.step(step)
-                sums[k] += torch.tensor([out[name] for name in CRITIC[:-1]], dtype=torch.float64)
+                stats[e, k, :-1] = torch.tensor([out[name] for name in CRITIC[:-1]])
         for k, step in enumerate(steps):
-            stats = torch.cat([sums[k] / self.cfg.epochs, torch.tensor([explained])])
             for b in step:
-                b["critic_stats"] = stats.to(b["tokens"].device)
-        self.last = (float(sum(x[0] for x in sums)) / len(sums) / self.cfg.epochs, explained)
+                b["critic_stats"] = stats[:, k].to(b["tokens"].device)
+        self.last = (float(stats[..., 0].mean()), explained)
 
     def warmed_up(self, done: int) -> None:
         print0(

@@ -225,11 +225,13 @@ class PolicyTask(Task):
         while True:
             micro = rollout(r)
             steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
-            for _ in range(c.epochs):
+            for epoch in range(c.epochs):
                 for step in steps:
                     if skip:
                         skip -= 1
                         continue
+                    for b in step:  # the pass a step belongs to (its metrics may differ)
+                        b["epoch"] = epoch
                     yield step
             r += 1
 
