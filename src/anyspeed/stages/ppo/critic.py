@@ -114,10 +114,12 @@ class Critic:
     def values(self, micro: list[dict[str, Any]]) -> list[torch.Tensor] | None:
         """[b, s] values per micro-batch on the last pipeline stage (None elsewhere)."""
         from anyspeed.training.logprob_pass import output_pass
-        from anyspeed.training.model_pipeline import eval_mode
+        from anyspeed.training.model_pipeline import eval_mode, unwrap
 
         def compute(model: torch.nn.Module, b: dict) -> torch.Tensor:
-            return model(b["tokens"], b["position_ids"], None)[..., 0].float()
+            out = model(b["tokens"], b["position_ids"], None)
+            # the last stage's [b, s, 1] values; a stage before it sends on its hidden states
+            return out[..., 0].float() if unwrap(model).post_process else out
 
         with torch.no_grad(), eval_mode(self.trainer.model):
             return output_pass(self.trainer, self.trainer.model, micro, compute)
