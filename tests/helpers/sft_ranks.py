@@ -69,3 +69,17 @@ def reference_costs(cli: list[str]) -> dict:
         "in_optimizer": sum(id(p) in in_opt for p in ref),
         "policy_in_optimizer": sum(id(p) in in_opt for p in policy),
     }
+
+
+def reward_model_scores(cli: list[str], prompts: list[list[int]], answers: list[list[int]]):
+    """The run's frozen ``--reward-model`` scores of (prompt, answer) token sequences, through
+    the rollout's own path (:func:`reward_model.score_sequences`)."""
+    from anyspeed.stages.common.rl import reward_model
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import _start
+
+    run, _ = prepare(cli, command="posttrain")
+    task = task_for(run)
+    trainer, _, _ = _start(run, task)
+    return reward_model.score_sequences(trainer, prompts, answers, run.args, task.pad)

@@ -190,6 +190,7 @@ RANGES: dict[str, Range] = {
     "--overlong-penalty-factor": NONNEG,
     "--max-num-gen-batches": POSITIVE,
     "--verifier-weight": Range(),  # any finite weight (a penalty may be negative)
+    "--reward-model-weight": Range(),
     "--infer-tensor-parallel-size": POSITIVE,
     "--infer-pipeline-parallel-size": POSITIVE,
     "--infer-expert-parallel-size": POSITIVE,

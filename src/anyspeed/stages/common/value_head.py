@@ -1,7 +1,17 @@
 """What the stages with a scalar head share (ORM's reward model, PPO's critic): whether a
-checkpoint already holds the head (else a new one is put on its body)."""
+checkpoint already holds the head (else a new one is put on its body), and where a sequence is
+scored."""
 
 from __future__ import annotations
+
+import torch
+
+
+def last_token(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last token: one past its last labelled position (labels are shifted); the
+    position a scalar head scores a sequence at."""
+    pos = torch.arange(mask.shape[-1], device=mask.device)
+    return ((mask > 0) * (pos + 1)).amax(-1).clamp(max=mask.shape[-1] - 1)
 
 
 def has_head(load: str) -> bool:

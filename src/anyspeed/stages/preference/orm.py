@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.common.value_head import has_head
+from anyspeed.stages.common.value_head import has_head, last_token
 from anyspeed.stages.preference import loss as P
 from anyspeed.stages.preference.task import PreferenceTask
 from anyspeed.training.task import LossFunc, StagePlan
@@ -50,12 +50,6 @@ def plan(args: argparse.Namespace) -> StagePlan:
 def make_task(run: Run) -> ORMTask:
     """The reward-model task of a checked run."""
     return ORMTask(run.config)
-
-
-def last_token(mask: torch.Tensor) -> torch.Tensor:
-    """Each row's last token: one past its last labelled position (labels are shifted)."""
-    pos = torch.arange(mask.shape[-1], device=mask.device)
-    return ((mask > 0) * (pos + 1)).amax(-1).clamp(max=mask.shape[-1] - 1)
 
 
 class ORMTask(PreferenceTask):

@@ -36,6 +36,8 @@ YAML_KEYS = {
     "top_k": "--top-k",
     "verifier_function": "--verifier-function",
     "verifier_weight": "--verifier-weight",
+    "reward_model": "--reward-model",
+    "reward_model_weight": "--reward-model-weight",
     "epochs": "--ppo-epochs",
     "loss_agg_mode": "--loss-agg-mode",
     "importance_sampling_level": "--importance-sampling-level",
@@ -163,11 +165,19 @@ def _add_objective(g: Any) -> None:
     a(
         "--verifier-function",
         nargs="+",
-        default=["gsm8k"],
+        default=None,
         help="rule rewards (gsm8k, gsm8k_flexible, boxed, base_acc, answer_tag, format) or "
-        "module:function(prompts, completions, labels) -> list[float]",
+        "module:function(prompts, completions, labels) -> list[float] (default: gsm8k, or "
+        "none with --reward-model)",
     )
     a("--verifier-weight", nargs="+", type=float, default=None, help="(default: all 1)")
+    a(
+        "--reward-model",
+        default=None,
+        help="an --stage orm checkpoint of this architecture: its score of each sample at its "
+        "last token is a reward (added to the rule rewards)",
+    )
+    a("--reward-model-weight", type=float, default=1.0, help="the reward model score's weight")
     a("--overlong-buffer-len", type=int, default=0, help="DAPO's soft overlong penalty")
     a("--overlong-penalty-factor", type=float, default=1.0)
     a(

@@ -55,6 +55,8 @@ class RLConfig:
     extra: Any = None  # the stage's own config (PPO: the critic's)
     dual_clip: float | None = None  # dual-clip PPO's c (None: off)
     kl_in_reward: bool = False  # the KL penalty in the reward (PPO), not in the loss
+    reward_model: str | None = None  # an --stage orm checkpoint scoring each sample
+    reward_model_weight: float = 1.0
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -109,7 +111,7 @@ def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> Stage
     the stage sets (``dual_clip``, ``kl_in_reward``)."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
-    from anyspeed.stages.common.rl import correction, rewards
+    from anyspeed.stages.common.rl import correction, reward_model, rewards
     from anyspeed.stages.common.rl import prompts as prompt_data
     from anyspeed.training import lora
 
@@ -127,7 +129,10 @@ def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> Stage
     rbs, steps, prompt = _check_sizes(args)
     reshard = _rollout_layout(args)
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
-    rewards.resolve(args.verifier_function, args.verifier_weight)  # imports user functions now
+    rm = reward_model.check(args)
+    verifiers = args.verifier_function or ([] if rm else ["gsm8k"])
+    if verifiers:
+        rewards.resolve(verifiers, args.verifier_weight)  # imports user functions now
     _warn_dropout(args)
     lora_cfg = lora.from_args(args)
     prompt_data.check_files(prefix)
@@ -154,7 +159,7 @@ def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> Stage
         args.entropy_coeff,
         args.adv_estimator,
         args.loss_agg_mode,
-        tuple(args.verifier_function),
+        tuple(verifiers),
         tuple(args.verifier_weight) if args.verifier_weight else None,
         args.overlong_buffer_len,
         args.overlong_penalty_factor,
@@ -168,6 +173,8 @@ def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> Stage
         is_level=_is_level(args),
         correction=correction.from_args(args),
         extra=extra,
+        reward_model=rm,
+        reward_model_weight=args.reward_model_weight,
         **fields,
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}

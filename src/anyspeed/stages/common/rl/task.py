@@ -21,7 +21,7 @@ import torch
 
 from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import per_token_loss
-from anyspeed.stages.common.rl import correction
+from anyspeed.stages.common.rl import correction, reward_model
 from anyspeed.stages.common.rl import objective as L
 from anyspeed.stages.common.rl.batches import Rollout, global_stats, micro_batches, mismatch
 from anyspeed.training.task import FrozenModel, LossFunc, Task
@@ -83,7 +83,7 @@ class PolicyTask(Task):
 
         self.cfg, self.tok = cfg, run.tokenizer
         self.vocab = hf_vocab or self.tok.vocab_size  # rollout and training: the same rows
-        self.reward_fn = rewards.resolve(cfg.verifiers, cfg.weights)
+        self.reward_fn = rewards.resolve(cfg.verifiers, cfg.weights) if cfg.verifiers else None
         self.eos = end_ids(self.tok)
         self.pad = self.tok.pad_id if self.tok.pad_id is not None else 0
         self.reference = cfg.reference or run.load
@@ -97,9 +97,12 @@ class PolicyTask(Task):
     def frozen_models(self) -> dict[str, FrozenModel]:
         from anyspeed.stages.common.reference import reference_model
 
-        if self.cfg.beta == 0:  # no KL term: no reference is built
-            return {}
-        return reference_model(self.cfg.lora, self.reference, self.cfg.reference_iteration)
+        out = {}
+        if self.cfg.beta:  # no KL term: no reference is built
+            out = reference_model(self.cfg.lora, self.reference, self.cfg.reference_iteration)
+        if self.cfg.reward_model:
+            out.update(reward_model.frozen(self.cfg.reward_model))
+        return out
 
     def records(self) -> dict[str, Any]:
         from anyspeed.stages.common.reference import reference_record
@@ -340,9 +343,10 @@ class PolicyTask(Task):
         texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in tokens]
         prompt_texts = [decode(self.tok, p) for p in rep]
         labels = [a for a in answers for _ in range(c.group)]
-        error, scores = None, []
+        error, scores = None, [0.0] * len(tokens)
         try:
-            scores = rewards.score(self.reward_fn, prompt_texts, texts, labels)
+            if self.reward_fn is not None:
+                scores = rewards.score(self.reward_fn, prompt_texts, texts, labels)
         except rewards.RewardError as exc:
             error = str(exc)
         from anyspeed.distributed.process import agree
@@ -350,6 +354,9 @@ class PolicyTask(Task):
         error = agree(error)  # every rank stops, with the first rank's reason
         if error is not None:
             raise rewards.RewardError(error)
+        if c.reward_model:
+            rm = reward_model.score_sequences(trainer, rep, tokens, args, self.pad)
+            scores = [s + c.reward_model_weight * r for s, r in zip(scores, rm, strict=True)]
         if c.overlong_buffer > 0:
             pen = rewards.overlong_penalty(
                 [len(t) for t in tokens], c.max_response, c.overlong_buffer, c.overlong_factor

@@ -1,0 +1,106 @@
+"""Rewards from a trained reward model (``--reward-model``): an ``--stage orm`` checkpoint of
+the policy's architecture, built frozen at the training layout in the same processes, scores
+each sampled sequence (prompt and answer) at its last token, as the reward model was trained
+and as transformers' ``*ForSequenceClassification`` of its export pools. Its score, times
+``--reward-model-weight``, adds to the rule rewards (``--verifier-function``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from anyspeed.errors import UsageError
+from anyspeed.training.task import FrozenModel
+
+NAME = "reward_model"  # the frozen model's name in the trainer
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """``--reward-model``, checked before start: a checkpoint directory whose files are whole,
+    with a value head, of the policy's architecture; its absolute path (None: not given)."""
+    from anyspeed.checkpoint.checks import check_fits, verify
+    from anyspeed.checkpoint.errors import CheckpointFileError
+    from anyspeed.checkpoint.reads import tracked_dir
+    from anyspeed.models.presets import model_from_args
+    from anyspeed.stages.common.value_head import has_head
+
+    path = args.reward_model
+    if path is None:
+        return None
+    flag = f"--reward-model {path!r}"
+    if not os.path.isdir(path) or tracked_dir(path) is None:
+        raise UsageError(
+            f"{flag} is not a checkpoint directory (no tracker file); give the --save "
+            "directory of an --stage orm run"
+        )
+    try:
+        verify(tracked_dir(path))
+        if not has_head(path):
+            raise UsageError(
+                f"{flag} has no reward head: train one with --stage orm from a checkpoint of "
+                "this model"
+            )
+        check_fits(path, model_from_args(args))
+    except CheckpointFileError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+    return os.path.abspath(path)
+
+
+def frozen(path: str) -> dict[str, FrozenModel]:
+    """The frozen model the policy task asks the engine for."""
+    from anyspeed.models.reward_head import reward_head
+
+    return {NAME: FrozenModel(load=path, transforms=(reward_head,))}
+
+
+def score_sequences(
+    trainer: Any, prompts: list[list[int]], answers: list[list[int]], args: Any, pad: int
+) -> list[float]:
+    """The reward model's score of each (prompt, answer), every rank of the replica: in
+    micro-batches of ``--micro-batch-size`` made as the rollout's are, the last one filled up
+    with repeats (a short last micro-batch of two rows scored wrong; see the closing note)."""
+    from anyspeed.device import torch_device
+    from anyspeed.stages.common.rl.batches import Rollout, micro_batches
+
+    n = len(answers)
+    fill = (-n) % args.micro_batch_size
+    prompts, answers = prompts + prompts[-1:] * fill, answers + answers[-1:] * fill
+    zero = torch.zeros(len(answers), dtype=torch.float64)
+    roll = Rollout(prompts, answers, [[0.0] * len(a) for a in answers], zero, zero, 1, 0)
+    return scores(trainer, micro_batches(roll, args, pad, torch_device())).tolist()[:n]
+
+
+def scores(trainer: Any, micro: list[dict[str, Any]]) -> torch.Tensor:
+    """Each sequence's score [n] (every rank of the replica): the frozen reward model's head at
+    the last token of prompt and answer, forward only through the pipeline schedule."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.stages.common.value_head import last_token
+    from anyspeed.training.logprob_pass import output_pass
+    from anyspeed.training.model_pipeline import unwrap
+
+    model = trainer.frozen[NAME]
+
+    def compute(chunk: torch.nn.Module, b: dict) -> torch.Tensor:
+        out = chunk(b["tokens"], b["position_ids"], None)
+        if not unwrap(chunk).post_process:
+            return out  # a stage before the last sends its hidden states on
+        at = last_token(b["loss_mask"])
+        return out[..., 0].float().gather(1, at[:, None])[:, 0]
+
+    with torch.no_grad(), model.context():
+        out = output_pass(trainer, model.chunks, micro, compute)
+    n = sum(int(b["tokens"].shape[0]) for b in micro)
+    device = micro[0]["tokens"].device
+    got = torch.cat(out) if out is not None else torch.zeros(n, device=device)
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # the last stage's scores to all
+        dist.broadcast(
+            got,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+    return got.double().cpu()
