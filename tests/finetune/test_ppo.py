@@ -89,3 +89,16 @@ def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, extra, l
     assert posttrain(cli(tiny_qwen, add_prompts, hf_tok, *extra)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and line in err, err
+
+
+@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]],
+                         ids=["one", "pp2"])  # fmt: skip
+def test_memory_estimate_of_the_critic(add_prompts, tiny_qwen, hf_tok, layout):
+    """``anyspeed memory --critic``'s bytes for the critic equal what the run's critic holds
+    (parameters, gradients, optimizer state, counted from its tensors) on every rank."""
+    argv = cli(tiny_qwen, add_prompts, hf_tok, *layout)
+    ranks = run_distributed(sft_ranks.critic_held, 2 if layout else 1, argv=argv, cli=argv,
+                            timeout=300)  # fmt: skip
+    for r in ranks:
+        held = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+        assert r["estimate"] == pytest.approx(held, rel=0.01), r

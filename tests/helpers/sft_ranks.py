@@ -83,3 +83,22 @@ def reward_model_scores(cli: list[str], prompts: list[list[int]], answers: list[
     task = task_for(run)
     trainer, _, _ = _start(run, task)
     return reward_model.score_sequences(trainer, prompts, answers, run.args, task.pad)
+
+
+def critic_held(cli: list[str]) -> dict:
+    """The bytes the PPO run's critic holds on this rank, counted from its tensors, and what
+    ``anyspeed memory --critic`` estimates for it."""
+    from anyspeed.commands.memory import options
+    from anyspeed.models.memory import critic_bytes
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import train
+    from helpers.memory_ranks import held_bytes
+
+    run, _ = prepare(cli, command="posttrain")
+    task = task_for(run)
+    dp = train(run, task)["trainer"].dp  # the critic has stepped: its optimizer state exists
+    held = held_bytes(task.critic.trainer)
+    o = options(run.args, dp)
+    world = dp * run.layout.tp * run.layout.pp
+    return dict(held, estimate=critic_bytes(run.model, run.layout, world, o, held["stage"]))

@@ -5,6 +5,8 @@ sequence, recompute and memory features) plus ``--world-size N`` (default: one d
 replica) and prints the parameters, gradients, optimizer state and activations of the rank
 that needs the most. ``--fits GiB`` instead lists every layout of ``--world-size`` devices
 (TP x PP x DP, distributed optimizer, recompute) whose largest rank fits in that budget.
+``--critic`` adds PPO's critic (``posttrain --stage ppo``): a second model of the architecture
+with its gradients and optimizer state on every rank, named when it is what does not fit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from anyspeed.argv import pop_flag
 from anyspeed.errors import UsageError, report
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
-from anyspeed.models.memory import Options, RankMemory, estimate
+from anyspeed.models.memory import Options, RankMemory, critic_bytes, estimate, estimate_stage
 from anyspeed.models.presets import model_from_args
 from anyspeed.models.recompute import Recompute
 
@@ -45,9 +47,12 @@ def _number(flag: str, value: str | None, kind: type) -> float | None:
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | None]:
-    """(pretraining flags, --world-size, --fits GiB); UsageError (one line) on bad input."""
+    """(pretraining flags, --world-size, --fits GiB); UsageError (one line) on bad input.
+    ``args.critic``: whether ``--critic`` was given."""
     from anyspeed.stages.arguments import parse_pretrain_args
 
+    critic = "--critic" in argv
+    argv = [a for a in argv if a != "--critic"]
     try:
         world, argv = pop_flag(list(argv), "--world-size")
         fits, argv = pop_flag(argv, "--fits")
@@ -65,6 +70,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | 
         args.padded_vocab_size = padded_vocab_size(
             args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
+    args.critic = critic
     return args, _number("--world-size", world, int), _number("--fits", fits, float)
 
 
@@ -137,13 +143,35 @@ def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
             yield lay, rec
 
 
+def _with_critic(
+    args: argparse.Namespace, model: ModelConfig, lay: Layout, world: int, o: Options
+) -> tuple[int, int]:
+    """(the largest rank's total, the critic's share of it: 0 without ``--critic``)."""
+    if not args.critic:
+        return estimate(model, lay, world, o).total, 0
+    stages = [
+        (mem.total + (c := critic_bytes(model, lay, world, o, mem.stage)), c)
+        for mem in (estimate_stage(model, lay, world, o, s) for s in range(lay.pp))
+    ]
+    return max(stages)
+
+
 def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float) -> str:
-    """The layouts of ``world`` devices whose largest rank needs at most ``budget`` GiB."""
-    rows = []
+    """The layouts of ``world`` devices whose largest rank needs at most ``budget`` GiB (with
+    the critic under ``--critic``; when it is the critic that does not fit, it is named)."""
+    rows, without = [], 0
     for lay, rec in _layouts(args, model, world):
-        mem = estimate(model, lay, world, options(args, lay.dp(world), rec))
-        if mem.total <= budget * GIB:
-            rows.append((mem.total, lay, rec))
+        total, critic = _with_critic(args, model, lay, world, options(args, lay.dp(world), rec))
+        if total <= budget * GIB:
+            rows.append((total, lay, rec))
+        elif total - critic <= budget * GIB:
+            without += 1
+    if not rows and without:
+        return (
+            f"no layout of {world} devices fits in {budget:g} GiB per rank with PPO's critic "
+            f"(--critic: a second model with its gradients and optimizer state); without it, "
+            f"{without} would"
+        )
     if not rows:
         return f"no layout of {world} devices fits in {budget:g} GiB per rank"
     out = [
@@ -179,13 +207,22 @@ def run(argv: Sequence[str]) -> str:
         raise UsageError(str(exc)) from None
     if budget is not None:
         return fits(args, model, world, budget)
-    mem = estimate(model, lay, world, options(args, lay.dp(world)))
+    o = options(args, lay.dp(world))
+    mem = estimate(model, lay, world, o)
+    table = describe(mem)
+    if args.critic:
+        total, critic = _with_critic(args, model, lay, world, o)
+        table += (
+            f"\n  {'critic (--critic, PPO): parameters, gradients, optimizer state':<62} "
+            f"{_gib(critic)} GiB\n  {'peak with the critic (the largest rank)':<62} "
+            f"{_gib(total)} GiB"
+        )
     return (
         f"{model.name} ({model.num_parameters() / 1e6:,.1f}M params), {world} devices: "
         f"TP={lay.tp} PP={lay.pp} VPP={lay.chunks} CP={lay.cp} DP={lay.dp(world)} "
         f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer}, seq "
         f"{args.seq_length}, micro-batch {args.micro_batch_size}; the largest rank "
-        f"(pipeline stage {mem.stage}):\n" + describe(mem)
+        f"(pipeline stage {mem.stage}):\n" + table
     )
 
 

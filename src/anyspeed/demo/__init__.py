@@ -76,6 +76,12 @@ def parser() -> argparse.ArgumentParser:
         "(held-out accuracy before and after)",
     )
     p.add_argument(
+        "--ppo",
+        action="store_true",
+        help="RLHF on the --grpo task: a reward model trained from preference pairs, then PPO "
+        "with a critic against it (reward and held-out accuracy before and after)",
+    )
+    p.add_argument(
         "--mm",
         action="store_true",
         help="a vision-language model (LLaVA) captioning drawn shapes, trained on "
@@ -85,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
         "--sft-iters",
         type=int,
         default=None,
-        help="with --dpo/--grpo: SFT iterations first (default 100/300)",
+        help="with --dpo/--grpo/--ppo: SFT iterations first (default 100/300/300)",
     )
     p.add_argument(
         "--sft-samples",
@@ -102,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
     from anyspeed.errors import UsageError, report
 
-    if (args.sft or args.dpo or args.grpo) and args.moe:
+    if (args.sft or args.dpo or args.grpo or args.ppo) and args.moe:
         return report(
             "anyspeed demo", UsageError("--sft/--dpo fine-tune the dense demo model; drop --moe")
         )
@@ -119,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args, extra)
     if args.grpo:
         from anyspeed.demo.grpo import run
+
+        return run(args, extra)
+    if args.ppo:
+        from anyspeed.demo.ppo import run
 
         return run(args, extra)
     if args.dpo:

@@ -125,13 +125,17 @@ def accuracy(answers: list[str], records: list[dict]) -> float:
     return right / max(len(records), 1)
 
 
-def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, str, list[dict]]:
+def task_data(
+    args: argparse.Namespace, tok_dir: str, steps: int = STEPS
+) -> tuple[int, str, str, list[dict]]:
+    """Steps 3 and 4 (of ``steps``): the addition task, SFT data and prompts, preprocessed;
+    (exit code, SFT prefix, prompt prefix, held-out records)."""
     train, held = task()
     sft = write_jsonl(os.path.join(args.workdir, "grpo-sft.jsonl"), sft_records(train))
     rl = write_jsonl(os.path.join(args.workdir, "grpo-prompts.jsonl"), train)
     write_jsonl(os.path.join(args.workdir, "grpo-heldout.jsonl"), held)
     print(
-        f"[3/{STEPS}] task: 'What is a + b?' -> '#### a+b' for a, b < {TOP}: {len(train)} "
+        f"[3/{steps}] task: 'What is a + b?' -> '#### a+b' for a, b < {TOP}: {len(train)} "
         "questions for SFT (each answered '#### n' and 'n') and GRPO, "
         f"{len(held)} held out from both",
         flush=True,
@@ -142,16 +146,17 @@ def _data(args: argparse.Namespace, tok_dir: str) -> tuple[int, str, str, list[d
     )
     if rc == 0:
         print(
-            f"[4/{STEPS}] preprocess: {sft_prefix}_packed_* (SFT), {rl_prefix}_packed_* "
+            f"[4/{steps}] preprocess: {sft_prefix}_packed_* (SFT), {rl_prefix}_packed_* "
             "(prompts + answers for the verifier)",
             flush=True,
         )
     return rc, sft_prefix, rl_prefix, held
 
 
-def _heldout(
+def heldout(
     args: argparse.Namespace, save: str, tok_dir: str, held: list[dict], step: str
 ) -> float | None:
+    """The held-out greedy accuracy of checkpoint ``save`` (None when generation failed)."""
     answers = generated_answers(args, save, tok_dir, held, step)
     if not answers:
         return None
@@ -160,13 +165,16 @@ def _heldout(
     return acc
 
 
-def _rewards(metrics: str) -> list[float]:
+def rewards(metrics: str) -> list[float]:
+    """Each step's mean sampled reward from a metrics file."""
     with open(metrics, encoding="utf-8") as f:
         return [r["grpo/rewards/mean"] for r in map(json.loads, f) if "grpo/rewards/mean" in r]
 
 
-def _sft(args: argparse.Namespace, common: list[str], sft_prefix: str) -> str | None:
-    """Step 5: the SFT model GRPO starts from; its checkpoint (None when training failed)."""
+def sft(
+    args: argparse.Namespace, common: list[str], sft_prefix: str, step: str = f"[5/{STEPS}]"
+) -> str | None:
+    """The SFT model RL starts from; its checkpoint (None when training failed)."""
     from anyspeed.commands.train import posttrain as posttrain_main
 
     sft_save = os.path.join(args.workdir, "grpo-sft-checkpoints")
@@ -186,7 +194,7 @@ def _sft(args: argparse.Namespace, common: list[str], sft_prefix: str) -> str | 
         "--save-interval",
         str(iters),
     ]
-    print(f"[5/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    print(f"{step} anyspeed posttrain {' '.join(cmd)}", flush=True)
     if posttrain_main(cmd):
         return None
     return sft_save
@@ -201,7 +209,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 1.0, STEPS)
     if rc:
         return rc
-    rc, sft_prefix, rl_prefix, held = _data(args, tok_dir)
+    rc, sft_prefix, rl_prefix, held = task_data(args, tok_dir)
     if rc:
         return rc
     n = args.nproc_per_node
@@ -219,10 +227,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         "--tokenizer-name-or-path",
         tok_dir,
     ]
-    sft_save = _sft(args, common, sft_prefix)
+    sft_save = sft(args, common, sft_prefix)
     if sft_save is None:
         return 1
-    before = _heldout(args, sft_save, tok_dir, held, f"[6/{STEPS}]")
+    before = heldout(args, sft_save, tok_dir, held, f"[6/{STEPS}]")
     save = os.path.join(args.workdir, "grpo-checkpoints")
     metrics = fresh_metrics(os.path.join(args.workdir, "grpo-metrics.jsonl"))
     steps = args.train_iters or 50
@@ -249,8 +257,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"[7/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
     if posttrain_main(cmd):
         return 1
-    after = _heldout(args, save, tok_dir, held, f"[8/{STEPS}]")
-    r = _rewards(metrics)
+    after = heldout(args, save, tok_dir, held, f"[8/{STEPS}]")
+    r = rewards(metrics)
     if not r or before is None or after is None:
         return 1
     last = sum(r[-5:]) / len(r[-5:])

@@ -272,6 +272,21 @@ def estimate_stage(
     return RankMemory(stage, params * o.dtype_bytes, grads, opt, acts, flight, main)
 
 
+def critic_bytes(m: ModelConfig, lay: Layout, world_size: int, o: Options, stage: int) -> int:
+    """What PPO's critic holds on a rank of ``stage`` for the whole run: a second model of the
+    architecture (a hidden -> 1 value head in place of the output layer) with its gradients and
+    optimizer state. Its activations never meet the policy's: their steps take turns."""
+    params, experts = stage_parameters(m, lay, stage)
+    if stage == lay.pp - 1:
+        emb = m.vocab_size * m.hidden_size // lay.tp
+        params += m.hidden_size - (0 if m.tie_embeddings and lay.pp == 1 else emb)
+    distopt, expert_dp = lay.distributed_optimizer, world_size // (lay.ep * lay.expert_tp * lay.pp)
+    dense = _state_bytes(o, params - experts, lay.dp(world_size), distopt)
+    expert = _state_bytes(o, experts, expert_dp, distopt)
+    grads, opt, _ = (a + b for a, b in zip(dense, expert, strict=True))
+    return params * o.dtype_bytes + grads + opt
+
+
 def estimate(m: ModelConfig, lay: Layout, world_size: int, o: Options) -> RankMemory:
     """The memory of the rank that needs the most (over pipeline stages)."""
     stages = [estimate_stage(m, lay, world_size, o, s) for s in range(lay.pp)]

@@ -1,8 +1,12 @@
 """Rewards from a trained reward model (``--reward-model``): an ``--stage orm`` checkpoint of
 the policy's architecture, built frozen at the training layout in the same processes, scores
 each sampled sequence (prompt and answer) at its last token, as the reward model was trained
-and as transformers' ``*ForSequenceClassification`` of its export pools. Its score, times
-``--reward-model-weight``, adds to the rule rewards (``--verifier-function``)."""
+and as transformers' ``*ForSequenceClassification`` of its export pools. The answer is closed as
+the chat template (``--prompt-type``) closes an assistant turn (``<|im_end|>\n`` for chatml, in
+place of the sampled end token), so the scored sequence ends as the reward model's training
+pairs did: scored at a sampled ``<|im_end|>`` instead of the ``\n`` after it, a demo's reward
+model gave scores 4 apart from its training range and PPO learnt what it had never seen. Its
+score, times ``--reward-model-weight``, adds to the rule rewards (``--verifier-function``)."""
 
 from __future__ import annotations
 
@@ -54,6 +58,30 @@ def frozen(path: str) -> dict[str, FrozenModel]:
     from anyspeed.models.reward_head import reward_head
 
     return {NAME: FrozenModel(load=path, transforms=(reward_head,))}
+
+
+def turn_end(tok: Any, prompt_type: str | None) -> list[int] | None:
+    """The tokens that close an assistant turn under ``prompt_type`` (None: no template, the
+    answer is scored as sampled)."""
+    from anyspeed.data.templates import TEMPLATES
+
+    if prompt_type is None or prompt_type not in TEMPLATES:
+        return None
+    template = TEMPLATES[prompt_type]
+    suffix = template.assistant.split("{content}", 1)[1]
+    ids = [int(i) for i in tok.encode([suffix], special=False)[0]] if suffix else []
+    if template.eod_after_response and tok.eod_id is not None:
+        ids.append(int(tok.eod_id))
+    return ids
+
+
+def closed(answer: list[int], eos: set[int] | tuple[int, ...], end: list[int] | None) -> list[int]:
+    """``answer`` as the reward model reads it: without its sampled end token, closed by the
+    template's turn end (unchanged without a template)."""
+    if end is None:
+        return answer
+    body = answer[:-1] if answer and answer[-1] in eos else answer
+    return body + end
 
 
 def score_sequences(

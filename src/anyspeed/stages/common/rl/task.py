@@ -355,7 +355,9 @@ class PolicyTask(Task):
         if error is not None:
             raise rewards.RewardError(error)
         if c.reward_model:
-            rm = reward_model.score_sequences(trainer, rep, tokens, args, self.pad)
+            end = reward_model.turn_end(self.tok, args.prompt_type)
+            answers = [reward_model.closed(t, self.eos, end) for t in tokens]
+            rm = reward_model.score_sequences(trainer, rep, answers, args, self.pad)
             scores = [s + c.reward_model_weight * r for s, r in zip(scores, rm, strict=True)]
         if c.overlong_buffer > 0:
             pen = rewards.overlong_penalty(

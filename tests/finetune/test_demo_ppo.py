@@ -1,0 +1,40 @@
+"""``anyspeed demo --ppo``: its preference pairs (fast), and the whole demo (slow): PPO against
+the reward model trained in the demo raises that model's mean score by at least 0.2 in under 10
+minutes on 2 CPU processes, and its critic ends explaining over 30% of the returns' variance."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from anyspeed.demo import grpo, ppo
+
+
+def test_pairs_prefer_the_credited_answer_to_the_bare_and_the_wrong_sum():
+    train, _ = grpo.task()
+    got = ppo.pairs(train[:10])
+    assert len(got) == 20
+    for p in got:
+        a, b = map(int, re.findall(r"\d+", p["instruction"]))
+        assert p["chosen"] == f"#### {a + b}" and p["rejected"] != p["chosen"]
+        rejected = p["rejected"].removeprefix("#### ")
+        assert (p["rejected"] == str(a + b)) or (int(rejected) != a + b)
+    assert sum(not p["rejected"].startswith("####") for p in got) == 10
+
+
+@pytest.mark.slow
+def test_ppo_demo_raises_the_reward_models_score(tmp_path):
+    cmd = [sys.executable, "-m", "anyspeed", "demo", "--ppo", "--workdir", str(tmp_path),
+           "--corpus-mb", "1"]  # fmt: skip
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    took = time.perf_counter() - t0
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("demo: reward model's"))
+    r0, r1, _, ev1 = map(float, re.findall(r"-?\d+\.\d+", line)[:4])
+    assert r1 >= r0 + 0.2 and ev1 > 0.3 and took < 600, (line, took)
+    assert all(x.startswith("anyspeed") for x in out.stderr.splitlines()), out.stderr
