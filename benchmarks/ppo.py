@@ -9,14 +9,13 @@ the device allocator's peak elsewhere) and the process's RSS high-water mark.
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import torch
-from grpo import make_sets, parser, tokenizer, traced_run
-from sft import base_cli
 
 from anyspeed.testing import run_distributed
+from grpo import make_sets, parser, tokenizer, traced_run
+from sft import base_cli
 
 
 def main() -> None:
