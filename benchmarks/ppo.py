@@ -9,6 +9,7 @@ the device allocator's peak elsewhere) and the process's RSS high-water mark.
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import torch
@@ -39,6 +40,13 @@ def main() -> None:
                 "PretrainedFromHF", "--tokenizer-name-or-path", tok, "--n-samples-per-prompt",
                 "8", "--max-response-length", str(a.response), "--verifier-function", "format",
                 "--init-kl-coef", a.beta]  # fmt: skip
+        if float(a.beta):  # a reference needs a checkpoint to start from: the initial weights
+            init = os.path.join(d, "init")
+            first = [*cli, "--save", init]
+            first[first.index("--train-iters") + 1] = "0"
+            first[first.index("--init-kl-coef") + 1] = "0"
+            run_distributed(traced_run, 1, argv=first, cli=first, timeout=1800)
+            cli += ["--load", init, "--finetune"]
         ppo = list(cli)
         ppo[ppo.index("grpo")] = "ppo"
         out = {}
