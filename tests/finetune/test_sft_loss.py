@@ -112,3 +112,18 @@ def layout_losses(sft_data, tiny_qwen) -> dict[str, float]:
 def test_padded_loss_at_every_layout(layout, layout_losses, sft_data, tiny_qwen):
     want = hf_token_mean(tiny_qwen, sft_data["padded"])
     assert layout_losses[layout] == pytest.approx(want, rel=TOL)
+
+
+def test_tokens_per_second_counts_the_tokens_a_step_processed(sft_data, tiny_qwen, tmp_path):
+    """Under --variable-seq-lengths a micro-batch is padded to its longest sample, not to
+    --seq-length: the logged rate counts those tokens (it counted every sample at --seq-length
+    and inflated MFU), so a step's tokens are below 8 x 96 and at least 8 x the shortest."""
+    import json
+
+    metrics = str(tmp_path / "m.jsonl")
+    argv = cli(tiny_qwen, sft_data["padded"], "--variable-seq-lengths", "--metrics-file", metrics)
+    run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)
+    lengths = [len(r) for r in read_back(f"{sft_data['padded']}_packed_input_ids_document")]
+    for row in map(json.loads, open(metrics)):
+        tokens = row["tokens_per_s"] * row["ms_per_iter"] / 1000
+        assert 8 * min(lengths) * 0.99 <= tokens < 0.9 * 8 * 96, (tokens, lengths)

@@ -75,6 +75,7 @@ class LogHook(Hook):
         self.label = label  # the task's loss name (pretraining: Megatron-LM's "lm loss")
         self.flops_tok, self.peak = flops_per_token, peak_flops
         self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
+        self.tokens: int | None = 0  # processed since the last line (None: a step did not say)
         self.metrics: dict[str, float] = {}
         self.warned = False
 
@@ -100,6 +101,10 @@ class LogHook(Hook):
     def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
         self.loss += out["loss"]
         self.n += 1
+        step_tokens = out.get("tokens")
+        self.tokens = (
+            None if self.tokens is None or step_tokens is None else self.tokens + step_tokens
+        )
         for k, v in out.get("metrics", {}).items():
             self.metrics[k] = self.metrics.get(k, 0.0) + v
         it = state.iteration
@@ -109,7 +114,10 @@ class LogHook(Hook):
         from anyspeed.training.metrics import peak_memory_bytes
 
         dt = (time.perf_counter() - self.t0) / self.n
-        tps = self.args.global_batch_size * self.args.seq_length / dt
+        # the tokens the steps processed (padding to a batch's longest included: it is computed)
+        # else every sample at --seq-length, which overstated a variable-length SFT run's rate
+        per_step = self.tokens / self.n if self.tokens else None
+        tps = (per_step or self.args.global_batch_size * self.args.seq_length) / dt
         tflops = tps * self.flops_tok / 1e12
         mem = peak_memory_bytes() / 2**30
         opt = state.trainer.optimizer
@@ -161,6 +169,7 @@ class LogHook(Hook):
             it,
         )
         self.loss, self.n, self.t0 = 0.0, 0, time.perf_counter()
+        self.tokens = 0
         self.metrics = {}
 
     def on_end(self, state: LoopState, completed: bool) -> None:

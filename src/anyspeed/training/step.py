@@ -137,10 +137,20 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "ok": bool(ok),
             "metrics": metrics,
+            "tokens": self.tokens(microbatches),
         }
         if self.moe is not None:
             out["moe"] = self.moe.collect(len(microbatches))
         return out
+
+    def tokens(self, microbatches: list[dict[str, torch.Tensor]]) -> int | None:
+        """Token positions a step over ``microbatches`` processes on all replicas (this rank's
+        share of each sequence under context parallelism); None when a micro-batch has no
+        ``tokens`` tensor."""
+        if not microbatches or any("tokens" not in b for b in microbatches):
+            return None
+        local = sum(int(b["tokens"].numel()) for b in microbatches)
+        return local * self.dp * self.layout.cp
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict[str, torch.Tensor]]) -> float:
