@@ -51,11 +51,16 @@ def hf_scores(hf_dir: str, prompts, answers) -> list[float]:
                 for p, a in zip(prompts, answers, strict=True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]],
-                         ids=["one", "pp2"])  # fmt: skip
-def test_rollout_scores_equal_transformers(orm, add_prompts, tiny_qwen, hf_tok, layout):
+@pytest.mark.parametrize(("source", "layout"), [
+    ("ck", []), ("ck", ["--pipeline-model-parallel-size", "2"]), ("hf", []),
+], ids=["one", "pp2", "hf-dir"])  # fmt: skip
+def test_rollout_scores_equal_transformers(orm, add_prompts, tiny_qwen, hf_tok, source, layout,
+                                           tmp_path):  # fmt: skip
+    """The ORM checkpoint at one process and PP2, and its export given as an HF directory
+    (converted once, as --load converts one)."""
     prompts, answers = sequences(add_prompts)
-    argv = cli(tiny_qwen, add_prompts, hf_tok, "--reward-model", orm["ck"], *layout)
+    argv = cli(tiny_qwen, add_prompts, hf_tok, "--reward-model", orm[source], *layout,
+               "--save", str(tmp_path / "run"))  # fmt: skip
     ranks = 2 if layout else 1
     got = run_distributed(sft_ranks.reward_model_scores, ranks, argv=argv, cli=argv,
                           prompts=prompts, answers=answers, timeout=300)  # fmt: skip

@@ -127,10 +127,15 @@ def _dtype(args: argparse.Namespace) -> str:
 
 
 def convert(
-    args: argparse.Namespace, hf_dir: str, prog: str = "anyspeed pretrain", timeout: float = 3600.0
+    args: argparse.Namespace,
+    hf_dir: str,
+    prog: str = "anyspeed pretrain",
+    timeout: float = 3600.0,
+    flag: str = "--load",
 ) -> str:
     """Convert for parsed ``args`` (once; local rank 0 under a launcher, others wait) and
-    return the directory; ``prog`` names the command that runs in its progress line."""
+    return the directory; ``prog`` names the command that runs in its progress line, ``flag``
+    the flag that named ``hf_dir`` in errors."""
     out = converted_dir(args, hf_dir)
     done = os.path.join(out, TRACKER)
     if os.path.isfile(done):
@@ -140,7 +145,7 @@ def convert(
             os.makedirs(os.path.dirname(out), exist_ok=True)
         except OSError as exc:
             raise UsageError(
-                f"--load {hf_dir!r}: cannot create {os.path.dirname(out)} for its conversion "
+                f"{flag} {hf_dir!r}: cannot create {os.path.dirname(out)} for its conversion "
                 f"({exc.strerror}); check --save"
             ) from None
         cmd = [
@@ -167,11 +172,11 @@ def convert(
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             msg = (res.stderr.strip().splitlines() or ["conversion failed"])[-1]
-            raise UsageError(f"--load {hf_dir!r}: {msg}")
+            raise UsageError(f"{flag} {hf_dir!r}: {msg}")
         return out
     deadline = time.monotonic() + timeout
     while not os.path.isfile(done):
         if time.monotonic() > deadline:
-            raise UsageError(f"--load {hf_dir!r}: timed out waiting for local rank 0's conversion")
+            raise UsageError(f"{flag} {hf_dir!r}: timed out waiting for local rank 0's conversion")
         time.sleep(1.0)
     return out

@@ -18,6 +18,13 @@ def is_reward_model(common: dict[str, Any]) -> bool:
     return RECORD in common
 
 
+def is_reward_config(cfg: dict[str, Any]) -> bool:
+    """Whether an HF ``config.json`` describes a one-label sequence-classification model."""
+    archs = cfg.get("architectures") or []
+    seq = any(str(a).endswith("ForSequenceClassification") for a in archs)
+    return seq and int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)) == 1
+
+
 def reward_mapping(m: FamilyMapping) -> FamilyMapping:
     """``m`` with ``output_layer.weight -> lm_head.weight`` replaced by the head."""
     top = {k: v for k, v in m.top.items() if k != "output_layer.weight"}

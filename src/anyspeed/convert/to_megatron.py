@@ -7,6 +7,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,15 +21,23 @@ from anyspeed.convert.megatron_io import (
     common_state,
     save_legacy,
 )
+from anyspeed.convert.reward import RECORD, is_reward_config, reward_mapping
 from anyspeed.convert.torch_dist import save_torch_dist
 from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.families import mapping_for
 from anyspeed.models.hf import HF_ARCHITECTURES
 
 
+def _mapping(ck: HFCheckpoint, preset: ModelConfig) -> Any:
+    """The family's HF <-> Megatron mapping; a ``*ForSequenceClassification`` (a reward model
+    with one label) maps its ``score`` head instead of the vocabulary projection."""
+    m = mapping_for(preset.family)
+    return reward_mapping(m) if is_reward_config(ck.config) else m
+
+
 def _check_hf_tensors(ck: HFCheckpoint, preset: ModelConfig) -> None:
     """Every tensor the architecture needs is there with the shape config.json implies."""
-    m = mapping_for(preset.family)
+    m = _mapping(ck, preset)
     want = engine.hf_shapes(m, preset)
     have = {n for n in ck.names if not n.endswith(m.ignored_hf)}
     have -= set(engine.mtp_copies(m, preset))  # copies of the embedding and output layer
@@ -75,12 +84,17 @@ def hf_to_megatron(
     if ckpt_format not in ("torch_dist", "legacy"):
         raise ConvertError(f"--ckpt-format {ckpt_format}: choose torch_dist or legacy")
     ck = HFCheckpoint(hf_dir)
+    if ckpt_format == "legacy" and is_reward_config(ck.config):
+        raise ConvertError(
+            f"{hf_dir}: a reward model (*ForSequenceClassification) converts to --ckpt-format "
+            "torch_dist only"
+        )
     preset = with_mtp(preset_of(ck.config, model_type_hf), ck.names, mtp_num_layers)
     counts = check_target(preset, tp, pp, num_layer_list, ep, ckpt_format)
     _check_hf_tensors(ck, preset)
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")
-    m = mapping_for(preset.family)
+    m = _mapping(ck, preset)
     padded = padded_vocab_size(preset.vocab_size, max(1, make_vocab_size_divisible_by), tp)
     mg_preset = dataclasses.replace(preset, vocab_size=padded)
     dtype = DTYPES[params_dtype] if params_dtype else ck.dtype("model.embed_tokens.weight")
@@ -97,13 +111,13 @@ def hf_to_megatron(
         "hf_config_json": json.dumps(ck.config),
         "hf_vocab_size": preset.vocab_size,
         "expert_model_parallel_size": ep,
+        **({RECORD: {"num_labels": 1}} if is_reward_config(ck.config) else {}),
     }
     with staged_output(save_dir) as tmp:
         if ckpt_format == "torch_dist":
             common = common_state(mg_preset, 0, extra)
-            save_torch_dist(
-                tmp, mg_preset, dtype, (group(g, True) for g in engine.groups(preset)), common
-            )
+            groups = (group(g, True) for g in engine.groups(preset))
+            save_torch_dist(tmp, mg_preset, dtype, groups, common, is_reward_config(ck.config))
         else:
             starts = [sum(counts[:s]) for s in range(pp + 1)]
 

@@ -43,10 +43,12 @@ def save_torch_dist(
     dtype: torch.dtype,
     tensor_groups: Iterator[dict[str, torch.Tensor]],
     common: dict,
+    reward: bool = False,
 ) -> None:
     """Write ``out_dir/release`` + tracker from the full Megatron tensors of every group, in
     ``engine.groups`` order. Each group is converted when the writer reaches it and dropped
-    when written (see :mod:`.dcp_io`), so one group is in memory, not the model."""
+    when written (see :mod:`.dcp_io`), so one group is in memory, not the model. ``reward``:
+    the model has a reward head in place of its output layer (``--stage orm``'s)."""
     from megatron.core import dist_checkpointing
 
     from anyspeed.convert.dcp_io import streaming_save_strategy
@@ -54,6 +56,10 @@ def save_torch_dist(
 
     with megatron_session():
         model = empty_model(preset, dtype)  # uninitialised: placeholders, never touched
+        if reward:
+            from anyspeed.models.reward_head import reward_head
+
+            model = reward_head(model, None)
         placeholders = dict(model.state_dict(keep_vars=True))
         strategy = streaming_save_strategy(
             {k: v for k, v in placeholders.items() if isinstance(v, torch.Tensor)},

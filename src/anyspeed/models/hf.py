@@ -48,8 +48,10 @@ def hf_family(config: dict[str, Any]) -> str:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"config.json architectures is {archs!r:.40}, not a list of names")
     by_arch = {arch: fam for fam, arch in HF_ARCHITECTURES.items()}
-    family = by_arch.get(archs[0]) if archs else config.get("model_type")
-    if not isinstance(family, str) or family not in HF_ARCHITECTURES or len(set(archs)) > 1:
+    # a sequence-classification model (a reward model) is its causal LM's family with a head
+    causal = [a.replace("ForSequenceClassification", "ForCausalLM") for a in archs]
+    family = by_arch.get(causal[0]) if archs else config.get("model_type")
+    if not isinstance(family, str) or family not in HF_ARCHITECTURES or len(set(causal)) > 1:
         got = ", ".join(archs) or f"model_type {config.get('model_type')!r:.40}"
         raise ValueError(
             f"unsupported architecture {got}; supported: "

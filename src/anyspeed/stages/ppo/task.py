@@ -59,7 +59,7 @@ class PPOTask(PolicyTask):
         """Values, rewards per token, GAE, whitening; then the critic's steps (``ppo_epochs``
         passes over the rollout's mini-batches), its metrics on each mini-batch."""
         values = self.critic.values(micro)
-        explained = advantages(micro, values, self.cfg) if values is not None else 0.0
+        explained = last_stage_value(advantages(micro, values, self.cfg) if values else 0.0)
         per_step = self.run.args.global_batch_size // trainer.dp // self.run.args.micro_batch_size
         steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
         stats = torch.zeros(self.cfg.epochs, len(steps), len(CRITIC), dtype=torch.float64)
@@ -78,6 +78,21 @@ class PPOTask(PolicyTask):
             f" critic warm-up rollout {done}/{self.cfg.extra.warmup} | critic/vf_loss: "
             f"{self.last[0]:.6E} | critic/vf_explained_var: {self.last[1]:.4f}"
         )
+
+
+def last_stage_value(x: float) -> float:
+    """``x`` as the last pipeline stage has it, on every rank (the first prints the lines)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return x
+    from anyspeed.device import torch_device
+
+    t = torch.tensor([x], dtype=torch.float64, device=torch_device())
+    src = ps.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
+    return float(t.item())
 
 
 def advantages(micro: list[dict[str, Any]], values: list[torch.Tensor], cfg: Any) -> float:

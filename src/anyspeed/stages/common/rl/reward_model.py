@@ -1,5 +1,6 @@
-"""Rewards from a trained reward model (``--reward-model``): an ``--stage orm`` checkpoint of
-the policy's architecture, built frozen at the training layout in the same processes, scores
+"""Rewards from a trained reward model (``--reward-model``): an ``--stage orm`` checkpoint (or
+a one-label ``*ForSequenceClassification`` Hugging Face directory, converted once) of the
+policy's architecture, built frozen at the training layout in the same processes, scores
 each sampled sequence (prompt and answer) at its last token, as the reward model was trained
 and as transformers' ``*ForSequenceClassification`` of its export pools. The answer is closed as
 the chat template (``--prompt-type``) closes an assistant turn (``<|im_end|>\n`` for chatml, in
@@ -35,6 +36,8 @@ def check(args: argparse.Namespace) -> str | None:
     if path is None:
         return None
     flag = f"--reward-model {path!r}"
+    if os.path.isdir(path) and tracked_dir(path) is None:
+        path = _from_hf(args, path, flag)
     if not os.path.isdir(path) or tracked_dir(path) is None:
         raise UsageError(
             f"{flag} is not a checkpoint directory (no tracker file); give the --save "
@@ -51,6 +54,31 @@ def check(args: argparse.Namespace) -> str | None:
     except CheckpointFileError as exc:
         raise UsageError(f"{flag}: {exc}") from None
     return os.path.abspath(path)
+
+
+def _from_hf(args: argparse.Namespace, path: str, flag: str) -> str:
+    """A Hugging Face ``*ForSequenceClassification`` directory (one label) converted, once,
+    into a reward-model checkpoint beside the run's conversions; other directories as given."""
+    import json
+
+    from anyspeed.convert import hf_cache
+    from anyspeed.convert.reward import is_reward_config
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return path
+    try:
+        with open(config, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag}: cannot read config.json ({exc})") from None
+    if not isinstance(cfg, dict) or not is_reward_config(cfg):
+        raise UsageError(
+            f"{flag} is a Hugging Face model but not a one-label *ForSequenceClassification "
+            "(a reward model); give one, or an --stage orm checkpoint"
+        )
+    prog = f"anyspeed posttrain --stage {args.stage}"
+    return hf_cache.convert(args, path, prog, flag="--reward-model")
 
 
 def frozen(path: str) -> dict[str, FrozenModel]:
