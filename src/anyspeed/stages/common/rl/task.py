@@ -356,8 +356,8 @@ class PolicyTask(Task):
             raise rewards.RewardError(error)
         if c.reward_model:
             end = reward_model.turn_end(self.tok, args.prompt_type)
-            answers = [reward_model.closed(t, self.eos, end) for t in tokens]
-            rm = reward_model.score_sequences(trainer, rep, answers, args, self.pad)
+            scored = [reward_model.closed(t, self.eos, end) for t in tokens]
+            rm = reward_model.score_sequences(trainer, rep, scored, args, self.pad)
             scores = [s + c.reward_model_weight * r for s, r in zip(scores, rm, strict=True)]
         if c.overlong_buffer > 0:
             pen = rewards.overlong_penalty(
