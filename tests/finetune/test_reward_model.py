@@ -98,3 +98,22 @@ def test_a_checkpoint_without_a_head_is_refused(capsys, add_prompts, tiny_qwen, 
     assert posttrain(cli(tiny_qwen, add_prompts, hf_tok, "--reward-model", str(tmp_path))) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not a checkpoint directory" in err, err
+
+
+def test_answers_are_closed_as_the_template_closes_a_turn():
+    """The reward model reads an answer as its training pairs ended: the sampled end token
+    replaced by the template's turn end (chatml: the tokens of ``<|im_end|>\\n``)."""
+    from anyspeed.data.templates import TEMPLATES
+    from anyspeed.stages.common.rl import reward_model as R
+
+    class Tok:  # encodes each character as its code point
+        eod_id = 0
+
+        def encode(self, texts, special=True):
+            return [[ord(ch) for ch in t] for t in texts]
+
+    end = R.turn_end(Tok(), "chatml")
+    assert end == [ord(ch) for ch in TEMPLATES["chatml"].assistant.split("{content}")[1]]
+    assert R.closed([5, 6, 9], {9}, end) == [5, 6, *end]  # sampled end token replaced
+    assert R.closed([5, 6], {9}, end) == [5, 6, *end]  # cut at the length limit: closed
+    assert R.turn_end(Tok(), None) is None and R.closed([5, 9], {9}, None) == [5, 9]
