@@ -91,8 +91,9 @@ def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, extra, l
     assert len(err.splitlines()) == 1 and line in err, err
 
 
-@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]],
-                         ids=["one", "pp2"])  # fmt: skip
+@pytest.mark.parametrize("layout", [
+    [], pytest.param(["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
+], ids=["one", "pp2"])  # fmt: skip
 def test_memory_estimate_of_the_critic(add_prompts, tiny_qwen, hf_tok, layout):
     """``anyspeed memory --critic``'s bytes for the critic equal what the run's critic holds
     (parameters, gradients, optimizer state, counted from its tensors) on every rank."""

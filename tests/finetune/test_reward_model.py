@@ -52,7 +52,9 @@ def hf_scores(hf_dir: str, prompts, answers) -> list[float]:
 
 
 @pytest.mark.parametrize(("source", "layout"), [
-    ("ck", []), ("ck", ["--pipeline-model-parallel-size", "2"]), ("hf", []),
+    ("ck", []),
+    pytest.param("ck", ["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
+    ("hf", []),
 ], ids=["one", "pp2", "hf-dir"])  # fmt: skip
 def test_rollout_scores_equal_transformers(orm, add_prompts, tiny_qwen, hf_tok, source, layout,
                                            tmp_path):  # fmt: skip
