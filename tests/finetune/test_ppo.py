@@ -81,6 +81,8 @@ def test_critic_warmup(add_prompts, tiny_qwen, hf_tok):
     (["--adv-estimator", "group_norm"], "PPO's advantages are its critic's (gae)"),
     (["--clip-ratio-c", "0.5"], "--clip-ratio-c 0.5 must be above 1"),
     (["--gamma", "1.5"], "--gamma must be <= 1"),
+    (["--critic-load", "/no/such/critic"],
+     "--critic-load '/no/such/critic' is not a checkpoint directory"),
 ])  # fmt: skip
 def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, extra, line):
     from anyspeed.commands.train import posttrain

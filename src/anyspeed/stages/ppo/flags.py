@@ -76,6 +76,9 @@ def critic_config(args: argparse.Namespace) -> CriticConfig:
             "own); train the full model"
         )
     lr = args.lr if args.critic_lr is None else args.critic_lr
-    return CriticConfig(
-        args.gamma, args.lam, lr, args.cliprange_value, args.critic_warmup, args.critic_load
-    )
+    load = args.critic_load
+    if load is not None:  # a reward model or an earlier critic; checked as --load is
+        from anyspeed.stages.common.value_head import check_model_dir
+
+        load = check_model_dir(args, load, "--critic-load", head=False)
+    return CriticConfig(args.gamma, args.lam, lr, args.cliprange_value, args.critic_warmup, load)

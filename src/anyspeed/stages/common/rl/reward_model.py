@@ -26,34 +26,15 @@ NAME = "reward_model"  # the frozen model's name in the trainer
 def check(args: argparse.Namespace) -> str | None:
     """``--reward-model``, checked before start: a checkpoint directory whose files are whole,
     with a value head, of the policy's architecture; its absolute path (None: not given)."""
-    from anyspeed.checkpoint.checks import check_fits, verify
-    from anyspeed.checkpoint.errors import CheckpointFileError
     from anyspeed.checkpoint.reads import tracked_dir
-    from anyspeed.models.presets import model_from_args
-    from anyspeed.stages.common.value_head import has_head
+    from anyspeed.stages.common.value_head import check_model_dir
 
     path = args.reward_model
     if path is None:
         return None
-    flag = f"--reward-model {path!r}"
     if os.path.isdir(path) and tracked_dir(path) is None:
-        path = _from_hf(args, path, flag)
-    if not os.path.isdir(path) or tracked_dir(path) is None:
-        raise UsageError(
-            f"{flag} is not a checkpoint directory (no tracker file); give the --save "
-            "directory of an --stage orm run"
-        )
-    try:
-        verify(tracked_dir(path))
-        if not has_head(path):
-            raise UsageError(
-                f"{flag} has no reward head: train one with --stage orm from a checkpoint of "
-                "this model"
-            )
-        check_fits(path, model_from_args(args))
-    except CheckpointFileError as exc:
-        raise UsageError(f"{flag}: {exc}") from None
-    return os.path.abspath(path)
+        path = _from_hf(args, path, f"--reward-model {path!r}")
+    return check_model_dir(args, path, "--reward-model", head=True)
 
 
 def _from_hf(args: argparse.Namespace, path: str, flag: str) -> str:
