@@ -24,6 +24,7 @@ def cli(hf: str, prefix: str, tok: str, *extra: str, iters: int = 2) -> list[str
             *extra]  # fmt: skip
 
 
+@pytest.mark.slow  # the suite's time budget; the resume test runs PPO with a save (fast)
 def test_policy_at_rest_and_critic_learning(add_prompts, tiny_qwen, hf_tok, tmp_path):
     """Policy lr 0 with two passes per rollout: its ratio stays exactly 1 (ppo_kl 0, no clip)
     while the critic trains: its value loss falls over the passes of each rollout; the critic
@@ -61,6 +62,9 @@ def test_resume_is_exact(add_prompts, tiny_qwen, hf_tok, tmp_path):
     assert a["grad_norm"] + b["grad_norm"] == whole["grad_norm"]
     for k in ("critic/vf_loss", "critic/grad_norm", "grpo/rewards/mean"):
         assert a["metrics"][k] + b["metrics"][k] == whole["metrics"][k], k
+    critic = os.path.join(ck, "iter_0000002", "critic", "latest_checkpointed_iteration.txt")
+    assert os.path.isfile(critic)  # inside the policy's checkpoint
+    assert max(whole["metrics"]["critic/grad_norm"]) > 0
 
 
 def test_critic_warmup(add_prompts, tiny_qwen, hf_tok):

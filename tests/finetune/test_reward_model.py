@@ -52,7 +52,7 @@ def hf_scores(hf_dir: str, prompts, answers) -> list[float]:
 
 
 @pytest.mark.parametrize(("source", "layout"), [
-    ("ck", []),
+    pytest.param("ck", [], marks=pytest.mark.slow),  # fast: the HF case and the training one
     pytest.param("ck", ["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
     ("hf", []),
 ], ids=["one", "pp2", "hf-dir"])  # fmt: skip
