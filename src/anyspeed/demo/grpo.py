@@ -200,20 +200,11 @@ def sft(
     return sft_save
 
 
-def run(args: argparse.Namespace, extra: list[str]) -> int:
-    """The whole GRPO demo; ``extra`` goes to ``anyspeed posttrain --stage grpo``."""
-    from anyspeed.commands.train import posttrain as posttrain_main
-
-    t0 = time.perf_counter()
-    # a 1 MiB tokenizer corpus: with 6 the demo's SFT model learnt less (+0.13 reward, not +0.27)
-    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 1.0, STEPS)
-    if rc:
-        return rc
-    rc, sft_prefix, rl_prefix, held = task_data(args, tok_dir)
-    if rc:
-        return rc
+def common_flags(args: argparse.Namespace, tok_dir: str) -> list[str]:
+    """The flags every run of the RL demos shares: processes, template, model, layout and
+    tokenizer."""
     n = args.nproc_per_node
-    common = [
+    return [
         "--nproc-per-node",
         str(n),
         "--prompt-type",
@@ -227,6 +218,21 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         "--tokenizer-name-or-path",
         tok_dir,
     ]
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    """The whole GRPO demo; ``extra`` goes to ``anyspeed posttrain --stage grpo``."""
+    from anyspeed.commands.train import posttrain as posttrain_main
+
+    t0 = time.perf_counter()
+    # a 1 MiB tokenizer corpus: with 6 the demo's SFT model learnt less (+0.13 reward, not +0.27)
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 1.0, STEPS)
+    if rc:
+        return rc
+    rc, sft_prefix, rl_prefix, held = task_data(args, tok_dir)
+    if rc:
+        return rc
+    common = common_flags(args, tok_dir)
     sft_save = sft(args, common, sft_prefix)
     if sft_save is None:
         return 1

@@ -30,15 +30,12 @@ import time
 
 from anyspeed.demo import grpo
 from anyspeed.demo.common import (
-    DEMO_ARCH,
     FINETUNE,
-    VOCAB,
     fresh_metrics,
     tokenizer_steps,
-    tp_layout,
 )
 from anyspeed.demo.instructions import write_jsonl
-from anyspeed.demo.sft import PROMPT_TYPE, preprocess
+from anyspeed.demo.sft import preprocess
 
 STEPS = 10
 ORM_TRAIN = [
@@ -174,21 +171,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if rc:
         return rc
     pair_prefix = os.path.join(args.workdir, "ppo-pairs")
-    n = args.nproc_per_node
-    common = [
-        "--nproc-per-node",
-        str(n),
-        "--prompt-type",
-        PROMPT_TYPE,
-        *DEMO_ARCH,
-        *tp_layout(n),
-        "--padded-vocab-size",
-        str(VOCAB),
-        "--tokenizer-type",
-        "PretrainedFromHF",
-        "--tokenizer-name-or-path",
-        tok_dir,
-    ]
+    common = grpo.common_flags(args, tok_dir)
     sft_save = grpo.sft(args, common, sft_prefix, f"[6/{STEPS}]")
     if sft_save is None:
         return 1

@@ -112,17 +112,8 @@ def advantages(micro: list[dict[str, Any]], values: list[torch.Tensor], cfg: Any
         adv, ret = P.gae(rewards, v, mask, x.gamma, x.lam)
         b["values"], b["returns"], b["advantages"] = v, ret, adv
         m, a, g, d = mask.double(), adv.double(), ret.double(), (ret - v).double()
-        sums += torch.stack(
-            [
-                m.sum(),
-                (a * m).sum(),
-                (a * a * m).sum(),
-                (g * m).sum(),
-                (g * g * m).sum(),
-                (d * m).sum(),
-                (d * d * m).sum(),
-            ]  # fmt: skip
-        ).cpu()
+        parts = [m, a * m, a * a * m, g * m, g * g * m, d * m, d * d * m]
+        sums += torch.stack([x.sum() for x in parts]).cpu()
     sums = sums.to(micro[0]["tokens"].device)
     dist.all_reduce(sums, group=ps.get_data_parallel_group())
     n, sa, saa, sg, sgg, sd, sdd = sums.tolist()
