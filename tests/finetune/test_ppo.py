@@ -109,3 +109,18 @@ def test_memory_estimate_of_the_critic(add_prompts, tiny_qwen, hf_tok, layout):
     for r in ranks:
         held = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
         assert r["estimate"] == pytest.approx(held, rel=0.01), r
+
+
+def test_default_split_and_eval_iters_are_accepted(add_prompts, tiny_qwen, hf_tok):
+    """RL stages evaluate nothing: ``--eval-iters`` defaults to 0, so the default ``--split``
+    (969,30,1), whose test share of 48 prompts gets none, is accepted before start."""
+    from anyspeed.stages.prepare import prepare
+
+    argv = cli(tiny_qwen, add_prompts, hf_tok)
+    for flag in ("--split", "--eval-iters", "--critic-lr"):  # the last: GRPO has no critic
+        i = argv.index(flag)
+        del argv[i : i + 2]
+    for stage in ("ppo", "grpo"):
+        argv[argv.index("--stage") + 1] = stage
+        run, _ = prepare(argv, "launcher", "posttrain")
+        assert run.args.eval_iters == 0 and run.args.split == "969,30,1"

@@ -56,7 +56,9 @@ YAML_KEYS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The RL stages' shared flags."""
+    """The RL stages' shared flags. They evaluate nothing (no held-out loss): ``--eval-iters``
+    defaults to 0, so a ``--split`` share that gets no prompt is not refused."""
+    p.set_defaults(eval_iters=0)
     g = p.add_argument_group("RL: GRPO, PPO (MindSpeed-RL's names)")
     a = g.add_argument
     a(
