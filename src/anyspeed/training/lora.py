@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from anyspeed.errors import UsageError
 from anyspeed.models.lora import ADAPTER, TARGETS, A, B, LoraRecord
 
-VIEWS = ("all", "base", "adapters")
+VIEWS = ("all", "base", "adapters", "weights")
 
 
 def _layers(chunk: torch.nn.Module):
@@ -138,13 +138,15 @@ def _is_kept(key: str, keep: tuple[str, ...]) -> bool:
 
 def _views(chunk: torch.nn.Module, keep: tuple[str, ...]) -> None:
     """``chunk.lora_view``: "adapters" (the default) saves and loads only the adapters and the
-    modules to save, "base" only the rest, "all" everything."""
+    modules to save, "base" only the rest, "weights" all but the adapters (a start from a
+    checkpoint that holds the modules to save, e.g. a reward head), "all" everything."""
     full_sharded, full_load = chunk.sharded_state_dict, chunk.load_state_dict
     chunk.lora_view = "adapters"
 
     def part(key: str) -> bool:
         kept = _is_kept(key, keep)
-        return {"all": True, "adapters": kept, "base": not kept}[chunk.lora_view]
+        views = {"all": True, "adapters": kept, "base": not kept, "weights": ADAPTER not in key}
+        return views[chunk.lora_view]
 
     def sharded_state_dict(prefix: str = "", *args: Any, **kwargs: Any) -> dict:
         out = full_sharded(prefix, *args, **kwargs)

@@ -6,6 +6,10 @@ It starts from ``--critic-load`` (an ``--stage orm`` reward model or a critic ch
 head included) or from the policy's own start with a new head, and is saved inside each of the
 policy's checkpoints (``iter_N/critic/``, written before the checkpoint is renamed into place,
 so a checkpoint has both or neither); a resumed run resumes it with its optimizer.
+
+Under LoRA the critic has adapters of its own (the policy's targets, rank and alpha) and trains
+them with its head; its base weights are frozen, and its checkpoint holds the adapters and the
+head, as the policy's holds its adapters. A LoRA run resumes both from ``--lora-load``.
 """
 
 from __future__ import annotations
@@ -39,13 +43,16 @@ class CriticTask(Task):
     name, loss_key = "critic", "critic/vf_loss"
     metrics = METRICS
 
-    def __init__(self, clip: float, agg: str, max_response: int) -> None:
+    def __init__(self, clip: float, agg: str, max_response: int, lora: Any = None) -> None:
         self.clip, self.agg, self.max_response = clip, agg, max_response
+        self.lora = critic_lora(lora)
+        self.lora_load = lora.load if lora else None  # where a LoRA run resumes from
 
     def transforms(self) -> list[Any]:
         from anyspeed.models.reward_head import reward_head
 
-        return [per_token_loss, reward_head]
+        # the head first: LoRA then freezes all but its adapters and the head
+        return [per_token_loss, reward_head] + ([self.lora.transform()] if self.lora else [])
 
     def forward_step(
         self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
@@ -77,6 +84,14 @@ class CriticTask(Task):
         return total, count.round().to(torch.int), metrics
 
 
+def critic_lora(lora: Any) -> Any:
+    """The critic's LoRA: the policy's adapters on its own model, its head trained and saved
+    with them (None without LoRA)."""
+    if lora is None:
+        return None
+    return dataclasses.replace(lora, modules_to_save=(*lora.modules_to_save, "output_layer"))
+
+
 class Critic:
     """The critic's model, optimizer and schedule on this rank (groups already started)."""
 
@@ -85,7 +100,7 @@ class Critic:
         from anyspeed.training.step import Trainer
 
         cfg = dataclasses.replace(run.train, lr=lr, min_lr=min(run.train.min_lr, lr))
-        self.task = CriticTask(rl.extra.cliprange_value, rl.agg, rl.max_response)
+        self.task = CriticTask(rl.extra.cliprange_value, rl.agg, rl.max_response, rl.lora)
         self.trainer = Trainer(run.model, run.layout, cfg, self.task, start_groups=False)
         args = argparse.Namespace(**{**vars(run.args), "lr": lr, "min_lr": cfg.min_lr})
         self.scheduler = build_scheduler(self.trainer.optimizer, types.SimpleNamespace(args=args))
@@ -93,23 +108,38 @@ class Critic:
 
     def start(self, run: Run, load: str | None) -> None:
         """Resume from the policy checkpoint's critic when the run resumes; else the weights
-        of ``load`` (with its head when it has one) or of the policy's start (a new head)."""
+        of ``load`` (with its head when it has one) or of the policy's start (a new head).
+        Under LoRA the weights come first, then the adapters, head and optimizer resume."""
         from anyspeed.checkpoint.load import load_checkpoint
-        from anyspeed.checkpoint.reads import tracked_dir
+        from anyspeed.stages.common.value_head import has_head
+        from anyspeed.training.lora import set_view
 
         model, opt = self.trainer.model, self.trainer.optimizer
-        if run.load and not run.args.finetune:
-            at = tracked_dir(run.load)
-            if at is not None and os.path.isdir(os.path.join(at, SUBDIR)):
-                load_checkpoint(os.path.join(at, SUBDIR), model, opt, self.scheduler)
-                return
+        resumed = self._resume_dir(run)
         source = load or run.load
-        if source is None:
-            return
-        from anyspeed.stages.common.value_head import has_head
+        if resumed is None or self.task.lora:
+            if source is not None:
+                keep = () if has_head(source) else ("output_layer.",)
+                if self.task.lora:
+                    set_view(model, "weights")
+                load_checkpoint(source, model, None, None, finetune=True, load_rng=False, keep=keep)
+            if self.task.lora:
+                set_view(model, "adapters")
+        if resumed is not None:
+            load_checkpoint(resumed, model, opt, self.scheduler)
 
-        keep = () if has_head(source) else ("output_layer.",)
-        load_checkpoint(source, model, None, None, finetune=True, load_rng=False, keep=keep)
+    def _resume_dir(self, run: Run) -> str | None:
+        """The critic inside the checkpoint the policy resumes from (``--lora-load``'s under
+        LoRA, else ``--load``'s without ``--finetune``); None: a new start."""
+        from anyspeed.checkpoint.reads import tracked_dir
+
+        root = self.task.lora_load if self.task.lora else None
+        if not self.task.lora and run.load and not run.args.finetune:
+            root = run.load
+        at = tracked_dir(root) if root else None
+        if at is not None and os.path.isdir(os.path.join(at, SUBDIR)):
+            return os.path.join(at, SUBDIR)
+        return None
 
     def values(self, micro: list[dict[str, Any]]) -> list[torch.Tensor] | None:
         """[b, s] values per micro-batch on the last pipeline stage (None elsewhere)."""

@@ -70,11 +70,6 @@ def critic_config(args: argparse.Namespace) -> CriticConfig:
         )
     if args.clip_ratio_c and args.clip_ratio_c <= 1:
         raise UsageError(f"--clip-ratio-c {args.clip_ratio_c:g} must be above 1 (or 0: off)")
-    if args.lora_target_modules:
-        raise UsageError(
-            "--stage ppo with LoRA is not supported yet (the critic would need adapters of its "
-            "own); train the full model"
-        )
     lr = args.lr if args.critic_lr is None else args.critic_lr
     load = args.critic_load
     if load is not None:  # a reward model or an earlier critic; checked as --load is
