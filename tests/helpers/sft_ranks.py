@@ -73,8 +73,8 @@ def reference_costs(cli: list[str]) -> dict:
 
 def reward_model_scores(cli: list[str], prompts: list[list[int]], answers: list[list[int]]):
     """The run's frozen ``--reward-model`` scores of (prompt, answer) token sequences, through
-    the rollout's own path (:func:`reward_model.score_sequences`)."""
-    from anyspeed.stages.common.rl import reward_model
+    the rollout's own path (the task's ``reward_model_scores``, which closes each answer as
+    the template closes a turn: here no template, so as given)."""
     from anyspeed.stages.prepare import prepare
     from anyspeed.stages.table import task_for
     from anyspeed.training.engine import _start
@@ -82,7 +82,7 @@ def reward_model_scores(cli: list[str], prompts: list[list[int]], answers: list[
     run, _ = prepare(cli, command="posttrain")
     task = task_for(run)
     trainer, _, _ = _start(run, task)
-    return reward_model.score_sequences(trainer, prompts, answers, run.args, task.pad)
+    return task.reward_model_scores(trainer, prompts, answers, run.args)
 
 
 def critic_held(cli: list[str]) -> dict:

@@ -42,9 +42,9 @@ def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Froze
         if spec.adapters_off:
             out[name] = Frozen(trainer.model, adapters_off=True)
             continue
-        chunks, _ = build_chunks(
-            trainer.model_config, trainer.layout, trainer.cfg, spec.transforms, trainer.task.build
-        )
+        model = spec.model or trainer.model_config
+        build = None if spec.model else trainer.task.build  # another model is a GPT
+        chunks, _ = build_chunks(model, trainer.layout, trainer.cfg, spec.transforms, build)
         for c in chunks:
             c.eval().requires_grad_(False)
         if spec.load:

@@ -39,6 +39,7 @@ class FrozenModel:
     adapters_off: bool = False
     iteration: int | None = None  # of ``load``: None for the one its tracker names
     transforms: tuple[Any, ...] = ()  # model transforms of the copy (e.g. packed-RoPE)
+    model: Any = None  # its own ModelConfig (a reward model of another size); None: the run's
 
 
 class Task:

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 
 from anyspeed.errors import UsageError
 
 
-def check_model_dir(args: argparse.Namespace, path: str, flag: str, head: bool) -> str:
+def check_model_dir(
+    args: argparse.Namespace, path: str, flag: str, head: bool, model: Any = None
+) -> str:
     """``path`` (named by ``flag`` in errors) checked before start as ``--load`` is: a
-    checkpoint directory whose files are whole, of the run's architecture; with ``head``, one
-    holding a reward head. Its absolute path."""
+    checkpoint directory whose files are whole, of the run's architecture (or of ``model``);
+    with ``head``, one holding a reward head. Its absolute path."""
     from anyspeed.checkpoint.checks import check_fits, verify
     from anyspeed.checkpoint.errors import CheckpointFileError
     from anyspeed.checkpoint.reads import tracked_dir
@@ -34,7 +37,7 @@ def check_model_dir(args: argparse.Namespace, path: str, flag: str, head: bool) 
                 f"{named} has no reward head: train one with --stage orm from a checkpoint "
                 "of this model"
             )
-        check_fits(path, model_from_args(args))
+        check_fits(path, model or model_from_args(args))
     except CheckpointFileError as exc:
         raise UsageError(f"{named}: {exc}") from None
     return os.path.abspath(path)

@@ -38,6 +38,8 @@ YAML_KEYS = {
     "verifier_weight": "--verifier-weight",
     "reward_model": "--reward-model",
     "reward_model_weight": "--reward-model-weight",
+    "reward_tensor_parallel_size": "--reward-tensor-parallel-size",
+    "reward_pipeline_parallel_size": "--reward-pipeline-parallel-size",
     "epochs": "--ppo-epochs",
     "loss_agg_mode": "--loss-agg-mode",
     "importance_sampling_level": "--importance-sampling-level",
@@ -164,22 +166,7 @@ def _add_objective(g: Any) -> None:
         default="token-mean",
         help="how per-token terms become the loss (token-mean: the global token mean)",
     )
-    a(
-        "--verifier-function",
-        nargs="+",
-        default=None,
-        help="rule rewards (gsm8k, gsm8k_flexible, boxed, base_acc, answer_tag, format) or "
-        "module:function(prompts, completions, labels) -> list[float] (default: gsm8k, or "
-        "none with --reward-model)",
-    )
-    a("--verifier-weight", nargs="+", type=float, default=None, help="(default: all 1)")
-    a(
-        "--reward-model",
-        default=None,
-        help="an --stage orm checkpoint of this architecture: its score of each sample at its "
-        "last token is a reward (added to the rule rewards)",
-    )
-    a("--reward-model-weight", type=float, default=1.0, help="the reward model score's weight")
+    _add_rewards(a)
     a("--overlong-buffer-len", type=int, default=0, help="DAPO's soft overlong penalty")
     a("--overlong-penalty-factor", type=float, default=1.0)
     a(
@@ -195,6 +182,40 @@ def _add_objective(g: Any) -> None:
     )
     add_reference_arguments(g)
     correction.add_arguments(g)
+
+
+def _add_rewards(a: Any) -> None:
+    """The rewards' flags: rule functions and a reward model (its weight and layout)."""
+    a(
+        "--verifier-function",
+        nargs="+",
+        default=None,
+        help="rule rewards (gsm8k, gsm8k_flexible, boxed, base_acc, answer_tag, format) or "
+        "module:function(prompts, completions, labels) -> list[float] (default: gsm8k, or "
+        "none with --reward-model)",
+    )
+    a("--verifier-weight", nargs="+", type=float, default=None, help="(default: all 1)")
+    a(
+        "--reward-model",
+        default=None,
+        help="an --stage orm checkpoint (or a one-label *ForSequenceClassification HF "
+        "directory) reading the policy's tokens, of any size: its score of each sample at its "
+        "last token is a reward (added to the rule rewards)",
+    )
+    a("--reward-model-weight", type=float, default=1.0, help="the reward model score's weight")
+    a(
+        "--reward-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="the reward model's TP size (default: training's; 1, with its PP size 1: the "
+        "whole reward model on every rank, in groups of its own)",
+    )
+    a(
+        "--reward-pipeline-parallel-size",
+        type=int,
+        default=None,
+        help="the reward model's PP size (default: training's; see --reward-tensor-parallel-size)",
+    )
 
 
 def expand_config(argv: list[str]) -> list[str]:

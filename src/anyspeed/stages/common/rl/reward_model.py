@@ -7,7 +7,8 @@ the chat template (``--prompt-type``) closes an assistant turn (``<|im_end|>\n``
 place of the sampled end token), so the scored sequence ends as the reward model's training
 pairs did: scored at a sampled ``<|im_end|>`` instead of the ``\n`` after it, a demo's reward
 model gave scores 4 apart from its training range and PPO learnt what it had never seen. Its
-score, times ``--reward-model-weight``, adds to the rule rewards (``--verifier-function``)."""
+score, times ``--reward-model-weight``, adds to the rule rewards (``--verifier-function``).
+A reward model of another architecture, or run whole on every rank: :mod:`.reward_layout`."""
 
 from __future__ import annotations
 
@@ -18,28 +19,40 @@ from typing import Any
 import torch
 
 from anyspeed.errors import UsageError
+from anyspeed.stages.common.rl.reward_layout import RewardSource, WholeRewardModel
 from anyspeed.training.task import FrozenModel
 
 NAME = "reward_model"  # the frozen model's name in the trainer
 
 
-def check(args: argparse.Namespace) -> str | None:
+def check(args: argparse.Namespace) -> RewardSource | None:
     """``--reward-model``, checked before start: a checkpoint directory whose files are whole,
-    with a value head, of the policy's architecture; its absolute path (None: not given)."""
+    with a value head, reading the policy's tokens; its architecture when not the policy's and
+    where it runs (:mod:`.reward_layout`). None: not given."""
     from anyspeed.checkpoint.reads import tracked_dir
+    from anyspeed.distributed.process import world_size
+    from anyspeed.models.presets import model_from_args
+    from anyspeed.stages.common.rl.reward_layout import architecture, check_fits_layout, wants_whole
     from anyspeed.stages.common.value_head import check_model_dir
 
     path = args.reward_model
     if path is None:
         return None
+    whole = wants_whole(args)
     if os.path.isdir(path) and tracked_dir(path) is None:
-        path = _from_hf(args, path, f"--reward-model {path!r}")
-    return check_model_dir(args, path, "--reward-model", head=True)
+        path = _from_hf(args, path, f"--reward-model {path!r}", whole)
+    policy = model_from_args(args)
+    own = architecture(args, path, policy) if tracked_dir(path) else None
+    if own is not None and not whole:
+        check_fits_layout(args, path, own, world_size())
+    path = check_model_dir(args, path, "--reward-model", head=True, model=own or policy)
+    return RewardSource(path, own, whole)
 
 
-def _from_hf(args: argparse.Namespace, path: str, flag: str) -> str:
+def _from_hf(args: argparse.Namespace, path: str, flag: str, whole: bool) -> str:
     """A Hugging Face ``*ForSequenceClassification`` directory (one label) converted, once,
-    into a reward-model checkpoint beside the run's conversions; other directories as given."""
+    into a reward-model checkpoint beside the run's conversions (at TP 1 for a reward model
+    run whole); other directories as given."""
     import json
 
     from anyspeed.convert import hf_cache
@@ -59,14 +72,19 @@ def _from_hf(args: argparse.Namespace, path: str, flag: str) -> str:
             "(a reward model); give one, or an --stage orm checkpoint"
         )
     prog = f"anyspeed posttrain --stage {args.stage}"
+    if whole:
+        args = argparse.Namespace(**{**vars(args), "tensor_model_parallel_size": 1})
     return hf_cache.convert(args, path, prog, flag="--reward-model")
 
 
-def frozen(path: str) -> dict[str, FrozenModel]:
-    """The frozen model the policy task asks the engine for."""
+def frozen(src: RewardSource) -> dict[str, FrozenModel]:
+    """The frozen model the policy task asks the engine for (none when it runs whole: the
+    task builds it in its own groups)."""
     from anyspeed.models.reward_head import reward_head
 
-    return {NAME: FrozenModel(load=path, transforms=(reward_head,))}
+    if src.whole:
+        return {}
+    return {NAME: FrozenModel(load=src.path, transforms=(reward_head,), model=src.model)}
 
 
 def turn_end(tok: Any, prompt_type: str | None) -> list[int] | None:
@@ -94,7 +112,12 @@ def closed(answer: list[int], eos: set[int] | tuple[int, ...], end: list[int] | 
 
 
 def score_sequences(
-    trainer: Any, prompts: list[list[int]], answers: list[list[int]], args: Any, pad: int
+    trainer: Any,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    args: Any,
+    pad: int,
+    whole: WholeRewardModel | None = None,
 ) -> list[float]:
     """The reward model's score of each (prompt, answer), every rank of the replica: in
     micro-batches of ``--micro-batch-size`` made as the rollout's are, the last one filled up
@@ -107,7 +130,8 @@ def score_sequences(
     prompts, answers = prompts + prompts[-1:] * fill, answers + answers[-1:] * fill
     zero = torch.zeros(len(answers), dtype=torch.float64)
     roll = Rollout(prompts, answers, [[0.0] * len(a) for a in answers], zero, zero, 1, 0)
-    return scores(trainer, micro_batches(roll, args, pad, torch_device())).tolist()[:n]
+    micro = micro_batches(roll, args, pad, torch_device())
+    return (whole.scores(micro) if whole else scores(trainer, micro)).tolist()[:n]
 
 
 def scores(trainer: Any, micro: list[dict[str, Any]]) -> torch.Tensor:

@@ -37,7 +37,7 @@ from anyspeed.training.step import Trainer
 
 
 @contextlib.contextmanager
-def _same_rng() -> Iterator[None]:
+def same_rng() -> Iterator[None]:
     """Every generator as it was (building a model draws initial weights): a run with a
     rollout layout consumes the same random numbers as one without."""
     saved = rng_state()
@@ -52,7 +52,7 @@ class RolloutModel:
 
     def __init__(self, trainer: Trainer) -> None:
         self.state = ParallelState.build(timeout_minutes())  # TP 1, PP 1: DP = world size
-        with _same_rng(), self.state.entered():  # the task's transforms: LoRA's adapters
+        with same_rng(), self.state.entered():  # the task's transforms: LoRA's adapters
             chunks, _ = build_chunks(
                 trainer.model_config,
                 Layout(),

@@ -88,6 +88,7 @@ class PolicyTask(Task):
         self.pad = self.tok.pad_id if self.tok.pad_id is not None else 0
         self.reference = cfg.reference or run.load
         self.roller: Any = None  # the rollout model at TP 1 x DP world (--infer-* 1 1)
+        self.rm_whole: Any = None  # the reward model whole on every rank (--reward-*-size 1)
         self.metrics = ACTOR + STATS + (correction.METRICS if cfg.correction else ())
 
     # ---------------------------------------------------------------- the task interface
@@ -115,6 +116,18 @@ class PolicyTask(Task):
         from anyspeed.stages.common.lora_start import lora_start
 
         return lora_start(self.cfg.lora, run, trainer, scheduler, state)
+
+    def reward_model_scores(
+        self, trainer: Trainer, prompts: list[list[int]], answers: list[list[int]], args: Any
+    ) -> list[float]:
+        """``--reward-model``'s score of each (prompt, sampled answer), on every rank of the
+        replica: the answer closed as the template closes a turn, the model at its layout."""
+        src = self.cfg.reward_model
+        end = reward_model.turn_end(self.tok, args.prompt_type)
+        scored = [reward_model.closed(t, self.eos, end) for t in answers]
+        if src.whole and self.rm_whole is None:
+            self.rm_whole = reward_model.WholeRewardModel(trainer, src)
+        return reward_model.score_sequences(trainer, prompts, scored, args, self.pad, self.rm_whole)
 
     def datasets(self, run: Run) -> list[Any]:
         return [(run.data, self.cfg.rows), None, None]
@@ -355,9 +368,7 @@ class PolicyTask(Task):
         if error is not None:
             raise rewards.RewardError(error)
         if c.reward_model:
-            end = reward_model.turn_end(self.tok, args.prompt_type)
-            scored = [reward_model.closed(t, self.eos, end) for t in tokens]
-            rm = reward_model.score_sequences(trainer, rep, scored, args, self.pad)
+            rm = self.reward_model_scores(trainer, rep, tokens, args)
             scores = [s + c.reward_model_weight * r for s, r in zip(scores, rm, strict=True)]
         if c.overlong_buffer > 0:
             pen = rewards.overlong_penalty(
