@@ -54,12 +54,13 @@ def hf_scores(hf_dir: str, prompts, answers) -> list[float]:
 @pytest.mark.parametrize(("source", "layout"), [
     pytest.param("ck", [], marks=pytest.mark.slow),  # fast: the HF case and the training one
     pytest.param("ck", ["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
-    ("hf", []),
-], ids=["one", "pp2", "hf-dir"])  # fmt: skip
+    ("hf", ["--pipeline-model-parallel-size", "2"]),  # 6 sequences: a short last micro-batch
+], ids=["one", "pp2", "hf-dir-pp2"])  # fmt: skip
 def test_rollout_scores_equal_transformers(orm, add_prompts, tiny_qwen, hf_tok, source, layout,
                                            tmp_path):  # fmt: skip
     """The ORM checkpoint at one process and PP2, and its export given as an HF directory
-    (converted once, as --load converts one)."""
+    (converted once, as --load converts one) at PP2: 6 sequences in micro-batches of 4, so
+    the last is short (its rows were read misaligned between stages before the fix)."""
     prompts, answers = sequences(add_prompts)
     argv = cli(tiny_qwen, add_prompts, hf_tok, "--reward-model", orm[source], *layout,
                "--save", str(tmp_path / "run"))  # fmt: skip

@@ -1,8 +1,9 @@
-"""A reward model of another size than the policy (a smaller Qwen2 ``*ForSequenceClassification``
-reading the same tokens) scores rollout sequences as transformers does (within 1e-5): at the
-training layout where it fits (one process, TP2+SP), and whole on every rank (``--reward-tensor-parallel-size 1
---reward-pipeline-parallel-size 1``) under a TP2+SP and a PP2 policy; where it does not fit the
-training layout the run is refused in one line naming those flags."""
+"""A reward model of another size than the policy (a smaller Qwen2
+``*ForSequenceClassification`` reading the same tokens) scores rollout sequences as transformers
+does (within 1e-5): at the training layout where it fits (one process, TP2+SP), and whole on
+every rank (``--reward-tensor-parallel-size 1 --reward-pipeline-parallel-size 1``) under a TP2+SP
+and a PP2 policy; where it does not fit the training layout the run is refused in one line
+naming those flags."""
 
 from __future__ import annotations
 

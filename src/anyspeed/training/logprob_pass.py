@@ -58,6 +58,9 @@ def output_pass(
         # at once, tests/training/test_logprob_pass_memory.py).
         return out.detach(), collect
 
+    rows = [int(b["tokens"].shape[0]) for b in microbatches]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        microbatches = [_filled(b, trainer.cfg.micro_batch_size) for b in microbatches]
     data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
     seq, mbs = trainer.task.schedule_shape(trainer.cfg.seq_length, trainer.cfg.micro_batch_size)
     out = get_forward_backward_func()(
@@ -70,4 +73,21 @@ def output_pass(
         forward_only=True,
         collect_non_loss_data=True,
     )
-    return list(out) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return [o[:n] for o, n in zip(out, rows, strict=True)]
+
+
+def _filled(b: dict, mbs: int) -> dict:
+    """A micro-batch of fewer rows than ``mbs`` filled up with copies of its last row: the
+    pipeline's stages exchange tensors of ``mbs`` rows (a short one was read misaligned)."""
+    n = int(b["tokens"].shape[0])
+    if n >= mbs:
+        return b
+
+    def fill(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
+            return v
+        return torch.cat([v, v[-1:].expand(mbs - n, *v.shape[1:])])
+
+    return {k: fill(v) for k, v in b.items()}

@@ -120,18 +120,14 @@ def score_sequences(
     whole: WholeRewardModel | None = None,
 ) -> list[float]:
     """The reward model's score of each (prompt, answer), every rank of the replica: in
-    micro-batches of ``--micro-batch-size`` made as the rollout's are, the last one filled up
-    with repeats (a short last micro-batch of two rows scored wrong; see the closing note)."""
+    micro-batches of ``--micro-batch-size`` made as the rollout's are."""
     from anyspeed.device import torch_device
     from anyspeed.stages.common.rl.batches import Rollout, micro_batches
 
-    n = len(answers)
-    fill = (-n) % args.micro_batch_size
-    prompts, answers = prompts + prompts[-1:] * fill, answers + answers[-1:] * fill
     zero = torch.zeros(len(answers), dtype=torch.float64)
     roll = Rollout(prompts, answers, [[0.0] * len(a) for a in answers], zero, zero, 1, 0)
     micro = micro_batches(roll, args, pad, torch_device())
-    return (whole.scores(micro) if whole else scores(trainer, micro)).tolist()[:n]
+    return (whole.scores(micro) if whole else scores(trainer, micro)).tolist()
 
 
 def scores(trainer: Any, micro: list[dict[str, Any]]) -> torch.Tensor:
