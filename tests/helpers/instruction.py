@@ -12,10 +12,14 @@ from helpers.corpora import make_docs
 def preprocess(
     src: str, prefix: str, tok: str, *flags: str, handler: str = "AlpacaStyleInstructionHandler"
 ) -> str:
-    """``anyspeed preprocess`` in-process (default: alpaca records, the qwen prompt type)."""
+    """``anyspeed preprocess`` in-process (default: alpaca records, the qwen prompt type;
+    ``--prompt-type hf``: the tokenizer's own chat template)."""
     from anyspeed.commands.preprocess import main
 
-    if "--prompt-type" not in flags:
+    if "--prompt-type" in flags and flags[flags.index("--prompt-type") + 1] == "hf":
+        at = flags.index("--prompt-type")
+        flags = flags[:at] + flags[at + 2 :]
+    elif "--prompt-type" not in flags:
         flags = ("--prompt-type", "qwen", *flags)
     argv = [
         "preprocess",

@@ -102,3 +102,22 @@ def critic_held(cli: list[str]) -> dict:
     o = options(run.args, dp)
     world = dp * run.layout.tp * run.layout.pp
     return dict(held, estimate=critic_bytes(run.model, run.layout, world, o, held["stage"]))
+
+
+def tool_trajectories(cli: list[str], rows: list[int]) -> dict:
+    """The run's rollout of prompt ``rows`` (one sample each, through the task's own
+    ``sample_once``): every sample's prompt, answer tokens, model-token mask, rollout
+    log-probs, rewards, and this replica's tool counts."""
+    from anyspeed.stages.common.rl.multiturn import ToolStats
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import _start
+
+    run, _ = prepare(cli, command="posttrain")
+    task = task_for(run)
+    trainer, _, _ = _start(run, task)
+    task.tool_stats = ToolStats()
+    roll = task.sample_once(trainer, run.data, rows, [(0, r) for r in rows], run.args)
+    return {"prompts": roll.prompts, "tokens": roll.tokens, "masks": roll.masks,
+            "logps": roll.logps, "rewards": roll.rewards.tolist(),
+            "calls": task.tool_stats.calls}  # fmt: skip

@@ -132,8 +132,11 @@ class InstructionHandler(Handler):
         """The record as [{role, content}, ...] ending with an assistant turn."""
         raise NotImplementedError
 
-    def segments(self, messages: list[dict], tok: Tokenizer) -> list[Segment]:
-        """Prompt/response text pieces of a conversation, in order."""
+    def segments(
+        self, messages: list[dict], tok: Tokenizer, tools: list | None = None
+    ) -> list[Segment]:
+        """Prompt/response text pieces of a conversation, in order (``tools``: JSON schemas
+        the tokenizer's chat template shows the model)."""
         if self.prompt_type is not None:
             return TEMPLATES[self.prompt_type].segments(messages)
         out: list[Segment] = []
@@ -141,8 +144,8 @@ class InstructionHandler(Handler):
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
-            prompt = tok.render_chat(messages[:i], add_generation_prompt=True)
-            full = tok.render_chat(messages[: i + 1], add_generation_prompt=False)
+            prompt = tok.render_chat(messages[:i], add_generation_prompt=True, tools=tools)
+            full = tok.render_chat(messages[: i + 1], add_generation_prompt=False, tools=tools)
             if not (prompt.startswith(done) and full.startswith(prompt)):
                 raise RecordError("chat template is not prefix-stable", f"turn {i}")
             out.append((prompt[len(done) :], False, False))

@@ -62,8 +62,11 @@ class Tokenizer:
         """Whether ``render_chat`` can use a template shipped with the tokenizer."""
         return False
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """Render messages with the tokenizer's own chat template."""
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+    ) -> str:
+        """Render messages (and the JSON schemas of ``tools`` the model may call) with the
+        tokenizer's own chat template."""
         raise UsageError(f"tokenizer {self.name} has no chat template; pass --prompt-type")
 
 
@@ -119,11 +122,16 @@ class _HFTokenizer(Tokenizer):
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+    ) -> str:
         if not self.has_chat_template:
-            return super().render_chat(messages, add_generation_prompt)
+            return super().render_chat(messages, add_generation_prompt, tools)
         return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
 
 

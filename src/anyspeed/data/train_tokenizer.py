@@ -13,11 +13,23 @@ from anyspeed.data.readers import Reader, decode_item, resolve_inputs
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [EOS, PAD, "<|im_start|>", "<|im_end|>"]
-# ChatML-style: every message is wrapped in <|im_start|>role ... <|im_end|>.
+# ChatML; with ``tools``, a system turn lists their JSON schemas and how to call one, an
+# assistant turn's ``tool_calls`` are written hermes-style and a tool's answer is a ``tool``
+# turn (plain conversations render as before).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
+    "{% set ns = namespace(skip=false) %}"
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{% set ns.skip = true %}{% endif %}"
+    '{{ \'Tools you can call, one <tool_call>{"name": ..., "arguments": {...}}</tool_call> \''
+    " + 'per call:\\n' }}"
+    "{% for t in tools %}{{ t | tojson + '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{% if not (loop.first and ns.skip) %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for c in message.tool_calls or [] %}"
+    "{{ '<tool_call>\\n' + {'name': c['function']['name'], 'arguments': "
+    "c['function']['arguments']} | tojson + '\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 

@@ -20,6 +20,7 @@ class Group:
     logps: list[list[float]]
     rewards: torch.Tensor
     advantages: torch.Tensor
+    masks: list[list[int]] | None = None  # 1: the model's token, 0: a tool turn's
 
     def has_signal(self) -> bool:
         """Whether the rewards differ (equal rewards: zero advantage, no gradient)."""
@@ -37,6 +38,7 @@ class Rollout:
     advantages: torch.Tensor
     group: int
     kept: int  # groups with a reward signal (--filter-groups), else all
+    masks: list[list[int]] | None = None  # per answer token, 1: the model's, 0: a tool turn's
 
     def groups(self) -> list[Group]:
         g = self.group
@@ -47,9 +49,16 @@ class Rollout:
                 self.logps[i : i + g],
                 self.rewards[i : i + g],
                 self.advantages[i : i + g],
+                self.masks[i : i + g] if self.masks is not None else None,
             )
             for i in range(0, len(self.tokens), g)
         ]
+
+    def model_tokens(self) -> list[int]:
+        """Each answer's length without tool turns (the tokens the model sampled)."""
+        if self.masks is None:
+            return [len(t) for t in self.tokens]
+        return [sum(m) for m in self.masks]
 
     @classmethod
     def join(cls, groups: list[Group], want: int, kept: int) -> Rollout:
@@ -62,6 +71,7 @@ class Rollout:
             torch.cat([x.advantages for x in groups]),
             len(groups[0].tokens),
             min(kept, want),
+            None if groups[0].masks is None else [m for x in groups for m in x.masks or []],
         )
 
 
@@ -90,7 +100,9 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
         tokens[i, : len(seq)] = seq
         labels[i, : len(seq) - 1] = seq[1:]
         first, last = len(p) - 1, min(len(p) + len(t), length) - 1  # label positions
-        mask[i, first:last] = 1
+        mask[i, first:last] = (
+            1 if roll.masks is None else torch.tensor(roll.masks[i][: last - first])
+        )
         old[i, first:last] = torch.tensor(lp[: last - first])
     adv = roll.advantages.float()[:, None].expand(n, length)
     pos = torch.arange(length).expand(n, length)
@@ -127,18 +139,24 @@ def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:
 
 
 def global_stats(
-    roll: Rollout, mm: tuple[float, float, float], clock: Any, device: torch.device
+    roll: Rollout,
+    mm: tuple[float, float, float],
+    clock: Any,
+    device: torch.device,
+    tools: Any = None,
 ) -> torch.Tensor:
-    """The rollout's statistics over every replica, in ``task.STATS`` order."""
+    """The rollout's statistics over every replica, in ``task.STATS`` order, then with
+    ``tools`` (this replica's :class:`~.multiturn.ToolStats`) ``task.TOOL_STATS``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    lengths = torch.tensor([float(len(t)) for t in roll.tokens], dtype=torch.float64)
+    lengths = torch.tensor([float(n) for n in roll.model_tokens()], dtype=torch.float64)
     zero = sum(not g.has_signal() for g in roll.groups())
     first = ps.is_pipeline_last_stage(ignore_virtual=True) and not (
         ps.get_tensor_model_parallel_rank()
     )
     k = float(first)  # each replica's counts once
+    tool_sums = [tools.calls, tools.samples, tools.errors, tools.timeouts] if tools else []
     sums = torch.tensor(
         [
             k * float(roll.rewards.sum()),
@@ -149,7 +167,8 @@ def global_stats(
             k * roll.kept,
             mm[0],
             mm[1],
-            k * float(sum(len(t) for t in roll.tokens)),
+            k * float(sum(roll.model_tokens())),
+            *(k * x for x in tool_sums),
         ],
         dtype=torch.float64,
         device=device,
@@ -165,6 +184,7 @@ def global_stats(
             clock.old,
             clock.ref,
             clock.reshard,
+            *([tools.seconds] if tools else []),
         ],
         dtype=torch.float64,
         device=device,
@@ -190,6 +210,7 @@ def global_stats(
             m[7],
             s[8] / max(m[5], 1e-9),
             m[8],
+            *([s[9] / max(s[10], 1.0), s[11], s[12], m[9]] if tools else []),
         ],
         device=device,
     )

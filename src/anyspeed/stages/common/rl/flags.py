@@ -15,7 +15,7 @@ import argparse
 from typing import Any
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.common.rl import correction
+from anyspeed.stages.common.rl import correction, multiturn
 from anyspeed.stages.common.rl import objective as L
 
 # --rl-config keys (MindSpeed-RL's rl_config / generate_config names) -> flags
@@ -54,6 +54,12 @@ YAML_KEYS = {
     "infer_tensor_parallel_size": "--infer-tensor-parallel-size",
     "infer_pipeline_parallel_size": "--infer-pipeline-parallel-size",
     "infer_expert_parallel_size": "--infer-expert-parallel-size",
+    "tools": "--tools",
+    "max_tool_calls": "--max-tool-calls",
+    "max_tool_response_length": "--max-tool-response-length",
+    "tool_response_truncate_side": "--tool-response-truncate-side",
+    "tool_timeout": "--tool-timeout",
+    "tool_parser_format": "--tool-parser-format",
 }
 
 
@@ -182,6 +188,7 @@ def _add_objective(g: Any) -> None:
     )
     add_reference_arguments(g)
     correction.add_arguments(g)
+    multiturn.add_arguments(g)
 
 
 def _add_rewards(a: Any) -> None:
@@ -248,7 +255,7 @@ def expand_config(argv: list[str]) -> list[str]:
 
 # MindSpeed-RL's sections anyspeed reads (the rest of such a file configures other workers)
 SECTIONS = ("rl_config", "generate_config", "generate_config.sampling_config")
-LIST_FLAGS = ("--verifier-function", "--verifier-weight")
+LIST_FLAGS = ("--verifier-function", "--verifier-weight", "--tools")
 
 
 def _yaml_values(doc: Any, path: str) -> list[tuple[str, str, Any]]:

@@ -57,6 +57,7 @@ class RLConfig:
     kl_in_reward: bool = False  # the KL penalty in the reward (PPO), not in the loss
     reward_model: str | None = None  # an --stage orm checkpoint scoring each sample
     reward_model_weight: float = 1.0
+    tools: Any = None  # multi-turn rollouts with tool calls (multiturn.ToolConfig), None: off
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -111,7 +112,7 @@ def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> Stage
     the stage sets (``dual_clip``, ``kl_in_reward``)."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
-    from anyspeed.stages.common.rl import correction, reward_model, rewards
+    from anyspeed.stages.common.rl import correction, multiturn, reward_model, rewards
     from anyspeed.stages.common.rl import prompts as prompt_data
     from anyspeed.training import lora
 
@@ -175,6 +176,7 @@ def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> Stage
         extra=extra,
         reward_model=rm,
         reward_model_weight=args.reward_model_weight,
+        tools=multiturn.from_args(args),
         **fields,
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}

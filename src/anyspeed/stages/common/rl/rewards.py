@@ -10,7 +10,6 @@ DAPO's soft length penalty. Pure Python, no side effects at import.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import re
@@ -196,27 +195,9 @@ def score(
 
 def _load(name: str) -> Callable:
     """A built-in reward by name, or a callable by ``module:function`` import path."""
-    if name in BUILTIN:
-        return BUILTIN[name]
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise UsageError(
-            f"{FLAG}: unknown reward {name!r}; use one of "
-            f"{', '.join(sorted(BUILTIN))} or a 'module:function' path"
-        )
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as exc:
-        raise UsageError(
-            f"{FLAG} {name!r}: cannot import {module_name!r} ({_first_line(exc)})"
-        ) from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UsageError(f"{FLAG} {name!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UsageError(f"{FLAG} {name!r}: is a {type(obj).__name__}, not a function")
-    return obj
+    from anyspeed.stages.common.user_code import load_callable
+
+    return load_callable(name, BUILTIN, FLAG, "reward")
 
 
 def resolve(names: Sequence[str], weights: Sequence[float] | None) -> RewardFn:

@@ -21,7 +21,7 @@ import torch
 
 from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import per_token_loss
-from anyspeed.stages.common.rl import correction, reward_model
+from anyspeed.stages.common.rl import correction, multiturn, reward_model
 from anyspeed.stages.common.rl import objective as L
 from anyspeed.stages.common.rl.batches import Rollout, global_stats, micro_batches, mismatch
 from anyspeed.training.task import FrozenModel, LossFunc, Task
@@ -49,6 +49,7 @@ STATS = (
     "rollout_tps",
     "timing/reshard",
 )
+TOOL_STATS = ("tools/calls_per_sample", "tools/errors", "tools/timeouts", "tools/time")
 
 
 def _anyone(flag: bool) -> bool:
@@ -89,7 +90,10 @@ class PolicyTask(Task):
         self.reference = cfg.reference or run.load
         self.roller: Any = None  # the rollout model at TP 1 x DP world (--infer-* 1 1)
         self.rm_whole: Any = None  # the reward model whole on every rank (--reward-*-size 1)
-        self.metrics = ACTOR + STATS + (correction.METRICS if cfg.correction else ())
+        self.stat_names = STATS + (TOOL_STATS if cfg.tools else ())
+        self.metrics = ACTOR + self.stat_names + (correction.METRICS if cfg.correction else ())
+        self.turns = multiturn.tool_turns(cfg, run, self.eos)  # multi-turn rollouts (--tools)
+        self.tool_stats: Any = None  # this rollout's (multiturn.ToolStats)
 
     # ---------------------------------------------------------------- the task interface
     def transforms(self) -> list[Any]:
@@ -185,7 +189,7 @@ class PolicyTask(Task):
         if c.correction is not None:
             metrics.update(correction.diagnostics(b, c.correction))
         metrics.update(self.step_metrics(b, n))
-        for i, name in enumerate(STATS):
+        for i, name in enumerate(self.stat_names):
             metrics[name] = torch.stack([b["stats"][i].double(), torch.ones_like(n)])
         return total, count.round().to(torch.int), metrics
 
@@ -269,6 +273,10 @@ class PolicyTask(Task):
             self.roller = self.roller or RolloutModel(trainer)
             clock.reshard = self.roller.sync(trainer)
         t0 = time.perf_counter()
+        if self.turns is not None:
+            from anyspeed.stages.common.rl.multiturn import ToolStats
+
+            self.tool_stats = ToolStats()
         roll = self.sample(trainer, data, prompt_rows, positions, args)
         clock.rollout = time.perf_counter() - t0
         micro = micro_batches(roll, args, self.pad, device)
@@ -292,7 +300,7 @@ class PolicyTask(Task):
                 for b, lp in zip(micro, ref, strict=True):
                     b["ref_logp"] = lp
         self.prepare(trainer, micro)
-        stats = global_stats(roll, mismatch(micro), clock, device)
+        stats = global_stats(roll, mismatch(micro), clock, device, self.tool_stats)
         for b in micro:
             b["stats"] = stats
         return micro
@@ -352,8 +360,15 @@ class PolicyTask(Task):
         )
         rep = [p for p in prompts for _ in range(c.group)]
         roller = self.roller
-        tokens, lps = roller.sample(rep, req) if roller else trainer.sample(rep, req)
-        texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in tokens]
+        sampler = roller.sample if roller else trainer.sample
+        tokens, lps = sampler(rep, req)
+        masks, finals = None, tokens
+        if self.turns is not None:  # tool calls answered, sampling continued
+            traj = self.turns.run(sampler, rep, tokens, lps, req)
+            tokens, lps, masks = traj.tokens, traj.logps, traj.masks
+            self.tool_stats.merge(traj.stats)
+            finals = [t[at:] for t, at in zip(tokens, traj.last, strict=True)]  # the last turn
+        texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in finals]
         prompt_texts = [decode(self.tok, p) for p in rep]
         labels = [a for a in answers for _ in range(c.group)]
         error, scores = None, [0.0] * len(tokens)
@@ -380,4 +395,4 @@ class PolicyTask(Task):
             adv = L.group_advantages(rew, c.group, c.adv_estimator)
         else:  # a critic's (set per token by the stage's prepare)
             adv = torch.zeros_like(rew)
-        return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows))
+        return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows), masks)

