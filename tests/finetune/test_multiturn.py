@@ -122,3 +122,44 @@ def test_no_gradient_at_tool_positions():
     model = [first + j for j, m in enumerate(model_mask) if m]
     assert (logp.grad[0, tool] == 0).all()
     assert (logp.grad[0, model] != 0).all()
+
+
+def test_grpo_runs_with_tools_and_reports_them(capsys, tiny_qwen, hf_tok, tmp_path):
+    """The stage's path with --tools on prompts whose records carry a tools field (rendered by
+    the tokenizer's chat template): the run trains and logs the tool metrics (a random model
+    calls no tool: 0 calls per sample); bad tool flags are one line before start."""
+    import os
+
+    from test_grpo import cli
+
+    from anyspeed.commands.train import posttrain
+    from anyspeed.testing import run_distributed
+    from helpers import sft_ranks
+    from helpers.corpora import write_jsonl
+    from helpers.instruction import preprocess
+
+    short = {
+        "name": "calculator",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    }  # a bare function object: the layout is accepted
+    recs = [{"instruction": f"What is {a} * 7?", "output": str(7 * a), "tools": [short]}
+            for a in range(10, 18)]  # fmt: skip
+    src = write_jsonl(str(tmp_path / "q.jsonl"), recs)
+    prefix = preprocess(src, str(tmp_path / "q"), hf_tok, "--prompt-type", "hf",
+                        handler="R1AlpacaStyleInstructionHandler")  # fmt: skip
+    argv = cli(tiny_qwen, prefix, hf_tok, "--tools", "calculator", "python", "--seq-length",
+               "400", "--verifier-function", "helpers.user_rewards:digits")  # fmt: skip
+    (hist,) = run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)
+    m = hist["metrics"]
+    for k in ("tools/calls_per_sample", "tools/errors", "tools/timeouts", "tools/time"):
+        assert m[k] == [0.0, 0.0], k
+    assert all(x > 0 for x in m["response_length/mean"])
+    os.environ.pop("WORLD_SIZE", None)
+    for bad, says in (
+        (["--tools", "nope"], "--tools: unknown tool 'nope'"),
+        (["--tools", "calculator", "--max-tool-calls", "0"], "--max-tool-calls"),
+    ):
+        capsys.readouterr()
+        assert posttrain(cli(tiny_qwen, prefix, hf_tok, *bad, "--seq-length", "400")) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
