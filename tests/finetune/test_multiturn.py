@@ -163,3 +163,30 @@ def test_grpo_runs_with_tools_and_reports_them(capsys, tiny_qwen, hf_tok, tmp_pa
         assert posttrain(cli(tiny_qwen, prefix, hf_tok, *bad, "--seq-length", "400")) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_sft_data_with_tool_turns_labels_only_the_assistant(hf_tok, tmp_path):
+    """An OpenAI-layout conversation with a tool call and the tool's turn, preprocessed with
+    the tokenizer's chat template: the labelled tokens are exactly the assistant turns as the
+    template renders them (the tool turn and the prompt are context only)."""
+    from transformers import AutoTokenizer
+
+    from helpers.corpora import read_back, write_jsonl
+    from helpers.instruction import preprocess
+
+    msgs = TM.conversation("Multiply 12 by 34 by 5.", (12, 34, 5))
+    src = write_jsonl(str(tmp_path / "c.jsonl"), [{"messages": msgs, "tools": [TM.tool_schema()]}])
+    prefix = preprocess(src, str(tmp_path / "c"), hf_tok, "--prompt-type", "hf",
+                        handler="OpenAIStyleInstructionHandler")  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(hf_tok)
+    labels = [t for t in read_back(f"{prefix}_packed_labels_document")[0] if t >= 0]
+    want = ""
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            head = tok.apply_chat_template(msgs[:i], tools=[TM.tool_schema()], tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+            full = tok.apply_chat_template(msgs[: i + 1], tools=[TM.tool_schema()],
+                                           tokenize=False)  # fmt: skip
+            want += full[len(head) :]
+    assert tok.decode(labels) == want
+    assert want.count("<tool_call>") == 2 and "<|im_start|>tool" not in want

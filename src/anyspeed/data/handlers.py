@@ -132,6 +132,19 @@ class InstructionHandler(Handler):
         """The record as [{role, content}, ...] ending with an assistant turn."""
         raise NotImplementedError
 
+    def tools(self, rec: dict, messages: list[dict]) -> list[dict] | None:
+        """The record's tools (``--map-keys`` ``tools``); tools and tool turns need the
+        tokenizer's chat template (a ``--prompt-type`` template renders neither)."""
+        key = self.map.get("tools")
+        tools = record_tools(get_field(rec, key, required=False), str(key)) if key else None
+        turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if (tools or turns) and self.prompt_type is not None:
+            raise UsageError(
+                "records with tools or tool turns need the tokenizer's chat template to render "
+                f"them; drop --prompt-type {self.prompt_type}"
+            )
+        return tools
+
     def segments(
         self, messages: list[dict], tok: Tokenizer, tools: list | None = None
     ) -> list[Segment]:
@@ -157,7 +170,8 @@ class InstructionHandler(Handler):
         convs: list[list[Segment] | RecordError] = []
         for rec in records:
             try:
-                convs.append(self.segments(check_messages(self.messages(rec)), tok))
+                messages = check_messages(self.messages(rec))
+                convs.append(self.segments(messages, tok, self.tools(rec, messages)))
             except RecordError as exc:
                 convs.append(exc)
         results: list[Sample | RecordError] = []
@@ -225,19 +239,52 @@ def check_map_keys(given: dict[str, Any], default: dict[str, Any], handler: str)
 
 
 def check_messages(messages: list[dict]) -> list[dict]:
-    """Validate roles/contents and drop trailing turns that have no response to learn."""
+    """Validate roles/contents and drop trailing turns that have no response to learn. A tool
+    turn (role ``tool``) and an assistant turn that calls tools (``tool_calls``, its content
+    possibly empty) are kept for the chat template to render."""
     for msg in messages:
-        if msg["role"] not in ("system", "user", "assistant"):
+        if msg["role"] not in ("system", "user", "assistant", "tool"):
             raise RecordError("unknown role", repr(msg["role"]))
+        if msg.get("tool_calls") is not None:
+            if msg["role"] != "assistant" or not isinstance(msg["tool_calls"], list):
+                raise RecordError("bad tool_calls", "a list, on an assistant turn")
+            msg["content"] = msg["content"] or ""
         if not isinstance(msg["content"], str):
             raise RecordError("not a string", f"{msg['role']} content")
     while messages and messages[-1]["role"] != "assistant":
         messages = messages[:-1]
     if not messages:
         raise RecordError("no assistant response")
-    if not any(m["content"].strip() for m in messages if m["role"] == "assistant"):
+    said = [
+        m["content"].strip() or m.get("tool_calls") for m in messages if m["role"] == "assistant"
+    ]
+    if not any(said):
         raise RecordError("empty document", "empty response")
     return messages
+
+
+def record_tools(value: Any, key: str) -> list[dict] | None:
+    """A record's tools: a list of JSON schemas (``{"type": "function", "function": {"name":
+    ..., "parameters": ...}}`` or the bare function object), or a JSON string of one; a
+    RecordError saying what is wrong otherwise (TRL's and the chat template's layout)."""
+    import json
+
+    if value is None or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise RecordError("tools is not JSON", repr(key)) from None
+    if not isinstance(value, list):
+        raise RecordError("tools must be a list", f"{key!r} is {type(value).__name__}")
+    out = []
+    for t in value:
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RecordError("a tool must be a JSON schema with a name", repr(t)[:60])
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 def get_field(rec: dict, key: str | None, required: bool = True) -> Any:
@@ -289,6 +336,7 @@ class SharegptHandler(InstructionHandler):
     default_map = {
         "messages": "conversations",
         "system": "system",
+        "tools": "tools",
         "tags": {
             "role_tag": "from",
             "content_tag": "value",
@@ -316,7 +364,9 @@ class SharegptHandler(InstructionHandler):
             if not isinstance(turn, dict) or tags["role_tag"] not in turn:
                 raise RecordError("missing key", repr(tags["role_tag"]))
             role = turn[tags["role_tag"]]
-            out.append({"role": roles.get(role, role), "content": turn.get(tags["content_tag"])})
+            msg = {"role": roles.get(role, role), "content": turn.get(tags["content_tag"])}
+            msg.update({k: turn[k] for k in ("tool_calls", "name") if k in turn})
+            out.append(msg)
         return out
 
 
@@ -327,6 +377,7 @@ class OpenAIHandler(SharegptHandler):
     default_map = {
         "messages": "messages",
         "system": "system",
+        "tools": "tools",
         "tags": {
             "role_tag": "role",
             "content_tag": "content",

@@ -79,38 +79,8 @@ class R1AlpacaHandler(AlpacaHandler):
         messages = check_messages([*self.prompt(rec), {"role": "assistant", "content": answer}])
         if not messages[-2]["content"].strip():  # the user turn the answer answers
             raise RecordError("empty prompt", repr(self.map.get("prompt")))
-        tools = _tools(get_field(rec, self.map.get("tools"), required=False), self.map["tools"])
-        if tools and self.prompt_type is not None:
-            raise UsageError(
-                f"a record with {self.map['tools']!r} needs the tokenizer's chat template to "
-                f"render its tools; drop --prompt-type {self.prompt_type}"
-            )
-        segs = self.segments(messages, tok, tools)
+        segs = self.segments(messages, tok, self.tools(rec, messages))
         return [(text, False, eod) for text, _, eod in segs[:-1]]
-
-
-def _tools(value: Any, key: str) -> list[dict] | None:
-    """A record's tools: a list of JSON schemas (``{"type": "function", "function": {"name":
-    ..., "parameters": ...}}`` or the bare function object), or a JSON string of one; a
-    RecordError saying what is wrong otherwise."""
-    import json
-
-    if value is None or value == []:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise RecordError("tools is not JSON", repr(key)) from None
-    if not isinstance(value, list):
-        raise RecordError("tools must be a list", f"{key!r} is {type(value).__name__}")
-    out = []
-    for t in value:
-        fn = t.get("function", t) if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RecordError("a tool must be a JSON schema with a name", repr(t)[:60])
-        out.append({"type": "function", "function": fn})
-    return out
 
 
 def _answer(value: Any, key: str | None) -> str:

@@ -82,6 +82,12 @@ def parser() -> argparse.ArgumentParser:
         "with a critic against it (reward and held-out accuracy before and after)",
     )
     p.add_argument(
+        "--tools",
+        action="store_true",
+        help="multi-turn RL with a calculator: 3-digit x 2-digit products the model cannot do "
+        "alone; a short SFT, then GRPO whose rollouts call the tool (reward before and after)",
+    )
+    p.add_argument(
         "--mm",
         action="store_true",
         help="a vision-language model (LLaVA) captioning drawn shapes, trained on "
@@ -91,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
         "--sft-iters",
         type=int,
         default=None,
-        help="with --dpo/--grpo/--ppo: SFT iterations first (default 100/300/300)",
+        help="with --dpo/--grpo/--ppo/--tools: SFT iterations first (default 100/300/300/300)",
     )
     p.add_argument(
         "--sft-samples",
@@ -108,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
     from anyspeed.errors import UsageError, report
 
-    if (args.sft or args.dpo or args.grpo or args.ppo) and args.moe:
+    if (args.sft or args.dpo or args.grpo or args.ppo or args.tools) and args.moe:
         return report(
             "anyspeed demo", UsageError("--sft/--dpo fine-tune the dense demo model; drop --moe")
         )
@@ -129,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args, extra)
     if args.ppo:
         from anyspeed.demo.ppo import run
+
+        return run(args, extra)
+    if args.tools:
+        from anyspeed.demo.tools import run
 
         return run(args, extra)
     if args.dpo:

@@ -1,0 +1,140 @@
+"""``anyspeed demo --tools``: multi-turn RL with a tool, offline.
+
+1-2. the demo corpus and tokenizer (its chat template renders tool calls and tool turns);
+3. a task the tiny model cannot do alone: ``What is a * b?`` for a 3-digit ``a`` and a 2-digit
+   ``b``. The SFT conversations answer each question both with the ``calculator`` tool (a
+   hermes call of ``a * b``, the tool's answer, then ``#### a*b``) and without it (a guess:
+   ``#### n`` with a wrong ``n``), so the SFT model calls the tool only part of the time;
+4. ``anyspeed preprocess``: the conversations (OpenAI layout, tool turns unlabelled) and the
+   prompts (the product kept for the verifier);
+5. ``anyspeed posttrain --stage sft``: a short SFT from scratch;
+6. ``anyspeed posttrain --stage grpo --tools calculator``: the model's answers run the tool,
+   its answer comes back as a tool turn, sampling goes on; the GSM8K rule credits the
+   product in the last turn. Calling the tool is what earns the reward: it rises.
+
+It prints the reward (= accuracy: 1 for the exact product) and the tool calls per sample of the
+first and last steps, and fails (exit 1) unless the reward rose. Extra flags go to the GRPO run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+from anyspeed.demo.common import DEMO_ARCH, FINETUNE, VOCAB, fresh_metrics, tokenizer_steps
+from anyspeed.demo.grpo import SFT_TRAIN
+from anyspeed.demo.instructions import write_jsonl
+
+STEPS = 6
+QUESTIONS = 1200
+TOOL_SHARE = (1, 1)  # SFT answers per question: with the tool, and a guess without it
+ARCH = [*DEMO_ARCH[: DEMO_ARCH.index("--seq-length")], "--seq-length", "192",
+        "--max-position-embeddings", "192"]  # fmt: skip
+GRPO_TRAIN = [
+    "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE,
+    "--log-interval", "1", "--n-samples-per-prompt", "8", "--global-batch-size", "64",
+    "--micro-batch-size", "16", "--max-response-length", "72", "--rollout-batch-size", "8",
+    "--temperature", "1.0", "--init-kl-coef", "0", "--verifier-function", "gsm8k",
+    "--tools", "calculator", "--max-tool-calls", "1",
+]  # fmt: skip
+
+
+def call(a: int, b: int) -> dict:
+    args = {"expression": f"{a} * {b}"}
+    return {"type": "function", "function": {"name": "calculator", "arguments": args}}
+
+
+def records(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(SFT conversations, GRPO prompts) of the multiplication task."""
+    rng = random.Random(seed)
+    sft, prompts = [], []
+    for _ in range(QUESTIONS):
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        q = {"role": "user", "content": f"What is {a} * {b}?"}
+        tool = [q, {"role": "assistant", "content": "", "tool_calls": [call(a, b)]},
+                {"role": "tool", "name": "calculator", "content": str(a * b)},
+                {"role": "assistant", "content": f"#### {a * b}"}]  # fmt: skip
+        wrong = a * b + rng.choice([-1, 1]) * rng.randint(1, 999)
+        guess = [q, {"role": "assistant", "content": f"#### {wrong}"}]
+        sft += [{"messages": tool}] * TOOL_SHARE[0] + [{"messages": guess}] * TOOL_SHARE[1]
+        prompts.append({"instruction": q["content"], "input": "", "output": f"#### {a * b}"})
+    rng.shuffle(sft)
+    return sft, prompts
+
+
+def preprocess(src: str, prefix: str, tok_dir: str, handler: str) -> int:
+    """``anyspeed preprocess`` with the tokenizer's own chat template (it renders tools)."""
+    from anyspeed.commands.preprocess import main as data_main
+
+    return data_main(["preprocess", "--input", src, "--output-prefix", prefix,
+                      "--tokenizer-name-or-path", tok_dir, "--handler-name", handler,
+                      "--workers", "1", "--overwrite", "--quiet"])  # fmt: skip
+
+
+def common_flags(args: argparse.Namespace, tok_dir: str) -> list[str]:
+    return ["--nproc-per-node", str(args.nproc_per_node), *ARCH, "--padded-vocab-size",
+            str(VOCAB), "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
+            tok_dir]  # fmt: skip
+
+
+def stats(metrics: str) -> list[dict]:
+    with open(metrics, encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if "grpo/rewards/mean" in r]
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    """The whole tools demo; ``extra`` goes to ``anyspeed posttrain --stage grpo``."""
+    from anyspeed.commands.train import posttrain as posttrain_main
+
+    t0 = time.perf_counter()
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 1.0, STEPS)
+    if rc:
+        return rc
+    sft, prompts = records()
+    sft_src = write_jsonl(os.path.join(args.workdir, "tools-sft.jsonl"), sft)
+    rl_src = write_jsonl(os.path.join(args.workdir, "tools-prompts.jsonl"), prompts)
+    print(f"[3/{STEPS}] task: 'What is a * b?' (a < 1000, b < 100), {QUESTIONS} questions, each "
+          "answered with the calculator and with a guess", flush=True)  # fmt: skip
+    sft_prefix, rl_prefix = (os.path.join(args.workdir, n) for n in ("tools-sft", "tools-rl"))
+    rc = preprocess(sft_src, sft_prefix, tok_dir, "OpenAIStyleInstructionHandler") or (
+        preprocess(rl_src, rl_prefix, tok_dir, "R1AlpacaStyleInstructionHandler")
+    )
+    if rc:
+        return rc
+    print(f"[4/{STEPS}] preprocess: {sft_prefix}_packed_*, {rl_prefix}_packed_*", flush=True)
+    common = common_flags(args, tok_dir)
+    sft_save = os.path.join(args.workdir, "tools-sft-checkpoints")
+    iters = args.sft_iters or 300
+    cmd = ["--stage", "sft", "--is-instruction-dataset", *common, *SFT_TRAIN, "--train-iters",
+           str(iters), "--data-path", sft_prefix, "--save", sft_save, "--save-interval",
+           str(iters)]  # fmt: skip
+    print(f"[5/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return 1
+    save = os.path.join(args.workdir, "tools-checkpoints")
+    metrics = fresh_metrics(os.path.join(args.workdir, "tools-metrics.jsonl"))
+    steps = args.train_iters or 50
+    cmd = ["--stage", "grpo", *common, "--load", sft_save, "--finetune", *GRPO_TRAIN,
+           "--train-iters", str(steps), "--data-path", rl_prefix, "--save", save,
+           "--save-interval", str(steps), "--metrics-file", metrics, *extra]  # fmt: skip
+    print(f"[6/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return 1
+    rows = stats(metrics)
+    if not rows:
+        return 1
+    first, last = rows[:5], rows[-5:]
+
+    def mean(rs: list[dict], key: str) -> float:
+        return sum(r[key] for r in rs) / len(rs)
+
+    before, after = mean(first, "grpo/rewards/mean"), mean(last, "grpo/rewards/mean")
+    calls = (mean(first, "tools/calls_per_sample"), mean(last, "tools/calls_per_sample"))
+    print(f"demo: reward (= accuracy) {before:.2f} (first 5 steps) -> {after:.2f} (last 5); "
+          f"calculator calls per sample {calls[0]:.2f} -> {calls[1]:.2f}")  # fmt: skip
+    rc = 0 if after > before else 1
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
+    return rc
