@@ -16,13 +16,33 @@ LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "--lora-r", "4",
         "--lora-alpha", "8", "--lr-decay-style", "constant", "--ppo-epochs", "2"]  # fmt: skip
 
 
-def test_resume_is_exact_and_the_critic_saves_adapters_and_head(
-    add_prompts, tiny_qwen, hf_tok, tmp_path
-):
+def critic_keys(ck: str, iteration: int) -> set[str]:
+    """The model keys of the critic saved inside the policy checkpoint of ``iteration``."""
     from megatron.core import dist_checkpointing
 
     from anyspeed.checkpoint.reads import tracked_dir
 
+    critic = tracked_dir(os.path.join(ck, f"iter_{iteration:07d}", "critic"))
+    meta = dist_checkpointing.load_tensors_metadata(critic)
+    return {k for k in meta if not k.startswith(("optimizer.", "rng_state"))}
+
+
+def test_lora_critic_trains_and_saves_adapters_and_head(add_prompts, tiny_qwen, hf_tok, tmp_path):
+    """The fast twin: two LoRA PPO steps; the critic learns and its checkpoint holds only its
+    adapters and head."""
+    ck = str(tmp_path / "ck")
+    argv = cli(tiny_qwen, add_prompts, hf_tok, *LORA, "--save", ck, iters=2)
+    (h,) = run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)
+    assert max(h["metrics"]["critic/grad_norm"]) > 0
+    keys = critic_keys(ck, 2)
+    assert "output_layer.score.weight" in keys
+    assert any(".lora_A" in k for k in keys) and any(".lora_B" in k for k in keys)
+    assert all(".lora_" in k or k.startswith("output_layer.") for k in keys), sorted(keys)
+
+
+@pytest.mark.slow  # the suite's time budget; the twin above runs LoRA PPO with a save (fast)
+def test_resume_is_exact(add_prompts, tiny_qwen, hf_tok, tmp_path):
+    """2 saved + 2 resumed (--lora-load) equal 4 straight, bit for bit, policy and critic."""
     ck = str(tmp_path / "ck")
     straight = cli(tiny_qwen, add_prompts, hf_tok, *LORA, iters=4)
     first = cli(tiny_qwen, add_prompts, hf_tok, *LORA, "--save", ck, "--save-interval", "2",
@@ -35,12 +55,7 @@ def test_resume_is_exact_and_the_critic_saves_adapters_and_head(
     for k in ("critic/vf_loss", "critic/grad_norm", "grpo/rewards/mean"):
         assert a["metrics"][k] + b["metrics"][k] == whole["metrics"][k], k
     assert max(whole["metrics"]["critic/grad_norm"]) > 0
-    critic = tracked_dir(os.path.join(ck, "iter_0000002", "critic"))
-    meta = dist_checkpointing.load_tensors_metadata(critic)
-    keys = {k for k in meta if not k.startswith(("optimizer.", "rng_state"))}  # the model's
-    assert "output_layer.score.weight" in keys
-    assert any(".lora_A" in k for k in keys) and any(".lora_B" in k for k in keys)
-    assert all(".lora_" in k or k.startswith("output_layer.") for k in keys), sorted(keys)
+    assert any(".lora_A" in k for k in critic_keys(ck, 2))  # the critic resumed was a LoRA one
 
 
 LAYOUTS = {

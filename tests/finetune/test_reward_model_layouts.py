@@ -47,7 +47,7 @@ def small_rm(tmp_path_factory) -> str:
                  marks=pytest.mark.slow),
     pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel", *WHOLE],
                  marks=pytest.mark.slow),
-    ["--pipeline-model-parallel-size", "2", *WHOLE],
+    pytest.param(["--pipeline-model-parallel-size", "2", *WHOLE], marks=pytest.mark.slow),
 ], ids=["one", "tp2-sp", "tp2-sp-whole", "pp2-whole"])  # fmt: skip
 def test_scores_equal_transformers(small_rm, add_prompts, tiny_qwen, hf_tok, layout, tmp_path):
     prompts, answers = sequences(add_prompts)

@@ -3,14 +3,15 @@
 1-2. the demo corpus and tokenizer (its chat template renders tool calls and tool turns);
 3. a task the tiny model cannot do alone: ``What is a * b?`` for a 3-digit ``a`` and a 2-digit
    ``b``. The SFT conversations answer each question both with the ``calculator`` tool (a
-   hermes call of ``a * b``, the tool's answer, then ``#### a*b``) and without it (a guess:
-   ``#### n`` with a wrong ``n``), so the SFT model calls the tool only part of the time;
+   hermes call of ``a * b``, the tool's answer, then that number alone: the same tokens, easy
+   to copy) and without it (a rough guess in thousands), so the SFT model calls the tool only
+   part of the time;
 4. ``anyspeed preprocess``: the conversations (OpenAI layout, tool turns unlabelled) and the
    prompts (the product kept for the verifier);
 5. ``anyspeed posttrain --stage sft``: a short SFT from scratch;
 6. ``anyspeed posttrain --stage grpo --tools calculator``: the model's answers run the tool,
-   its answer comes back as a tool turn, sampling goes on; the GSM8K rule credits the
-   product in the last turn. Calling the tool is what earns the reward: it rises.
+   its answer comes back as a tool turn, sampling goes on; GSM8K's flexible rule credits the
+   product as the last number of the last turn. Calling the tool is what earns the reward: it rises.
 
 It prints the reward (= accuracy: 1 for the exact product) and the tool calls per sample of the
 first and last steps, and fails (exit 1) unless the reward rose. Extra flags go to the GRPO run.
@@ -34,10 +35,10 @@ TOOL_SHARE = (1, 1)  # SFT answers per question: with the tool, and a guess with
 ARCH = [*DEMO_ARCH[: DEMO_ARCH.index("--seq-length")], "--seq-length", "192",
         "--max-position-embeddings", "192"]  # fmt: skip
 GRPO_TRAIN = [
-    "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE,
+    "--lr", "3e-5", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE,
     "--log-interval", "1", "--n-samples-per-prompt", "8", "--global-batch-size", "64",
-    "--micro-batch-size", "16", "--max-response-length", "72", "--rollout-batch-size", "8",
-    "--temperature", "1.0", "--init-kl-coef", "0", "--verifier-function", "gsm8k",
+    "--micro-batch-size", "16", "--max-response-length", "96", "--rollout-batch-size", "8",
+    "--temperature", "0.5", "--init-kl-coef", "0", "--verifier-function", "gsm8k_flexible",
     "--tools", "calculator", "--max-tool-calls", "1",
 ]  # fmt: skip
 
@@ -53,12 +54,14 @@ def records(seed: int = 0) -> tuple[list[dict], list[dict]]:
     sft, prompts = [], []
     for _ in range(QUESTIONS):
         a, b = rng.randint(100, 999), rng.randint(10, 99)
-        q = {"role": "user", "content": f"What is {a} * {b}?"}
+        # the expression quoted as the call writes it: the digits are the same tokens to copy
+        q = {"role": "user", "content": f'What is "{a} * {b}"?'}
         tool = [q, {"role": "assistant", "content": "", "tool_calls": [call(a, b)]},
                 {"role": "tool", "name": "calculator", "content": str(a * b)},
-                {"role": "assistant", "content": f"#### {a * b}"}]  # fmt: skip
-        wrong = a * b + rng.choice([-1, 1]) * rng.randint(1, 999)
-        guess = [q, {"role": "assistant", "content": f"#### {wrong}"}]
+                {"role": "assistant", "content": str(a * b)}]  # fmt: skip
+        rough = round(a * b, -3) + rng.choice([-1, 1]) * rng.randint(0, 2) * 1000
+        rough += 1000 if rough == a * b else 0  # a guess is never the product
+        guess = [q, {"role": "assistant", "content": f"Roughly {rough}."}]
         sft += [{"messages": tool}] * TOOL_SHARE[0] + [{"messages": guess}] * TOOL_SHARE[1]
         prompts.append({"instruction": q["content"], "input": "", "output": f"#### {a * b}"})
     rng.shuffle(sft)
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"[4/{STEPS}] preprocess: {sft_prefix}_packed_*, {rl_prefix}_packed_*", flush=True)
     common = common_flags(args, tok_dir)
     sft_save = os.path.join(args.workdir, "tools-sft-checkpoints")
-    iters = args.sft_iters or 300
+    iters = args.sft_iters or 400
     cmd = ["--stage", "sft", "--is-instruction-dataset", *common, *SFT_TRAIN, "--train-iters",
            str(iters), "--data-path", sft_prefix, "--save", sft_save, "--save-interval",
            str(iters)]  # fmt: skip
