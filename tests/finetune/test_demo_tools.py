@@ -1,7 +1,7 @@
 """``anyspeed demo --tools``: its conversations (fast: each question answered with the
 calculator, whose call computes the product, and with a guess the verifier does not credit),
 and the whole demo (slow): GRPO with the calculator raises the reward (the share of exact
-products) in 50 steps on 2 CPU processes."""
+products) by at least 0.3 in 50 steps, in under 10 minutes on 2 CPU processes."""
 
 from __future__ import annotations
 
@@ -43,4 +43,4 @@ def test_tools_demo_raises_the_reward(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("demo: reward"))
     r0, r1 = map(float, re.findall(r"\d+\.\d+", line)[:2])
-    assert r1 > r0 and took < 600, (line, took)
+    assert r1 >= r0 + 0.3 and took < 600, (line, took)
