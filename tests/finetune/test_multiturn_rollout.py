@@ -99,3 +99,15 @@ def test_layouts_equal_one_process_across_turns(tool_run):
         assert max(got["metrics"]["rollout/logp_mismatch_max"]) <= bound, name
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7), name
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), name
+
+
+def test_ppo_with_tools(tool_run):
+    """PPO's rollouts are the same multi-turn ones: its critic values the model's tokens (GAE
+    steps over the tool turns) and both models train."""
+    ppo = argv(tool_run, *STEPS, "--train-iters", "2")
+    ppo[ppo.index("--stage") + 1] = "ppo"
+    (h,) = run_distributed(sft_ranks.posttrain, 1, argv=ppo, cli=ppo, timeout=400)
+    m = h["metrics"]
+    assert min(m["tools/calls_per_sample"]) >= 1
+    assert max(m["critic/grad_norm"]) > 0 and all(abs(x) < 1e6 for x in m["critic/vf_loss"])
+    assert max(h["grad_norm"]) > 0
