@@ -194,6 +194,11 @@ RANGES: dict[str, Range] = {
     "--infer-tensor-parallel-size": POSITIVE,
     "--infer-pipeline-parallel-size": POSITIVE,
     "--infer-expert-parallel-size": POSITIVE,
+    "--reward-tensor-parallel-size": POSITIVE,
+    "--reward-pipeline-parallel-size": POSITIVE,
+    "--max-tool-calls": POSITIVE,
+    "--max-tool-response-length": POSITIVE,
+    "--tool-timeout": STRICTLY_POSITIVE,
     "--rollout-is-threshold": STRICTLY_POSITIVE,
     # PPO
     "--gamma": FRACTION,
