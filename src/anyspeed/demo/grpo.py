@@ -172,13 +172,19 @@ def rewards(metrics: str) -> list[float]:
 
 
 def sft(
-    args: argparse.Namespace, common: list[str], sft_prefix: str, step: str = f"[5/{STEPS}]"
+    args: argparse.Namespace,
+    common: list[str],
+    sft_prefix: str,
+    step: str = f"[5/{STEPS}]",
+    name: str = "grpo",
+    default_iters: int = 300,  # fewer leave the model too weak to learn from (0.05 accurate)
 ) -> str | None:
-    """The SFT model RL starts from; its checkpoint (None when training failed)."""
+    """The SFT model RL starts from (``<name>-sft-checkpoints``, ``--sft-iters`` iterations,
+    else ``default_iters``); its checkpoint (None when training failed)."""
     from anyspeed.commands.train import posttrain as posttrain_main
 
-    sft_save = os.path.join(args.workdir, "grpo-sft-checkpoints")
-    iters = args.sft_iters or 300  # fewer leave the model too weak to learn from (0.05 accurate)
+    sft_save = os.path.join(args.workdir, f"{name}-sft-checkpoints")
+    iters = args.sft_iters or default_iters
     cmd = [
         "--stage",
         "sft",

@@ -78,10 +78,14 @@ def _data(args: argparse.Namespace, tok_dir: str, steps: int) -> tuple[int, str,
     return rc, prefix, train
 
 
-def preprocess(src: str, prefix: str, tok_dir: str, handler: str) -> int:
-    """``anyspeed preprocess`` of a demo jsonl with the demo's template; its exit code."""
+def preprocess(
+    src: str, prefix: str, tok_dir: str, handler: str, prompt_type: str | None = PROMPT_TYPE
+) -> int:
+    """``anyspeed preprocess`` of a demo jsonl with the demo's template (``prompt_type`` None:
+    the tokenizer's own chat template, which renders tools); its exit code."""
     from anyspeed.commands.preprocess import main as data_main
 
+    template = ["--prompt-type", prompt_type] if prompt_type else []
     return data_main(
         [
             "preprocess",
@@ -93,8 +97,7 @@ def preprocess(src: str, prefix: str, tok_dir: str, handler: str) -> int:
             tok_dir,
             "--handler-name",
             handler,
-            "--prompt-type",
-            PROMPT_TYPE,
+            *template,
             "--workers",
             "1",
             "--overwrite",

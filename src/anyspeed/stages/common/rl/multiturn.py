@@ -90,9 +90,11 @@ class ToolTurns:
     ) -> Trajectories:
         """Continue each sampled first turn through its tool calls."""
         out = Trajectories(
-            [list(t) for t in tokens], [list(x) for x in logps], [[1] * len(t) for t in tokens],
-            [0] * len(tokens),
-        )  # fmt: skip
+            tokens=[list(t) for t in tokens],
+            logps=[list(x) for x in logps],
+            masks=[[1] * len(t) for t in tokens],
+            last=[0] * len(tokens),
+        )
         out.stats.samples = len(tokens)
         active = [i for i in range(len(tokens)) if parse_calls(self.text(tokens[i]))]
         for turn in range(1, self.max_turns + 1):
