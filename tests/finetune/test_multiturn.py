@@ -24,6 +24,7 @@ def tool_tok(tmp_path_factory) -> str:
 class Req:
     max_new_tokens: int = 64
     row_seeds: tuple | None = None
+    lockstep: bool = False
 
 
 class Scripted:
@@ -36,7 +37,7 @@ class Scripted:
             self.turns[tuple(ps[0][0])] = [p for p, model in ps if model]
         self.calls: dict[tuple, int] = {}
 
-    def __call__(self, prompts, req):
+    def __call__(self, prompts, req, kept=None):
         out = []
         for p in prompts:
             key = next(k for k in self.turns if tuple(p[: len(k)]) == k)

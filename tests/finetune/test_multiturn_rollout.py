@@ -1,9 +1,11 @@
 """Multi-turn GRPO with tool calls end to end on a tiny Qwen2 trained to call ``multiply``
 (``helpers.tool_model``; its prompts carry their tools, TRL's layout): greedy trajectories
 (tokens and the tool mask) equal TRL's ``GRPOTrainer(tools=[...])`` rollout for 1, 2 and 3
-calls (skipped without TRL); the rollout's log-probs equal the training forward's across turns
-(fp32, ≤ 1e-6) at one process, TP2+SP and PP2; loss and grad norm at TP2+SP, PP2 and DP2 equal
-one process within 1e-5. All ``-m slow``: the tool model takes ~40 s to train."""
+calls (skipped without TRL), each later turn extending the KV cache; a rollout model at TP1
+under TP2 training gives the same trajectories; the rollout's log-probs equal the training
+forward's across turns as closely as a single turn's (fp32) at one process, TP2+SP and PP2;
+loss and grad norm at TP2+SP, PP2 and DP2 equal one process within 1e-5. All ``-m slow``: the
+tool model takes ~40 s to train."""
 
 from __future__ import annotations
 
@@ -61,10 +63,35 @@ def test_trajectories_equal_trl(tool_run, calls, tmp_path):
                           rows=[0, 1, 2], timeout=300)[0]  # fmt: skip
     want = trl_rollout(tool_run["model"], tool_run["tok"], TM.QUESTIONS, calls, 128, str(tmp_path))
     assert got["calls"] == 6 * calls  # two (greedy, equal) samples per question
+    # each later turn (a tool turn followed by the model's tokens) extended the KV cache
+    assert got["resumed"] == max(_turns_after_tools(m) for m in want["tool_mask"])
     for i in range(6):
         assert got["prompts"][i] == want["prompt_ids"][i // 2], i
         assert got["tokens"][i] == want["completion_ids"][i // 2], i
         assert got["masks"][i] == want["tool_mask"][i // 2], i
+
+
+def _turns_after_tools(mask: list[int]) -> int:
+    """How many times the model's tokens follow a tool turn's in a tool mask."""
+    return sum(a == 0 and b == 1 for a, b in zip(mask, mask[1:], strict=False))
+
+
+def test_rollout_model_at_tp1_keeps_each_ranks_share(tool_run):
+    """Training at TP2 rolling out at TP1 (each rank decodes half the samples with the whole
+    model): the same trajectories as one process, each rank extending its own rows' cache."""
+    from test_grpo_reshard import INFER
+
+    one = argv(tool_run, "--max-tool-calls", "2")
+    want = run_distributed(sft_ranks.tool_trajectories, 1, argv=one, cli=one, rows=[0, 1, 2],
+                           timeout=300)[0]  # fmt: skip
+    two = one + ["--tensor-model-parallel-size", "2", *INFER]
+    ranks = run_distributed(sft_ranks.tool_trajectories, 2, argv=two, cli=two, rows=[0, 1, 2],
+                            timeout=400)  # fmt: skip
+    for rank, got in enumerate(ranks):  # rank r decodes samples 3r..3r+2 of the six
+        mine = want["masks"][3 * rank : 3 * rank + 3]
+        assert got["resumed"] == max(_turns_after_tools(m) for m in mine)
+        assert got["tokens"] == want["tokens"]
+        assert got["masks"] == want["masks"]
 
 
 LAYOUTS = {

@@ -120,4 +120,4 @@ def tool_trajectories(cli: list[str], rows: list[int]) -> dict:
     roll = task.sample_once(trainer, run.data, rows, [(0, r) for r in rows], run.args)
     return {"prompts": roll.prompts, "tokens": roll.tokens, "masks": roll.masks,
             "logps": roll.logps, "rewards": roll.rewards.tolist(),
-            "calls": task.tool_stats.calls}  # fmt: skip
+            "calls": task.tool_stats.calls, "resumed": task.tool_stats.resumed}  # fmt: skip

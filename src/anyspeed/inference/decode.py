@@ -30,6 +30,9 @@ class Batch:
 
     tokens: torch.Tensor
     pad: torch.Tensor
+    # mask even without padding: a block of several tokens fed after cached ones (Megatron
+    # masks nothing past the first forward of a static cache unless given a mask)
+    masked: bool = False
 
     @classmethod
     def left_padded(
@@ -45,7 +48,7 @@ class Batch:
 
     @property
     def padded(self) -> bool:
-        return bool(self.pad.any())
+        return self.masked or bool(self.pad.any())
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """Real positions [b, end - start] of slots start..end (padding slots at 0)."""
@@ -93,7 +96,7 @@ class Stepper:
         use_kv_cache: bool,
         vocab_size: int | None = None,
     ) -> None:
-        self.model, self.batch, self.vocab = model, batch, vocab_size
+        self.model, self.batch, self.vocab, self.total = model, batch, vocab_size, total
         self.seq = batch.tokens.clone()
         self.context = None
         if use_kv_cache:
@@ -129,7 +132,7 @@ class Stepper:
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep rows ``rows`` (beam search): the sequences and the KV cache follow."""
         self.seq = self.seq[rows]
-        self.batch = Batch(self.batch.tokens[rows], self.batch.pad[rows])
+        self.batch = Batch(self.batch.tokens[rows], self.batch.pad[rows], self.batch.masked)
         if self.context is not None:
             from anyspeed.features.inference.delta_net_state import reorder_states
 
@@ -199,29 +202,65 @@ def generate(
     return sample(model, prompts, req, on_tokens)[0]
 
 
+@dataclass
+class Kept:
+    """The KV cache of a batch :func:`sample` decoded, kept so that a later call continues its
+    rows (multi-turn rollouts): set ``rows`` to the kept rows the next call's prompts extend,
+    in order; each next prompt must start with its row's prompt and sampled tokens."""
+
+    stepper: Stepper | None = None
+    rows: list[int] | None = None
+    resumed: int = 0  # calls that continued the kept cache (rather than starting afresh)
+    # the rows of the caller's last batch this process decoded, where a caller splits its
+    # batch over processes (a rollout model's ranks); None: all of them
+    owned: list[int] | None = None
+
+
 def sample(
     model: list[torch.nn.Module],
     prompts: Sequence[Sequence[int]],
     req: Request,
     on_tokens: OnTokens | None = None,
     logprobs: bool = False,
+    kept: Kept | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """:func:`generate`, and with ``logprobs`` each new token's log-probability under the
     sampling temperature's distribution (before top-k/top-p: the policy's, as training
-    recomputes it), identical on every rank."""
-    width = _widest(max(len(p) for p in prompts)) if req.lockstep else None
-    batch = Batch.left_padded(prompts, req.pad_id, width)
-    steps = token_budget(batch.tokens.shape[1], req)
-    stepper = Stepper(model, batch, batch.tokens.shape[1] + steps, req.use_kv_cache, req.vocab_size)
+    recomputes it), identical on every rank. With ``kept`` the batch's KV cache is kept, and
+    a call whose ``kept.rows`` is set extends the kept cache instead of re-reading the prompts
+    where the model allows it (:mod:`anyspeed.inference.resume`)."""
+    stepper = None
+    if kept is not None and kept.stepper is not None and kept.rows is not None:
+        from anyspeed.inference.resume import resumed
+
+        stepper = resumed(kept.stepper, kept.rows, prompts, req, token_budget)
+        kept.resumed += stepper is not None
+    if stepper is None:
+        width = _widest(max(len(p) for p in prompts)) if req.lockstep else None
+        batch = Batch.left_padded(prompts, req.pad_id, width)
+        steps = token_budget(batch.tokens.shape[1], req)
+        total = batch.tokens.shape[1] + steps
+        stepper = Stepper(model, batch, total, req.use_kv_cache, req.vocab_size)
+    out = _decode(stepper, len(prompts), req, on_tokens, logprobs)
+    if kept is not None:
+        kept.stepper, kept.rows = stepper, None
+    return out
+
+
+def _decode(
+    stepper: Stepper, n: int, req: Request, on_tokens: OnTokens | None, logprobs: bool
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Step ``stepper`` until every row of ``n`` ends or its budget is spent."""
+    steps = stepper.total - stepper.seq.shape[1]
     gen = torch.Generator().manual_seed(req.seed)
     rows = [torch.Generator().manual_seed(s) for s in req.row_seeds] if req.row_seeds else None
-    out: list[list[int]] = [[] for _ in prompts]
-    lps: list[list[float]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
+    out: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
+    done = [False] * n
     for _ in range(steps):
         logits = stepper.logits()
-        chosen = torch.zeros(len(prompts), dtype=torch.int64)
-        lp = torch.zeros(len(prompts), dtype=torch.float32)
+        chosen = torch.zeros(n, dtype=torch.int64)
+        lp = torch.zeros(n, dtype=torch.float32)
         if logits is not None and rows is not None:
             chosen = torch.cat(
                 [next_tokens(logits[i : i + 1], req.params, g) for i, g in enumerate(rows)]

@@ -203,11 +203,13 @@ class Trainer:
 
     @torch.no_grad()
     def sample(
-        self, prompts: list[list[int]], request: Any
+        self, prompts: list[list[int]], request: Any, kept: Any = None
     ) -> tuple[list[list[int]], list[list[float]]]:
         """:meth:`generate` with each new token's log-probability under the sampling
-        temperature (a rollout's own log-probs), the same on every rank."""
+        temperature (a rollout's own log-probs), the same on every rank; ``kept``
+        (:class:`anyspeed.inference.decode.Kept`) keeps the KV cache for a next turn."""
         from anyspeed.inference.decode import sample
 
+        chunks = [unwrap(m) for m in self.model]
         with eval_mode(self.model), sequence_parallel_off(self.model):
-            return sample([unwrap(m) for m in self.model], prompts, request, logprobs=True)
+            return sample(chunks, prompts, request, logprobs=True, kept=kept)

@@ -29,6 +29,8 @@ _LAYERS = "megatron.core.tensor_parallel.layers."
 _MAPPINGS = "megatron.core.tensor_parallel.mappings."
 _ADJUST = "megatron.core.transformer.attention.Attention._adjust_key_value_for_inference"
 _GPT_FORWARD = "megatron.core.models.gpt.gpt_model.GPTModel.forward"
+# attribute of a static inference context whose cached keys are stored rotated to their slots
+KEYS_ROTATED = "_anyspeed_keys_rotated"
 
 
 def _linear(previous: Callable) -> Callable:
@@ -124,6 +126,7 @@ def _store_rotated_keys(previous: Callable) -> Callable:
                 self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
             )
         start, cp = ctx.sequence_len_offset, self.pg_collection.cp
+        setattr(ctx, KEYS_ROTATED, True)
         query = _rotated(query, rotary_pos_emb[0], start, self.config, cp)
         key = _rotated(key, rotary_pos_emb[1], start, self.config, cp)
         query, key, value, _, mask_type, table = previous(

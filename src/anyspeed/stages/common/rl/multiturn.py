@@ -23,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from anyspeed.stages.common.rl.tools import Answer, Toolbox, parse_calls
 
-Sampler = Callable[[list[list[int]], Any], tuple[list[list[int]], list[list[float]]]]
+Sampler = Callable[..., tuple[list[list[int]], list[list[float]]]]  # (prompts, request, kept=)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class ToolStats:
     timeouts: int = 0
     seconds: float = 0.0
     samples: int = 0
+    resumed: int = 0  # later turns that extended the KV cache instead of re-reading
 
     def merge(self, other: ToolStats) -> None:
         """Add another sampling try's counts (``--filter-groups`` samples again)."""
@@ -45,6 +48,7 @@ class ToolStats:
         self.timeouts += other.timeouts
         self.seconds += other.seconds
         self.samples += other.samples
+        self.resumed += other.resumed
 
     def add(self, answers: list[Answer]) -> None:
         self.calls += len(answers)
@@ -87,8 +91,12 @@ class ToolTurns:
         tokens: list[list[int]],
         logps: list[list[float]],
         req: Any,
+        kept: Any = None,
     ) -> Trajectories:
-        """Continue each sampled first turn through its tool calls."""
+        """Continue each sampled first turn through its tool calls. ``kept`` holds the first
+        turn's KV cache: each later turn extends it (:mod:`anyspeed.inference.resume`).
+        Under lock-step decoding every rank takes every turn (a rank with no row left
+        decodes a stand-in), as expert parallelism across replicas needs."""
         out = Trajectories(
             tokens=[list(t) for t in tokens],
             logps=[list(x) for x in logps],
@@ -97,31 +105,49 @@ class ToolTurns:
         )
         out.stats.samples = len(tokens)
         active = [i for i in range(len(tokens)) if parse_calls(self.text(tokens[i]))]
+        batch = list(range(len(tokens)))  # the rows of the last sampled batch, in order
         for turn in range(1, self.max_turns + 1):
-            if not active:
+            if not anyone(bool(active), req.lockstep):
                 break
-            answers = run_on_first_rank(self.answer_all, out, active)
-            for got in answers:
-                out.stats.add(got)
-            suffixes = {i: self.tool_turn(got) for i, got in zip(active, answers, strict=True)}
-            active = [i for i in active if self.fits(prompts[i], out.tokens[i], suffixes[i])]
-            if not active:
+            active = self.add_tool_turns(out, prompts, active)
+            if not active and not req.lockstep:
                 break
-            for i in active:
-                out.tokens[i] += suffixes[i]
-                out.logps[i] += [0.0] * len(suffixes[i])
-                out.masks[i] += [0] * len(suffixes[i])
-                out.last[i] = len(out.tokens[i])
+            rows = active or [0]  # lock-step: a stand-in row keeps this rank in step
+            if kept is not None:
+                kept.rows = [batch.index(i) for i in rows] if active else None
             new, lps = sample(
-                [prompts[i] + out.tokens[i] for i in active], self.next_request(req, active, turn)
+                [prompts[i] + out.tokens[i] for i in rows],
+                self.next_request(req, rows, turn),
+                kept=kept,
             )
-            for i, t, lp in zip(active, new, lps, strict=True):
+            batch = rows
+            for i, t, lp in zip(active, new, lps, strict=False):
                 room = self.max_response - len(out.tokens[i])
                 out.tokens[i] += t[:room]
                 out.logps[i] += lp[:room]
                 out.masks[i] += [1] * len(t[:room])
             active = [i for i in active if parse_calls(self.text(out.tokens[i][out.last[i] :]))]
+        out.stats.resumed = kept.resumed if kept is not None else 0
         return out
+
+    def add_tool_turns(
+        self, out: Trajectories, prompts: list[list[int]], active: list[int]
+    ) -> list[int]:
+        """Run the calls of each active row's last turn and append the tool turn to the rows
+        it fits; the rows that go on."""
+        if not active:
+            return []
+        answers = run_on_first_rank(self.answer_all, out, active)
+        for got in answers:
+            out.stats.add(got)
+        suffixes = {i: self.tool_turn(got) for i, got in zip(active, answers, strict=True)}
+        active = [i for i in active if self.fits(prompts[i], out.tokens[i], suffixes[i])]
+        for i in active:
+            out.tokens[i] += suffixes[i]
+            out.logps[i] += [0.0] * len(suffixes[i])
+            out.masks[i] += [0] * len(suffixes[i])
+            out.last[i] = len(out.tokens[i])
+        return active
 
     def answer_all(self, out: Trajectories, rows: list[int]) -> list[list[Answer]]:
         """The tools' answers to each row's last turn's calls."""
@@ -173,6 +199,19 @@ class ToolTurns:
         ends = [decode(self.tok, [e]) for e in self.eos]
         at = max((text.rfind(e) + len(e) for e in ends if e and e in text), default=len(text))
         return at
+
+
+def anyone(flag: bool, everywhere: bool = True) -> bool:
+    """``flag``, or with ``everywhere`` whether it holds on any rank (all ranks take part)."""
+    if not everywhere:
+        return flag
+    import torch.distributed as dist
+
+    from anyspeed.device import torch_device
+
+    t = torch.tensor([int(flag)], device=torch_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def run_on_first_rank(fn: Callable[..., Any], *args: Any) -> Any:

@@ -81,11 +81,12 @@ class RolloutModel:
         return time.perf_counter() - t0
 
     def sample(
-        self, prompts: list[list[int]], req: Any
+        self, prompts: list[list[int]], req: Any, kept: Any = None
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Sample ``prompts`` (the same list on every rank of a replica): each rank of the
         replica's model-parallel group decodes its contiguous share with the whole model,
-        then every rank has every row (tokens and their log-probs)."""
+        then every rank has every row (tokens and their log-probs). With ``kept`` a rank
+        keeps its rows' KV cache, and a next turn's rows stay on the rank that has them."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -93,18 +94,41 @@ class RolloutModel:
 
         group = ps.get_model_parallel_group()
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        bounds = [len(prompts) * i // n for i in range(n + 1)]
-        lo, hi = bounds[r], bounds[r + 1]
-        mine: tuple[list[list[int]], list[list[float]]] = ([], [])
-        if hi > lo:
-            seeds = req.row_seeds[lo:hi] if req.row_seeds else None
+        mine = _my_rows(len(prompts), n, r, kept)
+        got: tuple[list[list[int]], list[list[float]]] = ([], [])
+        if mine:
+            seeds = tuple(req.row_seeds[j] for j in mine) if req.row_seeds else None
             with self.state.entered(), torch.no_grad():
-                mine = sample(
+                got = sample(
                     [unwrap(c) for c in self.chunks],
-                    prompts[lo:hi],
+                    [prompts[j] for j in mine],
                     replace(req, row_seeds=seeds, lockstep=False),
                     logprobs=True,
+                    kept=kept,
                 )
+        if kept is not None:
+            kept.owned = mine
         shares: list[Any] = [None] * n
-        dist.all_gather_object(shares, mine, group=group)
-        return ([t for s in shares for t in s[0]], [lp for s in shares for lp in s[1]])
+        dist.all_gather_object(shares, (mine, got), group=group)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        lps: list[list[float]] = [[] for _ in prompts]
+        for rows, (ts, ls) in shares:
+            for j, t, lp in zip(rows, ts, ls, strict=True):
+                tokens[j], lps[j] = t, lp
+        return tokens, lps
+
+
+def _my_rows(count: int, ranks: int, rank: int, kept: Any) -> list[int]:
+    """The rows of a batch of ``count`` this rank decodes: its contiguous share, or, when
+    ``kept.rows`` continues a batch, the rows it decoded last time (as ``kept.rows`` now
+    orders them; ``kept.rows`` becomes their places in this rank's kept batch)."""
+    if kept is None or kept.rows is None or kept.owned is None:
+        if kept is not None:
+            kept.rows = None  # a new batch: no cache to continue
+        return list(range(count * rank // ranks, count * (rank + 1) // ranks))
+    place = {row: at for at, row in enumerate(kept.owned)}
+    mine = [j for j, row in enumerate(kept.rows) if row in place]
+    kept.rows = [place[kept.rows[j]] for j in mine]
+    if not mine:
+        kept.stepper = None
+    return mine

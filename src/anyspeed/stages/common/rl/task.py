@@ -52,17 +52,6 @@ STATS = (
 TOOL_STATS = ("tools/calls_per_sample", "tools/errors", "tools/timeouts", "tools/time")
 
 
-def _anyone(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank (every rank takes part)."""
-    import torch.distributed as dist
-
-    from anyspeed.device import torch_device
-
-    t = torch.tensor([int(flag)], device=torch_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 @dataclass
 class _Clock:
     rollout: float = 0.0
@@ -323,7 +312,7 @@ class PolicyTask(Task):
                 for g in roll.groups():
                     (kept if not c.filter_groups or g.has_signal() else dropped).append(g)
             tries += 1
-            if tries >= c.max_gen_batches or not _anyone(len(kept) < want):
+            if tries >= c.max_gen_batches or not multiturn.anyone(len(kept) < want):
                 break
             rows = list(extra.choice(c.rows, size=max(1, want - len(kept))))
             at = [positions.start + i for i in range(len(rows))]
@@ -335,7 +324,7 @@ class PolicyTask(Task):
         """Sample the groups of ``rows``; each sample draws from its own generator, seeded by
         (try, the prompt's place in the global order, the sample): the same tokens at every
         data-parallel size."""
-        from anyspeed.inference.decode import Request
+        from anyspeed.inference.decode import Kept, Request
         from anyspeed.inference.generate import decode
         from anyspeed.inference.sampling import SamplingParams
         from anyspeed.stages.common.rl import rewards
@@ -361,10 +350,11 @@ class PolicyTask(Task):
         rep = [p for p in prompts for _ in range(c.group)]
         roller = self.roller
         sampler = roller.sample if roller else trainer.sample
-        tokens, lps = sampler(rep, req)
+        kept = Kept() if self.turns is not None and not req.lockstep else None
+        tokens, lps = sampler(rep, req, kept=kept)
         masks, finals = None, tokens
-        if self.turns is not None:  # tool calls answered, sampling continued
-            traj = self.turns.run(sampler, rep, tokens, lps, req)
+        if self.turns is not None:  # tool calls answered, sampling continued from the cache
+            traj = self.turns.run(sampler, rep, tokens, lps, req, kept)
             tokens, lps, masks = traj.tokens, traj.logps, traj.masks
             self.tool_stats.merge(traj.stats)
             finals = [t[at:] for t, at in zip(tokens, traj.last, strict=True)]  # the last turn
