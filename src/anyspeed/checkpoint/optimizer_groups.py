@@ -18,10 +18,13 @@ def _parts(optimizer: Any) -> list[Any]:
 
 
 def _saved_entries(loaded: dict[Any, Any]) -> list[dict[str, Any]]:
-    """The saved per-optimizer common parts: one (a single optimizer) or one per chained index."""
+    """The saved per-optimizer common parts: one (a single optimizer) or one per chained index
+    (the distributed optimizer's under ``optimizer``, a plain one's ``param_groups`` at top;
+    a chain of a plain and a distributed one, e.g. Muon's, mixes both)."""
     chained = [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
     flat = {k: v for k, v in loaded.items() if not isinstance(k, int)}
-    return chained if chained and all("optimizer" in c for c in chained) else [flat]
+    per_part = all("optimizer" in c or "param_groups" in c for c in chained)
+    return chained if chained and per_part else [flat]
 
 
 def _all_groups(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from anyspeed.models import config as model_config
 from anyspeed.models import recompute
 from anyspeed.models.presets import apply_preset
 from anyspeed.stages.ranges import check_ranges
+from anyspeed.training import muon
 
 __all__ = ["UsageError", "build_parser", "parse_pretrain_args", "unsupported_flag"]
 
@@ -120,7 +121,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--optimizer", choices=("adam", "sgd", "muon", "dist_muon"), default="adam")
+    muon.add_arguments(g)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument(

@@ -139,6 +139,9 @@ def _complete_architecture(args: argparse.Namespace) -> None:
 def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | None:
     """Checkpoint and output paths (the numbers' ranges: :mod:`anyspeed.stages.ranges`);
     the checkpoint to start from (None when there is none)."""
+    from anyspeed.training import muon
+
+    muon.check(args)
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
     if args.save:

@@ -152,6 +152,9 @@ RANGES: dict[str, Range] = {
     "--min-loss-scale": STRICTLY_POSITIVE,
     "--loss-scale-window": POSITIVE,
     "--hysteresis": POSITIVE,
+    "--muon-momentum": Range(ge=0, lt=1),
+    "--muon-num-ns-steps": POSITIVE,
+    "--muon-extra-scale-factor": STRICTLY_POSITIVE,
     "--seed": Range(ge=0, lt=2**31),  # numpy seeds are 32-bit; stages add an offset
     # checkpoints, logging, evaluation, sampling
     "--save-interval": POSITIVE,

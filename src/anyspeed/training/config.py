@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from anyspeed.models.recompute import Recompute
+from anyspeed.training.muon import MuonConfig
 
 
 @dataclass
@@ -31,7 +32,8 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
-    optimizer: str = "adam"
+    optimizer: str = "adam"  # "adam" | "sgd" | "muon" | "dist_muon"
+    muon: MuonConfig = field(default_factory=MuonConfig)
     # Reduce gradients in fp32 (--accumulate-allreduce-grads-in-fp32). Default: Megatron-LM's,
     # i.e. in the parameters' dtype, so bf16 training reduces bf16 gradients.
     grad_reduce_in_fp32: bool = False
@@ -81,6 +83,7 @@ class TrainConfig:
         values = {n: getattr(args, n) for n in names}
         return cls(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            muon=MuonConfig.from_args(args) if hasattr(args, "muon_momentum") else MuonConfig(),
             recompute=Recompute.from_args(args),
             **values,
         )

@@ -88,8 +88,10 @@ def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig, layout: Layo
     """Megatron's (optionally distributed) optimizer over the DDP chunks."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from anyspeed.training import muon
+
     opt_config = OptimizerConfig(
-        optimizer=cfg.optimizer,
+        optimizer="adam" if cfg.optimizer in muon.MUON else cfg.optimizer,
         lr=cfg.lr,
         min_lr=cfg.min_lr,
         weight_decay=cfg.weight_decay,
@@ -107,7 +109,10 @@ def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig, layout: Layo
         params_dtype=gpt.params_dtype(cfg.bf16, cfg.fp16),
         use_distributed_optimizer=layout.distributed_optimizer,
         overlap_param_gather=layout.overlap_param_gather,
+        **cfg.muon.fields(),
     )
+    if cfg.optimizer in muon.MUON:
+        return muon.build(opt_config, model, cfg.optimizer, cfg.muon)
     return get_megatron_optimizer(opt_config, model)
 
 

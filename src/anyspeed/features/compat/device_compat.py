@@ -15,7 +15,7 @@ import logging
 
 from anyspeed.device import DeviceInfo, process_groups, redirect
 from anyspeed.features.base import Feature
-from anyspeed.features.compat import torch_adam
+from anyspeed.features.compat import muon_fallback, torch_adam
 from anyspeed.patching import PatchManager
 
 
@@ -33,6 +33,7 @@ class DeviceCompat(Feature):
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
+        muon_fallback.install()  # Megatron's Muon needs emerging_optimizers, on every device
         if device.is_cuda:
             return
         redirect.register_cuda_surface(pm, device, self.name)
