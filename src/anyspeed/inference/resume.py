@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from anyspeed.inference.decode import Batch, Request, Stepper
+from anyspeed.inference.stepper import Batch, Stepper
 
 
 def resumed(
     old: Stepper,
     rows: Sequence[int],
     prompts: Sequence[Sequence[int]],
-    req: Request,
-    budget: Callable[[int, Request], int],
+    req: Any,
+    budget: Callable[[int, Any], int],
 ) -> Stepper | None:
     """A stepper for ``prompts`` (prompt ``r`` extends kept row ``rows[r]``) whose cache holds
     what ``old``'s cache already had of each row; None where the cache cannot be moved."""
