@@ -15,6 +15,7 @@ from helpers.trainer_ranks import load_weights, save_weights
 
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
              num_query_groups=2, vocab_size=128)  # fmt: skip
+MOE = dict(MODEL, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
 
 
 def _trainer(layout: dict, muon: dict, optimizer: str = "muon", model: dict | None = None):

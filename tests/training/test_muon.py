@@ -33,15 +33,18 @@ def test_one_step_equals_torch_muon_and_adamw() -> None:
 @pytest.mark.parametrize(
     "extra, says",
     [
-        (["--fp16"], "--fp16 is not supported by Megatron-Core's Muon"),
+        (["--fp16"], "--fp16 is not supported (Megatron-Core's Muon refuses it)"),
         (["--use-distributed-optimizer"], "--optimizer dist_muon"),
         (["--muon-coefficient-type", "polar_express"], "a multiple of 8, not 5"),
         (["--muon-momentum", "1.5"], "--muon-momentum"),
+        (["--bf16"], "first loss differs"),
+        (["--save", "/tmp/anyspeed-never-written"], "cannot save fp32 state"),
     ],
 )
 def test_unsupported_muon_settings_are_one_line(capsys, extra, says) -> None:
+    optimizer = "dist_muon" if extra[0] in ("--bf16", "--save") else "muon"
     argv = ["--model", "tiny-qwen2.5", "--mock-data", "--lr", "0.01", "--train-iters", "1",
-            "--optimizer", "muon", "--seq-length", "64", "--global-batch-size", "4",
+            "--optimizer", optimizer, "--seq-length", "64", "--global-batch-size", "4",
             "--micro-batch-size", "2", *extra]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -64,15 +67,30 @@ def test_tensor_and_data_parallel_muon_equal_one_process(tmp_path) -> None:
             dict(FP32_NS, tp_mode="distributed", split_qkv=False),
         ),  # fmt: skip
         "dp2": ({}, FP32_NS),
+        "dp2-dist_muon": ({}, FP32_NS),
     }
     for name, (layout, muon) in cases.items():
+        opt = "dist_muon" if "dist_muon" in name else "muon"
         got = run_distributed(muon_ranks.muon_steps, 2, layout=layout, muon=muon, load=init,
-                              timeout=300)[0]  # fmt: skip
+                              optimizer=opt, timeout=300)[0]  # fmt: skip
         if name == "tp2-distributed-whole-qkv":
             continue  # another update (QKV orthogonalised whole): it only has to run
         for w, g in zip(want, got, strict=True):
             assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), name
             assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), name
+
+
+@pytest.mark.slow
+def test_expert_parallel_muon_equals_one_process(tmp_path) -> None:
+    """EP2: each rank's experts get a Muon of their own (the expert group), as Megatron builds."""
+    init, moe = str(tmp_path / "init"), muon_ranks.MOE
+    (want,) = run_distributed(muon_ranks.muon_steps, 1, layout={}, muon=FP32_NS, save_init=init,
+                              model=moe, timeout=300)  # fmt: skip
+    got = run_distributed(muon_ranks.muon_steps, 2, layout={"ep": 2}, muon=FP32_NS, load=init,
+                          model=moe, timeout=300)[0]  # fmt: skip
+    for w, g in zip(want, got, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.slow

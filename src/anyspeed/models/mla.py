@@ -142,6 +142,9 @@ def mla_config(model: Any) -> dict[str, Any]:
         rotary_scaling_factor=model.rotary_scaling_factor,
         mscale=model.mscale,
         mscale_all_dim=model.mscale_all_dim,
+        original_max_position_embeddings=model.yarn_original_max_position_embeddings,
+        beta_fast=model.yarn_beta_fast,
+        beta_slow=model.yarn_beta_slow,
         apply_rope_fusion=False,
     )
 

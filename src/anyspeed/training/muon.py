@@ -3,7 +3,10 @@ the 2-D weights, Adam on the rest) with Megatron-LM's flag names, on every devic
 
 Megatron's Muon imports ``emerging_optimizers``; where that package does not import,
 :mod:`anyspeed.features.compat.muon_fallback` stands in for it. ``dist_muon`` is Megatron's
-layer-wise distributed form (each data-parallel rank updates whole layers, then broadcasts).
+layer-wise distributed form (each data-parallel rank updates whole layers, then broadcasts);
+in Megatron-Core 0.16.1 its state does not save in fp32 (the layer-wise wrapper reads the bf16
+wrapper's layout) and in bf16 its first loss already differs from ``muon``'s, so anyspeed runs it
+in fp32 without checkpoints, where it equals ``muon`` (tests/training/test_muon.py).
 """
 
 from __future__ import annotations
@@ -76,22 +79,34 @@ def check(args: argparse.Namespace) -> None:
             f"--muon-coefficient-type {args.muon_coefficient_type} needs --muon-num-ns-steps "
             f"a multiple of {sets}, not {args.muon_num_ns_steps}"
         )
-    refused = {
-        "--fp16": args.fp16,
-        "--use-distributed-optimizer": getattr(args, "use_distributed_optimizer", False),
-        "--overlap-grad-reduce": getattr(args, "overlap_grad_reduce", False),
-        "--overlap-param-gather": getattr(args, "overlap_param_gather", False),
+    mcore = "Megatron-Core's Muon refuses it"
+    refused = {  # flag: (set, why, what else to do)
+        "--fp16": (args.fp16, mcore, ""),
+        "--use-distributed-optimizer": (
+            getattr(args, "use_distributed_optimizer", False),
+            mcore,
+            "; --optimizer dist_muon is Muon's distributed form",
+        ),
+        "--overlap-grad-reduce": (getattr(args, "overlap_grad_reduce", False), mcore, ""),
+        "--overlap-param-gather": (getattr(args, "overlap_param_gather", False), mcore, ""),
     }
-    for flag, on in refused.items():
+    if args.optimizer == "dist_muon":  # Megatron-Core 0.16.1's layer-wise optimizer
+        layer_wise = "Megatron-Core 0.16.1's layer-wise Muon"
+        refused["--bf16"] = (
+            args.bf16,
+            f"{layer_wise}'s first loss differs from --optimizer muon's",
+            ", or use --optimizer muon",
+        )
+        refused["--save"] = (
+            bool(getattr(args, "save", None)),
+            f"{layer_wise} cannot save fp32 state",
+            ", or use --optimizer muon",
+        )
+    for flag, (on, why, hint) in refused.items():
         if on:
-            hint = (
-                "; --optimizer dist_muon is Muon's distributed form"
-                if flag == "--use-distributed-optimizer"
-                else ""
-            )
             raise UsageError(
-                f"--optimizer {args.optimizer} with {flag} is not supported by Megatron-Core's "
-                f"Muon; drop {flag}{hint}"
+                f"--optimizer {args.optimizer} with {flag} is not supported ({why}); "
+                f"drop {flag}{hint}"
             )
 
 

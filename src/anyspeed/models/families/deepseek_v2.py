@@ -17,8 +17,8 @@ from anyspeed.models.hf_rope import (
 )
 from anyspeed.models.patterns import pattern_text
 
-# What Megatron-Core's MLATransformerConfig fixes for YaRN: configs that differ are refused.
-_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+# transformers' YaRN defaults for the keys a DeepSeek config may leave out
+_YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 
 PRESETS = (
     ModelConfig(
@@ -61,12 +61,7 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
         return {"rope_type": "rope"}
     if kind != "yarn":
         raise ValueError(f"deepseek_v2: rope scaling {kind!r} is not supported (rope or yarn)")
-    for key, want in _YARN_FIXED.items():
-        if params.get(key, want) != want:
-            raise ValueError(
-                f"deepseek_v2: yarn {key}={params[key]} is not supported "
-                f"(Megatron-Core fixes it to {want})"
-            )
+    yarn = {k: params.get(k) or v for k, v in _YARN_DEFAULTS.items()}
     mscale, all_dim = yarn_mscales(params, "deepseek_v2")
     positions = int_of(config, "max_position_embeddings", default=DEFAULT_MAX_POSITIONS)
     return dict(
@@ -74,6 +69,9 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
         rotary_scaling_factor=yarn_factor(params, positions),
         mscale=mscale,
         mscale_all_dim=all_dim,
+        yarn_original_max_position_embeddings=int(yarn["original_max_position_embeddings"]),
+        yarn_beta_fast=float(yarn["beta_fast"]),
+        yarn_beta_slow=float(yarn["beta_slow"]),
     )
 
 
@@ -149,7 +147,9 @@ def moe_to_hf(model: ModelConfig, family: str, hf_name: str) -> dict[str, Any]:
             "factor": model.rotary_scaling_factor,
             "mscale": model.mscale,
             "mscale_all_dim": model.mscale_all_dim,
-            **_YARN_FIXED,
+            "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
+            "beta_fast": model.yarn_beta_fast,
+            "beta_slow": model.yarn_beta_slow,
         }
     return out
 
