@@ -5,6 +5,7 @@ one line."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from anyspeed.commands.generate import main as generate_main
@@ -114,6 +115,20 @@ def _captions(out: str) -> list[str]:
     return [line for line in lines[first:] if line.strip()]
 
 
+def test_generate_image_at_pp2_is_one_line(tmp_path, capfd):
+    """The fast twin of the TP2 test below: PP 2 with ``--image`` is refused in one line."""
+    from anyspeed.demo import mm_data
+
+    hf_dir = mm_data.make_model(str(tmp_path / "hf"), seed=3)
+    mm_data.make_records(str(tmp_path), 1, 3, "pics")
+    image = str(tmp_path / "images" / "pics_00000.png")
+    argv = ["--load", hf_dir, "--image", image, "--pipeline-model-parallel-size", "2"]
+    assert generate_main(argv) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert "--pipeline-model-parallel-size" in err[-1] and len(err) == 1
+
+
+@pytest.mark.slow  # two ranks under torchrun (~35 s); the PP2 refusal has a fast twin above
 def test_generate_image_at_tp2_equals_tp1_and_refuses_what_does_not_apply(tmp_path, capfd):
     """The same runner as every model: ``--image`` at TP2 (two ranks under torchrun) prints
     TP1's captions token for token; a text-only model with ``--image``, and PP 2, are one
