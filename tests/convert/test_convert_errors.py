@@ -52,11 +52,12 @@ def _fails(fn, match: str, out: Path, *args, error=ConvertError, **kwargs) -> st
 
 
 def test_unsupported_architecture_lists_the_supported(hf, tmp_path):
-    _edit_config(hf, architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe")
-    msg = _fails(hf_to_megatron, "unsupported architecture Glm4MoeForCausalLM", tmp_path / "mg",
+    _edit_config(hf, architectures=["Glm4ForCausalLM"], model_type="glm4")
+    msg = _fails(hf_to_megatron, "unsupported architecture Glm4ForCausalLM", tmp_path / "mg",
                  hf, tmp_path / "mg")  # fmt: skip
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM"):  # fmt: skip
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                 "Glm4MoeForCausalLM"):  # fmt: skip
         assert arch in msg
 
 

@@ -101,6 +101,8 @@ def check_family(model: ModelConfig, where: str | Path, model_type_hf: str | Non
             f"--model-type-hf {model_type_hf}: {where} holds a {model.family} model"
         )
     traits = FAMILIES[model.family]
+    if traits.attention_traits_in_config:
+        return model
     for have, want, arg in (
         (model.add_qkv_bias, traits.qkv_bias, "add_qkv_bias"),
         (model.qk_layernorm, traits.qk_norm, "qk_layernorm"),

@@ -58,8 +58,13 @@ Source = str | Fused | ExpertSlice
 
 def _present(name: str, preset: ModelConfig) -> bool:
     """Whether layer tensor ``name`` exists in ``preset``: multi-latent attention projects
-    queries at full rank (``linear_q_proj``) or through a low-rank down/norm/up path."""
-    if not (preset.multi_latent_attention and name.startswith("self_attention.")):
+    queries at full rank (``linear_q_proj``) or through a low-rank down/norm/up path; a family
+    whose models may or may not have QK norm and QKV biases (GLM-4.5) maps both."""
+    if not preset.multi_latent_attention:
+        if name.startswith(("self_attention.q_layernorm.", "self_attention.k_layernorm.")):
+            return preset.qk_layernorm
+        return name != "self_attention.linear_qkv.bias" or preset.add_qkv_bias
+    if not name.startswith("self_attention."):
         return True
     if preset.q_lora_rank:
         return "linear_q_proj." not in name

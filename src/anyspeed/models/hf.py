@@ -104,8 +104,9 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         kv_channels=head_dim if explicit else None,
         num_query_groups=_number(config, "num_key_value_heads", int, heads),
         qk_layernorm=traits.qk_norm,
+        add_qkv_bias=traits.qkv_bias,
     )
-    fields.update({k: moe.pop(k) for k in list(fields) if k in moe})
+    fields.update({k: moe.pop(k) for k in list(fields) if k in moe})  # the family's own reading
     model = ModelConfig(
         name=name or f"hf-{family}",
         family=family,
@@ -120,7 +121,6 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         rotary_base=base,
         norm_epsilon=_number(config, "rms_norm_eps", float, 1e-6),
         **fields,
-        add_qkv_bias=traits.qkv_bias,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
         **moe,

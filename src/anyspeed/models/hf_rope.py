@@ -18,8 +18,8 @@ from typing import Any
 DEFAULT_MAX_POSITIONS = 4096
 # transformers' config classes whose default rope_theta is not 10000 (``default_theta``).
 _DEFAULT_THETA = {"gpt_oss": 150000.0, "mixtral": 1000000.0}
-# ... and those that default partial_rotary_factor (Qwen3NextConfig: 0.25).
-_DEFAULT_PARTIAL = {"qwen3_next": 0.25}
+# ... and those that default partial_rotary_factor (Qwen3NextConfig: 0.25, Glm4MoeConfig: 0.5).
+_DEFAULT_PARTIAL = {"qwen3_next": 0.25, "glm4_moe": 0.5}
 # RoPE kinds whose parameters include the pretraining length.
 _SCALED = ("llama3", "yarn", "longrope")
 

@@ -115,6 +115,9 @@ class Family:
     qk_norm: bool = False  # ... RMSNorm on queries and keys
     head_dim_in_config: bool = False  # HF config.json writes head_dim
     attention_bias_key: bool = False  # HF config.json writes attention_bias
+    # QKV biases and QK norm are per model (config.json's attention_bias / use_qk_norm), not
+    # traits of the family (GLM-4.5 has QK norm, GLM-4.5-Air not)
+    attention_traits_in_config: bool = False
 
 
 def every_nth_off(flags: list[bool]) -> str:

