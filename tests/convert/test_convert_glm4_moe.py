@@ -60,3 +60,14 @@ def test_tiny_converts_to_transformers_logits_and_back(tmp_path, name):
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in ref
     assert set(got) == set(ref)
     assert all(torch.equal(got[k], t) for k, t in ref.items())
+
+
+@pytest.mark.slow  # two two-process groups
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=1), dict(tp=1, pp=1, ep=2)])
+def test_logits_match_transformers_at_tp2_and_ep2(tmp_path, layout):
+    case, res = _converted(tmp_path, "tiny-glm-4.5", seed=6)
+    assert res["rc"] == 0, res["stdout"]
+    ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"glm": case}, tokens=TOKENS,
+                            **layout, timeout=300)  # fmt: skip
+    for rank in ranks:
+        _check(hf_logits(tmp_path / "hf", TOKENS), rank["glm"]["dist"])
