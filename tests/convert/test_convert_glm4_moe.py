@@ -71,3 +71,20 @@ def test_logits_match_transformers_at_tp2_and_ep2(tmp_path, layout):
                             **layout, timeout=300)  # fmt: skip
     for rank in ranks:
         _check(hf_logits(tmp_path / "hf", TOKENS), rank["glm"]["dist"])
+
+
+def test_mtp_layer_converts_and_comes_back(tmp_path):
+    """GLM-4.5's checkpoints keep its MTP layer as the layer after the last (transformers'
+    model skips it): converted into Megatron's MTP block, written back bit-identically."""
+    from anyspeed.convert import hf_to_megatron, megatron_to_hf
+
+    convert_ranks.tiny_hf_model(tmp_path / "hf", "tiny-glm-4.5", seed=6)
+    convert_ranks.add_mtp_layers(tmp_path / "hf", seed=7)
+    hf_to_megatron(tmp_path / "hf", tmp_path / "mg")
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", tmp_path / "hf")
+    ref, got = _load_hf_tensors(tmp_path / "hf"), _load_hf_tensors(tmp_path / "back")
+    assert "model.layers.3.eh_proj.weight" in ref and "model.layers.3.mlp.gate.weight" in ref
+    assert set(got) == set(ref)
+    assert all(torch.equal(got[k], t) for k, t in ref.items())
+    cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1

@@ -28,7 +28,6 @@ CUDA_ONLY_MODULES = (
     "tensorrt_llm",
     "modelopt",
     "vllm",
-    "emerging_optimizers",
     "nv_one_logger",
     "hybrid_ep",
     "cuda",
@@ -84,10 +83,6 @@ SKIPS: tuple[tuple[str, str], ...] = (
         "at run time here)",
     ),
     (r"tests/unit_tests/models/test_heterogeneous_gpt_model.py::", TE_SPEC),
-    (
-        r"tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py::",
-        "needs NVIDIA's emerging_optimizers package (Muon), not installed",
-    ),
     (
         r"tests/unit_tests/pipeline_parallel/test_pipeline_layout.py::test_forward_vpp",
         TE_SPEC + " (the first case fails on TENorm, before its cleanup: the next cases then find "
