@@ -23,7 +23,7 @@ ARCH = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4
         "--seq-length", "256", "--max-position-embeddings", "256", "--swiglu",
         "--normalization", "RMSNorm", "--position-embedding-type", "rope",
         "--disable-bias-linear", "--untie-embeddings-and-output-weights"]  # fmt: skip
-SWEEP = {"adam": ["1e-3", "3e-3", "1e-2"], "muon": ["1e-2", "3e-2"]}
+SWEEP = {"adam": ["3e-4", "1e-3", "3e-3", "1e-2"], "muon": ["1e-2", "3e-2"]}
 
 
 def data(workdir: str) -> tuple[str, str]:
