@@ -7,7 +7,6 @@ shared expert; a dense first layer): logits after conversion within 1e-4 of tran
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from anyspeed.models.hf import hf_config
 from anyspeed.models.presets import PRESETS
 from anyspeed.testing import run_distributed
 from helpers import convert_ranks
+from helpers.family_convert import assert_round_trip, converted
 
 TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(13))
 # the model cards' totals (355B, 106B; they match the counts without the MTP layer within 1%)
@@ -40,33 +40,19 @@ def test_presets_are_the_published_sizes(name):
     assert preset.active_parameters() == pytest.approx(active, rel=0.12)
 
 
-def _converted(root: Path, name: str, seed: int) -> tuple[dict, dict]:
-    convert_ranks.tiny_hf_model(root / "hf", name, seed=seed)
-    case = {"hf": str(root / "hf"), "torch_dist": str(root / "dist"),
-            "hf_from_dist": str(root / "back")}  # fmt: skip
-    res = run_distributed(convert_ranks.convert_all, 1, cases={"glm": case}, tokens=TOKENS,
-                          cli_case="glm", timeout=300)[0]["glm"]  # fmt: skip
-    return case, res
-
-
 @pytest.mark.parametrize("name", ["tiny-glm-4.5", "tiny-glm-4.5-air"])
 def test_tiny_converts_to_transformers_logits_and_back(tmp_path, name):
-    case, res = _converted(tmp_path, name, seed=6)
+    case, res = converted(tmp_path, name, TOKENS, seed=6)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["use_qk_norm"] == (name == "tiny-glm-4.5") and cfg["attention_bias"]
-    assert res["rc"] == 0, res["stdout"]
     _check(hf_logits(tmp_path / "hf", TOKENS), res["dist"])
-    ref, got = _load_hf_tensors(tmp_path / "hf"), _load_hf_tensors(Path(case["hf_from_dist"]))
-    assert "model.layers.1.mlp.gate.e_score_correction_bias" in ref
-    assert set(got) == set(ref)
-    assert all(torch.equal(got[k], t) for k, t in ref.items())
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in assert_round_trip(case)
 
 
 @pytest.mark.slow  # two two-process groups
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=1), dict(tp=1, pp=1, ep=2)])
 def test_logits_match_transformers_at_tp2_and_ep2(tmp_path, layout):
-    case, res = _converted(tmp_path, "tiny-glm-4.5", seed=6)
-    assert res["rc"] == 0, res["stdout"]
+    case, _ = converted(tmp_path, "tiny-glm-4.5", TOKENS, seed=6)
     ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"glm": case}, tokens=TOKENS,
                             **layout, timeout=300)  # fmt: skip
     for rank in ranks:

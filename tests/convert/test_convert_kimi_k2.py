@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import _check, _load_hf_tensors
+from test_convert import _check
 
 from anyspeed.convert.verify import hf_logits
 from anyspeed.models.hf import hf_config
 from anyspeed.models.presets import PRESETS
-from anyspeed.testing import run_distributed
-from helpers import convert_ranks
+from helpers.family_convert import assert_round_trip, converted
 
 TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(11))
 
@@ -39,18 +38,11 @@ def test_preset_is_kimi_k2s_size():
 
 
 def test_tiny_kimi_k2_converts_to_transformers_logits_and_back(tmp_path):
-    convert_ranks.tiny_hf_model(tmp_path / "hf", "tiny-kimi-k2", seed=4)
+    case, res = converted(tmp_path, "tiny-kimi-k2", TOKENS, seed=4)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["rope_parameters"]["beta_fast"] == 1.0 and cfg["n_group"] == 1  # transformers 5
-    case = {"hf": str(tmp_path / "hf"), "torch_dist": str(tmp_path / "dist"),
-            "hf_from_dist": str(tmp_path / "back")}  # fmt: skip
-    res = run_distributed(convert_ranks.convert_all, 1, cases={"kimi": case}, tokens=TOKENS,
-                          cli_case="kimi", timeout=300)[0]["kimi"]  # fmt: skip
-    assert res["rc"] == 0, res["stdout"]
     _check(hf_logits(tmp_path / "hf", TOKENS), res["dist"])
-    ref, got = _load_hf_tensors(tmp_path / "hf"), _load_hf_tensors(Path(case["hf_from_dist"]))
-    assert set(got) == set(ref)
-    assert all(torch.equal(got[k], t) for k, t in ref.items())
+    assert_round_trip(case)
     back = json.loads((Path(case["hf_from_dist"]) / "config.json").read_text())
     rope = back.get("rope_parameters") or back["rope_scaling"]
     assert rope["beta_fast"] == 1.0 and rope["beta_slow"] == 1.0

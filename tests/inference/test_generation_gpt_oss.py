@@ -6,22 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from test_generation import _hf_model
-
-from anyspeed.convert import hf_to_megatron
-from anyspeed.testing import run_distributed
-from helpers import convert_ranks, infer_ranks
+from helpers.family_generation import greedy_three_ways
 
 
 def test_greedy_with_cache_equals_transformers(tmp_path: Path) -> None:
-    convert_ranks.tiny_hf_model(tmp_path / "hf", "tiny-gpt-oss", seed=2)
-    hf_to_megatron(tmp_path / "hf", tmp_path / "mg")
-    prompt = [3, 14, 15, 92, 65, 35]
-    got = run_distributed(infer_ranks.family_greedy, 1, ckpts={"gpt-oss": str(tmp_path / "mg")},
-                          new_tokens=20, prompt=prompt, timeout=600)[0]  # fmt: skip
-    kv, no_kv = got["gpt-oss"]
-    ref = _hf_model(str(tmp_path / "hf")).generate(
-        torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20
-    )
-    assert kv == no_kv == ref[0, len(prompt) :].tolist()
+    kv, no_kv, ref = greedy_three_ways(tmp_path, "tiny-gpt-oss", new_tokens=20)
+    assert kv == no_kv == ref

@@ -81,8 +81,22 @@ def _delta_in_rows(preset: ModelConfig) -> list[list[tuple[int, int]]]:
     return [qkvz, ba]
 
 
+def _delta_in_flat_rows(preset: ModelConfig) -> list[list[tuple[int, int]]]:
+    """Qwen3.5's DeltaNet input projections: HF's ``in_proj_qkv`` (all q, k, v), ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a`` one after another, as Megatron's ``in_proj`` holds them."""
+    hv = preset.linear_num_value_heads
+    qk = preset.linear_num_key_heads * preset.linear_key_head_dim
+    v = hv * preset.linear_value_head_dim
+    ends = (2 * qk + v, 2 * qk + 2 * v, 2 * qk + 2 * v + hv, 2 * qk + 2 * v + 2 * hv)
+    return [[(lo, hi)] for lo, hi in zip((0, *ends[:-1]), ends, strict=True)]
+
+
 # Fusions whose parts interleave in Megatron's tensor: each part's rows, range by range.
-PERMUTED = {"qgkv": _gated_qkv_rows, "delta_in": _delta_in_rows}
+PERMUTED = {
+    "qgkv": _gated_qkv_rows,
+    "delta_in": _delta_in_rows,
+    "delta_in_flat": _delta_in_flat_rows,
+}
 
 
 def split_fused(f: Fused, t: torch.Tensor | Stacked, preset: ModelConfig) -> list:

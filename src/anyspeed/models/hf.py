@@ -99,7 +99,8 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
     # the family's hook reads its own rope (YaRN); the rest have plain or llama3 RoPE
     scaling = None if traits.mla or traits.own_rope else _llama3_scaling(rope)
     layers = _number(config, "num_hidden_layers", int)
-    moe = traits.moe_from_hf(config, layers) if traits.moe_from_hf else {}
+    own = traits.moe_from_hf or traits.dense_from_hf
+    moe = own(config, layers) if own else {}
     fields = dict(
         kv_channels=head_dim if explicit else None,
         num_query_groups=_number(config, "num_key_value_heads", int, heads),
@@ -157,7 +158,11 @@ def hf_config(model: ModelConfig) -> dict[str, Any]:
         cfg["attention_bias"] = model.add_qkv_bias
     if model.rope_scaling:  # all of llama3's keys: transformers needs them (and Megatron's)
         cfg["rope_scaling"] = {"rope_type": "llama3", **_MEGATRON_LLAMA3_ROPE, **model.rope_scaling}
-    if model.is_moe:
+    if traits.dense_to_hf:
+        if model.is_moe:
+            raise ValueError(f"{model.family}: its Hugging Face model has no experts")
+        cfg.update(traits.dense_to_hf(model))
+    elif model.is_moe:
         if not traits.moe_to_hf:
             raise ValueError(f"{model.family}: its Hugging Face model has no experts")
         cfg.update(traits.moe_to_hf(model))

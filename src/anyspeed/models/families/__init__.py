@@ -18,6 +18,7 @@ from anyspeed.models.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     qwen3_next,
 )
@@ -45,6 +46,7 @@ FAMILIES: dict[str, Family] = {
         glm4_moe.FAMILY,
         gpt_oss.FAMILY,
         qwen3_next.FAMILY,
+        qwen3_5.FAMILY,
     )
 }
 

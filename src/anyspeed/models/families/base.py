@@ -14,7 +14,9 @@ from anyspeed.models.config import ModelConfig
 class Fused:
     """A Megatron tensor the engine builds from several HF tensors (and splits back)."""
 
-    kind: str  # "qkv" | "gate_up" | "qgkv" (queries with their gates) | "delta_in" (DeltaNet)
+    # "qkv" | "gate_up" | "qgkv" (queries with their gates) | "delta_in" (Qwen3-Next's DeltaNet)
+    # | "delta_in_flat" (Qwen3.5's)
+    kind: str
     parts: tuple[str, ...]
 
 
@@ -118,6 +120,10 @@ class Family:
     # QKV biases and QK norm are per model (config.json's attention_bias / use_qk_norm), not
     # traits of the family (GLM-4.5 has QK norm, GLM-4.5-Air not)
     attention_traits_in_config: bool = False
+    # Dense families with fields of their own: ModelConfig fields from an HF config.json, and
+    # the HF config keys back (as moe_from_hf / moe_to_hf for the MoE families)
+    dense_from_hf: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
+    dense_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
 
 
 def every_nth_off(flags: list[bool]) -> str:

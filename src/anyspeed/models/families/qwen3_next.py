@@ -26,7 +26,7 @@ from anyspeed.models.families.moe_hf import (
 )
 from anyspeed.models.hf_rope import hf_rope_parameters
 
-_TRAITS = dict(
+TRAITS = dict(
     kv_channels=256,
     qk_layernorm=True,
     layernorm_zero_centered_gamma=True,
@@ -55,7 +55,7 @@ PRESETS = (
         moe_router_topk=10,
         moe_ffn_hidden_size=512,
         moe_shared_expert_intermediate_size=512,
-        **_TRAITS,
+        **TRAITS,
     ),
 )
 
@@ -74,16 +74,41 @@ def _layer_types(config: dict[str, Any], num_layers: int) -> str:
     return every_nth_off([t == "linear_attention" for t in types])
 
 
-def _rotary_percent(config: dict[str, Any]) -> float:
+def rotary_percent(config: dict[str, Any], family: str = "qwen3_next") -> float:
     """The rotated share of each head; ValueError for scaled RoPE (YaRN): Megatron-Core's
     YarnRotaryEmbedding rotates whole heads, Qwen3-Next a part of each."""
-    rope = hf_rope_parameters(config, "qwen3_next")
+    rope = hf_rope_parameters(config, family)
     if rope["rope_type"] != "default":
         raise ValueError(
-            f"qwen3_next: rope scaling {rope['rope_type']!r} is not supported (only plain "
+            f"{family}: rope scaling {rope['rope_type']!r} is not supported (only plain "
             "RoPE: Megatron-Core's YaRN cannot rotate part of a head)"
         )
     return float(rope["partial_rotary_factor"])
+
+
+def delta_net_from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Which layers are gated DeltaNets, and their sizes (Qwen3-Next's and Qwen3.5's keys)."""
+    return dict(
+        linear_attention_freq=_layer_types(config, num_layers),
+        linear_conv_kernel_dim=int_of(config, "linear_conv_kernel_dim", default=4),
+        linear_key_head_dim=int_of(config, "linear_key_head_dim", default=128),
+        linear_value_head_dim=int_of(config, "linear_value_head_dim", default=128),
+        linear_num_key_heads=int_of(config, "linear_num_key_heads", default=16),
+        linear_num_value_heads=int_of(config, "linear_num_value_heads", default=32),
+    )
+
+
+def delta_net_to_hf(model: ModelConfig) -> dict[str, Any]:
+    """The HF config keys :func:`delta_net_from_hf` reads."""
+    linear = model.linear_attention_layers()
+    return {
+        "layer_types": ["linear_attention" if x else "full_attention" for x in linear],
+        "linear_conv_kernel_dim": model.linear_conv_kernel_dim,
+        "linear_key_head_dim": model.linear_key_head_dim,
+        "linear_value_head_dim": model.linear_value_head_dim,
+        "linear_num_key_heads": model.linear_num_key_heads,
+        "linear_num_value_heads": model.linear_num_value_heads,
+    }
 
 
 def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -92,16 +117,11 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return dict(
         qwen_moe_from_hf(config, num_layers),
         kv_channels=int_of(config, "head_dim", default=256),
-        rotary_percent=_rotary_percent(config),
+        rotary_percent=rotary_percent(config),
         layernorm_zero_centered_gamma=True,
         attention_output_gate=True,
         experimental_attention_variant="gated_delta_net",
-        linear_attention_freq=_layer_types(config, num_layers),
-        linear_conv_kernel_dim=int_of(config, "linear_conv_kernel_dim", default=4),
-        linear_key_head_dim=int_of(config, "linear_key_head_dim", default=128),
-        linear_value_head_dim=int_of(config, "linear_value_head_dim", default=128),
-        linear_num_key_heads=int_of(config, "linear_num_key_heads", default=16),
-        linear_num_value_heads=int_of(config, "linear_num_value_heads", default=32),
+        **delta_net_from_hf(config, num_layers),
     )
 
 
@@ -121,17 +141,11 @@ def _to_hf(model: ModelConfig) -> dict[str, Any]:
             f"qwen3_next: Qwen3NextForCausalLM cannot express "
             f"{wrong or 'a MoE without a shared expert'}"
         )
-    linear = model.linear_attention_layers()
     return {
         **qwen_moe_to_hf(model),
         "shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
         "partial_rotary_factor": model.rotary_percent,
-        "layer_types": ["linear_attention" if x else "full_attention" for x in linear],
-        "linear_conv_kernel_dim": model.linear_conv_kernel_dim,
-        "linear_key_head_dim": model.linear_key_head_dim,
-        "linear_value_head_dim": model.linear_value_head_dim,
-        "linear_num_key_heads": model.linear_num_key_heads,
-        "linear_num_value_heads": model.linear_num_value_heads,
+        **delta_net_to_hf(model),
     }
 
 

@@ -1,0 +1,87 @@
+"""Qwen3.5 (2026), the text model (``Qwen3_5ForCausalLM``, ``model_type`` ``qwen3_5_text``):
+Qwen3-Next's hybrid decoder (gated DeltaNets with full attention every fourth layer, output-
+gated attention with QK norm and RoPE on a quarter of each head, zero-centred norms) with a
+dense MLP, and the DeltaNet's input projections kept apart in Hugging Face's layout
+(``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, which Megatron's ``in_proj``
+holds one after another). Its rotary embedding is multimodal RoPE; text positions are the same
+on its three axes, which is plain RoPE."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from anyspeed.models.config import ModelConfig
+from anyspeed.models.families import qwen3_next
+from anyspeed.models.families.base import Family, Fused
+from anyspeed.models.families.moe_hf import int_of
+
+_DELTA = "linear_attn."
+_TRAITS = {k: v for k, v in qwen3_next.TRAITS.items() if not k.startswith("moe_")}
+
+
+def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    if config.get("attention_bias"):
+        raise ValueError("qwen3_5_text: attention_bias=true is not supported")
+    return dict(
+        kv_channels=int_of(config, "head_dim", default=256),
+        rotary_percent=qwen3_next.rotary_percent(config, "qwen3_5_text"),
+        layernorm_zero_centered_gamma=True,
+        attention_output_gate=True,
+        experimental_attention_variant="gated_delta_net",
+        **qwen3_next.delta_net_from_hf(config, num_layers),
+    )
+
+
+def _to_hf(model: ModelConfig) -> dict[str, Any]:
+    sizes = ("kv_channels", "rotary_percent", "linear_attention_freq")
+    wrong = [k for k, v in _TRAITS.items() if k not in sizes and getattr(model, k) != v]
+    if wrong:
+        raise ValueError(f"qwen3_5_text: Qwen3_5ForCausalLM cannot express {wrong}")
+    return {"partial_rotary_factor": model.rotary_percent, **qwen3_next.delta_net_to_hf(model)}
+
+
+MAPPING = replace(
+    qwen3_next.MAPPING.extend("qwen3_5_text", moe={}, expert={}),
+    linear={
+        **qwen3_next.MAPPING.linear,
+        "self_attention.in_proj.weight": Fused(
+            "delta_in_flat",
+            tuple(_DELTA + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")),
+        ),
+    },
+)
+
+PRESETS: tuple[ModelConfig, ...] = ()  # no published configuration is at hand offline
+_TINY = ModelConfig(
+    "tiny-qwen3.5",
+    "qwen3_5_text",
+    4,
+    64,
+    96,
+    4,
+    2,
+    512,
+    512,
+    10000000.0,
+    1e-6,
+    **dict(_TRAITS, kv_channels=32),
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+
+FAMILY = Family(
+    name="qwen3_5_text",
+    hf_architecture="Qwen3_5ForCausalLM",
+    mapping=MAPPING,
+    presets=PRESETS,
+    tiny=(_TINY,),
+    dense_from_hf=_from_hf,
+    dense_to_hf=_to_hf,
+    own_rope=True,
+    qk_norm=True,
+    head_dim_in_config=True,
+    attention_bias_key=True,
+)
