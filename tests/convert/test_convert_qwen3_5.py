@@ -1,5 +1,6 @@
-"""Qwen3.5's text model (``Qwen3_5ForCausalLM``: Qwen3-Next's hybrid of gated DeltaNets and
-output-gated attention with a dense MLP, the DeltaNet's input projections kept apart) against
+"""Qwen3.5's text models (``Qwen3_5ForCausalLM``: Qwen3-Next's hybrid of gated DeltaNets and
+output-gated attention with a dense MLP, the DeltaNet's input projections kept apart; and
+``Qwen3_5MoeForCausalLM``, its MLPs Qwen3-Next's experts with a gated shared expert) against
 transformers: a tiny random model's logits after conversion within 1e-4 (fp32; at TP2 with
 ``-m slow``), the conversion back bit-identical, and KV-cache greedy tokens (the DeltaNet's
 recurrent state) equal to transformers' ``generate`` (``-m slow``)."""
@@ -18,10 +19,10 @@ from helpers.family_convert import assert_round_trip, converted
 TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(17))
 
 
-@pytest.fixture(scope="module")
-def q35(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def q35(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_5")
-    case, res = converted(root, "tiny-qwen3.5", TOKENS, seed=9)
+    case, res = converted(root, request.param, TOKENS, seed=9)
     return root, case, res
 
 

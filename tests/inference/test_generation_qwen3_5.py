@@ -12,6 +12,7 @@ from helpers.family_generation import greedy_three_ways
 
 
 @pytest.mark.slow  # ~15 s; the forward's fast twin is tests/convert/test_convert_qwen3_5.py
-def test_greedy_with_cache_equals_transformers(tmp_path: Path) -> None:
-    kv, no_kv, ref = greedy_three_ways(tmp_path, "tiny-qwen3.5")
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_greedy_with_cache_equals_transformers(tmp_path: Path, preset: str) -> None:
+    kv, no_kv, ref = greedy_three_ways(tmp_path, preset)
     assert kv == no_kv == ref

@@ -4,7 +4,8 @@ layouts equal the one-process run within 1e-5 over three steps: TP2+SP, PP2 (une
 GLM's 3 layers) and EP2 for GLM-4.5 (QK norm, Q/K/V biases, RoPE on half of each head, sigmoid
 routing with the expert bias and a routed scaling factor, a shared expert, a dense first
 layer); TP2+SP and PP2 for Qwen3.5 (gated DeltaNets with the input projections apart,
-output-gated attention, zero-centred norms, a dense MLP). ~45 s per family: kept out of CI's
+output-gated attention, zero-centred norms, a dense MLP), and TP2+SP and EP2 for its MoE
+variant (Qwen3-Next's experts with a gated shared expert). ~45 s per family: kept out of CI's
 budget; the fast twins are the conversion tests (the forward against transformers' logits)."""
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ FAMILIES = {
         ],
     },  # fmt: skip
     "tiny-qwen3.5": {"tp2-sp": TP2_SP, "pp2": ["--pipeline-model-parallel-size", "2"]},
+    "tiny-qwen3.5-moe": {
+        "tp2-sp": TP2_SP,
+        "ep2": [
+            "--expert-model-parallel-size",
+            "2",
+            "--num-experts",
+            "8",
+            "--moe-token-dispatcher-type",
+            "alltoall",
+        ],
+    },  # fmt: skip
 }
 
 
@@ -57,7 +69,7 @@ def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     corpus = write_corpus(str(root / "c_text_document"), docs=120)
     convert_ranks.tiny_hf_model(root / "hf", preset, seed=8)
-    if preset == "tiny-qwen3.5":
+    if preset.startswith("tiny-qwen3.5"):
         _gentle(root / "hf")
     for stand_in in ("tokenizer.json", "tokenizer_config.json"):  # token ids only
         (root / "hf" / stand_in).unlink(missing_ok=True)

@@ -47,6 +47,7 @@ FAMILIES: dict[str, Family] = {
         gpt_oss.FAMILY,
         qwen3_next.FAMILY,
         qwen3_5.FAMILY,
+        qwen3_5.MOE_FAMILY,
     )
 }
 

@@ -1,4 +1,5 @@
-"""Qwen3.5 (2026), the text model (``Qwen3_5ForCausalLM``, ``model_type`` ``qwen3_5_text``):
+"""Qwen3.5 (2026), the text models (``Qwen3_5ForCausalLM``, ``qwen3_5_text``, and the MoE
+``Qwen3_5MoeForCausalLM``, ``qwen3_5_moe_text``, whose MLPs are Qwen3-Next's experts):
 Qwen3-Next's hybrid decoder (gated DeltaNets with full attention every fourth layer, output-
 gated attention with QK norm and RoPE on a quarter of each head, zero-centred norms) with a
 dense MLP, and the DeltaNet's input projections kept apart in Hugging Face's layout
@@ -14,7 +15,13 @@ from typing import Any
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import qwen3_next
 from anyspeed.models.families.base import Family, Fused
-from anyspeed.models.families.moe_hf import int_of
+from anyspeed.models.families.moe_hf import (
+    QWEN_EXPERT,
+    QWEN_MOE,
+    check_router,
+    int_of,
+    qwen_moe_from_hf,
+)
 
 _DELTA = "linear_attn."
 _TRAITS = {k: v for k, v in qwen3_next.TRAITS.items() if not k.startswith("moe_")}
@@ -80,6 +87,60 @@ FAMILY = Family(
     tiny=(_TINY,),
     dense_from_hf=_from_hf,
     dense_to_hf=_to_hf,
+    own_rope=True,
+    qk_norm=True,
+    head_dim_in_config=True,
+    attention_bias_key=True,
+)
+
+
+def _moe_from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3.5-MoE: experts in every layer with a sigmoid-gated shared expert, softmax then
+    top-k renormalised (its config has no ``norm_topk_prob``: it always renormalises)."""
+    moe = qwen_moe_from_hf(config, num_layers)
+    moe.update(moe_router_pre_softmax=False, moe_shared_expert_gate=True)
+    return dict(_from_hf(config, num_layers), **moe)
+
+
+def _moe_to_hf(model: ModelConfig) -> dict[str, Any]:
+    check_router(model, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")
+    every = all(model.moe_layers())
+    shared = model.moe_shared_expert_intermediate_size
+    if not every or model.moe_router_pre_softmax or not (shared and model.moe_shared_expert_gate):
+        raise ValueError(
+            "qwen3_5_moe_text: Qwen3_5MoeForCausalLM has experts in every layer, renormalised "
+            "top-k and a gated shared expert"
+        )
+    return {
+        **_to_hf(replace(model, num_experts=None)),
+        "num_experts": model.num_experts,
+        "num_experts_per_tok": model.moe_router_topk,
+        "moe_intermediate_size": model.expert_ffn_size,
+        "shared_expert_intermediate_size": shared,
+        "router_aux_loss_coef": model.moe_aux_loss_coeff,
+    }
+
+
+MOE_FAMILY = Family(
+    name="qwen3_5_moe_text",
+    hf_architecture="Qwen3_5MoeForCausalLM",
+    mapping=replace(MAPPING, family="qwen3_5_moe_text", moe=QWEN_MOE, expert=QWEN_EXPERT),
+    presets=(),
+    tiny=(
+        replace(
+            _TINY,
+            name="tiny-qwen3.5-moe",
+            family="qwen3_5_moe_text",
+            num_experts=8,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=32,
+            moe_shared_expert_intermediate_size=48,
+            moe_shared_expert_gate=True,
+            moe_aux_loss_coeff=0.001,
+        ),
+    ),
+    moe_from_hf=_moe_from_hf,
+    moe_to_hf=_moe_to_hf,
     own_rope=True,
     qk_norm=True,
     head_dim_in_config=True,
