@@ -65,6 +65,10 @@ def resumed(
             nv[now:start, r] = values[was : was + keep, o]
         new.context.key_value_memory_dict[layer] = (nk, nv)
     new.context.sequence_len_offset = start
+    if table is not None:  # the moved keys are rotated: say so for the turn after this one
+        from anyspeed.features.inference.feature import KEYS_ROTATED
+
+        setattr(new.context, KEYS_ROTATED, True)
     return new
 
 

@@ -30,7 +30,7 @@ MLA_FIELDS = (
     "rope_type",
 )
 YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")  # MLA's or a GPT's YaRN
-GPT_YARN_FIELDS = (
+GPT_YARN_FIELDS = (  # a GPT's YaRN; MLA's takes all but the rounding
     "yarn_original_max_position_embeddings",
     "yarn_beta_fast",
     "yarn_beta_slow",
@@ -283,8 +283,11 @@ class ModelConfig:
                 continue
             if row.field in YARN_FIELDS and not (self.multi_latent_attention or gpt_yarn):
                 continue
-            if row.field in GPT_YARN_FIELDS and not gpt_yarn:
-                continue
+            mla_yarn = self.multi_latent_attention and self.rope_type == "yarn"
+            if row.field in GPT_YARN_FIELDS and not (
+                gpt_yarn or (mla_yarn and row.field != "yarn_correction_range_round_to_int")
+            ):
+                continue  # MLA's YaRN takes the betas and the original length, not the rounding
             if row.field in LINEAR_FIELDS and not self.experimental_attention_variant:
                 continue
             if row.arch and (row.field != "num_query_groups" or self.gqa):
