@@ -30,7 +30,7 @@ MLA_FIELDS = (
     "rope_type",
 )
 YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")  # MLA's or a GPT's YaRN
-GPT_YARN_FIELDS = (  # a GPT's YaRN; MLA's takes all but the rounding
+GPT_YARN_FIELDS = (  # a GPT's YaRN; MLA's takes the first three
     "yarn_original_max_position_embeddings",
     "yarn_beta_fast",
     "yarn_beta_slow",
@@ -166,8 +166,7 @@ class ModelConfig:
         return out
 
     def rope_kind(self) -> str:
-        """The RoPE ``rope_type`` gives: only multi-latent attention reads it (plain attention
-        is RoPE, or YaRN by ``position_embedding_type``), and YaRN at factor 1 is plain RoPE."""
+        """The RoPE applied: only MLA reads ``rope_type``; YaRN at factor 1 is plain RoPE."""
         yarn = self.rope_type == "yarn" and self.rotary_scaling_factor != 1.0
         return "yarn" if self.multi_latent_attention and yarn else "rope"
 
@@ -269,8 +268,7 @@ class ModelConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, family: str) -> ModelConfig:
-        """The architecture checked pretraining ``args`` describe, of HF family ``family``
-        (``models.presets.model_from_args`` finds the family: the preset's, or the closest)."""
+        """The architecture ``args`` describe, of family ``family`` (see ``model_from_args``)."""
         name = getattr(args, "model", None)
         return cls(name=name or "custom", family=family, **cls.flag_values(args))
 
@@ -278,16 +276,15 @@ class ModelConfig:
         """The Megatron-LM / MindSpeed-LLM flags that describe this architecture."""
         out: list[str] = []
         gpt_yarn = self.position_embedding_type == "yarn"
+        mla_yarn = self.multi_latent_attention and self.rope_type == "yarn"
+        yarn = GPT_YARN_FIELDS if gpt_yarn else GPT_YARN_FIELDS[:3] if mla_yarn else ()
         for row in ARCH_FLAGS:
             if row.field in MLA_FIELDS and not self.multi_latent_attention:
                 continue
             if row.field in YARN_FIELDS and not (self.multi_latent_attention or gpt_yarn):
                 continue
-            mla_yarn = self.multi_latent_attention and self.rope_type == "yarn"
-            if row.field in GPT_YARN_FIELDS and not (
-                gpt_yarn or (mla_yarn and row.field != "yarn_correction_range_round_to_int")
-            ):
-                continue  # MLA's YaRN takes the betas and the original length, not the rounding
+            if row.field in GPT_YARN_FIELDS and row.field not in yarn:
+                continue
             if row.field in LINEAR_FIELDS and not self.experimental_attention_variant:
                 continue
             if row.arch and (row.field != "num_query_groups" or self.gqa):
