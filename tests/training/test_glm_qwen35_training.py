@@ -20,31 +20,19 @@ from helpers import convert_ranks
 
 pytestmark = pytest.mark.slow
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+EP2 = ["--expert-model-parallel-size", "2", "--num-experts", "8",
+       "--moe-token-dispatcher-type", "alltoall"]  # fmt: skip
 FAMILIES = {
     "tiny-glm-4.5": {
         "tp2-sp": TP2_SP,
         "pp2": ["--pipeline-model-parallel-size", "2", "--num-layer-list", "2,1"],
-        "ep2": [
-            "--expert-model-parallel-size",
-            "2",
-            "--num-experts",
-            "8",
-            "--moe-token-dispatcher-type",
-            "alltoall",
-        ],
-    },  # fmt: skip
+        "ep2": EP2,
+    },
     "tiny-qwen3.5": {"tp2-sp": TP2_SP, "pp2": ["--pipeline-model-parallel-size", "2"]},
     "tiny-qwen3.5-moe": {
         "tp2-sp": TP2_SP,
-        "ep2": [
-            "--expert-model-parallel-size",
-            "2",
-            "--num-experts",
-            "8",
-            "--moe-token-dispatcher-type",
-            "alltoall",
-        ],
-    },  # fmt: skip
+        "ep2": EP2,
+    },
 }
 
 

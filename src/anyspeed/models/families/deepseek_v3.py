@@ -5,6 +5,7 @@ Hugging Face checkpoints store as decoder layers after the last one."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from anyspeed.models.config import ModelConfig
@@ -51,44 +52,29 @@ PRESETS = (
         mscale_all_dim=1.0,
         mtp_num_layers=1,
     ),
-    # Kimi-K2 (moonshotai/Kimi-K2-Base, -Instruct): DeepSeek-V3's architecture (its config.json
-    # names DeepseekV3ForCausalLM) at 64 heads, 384 experts without group-limited routing, one
-    # dense layer, YaRN with beta 1/1, and no multi-token prediction layer
-    ModelConfig(
-        "kimi-k2",
-        "deepseek_v3",
-        61,
-        7168,
-        18432,
-        64,
-        64,
-        163840,
-        131072,
-        50000.0,
-        1e-6,
-        qk_layernorm=True,
+)
+# Kimi-K2 (moonshotai/Kimi-K2-Base, -Instruct): DeepSeek-V3's architecture (its config.json names
+# DeepseekV3ForCausalLM) at 64 heads, 384 experts without group-limited routing, one dense
+# layer, YaRN with beta 1/1, and no multi-token prediction layer
+PRESETS += (
+    replace(
+        PRESETS[0],
+        name="kimi-k2",
+        num_attention_heads=64,
+        num_query_groups=64,
+        vocab_size=163840,
+        max_position_embeddings=131072,
+        rotary_base=50000.0,
         num_experts=384,
-        moe_router_topk=8,
-        moe_ffn_hidden_size=2048,
         moe_layer_freq="[0]*1+[1]*60",
-        moe_shared_expert_intermediate_size=2048,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=None,
+        moe_router_group_topk=None,
         moe_router_topk_scaling_factor=2.827,
         moe_aux_loss_coeff=1e-3,
-        moe_router_load_balancing_type="seq_aux_loss",
-        multi_latent_attention=True,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_head_dim=128,
-        qk_pos_emb_head_dim=64,
-        v_head_dim=128,
-        rope_type="yarn",
         rotary_scaling_factor=32.0,
-        mscale=1.0,
-        mscale_all_dim=1.0,
         yarn_beta_fast=1.0,
         yarn_beta_slow=1.0,
+        mtp_num_layers=None,
     ),
 )
 # transformers' group scores are each group's top two experts; Megatron's its top-k/group-topk

@@ -68,6 +68,18 @@ PRESETS = (
     ),
 )
 NAME = "glm4_moe: Glm4MoeForCausalLM"
+# both models' traits at a size a CPU trains in seconds (no MTP layer: the tests add one)
+_TINY = dict(
+    num_layers=3,
+    kv_channels=32,
+    ffn_hidden_size=96,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_layer_freq="[0]*1+[1]*2",
+    moe_shared_expert_intermediate_size=32,
+    mtp_num_layers=None,
+)
 
 
 def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -112,32 +124,8 @@ FAMILY = Family(
     mapping=MAPPING,
     presets=PRESETS,
     tiny=(
-        tiny(
-            PRESETS[0],
-            "tiny-glm-4.5",
-            num_layers=3,
-            kv_channels=32,
-            ffn_hidden_size=96,
-            num_experts=8,
-            moe_router_topk=2,
-            moe_ffn_hidden_size=32,
-            moe_layer_freq="[0]*1+[1]*2",
-            moe_shared_expert_intermediate_size=32,
-            mtp_num_layers=None,
-        ),
-        tiny(
-            PRESETS[1],
-            "tiny-glm-4.5-air",
-            num_layers=3,
-            kv_channels=32,
-            ffn_hidden_size=96,
-            num_experts=8,
-            moe_router_topk=2,
-            moe_ffn_hidden_size=32,
-            moe_layer_freq="[0]*1+[1]*2",
-            moe_shared_expert_intermediate_size=32,
-            mtp_num_layers=None,
-        ),
+        tiny(PRESETS[0], "tiny-glm-4.5", **_TINY),
+        tiny(PRESETS[1], "tiny-glm-4.5-air", **_TINY),
     ),
     moe_from_hf=_from_hf,
     moe_to_hf=_to_hf,
