@@ -9,6 +9,7 @@ with :func:`single_process_env`.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,7 +22,17 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def free_port() -> int:
-    """A TCP port on localhost that is free right now."""
+    """A TCP port on localhost that is free right now, drawn below the ephemeral range: a port
+    the kernel hands out (bind to 0) can be taken next as the source port of any outgoing
+    connection, such as another job's rendezvous, before the rank binds it."""
+    for _ in range(64):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -132,6 +132,7 @@ def test_a_configured_or_datasheet_peak_names_its_source(cpu, monkeypatch):
     assert not cpu["calls"]
 
 
+@pytest.mark.alone
 def test_contended_bursts_do_not_count():
     """Real contention: one busy process per core leaves the measuring threads about half of
     their time, so no burst counts; alone, the same measurement gives a rate."""

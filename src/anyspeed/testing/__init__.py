@@ -82,14 +82,17 @@ def run_distributed(
     """Run ``fn(**kwargs)`` on ``world_size`` processes; return results indexed by rank.
 
     ``fn`` must be importable by name (a module-level function). ``argv`` is the command line
-    the adaptor sees in each process (feature flags). Threads are split across the ranks.
+    the adaptor sees in each process (feature flags). Threads are split across the ranks (and
+    pytest-xdist's workers).
     Under ``ANYSPEED_SHARED_RANKS=1`` the ranks of earlier calls run it, unless ``fresh``
     (:mod:`anyspeed.testing.pool`).
     """
     from anyspeed.testing import pool as testing_pool
 
     port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    # pytest-xdist runs several test processes at once: they share the cores too
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    threads = max(1, (os.cpu_count() or 1) // (world_size * workers))
     kwargs = dict(kwargs, _argv=list(argv or []))
     if testing_pool.enabled() and not fresh:
         pool = testing_pool.pool(world_size, dict(env or {}), threads)
