@@ -47,6 +47,20 @@ def test_published_sizes(name):
     assert get_preset(name).num_parameters() == PUBLISHED[name]
 
 
+# transformers' default configurations, documented as these checkpoints' style (their text models)
+DEFAULT_CONFIG_OF = {"qwen3.5-9b": "qwen3_5_text", "qwen3.5-35b-a3b": "qwen3_5_moe_text"}
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_CONFIG_OF))
+def test_preset_sizes_match_transformers_defaults(name):
+    """Qwen3.5's published sizes, as transformers' own default configuration builds them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(DEFAULT_CONFIG_OF[name]))
+    assert get_preset(name).num_parameters() == sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_matches_transformers(name):
     """(transformers' models have no multi-token prediction layers; Megatron's count of them

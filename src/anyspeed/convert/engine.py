@@ -186,6 +186,17 @@ def megatron_shape(name: str, preset: ModelConfig, vocab_rows: int) -> tuple[int
                 "linear_proj.weight": (h, n * preset.v_head_dim),
             }
         )
+    if preset.experimental_attention_variant == "dsa":
+        heads, d = preset.dsa_indexer_n_heads or 0, preset.dsa_indexer_head_dim or 0
+        shapes.update(
+            {
+                "indexer.linear_wq_b.weight": (heads * d, preset.q_lora_rank or h),
+                "indexer.linear_wk.weight": (d, h),
+                "indexer.k_norm.weight": (d,),
+                "indexer.k_norm.bias": (d,),
+                "indexer.linear_weights_proj.weight": (heads, h),
+            }
+        )
     if ".mlp." in name and preset.is_moe:
         ffn = preset.moe_shared_expert_intermediate_size if ".shared_experts." in name else ffn
         ffn = preset.expert_ffn_size if ".experts.local_experts." in name else ffn

@@ -120,9 +120,11 @@ class Stepper:
         self.batch = Batch(self.batch.tokens[rows], self.batch.pad[rows], self.batch.masked)
         if self.context is not None:
             from anyspeed.features.inference.delta_net_state import reorder_states
+            from anyspeed.models.dsa import reorder_keys
 
             self.context.swap_key_value_dict(rows.to(self._cache_device()))
             reorder_states(self.context, rows)  # a hybrid model's DeltaNet states
+            reorder_keys(self.context, rows)  # DeepSeek-V3.2's indexer keys
 
     def _cache_device(self) -> torch.device:
         for key, _ in self.context.key_value_memory_dict.values():

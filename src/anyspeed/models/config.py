@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from anyspeed.models import counts
 from anyspeed.models.arch_flags import ARCH_FLAGS, ArchFlag, add_arguments  # noqa: F401
 from anyspeed.models.mla_checks import check_mla
 from anyspeed.models.moe import check_moe
@@ -44,6 +45,9 @@ LINEAR_FIELDS = (
     "linear_num_key_heads",
     "linear_num_value_heads",
 )
+
+LINEAR = "gated_delta_net"
+DSA_FIELDS = ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
 
 
 @dataclass(frozen=True)
@@ -115,13 +119,18 @@ class ModelConfig:
     # gated DeltaNet (linear attention) layers between the full-attention ones.
     layernorm_zero_centered_gamma: bool = False
     attention_output_gate: bool = False
-    experimental_attention_variant: str | None = None  # "gated_delta_net"
+    experimental_attention_variant: str | None = None  # "gated_delta_net" | "dsa"
     linear_attention_freq: str | None = None  # "N": every N-th layer is full attention
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    # DeepSeek-V3.2's sparse attention (variant "dsa", on MLA): the indexer's heads and their
+    # size, and the keys each query attends to.
+    dsa_indexer_n_heads: int | None = None
+    dsa_indexer_head_dim: int | None = None
+    dsa_indexer_topk: int | None = None
     # Training-time settings Megatron keeps in its TransformerConfig; not part of the identity.
     init_method_std: float = field(default=0.02, compare=False)
     hidden_dropout: float = field(default=0.0, compare=False)
@@ -137,6 +146,8 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = field(default=False, compare=False)
     moe_token_drop_policy: str = field(default="probs", compare=False)
     mtp_loss_scaling_factor: float = field(default=0.1, compare=False)
+    dsa_indexer_loss_coeff: float = field(default=0.0, compare=False)
+    dsa_indexer_use_sparse_loss: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -208,7 +219,7 @@ class ModelConfig:
     def linear_attention_layers(self) -> list[bool]:
         """Which layers are gated DeltaNet layers (Megatron's rule: with frequency N, layer
         numbers 1.. that N divides are full attention; a list: 1 = linear attention)."""
-        if self.experimental_attention_variant != "gated_delta_net":
+        if self.experimental_attention_variant != LINEAR:
             return [False] * self.num_layers
         freq = self.linear_attention_freq
         if freq is None:
@@ -285,7 +296,9 @@ class ModelConfig:
                 continue
             if row.field in GPT_YARN_FIELDS and row.field not in yarn:
                 continue
-            if row.field in LINEAR_FIELDS and not self.experimental_attention_variant:
+            if row.field in LINEAR_FIELDS and self.experimental_attention_variant != LINEAR:
+                continue
+            if row.field in DSA_FIELDS and self.experimental_attention_variant != "dsa":
                 continue
             if row.arch and (row.field != "num_query_groups" or self.gqa):
                 out += row.emit(getattr(self, row.field))
@@ -297,100 +310,19 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (embeddings included, tied ones counted once)."""
-        h = self.hidden_size
-        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        mlps = sum(self._mlp_parameters(moe)[0] for moe in self.moe_layers())
-        return self._mixers() + 2 * h * self.num_layers + mlps + emb + h + self.mtp_parameters()
+        return counts.num_parameters(self)
 
     def active_parameters(self) -> int:
         """Parameters a token passes through in the decoder (top-k experts; no MTP layers)."""
-        h = self.hidden_size
-        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        mlps = sum(self._mlp_parameters(moe)[1] for moe in self.moe_layers())
-        return self._mixers() + 2 * h * self.num_layers + mlps + emb + h
-
-    def _mixers(self) -> int:
-        """Parameters of every layer's attention or gated DeltaNet."""
-        linear = sum(self.linear_attention_layers())
-        return (self.num_layers - linear) * self._attention_parameters() + linear * (
-            self._delta_net_parameters()
-        )
-
-    def _delta_net_parameters(self) -> int:
-        """One gated DeltaNet: the [q; k; v; z; beta; alpha] projection, the causal convolution
-        over q, k, v, per-head decay (A_log, dt_bias), the gated output norm, the output."""
-        qk = self.linear_num_key_heads * self.linear_key_head_dim
-        v, heads = (
-            self.linear_num_value_heads * self.linear_value_head_dim,
-            self.linear_num_value_heads,
-        )
-        proj = self.hidden_size * (2 * qk + 2 * v + 2 * heads)
-        conv = (2 * qk + v) * self.linear_conv_kernel_dim
-        return proj + conv + 2 * heads + self.linear_value_head_dim + v * self.hidden_size
+        return counts.active_parameters(self)
 
     def mtp_parameters(self) -> int:
-        """Parameters of the multi-token prediction layers (they share the embedding and the
-        output layer): two norms, the [embedding; hidden] projection, a decoder layer like the
-        last one, and a final norm each."""
-        h, last = self.hidden_size, self.moe_layers()[-1]
-        layer = self._attention_parameters() + 2 * h + self._mlp_parameters(last)[0]
-        return (self.mtp_num_layers or 0) * (2 * h + 2 * h * h + layer + h)
-
-    def _attention_parameters(self) -> int:
-        """Parameters of one layer's attention (multi-latent: low-rank Q and KV projections)."""
-        h, d, n = self.hidden_size, self.head_dim, self.num_attention_heads
-        if self.multi_latent_attention:
-            qk, rope, r = (
-                self.qk_head_dim + self.qk_pos_emb_head_dim,
-                self.qk_pos_emb_head_dim,
-                self.q_lora_rank,
-            )
-            q = h * r + r + r * n * qk if r else h * n * qk
-            kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank
-            kv += self.kv_lora_rank * n * (self.qk_head_dim + self.v_head_dim)
-            return q + kv + n * self.v_head_dim * h
-        q, kv = n * d, self.num_query_groups * d
-        attn = h * (q + 2 * kv) + q * h + (h * q if self.attention_output_gate else 0)
-        if self.add_qkv_bias or self.add_bias_linear:
-            attn += q + 2 * kv
-        if self.add_bias_linear:
-            attn += h
-        if self.qk_layernorm:
-            attn += 2 * d
-        if self.softmax_type == "learnable":
-            attn += n
-        return attn
-
-    def _mlp_parameters(self, moe: bool) -> tuple[int, int]:
-        """(all, active per token) parameters of one layer's MLP or MoE block."""
-        mats, h = (3 if self.gated else 2), self.hidden_size
-        bias = (mats - 1) * self.ffn_hidden_size + h if self.add_bias_linear else 0
-        if not moe:
-            dense = mats * h * self.ffn_hidden_size + bias
-            return dense, dense
-        ffn = self.expert_ffn_size
-        expert = mats * h * ffn + ((mats - 1) * ffn + h if self.add_bias_linear else 0)
-        shared = mats * h * (self.moe_shared_expert_intermediate_size or 0)
-        shared += h if self.moe_shared_expert_gate else 0
-        router = (h + int(self.add_bias_linear)) * (self.num_experts or 0)
-        return (
-            (self.num_experts or 0) * expert + shared + router,
-            self.moe_router_topk * expert + shared + router,
-        )
+        """Parameters of the multi-token prediction layers."""
+        return counts.mtp_parameters(self)
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: 6 x matmul parameters plus causal attention scores; a
-        gated DeltaNet layer its projections plus reading and writing its state."""
-        h, d, heads = self.hidden_size, self.head_dim, self.num_attention_heads
-        kv = self.num_query_groups / heads
-        attn = h * heads * d * (2 + 2 * kv) + (h * heads * d if self.attention_output_gate else 0)
-        linear = sum(self.linear_attention_layers())
-        full = self.num_layers - linear
-        mlps = sum(self._mlp_parameters(moe)[1] for moe in self.moe_layers())
-        matmul_params = full * attn + linear * self._delta_net_parameters() + mlps
-        state = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
-        mixing = full * heads * d * seq_length + linear * 2 * state
-        return 6.0 * (matmul_params + h * self.vocab_size) + 6.0 * mixing
+        """Training FLOPs per token (:func:`anyspeed.models.counts.flops_per_token`)."""
+        return counts.flops_per_token(self, seq_length)
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
+from anyspeed.models.dsa import dsa_config, use_sparse_core
 from anyspeed.models.hybrid import linear_attention_config, with_linear_attention
 from anyspeed.models.mla import duplicate_kv_down_proj, mla_config, use_latent_core
 
@@ -102,7 +103,7 @@ def transformer_config(
     kw.update(linear_attention_config(model))
     kw.update(overrides)
     if model.multi_latent_attention:
-        kw.update(mla_config(model))
+        kw.update(mla_config(model), **dsa_config(model))
         return MLATransformerConfig(**kw)
     config = TransformerConfig(**kw)
     if model.position_embedding_type == "yarn":
@@ -187,6 +188,8 @@ def layer_spec(model: ModelConfig, config=None, vp_stage: int | None = None):
         )
     if any(model.linear_attention_layers()):
         spec = with_linear_attention(model, config, spec, vp_stage)
+    if model.experimental_attention_variant == "dsa":
+        return use_sparse_core(use_latent_core(spec))
     return use_latent_core(spec) if mla else spec
 
 

@@ -47,16 +47,17 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
 
 
 def infer_family(values: dict[str, Any]) -> str:
-    """The HF family closest to a flag-described model: gated DeltaNet layers (Qwen3-Next) and
-    attention sinks (GPT-OSS) first, then QK norm, then QKV bias."""
+    """The HF family closest to a flag-described model: the attention variant (gated DeltaNet
+    layers: Qwen3-Next; sparse attention: DeepSeek-V3.2) and attention sinks (GPT-OSS) first,
+    then QK norm, then QKV bias."""
     bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
     sinks = values.get("softmax_type", "vanilla") != "vanilla"
-    delta = bool(values.get("experimental_attention_variant"))
+    variant = values.get("experimental_attention_variant")
 
     def distance(f: Any) -> tuple[bool, bool, bool, bool]:
         family_sinks = any(p.softmax_type != "vanilla" for p in f.presets)
-        family_delta = any(p.experimental_attention_variant for p in f.presets)
-        return family_delta != delta, family_sinks != sinks, f.qk_norm != norm, f.qkv_bias != bias
+        variants = {p.experimental_attention_variant for p in f.presets} or {None}
+        return variant not in variants, family_sinks != sinks, f.qk_norm != norm, f.qkv_bias != bias
 
     ranked = sorted(FAMILIES.values(), key=distance)
     return ranked[0].name  # sorted() is stable: registry order breaks ties

@@ -17,6 +17,7 @@ import torch
 from anyspeed.distributed.groups import init_distributed
 from anyspeed.distributed.process import world_size
 from anyspeed.layout import Layout
+from anyspeed.models import dsa
 from anyspeed.models.config import ModelConfig
 from anyspeed.training.config import TrainConfig
 from anyspeed.training.model_pipeline import (
@@ -122,7 +123,14 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.moe is not None:
             self.moe.reset()
+        indexer = self.model_config.dsa_indexer_loss_coeff > 0 and (
+            self.model_config.experimental_attention_variant == "dsa"
+        )
+        if indexer:  # the indexer loss's gradient at the main loss's scale
+            dsa.set_loss_scale(self.model[0].config, len(microbatches))
         loss, metrics = self._run_schedule(microbatches, forward_only=False)
+        if indexer:
+            metrics["indexer kl"] = dsa.step_kl()
         if self.model_config.mtp_num_layers:
             from anyspeed.training.mtp_metrics import mtp_losses
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from anyspeed.models.families import (
     deepseek_v2,
     deepseek_v3,
+    deepseek_v32,
     glm4_moe,
     gpt_oss,
     llama,
@@ -43,6 +44,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_moe.FAMILY,
         deepseek_v2.FAMILY,
         deepseek_v3.FAMILY,
+        deepseek_v32.FAMILY,
         glm4_moe.FAMILY,
         gpt_oss.FAMILY,
         qwen3_next.FAMILY,

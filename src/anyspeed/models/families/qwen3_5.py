@@ -59,7 +59,32 @@ MAPPING = replace(
     },
 )
 
-PRESETS: tuple[ModelConfig, ...] = ()  # no published configuration is at hand offline
+# The text models of the published checkpoints (Qwen's model cards; transformers' default
+# configurations are "Qwen3.5-9B style" and "Qwen3.5-35B-A3B style"). The checkpoints also hold a
+# vision tower and a multi-token-prediction layer, which these text models leave out.
+_LINEAR = dict(
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+PRESETS = (
+    ModelConfig(
+        "qwen3.5-9b",
+        "qwen3_5_text",
+        32,
+        4096,
+        12288,
+        16,
+        4,
+        248320,
+        262144,
+        10000000.0,
+        1e-6,
+        **dict(_TRAITS, kv_channels=256),
+        **_LINEAR,
+    ),
+)
 _TINY = ModelConfig(
     "tiny-qwen3.5",
     "qwen3_5_text",
@@ -125,7 +150,22 @@ MOE_FAMILY = Family(
     name="qwen3_5_moe_text",
     hf_architecture="Qwen3_5MoeForCausalLM",
     mapping=replace(MAPPING, family="qwen3_5_moe_text", moe=QWEN_MOE, expert=QWEN_EXPERT),
-    presets=(),
+    presets=(
+        replace(
+            PRESETS[0],
+            name="qwen3.5-35b-a3b",
+            family="qwen3_5_moe_text",
+            num_layers=40,
+            hidden_size=2048,
+            num_query_groups=2,
+            num_experts=256,
+            moe_router_topk=8,
+            moe_ffn_hidden_size=512,
+            moe_shared_expert_intermediate_size=512,
+            moe_shared_expert_gate=True,
+            moe_aux_loss_coeff=0.001,
+        ),
+    ),
     tiny=(
         replace(
             _TINY,
