@@ -12,9 +12,9 @@ PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"  # the caller's selection, in one process
 fi
-# The whole fast suite: one pytest-xdist worker per core (at most 4), each module on one worker
-# (its shared fixtures built once), then the tests that measure the machine, alone.
+# The whole fast suite: one pytest-xdist worker per core (at most 4), an idle worker taking tests
+# queued for the other (worksteal), then the tests that measure the machine, alone.
 WORKERS=${ANYSPEED_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 WORKERS=$(( WORKERS > 4 ? 4 : WORKERS ))
-"${PYTEST[@]}" -n "$WORKERS" --dist loadscope -m "not slow and not alone"
+"${PYTEST[@]}" -n "$WORKERS" --dist worksteal -m "not slow and not alone"
 exec "${PYTEST[@]}" -m "alone and not slow"

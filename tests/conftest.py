@@ -31,3 +31,10 @@ def auto_tok_fixture(hf_tok: str):  # noqa: ANN201 - a transformers tokenizer
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(hf_tok)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the shared ranks here: a pytest-xdist worker ends without running atexit hooks."""
+    from anyspeed.testing import pool
+
+    pool.close_all()

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PORTS = random.SystemRandom()  # not the global generator: a run's seed would repeat its draws
 
 
 def free_port() -> int:
@@ -26,7 +27,7 @@ def free_port() -> int:
     the kernel hands out (bind to 0) can be taken next as the source port of any outgoing
     connection, such as another job's rendezvous, before the rank binds it."""
     for _ in range(64):
-        port = random.randint(20000, 32000)
+        port = _PORTS.randint(20000, 32000)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

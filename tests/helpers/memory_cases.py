@@ -26,11 +26,25 @@ CASES = {
     "offload": dict(offload=True),
 }
 MOE_MODEL = dataclasses.asdict(get_preset("tiny-qwen3-moe"))  # MoE layers and q/k norms
+
+
+def _dense(preset: str, **over) -> dict:
+    """A tiny preset's fields without its experts."""
+    return dataclasses.asdict(dataclasses.replace(get_preset(preset), num_experts=None, **over))
+
+
 EXTRA_CASES = {  # run with CASES in the same process group (CI time), not recompute parity cases
     "bf16-none": dict(bf16=True),
     "bf16-offload": dict(bf16=True, offload=True),
     "moe": dict(model=MOE_MODEL),
     "moe-act": dict(model=MOE_MODEL, argv=ACT),
+    # multi-latent attention (dense, so exact), with and without low-rank queries, DeepSeek-V3.2's
+    # indexer frozen and trained, gated DeltaNets (Qwen3.5: 64-token chunks, so seq 128)
+    "mla": dict(model=_dense("tiny-deepseek-v3", mtp_num_layers=None)),
+    "mla-noq": dict(model=_dense("tiny-deepseek-v3", mtp_num_layers=None, q_lora_rank=None)),
+    "dsa": dict(model=_dense("tiny-deepseek-v3.2")),
+    "dsa-kl": dict(model=_dense("tiny-deepseek-v3.2", dsa_indexer_loss_coeff=0.5)),
+    "delta": dict(model=dataclasses.asdict(get_preset("tiny-qwen3.5")), seq_length=128),
 }
 GELU_CASES = {  # -m slow (CI time)
     "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),

@@ -112,6 +112,19 @@ def test_moe_presets_at_ep1_and_ep2(preset):
             _check(measured, model, layout, world, {}, cfg, exact_activations=False)
 
 
+@pytest.mark.parametrize("name", ["mla", "mla-noq", "dsa", "dsa-kl", "delta"])
+def test_latent_attention_and_delta_nets(one_process, name):
+    """MLA (the math path's attention probabilities: its query/key and value heads differ) and
+    a frozen indexer tensor by tensor; the indexer's loss and the DeltaNets within 1%."""
+    case = EXTRA_CASES[name]
+    cfg = dict(CFG, seq_length=case.get("seq_length", CFG["seq_length"]))
+    exact = name in ("mla", "mla-noq", "dsa")
+    _check(one_process[name][0], case["model"], {}, 1, case, cfg, exact_activations=exact)
+    est = estimate_stage(ModelConfig(**case["model"]), Layout(), 1, _options(case, cfg), 0)
+    got = one_process[name][0]["saved_bytes"]
+    assert est.activations_per_microbatch == pytest.approx(got, rel=1e-2)
+
+
 @pytest.mark.parametrize("name", ["moe", "moe-act"])
 def test_moe_at_one_process_tensor_by_tensor(one_process, name):
     _check(one_process[name][0], MOE_MODEL, {}, 1, EXTRA_CASES[name], CFG)

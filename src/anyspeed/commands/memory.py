@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from anyspeed.argv import pop_flag
+from anyspeed.device import detect
 from anyspeed.errors import UsageError, report
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
@@ -93,6 +94,7 @@ def options(args: argparse.Namespace, dp: int, recompute: str | None = None) -> 
         recompute=rec,
         recompute_activation=act,
         recompute_norm=norm,
+        math_attention=not detect().is_cuda,  # MLA's attention: fused on CUDA only
     )
 
 
@@ -192,12 +194,6 @@ def run(argv: Sequence[str]) -> str:
     """The report ``anyspeed memory`` prints for ``argv``; UsageError on bad input."""
     args, world, budget = parse(argv)
     model = model_from_args(args)
-    if any(model.linear_attention_layers()):
-        raise UsageError(
-            f"{model.name}: anyspeed memory does not model gated DeltaNet layers "
-            "(--experimental-attention-variant) yet; measure a run instead "
-            "(anyspeed pretrain prints its peak memory per rank)"
-        )
     try:
         lay = Layout.from_args(args)
         world = world or lay.tp * lay.pp * lay.cp

@@ -28,10 +28,10 @@ def active_parameters(m: ModelConfig) -> int:
 def _mixers(m: ModelConfig) -> int:
     """Parameters of every layer's attention or gated DeltaNet."""
     linear = sum(m.linear_attention_layers())
-    return (m.num_layers - linear) * _attention_parameters(m) + linear * (_delta_net_parameters(m))
+    return (m.num_layers - linear) * _attention_parameters(m) + linear * (delta_net_parameters(m))
 
 
-def _delta_net_parameters(m: ModelConfig) -> int:
+def delta_net_parameters(m: ModelConfig) -> int:
     """One gated DeltaNet: the [q; k; v; z; beta; alpha] projection, the causal convolution
     over q, k, v, per-head decay (A_log, dt_bias), the gated output norm, the output."""
     qk = m.linear_num_key_heads * m.linear_key_head_dim
@@ -65,7 +65,7 @@ def _attention_parameters(m: ModelConfig) -> int:
         q = h * r + r + r * n * qk if r else h * n * qk
         kv = h * (m.kv_lora_rank + rope) + m.kv_lora_rank
         kv += m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim)
-        return q + kv + n * m.v_head_dim * h + _indexer_parameters(m)
+        return q + kv + n * m.v_head_dim * h + indexer_parameters(m)
     q, kv = n * d, m.num_query_groups * d
     attn = h * (q + 2 * kv) + q * h + (h * q if m.attention_output_gate else 0)
     if m.add_qkv_bias or m.add_bias_linear:
@@ -106,13 +106,13 @@ def flops_per_token(m: ModelConfig, seq_length: int) -> float:
     linear = sum(m.linear_attention_layers())
     full = m.num_layers - linear
     mlps = sum(_mlp_parameters(m, moe)[1] for moe in m.moe_layers())
-    matmul_params = full * attn + linear * _delta_net_parameters(m) + mlps
+    matmul_params = full * attn + linear * delta_net_parameters(m) + mlps
     state = m.linear_num_value_heads * m.linear_key_head_dim * m.linear_value_head_dim
     mixing = full * heads * d * seq_length + linear * 2 * state
     return 6.0 * (matmul_params + h * m.vocab_size) + 6.0 * mixing
 
 
-def _indexer_parameters(m: ModelConfig) -> int:
+def indexer_parameters(m: ModelConfig) -> int:
     """DeepSeek-V3.2's indexer: query heads from the query latent, one key (with a LayerNorm)
     and the heads' weights from the layer's input."""
     if m.experimental_attention_variant != "dsa":

@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from torch.utils.checkpoint import checkpoint
 
 from anyspeed.models.mla import LatentAttention
 
 KEYS = "_anyspeed_indexer_keys"  # attribute of the inference context: {layer: [b, total, d]}
 _EPS = 1e-6  # the indexer key norm's epsilon (DeepSeek's and transformers' constant)
+_HEADS_AT_ONCE = 8  # indexer heads scored together: [b, s, 8, t] at most at a time
 
 
 class _Linear(torch.nn.Module):
@@ -66,14 +68,24 @@ class Indexer(MegatronModule):
         q = _apply_rotary_pos_emb_bshd(q, freqs, mscale=mscale)
         k = keys(_apply_rotary_pos_emb_bshd(k, freqs, mscale=mscale)[:, :, 0])
         weights = F.linear(x.float(), self.linear_weights_proj.weight.float()) * self.heads**-0.5
-        # sum_h w[b, s, h] * relu(q[b, s, h] . k[b, t] / sqrt(d)), a few heads at a time
-        qf, kf = q.float().permute(1, 0, 2, 3), k.float().permute(1, 2, 0)  # [b,s,H,d] [b,d,t]
+        # sum_h w[b, s, h] * relu(q[b, s, h] . k[b, t] / sqrt(d)), a few heads at a time; with
+        # the indexer loss each part is recomputed in backward ([b, s, heads, t] is not kept)
+        qf, kf = q.float().permute(1, 0, 2, 3), k.float().transpose(0, 1)  # [b,s,H,d] [b,t,d]
         weights = weights.permute(1, 0, 2)  # [b, s, H]
-        scores = qf.new_zeros(b, s, kf.shape[-1])
-        for h in range(0, self.heads, 8):
-            part = torch.relu(torch.matmul(qf[:, :, h : h + 8], kf[:, None]) * self.dim**-0.5)
-            scores += (part * weights[:, :, h : h + 8, None]).sum(dim=2)
+        scores = qf.new_zeros(b, s, kf.shape[1])
+        for h in range(0, self.heads, _HEADS_AT_ONCE):
+            part = (qf[:, :, h : h + _HEADS_AT_ONCE], kf, weights[:, :, h : h + _HEADS_AT_ONCE])
+            if torch.is_grad_enabled() and any(t.requires_grad for t in part):
+                scores = scores + checkpoint(_weighted_relu, *part, self.dim, use_reentrant=False)
+            else:
+                scores = scores + _weighted_relu(*part, self.dim)
         return scores
+
+
+def _weighted_relu(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, dim: int) -> torch.Tensor:
+    """``sum_h w[b, s, h] * relu(q[b, s, h] . k[b, t] / sqrt(dim))`` -> [b, s, t]."""
+    x = torch.relu(torch.einsum("bshd,btd->bsht", q, k) * dim**-0.5)
+    return (x * w[..., None]).sum(dim=2)
 
 
 class SparseLatentAttention(LatentAttention):

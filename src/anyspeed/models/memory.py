@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
+from anyspeed.models.memory_mixers import (
+    delta_activations,
+    delta_params,
+    mla_activations,
+    mla_params,
+)
 from anyspeed.models.recompute import Recompute
 
 F32 = 4
@@ -36,6 +42,9 @@ class Options:
     recompute: Recompute = field(default_factory=Recompute)
     recompute_activation: int | None = 0  # layers per chunk (None: all, 0: off)
     recompute_norm: int | None = 0
+    # attention with query/key heads unlike the value heads (MLA) on PyTorch's math path (the
+    # CPU's), which keeps the probabilities; CUDA's memory-efficient kernel takes them fused
+    math_attention: bool = True
 
     @property
     def dtype_bytes(self) -> int:
@@ -66,13 +75,18 @@ class RankMemory:
         return self.parameters + self.gradients + self.optimizer + self.activations - shared
 
 
-def _layer_params(m: ModelConfig, lay: Layout) -> int:
-    """Parameters of one transformer layer on one rank (dense or MoE)."""
+def _layer_params(m: ModelConfig, lay: Layout, linear: bool = False) -> int:
+    """Parameters of one transformer layer on one rank (dense or MoE; ``linear``: a gated
+    DeltaNet layer)."""
     h, d, tp = m.hidden_size, m.head_dim, lay.tp
     q, kv = m.num_attention_heads * d, m.num_query_groups * d
-    n = (h * (q + 2 * kv) + q * h) // tp + 2 * h  # QKV, proj; two norms (replicated)
-    n += (q + 2 * kv) // tp if m.add_qkv_bias else 0
-    n += 2 * d if m.qk_layernorm else 0
+    if m.multi_latent_attention or linear:
+        n = (mla_params(m, tp) if m.multi_latent_attention else delta_params(m, tp)) + 2 * h
+    else:
+        n = (h * (q + 2 * kv) + q * h) // tp + 2 * h  # QKV, proj; two norms (replicated)
+        n += (q + 2 * kv) // tp if m.add_qkv_bias else 0
+        n += 2 * d if m.qk_layernorm else 0
+        n += q * h // tp if m.attention_output_gate else 0
     mats = 3 if m.gated else 2
     if m.add_bias_linear:
         n += h + (mats - 1) * m.ffn_hidden_size // tp + h
@@ -104,11 +118,11 @@ def _stage_layers(m: ModelConfig, lay: Layout, stage: int) -> list[range]:
 def stage_parameters(m: ModelConfig, lay: Layout, stage: int) -> tuple[int, int]:
     """(all, routed-expert) parameters held by one rank of pipeline stage ``stage`` (all its
     virtual chunks); expert parameters are reduced and sharded over expert-DP."""
-    moe = m.moe_layers()
+    moe, linear = m.moe_layers(), m.linear_attention_layers()
     n = experts = 0
     for layers in _stage_layers(m, lay, stage):
         for i in layers:
-            n += _layer_params(m, lay) + _mlp_params(m, lay, moe[i])
+            n += _layer_params(m, lay, linear[i]) + _mlp_params(m, lay, moe[i])
             experts += _expert_params(m, lay) if moe[i] else 0
     emb = m.vocab_size * m.hidden_size // lay.tp
     if stage == 0:
@@ -128,30 +142,54 @@ def _norm(tokens: int, h: int, e: int, recomputed: bool) -> int:
 
 
 def layer_activations(
-    m: ModelConfig, lay: Layout, o: Options, act: bool, norm: bool, moe: bool = False
+    m: ModelConfig,
+    lay: Layout,
+    o: Options,
+    act: bool,
+    norm: bool,
+    moe: bool = False,
+    linear: bool = False,
 ) -> int:
-    """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
-    e, tp, b, d, h = o.dtype_bytes, lay.tp, o.micro_batch_size, m.head_dim, m.hidden_size
+    """Bytes one transformer layer keeps for backward for one micro-batch on one rank
+    (``linear``: a gated DeltaNet layer)."""
+    e, tp, b, h = o.dtype_bytes, lay.tp, o.micro_batch_size, m.hidden_size
     s = o.seq_length // lay.cp
     tokens = s * b
     normed = tokens // tp if lay.sequence_parallel else tokens  # sequence-parallel regions
-    heads, groups = m.num_attention_heads // tp, m.num_query_groups // tp
     modules = o.recompute.modules if o.recompute.granularity == "selective" else []
     norm = norm or "layernorm" in modules
     total = 2 * _norm(normed, h, e, norm)
-    total += 4 * s * d * e  # RoPE: cos and sin, for q and for k
-    total += tokens * d * (heads + groups) * e  # rotated q and k
-    total += tokens * d * (heads + 2 * groups) * e  # the QKV output (v is a view of it)
-    total += tokens * d * heads * e  # attention output (linear_proj's input)
-    if m.qk_layernorm:  # q copied out of the QKV output; both norms' fp32 x * rstd and rstd
-        total += tokens * d * heads * e + tokens * (heads + groups) * (d + 1) * F32
-    if "core_attn" not in modules:
-        total += b * heads * s * F32  # log-sum-exp of the fused attention
+    if m.multi_latent_attention:
+        total += mla_activations(m, lay, s, b, e, o.math_attention)
+    elif linear:
+        total += delta_activations(m, lay, s, b, e)
+    else:
+        total += _attention_activations(m, lay, modules, s, b, e)
     if "mlp" in modules:
         return total
     if not moe:
         return total + _mlp(m, tokens, m.ffn_hidden_size // tp, e, act)
     return total + moe_activations(m, lay, o, normed, act)
+
+
+def _attention_activations(
+    m: ModelConfig, lay: Layout, modules: list[str], s: int, b: int, e: int
+) -> int:
+    """What grouped-query attention keeps (the rotary tables, the rotated and projected
+    queries, keys and values, the attention's output and log-sum-exp, the QK norms')."""
+    tokens, d = s * b, m.head_dim
+    heads, groups = m.num_attention_heads // lay.tp, m.num_query_groups // lay.tp
+    total = 4 * s * int(d * m.rotary_percent) * e  # RoPE: cos and sin, for q and for k
+    total += tokens * d * (heads + groups) * e  # rotated q and k
+    total += tokens * d * (heads + 2 * groups) * e  # the QKV output (v is a view of it)
+    total += tokens * d * heads * e  # attention output (linear_proj's input)
+    if m.attention_output_gate:  # its rows of the QKV output, sigmoid(gate), the gated output
+        total += 3 * tokens * d * heads * e
+    if m.qk_layernorm:  # q copied out of the QKV output; both norms' fp32 x * rstd and rstd
+        total += tokens * d * heads * e + tokens * (heads + groups) * (d + 1) * F32
+    if "core_attn" not in modules:
+        total += b * heads * s * F32  # log-sum-exp of the fused attention
+    return total
 
 
 def _mlp(m: ModelConfig, tokens: int, ffn: int, e: int, act: bool) -> int:
@@ -200,7 +238,7 @@ def chunk_activations(
     tokens = s * b
     normed = tokens // lay.tp if lay.sequence_parallel else tokens
     layers = layers or _stage_layers(m, lay, 0)[0]
-    moe = m.moe_layers()
+    moe, linear = m.moe_layers(), m.linear_attention_layers()
     full = _full_recompute_units(o, len(layers))
     total = 0
     for i in range(full, len(layers)):
@@ -212,6 +250,7 @@ def chunk_activations(
             act and o.recompute_activation != 0,
             norm and o.recompute_norm != 0,
             moe[layers[i]],
+            linear[layers[i]],
         )
     if full:
         per_unit = o.recompute.num_layers if o.recompute.method == "uniform" else 1

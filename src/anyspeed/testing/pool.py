@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import queue
 import signal
 import sys
 import traceback
@@ -69,10 +70,11 @@ def _serve(rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threa
         MASTER_ADDR="127.0.0.1",
     )
     base = dict(os.environ)
+    parent = os.getppid()
     import torch
 
     torch.set_num_threads(threads)
-    while (task := inbox.get()) is not None:
+    while (task := _next(inbox, parent)) is not None:
         fn, kwargs, port = task
         os.environ.clear()
         os.environ.update(base, MASTER_PORT=str(port))
@@ -87,6 +89,17 @@ def _serve(rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threa
             q.put((rank, False, traceback.format_exc()))
         finally:
             _reset(threads)
+
+
+def _next(inbox: Any, parent: int) -> Any:
+    """The next task, or None (stop) once the test process that started this rank is gone
+    (a pytest-xdist worker ends without running atexit hooks)."""
+    while True:
+        try:
+            return inbox.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
 
 
 class Pool:
@@ -154,7 +167,8 @@ def discard(p: Pool) -> None:
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Stop every shared rank (the end of a test session)."""
     for p in list(_POOLS.values()):
         p.close(kill=False)
     _POOLS.clear()
