@@ -46,3 +46,16 @@ def test_tiny_kimi_k2_converts_to_transformers_logits_and_back(tmp_path):
     back = json.loads((Path(case["hf_from_dist"]) / "config.json").read_text())
     rope = back.get("rope_parameters") or back["rope_scaling"]
     assert rope["beta_fast"] == 1.0 and rope["beta_slow"] == 1.0
+
+
+@pytest.mark.slow  # two two-process groups
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=1), dict(tp=1, pp=1, ep=2)])
+def test_logits_match_transformers_at_tp2_and_ep2(tmp_path, layout):
+    from anyspeed.testing import run_distributed
+    from helpers import convert_ranks
+
+    case, _ = converted(tmp_path, "tiny-kimi-k2", TOKENS, seed=4)
+    ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"kimi": case}, tokens=TOKENS,
+                            **layout, timeout=300)  # fmt: skip
+    for rank in ranks:
+        _check(hf_logits(tmp_path / "hf", TOKENS), rank["kimi"]["dist"])

@@ -23,19 +23,30 @@ TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(
 def q35(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_5")
     case, res = converted(root, request.param, TOKENS, seed=9)
-    return root, case, res
+    return root, case, res, request.param
 
 
 def test_logits_equal_transformers_and_convert_back(q35):
-    root, case, res = q35
+    root, case, res, _ = q35
     _check(hf_logits(root / "hf", TOKENS), res["dist"])
     assert "model.layers.0.linear_attn.in_proj_z.weight" in assert_round_trip(case)
 
 
 @pytest.mark.slow  # a two-process group
 def test_logits_equal_transformers_at_tp2(q35):
-    root, case, _ = q35
+    root, case, _, _ = q35
     ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"q35": case}, tp=2, pp=1,
                             tokens=TOKENS, timeout=300)  # fmt: skip
+    for rank in ranks:
+        _check(hf_logits(root / "hf", TOKENS), rank["q35"]["dist"])
+
+
+@pytest.mark.slow  # a two-process group
+def test_moe_logits_equal_transformers_at_ep2(q35):
+    root, case, _, preset = q35
+    if not preset.endswith("moe"):
+        pytest.skip("the dense model has no experts")
+    ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"q35": case}, tp=1, pp=1,
+                            ep=2, tokens=TOKENS, timeout=300)  # fmt: skip
     for rank in ranks:
         _check(hf_logits(root / "hf", TOKENS), rank["q35"]["dist"])

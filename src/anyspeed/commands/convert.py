@@ -190,6 +190,7 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf, verify
+    from anyspeed.convert.hf_io import text_model_note
     from anyspeed.convert.llava_api import holds_llava
 
     start = time.perf_counter()
@@ -213,6 +214,9 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
                 mtp_num_layers=args.mtp_num_layers,
             )
             hf_dir, mg_dir = args.load_dir, args.save_dir
+            note = text_model_note(args.load_dir)
+            if note:
+                print(f"anyspeed convert: {note}")
         elif direction == ("mg", "hf") and args.save_lora_to_hf:
             from anyspeed.convert.lora import save_lora_to_hf
 

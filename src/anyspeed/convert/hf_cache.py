@@ -136,6 +136,8 @@ def convert(
     """Convert for parsed ``args`` (once; local rank 0 under a launcher, others wait) and
     return the directory; ``prog`` names the command that runs in its progress line, ``flag``
     the flag that named ``hf_dir`` in errors."""
+    from anyspeed.convert.hf_io import text_model_note
+
     out = converted_dir(args, hf_dir)
     done = os.path.join(out, TRACKER)
     if os.path.isfile(done):
@@ -169,6 +171,9 @@ def convert(
             _dtype(args),
         ]
         print(f"{prog}: converting {hf_dir} -> {out}", flush=True)
+        note = text_model_note(hf_dir)
+        if note:
+            print(f"{prog}: {note}", flush=True)
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             msg = (res.stderr.strip().splitlines() or ["conversion failed"])[-1]

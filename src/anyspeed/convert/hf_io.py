@@ -53,12 +53,64 @@ def read_json(path: Path) -> dict:
     return value
 
 
-def read_config(directory: str | Path) -> dict:
-    """``config.json`` of an HF directory (checked to be a JSON object)."""
+# Vision-language checkpoints read as their text model (the published Qwen3.5 checkpoints are
+# these): architecture -> the text model's; its tensors are the ones under TEXT_PREFIX (and the
+# output layer), the vision tower's and the MTP layers' are left out.
+TEXT_MODEL_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+TEXT_PREFIX = "model.language_model."
+
+
+def read_config(directory: str | Path, raw: bool = False) -> dict:
+    """``config.json`` of an HF directory (checked to be a JSON object); for a vision-language
+    checkpoint of :data:`TEXT_MODEL_OF`, its text model's config unless ``raw``."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise ConvertError(f"{directory}: no config.json (not a Hugging Face model directory)")
-    return read_json(path)
+    config = read_json(path)
+    vlm = vlm_architecture(config)
+    if raw or vlm is None:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConvertError(f"{path}: {vlm} without a text_config")
+    text = dict(text, architectures=[TEXT_MODEL_OF[vlm]])
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return text
+
+
+def vlm_architecture(config: dict) -> str | None:
+    """The :data:`TEXT_MODEL_OF` architecture ``config`` names, or None."""
+    archs = config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    return arch if arch in TEXT_MODEL_OF else None
+
+
+def text_model_note(directory: str | Path) -> str | None:
+    """One line saying that ``directory`` is read as its text model, or None."""
+    ck = HFCheckpoint(directory)
+    if ck.vlm is None:
+        return None
+    return (
+        f"{directory} is a {ck.vlm}: its text model is read as {TEXT_MODEL_OF[ck.vlm]}; "
+        f"{len(ck.left_out)} tensors of the vision tower and MTP layers are left out"
+    )
+
+
+def text_model_names(names: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(text-model name -> stored name, the names left out) of a vision-language checkpoint's
+    tensors: ``model.language_model.X`` reads as ``model.X``, ``lm_head.weight`` as itself."""
+    kept, left = {}, []
+    for name in names:
+        if name.startswith(TEXT_PREFIX):
+            kept["model." + name[len(TEXT_PREFIX) :]] = name
+        elif name == "lm_head.weight":
+            kept[name] = name
+        else:
+            left.append(name)
+    return kept, left
 
 
 _DTYPES = {
@@ -127,6 +179,12 @@ class HFCheckpoint:
             if not file_in(self.dir, shard, f"{index}: weight_map").is_file():
                 raise ConvertError(f"{self.dir}: missing shard {shard} (listed in {INDEX})")
             self._header(shard)  # every header checked before any tensor is read
+        # a vision-language checkpoint: its text model's tensors under their text-model names
+        self.stored = {name: name for name in self.weight_map}
+        self.left_out: list[str] = []
+        self.vlm = vlm_architecture(read_config(self.dir, raw=True))
+        if self.vlm is not None:
+            self.stored, self.left_out = text_model_names(list(self.weight_map))
 
     def _header(self, shard: str) -> tuple[int, dict[str, Entry]]:
         if shard not in self._headers:
@@ -136,8 +194,9 @@ class HFCheckpoint:
         return self._headers[shard]
 
     def _entry(self, name: str) -> tuple[Path, int, Entry]:
-        if name not in self.weight_map:
+        if name not in self.stored:
             raise ConvertError(f"{self.dir}: tensor {name} is missing")
+        name = self.stored[name]
         shard = self.weight_map[name]
         start, header = self._header(shard)
         if name not in header:
@@ -146,7 +205,7 @@ class HFCheckpoint:
 
     @property
     def names(self) -> list[str]:
-        return list(self.weight_map)
+        return list(self.stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name)[2].shape

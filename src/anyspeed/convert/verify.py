@@ -70,13 +70,16 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from anyspeed.convert.hf_io import HFCheckpoint
+    from anyspeed.convert.hf_io import TEXT_MODEL_OF, HFCheckpoint
 
     ck = HFCheckpoint(hf_dir)
     config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    if ck.vlm is not None:  # a vision-language checkpoint: its text model, as it is converted
+        config = config.get_text_config()
+        config.architectures = [TEXT_MODEL_OF[ck.vlm]]
     if any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
         return _hf_token_scores(AutoModelForSequenceClassification, config, ck, tokens)
-    if _has_experts(config):  # transformers fuses the per-expert tensors of the files itself
+    if _has_experts(config) and ck.vlm is None:  # transformers fuses the files' experts itself
         model, info = AutoModelForCausalLM.from_pretrained(
             str(hf_dir), dtype=torch.float32, local_files_only=True, output_loading_info=True
         )
