@@ -14,9 +14,8 @@ from test_convert import _check
 from anyspeed.convert.verify import hf_logits
 from anyspeed.models.hf import hf_config
 from anyspeed.models.presets import PRESETS
-from anyspeed.testing import run_distributed
 from helpers import convert_ranks
-from helpers.family_convert import assert_round_trip, converted
+from helpers.family_convert import assert_layout_logits, assert_round_trip, converted
 
 TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(17))
 
@@ -60,8 +59,4 @@ def test_tiny_converts_to_transformers_logits_and_back(tmp_path):
 @pytest.mark.slow  # two two-process groups
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=1), dict(tp=1, pp=1, ep=2)])
 def test_logits_match_transformers_at_tp2_and_ep2(tmp_path, layout):
-    case, _ = converted(tmp_path, "tiny-deepseek-v3.2", TOKENS, seed=4)
-    ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"v32": case}, tokens=TOKENS,
-                            **layout, timeout=300)  # fmt: skip
-    for rank in ranks:
-        _check(hf_logits(tmp_path / "hf", TOKENS), rank["v32"]["dist"])
+    assert_layout_logits(tmp_path, "tiny-deepseek-v3.2", TOKENS, 4, layout)

@@ -17,7 +17,7 @@ from test_convert import _check
 from anyspeed.convert.verify import hf_logits
 from anyspeed.models.hf import hf_config
 from anyspeed.models.presets import PRESETS
-from helpers.family_convert import assert_round_trip, converted
+from helpers.family_convert import assert_layout_logits, assert_round_trip, converted
 
 TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(11))
 
@@ -51,11 +51,4 @@ def test_tiny_kimi_k2_converts_to_transformers_logits_and_back(tmp_path):
 @pytest.mark.slow  # two two-process groups
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=1), dict(tp=1, pp=1, ep=2)])
 def test_logits_match_transformers_at_tp2_and_ep2(tmp_path, layout):
-    from anyspeed.testing import run_distributed
-    from helpers import convert_ranks
-
-    case, _ = converted(tmp_path, "tiny-kimi-k2", TOKENS, seed=4)
-    ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"kimi": case}, tokens=TOKENS,
-                            **layout, timeout=300)  # fmt: skip
-    for rank in ranks:
-        _check(hf_logits(tmp_path / "hf", TOKENS), rank["kimi"]["dist"])
+    assert_layout_logits(tmp_path, "tiny-kimi-k2", TOKENS, 4, layout)

@@ -32,3 +32,20 @@ def assert_round_trip(case: dict) -> dict[str, torch.Tensor]:
     assert set(got) == set(ref)
     assert all(torch.equal(got[k], t) for k, t in ref.items())
     return ref
+
+
+def assert_layout_logits(root: Path, preset: str, tokens: torch.Tensor, seed: int,
+                         layout: dict) -> None:  # fmt: skip
+    """``preset``'s tiny random model converted, run at ``layout`` on two processes: every
+    rank's logits equal transformers' within the conversion tests' bound."""
+    from test_convert import _check
+
+    from anyspeed.convert.verify import hf_logits
+    from anyspeed.testing import run_distributed
+    from helpers import convert_ranks
+
+    case, _ = converted(root, preset, tokens, seed=seed)
+    ranks = run_distributed(convert_ranks.layout_logits, 2, cases={"m": case}, tokens=tokens,
+                            **layout, timeout=300)  # fmt: skip
+    for rank in ranks:
+        _check(hf_logits(root / "hf", tokens), rank["m"]["dist"])
