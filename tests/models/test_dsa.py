@@ -65,3 +65,25 @@ def test_settings_that_cannot_build_are_one_line(changes, flag):
     with pytest.raises(ValueError, match=flag) as err:
         get_preset("tiny-deepseek-v3.2").replace(**changes).check()
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--recompute-granularity", "selective"], "--recompute-modules core_attn"),
+        (["--context-parallel-size", "2"], "--context-parallel-size"),
+    ],
+)
+def test_layouts_it_cannot_run_are_one_line_before_start(flags, words):
+    from test_moe_flags import check_args
+
+    from anyspeed.errors import UsageError
+    from anyspeed.stages.arguments import parse_pretrain_args
+
+    run = (
+        "--model tiny-deepseek-v3.2 --mock-data --vocab-size 512 --seq-length 64 "
+        "--train-iters 2 --lr 1e-3 --global-batch-size 8 --micro-batch-size 2"
+    ).split()
+    with pytest.raises(UsageError) as err:  # fmt: skip
+        check_args(parse_pretrain_args([*run, *flags]), 2)
+    assert words in str(err.value) and "\n" not in str(err.value)

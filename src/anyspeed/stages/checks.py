@@ -89,6 +89,14 @@ def check(
         model.check()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    rec = train.recompute
+    core = rec.granularity == "selective" and "core_attn" in (rec.modules or ["core_attn"])
+    if core and model.experimental_attention_variant == "dsa":
+        raise UsageError(
+            "--recompute-modules core_attn does not run with --experimental-attention-variant "
+            "dsa (Megatron's recompute leaves out the indexer's inputs): recompute mlp or "
+            "layernorm, or --recompute-granularity full"
+        )
     if load:
         _check_load_fits(load, model)
     return Checked(model, layout, train, load)
