@@ -4,7 +4,7 @@ and the layouts equal the one-process run within 1e-5 over three steps: TP2+SP, 
 for GLM's 3 layers) and EP2 for GLM-4.5 (QK norm, Q/K/V biases, RoPE on half of each head,
 sigmoid routing with the expert bias and a routed scaling factor, a shared expert, a dense first
 layer); TP2+SP and PP2 for Qwen3.5 (gated DeltaNets with the input projections apart,
-output-gated attention, zero-centred norms, a dense MLP), and TP2+SP and EP2 for its MoE
+output-gated attention, zero-centred norms, a dense MLP), and TP2+SP, PP2 and EP2 for its MoE
 variant (Qwen3-Next's experts with a gated shared expert); TP2+SP, PP2 and EP2 for Kimi-K2
 (DeepSeek-V3's code without routing groups, YaRN betas 1/1). ~45 s per family: kept out of
 CI's budget; the fast twins are the conversion tests (the forward against transformers'
@@ -33,6 +33,7 @@ FAMILIES = {
     "tiny-qwen3.5": {"tp2-sp": TP2_SP, "pp2": ["--pipeline-model-parallel-size", "2"]},
     "tiny-qwen3.5-moe": {
         "tp2-sp": TP2_SP,
+        "pp2": ["--pipeline-model-parallel-size", "2"],
         "ep2": EP2,
     },
     "tiny-kimi-k2": {  # DeepSeek-V3's code at Kimi's settings (no groups, YaRN betas 1/1)

@@ -185,12 +185,35 @@ def main(argv: list[str] | None = None) -> int:
         gc.unfreeze()
 
 
+def _hf_to_mg(args: argparse.Namespace) -> None:
+    """HF -> Megatron with the command's flags; a line when the HF directory is read as the
+    text model of a vision-language checkpoint."""
+    from anyspeed.convert import hf_to_megatron
+    from anyspeed.convert.hf_io import text_model_note
+
+    hf_to_megatron(
+        args.load_dir,
+        args.save_dir,
+        tp=args.target_tensor_parallel_size,
+        pp=args.target_pipeline_parallel_size,
+        ckpt_format=args.ckpt_format,
+        model_type_hf=args.model_type_hf,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        params_dtype=args.params_dtype,
+        num_layer_list=args.num_layer_list,
+        ep=args.target_expert_parallel_size,
+        mtp_num_layers=args.mtp_num_layers,
+    )
+    note = text_model_note(args.load_dir)
+    if note:
+        print(f"anyspeed convert: {note}")
+
+
 def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
     """The conversion (and ``--verify``) that ``main`` set up."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf, verify
-    from anyspeed.convert.hf_io import text_model_note
+    from anyspeed.convert import ConvertError, megatron_to_hf, verify
     from anyspeed.convert.llava_api import holds_llava
 
     start = time.perf_counter()
@@ -200,23 +223,8 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
         if llava:
             hf_dir, mg_dir = _llava(args, direction)
         elif direction == ("hf", "mg"):
-            hf_to_megatron(
-                args.load_dir,
-                args.save_dir,
-                tp=args.target_tensor_parallel_size,
-                pp=args.target_pipeline_parallel_size,
-                ckpt_format=args.ckpt_format,
-                model_type_hf=args.model_type_hf,
-                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                params_dtype=args.params_dtype,
-                num_layer_list=args.num_layer_list,
-                ep=args.target_expert_parallel_size,
-                mtp_num_layers=args.mtp_num_layers,
-            )
+            _hf_to_mg(args)
             hf_dir, mg_dir = args.load_dir, args.save_dir
-            note = text_model_note(args.load_dir)
-            if note:
-                print(f"anyspeed convert: {note}")
         elif direction == ("mg", "hf") and args.save_lora_to_hf:
             from anyspeed.convert.lora import save_lora_to_hf
 

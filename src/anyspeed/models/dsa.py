@@ -171,7 +171,8 @@ class SparseMLASelfAttention(MLASelfAttention):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.core_attention.rope = self.rotary_pos_emb
+        # a reference, not a submodule: the rotary embedding stays the attention's own
+        object.__setattr__(self.core_attention, "rope", self.rotary_pos_emb)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ctx = kwargs.get("inference_context") or kwargs.get("inference_params")
