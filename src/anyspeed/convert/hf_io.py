@@ -70,8 +70,13 @@ def read_config(directory: str | Path, raw: bool = False) -> dict:
     if not path.is_file():
         raise ConvertError(f"{directory}: no config.json (not a Hugging Face model directory)")
     config = read_json(path)
+    return config if raw else text_model_config(config, path)
+
+
+def text_model_config(config: dict, path: Path) -> dict:
+    """``config`` itself, or a vision-language checkpoint's text model's config."""
     vlm = vlm_architecture(config)
-    if raw or vlm is None:
+    if vlm is None:
         return config
     text = config.get("text_config")
     if not isinstance(text, dict):
@@ -153,7 +158,8 @@ class HFCheckpoint:
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
-        self.config = read_config(self.dir)
+        raw = read_config(self.dir, raw=True)
+        self.config = text_model_config(raw, self.dir / "config.json")
         self._headers: dict[str, tuple[int, dict[str, Entry]]] = {}
         index = self.dir / INDEX
         if index.is_file():
@@ -182,7 +188,7 @@ class HFCheckpoint:
         # a vision-language checkpoint: its text model's tensors under their text-model names
         self.stored = {name: name for name in self.weight_map}
         self.left_out: list[str] = []
-        self.vlm = vlm_architecture(read_config(self.dir, raw=True))
+        self.vlm = vlm_architecture(raw)
         if self.vlm is not None:
             self.stored, self.left_out = text_model_names(list(self.weight_map))
 

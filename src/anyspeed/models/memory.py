@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.memory_mixers import (
+    F32,
     delta_activations,
     delta_params,
     mla_activations,
     mla_params,
+    norm_bytes,
 )
 from anyspeed.models.recompute import Recompute
-
-F32 = 4
 
 
 @dataclass
@@ -132,15 +132,6 @@ def stage_parameters(m: ModelConfig, lay: Layout, stage: int) -> tuple[int, int]
     return n, experts
 
 
-def _norm(tokens: int, h: int, e: int, recomputed: bool) -> int:
-    """A norm and the output the next linear keeps: torch's composite RMSNorm/LayerNorm keeps
-    its (fp32) input, the normalised input (fp32) and 1/rms per token; recomputed, only the
-    input (in the activations' dtype) stays."""
-    if recomputed:
-        return tokens * h * e
-    return 2 * tokens * h * F32 + tokens * F32 + tokens * h * e
-
-
 def layer_activations(
     m: ModelConfig,
     lay: Layout,
@@ -158,7 +149,7 @@ def layer_activations(
     normed = tokens // tp if lay.sequence_parallel else tokens  # sequence-parallel regions
     modules = o.recompute.modules if o.recompute.granularity == "selective" else []
     norm = norm or "layernorm" in modules
-    total = 2 * _norm(normed, h, e, norm)
+    total = 2 * norm_bytes(normed, h, e, norm)
     if m.multi_latent_attention:
         total += mla_activations(m, lay, s, b, e, o.math_attention)
     elif linear:
@@ -261,7 +252,7 @@ def chunk_activations(
     if first:
         total += tokens * 8 + (tokens if lay.tp > 1 else 0)  # token ids (+ vocab-range mask)
     if last:
-        total += _norm(normed, h, e, False)  # final norm; its output is the output layer's
+        total += norm_bytes(normed, h, e)  # final norm; its output is the output layer's
         total += tokens * m.vocab_size // lay.tp * e  # logits
         total += tokens * (8 + 1 + F32)  # cross-entropy: targets, mask, per-token values
     return total

@@ -17,8 +17,12 @@ F32 = 4
 _CHUNK = 64  # the chunked delta rule's block of tokens
 
 
-def norm_bytes(tokens: int, width: int, e: int) -> int:
-    """A torch RMSNorm and its output kept by the next linear (see ``memory._norm``)."""
+def norm_bytes(tokens: int, width: int, e: int, recomputed: bool = False) -> int:
+    """A norm and the output the next linear keeps: torch's composite RMSNorm/LayerNorm keeps
+    its (fp32) input, the normalised input (fp32) and 1/rms per token; recomputed, only the
+    input (in the activations' dtype) stays."""
+    if recomputed:
+        return tokens * width * e
     return 2 * tokens * width * F32 + tokens * F32 + tokens * width * e
 
 
