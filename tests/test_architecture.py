@@ -31,6 +31,7 @@ LAYERS = {
     "checkpoint": 4, "data": 4, "inference": 4, "convert": 5, "training": 6,
     "verify": 6.5,  # anyspeed verify's rank hook and gradient comparison, over training
     "stages": 6.5,  # the stage table, command line -> Run, one folder per stage family
+    "fsdp": 6.6,  # anyspeed fsdp2: transformers models under FSDP2, over the training loop
     "commands": 7,
     "cli": 7,
     "testing": 8,  # what the tests and Megatron's unit tests run on: ranks, the pool, plugin

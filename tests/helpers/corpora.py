@@ -8,7 +8,9 @@ import os
 import random
 import warnings
 
+import numpy as np
 import pytest
+import torch
 
 from anyspeed.commands.preprocess import main
 
@@ -82,3 +84,21 @@ def train_tokenizer(root: str) -> str:
     rc = main(["train-tokenizer", "--input", corpus, "--vocab-size", "600", "--output-dir", out])
     assert rc == 0
     return out
+
+
+ARITH_EOD = 499  # the pretraining tests' vocabulary of 500, its last id the EOD
+
+
+def write_corpus(prefix: str, docs: int = 400, seed: int = 0) -> str:
+    """Documents of learnable arithmetic token sequences, each ending with ARITH_EOD."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(docs):
+        n = int(rng.integers(8, 120))
+        start, stride = int(rng.integers(0, ARITH_EOD)), int(rng.integers(1, 7))
+        doc = (start + stride * np.arange(n)) % ARITH_EOD
+        builder.add_document(torch.from_numpy(np.append(doc, ARITH_EOD).astype(np.int64)), [n + 1])
+    builder.finalize(prefix + ".idx")
+    return prefix

@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
 import pytest
-import torch
 
 from anyspeed.testing import DistributedError, run_distributed
 from helpers import pretrain_ranks
+from helpers.corpora import write_corpus  # noqa: F401 - the other training tests take it here
 
 RTOL = 1e-5
 VOCAB = 500
@@ -36,21 +35,6 @@ def run_many(world: int, argvs: list[list[str]], timeout: float = 600) -> list[d
     per_rank = run_distributed(pretrain_ranks.pretrain_many, world, argv=argvs[0], clis=argvs,
                                timeout=timeout)  # fmt: skip
     return per_rank[0]
-
-
-def write_corpus(prefix: str, docs: int = 400, seed: int = 0) -> str:
-    """Documents of learnable arithmetic token sequences, each ending with EOD."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    rng = np.random.default_rng(seed)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for _ in range(docs):
-        n = int(rng.integers(8, 120))
-        start, stride = int(rng.integers(0, EOD)), int(rng.integers(1, 7))
-        doc = (start + stride * np.arange(n)) % EOD
-        builder.add_document(torch.from_numpy(np.append(doc, EOD).astype(np.int64)), [n + 1])
-    builder.finalize(prefix + ".idx")
-    return prefix
 
 
 def base_args(prefix: str, iters: int) -> list[str]:

@@ -1,0 +1,134 @@
+"""``anyspeed fsdp2`` tests: tiny random transformers models, the single-process transformers
+training loop they are compared with, and the function spawned ranks run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+TEXT = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "decoder_sparse_step": 1, "norm_topk_prob": True},
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+         "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+}  # fmt: skip
+
+
+def text_model(directory: str | Path, kind: str, vocab: int = 512, seed: int = 0) -> str:
+    """A random tiny ``kind`` model (2 layers, hidden 64) saved at ``directory``; its path."""
+    import transformers
+
+    cfg_name, cls_name, extra = TEXT[kind]
+    config = getattr(transformers, cfg_name)(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config)
+    with torch.no_grad():  # norms away from 1, so a wrong weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(directory))
+    return str(directory)
+
+
+def windows(prefix: str, seq: int, dtype: Any = np.uint16) -> np.ndarray:
+    """The corpus's token stream (read straight from the .bin) cut into windows of seq + 1."""
+    tokens = np.fromfile(prefix + ".bin", dtype=dtype).astype(np.int64)
+    n = (len(tokens) - 1) // seq
+    return np.stack([tokens[i * seq : i * seq + seq + 1] for i in range(n)])
+
+
+def reference_loop(
+    model_dir: str, samples: np.ndarray, gbs: int, steps: int, lr: float, wd: float, clip: float
+) -> dict[str, Any]:
+    """transformers + torch.optim.AdamW in one process: global batch k is windows
+    ``k*gbs .. (k+1)*gbs``, the loss the mean cross entropy over all its tokens."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    keep = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": wd}, {"params": keep, "weight_decay": 0.0}], lr=lr
+    )
+    losses, norms = [], []
+    for k in range(steps):
+        batch = torch.from_numpy(samples[k * gbs : (k + 1) * gbs])
+        logits = model(batch[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"loss": losses, "grad_norm": norms, "params": dict(model.named_parameters())}
+
+
+def write_config(path: str | Path, model_dir: str, dataset: str, **sections: dict) -> str:
+    """A YAML configuration: a tiny-run default for each section, updated by ``sections``."""
+    import yaml
+
+    cfg = {
+        "model": {"model_name_or_path": model_dir},
+        "data": {"dataset": dataset, "cutoff_len": 32, "shuffle": False},
+        "parallel": {},
+        "training": {
+            "per_device_train_batch_size": 2,
+            "lr": 1e-3,
+            "weight_decay": 0.1,
+            "lr_scheduler_type": "constant",
+            "max_steps": 3,
+            "no_progress_bar": True,
+            "save_hf_weights": False,
+        },
+    }
+    for name, values in sections.items():
+        cfg[name].update(values)
+    Path(path).write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def train_rank(config: str, overrides: dict | None = None) -> dict[str, Any]:
+    """Run ``anyspeed fsdp2``'s rank body on ``config``; the losses, grad norms and the
+    bytes of this rank's parameter shards."""
+    from anyspeed.fsdp.config import load
+    from anyspeed.fsdp.run import train
+
+    history = train(load(config, overrides))
+    model = history["trainer"].model
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return {"loss": history["loss"], "grad_norm": history["grad_norm"], "local_bytes": local}
+
+
+def load_params(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported directory (read by transformers itself)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return {k: v.detach() for k, v in model.named_parameters()}
