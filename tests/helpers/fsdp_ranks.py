@@ -61,27 +61,54 @@ def windows(prefix: str, seq: int, dtype: Any = np.uint16) -> np.ndarray:
     return np.stack([tokens[i * seq : i * seq + seq + 1] for i in range(n)])
 
 
-def reference_loop(
-    model_dir: str, samples: np.ndarray, gbs: int, steps: int, lr: float, wd: float, clip: float
-) -> dict[str, Any]:
-    """transformers + torch.optim.AdamW in one process: global batch k is windows
-    ``k*gbs .. (k+1)*gbs``, the loss the mean cross entropy over all its tokens."""
+def text_batches(prefix: str, seq: int, gbs: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Global batch k of a pretraining corpus: windows ``k*gbs .. (k+1)*gbs`` in order."""
+    w = torch.from_numpy(windows(prefix, seq))
+    return [
+        {"input_ids": w[k * gbs : (k + 1) * gbs, :-1], "labels": w[k * gbs : (k + 1) * gbs, 1:]}
+        for k in range(steps)
+    ]
+
+
+def model_class(directory: str) -> Any:
+    """The transformers class a saved directory's config.json names."""
+    import json
+
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    with open(Path(directory) / "config.json") as f:
+        return getattr(transformers, json.load(f)["architectures"][0])
+
+
+def reference_loop(
+    model_dir: str,
+    batches: list[dict[str, torch.Tensor]],
+    lr: float,
+    wd: float,
+    clip: float,
+    freeze: str = "",
+) -> dict[str, Any]:
+    """transformers + torch.optim.AdamW in one process, one global batch per step, the loss
+    the mean cross entropy over every learned token of the batch (``freeze``: a module that
+    does not train)."""
+    model = model_class(model_dir).from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="sdpa"
     )
+    if freeze:
+        model.get_submodule(freeze).requires_grad_(False)
     model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    keep = [p for p in model.parameters() if p.dim() < 2]
+    decay = [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad]
+    keep = [p for p in model.parameters() if p.dim() < 2 and p.requires_grad]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": wd}, {"params": keep, "weight_decay": 0.0}], lr=lr
     )
     losses, norms = [], []
-    for k in range(steps):
-        batch = torch.from_numpy(samples[k * gbs : (k + 1) * gbs])
-        logits = model(batch[:, :-1], use_cache=False).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    for batch in batches:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs, use_cache=False).logits
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100
+        )
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
@@ -128,7 +155,5 @@ def train_rank(config: str, overrides: dict | None = None) -> dict[str, Any]:
 
 def load_params(directory: str) -> dict[str, torch.Tensor]:
     """Every tensor of an exported directory (read by transformers itself)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model = model_class(directory).from_pretrained(directory, dtype=torch.float32)
     return {k: v.detach() for k, v in model.named_parameters()}

@@ -123,12 +123,13 @@ class FSDPTrainer:
         """Forward and backward of every micro-batch, clip, update; the global mean loss."""
         world = dist.get_world_size()
         cut = [self._shard(mb["labels"].shape[1]) for mb in mbs]
-        mine = sum(int((mb["labels"][:, c] != IGNORE).sum()) for mb, c in zip(mbs, cut, strict=True))
+        pairs = list(zip(mbs, cut, strict=True))
+        mine = sum(int((mb["labels"][:, c] != IGNORE).sum()) for mb, c in pairs)
         count = torch.tensor([float(mine)], device=self.device)
         dist.all_reduce(count)
         total = max(1.0, float(count.item()))
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, tokens seen
-        for mb, c in zip(mbs, cut, strict=True):
+        for mb, c in pairs:
             loss = self._loss_sum(mb)
             (loss * (world / total)).backward()
             sums[0] += loss.detach().double()
