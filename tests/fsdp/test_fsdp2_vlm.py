@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import fsdp_ranks as R
-from helpers import fsdp_vlm as V
 
 from anyspeed.testing import run_distributed
+from helpers import fsdp_ranks as R
+from helpers import fsdp_vlm as V
 
 LR, WD, CLIP = 1e-3, 0.1, 1.0
 

@@ -45,7 +45,9 @@ def qwen25_vl(directory: str | Path, tok_dir: str, seed: int = 0) -> str:
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     text = dict(vocab_size=len(tok) + 8, hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=1024, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})  # fmt: skip
+                max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                 "mrope_section": [2, 3, 3]})  # fmt: skip
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                   fullatt_block_indexes=[1], window_size=56)  # fmt: skip
     config = Qwen2_5_VLConfig(
