@@ -141,16 +141,28 @@ def write_config(path: str | Path, model_dir: str, dataset: str, **sections: dic
     return str(path)
 
 
-def train_rank(config: str, overrides: dict | None = None) -> dict[str, Any]:
-    """Run ``anyspeed fsdp2``'s rank body on ``config``; the losses, grad norms and the
-    bytes of this rank's parameter shards."""
+def train_rank(
+    config: str, overrides: dict | None = None, probe: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """Run ``anyspeed fsdp2``'s rank body on ``config``; the losses, grad norms, the bytes of
+    this rank's parameter shards, and the trained model's logits of ``probe`` tokens."""
     from anyspeed.fsdp.config import load
     from anyspeed.fsdp.run import train
 
     history = train(load(config, overrides))
     model = history["trainer"].model
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    return {"loss": history["loss"], "grad_norm": history["grad_norm"], "local_bytes": local}
+    logits = None
+    if probe is not None:
+        model.eval()
+        with torch.no_grad():
+            logits = model(probe, use_cache=False).logits
+    return {
+        "loss": history["loss"],
+        "grad_norm": history["grad_norm"],
+        "local_bytes": local,
+        "logits": logits,
+    }
 
 
 def load_params(directory: str) -> dict[str, torch.Tensor]:

@@ -123,7 +123,10 @@ def export_hf(model: torch.nn.Module, source_dir: str, out_dir: str) -> None:
             path = os.path.join(source_dir, name)
             if os.path.isfile(path) and not name.endswith(_WEIGHTS) and name != "config.json":
                 shutil.copy2(path, os.path.join(tmp, name))
-        model.save_pretrained(tmp, state_dict=full)
+        from anyspeed.fsdp.model import quiet
+
+        with quiet():
+            model.save_pretrained(tmp, state_dict=full)
         _keep_architecture(source_dir, tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)

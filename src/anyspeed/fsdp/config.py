@@ -107,7 +107,20 @@ _CLASSES = {
 }
 
 
+# What MindSpeed-MM's, Megatron's and transformers' configurations call some of these keys.
+ALIASES = {
+    "learning_rate": "lr", "train_iters": "max_steps", "micro_batch_size":
+    "per_device_train_batch_size", "clip_grad": "max_grad_norm", "lr_decay_style":
+    "lr_scheduler_type", "lr_warmup_ratio": "warmup_ratio", "save_interval": "save_steps",
+    "log_interval": "logging_steps", "save": "output_dir", "load": "resume_from_checkpoint",
+    "seq_length": "cutoff_len", "fsdp_plan": "fsdp_modules", "ulysses_parallel_size": "cp_size",
+    "fully_shard_parallel_size": "fsdp_size", "model_id": "model_name_or_path",
+}  # fmt: skip
+
+
 def _closest(name: str, known: list[str]) -> str:
+    if ALIASES.get(name) in known:
+        return f" (did you mean {ALIASES[name]!r}?)"
     near = difflib.get_close_matches(name, known, n=1)
     return f" (did you mean {near[0]!r}?)" if near else ""
 

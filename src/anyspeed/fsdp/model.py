@@ -66,7 +66,7 @@ def load_model(cfg: FSDPConfig, meta: bool = False) -> torch.nn.Module:
     m = cfg.model
     raw = read_config(m.model_name_or_path)
     cls = model_class(raw)
-    with _quiet():
+    with quiet():
         if meta or m.train_from_scratch:
             config = cls.config_class.from_pretrained(m.model_name_or_path)
             config._attn_implementation = m.attn_implementation
@@ -84,20 +84,24 @@ def load_model(cfg: FSDPConfig, meta: bool = False) -> torch.nn.Module:
     return model
 
 
-class _quiet:
-    """transformers' loading notices (missing or unexpected keys are checked by the caller)
-    at error level while the model loads."""
+class quiet:
+    """transformers' notices at error level and its progress bars off while a model is read
+    or written: anyspeed prints its own lines."""
 
     def __enter__(self) -> None:
         from transformers.utils import logging
 
         self.level = logging.get_verbosity()
+        self.bars = logging.is_progress_bar_enabled()
         logging.set_verbosity_error()
+        logging.disable_progress_bar()
 
     def __exit__(self, *exc: object) -> None:
         from transformers.utils import logging
 
         logging.set_verbosity(self.level)
+        if self.bars:
+            logging.enable_progress_bar()
 
 
 def freeze(model: torch.nn.Module, names: tuple[str, ...]) -> int:
