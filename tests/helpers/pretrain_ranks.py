@@ -18,8 +18,33 @@ def pretrain(cli: list[str], crash_on_save: int | None = None, nan_at: int | Non
     args, _ = prepare(cli)
     faults = FaultInjection(nan_at=nan_at, crash_on_save=crash_on_save)
     history = train(args, task_for(args), extra_hooks=[faults])
-    history.pop("trainer")
+    history["state_bytes"] = state_bytes(history.pop("trainer"))
     return history
+
+
+def _local(t):  # noqa: ANN001, ANN202 - a tensor or a DTensor (an FSDP2 shard)
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_bytes(trainer) -> dict[str, int]:  # noqa: ANN001 - anyspeed's Trainer
+    """Bytes this rank holds of the parameters, the gradients and the optimizer's state
+    (its own tensors, measured: DDP's gradient buffers, FSDP2's local shards)."""
+    params = grads = 0
+    for chunk in trainer.model:
+        for p in chunk.parameters():
+            params += _local(p).numel() * _local(p).element_size()
+            if getattr(p, "main_grad", None) is None and p.grad is not None:
+                grads += _local(p.grad).numel() * _local(p.grad).element_size()
+        ddp_buffers = getattr(chunk, "buffers", None)  # Megatron DDP: a list; FSDP2: a method
+        for buf in ddp_buffers if isinstance(ddp_buffers, list) else []:
+            grads += buf.grad_data.numel() * buf.grad_data.element_size()
+    opt = 0
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for state in inner.optimizer.state.values():
+            for v in state.values():
+                if hasattr(v, "numel") and v.dim() > 0:
+                    opt += _local(v).numel() * _local(v).element_size()
+    return {"params": params, "grads": grads, "optimizer": opt}
 
 
 def pretrain_many(clis: list[list[str]]) -> list[dict]:

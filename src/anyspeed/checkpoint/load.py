@@ -28,6 +28,7 @@ from anyspeed.checkpoint.state import (
     is_distributed,
     layout_signature,
     load_model_entries,
+    optimizer_dtensors,
     model_state,
     set_aside,
     sharding_metadata,
@@ -149,7 +150,7 @@ def _load(
                 )
             opt_state = regroup(opt_state, optimizer)
         with torch.no_grad():  # the state is copied into views of the parameters
-            optimizer.load_state_dict(opt_state)
+            optimizer.load_state_dict(optimizer_dtensors(opt_state, optimizer))
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 master copies follow the loaded weights
     if scheduler is not None and not weights_only and load_optim:

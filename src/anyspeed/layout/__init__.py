@@ -66,6 +66,8 @@ class Layout:
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    torch_fsdp2: bool = False  # --use-torch-fsdp2: FSDP2 over the data-parallel ranks, not DDP
+    fsdp2_reshard_after_forward: bool = True
     # Gradient bucket size in elements (--ddp-bucket-size); None: Megatron's default.
     bucket_size: int | None = None
     ep: int = 1  # expert parallel: ranks that split the experts of a MoE layer
@@ -172,6 +174,8 @@ class Layout:
             distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             overlap_grad_reduce=bool(get("overlap_grad_reduce", False)),
             overlap_param_gather=bool(get("overlap_param_gather", False)),
+            torch_fsdp2=bool(get("use_torch_fsdp2", False)),
+            fsdp2_reshard_after_forward=bool(get("torch_fsdp2_reshard_after_forward", True)),
             bucket_size=get("ddp_bucket_size"),
             **uneven_stages(
                 pp,

@@ -52,7 +52,23 @@ def validate(
         raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size >= 2")
     if layout.overlap_param_gather and not layout.distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+    if layout.torch_fsdp2:
+        _torch_fsdp2(layout)
     _experts(layout, world_size, num_experts)
+
+
+def _torch_fsdp2(layout: Layout) -> None:
+    """What Megatron-Core's TorchFullyShardedDataParallel does not combine with (Megatron-LM
+    asserts the same)."""
+    for bad, why in (
+        (layout.pp > 1, "pipeline parallelism (--pipeline-model-parallel-size 1)"),
+        (layout.ep > 1, "expert parallelism (--expert-model-parallel-size 1)"),
+        (layout.distributed_optimizer, "--use-distributed-optimizer (FSDP2 shards the state)"),
+        (layout.overlap_param_gather, "--overlap-param-gather"),
+        (layout.overlap_grad_reduce, "--overlap-grad-reduce (FSDP2 overlaps on its own)"),
+    ):
+        if bad:
+            raise ValueError(f"--use-torch-fsdp2 does not combine with {why}")
 
 
 def _experts(layout: Layout, world_size: int, num_experts: int | None) -> None:

@@ -69,6 +69,18 @@ def _launch_and_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="shard parameters, gradients and optimizer state over the data-parallel ranks with "
+        "PyTorch's FSDP2 (Megatron's TorchFullyShardedDataParallel) instead of DDP",
+    )
+    g.add_argument(
+        "--torch-fsdp2-no-reshard-after-forward",
+        action="store_false",
+        dest="torch_fsdp2_reshard_after_forward",
+        help="keep each layer's gathered parameters from forward to backward (ZeRO-2-like)",
+    )
+    g.add_argument(
         "--ddp-bucket-size",
         type=int,
         default=None,

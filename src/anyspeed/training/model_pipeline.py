@@ -52,8 +52,34 @@ def build_chunks(
 def wrap_ddp(
     chunks: list[torch.nn.Module], config: Any, layout: Layout, cfg: TrainConfig
 ) -> list[torch.nn.Module]:
-    """Megatron's DDP around every chunk (gradient buckets on the first chunk only)."""
+    """Megatron's DDP around every chunk (gradient buckets on the first chunk only), or its
+    TorchFullyShardedDataParallel (FSDP2 over the data-parallel ranks) with --use-torch-fsdp2."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if layout.torch_fsdp2:
+        from megatron.core.distributed import (
+            TorchFullyShardedDataParallel,
+            TorchFullyShardedDataParallelConfig,
+        )
+
+        from megatron.core.models.common.embeddings.language_model_embedding import (
+            LanguageModelEmbedding,
+        )
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        fsdp_config = TorchFullyShardedDataParallelConfig(
+            reshard_after_forward=layout.fsdp2_reshard_after_forward
+        )
+        # Megatron's default set adds ColumnParallelLinear unless transformer_impl is "local";
+        # on the local spec it would wrap the layers' own linears a second time.
+        units = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
+        return [
+            TorchFullyShardedDataParallel(
+                config=config, ddp_config=fsdp_config, module=chunk, sub_modules_to_wrap=units
+            )
+            for chunk in chunks
+        ]
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,

@@ -20,7 +20,9 @@ class SavedBytes:
     ``exclude``: tensors whose storages never count (the model's parameters)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._skip = {t.untyped_storage().data_ptr() for t in exclude}
+        # a DTensor (an FSDP2 shard) has no storage of its own: its local shard does
+        local = (t.to_local() if hasattr(t, "to_local") else t for t in exclude)
+        self._skip = {t.untyped_storage().data_ptr() for t in local}
         self._storages: dict[int, torch.UntypedStorage] = {}
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.bytes = 0

@@ -1,0 +1,167 @@
+"""Level-0 feature ``torch-fsdp2-compat``: Megatron-Core's TorchFullyShardedDataParallel
+(``--use-torch-fsdp2``) under Megatron's own gradient finalisation.
+
+Megatron-Core 0.16.1's ``finalize_model_grads`` calls ``finish_grad_sync(force_all_reduce=...)``
+on every model chunk, but the FSDP2 wrapper inherits ``_BaseDataParallel.finish_grad_sync()``,
+which takes no argument: every training step failed with a TypeError. FSDP2 reduce-scatters the
+gradients during backward, so there is nothing to finish and the argument is accepted and
+ignored.
+
+Checkpoints: Megatron matches each optimizer parameter to its model ``ShardedTensor`` by the
+identity of the parameter's local shard (``id(param.to_local())``), but with torch 2.13
+``DTensor.to_local()`` returns a new tensor object on every call, so no parameter matched and
+saving failed ("Param id 0 does not match any model sharded param"). The match is made here by
+the local shard's storage, offset and shape instead, which are the same on every call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+import torch
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features.base import Feature
+from anyspeed.patching import PatchManager
+
+
+def accept_force_all_reduce(previous: Any) -> Any:
+    """``finish_grad_sync`` that takes (and ignores) Megatron's ``force_all_reduce``."""
+
+    @functools.wraps(previous)
+    def finish_grad_sync(self: Any, *args: Any, force_all_reduce: bool = False) -> Any:
+        return previous(self, *args)
+
+    return finish_grad_sync
+
+
+def _where(t: Any) -> tuple[int, int, tuple[int, ...]]:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
+
+
+def match_by_storage(previous: Any) -> Any:
+    """``get_param_id_to_sharded_param_map`` that also matches FSDP2 (DTensor) parameters."""
+
+    @functools.wraps(previous)
+    def get_param_id_to_sharded_param_map(model_sharded_state_dict: Any, optim_params: Any) -> Any:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+        params = list(optim_params)
+        if not any(hasattr(p, "to_local") for p in params):
+            return previous(model_sharded_state_dict, params)
+        index: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        for i, p in enumerate(params):
+            index.setdefault(_where(p), i)
+        tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+        found = {}
+        for ten in nested_values(tensors):
+            data = getattr(ten, "data", None)
+            if isinstance(data, torch.Tensor) and _where(data) in index:
+                found[index[_where(data)]] = ten
+        return found
+
+    return get_param_id_to_sharded_param_map
+
+
+def _fsdp2_split(sh_ten: Any, axis: int) -> tuple[int, int, int, int] | None:
+    """(tp rank, tp size, dp rank, dp size) when ``sh_ten`` is an FSDP2 shard of a TP-local
+    tensor (Megatron fragments axis 0 into tp x dp pieces for those); None otherwise."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    frag = sh_ten.axis_fragmentations[axis]
+    if dp == 1 or frag != tp * dp:
+        return None
+    piece = sh_ten.global_offset[axis] // sh_ten.local_shape[0]  # the data's axis 0
+    return piece // dp, tp, piece % dp, dp
+
+
+def swiglu_fsdp2(previous: Any) -> Any:
+    """Megatron's SwiGLU checkpoint factory for FSDP2 shards of ``linear_fc1``.
+
+    Megatron's factory takes a shard along axis 0 to be one TP rank's ``[w; v]`` and cuts it in
+    two. An FSDP2 shard is a block of rows of that ``[w; v]``: with an even data-parallel size
+    each block lies in ``w`` or in ``v``, and is saved as that piece of the global ``w`` or
+    ``v`` (the same global tensors DDP saves, so either loads the other's checkpoints)."""
+
+    @functools.wraps(previous)
+    def apply_swiglu_sharded_factory(
+        original_sh_ten: Any, sharded_offsets: Any, singleton_local_shards: bool = False
+    ) -> Any:
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        axis = len(sharded_offsets)
+        split = _fsdp2_split(original_sh_ten, axis)
+        if split is None:
+            return previous(original_sh_ten, sharded_offsets, singleton_local_shards)
+        tp_rank, tp, d, dp = split
+        if dp % 2:
+            raise ValueError(
+                "--use-torch-fsdp2 checkpoints of a gated MLP (SwiGLU) need an even "
+                f"data-parallel size, not {dp}"
+            )
+        half = dp // 2
+        is_w, j = d < half, d % half
+        if singleton_local_shards:
+            suffix, offset = f"_{'w' if is_w else 'v'}", (axis, tp_rank * half + j, tp * half)
+        else:
+            index = tp_rank * half + j + (0 if is_w else tp * half)
+            suffix, offset = "", (axis, index, tp * dp)
+
+        def build(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> Any:
+            # ``key``: the factory's key when it is built (Megatron renames keys after this)
+            return [
+                ShardedTensor.from_rank_offsets(
+                    key + suffix, t, *sharded_offsets, offset, replica_id=replica_id,
+                    prepend_axis_num=axis,
+                )
+            ]  # fmt: skip
+
+        return ShardedTensorFactory(
+            original_sh_ten.key,
+            original_sh_ten.data,
+            build,
+            lambda parts: parts[0],
+            original_sh_ten.replica_id,
+            flattened_range=original_sh_ten.flattened_range,
+        )
+
+    return apply_swiglu_sharded_factory
+
+
+class TorchFSDP2Compat(Feature):
+    name = "torch-fsdp2-compat"
+    level = 0
+    description = "--use-torch-fsdp2 under Megatron-Core's gradient finalisation"
+
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        pm.register_wrap(
+            "megatron.core.distributed.data_parallel_base._BaseDataParallel.finish_grad_sync",
+            accept_force_all_reduce,
+            feature=self.name,
+            reason="--use-torch-fsdp2: finalize_model_grads passes force_all_reduce, which the "
+            "FSDP2 wrapper's finish_grad_sync() did not accept (TypeError every step)",
+        )
+        pm.register_wrap(
+            "megatron.core.optimizer.optimizer.get_param_id_to_sharded_param_map",
+            match_by_storage,
+            feature=self.name,
+            reason="--use-torch-fsdp2 checkpoints: DTensor.to_local() is a new object on every "
+            "call, so Megatron's match of optimizer to model parameters by id() found none",
+        )
+        pm.register_wrap(
+            "megatron.core.transformer.mlp.apply_swiglu_sharded_factory",
+            swiglu_fsdp2,
+            feature=self.name,
+            reason="--use-torch-fsdp2 checkpoints: the SwiGLU factory cut each FSDP2 row shard "
+            "of linear_fc1 in two as if it held [w; v], so DDP and FSDP2 read each other's "
+            "checkpoints wrong",
+        )
