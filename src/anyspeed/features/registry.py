@@ -23,10 +23,10 @@ from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCom
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
 from anyspeed.features.compat.mtp import MTPCompat
-from anyspeed.features.compat.torch_fsdp2 import TorchFSDP2Compat
 from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
+from anyspeed.features.compat.torch_fsdp2 import TorchFSDP2Compat
 from anyspeed.features.compat.vision import VisionCompat
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.inference.feature import NoGradFastPath

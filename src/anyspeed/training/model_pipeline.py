@@ -61,7 +61,6 @@ def wrap_ddp(
             TorchFullyShardedDataParallel,
             TorchFullyShardedDataParallelConfig,
         )
-
         from megatron.core.models.common.embeddings.language_model_embedding import (
             LanguageModelEmbedding,
         )
