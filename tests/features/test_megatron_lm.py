@@ -404,3 +404,31 @@ def test_pretrain_gpt_uneven_pipeline_stages_match_one_stage(script, tmp_path):
         assert sorted(two) == list(range(1, 5)), (stages, two)
         for it in range(1, 5):
             assert two[it] == pytest.approx(one[it], rel=1e-5), (stages, it, two, one)
+
+
+FSDP_MODEL = ["--train-iters", "4", "--position-embedding-type", "rope", "--swiglu",
+              "--normalization", "RMSNorm", "--no-create-attention-mask-in-dataloader",
+              "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--untie-embeddings-and-output-weights"]  # fmt: skip
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format",
+                 "fsdp_dtensor", "--data-parallel-sharding-strategy"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fsdp",
+    [
+        ["--use-torch-fsdp2"],
+        [*MEGATRON_FSDP, "optim_grads_params"],
+        [*MEGATRON_FSDP, "optim_grads"],
+        [*MEGATRON_FSDP, "optim"],
+    ],
+    ids=["torch-fsdp2", "megatron-fsdp-zero3", "megatron-fsdp-zero2", "megatron-fsdp-zero1"],
+)
+def test_pretrain_gpt_fsdp_matches_distributed_optimizer(script, fsdp):
+    """Megatron's FSDP paths in pretrain_gpt.py on this device (gloo off CUDA) equal DDP with
+    the distributed optimizer, step by step."""
+    ref = torchrun(script, *FSDP_MODEL, "--use-distributed-optimizer")
+    got = torchrun(script, *FSDP_MODEL, *fsdp)
+    assert sorted(got) == list(range(1, 5))
+    for it in range(1, 5):
+        assert got[it] == pytest.approx(ref[it], rel=1e-5), (it, got, ref)

@@ -20,13 +20,13 @@ from anyspeed.features.compat.accepted_flags import AcceptedFlags
 from anyspeed.features.compat.cuda_only import CudaOnlyOptions
 from anyspeed.features.compat.delta_net import DeltaNetCompat
 from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
+from anyspeed.features.compat.fsdp import FSDPCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
 from anyspeed.features.compat.mtp import MTPCompat
 from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
-from anyspeed.features.compat.torch_fsdp2 import TorchFSDP2Compat
 from anyspeed.features.compat.vision import VisionCompat
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.inference.feature import NoGradFastPath
@@ -69,7 +69,7 @@ def build() -> list[Feature]:
         MoECompat(),
         MoEGroupedGemm(),
         MTPCompat(),
-        TorchFSDP2Compat(),
+        FSDPCompat(),
         DeltaNetCompat(),
         VisionCompat(),
         RecomputeCompat(),

@@ -76,7 +76,9 @@ class MegatronLMArgs(Feature):
                     feature.apply_args(args)  # anyspeed's checks first: they name the flag
                     steps.context_parallel_args(args)
                     with steps.grouped_gemm_capability(args, device):
-                        return validate_args(args, defaults or {})
+                        out = validate_args(args, defaults or {})
+                    steps.drop_stream_priorities(args, device)
+                    return out
                 except FeatureError as exc:
                     _fail(str(exc))
                 except AssertionError as exc:

@@ -39,12 +39,25 @@ _CUDA_DEFAULTS = (
 )
 
 
+def drop_stream_priorities(args: argparse.Namespace, device: DeviceInfo) -> None:
+    """Off CUDA, no process group gets NCCL options: validate_args asks high-priority NCCL
+    streams for the data-parallel group with FSDP, and making them needs ProcessGroupNCCL."""
+    if not device.is_cuda and getattr(args, "high_priority_stream_groups", None):
+        args.high_priority_stream_groups = []
+
+
 def adapt_megatron_args(args: argparse.Namespace, device: DeviceInfo) -> None:
     """Turn Megatron-LM defaults that need CUDA-only kernels off on other devices (with notes)."""
     if device.is_cuda:
         return
-    # validate_args asks for this when TP > 1 on pre-Blackwell "GPUs"; it means nothing here.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # validate_args asks for "1" when TP > 1 on pre-Blackwell "GPUs", and for anything but "1"
+    # with FSDP (where TP needs nothing); it means nothing here.
+    fsdp = getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)
+    if fsdp:
+        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
+    else:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     changed = []
     for attr, why in _CUDA_DEFAULTS:
         if getattr(args, attr, False):

@@ -1,17 +1,21 @@
-"""Level-0 feature ``torch-fsdp2-compat``: Megatron-Core's TorchFullyShardedDataParallel
-(``--use-torch-fsdp2``) under Megatron's own gradient finalisation.
+"""Level-0 feature ``fsdp-compat``: Megatron-Core's two FSDP paths on every device.
 
-Megatron-Core 0.16.1's ``finalize_model_grads`` calls ``finish_grad_sync(force_all_reduce=...)``
-on every model chunk, but the FSDP2 wrapper inherits ``_BaseDataParallel.finish_grad_sync()``,
-which takes no argument: every training step failed with a TypeError. FSDP2 reduce-scatters the
-gradients during backward, so there is nothing to finish and the argument is accepted and
-ignored.
+Megatron-FSDP (``--use-megatron-fsdp``) reduces gradients with NCCL's ``PREMUL_SUM`` (the
+averaging factor fused into the reduce-scatter), which gloo and other backends lack: there the
+gradients are scaled first and summed, as Megatron-FSDP itself does for bf16.
 
-Checkpoints: Megatron matches each optimizer parameter to its model ``ShardedTensor`` by the
-identity of the parameter's local shard (``id(param.to_local())``), but with torch 2.13
-``DTensor.to_local()`` returns a new tensor object on every call, so no parameter matched and
-saving failed ("Param id 0 does not match any model sharded param"). The match is made here by
-the local shard's storage, offset and shape instead, which are the same on every call.
+TorchFullyShardedDataParallel (``--use-torch-fsdp2``):
+
+- Megatron-Core 0.16.1's ``finalize_model_grads`` calls ``finish_grad_sync(force_all_reduce=...)``
+  on every model chunk, but the FSDP2 wrapper inherits ``_BaseDataParallel.finish_grad_sync()``,
+  which takes no argument: every training step failed with a TypeError. FSDP2 reduce-scatters
+  the gradients during backward, so there is nothing to finish; the argument is ignored.
+- Checkpoints: Megatron matches each optimizer parameter to its model ``ShardedTensor`` by the
+  identity of the parameter's local shard (``id(param.to_local())``), but with torch 2.13
+  ``DTensor.to_local()`` returns a new tensor object on every call, so no parameter matched and
+  saving failed ("Param id 0 does not match any model sharded param"). The match is made here
+  by the local shard's storage, offset and shape, which are the same on every call.
+- Checkpoints of a SwiGLU ``linear_fc1``: see :func:`swiglu_fsdp2`.
 """
 
 from __future__ import annotations
@@ -135,14 +139,41 @@ def swiglu_fsdp2(previous: Any) -> Any:
     return apply_swiglu_sharded_factory
 
 
-class TorchFSDP2Compat(Feature):
-    name = "torch-fsdp2-compat"
+def scale_then_sum(previous: Any) -> Any:
+    """Megatron-FSDP's gradient reduce op: PREMUL_SUM only where the group's backend is NCCL;
+    elsewhere the gradients are scaled and summed."""
+
+    @functools.wraps(previous)
+    def gradient_reduce_preprocessing(grad_data: Any, scaling_factor: Any, ddp_config: Any) -> Any:
+        import copy
+
+        import torch.distributed as dist
+
+        fused = getattr(ddp_config, "gradient_reduce_div_fusion", False)
+        if fused and dist.is_initialized() and dist.get_backend() != "nccl":
+            ddp_config = copy.copy(ddp_config)  # the run's own config stays as it was
+            ddp_config.gradient_reduce_div_fusion = False
+        return previous(grad_data, scaling_factor, ddp_config)
+
+    return gradient_reduce_preprocessing
+
+
+class FSDPCompat(Feature):
+    name = "fsdp-compat"
     level = 0
-    description = "--use-torch-fsdp2 under Megatron-Core's gradient finalisation"
+    description = "Megatron-FSDP and --use-torch-fsdp2 on every device and backend"
 
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
+        pm.register_wrap(
+            "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer."
+            "gradient_reduce_preprocessing",
+            scale_then_sum,
+            feature=self.name,
+            reason="--use-megatron-fsdp off NCCL: the averaging was fused into the reduce with "
+            "ReduceOp.PREMUL_SUM, which gloo does not have",
+        )
         pm.register_wrap(
             "megatron.core.distributed.data_parallel_base._BaseDataParallel.finish_grad_sync",
             accept_force_all_reduce,
