@@ -55,8 +55,8 @@ def test_conversations_render_as_the_processor_says(vlm: tuple[str, str]) -> Non
 
 
 def _batches(model_dir: str, data: str, gbs: int, steps: int) -> list[dict]:
-    from anyspeed.fsdp.data import collate
     from anyspeed.fsdp.mm_data import ConversationSource
+    from anyspeed.fsdp.samples import collate
 
     src = ConversationSource(data, 256, model_dir, "", 10**8)
     return [collate([src[k * gbs + j] for j in range(gbs)], 1) for k in range(steps)]

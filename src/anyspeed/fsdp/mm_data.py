@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from anyspeed.errors import UsageError
-from anyspeed.fsdp.data import IGNORE, Sample
+from anyspeed.fsdp.samples import IGNORE, Sample
 
 TAG = "<image>"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",

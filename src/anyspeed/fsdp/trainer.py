@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from anyspeed.fsdp.config import TrainingSection
-from anyspeed.fsdp.data import IGNORE
+from anyspeed.fsdp.samples import IGNORE
 
 
 class Schedule:

@@ -68,6 +68,8 @@ class Layout:
     overlap_param_gather: bool = False
     torch_fsdp2: bool = False  # --use-torch-fsdp2: FSDP2 over the data-parallel ranks, not DDP
     fsdp2_reshard_after_forward: bool = True
+    megatron_fsdp: bool = False  # --use-megatron-fsdp (its optimizer is the distributed one)
+    fsdp_sharding: str = "optim_grads_params"  # --data-parallel-sharding-strategy
     # Gradient bucket size in elements (--ddp-bucket-size); None: Megatron's default.
     bucket_size: int | None = None
     ep: int = 1  # expert parallel: ranks that split the experts of a MoE layer
@@ -171,11 +173,15 @@ class Layout:
             )
             or _opt_int(get("virtual_pipeline_model_parallel_size"), "--virtual-pipeline-size"),
             sequence_parallel=bool(get("sequence_parallel", False)),
-            distributed_optimizer=bool(get("use_distributed_optimizer", False)),
+            distributed_optimizer=bool(
+                get("use_distributed_optimizer", False) or get("use_megatron_fsdp", False)
+            ),
             overlap_grad_reduce=bool(get("overlap_grad_reduce", False)),
             overlap_param_gather=bool(get("overlap_param_gather", False)),
             torch_fsdp2=bool(get("use_torch_fsdp2", False)),
             fsdp2_reshard_after_forward=bool(get("torch_fsdp2_reshard_after_forward", True)),
+            megatron_fsdp=bool(get("use_megatron_fsdp", False)),
+            fsdp_sharding=str(get("data_parallel_sharding_strategy", "optim_grads_params")),
             bucket_size=get("ddp_bucket_size"),
             **uneven_stages(
                 pp,

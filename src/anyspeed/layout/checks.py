@@ -54,7 +54,27 @@ def validate(
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     if layout.torch_fsdp2:
         _torch_fsdp2(layout)
+    if layout.megatron_fsdp:
+        _megatron_fsdp(layout)
     _experts(layout, world_size, num_experts)
+
+
+def _megatron_fsdp(layout: Layout) -> None:
+    """Megatron-FSDP's limits here (each measured)."""
+    if layout.torch_fsdp2:
+        raise ValueError("--use-megatron-fsdp and --use-torch-fsdp2 exclude each other")
+    if layout.fsdp_sharding == "no_shard":
+        raise ValueError(
+            "--data-parallel-sharding-strategy no_shard fails inside Megatron-FSDP 0.16.1 (its "
+            "parameter all-gather finds no weight buffer): use optim, optim_grads or "
+            "optim_grads_params, or leave out --use-megatron-fsdp for plain DDP"
+        )
+    for bad, why in (
+        (layout.pp > 1, "pipeline parallelism (--pipeline-model-parallel-size 1)"),
+        (layout.ep > 1, "expert parallelism (--expert-model-parallel-size 1)"),
+    ):
+        if bad:
+            raise ValueError(f"--use-megatron-fsdp is not checked with {why} here")
 
 
 def _torch_fsdp2(layout: Layout) -> None:
@@ -111,6 +131,14 @@ def validate_for(
         seq_length=seq_length,
         num_experts=getattr(model, "num_experts", None),
     )
+    tied = getattr(model, "tie_embeddings", None)
+    if tied is None:  # a namespace has the flag instead
+        tied = not getattr(model, "untie_embeddings_and_output_weights", True)
+    if layout.torch_fsdp2 and tied:
+        raise ValueError(
+            "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights (Megatron's FSDP2 "
+            "wrapper shards the embedding and the output layer apart)"
+        )
     if getattr(model, "multi_latent_attention", False) and layout.cp > 1:
         raise ValueError(
             "--multi-latent-attention does not run with --context-parallel-size "

@@ -75,6 +75,18 @@ def _launch_and_parallel(p: argparse.ArgumentParser) -> None:
         "PyTorch's FSDP2 (Megatron's TorchFullyShardedDataParallel) instead of DDP",
     )
     g.add_argument(
+        "--use-megatron-fsdp",
+        action="store_true",
+        help="Megatron-FSDP over the data-parallel ranks (implies the distributed optimizer)",
+    )
+    g.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+        default="optim_grads_params",
+        help="with --use-megatron-fsdp: what is sharded (optim = ZeRO-1, optim_grads = ZeRO-2, "
+        "optim_grads_params = ZeRO-3)",
+    )
+    g.add_argument(
         "--torch-fsdp2-no-reshard-after-forward",
         action="store_false",
         dest="torch_fsdp2_reshard_after_forward",

@@ -52,47 +52,11 @@ def build_chunks(
 def wrap_ddp(
     chunks: list[torch.nn.Module], config: Any, layout: Layout, cfg: TrainConfig
 ) -> list[torch.nn.Module]:
-    """Megatron's DDP around every chunk (gradient buckets on the first chunk only), or its
-    TorchFullyShardedDataParallel (FSDP2 over the data-parallel ranks) with --use-torch-fsdp2."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """Megatron's DDP around every chunk (gradient buckets on the first chunk only), or one of
+    its FSDP wrappers (:mod:`anyspeed.training.sharding`)."""
+    from anyspeed.training import sharding
 
-    if layout.torch_fsdp2:
-        from megatron.core.distributed import (
-            TorchFullyShardedDataParallel,
-            TorchFullyShardedDataParallelConfig,
-        )
-        from megatron.core.models.common.embeddings.language_model_embedding import (
-            LanguageModelEmbedding,
-        )
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-        from megatron.core.transformer.transformer_layer import TransformerLayer
-
-        fsdp_config = TorchFullyShardedDataParallelConfig(
-            reshard_after_forward=layout.fsdp2_reshard_after_forward
-        )
-        # Megatron's default set adds ColumnParallelLinear unless transformer_impl is "local";
-        # on the local spec it would wrap the layers' own linears a second time.
-        units = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
-        return [
-            TorchFullyShardedDataParallel(
-                config=config, ddp_config=fsdp_config, module=chunk, sub_modules_to_wrap=units
-            )
-            for chunk in chunks
-        ]
-
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
-        overlap_grad_reduce=layout.overlap_grad_reduce,
-        overlap_param_gather=layout.overlap_param_gather,
-        use_distributed_optimizer=layout.distributed_optimizer,
-        bucket_size=layout.bucket_size,
-    )
-    return [
-        DistributedDataParallel(
-            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
-        )
-        for i, chunk in enumerate(chunks)
-    ]
+    return sharding.wrap(chunks, config, layout, cfg.grad_reduce_in_fp32)
 
 
 def build_model(

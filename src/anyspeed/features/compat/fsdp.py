@@ -2,7 +2,8 @@
 
 Megatron-FSDP (``--use-megatron-fsdp``) reduces gradients with NCCL's ``PREMUL_SUM`` (the
 averaging factor fused into the reduce-scatter), which gloo and other backends lack: there the
-gradients are scaled first and summed, as Megatron-FSDP itself does for bf16.
+gradients are scaled first and summed, as Megatron-FSDP itself does for bf16. Its adapter also
+tests modules against Transformer Engine's ``TELinear`` at TP > 1, which is None without TE.
 
 TorchFullyShardedDataParallel (``--use-torch-fsdp2``):
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 from typing import Any
 
 import torch
@@ -158,6 +160,10 @@ def scale_then_sum(previous: Any) -> Any:
     return gradient_reduce_preprocessing
 
 
+class _NoTELinear:
+    """Stands for Transformer Engine's TELinear where TE is not installed: no module is one."""
+
+
 class FSDPCompat(Feature):
     name = "fsdp-compat"
     level = 0
@@ -166,6 +172,14 @@ class FSDPCompat(Feature):
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
+        if importlib.util.find_spec("transformer_engine") is None:
+            pm.register_replace(
+                "megatron.core.distributed.fsdp.mcore_fsdp_adapter.TELinear",
+                _NoTELinear,
+                feature=self.name,
+                reason="--use-megatron-fsdp at TP > 1 without Transformer Engine: the adapter's "
+                "isinstance(module, (TELinear,)) failed on TELinear = None",
+            )
         pm.register_wrap(
             "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer."
             "gradient_reduce_preprocessing",

@@ -1,7 +1,8 @@
-"""``anyspeed pretrain --use-torch-fsdp2``: Megatron-Core's TorchFullyShardedDataParallel on
-every device. Loss and grad norm equal DDP with the distributed optimizer for 4 steps, at DP2
-and TP2 (+SP) x DP2; each rank holds half of DDP's parameters, gradients and optimizer state
-(measured on the ranks' own tensors)."""
+"""Megatron-Core's FSDP paths in ``anyspeed pretrain`` on every device: ``--use-torch-fsdp2``
+(TorchFullyShardedDataParallel) and ``--use-megatron-fsdp`` (each sharding strategy that runs).
+Loss and grad norm equal DDP with the distributed optimizer for 4 steps, at DP2 and TP2 (+SP) x
+DP2; with FSDP2 each rank holds half of DDP's parameters, gradients and optimizer state
+(measured on the ranks' own tensors), and its checkpoints resume and read across."""
 
 from __future__ import annotations
 
@@ -35,18 +36,34 @@ def test_dp2_equals_distributed_optimizer_and_halves_the_state(corpus: str) -> N
         assert fsdp["state_bytes"][key] == pytest.approx(half, rel=0.02), key
 
 
+def test_megatron_fsdp_strategies_equal_distributed_optimizer(corpus: str) -> None:
+    mfsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+    distopt, *runs = run_many(
+        2,
+        [
+            _args(corpus, "--use-distributed-optimizer"),
+            *(_args(corpus, *mfsdp, s) for s in ("optim", "optim_grads", "optim_grads_params")),
+        ],
+    )
+    for run in runs:
+        _close(run["loss"], distopt["loss"])
+        _close(run["grad_norm"], distopt["grad_norm"])
+
+
 @pytest.mark.slow
 def test_tp2_sp_dp2_equals_distributed_optimizer(corpus: str) -> None:
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    fsdp, distopt = run_many(
+    distopt, *runs = run_many(
         4,
         [
-            _args(corpus, *tp, "--use-torch-fsdp2"),
             _args(corpus, *tp, "--use-distributed-optimizer"),
+            _args(corpus, *tp, "--use-torch-fsdp2"),
+            _args(corpus, *tp, "--use-megatron-fsdp"),
         ],
     )
-    _close(fsdp["loss"], distopt["loss"])
-    _close(fsdp["grad_norm"], distopt["grad_norm"])
+    for run in runs:
+        _close(run["loss"], distopt["loss"])
+        _close(run["grad_norm"], distopt["grad_norm"])
 
 
 def _hf_tensors(directory) -> dict:  # noqa: ANN001 - a path
