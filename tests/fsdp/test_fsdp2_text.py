@@ -77,3 +77,52 @@ def test_shards_are_one_over_n(tmp_path, corpus: str) -> None:
     assert est.params_bytes == pytest.approx(whole / 2, rel=1e-6)
     assert est.optimizer_bytes == 2 * est.params_bytes  # AdamW's two moments, all trainable
     assert torch.tensor(est.gathered_bytes) > 0
+
+
+def _instruction_batches(prefix: str, seq: int, gbs: int, steps: int) -> list[dict]:
+    """Global batches read with Megatron's own reader: inputs ``ids[:-1]``, targets the stored
+    labels shifted by one (prompt tokens -100), right-padded and masked."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ids = IndexedDataset(f"{prefix}_packed_input_ids_document")
+    labels = IndexedDataset(f"{prefix}_packed_labels_document")
+    out = []
+    for k in range(steps):
+        rows = range(k * gbs, (k + 1) * gbs)
+        pairs = [(np.asarray(ids[i])[: seq + 1], np.asarray(labels[i])[: seq + 1]) for i in rows]
+        n = max(len(a) - 1 for a, _ in pairs)
+        batch = {
+            "input_ids": torch.zeros(gbs, n, dtype=torch.long),
+            "labels": torch.full((gbs, n), -100, dtype=torch.long),
+            "attention_mask": torch.zeros(gbs, n, dtype=torch.long),
+        }
+        for r, (a, lab) in enumerate(pairs):
+            batch["input_ids"][r, : len(a) - 1] = torch.from_numpy(a[:-1].astype(np.int64))
+            batch["labels"][r, : len(a) - 1] = torch.from_numpy(lab[1:].astype(np.int64))
+            batch["attention_mask"][r, : len(a) - 1] = 1
+        out.append(batch)
+    return out
+
+
+def test_instruction_data_dp2_equals_one_process(tmp_path, hf_tok: str) -> None:
+    """The answers-only loss of an instruction dataset (``anyspeed preprocess`` output)."""
+    import json
+
+    from helpers.instruction import alpaca_records, preprocess
+
+    src = tmp_path / "alpaca.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in alpaca_records(16)))
+    prefix = preprocess(str(src), str(tmp_path / "sft"), hf_tok)
+    model_dir = R.text_model(tmp_path / "m", "qwen2", vocab=640)
+    cfg = R.write_config(
+        tmp_path / "c.yaml", model_dir, prefix, data={"cutoff_len": 64},
+        training={"output_dir": str(tmp_path / "out"), "save_hf_weights": True,
+                  "max_grad_norm": CLIP},
+    )  # fmt: skip
+    ranks = run_distributed(R.train_rank, 2, config=cfg, timeout=240)
+    ref = R.reference_loop(model_dir, _instruction_batches(prefix, 64, 4, STEPS), LR, WD, CLIP)
+    np.testing.assert_allclose(ranks[0]["loss"], ref["loss"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(ranks[0]["grad_norm"], ref["grad_norm"], rtol=1e-5, atol=1e-6)
+    trained = R.load_params(str(tmp_path / "out" / "hf"))
+    worst = max((trained[k] - ref["params"][k]).abs().max().item() for k in trained)
+    assert worst < 1e-5

@@ -106,3 +106,32 @@ def test_checkpoints_resume_and_read_across(corpus: str, tmp_path) -> None:
     a, b = _hf_tensors(fs + "_hf"), _hf_tensors(dd + "_hf")
     assert set(a) == set(b)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_sft_per_token_loss_equals_distributed_optimizer(tmp_path, hf_tok: str) -> None:
+    """``posttrain --stage sft`` (the per-token loss: gradients divided by the batch's token
+    count) under both FSDP paths equals the distributed optimizer, grad norm included."""
+    import json
+
+    from anyspeed.testing import run_distributed
+    from helpers import sft_ranks
+    from helpers.instruction import alpaca_records, preprocess
+
+    src = tmp_path / "alpaca.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in alpaca_records(40)))
+    prefix = preprocess(str(src), str(tmp_path / "sft"), hf_tok)
+    sft = ["--stage", "sft", "--model", "tiny-qwen2.5", "--num-layers", "2",
+           "--padded-vocab-size", "640", "--seq-length", "64", "--micro-batch-size", "2",
+           "--global-batch-size", "8", "--train-iters", "3", "--lr", "2e-3", "--data-path",
+           prefix, "--is-instruction-dataset", "--tokenizer-type", "PretrainedFromHF",
+           "--tokenizer-name-or-path", hf_tok, "--split", "100,0,0", "--eval-iters", "0",
+           "--no-progress-bar", "--untie-embeddings-and-output-weights", "--hidden-dropout",
+           "0", "--attention-dropout", "0"]  # fmt: skip
+    clis = [[*sft, f] for f in ("--use-distributed-optimizer", "--use-torch-fsdp2",
+                                "--use-megatron-fsdp")]  # fmt: skip
+    distopt, fsdp2, mfsdp = run_distributed(
+        sft_ranks.posttrain_many, 2, argv=clis[0], clis=clis, timeout=300
+    )[0]
+    for run in (fsdp2, mfsdp):
+        _close(run["loss"], distopt["loss"])
+        _close(run["grad_norm"], distopt["grad_norm"])

@@ -17,6 +17,10 @@ TorchFullyShardedDataParallel (``--use-torch-fsdp2``):
   saving failed ("Param id 0 does not match any model sharded param"). The match is made here
   by the local shard's storage, offset and shape, which are the same on every call.
 - Checkpoints of a SwiGLU ``linear_fc1``: see :func:`swiglu_fsdp2`.
+- Per-token loss (``calculate_per_token_loss``, the SFT stages): Megatron divides the summed
+  gradients by the batch's token count through ``scale_gradients``, which the FSDP2 wrapper left
+  a no-op, so its gradients were the token sum averaged over the data-parallel ranks (a grad
+  norm 31x DDP's on a tiny SFT run). It now scales them by ranks / tokens.
 """
 
 from __future__ import annotations
@@ -160,6 +164,15 @@ def scale_then_sum(previous: Any) -> Any:
     return gradient_reduce_preprocessing
 
 
+def scale_fsdp2_gradients(self: Any, scaling_factor: float) -> None:
+    """FSDP2's reduce-scatter averaged the gradients over the data-parallel ranks, where DDP
+    sums them before this scaling: multiply by the ranks too."""
+    ranks = self.device_mesh.size()
+    for p in self.module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scaling_factor * ranks)
+
+
 class _NoTELinear:
     """Stands for Transformer Engine's TELinear where TE is not installed: no module is one."""
 
@@ -194,6 +207,15 @@ class FSDPCompat(Feature):
             feature=self.name,
             reason="--use-torch-fsdp2: finalize_model_grads passes force_all_reduce, which the "
             "FSDP2 wrapper's finish_grad_sync() did not accept (TypeError every step)",
+        )
+        pm.register_replace(
+            "megatron.core.distributed.torch_fully_sharded_data_parallel."
+            "TorchFullyShardedDataParallel.scale_gradients",
+            scale_fsdp2_gradients,
+            feature=self.name,
+            reason="--use-torch-fsdp2 with a per-token loss (SFT): the wrapper inherited a no-op "
+            "scale_gradients, so gradients were never divided by the batch's token count",
+            create=True,
         )
         pm.register_wrap(
             "megatron.core.optimizer.optimizer.get_param_id_to_sharded_param_map",
