@@ -94,6 +94,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seq", type=int, default=1024)
     args = p.parse_args()
+    from anyspeed import quiet
+
+    quiet.install()  # Megatron's notices when the corpus writer is imported
     print(f"Qwen2.5-0.5B shape, fp32, seq {args.seq}, micro batch 1 x 2 CPU processes, "
           f"{args.iters} measured iterations after {args.warmup} warm-up", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as d:

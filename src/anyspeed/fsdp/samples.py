@@ -21,7 +21,8 @@ class Sample:
 
 def collate(samples: list[Sample], multiple: int) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``/``labels`` (length a multiple of ``multiple``), the padding
-    mask, and the samples' image tensors joined along their first dimension."""
+    mask (when there is padding), and the samples' image tensors joined along their first
+    dimension."""
     longest = max(len(s.input_ids) for s in samples)
     longest = -(-longest // multiple) * multiple
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
@@ -32,7 +33,9 @@ def collate(samples: list[Sample], multiple: int) -> dict[str, torch.Tensor]:
         ids[r, :n] = torch.tensor(s.input_ids)
         labels[r, :n] = torch.tensor(s.targets)
         mask[r, :n] = 1
-    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    batch = {"input_ids": ids, "labels": labels}
+    if not bool(mask.all()):  # without padding the causal mask says it all: SDPA's fused kernel
+        batch["attention_mask"] = mask
     for key in samples[0].per_token:
         batch[key] = torch.zeros(len(samples), longest, dtype=torch.long)
         for r, s in enumerate(samples):
