@@ -20,7 +20,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory, hf_tok: str) -> tuple[str, str
     root = tmp_path_factory.mktemp("fsdp_vlm")
     model_dir = V.qwen25_vl(root / "model", hf_tok)
     (root / "data").mkdir()
-    return model_dir, V.conversations(root / "data")
+    return model_dir, V.conversations(root / "data", n=12)
 
 
 def test_conversations_render_as_the_processor_says(vlm: tuple[str, str]) -> None:
@@ -71,10 +71,10 @@ def test_dp2_equals_one_process_and_frozen_tower(tmp_path, vlm: tuple[str, str])
         data,
         model={"freeze": ["model.visual"]},
         data={"cutoff_len": 256},
-        training={"output_dir": str(out), "save_hf_weights": True, "max_steps": 2},
+        training={"output_dir": str(out), "save_hf_weights": True, "max_steps": 3},
     )
     ranks = run_distributed(R.train_rank, 2, config=cfg, timeout=240)
-    batches = _batches(model_dir, data, 4, 2)
+    batches = _batches(model_dir, data, 4, 3)
     ref = R.reference_loop(model_dir, batches, LR, WD, CLIP, freeze="model.visual")
     np.testing.assert_allclose(ranks[0]["loss"], ref["loss"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(ranks[0]["grad_norm"], ref["grad_norm"], rtol=1e-5, atol=1e-6)

@@ -74,6 +74,7 @@ class ConversationSource:
     def __init__(self, path: str, seq: int, model_dir: str, image_dir: str, max_pixels: int):
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
+        from anyspeed.fsdp.model import quiet
         from anyspeed.stages.vlm.data import image_problem
 
         config = AutoConfig.from_pretrained(model_dir)
@@ -82,10 +83,11 @@ class ConversationSource:
                 f"data.dataset {path!r} is a conversation file: anyspeed fsdp2 reads images for "
                 f"{', '.join(FAMILIES)} models, not {config.model_type!r}"
             )
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        with quiet():  # e.g. "requires torchvision, falling back to the PIL processor"
+            self.tok = AutoTokenizer.from_pretrained(model_dir)
+            self.images = AutoImageProcessor.from_pretrained(model_dir)
         if not self.tok.chat_template:
             raise UsageError(f"model.model_name_or_path {model_dir!r} has no chat template")
-        self.images = AutoImageProcessor.from_pretrained(model_dir)
         self.pad = FAMILIES[config.model_type]
         self.pad_id = self.tok.convert_tokens_to_ids(self.pad)
         self.seq, self.path = seq, path
