@@ -7,7 +7,20 @@ DP2; with FSDP2 each rank holds half of DDP's parameters, gradients and optimize
 from __future__ import annotations
 
 import pytest
-from test_pretrain import _close, base_args, run_many, write_corpus
+from test_pretrain import _close, base_args, write_corpus
+
+from anyspeed.testing import run_distributed
+from helpers import pretrain_ranks
+
+
+def run_many(world: int, clis: list[list[str]], timeout: float = 600) -> list[dict]:
+    """The command lines in turn on ``world`` fresh ranks: Megatron-FSDP's device meshes
+    outlive a process group, so ranks that trained other layouts before fail its grad-norm
+    check (each CLI run is a process of its own anyway)."""
+    ranks = run_distributed(
+        pretrain_ranks.pretrain_many, world, argv=clis[0], clis=clis, timeout=timeout, fresh=True
+    )
+    return ranks[0]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +143,7 @@ def test_sft_per_token_loss_equals_distributed_optimizer(tmp_path, hf_tok: str) 
     clis = [[*sft, f] for f in ("--use-distributed-optimizer", "--use-torch-fsdp2",
                                 "--use-megatron-fsdp")]  # fmt: skip
     distopt, fsdp2, mfsdp = run_distributed(
-        sft_ranks.posttrain_many, 2, argv=clis[0], clis=clis, timeout=300
+        sft_ranks.posttrain_many, 2, argv=clis[0], clis=clis, timeout=300, fresh=True
     )[0]
     for run in (fsdp2, mfsdp):
         _close(run["loss"], distopt["loss"])

@@ -77,11 +77,29 @@ def match_by_storage(previous: Any) -> Any:
     return get_param_id_to_sharded_param_map
 
 
+# Whether the last data-parallel wrapper built in this process is FSDP2's: only then are model
+# shards FSDP2 row blocks (a DDP expert shard at an expert-TP of tp x dp has the same shape).
+_LAST_WRAPPER = {"fsdp2": False}
+
+
+def note_wrapper(previous: Any) -> Any:
+    """``_BaseDataParallel.__init__`` that records which wrapper was built last."""
+
+    @functools.wraps(previous)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        previous(self, *args, **kwargs)
+        _LAST_WRAPPER["fsdp2"] = type(self).__name__ == "TorchFullyShardedDataParallel"
+
+    return __init__
+
+
 def _fsdp2_split(sh_ten: Any, axis: int) -> tuple[int, int, int, int] | None:
     """(tp rank, tp size, dp rank, dp size) when ``sh_ten`` is an FSDP2 shard of a TP-local
     tensor (Megatron fragments axis 0 into tp x dp pieces for those); None otherwise."""
     from megatron.core import parallel_state as ps
 
+    if not _LAST_WRAPPER["fsdp2"]:
+        return None
     tp = ps.get_tensor_model_parallel_world_size()
     dp = ps.get_data_parallel_world_size(with_context_parallel=True)
     frag = sh_ten.axis_fragmentations[axis]
@@ -223,6 +241,13 @@ class FSDPCompat(Feature):
             feature=self.name,
             reason="--use-torch-fsdp2 checkpoints: DTensor.to_local() is a new object on every "
             "call, so Megatron's match of optimizer to model parameters by id() found none",
+        )
+        pm.register_wrap(
+            "megatron.core.distributed.data_parallel_base._BaseDataParallel.__init__",
+            note_wrapper,
+            feature=self.name,
+            reason="--use-torch-fsdp2 checkpoints: the SwiGLU factory below applies to FSDP2's "
+            "shards only, so the process notes which wrapper it built last",
         )
         pm.register_wrap(
             "megatron.core.transformer.mlp.apply_swiglu_sharded_factory",
