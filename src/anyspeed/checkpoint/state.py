@@ -80,11 +80,20 @@ def load_model_entries(chunks: list[torch.nn.Module], state: dict[str, Any]) -> 
         chunk.load_state_dict(entry)
 
 
-def optimizer_dtensors(opt_state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+def optimizer_dtensors(opt_state: Any, optimizer: Any) -> Any:
     """A loaded optimizer state with the state of FSDP2 (DTensor) parameters as DTensors:
-    Megatron's checkpoint holds their local shards, torch's AdamW steps DTensors."""
+    Megatron's checkpoint holds their local shards, torch's AdamW steps DTensors. A chained
+    optimizer's state is one entry per optimizer (a single one: its own state)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        if len(chained) == 1:
+            return optimizer_dtensors(opt_state, chained[0])
+        entries = opt_state.items() if isinstance(opt_state, dict) else enumerate(opt_state)
+        for (_, state), inner in zip(sorted(entries), chained, strict=False):
+            optimizer_dtensors(state, inner)
+        return opt_state
     inner = getattr(optimizer, "optimizer", None)
-    if inner is None or not isinstance(opt_state.get("state"), dict):
+    if inner is None or not isinstance(opt_state, dict) or "state" not in opt_state:
         return opt_state
     params = [p for group in inner.param_groups for p in group["params"]]
     if not any(hasattr(p, "device_mesh") for p in params):
