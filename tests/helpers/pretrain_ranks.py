@@ -19,7 +19,21 @@ def pretrain(cli: list[str], crash_on_save: int | None = None, nan_at: int | Non
     faults = FaultInjection(nan_at=nan_at, crash_on_save=crash_on_save)
     history = train(args, task_for(args), extra_hooks=[faults])
     history["state_bytes"] = state_bytes(history.pop("trainer"))
+    history["estimate"] = estimated_state(args)
     return history
+
+
+def estimated_state(run) -> dict[str, int]:  # noqa: ANN001 - a checked Run
+    """What ``anyspeed memory`` says this rank holds of parameters, gradients and optimizer
+    state (pipeline stage 0)."""
+    import torch.distributed as dist
+
+    from anyspeed.commands.memory import options
+    from anyspeed.models.memory import estimate_stage
+
+    world = dist.get_world_size()
+    mem = estimate_stage(run.model, run.layout, world, options(run.args, run.layout.dp(world)), 0)
+    return {"params": mem.parameters, "grads": mem.gradients, "optimizer": mem.optimizer}
 
 
 def _local(t):  # noqa: ANN001, ANN202 - a tensor or a DTensor (an FSDP2 shard)

@@ -47,6 +47,9 @@ def test_dp2_equals_distributed_optimizer_and_halves_the_state(corpus: str) -> N
     for key in ("params", "grads", "optimizer"):
         half = ddp["state_bytes"][key] / 2
         assert fsdp["state_bytes"][key] == pytest.approx(half, rel=0.02), key
+        # anyspeed memory's figures for both layouts (ZeRO-3 for FSDP2, DDP's whole state)
+        for run in (fsdp, ddp):
+            assert run["estimate"][key] == pytest.approx(run["state_bytes"][key], rel=0.02), key
 
 
 def test_megatron_fsdp_strategies_equal_distributed_optimizer(corpus: str) -> None:
@@ -148,3 +151,13 @@ def test_sft_per_token_loss_equals_distributed_optimizer(tmp_path, hf_tok: str) 
     for run in (fsdp2, mfsdp):
         _close(run["loss"], distopt["loss"])
         _close(run["grad_norm"], distopt["grad_norm"])
+
+
+def test_verify_refuses_the_fsdp_paths(corpus: str, capsys) -> None:
+    """``anyspeed verify`` compares DDP gradients: an FSDP layout is one line, before start."""
+    from anyspeed.commands.verify import main as verify
+
+    for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp"):
+        assert verify(["pretrain", "--nproc-per-node", "2", *_args(corpus, flag)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not compared yet" in err[0], err

@@ -21,7 +21,14 @@ from anyspeed.device import detect
 from anyspeed.errors import UsageError, report
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
-from anyspeed.models.memory import Options, RankMemory, critic_bytes, estimate, estimate_stage
+from anyspeed.models.memory import (
+    Options,
+    RankMemory,
+    critic_bytes,
+    estimate,
+    estimate_stage,
+    zero_stage,
+)
 from anyspeed.models.presets import model_from_args
 from anyspeed.models.recompute import Recompute
 
@@ -216,10 +223,18 @@ def run(argv: Sequence[str]) -> str:
     return (
         f"{model.name} ({model.num_parameters() / 1e6:,.1f}M params), {world} devices: "
         f"TP={lay.tp} PP={lay.pp} VPP={lay.chunks} CP={lay.cp} DP={lay.dp(world)} "
-        f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer}, seq "
+        f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer}{_fsdp(lay)}, seq "
         f"{args.seq_length}, micro-batch {args.micro_batch_size}; the largest rank "
         f"(pipeline stage {mem.stage}):\n" + table
     )
+
+
+def _fsdp(lay: Layout) -> str:
+    if lay.torch_fsdp2:
+        return " FSDP2 (ZeRO-3)"
+    if lay.megatron_fsdp:
+        return f" Megatron-FSDP {lay.fsdp_sharding} (ZeRO-{zero_stage(lay)})"
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

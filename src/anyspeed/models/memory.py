@@ -269,20 +269,32 @@ def in_flight(lay: Layout, stage: int, microbatches: int) -> float:
     return min(warmup, microbatches * lay.chunks) / lay.chunks
 
 
-def _state_bytes(o: Options, params: int, dp: int, distributed: bool) -> tuple[int, int, int]:
-    """(gradient, optimizer, main gradient) bytes for ``params`` parameters on one rank.
-    Gradients: the DDP
-    buffer, plus the fp32 copies the optimizer steps on when that buffer is in 16 bits (held
-    from the optimizer step to the next step's zero_grad; sharded like the optimizer)."""
+def zero_stage(lay: Layout) -> int:
+    """What the data-parallel ranks shard, as ZeRO stages: 0 (DDP), 1 (the distributed
+    optimizer, Megatron-FSDP's ``optim``), 2 (+ gradients, ``optim_grads``), 3 (+ parameters:
+    ``optim_grads_params``, ``--use-torch-fsdp2``)."""
+    if lay.torch_fsdp2:
+        return 3
+    if lay.megatron_fsdp:
+        return {"optim": 1, "optim_grads": 2}.get(lay.fsdp_sharding, 3)
+    return 1 if lay.distributed_optimizer else 0
+
+
+def _state_bytes(o: Options, params: int, dp: int, zero: int) -> tuple[int, int, int]:
+    """(gradient, optimizer, main gradient) bytes for ``params`` parameters on one rank at
+    ZeRO stage ``zero`` (:func:`zero_stage`). Gradients: the DDP buffer, plus the fp32 copies
+    the optimizer steps on when that buffer is in 16 bits (held from the optimizer step to the
+    next step's zero_grad; sharded like the optimizer)."""
     fp32_grads = o.grad_reduce_in_fp32 or o.precision == "fp32"
     per_param = (8 if o.optimizer == "adam" else 4) + (0 if o.precision == "fp32" else F32)
     main_grads = 0 if fp32_grads else params * F32
     opt = params * per_param
 
-    def shard(n: int) -> int:
-        return math.ceil(n / dp) if distributed else n
+    def shard(n: int, stage: int = 1) -> int:
+        return math.ceil(n / dp) if zero >= stage else n
 
-    return params * (F32 if fp32_grads else 2) + shard(main_grads), shard(opt), shard(main_grads)
+    grads = shard(params * (F32 if fp32_grads else 2), 2)
+    return grads + shard(main_grads), shard(opt), shard(main_grads)
 
 
 def estimate_stage(
@@ -290,16 +302,17 @@ def estimate_stage(
 ) -> RankMemory:
     """The memory of a rank of pipeline stage ``stage``."""
     params, experts = stage_parameters(m, lay, stage)
-    distopt, expert_dp = lay.distributed_optimizer, world_size // (lay.ep * lay.expert_tp * lay.pp)
-    dense = _state_bytes(o, params - experts, lay.dp(world_size), distopt)
-    expert = _state_bytes(o, experts, expert_dp, distopt)
+    zero, expert_dp = zero_stage(lay), world_size // (lay.ep * lay.expert_tp * lay.pp)
+    dense = _state_bytes(o, params - experts, lay.dp(world_size), zero)
+    expert = _state_bytes(o, experts, expert_dp, zero)
     grads, opt, main = (a + b for a, b in zip(dense, expert, strict=True))
     acts = 0
     for chunk, layers in enumerate(_stage_layers(m, lay, stage)):
         first, last = stage == 0 and chunk == 0, stage == lay.pp - 1 and chunk == lay.chunks - 1
         acts += chunk_activations(m, lay, o, first, last, layers)
     flight = in_flight(lay, stage, o.num_microbatches)
-    return RankMemory(stage, params * o.dtype_bytes, grads, opt, acts, flight, main)
+    held = params if zero < 3 else math.ceil(params / lay.dp(world_size))  # FSDP's own shard
+    return RankMemory(stage, held * o.dtype_bytes, grads, opt, acts, flight, main)
 
 
 def critic_bytes(m: ModelConfig, lay: Layout, world_size: int, o: Options, stage: int) -> int:
@@ -310,11 +323,12 @@ def critic_bytes(m: ModelConfig, lay: Layout, world_size: int, o: Options, stage
     if stage == lay.pp - 1:
         emb = m.vocab_size * m.hidden_size // lay.tp
         params += m.hidden_size - (0 if m.tie_embeddings and lay.pp == 1 else emb)
-    distopt, expert_dp = lay.distributed_optimizer, world_size // (lay.ep * lay.expert_tp * lay.pp)
-    dense = _state_bytes(o, params - experts, lay.dp(world_size), distopt)
-    expert = _state_bytes(o, experts, expert_dp, distopt)
+    zero, expert_dp = zero_stage(lay), world_size // (lay.ep * lay.expert_tp * lay.pp)
+    dense = _state_bytes(o, params - experts, lay.dp(world_size), zero)
+    expert = _state_bytes(o, experts, expert_dp, zero)
     grads, opt, _ = (a + b for a, b in zip(dense, expert, strict=True))
-    return params * o.dtype_bytes + grads + opt
+    held = params if zero < 3 else math.ceil(params / lay.dp(world_size))
+    return held * o.dtype_bytes + grads + opt
 
 
 def estimate(m: ModelConfig, lay: Layout, world_size: int, o: Options) -> RankMemory:
