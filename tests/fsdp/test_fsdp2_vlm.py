@@ -1,6 +1,7 @@
-"""``anyspeed fsdp2`` on a vision-language model (a tiny random Qwen2.5-VL): the conversation
-file's rendering checked against the image processor and the answers, DP2 against a
-one-process transformers loop, and a frozen tower that stays bit-identical."""
+"""``anyspeed fsdp2`` on vision-language models (tiny random Qwen2.5-VL and Qwen3-VL, the
+latter with no Megatron version in anyspeed): the conversation file's rendering checked against
+the image processor and the answers, DP2 against a one-process transformers loop, and a frozen
+tower that stays bit-identical."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from helpers import fsdp_vlm as V
 LR, WD, CLIP = 1e-3, 0.1, 1.0
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory, hf_tok: str) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("fsdp_vlm")
-    model_dir = V.qwen25_vl(root / "model", hf_tok)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vlm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, hf_tok: str
+) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp(request.param)
+    make = V.qwen25_vl if request.param == "qwen2_5_vl" else V.qwen3_vl
+    model_dir = make(root / "model", hf_tok)
     (root / "data").mkdir()
     return model_dir, V.conversations(root / "data", n=12)
 

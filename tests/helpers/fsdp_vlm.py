@@ -68,6 +68,45 @@ def qwen25_vl(directory: str | Path, tok_dir: str, seed: int = 0) -> str:
     return str(directory)
 
 
+def qwen3_vl(directory: str | Path, tok_dir: str, seed: int = 0) -> str:
+    """A random tiny Qwen3-VL (2 text layers; a 2-block tower with 16-pixel patches, learned
+    position embeddings and DeepStack features from both blocks) and its image processor."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tok = tokenizer(tok_dir)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    text = dict(vocab_size=len(tok) + 8, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                 "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=16, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 1])  # fmt: skip
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(str(directory))
+    image = Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, min_pixels=64 * 64, max_pixels=128 * 128
+    )
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(directory))
+    image.save_pretrained(str(directory))
+    return str(directory)
+
+
 def draw(path: str | Path, shape: str, size: tuple[int, int], seed: int) -> str:
     """A PNG of one coloured square or disc on a plain ground."""
     from PIL import Image, ImageDraw
