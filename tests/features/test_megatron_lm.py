@@ -432,3 +432,18 @@ def test_pretrain_gpt_fsdp_matches_distributed_optimizer(script, fsdp):
     assert sorted(got) == list(range(1, 5))
     for it in range(1, 5):
         assert got[it] == pytest.approx(ref[it], rel=1e-5), (it, got, ref)
+
+
+def test_pretrain_gpt_torch_fsdp2_resumes_exactly(script, tmp_path):
+    """pretrain_gpt.py --use-torch-fsdp2 saves (torch_dist) and resumes as if uninterrupted
+    (Megatron-LM's own loader left torch's AdamW without its step count)."""
+    ckpt = str(tmp_path / "ckpt")
+    model = [*FSDP_MODEL[:1], "6", *FSDP_MODEL[2:], "--use-torch-fsdp2"]
+    straight = torchrun(script, *model)
+    torchrun(script, *model, "--save", ckpt, "--save-interval", "3", "--exit-interval", "3")
+    resumed = torchrun(script, *model, "--load", ckpt)
+    expected = dict(straight)
+    expected[5] = (straight[4] + straight[5]) / 2  # Megatron-LM's first line after a resume
+    assert sorted(resumed) == [4, 5, 6]
+    for it in (4, 5, 6):
+        assert resumed[it] == pytest.approx(expected[it], rel=1e-5), (it, resumed, straight)

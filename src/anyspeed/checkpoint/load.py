@@ -29,11 +29,11 @@ from anyspeed.checkpoint.state import (
     layout_signature,
     load_model_entries,
     model_state,
-    optimizer_dtensors,
     set_aside,
     sharding_metadata,
     unwrapped,
 )
+from anyspeed.distributed.dtensors import optimizer_dtensors
 from anyspeed.distributed.process import agree
 
 

@@ -17,6 +17,9 @@ TorchFullyShardedDataParallel (``--use-torch-fsdp2``):
   saving failed ("Param id 0 does not match any model sharded param"). The match is made here
   by the local shard's storage, offset and shape, which are the same on every call.
 - Checkpoints of a SwiGLU ``linear_fc1``: see :func:`swiglu_fsdp2`.
+- Resuming in Megatron-LM: its loader skipped the optimizer's ``load_state_dict`` for FSDP2
+  (the shards load in place), which left torch's AdamW (used without Apex) with no ``step``:
+  a KeyError at the first step. The optimizer's state is loaded, as DTensors.
 - Per-token loss (``calculate_per_token_loss``, the SFT stages): Megatron divides the summed
   gradients by the batch's token count through ``scale_gradients``, which the FSDP2 wrapper left
   a no-op, so its gradients were the token sum averaged over the data-parallel ranks (a grad
@@ -191,6 +194,34 @@ def scale_fsdp2_gradients(self: Any, scaling_factor: float) -> None:
             p.grad.mul_(scaling_factor * ranks)
 
 
+def optimizer_state_as_dtensors(previous: Any) -> Any:
+    """``FP32Optimizer.load_state_dict`` that takes Megatron's checkpoint of FSDP2 parameters
+    (local shards) as the DTensors torch's optimizer steps."""
+
+    @functools.wraps(previous)
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        from anyspeed.distributed.dtensors import optimizer_dtensors
+
+        return previous(self, optimizer_dtensors(state_dict, self))
+
+    return load_state_dict
+
+
+def load_fsdp2_optimizer(previous: Any) -> Any:
+    """Megatron-LM's ``load_checkpoint`` with the optimizer's state loaded for FSDP2 too (the
+    model's shards load in place; the wrapper's own ``load_state_dict`` is a no-op)."""
+
+    @functools.wraps(previous)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
+        if getattr(get_args(), "use_torch_fsdp2", False):
+            kwargs["skip_load_to_model_and_opt"] = False
+        return previous(*args, **kwargs)
+
+    return load_checkpoint
+
+
 class _NoTELinear:
     """Stands for Transformer Engine's TELinear where TE is not installed: no module is one."""
 
@@ -235,6 +266,21 @@ class FSDPCompat(Feature):
             "scale_gradients, so gradients were never divided by the batch's token count",
             create=True,
         )
+        pm.register_wrap(
+            "megatron.core.optimizer.optimizer.FP32Optimizer.load_state_dict",
+            optimizer_state_as_dtensors,
+            feature=self.name,
+            reason="--use-torch-fsdp2 resume: the checkpoint holds the parameters' local shards, "
+            "torch's optimizer state must be DTensors like its parameters",
+        )
+        if importlib.util.find_spec("megatron.training") is not None:
+            pm.register_wrap(
+                "megatron.training.checkpointing.load_checkpoint",
+                load_fsdp2_optimizer,
+                feature=self.name,
+                reason="pretrain_gpt.py --use-torch-fsdp2 resume: Megatron-LM skipped the "
+                "optimizer's load_state_dict, and torch's AdamW then had no 'step' (KeyError)",
+            )
         pm.register_wrap(
             "megatron.core.optimizer.optimizer.get_param_id_to_sharded_param_map",
             match_by_storage,
