@@ -154,8 +154,7 @@ def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | No
         raise UsageError(
             f"{'--save' if args.save else '--load'} with --use-megatron-fsdp: its checkpoints "
             "are Megatron-FSDP's own fsdp_dtensor format, which anyspeed pretrain does not "
-            "write yet; use --use-torch-fsdp2 (DDP reads its checkpoints too), or Megatron-LM's "
-            "pretrain_gpt.py with --ckpt-format fsdp_dtensor"
+            "write yet; use --use-torch-fsdp2 (DDP reads its checkpoints too)"
         )
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
