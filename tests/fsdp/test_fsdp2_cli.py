@@ -120,3 +120,16 @@ def test_bad_conversation_records(tmp_path, setup, capsys, hf_tok: str) -> None:
         line = _error(capsys, [_config(tmp_path, model_dir, str(target),
                                        data={"cutoff_len": 256})])  # fmt: skip
         assert f"{name}.json' record 0" in line and expect in line, line
+
+
+def test_documented_configs_parse() -> None:
+    """The example configurations in docs/fsdp2/ use only known keys and valid values."""
+    from pathlib import Path
+
+    from anyspeed.fsdp.config import load
+
+    found = sorted((Path(__file__).parents[2] / "docs" / "fsdp2").glob("*.yaml"))
+    assert len(found) >= 2
+    for path in found:
+        cfg = load(str(path))
+        assert cfg.model.model_name_or_path and cfg.data.dataset, path
