@@ -40,10 +40,26 @@ def _local(t):  # noqa: ANN001, ANN202 - a tensor or a DTensor (an FSDP2 shard)
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _megatron_fsdp_bytes(chunk) -> tuple[int, int, int]:  # noqa: ANN001 - its wrapper
+    """Megatron-FSDP's own buffers: (model weights, gradients, fp32 master weights)."""
+    sums = [0, 0, 0]
+    names = ("model_weight_buffer", "main_grad_buffer", "main_weight_buffer")
+    for group in chunk.param_and_grad_buffer.parameter_groups:
+        for i, name in enumerate(names):
+            buf = getattr(group, name, None)
+            if buf is not None and getattr(buf, "data", None) is not None:
+                sums[i] += buf.data.numel() * buf.data.element_size()
+    return sums[0], sums[1], sums[2]
+
+
 def state_bytes(trainer) -> dict[str, int]:  # noqa: ANN001 - anyspeed's Trainer
     """Bytes this rank holds of the parameters, the gradients and the optimizer's state
-    (its own tensors, measured: DDP's gradient buffers, FSDP2's local shards)."""
-    params = grads = 0
+    (its own tensors, measured: DDP's gradient buffers, FSDP2's local shards, Megatron-FSDP's
+    buffers)."""
+    params = grads = masters = 0
+    if hasattr(trainer.model[0], "param_and_grad_buffer"):
+        params, grads, masters = _megatron_fsdp_bytes(trainer.model[0])
+        return {"params": params, "grads": grads, "optimizer": masters + _optimizer_bytes(trainer)}
     for chunk in trainer.model:
         for p in chunk.parameters():
             params += _local(p).numel() * _local(p).element_size()
@@ -52,13 +68,17 @@ def state_bytes(trainer) -> dict[str, int]:  # noqa: ANN001 - anyspeed's Trainer
         ddp_buffers = getattr(chunk, "buffers", None)  # Megatron DDP: a list; FSDP2: a method
         for buf in ddp_buffers if isinstance(ddp_buffers, list) else []:
             grads += buf.grad_data.numel() * buf.grad_data.element_size()
+    return {"params": params, "grads": grads, "optimizer": _optimizer_bytes(trainer)}
+
+
+def _optimizer_bytes(trainer) -> int:  # noqa: ANN001 - anyspeed's Trainer
     opt = 0
     for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
         for state in inner.optimizer.state.values():
             for v in state.values():
                 if hasattr(v, "numel") and v.dim() > 0:
                     opt += _local(v).numel() * _local(v).element_size()
-    return {"params": params, "grads": grads, "optimizer": opt}
+    return opt
 
 
 def pretrain_many(clis: list[list[str]]) -> list[dict]:

@@ -64,6 +64,14 @@ def test_megatron_fsdp_strategies_equal_distributed_optimizer(corpus: str) -> No
     for run in runs:
         _close(run["loss"], distopt["loss"])
         _close(run["grad_norm"], distopt["grad_norm"])
+    # what each strategy holds per rank, measured on Megatron-FSDP's own buffers, against
+    # anyspeed memory (ZeRO-1: moments and masters sharded; 2: + gradients; 3: + parameters)
+    for run in runs:
+        for key in ("params", "grads", "optimizer"):
+            assert run["estimate"][key] == pytest.approx(run["state_bytes"][key], rel=0.03), key
+    zero1, zero2, zero3 = (r["state_bytes"] for r in runs)
+    assert zero2["grads"] == pytest.approx(zero1["grads"] / 2, rel=0.03)
+    assert zero3["params"] == pytest.approx(zero2["params"] / 2, rel=0.03)
 
 
 @pytest.mark.slow

@@ -280,13 +280,17 @@ def zero_stage(lay: Layout) -> int:
     return 1 if lay.distributed_optimizer else 0
 
 
-def _state_bytes(o: Options, params: int, dp: int, zero: int) -> tuple[int, int, int]:
+def _state_bytes(
+    o: Options, params: int, dp: int, zero: int, masters: bool = False
+) -> tuple[int, int, int]:
     """(gradient, optimizer, main gradient) bytes for ``params`` parameters on one rank at
     ZeRO stage ``zero`` (:func:`zero_stage`). Gradients: the DDP buffer, plus the fp32 copies
     the optimizer steps on when that buffer is in 16 bits (held from the optimizer step to the
-    next step's zero_grad; sharded like the optimizer)."""
+    next step's zero_grad; sharded like the optimizer). ``masters``: fp32 master weights even
+    in fp32 training (Megatron-FSDP keeps its own, sharded)."""
     fp32_grads = o.grad_reduce_in_fp32 or o.precision == "fp32"
-    per_param = (8 if o.optimizer == "adam" else 4) + (0 if o.precision == "fp32" else F32)
+    masters = masters or o.precision != "fp32"
+    per_param = (8 if o.optimizer == "adam" else 4) + (F32 if masters else 0)
     main_grads = 0 if fp32_grads else params * F32
     opt = params * per_param
 
@@ -303,8 +307,8 @@ def estimate_stage(
     """The memory of a rank of pipeline stage ``stage``."""
     params, experts = stage_parameters(m, lay, stage)
     zero, expert_dp = zero_stage(lay), world_size // (lay.ep * lay.expert_tp * lay.pp)
-    dense = _state_bytes(o, params - experts, lay.dp(world_size), zero)
-    expert = _state_bytes(o, experts, expert_dp, zero)
+    dense = _state_bytes(o, params - experts, lay.dp(world_size), zero, lay.megatron_fsdp)
+    expert = _state_bytes(o, experts, expert_dp, zero, lay.megatron_fsdp)
     grads, opt, main = (a + b for a, b in zip(dense, expert, strict=True))
     acts = 0
     for chunk, layers in enumerate(_stage_layers(m, lay, stage)):
