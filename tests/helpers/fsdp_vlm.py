@@ -33,26 +33,33 @@ def tokenizer(tok_dir: str) -> Any:
     return tok
 
 
-def qwen25_vl(directory: str | Path, tok_dir: str, seed: int = 0) -> str:
-    """A random tiny Qwen2.5-VL (2 text layers, a 2-block tower with one full-attention block)
-    and its processor at ``directory``."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
+def _text(tok: Any, **extra: Any) -> dict[str, Any]:
+    """A 2-layer text model (hidden 64, mRoPE sections 2/3/3) over ``tok``'s vocabulary."""
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+    rope.update(extra.pop("rope", {}))
+    return dict(
+        vocab_size=len(tok) + 8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_parameters=rope,
+        **extra,
     )
 
-    tok = tokenizer(tok_dir)
+
+def _save(
+    directory: str | Path, tok: Any, family: tuple[Any, Any], sizes: dict, seed: int, image: Any
+) -> str:
+    """Save a random model of ``family`` (config class, model class) built from ``sizes``
+    (text_config, vision_config), with ``tok``'s special-token ids, the chat template and the
+    image processor ``image``."""
+    config_cls, model_cls = family
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
-    text = dict(vocab_size=len(tok) + 8, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=1024,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                 "mrope_section": [2, 3, 3]})  # fmt: skip
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  fullatt_block_indexes=[1], window_size=56)  # fmt: skip
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
+    config = config_cls(
+        **sizes,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -60,51 +67,50 @@ def qwen25_vl(directory: str | Path, tok_dir: str, seed: int = 0) -> str:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(str(directory))
-    image = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    model_cls(config).save_pretrained(str(directory))
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(directory))
     image.save_pretrained(str(directory))
     return str(directory)
+
+
+def _image_processor(**kw: Any) -> Any:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Qwen2VLImageProcessorPil(**kw)
+
+
+def qwen25_vl(directory: str | Path, tok_dir: str, seed: int = 0) -> str:
+    """A random tiny Qwen2.5-VL (2 text layers, a 2-block tower with one full-attention block)
+    and its processor at ``directory``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = tokenizer(tok_dir)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, fullatt_block_indexes=[1], window_size=56)  # fmt: skip
+    sizes = {"text_config": _text(tok), "vision_config": vision}
+    image = _image_processor(min_pixels=56 * 56, max_pixels=112 * 112)
+    family = (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
+    return _save(directory, tok, family, sizes, seed, image)
 
 
 def qwen3_vl(directory: str | Path, tok_dir: str, seed: int = 0) -> str:
     """A random tiny Qwen3-VL (2 text layers; a 2-block tower with 16-pixel patches, learned
     position embeddings and DeepStack features from both blocks) and its image processor."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     tok = tokenizer(tok_dir)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
-    text = dict(vocab_size=len(tok) + 8, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=1024,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                 "mrope_section": [2, 3, 3],
-                                 "mrope_interleaved": True})  # fmt: skip
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  patch_size=16, num_position_embeddings=64,
+    text = _text(tok, head_dim=16, rope={"mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=16, num_position_embeddings=64,
                   deepstack_visual_indexes=[0, 1])  # fmt: skip
-    config = Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+    image = _image_processor(patch_size=16, merge_size=2, min_pixels=64**2, max_pixels=128**2)
+    family = (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+    return _save(
+        directory, tok, family, {"text_config": text, "vision_config": vision}, seed, image
     )
-    torch.manual_seed(seed)
-    Qwen3VLForConditionalGeneration(config).save_pretrained(str(directory))
-    image = Qwen2VLImageProcessorPil(
-        patch_size=16, merge_size=2, min_pixels=64 * 64, max_pixels=128 * 128
-    )
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(directory))
-    image.save_pretrained(str(directory))
-    return str(directory)
 
 
 def draw(path: str | Path, shape: str, size: tuple[int, int], seed: int) -> str:

@@ -38,8 +38,9 @@ def _split(argv: list[str]) -> tuple[str, int | None, list[str]]:
     return path, nproc, rest
 
 
-def check(argv: list[str]) -> tuple[object, int, str]:
-    """The checked configuration, the number of ranks and the estimate line (UsageError)."""
+def check(argv: list[str]) -> tuple[object, int, str, object]:
+    """The checked configuration, the number of ranks, the estimate line and the opened data
+    source (UsageError)."""
     from anyspeed.fsdp import checkpoint as ckpt
     from anyspeed.fsdp import config as C
     from anyspeed.fsdp import model as M
@@ -80,8 +81,8 @@ def check(argv: list[str]) -> tuple[object, int, str]:
     from anyspeed.fsdp.data import open_source
 
     mm = {"image_dir": cfg.data.image_dir, "max_pixels": cfg.data.image_max_pixels}
-    open_source(cfg.data.dataset, cfg.data.cutoff_len, cfg.model.model_name_or_path, mm)
-    return cfg, world, estimate(meta, cfg, world).line(world)
+    source = open_source(cfg.data.dataset, cfg.data.cutoff_len, cfg.model.model_name_or_path, mm)
+    return cfg, world, estimate(meta, cfg, world).line(world), source
 
 
 def main(argv: Sequence[str]) -> int:
@@ -94,7 +95,7 @@ def main(argv: Sequence[str]) -> int:
     from anyspeed.launch import reports_here
 
     try:
-        cfg, world, line = check(argv)
+        cfg, world, line, source = check(argv)
     except (UsageError, ValueError) as exc:
         return report(PROG, exc) if is_rank0() else 2
     if reports_here():
@@ -105,10 +106,10 @@ def main(argv: Sequence[str]) -> int:
         return supervise(
             torchrun_command(world, "anyspeed", ["fsdp2", *argv]), torchrun_env(world), PROG
         )
-    return _train_here(cfg)
+    return _train_here(cfg, source)
 
 
-def _train_here(cfg: object) -> int:
+def _train_here(cfg: object, source: object) -> int:
     import torch.distributed as dist
 
     from anyspeed.fsdp.run import train
@@ -118,7 +119,7 @@ def _train_here(cfg: object) -> int:
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(single_process_env())
     try:
-        train(cfg)  # type: ignore[arg-type]
+        train(cfg, source)  # type: ignore[arg-type]  # the source checked above, not reopened
     except (UsageError, ValueError) as exc:
         from anyspeed.distributed.process import is_rank0
 

@@ -241,20 +241,21 @@ def check_values(cfg: FSDPConfig, path: str) -> None:
     at = f"config {path!r}:"
     _range(f"{at} model.model_name_or_path", bool(m.model_name_or_path), "is required")
     _range(f"{at} data.dataset", bool(d.dataset), "is required")
-    _range(f"{at} model.attn_implementation", m.attn_implementation in ("sdpa", "eager"),
-           "must be sdpa or eager")  # fmt: skip
+    _range(f"{at} training.max_steps", t.max_steps != 0, "is required (optimizer steps to train)")
+    attention_ok = m.attn_implementation in ("sdpa", "eager")
+    _range(f"{at} model.attn_implementation", attention_ok, "must be sdpa or eager")
     _range(f"{at} data.cutoff_len", d.cutoff_len >= 2, "must be at least 2")
     _range(f"{at} data.image_max_pixels", d.image_max_pixels > 0, "must be positive")
     _range(f"{at} parallel.cp_size", p.cp_size >= 1, "must be at least 1")
-    _range(f"{at} parallel.cp_type", p.cp_type == "ulysses",
-           "must be ulysses (the FSDP2 trainer's sequence parallelism is Ulysses)")  # fmt: skip
+    ulysses = "must be ulysses (the FSDP2 trainer's sequence parallelism is Ulysses)"
+    _range(f"{at} parallel.cp_type", p.cp_type == "ulysses", ulysses)
     for key in ("param_dtype", "reduce_dtype"):
         _range(f"{at} parallel.{key}", getattr(p, key) in DTYPES, f"must be one of {DTYPES}")
     _range(f"{at} training.optimizer", t.optimizer == "adamw", "must be adamw")
-    _range(f"{at} training.lr_scheduler_type", t.lr_scheduler_type in SCHEDULES,
-           f"must be one of {SCHEDULES}")  # fmt: skip
-    for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps",
-                "logging_steps"):  # fmt: skip
+    schedule_ok = t.lr_scheduler_type in SCHEDULES
+    _range(f"{at} training.lr_scheduler_type", schedule_ok, f"must be one of {SCHEDULES}")
+    counts = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps")
+    for key in (*counts, "logging_steps"):
         _range(f"{at} training.{key}", getattr(t, key) >= 1, "must be at least 1")
     for key in ("lr", "min_lr", "weight_decay", "adam_epsilon", "max_grad_norm", "save_steps"):
         _range(f"{at} training.{key}", getattr(t, key) >= 0, "must not be negative")
@@ -262,8 +263,8 @@ def check_values(cfg: FSDPConfig, path: str) -> None:
     for key in ("adam_beta1", "adam_beta2", "warmup_ratio"):
         _range(f"{at} training.{key}", 0 <= getattr(t, key) < 1, "must be in [0, 1)")
     if t.resume_from_checkpoint == "auto" or t.save_steps or t.save_hf_weights:
-        _range(f"{at} training.output_dir", bool(t.output_dir),
-               "is required to save (or set save_hf_weights: false)")  # fmt: skip
+        saves = "is required to save (or set save_hf_weights: false)"
+        _range(f"{at} training.output_dir", bool(t.output_dir), saves)
 
 
 def layout(cfg: FSDPConfig, world: int) -> tuple[int, int]:

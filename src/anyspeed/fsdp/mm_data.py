@@ -22,8 +22,13 @@ from anyspeed.errors import UsageError
 from anyspeed.fsdp.samples import IGNORE, Sample
 
 TAG = "<image>"
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-         "system": "system"}  # fmt: skip
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 # model_type -> the image placeholder token the chat template writes (Qwen2-VL's rule: it
 # becomes grid / merge_size**2 image tokens)
 FAMILIES = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>"}

@@ -101,8 +101,9 @@ def build(cfg: FSDPConfig, device: torch.device) -> tuple[Any, Any, Any]:
     return trainer, Schedule(trainer.optimizer, cfg.training), cp_group
 
 
-def train(cfg: FSDPConfig) -> dict[str, Any]:
-    """Train ``cfg`` on this rank (the process group is started here); the history."""
+def train(cfg: FSDPConfig, source: Any = None) -> dict[str, Any]:
+    """Train ``cfg`` on this rank (the process group is started here); the history.
+    ``source``: the data source already opened (and checked) for ``cfg``, else it is opened."""
     from anyspeed.device import detect, torch_device
     from anyspeed.device.flops import peak
     from anyspeed.fsdp.data import open_source, rank_batches
@@ -128,8 +129,10 @@ def train(cfg: FSDPConfig) -> dict[str, Any]:
         saved = ckpt.load(resume, trainer, scheduler)
         start, consumed = int(saved["step"]), int(saved["consumed_samples"])
         print0(f"{PROG}: resumed from {resume} (step {start}, {consumed} samples)")
-    mm = {"image_dir": cfg.data.image_dir, "max_pixels": cfg.data.image_max_pixels}
-    source = open_source(cfg.data.dataset, cfg.data.cutoff_len, cfg.model.model_name_or_path, mm)
+    if source is None:
+        mm = {"image_dir": cfg.data.image_dir, "max_pixels": cfg.data.image_max_pixels}
+        path, seq = cfg.data.dataset, cfg.data.cutoff_len
+        source = open_source(path, seq, cfg.model.model_name_or_path, mm)
     batches = rank_batches(
         source,
         consumed,
