@@ -101,12 +101,23 @@ def _hf_tensors(directory) -> dict:  # noqa: ANN001 - a path
     return out
 
 
+def _same_hf_tensors(one: str, other: str) -> None:
+    """Both checkpoints converted to HF by ``anyspeed convert`` hold the same tensors (1e-5)."""
+    from anyspeed.commands.convert import main as convert
+
+    for src in (one, other):
+        argv = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", src,
+                "--save-dir", src + "_hf"]  # fmt: skip
+        assert convert(argv) == 0
+    a, b = _hf_tensors(one + "_hf"), _hf_tensors(other + "_hf")
+    assert set(a) == set(b)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
 def test_checkpoints_resume_and_read_across(corpus: str, tmp_path) -> None:
     """Saved at step 2 and resumed, FSDP2 equals the uninterrupted run; FSDP2 reads DDP's
     checkpoint and DDP reads FSDP2's (the same global tensors), and FSDP2's converts to HF as
     DDP's does."""
-    from anyspeed.commands.convert import main as convert
-
     fs, dd = str(tmp_path / "fsdp"), str(tmp_path / "ddp")
     stop = ["--save-interval", "2", "--exit-interval", "2"]
     whole, _, _, resumed, ddp_reads, fsdp_reads = run_many(
@@ -123,13 +134,80 @@ def test_checkpoints_resume_and_read_across(corpus: str, tmp_path) -> None:
     for run in (resumed, ddp_reads, fsdp_reads):
         _close(run["loss"], whole["loss"][2:])
         _close(run["grad_norm"], whole["grad_norm"][2:])
-    for src in (fs, dd):
-        argv = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", src,
-                "--save-dir", src + "_hf"]  # fmt: skip
-        assert convert(argv) == 0
-    a, b = _hf_tensors(fs + "_hf"), _hf_tensors(dd + "_hf")
-    assert set(a) == set(b)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    _same_hf_tensors(fs, dd)
+
+
+def test_megatron_fsdp_checkpoints(corpus: str, tmp_path) -> None:
+    """Megatron-FSDP saved at step 2 and resumed equals the uninterrupted run; its checkpoint
+    converts to the HF tensors of the distributed optimizer's at the same step; it starts from
+    a DDP checkpoint's weights (--finetune) as the distributed optimizer does."""
+    mf, dd = str(tmp_path / "mfsdp"), str(tmp_path / "distopt")
+    fsdp, opt = ["--use-megatron-fsdp"], ["--use-distributed-optimizer"]
+    stop = ["--save-interval", "2", "--exit-interval", "2"]
+    whole, _, resumed, _, from_ddp, distopt_from_ddp = run_many(
+        2,
+        [
+            _args(corpus, *fsdp),
+            _args(corpus, *fsdp, "--save", mf, *stop),
+            _args(corpus, *fsdp, "--load", mf),
+            _args(corpus, *opt, "--save", dd, *stop),
+            _args(corpus, *fsdp, "--load", dd, "--finetune"),
+            _args(corpus, *opt, "--load", dd, "--finetune"),
+        ],
+    )
+    _close(resumed["loss"], whole["loss"][2:])
+    _close(resumed["grad_norm"], whole["grad_norm"][2:])
+    _close(from_ddp["loss"], distopt_from_ddp["loss"])
+    _close(from_ddp["grad_norm"], distopt_from_ddp["grad_norm"])
+    _same_hf_tensors(mf, dd)
+
+
+def test_megatron_fsdp_checkpoint_refusals(corpus: str, tmp_path, capsys) -> None:
+    """What Megatron-FSDP checkpoints do not do is one line before start: resume a DDP
+    checkpoint (its weights: --finetune), be resumed without the flag or at another TP size,
+    or run at one data-parallel rank."""
+    from anyspeed.commands.train import pretrain
+
+    mf, dd = str(tmp_path / "mfsdp"), str(tmp_path / "ddp")
+    stop = ["--save-interval", "1", "--exit-interval", "1"]
+    run_many(2, [_args(corpus, "--use-megatron-fsdp", "--save", mf, *stop),
+                 _args(corpus, "--save", dd, *stop)])  # fmt: skip
+    cases = [
+        (["--use-megatron-fsdp", "--load", dd], "starts from its weights with --finetune"),
+        (["--load", mf], "resume it with --use-megatron-fsdp"),
+        (["--use-megatron-fsdp", "--load", mf, "--tensor-model-parallel-size", "2"],
+         "saved it at --tensor-model-parallel-size 1"),
+    ]  # fmt: skip
+    for extra, says in cases:
+        assert pretrain(["--nproc-per-node", "4", *_args(corpus, *extra)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert pretrain(["--nproc-per-node", "1", *_args(corpus, "--use-megatron-fsdp")]) == 2
+    assert "one data-parallel rank" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_resumes_at_another_dp(corpus: str, tmp_path) -> None:
+    """Saved at DP2, resumed at DP4 (TP1) and TP2 x DP2 saved and resumed at that layout:
+    equal to the uninterrupted runs."""
+    mf, tp_mf = str(tmp_path / "mfsdp"), str(tmp_path / "tp_mfsdp")
+    stop = ["--save-interval", "2", "--exit-interval", "2"]
+    tp = ["--tensor-model-parallel-size", "2", "--use-megatron-fsdp"]
+    whole, _ = run_many(2, [_args(corpus, "--use-megatron-fsdp"),
+                            _args(corpus, "--use-megatron-fsdp", "--save", mf, *stop)])  # fmt: skip
+    dp4, tp_whole, _, tp_resumed = run_many(
+        4,
+        [
+            _args(corpus, "--use-megatron-fsdp", "--load", mf),
+            _args(corpus, *tp),
+            _args(corpus, *tp, "--save", tp_mf, *stop),
+            _args(corpus, *tp, "--load", tp_mf),
+        ],
+    )
+    _close(dp4["loss"], whole["loss"][2:])
+    _close(dp4["grad_norm"], whole["grad_norm"][2:])
+    _close(tp_resumed["loss"], tp_whole["loss"][2:])
+    _close(tp_resumed["grad_norm"], tp_whole["grad_norm"][2:])
 
 
 def test_sft_per_token_loss_equals_distributed_optimizer(tmp_path, hf_tok: str) -> None:

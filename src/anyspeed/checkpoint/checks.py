@@ -18,7 +18,14 @@ from typing import Any
 
 from anyspeed.checkpoint.errors import CheckpointFileError, first_line
 from anyspeed.checkpoint.files import RELEASE
-from anyspeed.checkpoint.reads import read_common, read_metadata, read_rng, tracked_dir, within
+from anyspeed.checkpoint.reads import (
+    checkpoint_format,
+    read_common,
+    read_metadata,
+    read_rng,
+    tracked_dir,
+    within,
+)
 from anyspeed.checkpoint.torch_files import load_torch_file
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
@@ -36,7 +43,7 @@ def _check_format(it_dir: str) -> None:
             backend = json.load(fh).get("sharded_backend")
     except (OSError, ValueError, AttributeError) as exc:
         raise CheckpointFileError(f"{path}: unreadable ({exc})") from None
-    if backend != "torch_dist":
+    if backend not in ("torch_dist", "fsdp_dtensor"):
         raise CheckpointFileError(f"{path}: sharded_backend {backend!r}, expected 'torch_dist'")
 
 
@@ -70,6 +77,29 @@ def verify(it_dir: str) -> tuple[Any, dict[str, Any]]:
     return meta, read_common(it_dir)
 
 
+def fsdp_mismatch(it_dir: str, megatron_fsdp: bool, tp: int, weights_only: bool) -> str | None:
+    """Why the checkpoint ``it_dir`` and a run with(out) ``--use-megatron-fsdp`` at TP size
+    ``tp`` do not go together; None when they do."""
+    saved = checkpoint_format(it_dir) == "fsdp_dtensor"
+    if saved and not megatron_fsdp:
+        return (
+            "saved by a --use-megatron-fsdp run: resume it with --use-megatron-fsdp, or convert "
+            "it to HF (anyspeed convert --save-model-type hf) to start another layout from it"
+        )
+    if megatron_fsdp and not saved and not weights_only:
+        return (
+            "not saved by a --use-megatron-fsdp run: Megatron-FSDP starts from its weights "
+            "with --finetune, and resumes only its own checkpoints"
+        )
+    saved_tp = read_common(it_dir).get("anyspeed_layout", {}).get("tp") if saved else tp
+    if saved_tp != tp:
+        return (
+            f"Megatron-FSDP saved it at --tensor-model-parallel-size {saved_tp}; resume at that "
+            "size (any number of data-parallel ranks), or convert it to HF"
+        )
+    return None
+
+
 def check_load(
     load_dir: str, layout: Layout, dp: int, *, finetune: bool = False, load_rng: bool = True
 ) -> None:
@@ -82,6 +112,10 @@ def check_load(
     if it_dir is None:
         return
     _, common = verify(it_dir)
+    weights_only = finetune or os.path.basename(it_dir) == RELEASE
+    mismatch = fsdp_mismatch(it_dir, layout.megatron_fsdp, layout.tp, weights_only)
+    if mismatch:
+        raise CheckpointFileError(mismatch)
     rng_dir = os.path.join(it_dir, "anyspeed_rng")
     if finetune or not load_rng or os.path.basename(it_dir) == RELEASE:
         return
@@ -100,6 +134,8 @@ def _shapes(meta: Any) -> dict[str, tuple[int, ...]]:
     """Global shapes by key. A MoE model keys each layer apart (``decoder.layers.3.…``); those
     are folded into the layer-stacked form a dense model saves, so one set of checks reads both."""
     shapes = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+    if any(k.startswith("model.") for k in shapes):  # a Megatron-FSDP run's (fsdp_dtensor)
+        shapes = {k[len("model.") :]: v for k, v in shapes.items() if k.startswith("model.")}
     per_layer: dict[str, list[tuple[int, ...]]] = {}
     for key, shape in shapes.items():
         m = re.match(r"decoder\.layers\.\d+\.", key)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from anyspeed.checkpoint import checks
+from anyspeed.checkpoint import checks, fsdp_dtensor
 from anyspeed.checkpoint.errors import (
     CheckpointFileError,
     CheckpointMismatch,
@@ -119,39 +119,18 @@ def _load(
     load_rng: bool,
     keep: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    from megatron.core import dist_checkpointing
-
     common = read_common(path)
     weights_only = finetune or os.path.basename(path) == RELEASE
-    state: dict[str, Any] = model_state(chunks)
-    kept = set_aside(state, keep)
     has_optim = common.get("has_optimizer")
     if has_optim is None:  # a checkpoint not written by anyspeed (e.g. Megatron-LM's)
         has_optim = "optimizer" in _sharded_keys(path)
     want_optim = optimizer is not None and load_optim and not weights_only and has_optim
     _check_optimizer_fits(root, common, optimizer, want_optim)
-    sharding = common.get("optimizer_sharding", "fully_reshardable")
-    if want_optim:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=True, metadata=sharding_metadata(sharding)
-        )
-    loaded = dist_checkpointing.load(state, path)
-    for entry, values in kept.items():
-        loaded[entry].update(values)
-    load_model_entries(chunks, loaded)
-    if want_optim:
-        opt_state = loaded["optimizer"]
-        if needs_regroup(opt_state, optimizer):  # saved at another EP: expert optimizer or not
-            if not is_distributed(optimizer):
-                raise CheckpointMismatch(
-                    f"--load {root!r}: its optimizer state was saved at another "
-                    "--expert-model-parallel-size; resume at that size, with "
-                    "--use-distributed-optimizer, or pass --no-load-optim"
-                )
-            opt_state = regroup(opt_state, optimizer)
-        with torch.no_grad():  # the state is copied into views of the parameters
-            optimizer.load_state_dict(optimizer_dtensors(opt_state, optimizer))
-    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+    if _fsdp_dtensor(root, path, chunks, keep):
+        fsdp_dtensor.load(path, chunks, optimizer if want_optim else None, common)
+    else:
+        _load_torch_dist(root, path, chunks, optimizer, want_optim, common, keep)
+    if optimizer is not None and not want_optim and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 master copies follow the loaded weights
     if scheduler is not None and not weights_only and load_optim:
         if "opt_param_scheduler" in common:
@@ -170,6 +149,56 @@ def _load(
         out["iteration"] = 0
         out["consumed_train_samples"] = 0
     return out
+
+
+def _load_torch_dist(
+    root: str,
+    path: str,
+    chunks: list[torch.nn.Module],
+    optimizer: Any | None,
+    want_optim: bool,
+    common: dict[str, Any],
+    keep: tuple[str, ...],
+) -> None:
+    """Model (and optimizer) state from a torch_dist checkpoint, at any layout."""
+    from megatron.core import dist_checkpointing
+
+    state: dict[str, Any] = model_state(chunks)
+    kept = set_aside(state, keep)
+    if want_optim:
+        sharding = common.get("optimizer_sharding", "fully_reshardable")
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=True, metadata=sharding_metadata(sharding)
+        )
+    loaded = dist_checkpointing.load(state, path)
+    for entry, values in kept.items():
+        loaded[entry].update(values)
+    load_model_entries(chunks, loaded)
+    if not want_optim:
+        return
+    opt_state = loaded["optimizer"]
+    if needs_regroup(opt_state, optimizer):  # saved at another EP: expert optimizer or not
+        if not is_distributed(optimizer):
+            raise CheckpointMismatch(
+                f"--load {root!r}: its optimizer state was saved at another "
+                "--expert-model-parallel-size; resume at that size, with "
+                "--use-distributed-optimizer, or pass --no-load-optim"
+            )
+        opt_state = regroup(opt_state, optimizer)
+    with torch.no_grad():  # the state is copied into views of the parameters
+        optimizer.load_state_dict(optimizer_dtensors(opt_state, optimizer))
+
+
+def _fsdp_dtensor(root: str, path: str, chunks: list[torch.nn.Module], keep: tuple) -> bool:
+    """Whether ``path`` is a Megatron-FSDP checkpoint this Megatron-FSDP run loads; one line
+    when the run and the checkpoint do not go together (checked before start too)."""
+    now = fsdp_dtensor.is_megatron_fsdp(chunks)
+    mismatch = checks.fsdp_mismatch(path, now, layout_signature()["tp"], weights_only=False)
+    if mismatch:
+        raise CheckpointMismatch(f"--load {root!r}: {mismatch}")
+    if now and keep:
+        raise CheckpointMismatch(f"--load {root!r}: a new head on a Megatron-FSDP checkpoint")
+    return now
 
 
 def _check_optimizer_fits(

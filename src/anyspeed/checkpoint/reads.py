@@ -9,6 +9,7 @@ every failure is one :class:`CheckpointFileError` line naming the file.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,15 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def checkpoint_format(it_dir: str | os.PathLike[str]) -> str:
-    """``torch_dist`` (Megatron's dist_checkpointing) or ``legacy`` (``mp_rank_*`` files)."""
+    """``torch_dist`` (Megatron's dist_checkpointing), ``fsdp_dtensor`` (a Megatron-FSDP run's,
+    :mod:`anyspeed.checkpoint.fsdp_dtensor`) or ``legacy`` (``mp_rank_*`` files)."""
     d = Path(it_dir)
     if (d / "metadata.json").is_file():
-        return "torch_dist"
+        try:
+            backend = json.loads((d / "metadata.json").read_text()).get("sharded_backend")
+        except (OSError, ValueError, AttributeError):
+            backend = None  # reported by the checks that read it
+        return "fsdp_dtensor" if backend == "fsdp_dtensor" else "torch_dist"
     if any(RANK_DIR.match(p.name) for p in d.iterdir()):
         return "legacy"
     raise CheckpointFileError(f"{d}: neither a torch_dist nor a legacy (mp_rank_*) checkpoint")
@@ -90,7 +96,7 @@ def read_common(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The non-tensor state of the checkpoint under ``path`` (a tracker's directory or the
     iteration directory itself), torch_dist's ``common.pt`` or a legacy rank file's."""
     it_dir = checkpoint_dir(path)
-    if checkpoint_format(it_dir) == "torch_dist":
+    if checkpoint_format(it_dir) != "legacy":
         file = Path(within(it_dir, "common.pt"))
         common = torch_load(file)
     else:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from anyspeed.checkpoint import checks
+from anyspeed.checkpoint import checks, fsdp_dtensor
 from anyspeed.checkpoint.errors import (
     CheckpointSaveError,
 )
@@ -118,10 +118,7 @@ def _write(
     extra: dict[str, Any],
     save_rng: bool,
 ) -> None:
-    from megatron.core import dist_checkpointing
-
-    state: dict[str, Any] = model_state(unwrapped(model))
-    state.update(
+    common: dict[str, Any] = dict(
         iteration=iteration,
         checkpoint_version=CHECKPOINT_VERSION,
         anyspeed_layout=layout_signature(),
@@ -129,19 +126,33 @@ def _write(
         distributed_optimizer=optimizer is not None and is_distributed(optimizer),
         **extra,
     )
+    if scheduler is not None:
+        common["opt_param_scheduler"] = scheduler.state_dict()
+    chunks = unwrapped(model)
+    if fsdp_dtensor.is_megatron_fsdp(chunks):
+        fsdp_dtensor.save(tmp, chunks, optimizer, common)
+    else:
+        _write_torch_dist(tmp, chunks, optimizer, common)
+    if save_rng:
+        rng_dir = os.path.join(tmp, "anyspeed_rng")
+        os.makedirs(rng_dir, exist_ok=True)
+        torch.save(rng_state(), os.path.join(rng_dir, f"{rank_key()}.pt"))
+
+
+def _write_torch_dist(
+    tmp: str, chunks: list[torch.nn.Module], optimizer: Any | None, common: dict[str, Any]
+) -> None:
+    from megatron.core import dist_checkpointing
+
+    state: dict[str, Any] = model_state(chunks)
+    state.update(common)
     if optimizer is not None:
         sharding = optimizer_sharding(optimizer)
         state["optimizer_sharding"] = sharding
         state["optimizer"] = optimizer.sharded_state_dict(
             state, metadata=sharding_metadata(sharding)
         )
-    if scheduler is not None:
-        state["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(state, tmp)
-    if save_rng:
-        rng_dir = os.path.join(tmp, "anyspeed_rng")
-        os.makedirs(rng_dir, exist_ok=True)
-        torch.save(rng_state(), os.path.join(rng_dir, f"{rank_key()}.pt"))
 
 
 def _commit(root: str, tmp: str, final: str, iteration: int) -> None:

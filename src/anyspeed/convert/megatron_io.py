@@ -266,6 +266,18 @@ def read_legacy(
         del shards
 
 
+def read_fsdp_dtensor(it_dir: Path, tp: int) -> Iterator[tuple[Group, dict[str, torch.Tensor]]]:
+    """A Megatron-FSDP run's checkpoint (:mod:`anyspeed.checkpoint.fsdp_dtensor`, saved at
+    tensor-parallel size ``tp``) as :func:`read_legacy`'s groups: whole tensors, in order."""
+    from anyspeed.checkpoint.fsdp_dtensor import read_model
+
+    tensors = dict(read_model(str(it_dir), tp))
+    by_group = _by_group(dict.fromkeys(tensors), first_stage=True)
+    layers = sorted(g for g in by_group if isinstance(g, int))
+    for g in [*([EMBED] if EMBED in by_group else []), *layers, HEAD]:
+        yield g, {n: tensors[n] for n in by_group.get(g, [])}
+
+
 def _by_group(sources: dict[str, tuple], first_stage: bool) -> dict[Any, list[str]]:
     """A stage's names by group: its (local) layer number, ``(j,)`` for MTP layer ``j``, the
     embedding or the head. The embedding copy a later stage keeps for MTP is left out."""

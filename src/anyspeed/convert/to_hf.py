@@ -23,6 +23,7 @@ from anyspeed.convert.hf_io import (
 from anyspeed.convert.megatron_io import (
     json_config,
     legacy_expert_parallel,
+    read_fsdp_dtensor,
     read_legacy,
 )
 from anyspeed.convert.pipeline import prefetch
@@ -137,6 +138,8 @@ def megatron_to_hf(
         groups = read_torch_dist(
             it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
         )
+    elif fmt == "fsdp_dtensor":
+        groups = read_fsdp_dtensor(it_dir, int(common.get("anyspeed_layout", {}).get("tp", 1)))
     else:
         groups = read_legacy(it_dir, legacy_expert_parallel(common), preset)
     if lora:

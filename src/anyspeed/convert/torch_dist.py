@@ -173,16 +173,19 @@ def read_torch_dist(
     preset: ModelConfig,
     group_names: Callable[[Group], list[str]],
     groups: list[Group],
+    checkpoint_key: Callable[[str], tuple[str, tuple[int, ...]]] | None = None,
 ) -> Iterator[tuple[Group, dict[str, torch.Tensor | Stacked]]]:
     """Full Megatron tensors, one group at a time, read straight from the checkpoint's files.
 
     Each tensor is one region of the checkpoint's global tensor (a layer's or an expert's slice
-    of a stacked key), assembled from whatever chunks the saving layout wrote.
+    of a stacked key), assembled from whatever chunks the saving layout wrote. ``checkpoint_key``
+    (default: :func:`checkpoint_keys`, which builds a model in a process of its own) maps a
+    tensor name to its key and index.
     """
     from anyspeed.convert.dcp_io import DcpReader
 
     reader = DcpReader(it_dir)
-    checkpoint_key = checkpoint_keys(preset)
+    checkpoint_key = checkpoint_key or checkpoint_keys(preset)
     for group in groups:
         out = {}
         for name in group_names(group):

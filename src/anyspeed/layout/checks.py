@@ -55,14 +55,20 @@ def validate(
     if layout.torch_fsdp2:
         _torch_fsdp2(layout)
     if layout.megatron_fsdp:
-        _megatron_fsdp(layout)
+        _megatron_fsdp(layout, layout.dp(world_size))
     _experts(layout, world_size, num_experts)
 
 
-def _megatron_fsdp(layout: Layout) -> None:
+def _megatron_fsdp(layout: Layout, dp: int) -> None:
     """Megatron-FSDP's limits here (each measured)."""
     if layout.torch_fsdp2:
         raise ValueError("--use-megatron-fsdp and --use-torch-fsdp2 exclude each other")
+    if dp == 1:
+        raise ValueError(
+            "--use-megatron-fsdp at one data-parallel rank: it has nothing to shard, and "
+            "Megatron-FSDP 0.16.1 steps wrong there (grad norm 9x DDP's, measured); use two or "
+            "more data-parallel ranks, or leave out --use-megatron-fsdp"
+        )
     if layout.fsdp_sharding == "no_shard":
         raise ValueError(
             "--data-parallel-sharding-strategy no_shard fails inside Megatron-FSDP 0.16.1 (its "

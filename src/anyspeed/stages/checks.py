@@ -150,12 +150,6 @@ def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | No
     from anyspeed.training import muon
 
     muon.check(args)
-    if getattr(args, "use_megatron_fsdp", False) and (args.save or args.load):
-        raise UsageError(
-            f"{'--save' if args.save else '--load'} with --use-megatron-fsdp: its checkpoints "
-            "are Megatron-FSDP's own fsdp_dtensor format, which anyspeed pretrain does not "
-            "write yet; use --use-torch-fsdp2 (DDP reads its checkpoints too)"
-        )
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
     if args.save:

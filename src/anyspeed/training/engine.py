@@ -85,6 +85,8 @@ def resume(
 
     args = run.args
     root = root or run.load
+    if run.layout.megatron_fsdp and _weights_into_megatron_fsdp(run, trainer, root, state):
+        return
     try:
         common = load_checkpoint(
             root,
@@ -105,6 +107,25 @@ def resume(
     )
     state.consumed_valid = int(common.get("consumed_valid_samples", 0))
     print0(f"{run.prog}: loaded {root} at iteration {state.iteration}")
+
+
+def _weights_into_megatron_fsdp(run: Run, trainer: Any, root: str, state: Any) -> bool:
+    """A weights-only start of a Megatron-FSDP run from a torch_dist checkpoint (an HF
+    ``--load``, ``--finetune``): whole tensors read, the rows each rank holds kept. False for
+    its own (fsdp_dtensor) checkpoints, which load_checkpoint resumes."""
+    from anyspeed.checkpoint.files import RELEASE
+    from anyspeed.checkpoint.reads import checkpoint_format, tracked_dir
+    from anyspeed.training import fsdp_weights
+
+    it_dir = tracked_dir(root)
+    if it_dir is None or checkpoint_format(it_dir) != "torch_dist":
+        return False
+    if not (run.args.finetune or os.path.basename(it_dir) == RELEASE):
+        return False  # load_checkpoint says what to pass
+    fsdp_weights.load_weights(it_dir, [m.module for m in trainer.model], run.model)
+    state.iteration = state.consumed = state.consumed_valid = 0
+    print0(f"{run.prog}: loaded the weights of {root} into Megatron-FSDP's shards")
+    return True
 
 
 def _start(run: Run, task: Task) -> tuple[Any, Any, Any]:
