@@ -434,11 +434,8 @@ def test_pretrain_gpt_fsdp_matches_distributed_optimizer(script, fsdp):
         assert got[it] == pytest.approx(ref[it], rel=1e-5), (it, got, ref)
 
 
-def test_pretrain_gpt_torch_fsdp2_resumes_exactly(script, tmp_path):
-    """pretrain_gpt.py --use-torch-fsdp2 saves (torch_dist) and resumes as if uninterrupted
-    (Megatron-LM's own loader left torch's AdamW without its step count)."""
-    ckpt = str(tmp_path / "ckpt")
-    model = [*FSDP_MODEL[:1], "6", *FSDP_MODEL[2:], "--use-torch-fsdp2"]
+def _resumes_exactly(script: Path, ckpt: str, model: list[str]) -> None:
+    """Saved at step 3 and resumed, the run's losses are the uninterrupted run's."""
     straight = torchrun(script, *model)
     torchrun(script, *model, "--save", ckpt, "--save-interval", "3", "--exit-interval", "3")
     resumed = torchrun(script, *model, "--load", ckpt)
@@ -447,3 +444,18 @@ def test_pretrain_gpt_torch_fsdp2_resumes_exactly(script, tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     for it in (4, 5, 6):
         assert resumed[it] == pytest.approx(expected[it], rel=1e-5), (it, resumed, straight)
+
+
+def test_pretrain_gpt_torch_fsdp2_resumes_exactly(script, tmp_path):
+    """pretrain_gpt.py --use-torch-fsdp2 saves (torch_dist) and resumes as if uninterrupted
+    (Megatron-LM's own loader left torch's AdamW without its step count)."""
+    model = [*FSDP_MODEL[:1], "6", *FSDP_MODEL[2:], "--use-torch-fsdp2"]
+    _resumes_exactly(script, str(tmp_path / "ckpt"), model)
+
+
+def test_pretrain_gpt_megatron_fsdp_resumes_exactly(script, tmp_path):
+    """pretrain_gpt.py --use-megatron-fsdp --ckpt-format fsdp_dtensor (fp32, SwiGLU) saves and
+    resumes as if uninterrupted (Megatron-LM 0.16.1's own preprocessing failed, then
+    deadlocked, in fp32)."""
+    model = [*FSDP_MODEL[:1], "6", *FSDP_MODEL[2:], *MEGATRON_FSDP, "optim_grads_params"]
+    _resumes_exactly(script, str(tmp_path / "ckpt"), model)

@@ -37,6 +37,7 @@ import torch
 
 from anyspeed.device import DeviceInfo
 from anyspeed.features.base import Feature
+from anyspeed.features.compat.fsdp_checkpoint import fp32_fsdp_dtensor_state
 from anyspeed.patching import PatchManager
 
 
@@ -274,6 +275,14 @@ class FSDPCompat(Feature):
             "torch's optimizer state must be DTensors like its parameters",
         )
         if importlib.util.find_spec("megatron.training") is not None:
+            pm.register_wrap(
+                "megatron.training.checkpointing.preprocess_fsdp_dtensor_state_dict",
+                fp32_fsdp_dtensor_state,
+                feature=self.name,
+                reason="pretrain_gpt.py --use-megatron-fsdp --ckpt-format fsdp_dtensor in fp32: "
+                "the SwiGLU split failed (AttributeError), and ranks holding no rows of a "
+                "parameter deadlocked the offset exchange",
+            )
             pm.register_wrap(
                 "megatron.training.checkpointing.load_checkpoint",
                 load_fsdp2_optimizer,
