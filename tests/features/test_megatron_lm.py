@@ -459,3 +459,29 @@ def test_pretrain_gpt_megatron_fsdp_resumes_exactly(script, tmp_path):
     deadlocked, in fp32)."""
     model = [*FSDP_MODEL[:1], "6", *FSDP_MODEL[2:], *MEGATRON_FSDP, "optim_grads_params"]
     _resumes_exactly(script, str(tmp_path / "ckpt"), model)
+
+
+def test_pretrain_gpt_megatron_fsdp_checkpoint_converts_to_hf(script, tmp_path):
+    """pretrain_gpt.py's Megatron-FSDP checkpoint (--ckpt-format fsdp_dtensor, TP2 x DP2)
+    converts to the HF tensors of the same training with the distributed optimizer (torch_dist)
+    within 1e-5."""
+    from safetensors.torch import load_file
+
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"stand-in": "tokenizer"}\n')
+    got = {}
+    for name, flags in (
+        ("fsdp", [*MEGATRON_FSDP, "optim_grads_params"]),
+        ("distopt", ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"]),
+    ):
+        ckpt, hf = tmp_path / name, tmp_path / f"{name}_hf"
+        torchrun(script, *LLAMA_TP2, *flags, "--train-iters", "2", "--save", str(ckpt),
+                 "--save-interval", "2", nproc=4)  # fmt: skip
+        anyspeed_convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                         str(ckpt), "--save-dir", str(hf), "--hf-cfg-dir", str(tok),
+                         "--model-type-hf", "llama2")  # fmt: skip
+        got[name] = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert sorted(got["fsdp"]) == sorted(got["distopt"])
+    for k, t in got["distopt"].items():
+        assert (got["fsdp"][k] - t).abs().max() < 1e-5, k

@@ -128,16 +128,22 @@ def read_model(it_dir: str, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's whole tensors (bare names, TP-rank layout merged as a TP1 checkpoint holds
     them), read without a process group: conversion's reader."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from anyspeed.distributed.resharding import materialize, merge_tp, tp_rule
 
     meta = dcp.FileSystemReader(it_dir).read_metadata().state_dict_metadata
-    for key in sorted(k for k in meta if k.startswith("model.")):
+    keys = [
+        k
+        for k, v in meta.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    ]
+    for key in sorted(keys):
         whole = {key: torch.empty(meta[key].size, dtype=meta[key].properties.dtype)}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(whole, checkpoint_id=it_dir, no_dist=True)
-        name, t = key[len("model.") :], whole[key]
+        name, t = bare(key[len("model.") :]), whole[key]  # Megatron-LM's: model.module.…
         rule = tp_rule(name)
         if tp > 1 and rule != "replicated":
             parts = list(torch.chunk(t, tp, dim=1 if rule == "row" else 0))

@@ -62,6 +62,8 @@ def checkpoint_format(it_dir: str | os.PathLike[str]) -> str:
         except (OSError, ValueError, AttributeError):
             backend = None  # reported by the checks that read it
         return "fsdp_dtensor" if backend == "fsdp_dtensor" else "torch_dist"
+    if (d / ".metadata").is_file():  # Megatron-LM's --ckpt-format fsdp_dtensor (DCP alone)
+        return "fsdp_dtensor"
     if any(RANK_DIR.match(p.name) for p in d.iterdir()):
         return "legacy"
     raise CheckpointFileError(f"{d}: neither a torch_dist nor a legacy (mp_rank_*) checkpoint")
@@ -96,6 +98,8 @@ def read_common(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The non-tensor state of the checkpoint under ``path`` (a tracker's directory or the
     iteration directory itself), torch_dist's ``common.pt`` or a legacy rank file's."""
     it_dir = checkpoint_dir(path)
+    if not (it_dir / "common.pt").exists() and checkpoint_format(it_dir) == "fsdp_dtensor":
+        return _dcp_objects(it_dir)
     if checkpoint_format(it_dir) != "legacy":
         file = Path(within(it_dir, "common.pt"))
         common = torch_load(file)
@@ -112,6 +116,22 @@ def read_common(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(common, dict):
         raise CheckpointFileError(f"{file}: not a checkpoint's common state")
     return common
+
+
+def _dcp_objects(it_dir: Path) -> dict[str, Any]:
+    """The top-level plain objects (args, iteration, ...) a DCP checkpoint holds beside its
+    tensors: Megatron-LM's ``fsdp_dtensor`` keeps its common state so."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    meta = read_metadata(it_dir)
+    out = {}
+    for index, info in meta.storage_data.items():
+        key = index.fqn
+        if "." in key or not isinstance(meta.state_dict_metadata.get(key), BytesStorageMetadata):
+            continue
+        file = within(it_dir, os.fspath(info.relative_path))
+        out[key] = load_torch_file(file, int(info.offset), int(info.length), f"{file} ({key})")
+    return out
 
 
 def read_metadata(it_dir: str | os.PathLike[str]) -> Any:

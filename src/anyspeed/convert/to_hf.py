@@ -100,6 +100,13 @@ def _source_preset(
     return preset
 
 
+def _saved_tp(common: dict) -> int:
+    """The TP size a checkpoint was saved at (anyspeed's layout record, or Megatron-LM's args)."""
+    if "anyspeed_layout" in common:
+        return int(common["anyspeed_layout"].get("tp", 1))
+    return int(getattr(common.get("args"), "tensor_model_parallel_size", 1) or 1)
+
+
 def megatron_to_hf(
     load_dir: str | Path,
     save_dir: str | Path,
@@ -139,7 +146,7 @@ def megatron_to_hf(
             it_dir, preset, lambda g: list(engine.entries(m, preset, g)), engine.groups(preset)
         )
     elif fmt == "fsdp_dtensor":
-        groups = read_fsdp_dtensor(it_dir, int(common.get("anyspeed_layout", {}).get("tp", 1)))
+        groups = read_fsdp_dtensor(it_dir, _saved_tp(common))
     else:
         groups = read_legacy(it_dir, legacy_expert_parallel(common), preset)
     if lora:
