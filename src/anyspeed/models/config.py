@@ -72,7 +72,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     normalization: str = "RMSNorm"
     swiglu: bool = True
-    position_embedding_type: str = "rope"
+    position_embedding_type: str = "rope"  # "mrope": Qwen2-VL's 3-D positions
+    # mRoPE: the rotary frequency pairs given to the temporal, height and width positions.
+    mrope_section: tuple[int, ...] | None = None
     add_bias_linear: bool = False
     rotary_percent: float = 1.0
     # Mixture of Experts (``num_experts`` None: a dense model).

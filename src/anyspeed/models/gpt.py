@@ -74,6 +74,7 @@ def transformer_config(
         window_attn_skip_freq=_skip_freq(model),
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
+        mrope_section=list(model.mrope_section) if model.mrope_section else None,
         qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_method_std,
         hidden_dropout=model.hidden_dropout,
