@@ -8,9 +8,9 @@ from typing import Any
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
 
 
-def hf_config(kind: str, **text: Any) -> Any:
+def hf_config(kind: str, vision_extra: dict | None = None, **text: Any) -> Any:
     """A tiny ``qwen2_vl`` / ``qwen2_5_vl`` config (vision: width 32, patch 2, merge 2; text:
-    hidden 64, 4/2 heads, head_dim 16, vocab 256); ``text`` overrides the text config."""
+    hidden 64, 4/2 heads, head_dim 16, vocab 256); ``text`` and ``vision_extra`` override."""
     import transformers
 
     text = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 1,
@@ -18,11 +18,13 @@ def hf_config(kind: str, **text: Any) -> Any:
             **text}  # fmt: skip
     if kind == "qwen2_vl":
         vision = {"embed_dim": 32, "depth": 1, "num_heads": 4, "patch_size": 2, "hidden_size": 64}
+        vision.update(vision_extra or {})
         cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision)
     else:
         vision = {"hidden_size": 32, "depth": 1, "num_heads": 4, "patch_size": 2,
                   "intermediate_size": 48, "out_hidden_size": 64,
                   "tokens_per_second": 4}  # fmt: skip
+        vision.update(vision_extra or {})
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
     cfg.image_token_id, cfg.video_token_id = IMAGE, VIDEO
     cfg.vision_start_token_id, cfg.vision_end_token_id = START, END

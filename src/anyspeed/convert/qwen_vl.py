@@ -1,0 +1,85 @@
+"""Qwen2-VL / Qwen2.5-VL vision-tower tensors between transformers and
+:class:`anyspeed.models.qwen_vl.tower.QwenVisionTower`, both ways and bit-exact.
+
+HF names are relative to the tower (``patch_embed.proj.weight``, ``blocks.0.attn.qkv.weight``,
+``merger.mlp.0.bias``); callers add ``model.visual.`` (transformers 5) or ``visual.`` (older
+checkpoints). HF's fused ``qkv`` holds all query heads, then all key heads, then all value
+heads; Megatron's holds each head's query, key and value together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from anyspeed.models.qwen_vl.tower import TowerConfig
+
+_NORMS = {"norm1": "input_layernorm", "norm2": "pre_mlp_layernorm"}
+_MERGER = {"merger.ln_q": "merger_norm", "merger.mlp.0": "merger_fc1", "merger.mlp.2": "merger_fc2"}
+
+
+def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[q; k; v] (each all heads) -> per head [q_h; k_h; v_h]."""
+    return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _per_kind(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of :func:`_per_head`."""
+    return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _params(cfg: TowerConfig, kind: str) -> tuple[str, ...]:
+    norm = ("weight", "bias") if cfg.kind == "qwen2_vl" else ("weight",)
+    return norm if kind == "norm" else ("weight", "bias")
+
+
+def _plain_pairs(cfg: TowerConfig) -> list[tuple[str, str]]:
+    """(HF name, Megatron name) of every tensor copied as it is."""
+    pairs = [(f"{hf}.{p}", f"{mg}.{p}") for hf, mg in _MERGER.items()
+             for p in _params(cfg, "norm" if hf.endswith("ln_q") else "linear")]  # fmt: skip
+    for i in range(cfg.num_layers):
+        hf, mg = f"blocks.{i}.", f"decoder.layers.{i}."
+        pairs += [(f"{hf}{a}.{p}", f"{mg}{b}.{p}") for a, b in _NORMS.items()
+                  for p in _params(cfg, "norm")]  # fmt: skip
+        pairs += [(f"{hf}attn.proj.{p}", f"{mg}self_attention.linear_proj.{p}")
+                  for p in ("weight", "bias")]  # fmt: skip
+        down = "fc2" if cfg.kind == "qwen2_vl" else "down_proj"
+        pairs += [(f"{hf}mlp.{down}.{p}", f"{mg}mlp.linear_fc2.{p}") for p in ("weight", "bias")]
+        if cfg.kind == "qwen2_vl":
+            pairs += [(f"{hf}mlp.fc1.{p}", f"{mg}mlp.linear_fc1.{p}") for p in ("weight", "bias")]
+    return pairs
+
+
+def tower_to_megatron(
+    cfg: TowerConfig, read: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The tower's Megatron state from HF tensors ``read(name relative to the tower)``."""
+    out = {mg: read(hf) for hf, mg in _plain_pairs(cfg)}
+    out["patch_embed.weight"] = read("patch_embed.proj.weight").reshape(cfg.hidden_size, -1)
+    for i in range(cfg.num_layers):
+        hf, mg = f"blocks.{i}.", f"decoder.layers.{i}."
+        for p in ("weight", "bias"):
+            qkv = read(f"{hf}attn.qkv.{p}")
+            out[f"{mg}self_attention.linear_qkv.{p}"] = _per_head(qkv, cfg.num_heads)
+            if cfg.kind == "qwen2_5_vl":
+                gate, up = read(f"{hf}mlp.gate_proj.{p}"), read(f"{hf}mlp.up_proj.{p}")
+                out[f"{mg}mlp.linear_fc1.{p}"] = torch.cat([gate, up])
+    return out
+
+
+def tower_to_hf(cfg: TowerConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensors (names relative to the tower) of a Megatron tower state."""
+    out = {hf: state[mg] for hf, mg in _plain_pairs(cfg)}
+    p = cfg.patch_size
+    shape = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, p, p)
+    out["patch_embed.proj.weight"] = state["patch_embed.weight"].reshape(shape)
+    for i in range(cfg.num_layers):
+        hf, mg = f"blocks.{i}.", f"decoder.layers.{i}."
+        for q in ("weight", "bias"):
+            qkv = state[f"{mg}self_attention.linear_qkv.{q}"]
+            out[f"{hf}attn.qkv.{q}"] = _per_kind(qkv, cfg.num_heads)
+            if cfg.kind == "qwen2_5_vl":
+                gate, up = state[f"{mg}mlp.linear_fc1.{q}"].chunk(2)
+                out[f"{hf}mlp.gate_proj.{q}"], out[f"{hf}mlp.up_proj.{q}"] = gate, up
+    return out
