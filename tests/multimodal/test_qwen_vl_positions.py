@@ -55,7 +55,7 @@ def test_positions_equal_get_rope_index(kind: str) -> None:
 
 def test_a_block_that_does_not_fit_its_grid_is_refused() -> None:
     ids = torch.tensor([[5, START, *[IMAGE] * 3, END]])
-    with pytest.raises(ValueError, match="3 tokens for a grid of 20 features"):
+    with pytest.raises(ValueError, match="3 image pad tokens in a row for an image of 20 features"):
         mrope_positions(ids, VisionTokens(IMAGE, VIDEO), IMAGES[:1])
     with pytest.raises(ValueError, match="more image blocks than grids"):
         mrope_positions(ids, VisionTokens(IMAGE, VIDEO))

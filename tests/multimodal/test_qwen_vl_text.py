@@ -5,17 +5,13 @@ family's mapping, the same 3-D positions (of a batch with images and a video, fr
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from test_qwen_vl_positions import IMAGES, VIDEOS, _batch
 
-from anyspeed.convert import engine
 from anyspeed.convert.megatron_io import megatron_session
+from anyspeed.convert.qwen_vl import model_to_megatron
 from anyspeed.models import gpt
-from anyspeed.models.families import mapping_for
-from anyspeed.models.hf import preset_from_hf
 from anyspeed.models.qwen_vl.positions import VisionTokens, mrope_positions
 from helpers.qwen_vl import IMAGE, VIDEO, hf_config
 
@@ -44,20 +40,11 @@ def _hf(kind: str):
 def _language_model(hf):
     """The text model as a Megatron GPTModel with mRoPE, HF's weights through the Qwen2
     mapping (``model.language_model.*`` read as ``model.*``)."""
-    text = dict(hf.config.text_config.to_dict(), model_type="qwen2")
-    text["rope_theta"] = text["rope_parameters"]["rope_theta"]
-    preset = dataclasses.replace(
-        preset_from_hf(text), position_embedding_type="mrope", mrope_section=tuple(SECTION)
-    )
-    sd = hf.state_dict()
-    read = lambda n: sd[n.replace("model.", "model.language_model.", 1)]  # noqa: E731
-    state = {}
-    m = mapping_for(preset.family)
-    for g in engine.groups(preset):
-        part = engine.to_megatron(m, preset, g, read, preset.vocab_size)
-        state.update({k: engine.materialize(v) for k, v in part.items()})
+    _, preset, state = model_to_megatron(hf.config.to_dict(), hf.state_dict().__getitem__)
+    assert preset.position_embedding_type == "mrope" and preset.mrope_section == tuple(SECTION)
+    lm = {k[len("language_model.") :]: v for k, v in state.items() if k.startswith("language_")}
     model = gpt.build(preset, gpt.transformer_config(preset)).eval()
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(lm, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
     return model
 

@@ -19,7 +19,7 @@ from helpers.qwen_vl import hf_config
 GRIDS = torch.tensor([[1, 8, 10], [1, 4, 4], [2, 4, 4]])  # 16x20 px, 8x8 px, 4 frames of 8x8
 
 
-def _hf(kind: str):
+def _hf(kind: str, **text: object):
     import transformers
 
     vision = {"depth": 2}
@@ -29,7 +29,7 @@ def _hf(kind: str):
     if kind == "qwen2_5_vl":
         cls = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
-    model = cls(hf_config(kind, vision_extra=vision)).eval()
+    model = cls(hf_config(kind, vision_extra=vision, **text)).eval()
     with torch.no_grad():  # norms away from 1, biases away from 0: a misplaced one shows
         for name, p in model.model.visual.named_parameters():
             if "norm" in name or "ln_q" in name or name.endswith("bias"):

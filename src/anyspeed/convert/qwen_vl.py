@@ -9,11 +9,21 @@ heads; Megatron's holds each head's query, key and value together.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from anyspeed.models.qwen_vl.tower import TowerConfig
+from anyspeed.convert import engine
+from anyspeed.convert.errors import ConvertError
+from anyspeed.models.config import ModelConfig
+from anyspeed.models.families import mapping_for
+from anyspeed.models.hf import preset_from_hf
+from anyspeed.models.qwen_vl.tower import TowerConfig, tower_from_hf
+
+VISUAL, LANGUAGE = "model.visual.", "model.language_model."
+DEFAULT_SECTION = (16, 24, 24)
 
 _NORMS = {"norm1": "input_layernorm", "norm2": "pre_mlp_layernorm"}
 _MERGER = {"merger.ln_q": "merger_norm", "merger.mlp.0": "merger_fc1", "merger.mlp.2": "merger_fc2"}
@@ -83,3 +93,41 @@ def tower_to_hf(cfg: TowerConfig, state: dict[str, torch.Tensor]) -> dict[str, t
                 gate, up = state[f"{mg}mlp.linear_fc1.{q}"].chunk(2)
                 out[f"{hf}mlp.gate_proj.{q}"], out[f"{hf}mlp.up_proj.{q}"] = gate, up
     return out
+
+
+def language_preset(config: dict[str, Any]) -> ModelConfig:
+    """The language model of a Qwen2-VL / Qwen2.5-VL ``config.json`` as a Qwen2 preset with
+    mRoPE (its ``mrope_section``, rope theta and vocabulary)."""
+    text = dict(config.get("text_config") or config)
+    rope = text.get("rope_parameters") or {}
+    section = rope.get("mrope_section") or (text.get("rope_scaling") or {}).get("mrope_section")
+    section = section or DEFAULT_SECTION  # transformers' default when the config has none
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if 2 * sum(section) != head_dim:
+        raise ConvertError(
+            f"mrope_section {list(section)} covers {2 * sum(section)} of the head's "
+            f"{head_dim} channels: it must cover all of them"
+        )
+    text.update(model_type="qwen2", rope_theta=rope.get("rope_theta", text.get("rope_theta")))
+    text.pop("rope_parameters", None)
+    preset = preset_from_hf(text)
+    return dataclasses.replace(
+        preset, position_embedding_type="mrope", mrope_section=tuple(int(x) for x in section)
+    )
+
+
+def model_to_megatron(
+    config: dict[str, Any], read: Callable[[str], torch.Tensor]
+) -> tuple[TowerConfig, ModelConfig, dict[str, torch.Tensor]]:
+    """Tower config, language preset and the whole Megatron state (``vision.*``,
+    ``language_model.*``) from HF tensors ``read(transformers-5 name)``."""
+    tower = tower_from_hf(config["vision_config"])
+    preset = language_preset(config)
+    state = {f"vision.{k}": v for k, v in
+             tower_to_megatron(tower, lambda n: read(VISUAL + n)).items()}  # fmt: skip
+    m = mapping_for(preset.family)
+    lm_read = lambda n: read(n.replace("model.", LANGUAGE, 1))  # noqa: E731
+    for g in engine.groups(preset):
+        part = engine.to_megatron(m, preset, g, lm_read, preset.vocab_size)
+        state.update({f"language_model.{k}": engine.materialize(v) for k, v in part.items()})
+    return tower, preset, state

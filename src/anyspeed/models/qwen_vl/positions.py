@@ -71,8 +71,10 @@ def _row(
             interval = spec.tokens_per_second * float(next(seconds))
         block, pos = _block(pos, grid, spec.spatial_merge_size, interval)
         if block.shape[1] != length:
+            what = "image" if kind == 1 else "video"
             raise ValueError(
-                f"a vision block of {length} tokens for a grid of {block.shape[1]} features"
+                f"{length} {what} pad tokens in a row for an {what} of {block.shape[1]} "
+                "features: a block must hold t*h*w / merge**2 tokens of its grid"
             )
         pieces.append(block)
     return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)

@@ -1,0 +1,81 @@
+"""Qwen2-VL / Qwen2.5-VL on Megatron-Core: the vision tower (:mod:`.tower`) and a ``GPTModel``
+with mRoPE. The language model's word embeddings of the image (video) pad tokens are replaced,
+in order, by the tower's output rows; the 3-D positions come from :mod:`.positions`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from anyspeed.models.qwen_vl.positions import VisionTokens, mrope_positions
+from anyspeed.models.qwen_vl.tower import QwenVisionTower, TowerConfig
+
+
+class QwenVLModel(torch.nn.Module):
+    """Tokens, pixels and grids -> logits (or per-token loss with ``labels``)."""
+
+    def __init__(
+        self,
+        tower: TowerConfig,
+        tower_config: Any,
+        language: Any,
+        language_config: Any,
+        tokens: VisionTokens,
+    ) -> None:
+        from anyspeed.models import gpt
+
+        super().__init__()
+        self.tokens = tokens
+        self.vision = QwenVisionTower(tower, tower_config)
+        self.language_model = gpt.build(language, language_config)
+
+    def _scatter(
+        self, embeddings: torch.Tensor, input_ids: torch.Tensor, token: int, features: torch.Tensor
+    ) -> torch.Tensor:
+        """``embeddings`` [s, b, h] with the rows of ``token`` replaced by ``features`` (in
+        batch-major reading order); ValueError when the counts differ."""
+        where = (input_ids == token).t()  # [s, b]
+        count = int(where.sum())
+        if count != features.shape[0]:
+            kind = "image" if token == self.tokens.image_token_id else "video"
+            raise ValueError(
+                f"{count} {kind} pad tokens in the prompt for {features.shape[0]} {kind} "
+                "features: the tokens must be the processor's (t*h*w / merge**2 per input)"
+            )
+        order = where.t().reshape(-1).nonzero().squeeze(1)  # batch-major positions
+        b = input_ids.shape[0]
+        flat = embeddings.transpose(0, 1).reshape(-1, embeddings.shape[-1]).clone()
+        flat[order] = features.to(flat.dtype)
+        return flat.view(b, -1, embeddings.shape[-1]).transpose(0, 1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        lm = self.language_model
+        if position_ids is None:
+            position_ids, _ = mrope_positions(
+                input_ids, self.tokens, image_grid_thw, video_grid_thw, second_per_grid_ts
+            )
+        emb = lm.embedding(input_ids=input_ids, position_ids=None)
+        for pixels, grid, token in (
+            (pixel_values, image_grid_thw, self.tokens.image_token_id),
+            (pixel_values_videos, video_grid_thw, self.tokens.video_token_id),
+        ):
+            if pixels is not None:
+                emb = self._scatter(emb, input_ids, token, self.vision(pixels, grid))
+        return lm(
+            input_ids=None,
+            position_ids=position_ids,
+            attention_mask=None,
+            decoder_input=emb,
+            labels=labels,
+        )
