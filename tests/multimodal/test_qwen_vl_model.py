@@ -81,3 +81,24 @@ def test_more_pad_tokens_than_features_is_one_line() -> None:
         # positions given: the count check of the features themselves
         with pytest.raises(ValueError, match="25 image pad tokens in the prompt for 24 image"):
             model(ids, **vision, position_ids=torch.zeros(3, *ids.shape, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_tp2_logits_equal_transformers(kind: str) -> None:
+    """Tower and language model split over two tensor-parallel ranks (gloo)."""
+    from anyspeed.testing import run_distributed
+    from helpers import qwen_vl_ranks
+
+    hf = _hf(kind, **TEXT)
+    hf.config.text_config._attn_implementation = "eager"
+    ids, vision = _inputs()
+    extra = {"second_per_grid_ts": torch.tensor([0.5])} if kind == "qwen2_5_vl" else {}
+    _, _, state = model_to_megatron(hf.config.to_dict(), hf.state_dict().__getitem__)
+    res = run_distributed(qwen_vl_ranks.qwen_vl_logits, 2, state=state,
+                          config_json=hf.config.to_dict(), tp=2,
+                          inputs={"input_ids": ids, **vision, **extra})  # fmt: skip
+    got = torch.cat([r["logits"] for r in res], dim=-1)
+    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    with torch.no_grad():
+        want = hf(input_ids=ids, mm_token_type_ids=types, **vision, **extra).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

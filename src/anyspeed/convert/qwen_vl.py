@@ -131,3 +131,24 @@ def model_to_megatron(
         part = engine.to_megatron(m, preset, g, lm_read, preset.vocab_size)
         state.update({f"language_model.{k}": engine.materialize(v) for k, v in part.items()})
     return tower, preset, state
+
+
+_VISION_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")
+_VISION_ROW = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def shard(name: str, t: torch.Tensor, tp: int, rank: int, gated: bool) -> torch.Tensor:
+    """TP rank ``rank``'s part of whole tensor ``name`` of a :class:`QwenVLModel` state; the
+    tower's ``linear_fc1`` is ``[gate; up]`` when ``gated`` (Qwen2.5-VL): each rank takes its
+    rows of both. The patch embedding and the merger are whole on every rank."""
+    if name.startswith("language_model."):
+        return engine.materialize(engine.shard_tp(name[len("language_model.") :], t, tp, rank))
+    if tp == 1 or not name.startswith("vision.decoder."):
+        return t
+    if gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+        return torch.cat([half.chunk(tp, dim=0)[rank] for half in t.chunk(2, dim=0)])
+    if name.endswith(_VISION_COLUMN):
+        return t.chunk(tp, dim=0)[rank]
+    if name.endswith(_VISION_ROW):
+        return t.chunk(tp, dim=1)[rank]
+    return t

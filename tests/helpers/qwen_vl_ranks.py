@@ -1,0 +1,34 @@
+"""Functions spawned ranks run for the Qwen-VL tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def qwen_vl_logits(state: dict, config_json: dict, tp: int, inputs: dict) -> dict:
+    """This TP rank's vocabulary slice of the logits of the converted Qwen-VL ``state``."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.convert.qwen_vl import language_preset, shard
+    from anyspeed.distributed.groups import init_distributed
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt
+    from anyspeed.models.qwen_vl.model import QwenVLModel
+    from anyspeed.models.qwen_vl.positions import VisionTokens
+    from anyspeed.models.qwen_vl.tower import tower_from_hf, tower_transformer_config
+
+    layout = Layout(tp=tp)
+    init_distributed(layout, seed=0)
+    tower, preset = tower_from_hf(config_json["vision_config"]), language_preset(config_json)
+    seconds = config_json["vision_config"].get("tokens_per_second")
+    tokens = VisionTokens(config_json["image_token_id"], config_json["video_token_id"], 2,
+                          seconds if tower.kind == "qwen2_5_vl" else None)  # fmt: skip
+    model = QwenVLModel(tower, tower_transformer_config(tower, layout), preset,
+                        gpt.transformer_config(preset, layout), tokens).eval()  # fmt: skip
+    rank, gated = ps.get_tensor_model_parallel_rank(), tower.kind == "qwen2_5_vl"
+    local: dict[str, Any] = {k: shard(k, v, tp, rank, gated) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(local, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+    with torch.no_grad():
+        return {"logits": model(**inputs)}
