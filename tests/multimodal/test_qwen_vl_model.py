@@ -54,18 +54,27 @@ def megatron_model(hf) -> QwenVLModel:
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
-def test_logits_equal_transformers(kind: str) -> None:
+def _case(kind: str) -> tuple:
+    """The HF model, the Megatron inputs and transformers' logits on them."""
     hf = _hf(kind, **TEXT)
     hf.config.text_config._attn_implementation = "eager"
     ids, vision = _inputs()
-    extra = {"second_per_grid_ts": torch.tensor([0.5])} if kind == "qwen2_5_vl" else {}
+    inputs = {"input_ids": ids, **vision}
+    if kind == "qwen2_5_vl":
+        inputs["second_per_grid_ts"] = torch.tensor([0.5])
     types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    with torch.no_grad():
+        want = hf(mm_token_type_ids=types, **inputs).logits
+    return hf, inputs, want
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_logits_equal_transformers(kind: str) -> None:
+    hf, inputs, want = _case(kind)
     with megatron_session():
         model = megatron_model(hf)
         with torch.no_grad():
-            got = model(ids, **vision, **extra).float()
-            want = hf(input_ids=ids, mm_token_type_ids=types, **vision, **extra).logits
+            got = model(**inputs).float()
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
@@ -89,16 +98,9 @@ def test_tp2_logits_equal_transformers(kind: str) -> None:
     from anyspeed.testing import run_distributed
     from helpers import qwen_vl_ranks
 
-    hf = _hf(kind, **TEXT)
-    hf.config.text_config._attn_implementation = "eager"
-    ids, vision = _inputs()
-    extra = {"second_per_grid_ts": torch.tensor([0.5])} if kind == "qwen2_5_vl" else {}
+    hf, inputs, want = _case(kind)
     _, _, state = model_to_megatron(hf.config.to_dict(), hf.state_dict().__getitem__)
     res = run_distributed(qwen_vl_ranks.qwen_vl_logits, 2, state=state,
-                          config_json=hf.config.to_dict(), tp=2,
-                          inputs={"input_ids": ids, **vision, **extra})  # fmt: skip
+                          config_json=hf.config.to_dict(), tp=2, inputs=inputs)  # fmt: skip
     got = torch.cat([r["logits"] for r in res], dim=-1)
-    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
-    with torch.no_grad():
-        want = hf(input_ids=ids, mm_token_type_ids=types, **vision, **extra).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
