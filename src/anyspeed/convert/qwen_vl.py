@@ -152,3 +152,34 @@ def shard(name: str, t: torch.Tensor, tp: int, rank: int, gated: bool) -> torch.
     if name.endswith(_VISION_ROW):
         return t.chunk(tp, dim=1)[rank]
     return t
+
+
+def model_to_hf(
+    tower: TowerConfig, preset: ModelConfig, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """HF tensors (transformers-5 names) of a whole :class:`QwenVLModel` state."""
+    out = {VISUAL + k: v for k, v in tower_to_hf(tower, _under(state, "vision.")).items()}
+    m, lm = mapping_for(preset.family), _under(state, "language_model.")
+    for g in engine.groups(preset):
+        part = engine.to_hf(m, preset, g, lm, preset.vocab_size)
+        out.update({_hf_lm(k): engine.materialize(t) for k, t in part.items()})
+    return {k: t.contiguous() for k, t in out.items()}
+
+
+def _under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _hf_lm(name: str) -> str:
+    """A Qwen2 mapping's name (``model.*``, ``lm_head.*``) inside the Qwen-VL model."""
+    return LANGUAGE + name[len("model.") :] if name.startswith("model.") else name
+
+
+def current_name(name: str) -> str:
+    """A checkpoint's tensor name in transformers-5 spelling: older checkpoints (and the Hub's)
+    keep the tower at ``visual.*`` and the language model at ``model.*``."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith((VISUAL, LANGUAGE)):
+        return LANGUAGE + name[len("model.") :]
+    return name
