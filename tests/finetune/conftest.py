@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from helpers.corpora import write_jsonl
-from helpers.instruction import alpaca_records, pairwise_records, preprocess
-
-VOCAB = 768  # the tokenizer's 600 ids, padded for TP1 and TP2 alike (multiple of 2 x 128)
+from helpers.instruction import VOCAB, alpaca_records, pairwise_records, preprocess
 
 
 @pytest.fixture(scope="session")

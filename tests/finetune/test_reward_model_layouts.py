@@ -15,8 +15,8 @@ from test_grpo import cli
 from test_reward_model import hf_scores, sequences
 
 from anyspeed.testing import run_distributed
-from conftest import VOCAB
 from helpers import sft_ranks
+from helpers.instruction import VOCAB
 
 TOL = 1e-5
 WHOLE = ["--reward-tensor-parallel-size", "1", "--reward-pipeline-parallel-size", "1"]

@@ -8,6 +8,8 @@ import random
 
 from helpers.corpora import make_docs
 
+VOCAB = 768  # the session tokenizer's 600 ids, padded for TP1 and TP2 alike (multiple of 2 x 128)
+
 
 def preprocess(
     src: str, prefix: str, tok: str, *flags: str, handler: str = "AlpacaStyleInstructionHandler"
