@@ -9,15 +9,14 @@ format does not take. Here every tensor is keyed by its model name (``model.<nam
 and a load reads whichever rows the loading rank holds: a run resumes at another number of
 data-parallel ranks. The tensor-parallel size stays as saved (Megatron-FSDP's global view of a
 SwiGLU ``linear_fc1`` interleaves the TP ranks' halves); ``anyspeed convert`` turns the
-checkpoint into a Hugging Face directory at any size (:func:`read_model`).
+checkpoint into a Hugging Face directory at any size
+(:func:`anyspeed.convert.megatron_io.read_fsdp_dtensor`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -122,30 +121,3 @@ def load(
                         torch.as_tensor(values["step"]), common["optimizer_step"]
                     )
     chunks[0].install_optimized_model_weights()
-
-
-def read_model(it_dir: str, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's whole tensors (bare names, TP-rank layout merged as a TP1 checkpoint holds
-    them), read without a process group: conversion's reader."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from anyspeed.distributed.resharding import materialize, merge_tp, tp_rule
-
-    meta = dcp.FileSystemReader(it_dir).read_metadata().state_dict_metadata
-    keys = [
-        k
-        for k, v in meta.items()
-        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
-    ]
-    for key in sorted(keys):
-        whole = {key: torch.empty(meta[key].size, dtype=meta[key].properties.dtype)}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(whole, checkpoint_id=it_dir, no_dist=True)
-        name, t = bare(key[len("model.") :]), whole[key]  # Megatron-LM's: model.module.…
-        rule = tp_rule(name)
-        if tp > 1 and rule != "replicated":
-            parts = list(torch.chunk(t, tp, dim=1 if rule == "row" else 0))
-            t = materialize(merge_tp(name, parts))
-        yield name, t

@@ -37,10 +37,12 @@ from anyspeed.distributed.resharding import (
     LAYER,
     LOCAL_EXPERT,
     Stacked,
+    materialize,
     merge_tp,
     shard_shape,
     shard_tp,
     tp_parts,
+    tp_rule,
 )
 from anyspeed.models.config import ModelConfig
 
@@ -269,13 +271,32 @@ def read_legacy(
 def read_fsdp_dtensor(it_dir: Path, tp: int) -> Iterator[tuple[Group, dict[str, torch.Tensor]]]:
     """A Megatron-FSDP run's checkpoint (:mod:`anyspeed.checkpoint.fsdp_dtensor`, saved at
     tensor-parallel size ``tp``) as :func:`read_legacy`'s groups: whole tensors, in order."""
-    from anyspeed.checkpoint.fsdp_dtensor import read_model
-
-    tensors = dict(read_model(str(it_dir), tp))
+    tensors = dict(_fsdp_dtensor_tensors(it_dir, tp))
     by_group = _by_group(dict.fromkeys(tensors), first_stage=True)
     layers = sorted(g for g in by_group if isinstance(g, int))
     for g in [*([EMBED] if EMBED in by_group else []), *layers, HEAD]:
         yield g, {n: tensors[n] for n in by_group.get(g, [])}
+
+
+def _fsdp_dtensor_tensors(it_dir: Path, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's whole tensors by bare name (anyspeed's ``model.<name>``, Megatron-LM's
+    ``model.module.<name>``), read through the checked DCP reader; a SwiGLU ``linear_fc1`` saved
+    at TP ``tp`` (each TP rank's gate and up rows in turn) reordered as at TP1."""
+    from anyspeed.checkpoint.fsdp_dtensor import bare
+    from anyspeed.convert.dcp_io import DcpReader
+
+    reader = DcpReader(it_dir)
+    for key in sorted(k for k, md in reader.tensors.items() if hasattr(md, "chunks")):
+        if not key.startswith("model."):
+            continue
+        shape = reader.shape(key)
+        name, t = (
+            bare(key[len("model.") :]),
+            materialize(reader.read(key, (0,) * len(shape), shape)),
+        )
+        if tp > 1 and tp_rule(name) == "swiglu":
+            t = materialize(merge_tp(name, list(t.chunk(tp, dim=0))))
+        yield name, t
 
 
 def _by_group(sources: dict[str, tuple], first_stage: bool) -> dict[Any, list[str]]:
