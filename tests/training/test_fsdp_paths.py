@@ -137,10 +137,11 @@ def test_checkpoints_resume_and_read_across(corpus: str, tmp_path) -> None:
     _same_hf_tensors(fs, dd)
 
 
-def test_megatron_fsdp_checkpoints(corpus: str, tmp_path) -> None:
+def test_megatron_fsdp_checkpoints(corpus: str, tmp_path, capsys) -> None:
     """Megatron-FSDP saved at step 2 and resumed equals the uninterrupted run; its checkpoint
     converts to the HF tensors of the distributed optimizer's at the same step; it starts from
-    a DDP checkpoint's weights (--finetune) as the distributed optimizer does."""
+    a DDP checkpoint's weights (--finetune) as the distributed optimizer does; and what it does
+    not do is one line (:func:`_refusals`)."""
     mf, dd = str(tmp_path / "mfsdp"), str(tmp_path / "distopt")
     fsdp, opt = ["--use-megatron-fsdp"], ["--use-distributed-optimizer"]
     stop = ["--save-interval", "2", "--exit-interval", "2"]
@@ -160,24 +161,22 @@ def test_megatron_fsdp_checkpoints(corpus: str, tmp_path) -> None:
     _close(from_ddp["loss"], distopt_from_ddp["loss"])
     _close(from_ddp["grad_norm"], distopt_from_ddp["grad_norm"])
     _same_hf_tensors(mf, dd)
+    _refusals(corpus, mf, dd, capsys)
 
 
-def test_megatron_fsdp_checkpoint_refusals(corpus: str, tmp_path, capsys) -> None:
+def _refusals(corpus: str, mf: str, dd: str, capsys) -> None:
     """What Megatron-FSDP checkpoints do not do is one line before start: resume a DDP
     checkpoint (its weights: --finetune), be resumed without the flag or at another TP size,
     or run at one data-parallel rank."""
     from anyspeed.commands.train import pretrain
 
-    mf, dd = str(tmp_path / "mfsdp"), str(tmp_path / "ddp")
-    stop = ["--save-interval", "1", "--exit-interval", "1"]
-    run_many(2, [_args(corpus, "--use-megatron-fsdp", "--save", mf, *stop),
-                 _args(corpus, "--save", dd, *stop)])  # fmt: skip
     cases = [
         (["--use-megatron-fsdp", "--load", dd], "starts from its weights with --finetune"),
         (["--load", mf], "resume it with --use-megatron-fsdp"),
         (["--use-megatron-fsdp", "--load", mf, "--tensor-model-parallel-size", "2"],
          "saved it at --tensor-model-parallel-size 1"),
     ]  # fmt: skip
+    capsys.readouterr()
     for extra, says in cases:
         assert pretrain(["--nproc-per-node", "4", *_args(corpus, *extra)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
