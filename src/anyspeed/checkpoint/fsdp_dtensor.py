@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from anyspeed.distributed.dtensors import bare, zeros_like_local
+
 BACKEND = "fsdp_dtensor"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -30,22 +32,8 @@ def is_megatron_fsdp(chunks: list[torch.nn.Module]) -> bool:
     return bool(chunks) and hasattr(chunks[0], "param_and_grad_buffer")
 
 
-def bare(name: str) -> str:
-    """``name`` without the wrappers' ``module.`` prefixes (the GPT model's own name)."""
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    return name
-
-
 def _optimizers(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _placeholder(like: Any) -> Any:
-    """Zeros with ``like``'s local shape and layout (a moment this rank has no rows of)."""
-    from anyspeed.distributed.dtensors import as_dtensor
-
-    return as_dtensor(torch.zeros_like(like.to_local()), like)
 
 
 def _moments(optimizer: Any, params: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
@@ -61,7 +49,7 @@ def _moments(optimizer: Any, params: dict[str, Any]) -> tuple[dict[str, Any], fl
         if "step" in values:
             step = float(values["step"])
         for m in MOMENTS:
-            out[f"optimizer.{name}.{m}"] = values[m] if m in values else _placeholder(p)
+            out[f"optimizer.{name}.{m}"] = values[m] if m in values else zeros_like_local(p)
     return out, step
 
 

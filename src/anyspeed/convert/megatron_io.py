@@ -282,8 +282,8 @@ def _fsdp_dtensor_tensors(it_dir: Path, tp: int) -> Iterator[tuple[str, torch.Te
     """The model's whole tensors by bare name (anyspeed's ``model.<name>``, Megatron-LM's
     ``model.module.<name>``), read through the checked DCP reader; a SwiGLU ``linear_fc1`` saved
     at TP ``tp`` (each TP rank's gate and up rows in turn) reordered as at TP1."""
-    from anyspeed.checkpoint.fsdp_dtensor import bare
     from anyspeed.convert.dcp_io import DcpReader
+    from anyspeed.distributed.dtensors import bare
 
     reader = DcpReader(it_dir)
     for key in sorted(k for k, md in reader.tensors.items() if hasattr(md, "chunks")):

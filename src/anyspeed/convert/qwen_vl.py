@@ -25,8 +25,7 @@ from anyspeed.models.qwen_vl.tower import TowerConfig, tower_from_hf
 VISUAL, LANGUAGE = "model.visual.", "model.language_model."
 DEFAULT_SECTION = (16, 24, 24)
 
-_NORMS = {"norm1": "input_layernorm", "norm2": "pre_mlp_layernorm"}
-_MERGER = {"merger.ln_q": "merger_norm", "merger.mlp.0": "merger_fc1", "merger.mlp.2": "merger_fc2"}
+_BOTH = ("weight", "bias")
 
 
 def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -39,25 +38,27 @@ def _per_kind(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-def _params(cfg: TowerConfig, kind: str) -> tuple[str, ...]:
-    norm = ("weight", "bias") if cfg.kind == "qwen2_vl" else ("weight",)
-    return norm if kind == "norm" else ("weight", "bias")
+def _renames(prefix: tuple[str, str], names: dict[str, str], params: tuple[str, ...]) -> list:
+    """(HF name, Megatron name) of each of ``params`` of each renamed module under ``prefix``."""
+    hf, mg = prefix
+    return [(f"{hf}{a}.{p}", f"{mg}{b}.{p}") for a, b in names.items() for p in params]
 
 
 def _plain_pairs(cfg: TowerConfig) -> list[tuple[str, str]]:
     """(HF name, Megatron name) of every tensor copied as it is."""
-    pairs = [(f"{hf}.{p}", f"{mg}.{p}") for hf, mg in _MERGER.items()
-             for p in _params(cfg, "norm" if hf.endswith("ln_q") else "linear")]  # fmt: skip
+    qwen2 = cfg.kind == "qwen2_vl"
+    norm = _BOTH if qwen2 else ("weight",)  # Qwen2.5-VL's RMSNorm has no bias
+    pairs = _renames(("merger.", ""), {"ln_q": "merger_norm"}, norm)
+    pairs += _renames(("merger.", ""), {"mlp.0": "merger_fc1", "mlp.2": "merger_fc2"}, _BOTH)
+    linears = {"attn.proj": "self_attention.linear_proj"}
+    if qwen2:
+        linears.update({"mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2"})
+    else:
+        linears["mlp.down_proj"] = "mlp.linear_fc2"
     for i in range(cfg.num_layers):
-        hf, mg = f"blocks.{i}.", f"decoder.layers.{i}."
-        pairs += [(f"{hf}{a}.{p}", f"{mg}{b}.{p}") for a, b in _NORMS.items()
-                  for p in _params(cfg, "norm")]  # fmt: skip
-        pairs += [(f"{hf}attn.proj.{p}", f"{mg}self_attention.linear_proj.{p}")
-                  for p in ("weight", "bias")]  # fmt: skip
-        down = "fc2" if cfg.kind == "qwen2_vl" else "down_proj"
-        pairs += [(f"{hf}mlp.{down}.{p}", f"{mg}mlp.linear_fc2.{p}") for p in ("weight", "bias")]
-        if cfg.kind == "qwen2_vl":
-            pairs += [(f"{hf}mlp.fc1.{p}", f"{mg}mlp.linear_fc1.{p}") for p in ("weight", "bias")]
+        layer = (f"blocks.{i}.", f"decoder.layers.{i}.")
+        pairs += _renames(layer, {"norm1": "input_layernorm", "norm2": "pre_mlp_layernorm"}, norm)
+        pairs += _renames(layer, linears, _BOTH)
     return pairs
 
 
@@ -123,10 +124,13 @@ def model_to_megatron(
     ``language_model.*``) from HF tensors ``read(transformers-5 name)``."""
     tower = tower_from_hf(config["vision_config"])
     preset = language_preset(config)
-    state = {f"vision.{k}": v for k, v in
-             tower_to_megatron(tower, lambda n: read(VISUAL + n)).items()}  # fmt: skip
+    vision = tower_to_megatron(tower, lambda n: read(VISUAL + n))
+    state = {f"vision.{k}": v for k, v in vision.items()}
     m = mapping_for(preset.family)
-    lm_read = lambda n: read(n.replace("model.", LANGUAGE, 1))  # noqa: E731
+
+    def lm_read(name: str) -> torch.Tensor:  # the Qwen2 mapping's model.* is model.language_model.*
+        return read(name.replace("model.", LANGUAGE, 1))
+
     for g in engine.groups(preset):
         part = engine.to_megatron(m, preset, g, lm_read, preset.vocab_size)
         state.update({f"language_model.{k}": engine.materialize(v) for k, v in part.items()})

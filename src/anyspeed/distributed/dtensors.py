@@ -52,3 +52,16 @@ def optimizer_dtensors(opt_state: Any, optimizer: Any) -> Any:
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     values[key] = as_dtensor(v, params[index])
     return opt_state
+
+
+def zeros_like_local(like: Any) -> Any:
+    """Zeros with DTensor ``like``'s local shape and layout (unevenly sharded ones included,
+    where ``torch.zeros_like`` would assume even chunks): state for rows a rank does not hold."""
+    return as_dtensor(torch.zeros_like(like.to_local()), like)
+
+
+def bare(name: str) -> str:
+    """A wrapped model's parameter name without the wrappers' ``module.`` prefixes."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name

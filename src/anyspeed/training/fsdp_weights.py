@@ -58,8 +58,8 @@ def load_weights(it_dir: str, chunks: list[torch.nn.Module], preset: Any) -> Non
     )
 
     from anyspeed.checkpoint.errors import CheckpointMismatch
-    from anyspeed.checkpoint.fsdp_dtensor import bare
     from anyspeed.convert.torch_dist import read_torch_dist
+    from anyspeed.distributed.dtensors import bare
 
     tp = ps.get_tensor_model_parallel_world_size()
     targets = {

@@ -18,28 +18,19 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
-
-
-def _bare(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    return name
-
 
 def every_parameter_state(optimizer: dict, model: dict) -> dict:
     """The fsdp_dtensor optimizer entry with the Adam moments of every parameter in its groups,
     in sorted order: a rank holding no rows of a parameter gets empty moments laid out as it."""
-    from anyspeed.distributed.dtensors import as_dtensor
+    from anyspeed.distributed.dtensors import bare, zeros_like_local
 
-    params = {_bare(k): v for k, v in model.items() if hasattr(v, "device_mesh")}
+    params = {bare(k): v for k, v in model.items() if hasattr(v, "device_mesh")}
     state = dict(optimizer.get("state", {}))
     for name in optimizer.get("param_to_group_meta", {}):
-        like = params.get(_bare(name))
+        like = params.get(bare(name))
         if name in state or like is None:
             continue
-        empty = as_dtensor(torch.zeros_like(like.to_local()), like)
-        state[name] = {"exp_avg": empty, "exp_avg_sq": as_dtensor(empty.to_local().clone(), like)}
+        state[name] = {"exp_avg": zeros_like_local(like), "exp_avg_sq": zeros_like_local(like)}
     return {**optimizer, "state": dict(sorted(state.items()))}
 
 

@@ -64,8 +64,13 @@ def tower_from_hf(vc: dict[str, Any]) -> TowerConfig:
     )
     if kind == "qwen2_vl":
         width = int(vc["embed_dim"])
-        return TowerConfig(kind, width, ffn_hidden_size=int(width * vc.get("mlp_ratio", 4)),
-                           out_hidden_size=int(vc["hidden_size"]), **common)  # fmt: skip
+        return TowerConfig(
+            kind,
+            width,
+            ffn_hidden_size=int(width * vc.get("mlp_ratio", 4)),
+            out_hidden_size=int(vc["hidden_size"]),
+            **common,
+        )
     return TowerConfig(
         kind,
         int(vc["hidden_size"]),
@@ -156,8 +161,8 @@ class QwenVisionTower(torch.nn.Module):
             x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
             rope = rope.view(-1, unit, *rope.shape[1:])[order].flatten(0, 1)
             windows = block_mask(lengths)
-            masks = [frames if i in cfg.fullatt_block_indexes else windows
-                     for i in range(cfg.num_layers)]  # fmt: skip
+            full = cfg.fullatt_block_indexes
+            masks = [frames if i in full else windows for i in range(cfg.num_layers)]
         h = x.unsqueeze(1)  # [s, b=1, hidden]
         for layer, mask in zip(self.decoder.layers, masks, strict=True):
             h, _ = layer(h, attention_mask=mask.to(h.device), rotary_pos_emb=rope.to(h.device))
