@@ -52,13 +52,15 @@ def pop_flag(argv: Sequence[str], flag: str) -> tuple[str | None, list[str]]:
 
 
 def merge_flags(defaults: Sequence[str], argv: Sequence[str]) -> list[str]:
-    """``defaults`` (flags with optional values) then ``argv``, dropping defaults ``argv`` sets."""
+    """``defaults`` (flags with any number of values, ``--mrope-section 16 24 24``) then
+    ``argv``, dropping defaults ``argv`` sets."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     j, kept = 0, []
     while j < len(defaults):
-        flag = defaults[j]
-        has_value = j + 1 < len(defaults) and not defaults[j + 1].startswith("--")
-        if flag not in given:
-            kept += defaults[j : j + (2 if has_value else 1)]
-        j += 2 if has_value else 1
+        end = j + 1
+        while end < len(defaults) and not defaults[end].startswith("--"):
+            end += 1
+        if defaults[j] not in given:
+            kept += defaults[j:end]
+        j = end
     return kept + list(argv)

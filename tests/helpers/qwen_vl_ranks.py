@@ -32,3 +32,15 @@ def qwen_vl_logits(state: dict, config_json: dict, tp: int, inputs: dict) -> dic
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
     with torch.no_grad():
         return {"logits": model(**inputs)}
+
+
+def vlm_tower(cli: list[str]) -> dict:
+    """Train ``anyspeed posttrain --stage vlm`` (Qwen-VL) here; the tower's weights after."""
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import train
+
+    run, _ = prepare(cli, command="posttrain")
+    model = train(run, task_for(run))["trainer"].model[0].module
+    state = model.vision.state_dict()
+    return {k: v.detach().clone() for k, v in state.items() if not k.endswith("_extra_state")}

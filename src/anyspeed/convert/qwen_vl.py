@@ -118,10 +118,11 @@ def language_preset(config: dict[str, Any]) -> ModelConfig:
 
 
 def model_to_megatron(
-    config: dict[str, Any], read: Callable[[str], torch.Tensor]
+    config: dict[str, Any], read: Callable[[str], torch.Tensor], vocab: int | None = None
 ) -> tuple[TowerConfig, ModelConfig, dict[str, torch.Tensor]]:
     """Tower config, language preset and the whole Megatron state (``vision.*``,
-    ``language_model.*``) from HF tensors ``read(transformers-5 name)``."""
+    ``language_model.*``) from HF tensors ``read(transformers-5 name)``; the vocabulary rows
+    padded to ``vocab`` (default: the config's)."""
     tower = tower_from_hf(config["vision_config"])
     preset = language_preset(config)
     vision = tower_to_megatron(tower, lambda n: read(VISUAL + n))
@@ -132,7 +133,7 @@ def model_to_megatron(
         return read(name.replace("model.", LANGUAGE, 1))
 
     for g in engine.groups(preset):
-        part = engine.to_megatron(m, preset, g, lm_read, preset.vocab_size)
+        part = engine.to_megatron(m, preset, g, lm_read, vocab or preset.vocab_size)
         state.update({f"language_model.{k}": engine.materialize(v) for k, v in part.items()})
     return tower, preset, state
 

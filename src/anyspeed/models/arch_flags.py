@@ -32,13 +32,18 @@ class ArchFlag:
     invert: bool = False  # the switch turns the field off (--disable-bias-linear)
     choices: tuple[str, ...] | None = None
     arch: bool = True  # part of the architecture (written by megatron_args)
+    many: bool = False  # several values (``--mrope-section 16 24 24``), read as a tuple
 
     def add_to(self, parser: argparse._ActionsContainer) -> None:
         if self.type is None:
             parser.add_argument(self.flag, action="store_true")
         else:
             parser.add_argument(
-                self.flag, type=self.type, default=self.default, choices=self.choices
+                self.flag,
+                type=self.type,
+                default=self.default,
+                choices=self.choices,
+                nargs="+" if self.many else None,
             )
 
     def read(self, args: argparse.Namespace) -> Any:
@@ -49,13 +54,15 @@ class ArchFlag:
             value = self.default
         if self.type is None:
             return (not value) if self.invert else bool(value)
-        return value
+        return tuple(value) if self.many and value is not None else value
 
     def emit(self, value: Any) -> list[str]:
         if self.type is None:
             return [self.flag] if bool(value) != self.invert else []
         if value is None:
             return []
+        if self.many:
+            return [self.flag, *(str(v) for v in value)]
         if self.type is int or self.type is window_type:
             value = int(value)
         return [self.flag, str(value)]
@@ -74,8 +81,9 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
         "--position-embedding-type",
         str,
         "learned_absolute",
-        choices=("rope", "learned_absolute", "yarn"),
+        choices=("rope", "learned_absolute", "yarn", "mrope"),
     ),
+    ArchFlag("mrope_section", "--mrope-section", int, many=True),
     ArchFlag("rotary_base", "--rotary-base", int, 10000),
     ArchFlag("rotary_percent", "--rotary-percent", float, 1.0),
     ArchFlag(

@@ -25,9 +25,12 @@ from anyspeed.training.config import TrainConfig
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
+    """UsageError for the first of ``names`` left unset; a preset (--model) sets only the
+    architecture, so the hint to use one is given only without it."""
     for name in names:
         if getattr(args, name) is None:
-            raise UsageError(f"--{name.replace('_', '-')} is required (or use --model NAME)")
+            hint = "" if getattr(args, "model", None) else " (or use --model NAME)"
+            raise UsageError(f"--{name.replace('_', '-')} is required{hint}")
 
 
 def complete(args: argparse.Namespace) -> Any:
@@ -123,6 +126,26 @@ def _check_features(args: argparse.Namespace) -> None:
     features.validate(args, detect())  # FeatureError is a UsageError: one line
 
 
+def _check_mrope(args: argparse.Namespace) -> None:
+    """mRoPE's 3-D positions come from the images: only the vlm stage makes them."""
+    if args.position_embedding_type != "mrope":
+        if getattr(args, "mrope_section", None):
+            raise UsageError("--mrope-section needs --position-embedding-type mrope")
+        return
+    if getattr(args, "stage", None) != "vlm":
+        raise UsageError(
+            "--position-embedding-type mrope: only --stage vlm (Qwen2-VL / Qwen2.5-VL) "
+            "makes its 3-D positions; use rope"
+        )
+    head = args.kv_channels or args.hidden_size // args.num_attention_heads
+    section = args.mrope_section or ()
+    if 2 * sum(section) != head:
+        raise UsageError(
+            f"--mrope-section {' '.join(map(str, section)) or '(none)'}: twice its sum must "
+            f"be the head dimension {head}"
+        )
+
+
 def _complete_architecture(args: argparse.Namespace) -> None:
     """Megatron-LM's derived defaults: positions, FFN size, query groups."""
     if args.max_position_embeddings is None:
@@ -134,6 +157,7 @@ def _complete_architecture(args: argparse.Namespace) -> None:
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
             f"{args.max_position_embeddings}"
         )
+    _check_mrope(args)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
         if args.swiglu:  # Megatron's default keeps the parameter count of a 4h GELU MLP

@@ -218,6 +218,9 @@ RANGES: dict[str, Range] = {
     "--rollout-rs-threshold-lower": STRICTLY_POSITIVE,
     # vision-language
     "--max-image-pixels": POSITIVE,
+    "--image-min-pixels": POSITIVE,
+    "--image-max-pixels": POSITIVE,
+    "--mrope-section": POSITIVE,
 }
 
 

@@ -126,8 +126,8 @@ def _vlm() -> Stage:
     return Stage(
         "vlm",
         "posttrain",
-        "a LLaVA vision-language model (CLIP/SigLIP tower, "
-        "projector, language model) on image-text conversations",
+        "a vision-language model (LLaVA with a CLIP/SigLIP tower, "
+        "or Qwen2-VL / Qwen2.5-VL) on image-text conversations",
         (posttrain_flags.add_arguments, vlm.add_arguments),
         vlm.plan,
         vlm.make_task,

@@ -7,13 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.transformer.module import MegatronModule
 
 from anyspeed.models.qwen_vl.positions import VisionTokens, mrope_positions
 from anyspeed.models.qwen_vl.tower import QwenVisionTower, TowerConfig
 
 
-class QwenVLModel(torch.nn.Module):
-    """Tokens, pixels and grids -> logits (or per-token loss with ``labels``)."""
+class QwenVLModel(MegatronModule):
+    """Tokens, pixels and grids -> logits (or per-token loss with ``labels``). Under sequence
+    parallelism the embeddings stay whole until the features are in, then are split."""
 
     def __init__(
         self,
@@ -25,10 +27,20 @@ class QwenVLModel(torch.nn.Module):
     ) -> None:
         from anyspeed.models import gpt
 
-        super().__init__()
+        super().__init__(config=language_config)
+        language_config.apply_rope_fusion = False  # the fused RoPE kernels take 1-D positions
         self.tokens = tokens
         self.vision = QwenVisionTower(tower, tower_config)
         self.language_model = gpt.build(language, language_config)
+        self.sequence_parallel = bool(language_config.sequence_parallel)
+        if self.sequence_parallel:  # whole embeddings: the features go in by position
+            emb = self.language_model.embedding
+            emb.scatter_to_sequence_parallel = emb.reduce_scatter_embeddings = False
+            emb.word_embeddings.reduce_scatter_embeddings = False
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Megatron's schedules hand a stage its input here (no pipeline: None)."""
+        self.language_model.set_input_tensor(input_tensor)
 
     def _scatter(
         self, embeddings: torch.Tensor, input_ids: torch.Tensor, token: int, features: torch.Tensor
@@ -72,6 +84,10 @@ class QwenVLModel(torch.nn.Module):
         ):
             if pixels is not None:
                 emb = self._scatter(emb, input_ids, token, self.vision(pixels, grid))
+        if self.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
         return lm(
             input_ids=None,
             position_ids=position_ids,

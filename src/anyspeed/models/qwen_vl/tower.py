@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,13 +123,14 @@ def frame_lengths(grid_thw: torch.Tensor) -> list[int]:
     return [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
 
 
-class QwenVisionTower(torch.nn.Module):
-    """Pixels [n, patch_dim] and grids [k, 3] -> image tokens [n / merge**2, out_hidden_size]."""
+class QwenVisionTower(MegatronModule):
+    """Pixels [n, patch_dim] and grids [k, 3] -> image tokens [n / merge**2, out_hidden_size]
+    (a MegatronModule: its TP-split layers checkpoint as shards, the rest replicated)."""
 
     def __init__(self, cfg: TowerConfig, config: Any) -> None:
         from megatron.core.transformer.transformer_block import TransformerBlock
 
-        super().__init__()
+        super().__init__(config=config)
         self.cfg = cfg
         self.patch_embed = torch.nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=False)
         self.decoder = TransformerBlock(

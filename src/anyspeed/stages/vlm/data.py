@@ -35,7 +35,7 @@ class Sample:
 
 @dataclass
 class VLMData:
-    samples: list[Sample]
+    samples: list[Any]  # this module's Sample (LLaVA) or qwen_data's
     skipped: dict[str, list[str]] = field(default_factory=dict)  # why -> records
 
     def __len__(self) -> int:

@@ -1,5 +1,6 @@
 """The ``vlm`` stage: a LLaVA model (language model, CLIP/SigLIP tower, projector) trained on
-image-text conversations, with MindSpeed-MM's / Megatron-LM's freeze switches.
+image-text conversations, with MindSpeed-MM's / Megatron-LM's freeze switches. A Qwen2-VL /
+Qwen2.5-VL start or checkpoint goes to :mod:`anyspeed.stages.vlm.qwen`.
 
 ``--load <HF LLaVA dir>`` starts from transformers' ``LlavaForConditionalGeneration`` weights
 (converted in memory, each rank its TP shard); ``--load <checkpoint>`` resumes a ``vlm`` run. The
@@ -60,7 +61,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no training of the language model",
     )
-    g.add_argument("--freeze-projector", action="store_true", help="no training of the projector")
+    g.add_argument(
+        "--freeze-projector",
+        "--freeze-projection",
+        dest="freeze_projector",
+        action="store_true",
+        help="no training of the projector (Qwen-VL: the merger)",
+    )
+    g.add_argument(
+        "--image-min-pixels",
+        type=int,
+        default=None,
+        help="Qwen-VL: images are resized to at least this many pixels (default: the "
+        "processor's, 56^2)",
+    )
+    g.add_argument(
+        "--image-max-pixels",
+        type=int,
+        default=None,
+        help="Qwen-VL: images are resized to at most this many pixels (default: the "
+        "processor's, 28^2 * 1280)",
+    )
     g.add_argument("--vlm-hf-dir", default=None, help=argparse.SUPPRESS)
 
 
@@ -78,8 +99,14 @@ def expand_argv(argv: list[str]) -> list[str]:
         return merge_flags(_checkpoint_flags(load), argv)
     if not load:
         return argv
+    from anyspeed.stages.vlm import qwen
+
     try:
-        cfg = llava_from_hf(read_config(load))
+        config = read_config(load)
+        if qwen.is_qwen_vl(config):
+            _, argv = pop_flag(argv, "--load")
+            return merge_flags(qwen.hf_flags(config, load, argv), argv)
+        cfg = llava_from_hf(config)
     except ValueError as exc:  # ConvertError (a bad file) is one too
         raise UsageError(f"--load {load!r}: {exc}") from None
     _, argv = pop_flag(argv, "--load")
@@ -98,7 +125,8 @@ def expand_argv(argv: list[str]) -> list[str]:
 
 
 def _checkpoint_flags(load: str) -> list[str]:
-    """A LLaVA checkpoint's language-model flags (its model record); none for another."""
+    """A vlm checkpoint's language-model flags (its model record; a Qwen-VL one's tokenizer
+    too); none for another."""
     from anyspeed.checkpoint.reads import read_common, tracked_dir
     from anyspeed.checkpoint.record import model_in_common
 
@@ -107,8 +135,11 @@ def _checkpoint_flags(load: str) -> list[str]:
         common = read_common(path) if path else {}
     except Exception:  # noqa: BLE001 - the generic --load checks report an unreadable one
         return []
-    model = model_in_common(common, load, as_hf=False) if RECORD in common else None
-    return model.megatron_args() if model else []
+    from anyspeed.stages.vlm import qwen
+
+    ours = RECORD in common or qwen.RECORD in common
+    model = model_in_common(common, load, as_hf=False) if ours else None
+    return [*model.megatron_args(), *qwen.tokenizer_flags(common)] if model else []
 
 
 @dataclass(frozen=True)
@@ -152,6 +183,11 @@ def plan(args: argparse.Namespace) -> StagePlan:
             "full or freeze parts (--freeze-LM, --freeze-ViT, "
             "--freeze-projector)"
         )
+    from anyspeed.stages.vlm import qwen
+
+    qwen_cfg = qwen.config_of(args)
+    if qwen_cfg is not None:
+        return qwen.plan(args, qwen_cfg, _tokenizer(args))
     cfg = _llava_config(args)
     try:
         check_layout(cfg, Layout.from_args(args))
@@ -224,7 +260,11 @@ def _report(path: str, data: Any) -> None:
             )
 
 
-def make_task(run: Run) -> VLMTask:
+def make_task(run: Run) -> Task:
+    from anyspeed.stages.vlm.qwen import QwenVLConfig, QwenVLTask
+
+    if isinstance(run.config, QwenVLConfig):
+        return QwenVLTask(run.config)
     return VLMTask(run.config)
 
 
@@ -253,6 +293,14 @@ class VLMTask(Task):
         """An HF start: every rank reads the HF tensors and copies in its TP shard."""
         if not self.cfg.hf_dir:
             return False
+        chunk = trainer.model[0].module
+        self.load_hf(getattr(chunk, "module", chunk), run)  # under a Float16Module or not
+        if hasattr(trainer.optimizer, "reload_model_params"):
+            trainer.optimizer.reload_model_params()
+        return True
+
+    def load_hf(self, inner: torch.nn.Module, run: Run) -> None:
+        """Copy this rank's shard of the HF directory's weights into the bare model."""
         from megatron.core import parallel_state as ps
 
         from anyspeed.convert import llava as conv
@@ -260,33 +308,33 @@ class VLMTask(Task):
 
         ck = HFCheckpoint(self.cfg.hf_dir)
         layout = conv.layout_of(ck.names)
-        chunk = trainer.model[0].module
-        dtype = next(chunk.parameters()).dtype
+        dtype = next(inner.parameters()).dtype
         llava = dataclasses.replace(self.cfg.llava, language=run.model)
         state_ = conv.to_megatron(
             llava, lambda n: ck.get(conv.hf_name(n, layout)).to(dtype), run.model.vocab_size
         )
-        inner = getattr(chunk, "module", chunk)  # under a Float16Module
         conv.load_into(inner, state_, run.layout.tp, ps.get_tensor_model_parallel_rank())
-        if hasattr(trainer.optimizer, "reload_model_params"):
-            trainer.optimizer.reload_model_params()
-        return True
 
     def forward_step(
         self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, LossFunc]:
         from anyspeed.stages.common.losses import token_loss
 
-        b = next(data_iterator)
-        losses, mask = model(
-            b["images"], b["tokens"], None, None, labels=b["labels"], loss_mask=b["loss_mask"]
-        )
+        losses, mask = self.losses(model, next(data_iterator))
 
         def loss_func(output: torch.Tensor):
             total, count, report = token_loss(output, mask)
             return total, count, {self.loss_key: report}
 
         return losses, loss_func
+
+    def losses(
+        self, model: torch.nn.Module, b: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-token losses, loss mask) of micro-batch ``b``."""
+        return model(
+            b["images"], b["tokens"], None, None, labels=b["labels"], loss_mask=b["loss_mask"]
+        )
 
     def datasets(self, run: Run) -> list[Any]:
         from anyspeed.stages.common.instruction_data import split_datasets

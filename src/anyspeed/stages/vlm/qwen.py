@@ -1,0 +1,262 @@
+"""The ``vlm`` stage for Qwen2-VL / Qwen2.5-VL: the tower, the merger and a GPT with mRoPE
+(:class:`anyspeed.models.qwen_vl.model.QwenVLModel`) trained on ``mllm`` conversations
+(:mod:`anyspeed.stages.vlm.qwen_data`).
+
+``--load <HF Qwen-VL dir>`` starts from ``Qwen2VLForConditionalGeneration`` /
+``Qwen2_5_VLForConditionalGeneration`` weights (either weight-name prefix), each rank copying in
+its TP shard; ``--load <checkpoint>`` resumes a Qwen-VL ``vlm`` run. The loss is the global
+token mean over the assistant's tokens, the same at every layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from anyspeed.errors import UsageError
+from anyspeed.stages.vlm.task import VLMTask
+from anyspeed.training.task import StagePlan
+
+if TYPE_CHECKING:
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
+
+RECORD = "anyspeed_qwen_vl"  # the checkpoint entry: the HF config and the processor settings
+KINDS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def is_qwen_vl(config: dict[str, Any]) -> bool:
+    return config.get("model_type") in KINDS
+
+
+def hf_flags(config: dict[str, Any], load: str, argv: list[str]) -> list[str]:
+    """The language model's flags (mRoPE included) of an HF Qwen-VL directory."""
+    from anyspeed.argv import get_flag
+    from anyspeed.convert.errors import ConvertError
+    from anyspeed.convert.qwen_vl import language_preset
+    from anyspeed.models.config import padded_vocab_size
+
+    try:
+        preset = language_preset(config)
+    except (ConvertError, KeyError, ValueError) as exc:
+        raise UsageError(f"--load {load!r}: {exc}") from None
+    tp = int(get_flag(argv, "--tensor-model-parallel-size", "1") or 1)
+    divisible = int(get_flag(argv, "--make-vocab-size-divisible-by", "128") or 128)
+    padded = padded_vocab_size(preset.vocab_size, divisible, tp)
+    flags = [*preset.megatron_args(), "--vlm-hf-dir", load, "--padded-vocab-size", str(padded)]
+    if os.path.isfile(os.path.join(load, "tokenizer.json")):
+        flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", load]
+    return flags
+
+
+@dataclass(frozen=True)
+class QwenVLConfig:
+    hf_config: dict[str, Any]  # the HF config.json (the tower and the special tokens)
+    processor: dict[str, Any]  # the image processor's settings
+    hf_dir: str | None
+    freeze_vit: bool = False
+    freeze_lm: bool = False
+    freeze_projector: bool = False
+
+    @property
+    def tower(self) -> Any:
+        from anyspeed.models.qwen_vl.tower import tower_from_hf
+
+        return tower_from_hf(self.hf_config["vision_config"])
+
+    @property
+    def tokens(self) -> Any:
+        from anyspeed.models.qwen_vl.positions import VisionTokens
+
+        c, t = self.hf_config, self.tower
+        qwen25 = t.kind == "qwen2_5_vl"  # videos' time axis in tokens per second (HF: 4)
+        seconds = c["vision_config"].get("tokens_per_second", 4) if qwen25 else None
+        return VisionTokens(c["image_token_id"], c["video_token_id"], t.spatial_merge_size, seconds)
+
+    def vision(self) -> Any:
+        from anyspeed.stages.vlm.qwen_data import Vision
+
+        c, t, p = self.hf_config, self.tower, self.processor
+        return Vision(c["image_token_id"], c["video_token_id"], c["vision_start_token_id"],
+                      c["vision_end_token_id"], t.patch_size, t.spatial_merge_size,
+                      t.temporal_patch_size, p["min_pixels"], p["max_pixels"])  # fmt: skip
+
+
+def _saved(args: argparse.Namespace) -> dict[str, Any] | None:
+    from anyspeed.checkpoint.reads import read_common, tracked_dir
+
+    path = tracked_dir(args.load) if args.load else None
+    text = read_common(path).get(RECORD) if path else None
+    return json.loads(text) if text else None
+
+
+def tokenizer_flags(common: dict[str, Any]) -> list[str]:
+    """The tokenizer a Qwen-VL checkpoint's run used, where it still is (explicit flags win)."""
+    path = json.loads(common.get(RECORD) or "{}").get("tokenizer")
+    if not path or not os.path.isdir(path):
+        return []
+    return ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", path]
+
+
+def config_of(args: argparse.Namespace) -> QwenVLConfig | None:
+    """The run's Qwen-VL config (from the HF directory or the resumed checkpoint); None for
+    another model."""
+    from anyspeed.convert.hf_io import read_config
+    from anyspeed.stages.vlm.pixels import processor_settings
+
+    saved = None if args.vlm_hf_dir else _saved(args)
+    hf_config = read_config(args.vlm_hf_dir) if args.vlm_hf_dir else (saved or {}).get("hf_config")
+    if not hf_config or not is_qwen_vl(hf_config):
+        return None
+    vc = hf_config["vision_config"]
+    settings = (saved or {}).get("processor") or processor_settings(
+        args.vlm_hf_dir, int(vc["patch_size"]), int(vc.get("spatial_merge_size", 2)),
+        int(vc.get("temporal_patch_size", 2)),
+    )  # fmt: skip
+    for key in ("min_pixels", "max_pixels"):
+        if getattr(args, f"image_{key}", None):
+            settings = {**settings, key: int(getattr(args, f"image_{key}"))}
+    return QwenVLConfig(hf_config, settings, args.vlm_hf_dir, args.freeze_vit, args.freeze_lm,
+                        args.freeze_projector)  # fmt: skip
+
+
+def check_layout(args: argparse.Namespace, cfg: QwenVLConfig) -> None:
+    """One line naming the flag for a layout the Qwen-VL path does not run yet."""
+    from anyspeed.layout import Layout
+
+    layout = Layout.from_args(args)
+    for flag, bad in (
+        ("--pipeline-model-parallel-size", layout.pp > 1),
+        ("--context-parallel-size", layout.cp > 1),
+        ("--expert-model-parallel-size", layout.ep > 1),
+    ):
+        if bad:
+            raise UsageError(
+                f"{flag}: not supported for Qwen-VL in --stage vlm yet; use TP (with "
+                "--sequence-parallel) and DP"
+            )
+    t = cfg.tower
+    for name, n in (("vision heads", t.num_heads), ("vision ffn", t.ffn_hidden_size)):
+        if n % layout.tp:
+            raise UsageError(
+                f"--tensor-model-parallel-size {layout.tp} does not divide the {name} ({n})"
+            )
+
+
+def plan(args: argparse.Namespace, cfg: QwenVLConfig, tok: Any) -> StagePlan:
+    """The Qwen-VL checks and its data (bad records counted)."""
+    from anyspeed.stages.vlm import qwen_data
+    from anyspeed.stages.vlm.task import _report
+
+    check_layout(args, cfg)
+    if args.mock_data or not args.data_path or len(args.data_path) != 1:
+        raise UsageError("--data-path: give exactly one mllm conversation .json/.jsonl file")
+    path = args.data_path[0]
+    if not os.path.isfile(path):
+        raise UsageError(f"--data-path {path!r}: no such file")
+    folder = args.image_folder or os.path.dirname(path)
+    data = qwen_data.read(path, folder, tok, cfg.vision(), args.seq_length, args.max_image_pixels)
+    _report(path, data)
+    tokenizer = os.path.abspath(args.tokenizer_name_or_path)
+    record = json.dumps({"hf_config": cfg.hf_config, "processor": cfg.processor,
+                         "tokenizer": tokenizer})  # fmt: skip
+    return StagePlan(None, cfg, data, {RECORD: record})
+
+
+class QwenVLTask(VLMTask):
+    """The conversation loss of a Qwen2-VL / Qwen2.5-VL model on images, videos and text (the
+    LLaVA task's data split and per-token loss; its own model, start and batches)."""
+
+    cfg: QwenVLConfig  # type: ignore[assignment]
+
+    def __init__(self, cfg: QwenVLConfig) -> None:
+        self.cfg = cfg
+        self._pixels: Any = None
+
+    def build(self, model: Any, config: Any, layout: Any) -> list[torch.nn.Module]:
+        from megatron.core.transformer.enums import ModelType
+
+        from anyspeed.models.qwen_vl.model import QwenVLModel
+        from anyspeed.models.qwen_vl.tower import tower_transformer_config
+
+        tower = self.cfg.tower
+        init = {"perform_initialization": config.perform_initialization}
+        tower_config = tower_transformer_config(tower, layout, config.params_dtype, **init)
+        chunk = QwenVLModel(tower, tower_config, model, config, self.cfg.tokens)
+        chunk.model_type = ModelType.encoder_or_decoder
+        freeze(chunk, self.cfg)
+        return [chunk]
+
+    def load_hf(self, inner: torch.nn.Module, run: Run) -> None:
+        load_hf(inner, self.cfg, run.model.vocab_size, run.layout.tp)
+
+    def losses(
+        self, model: torch.nn.Module, b: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = b.pop("loss_mask")
+        return model(b.pop("tokens"), labels=b.pop("labels"), **b), mask
+
+    def batches(
+        self,
+        dataset: Any,
+        run: Run,
+        consumed: int,
+        device: torch.device,
+        trainer: Trainer | None = None,
+    ) -> Iterator[list[dict[str, torch.Tensor]]]:
+        from anyspeed.stages.common.instruction_data import global_batches
+        from anyspeed.stages.vlm.pixels import Pixels
+        from anyspeed.stages.vlm.qwen_data import micro_batch
+
+        if self._pixels is None:
+            self._pixels = Pixels(self.cfg.processor)
+        data, rows = dataset
+        seconds = self.cfg.tower.kind == "qwen2_5_vl"
+
+        def make(idx: list[int]) -> dict[str, torch.Tensor]:
+            return micro_batch(data, idx, run.args.seq_length, self._pixels, seconds)
+
+        return global_batches(run.args, rows, consumed, device, make)
+
+
+def freeze(chunk: torch.nn.Module, cfg: QwenVLConfig) -> None:
+    """MindSpeed-MM's freeze switches: the tower (patch embedding and layers), the merger,
+    the language model."""
+    parts = {
+        "vision.patch_embed": cfg.freeze_vit,
+        "vision.decoder": cfg.freeze_vit,
+        "vision.merger": cfg.freeze_projector,
+        "language_model": cfg.freeze_lm,
+    }
+    for name, p in chunk.named_parameters():
+        if any(name.startswith(k) and off for k, off in parts.items()):
+            p.requires_grad_(False)
+
+
+def load_hf(model: torch.nn.Module, cfg: QwenVLConfig, vocab: int, tp: int) -> None:
+    """Copy this TP rank's shard of the HF weights into ``model`` (a QwenVLModel)."""
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.convert.hf_io import HFCheckpoint
+    from anyspeed.convert.qwen_vl import current_name, model_to_megatron, shard
+
+    assert cfg.hf_dir is not None
+    ck = HFCheckpoint(cfg.hf_dir)
+    names = {current_name(n): n for n in ck.names}
+    dtype = next(model.parameters()).dtype
+    _, _, state = model_to_megatron(cfg.hf_config, lambda n: ck.get(names[n]).to(dtype), vocab)
+    rank, gated = ps.get_tensor_model_parallel_rank(), cfg.tower.kind == "qwen2_5_vl"
+    local = {k: shard(k, v, tp, rank, gated) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(local, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise UsageError(
+            f"--load {cfg.hf_dir!r}: the weights do not fit the model (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]})"
+        )

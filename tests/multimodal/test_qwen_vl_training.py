@@ -1,0 +1,216 @@
+"""``anyspeed posttrain --stage vlm`` on a Qwen2.5-VL (and Qwen2-VL) Hugging Face directory,
+with mllm records of drawn images at two sizes and two 4-frame videos. The first loss equals
+transformers' own loss of the same batch; loss and grad norm at TP2 + SP and DP2 (distributed
+optimizer) equal one process within 1e-5 over 3 steps; a frozen tower stays bit-identical; video
+pixels follow the processor's layout; bad records are counted and named."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from anyspeed.demo import qwen_vl_data as q
+from anyspeed.testing import run_distributed
+from helpers import qwen_vl_ranks, sft_ranks
+
+TOL = 1e-5
+SEQ = 64
+
+
+def _video(folder, name: str, rng) -> list[str]:
+    """Four 16 x 16 frames of one shape moving right (16 x 16: the processor keeps the size)."""
+    from PIL import Image
+
+    frames = []
+    for k in range(4):
+        path = folder / "images" / f"{name}_{k}.png"
+        im = Image.new("RGB", (16, 16), (10, 10, 10))
+        im.paste((200, 40, 40), (2 + 2 * k, 5, 8 + 2 * k, 11))
+        im.save(path)
+        frames.append(f"images/{name}_{k}.png")
+    return frames
+
+
+def _material(d, kind: str) -> dict:
+    hf = q.make_model(str(d / kind), kind)
+    path = q.make_records(str(d), 14, 0, "train")
+    records = json.loads(open(path, encoding="utf-8").read())
+    for i in range(2):
+        frames = _video(d, f"video{i}", None)
+        records.append({"messages": [{"role": "user", "content": "<video>what is in the picture?"},
+                                     {"role": "assistant", "content": "a red square"}],
+                        "videos": [frames]})  # fmt: skip
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(records, f)
+    return {"dir": d, "data": path, "hf": hf, "kind": kind}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return _material(tmp_path_factory.mktemp("qwen_vl"), "qwen2_5_vl")
+
+
+def _cli(demo, *extra: str, iters: int = 3) -> list[str]:
+    return ["--stage", "vlm", "--load", demo["hf"], "--data-path", demo["data"],
+            "--seq-length", str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", str(iters), "--lr", "1e-3", "--split", "100,0,0",
+            "--log-interval", "100", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--make-vocab-size-divisible-by", "1", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one(demo):
+    return run_distributed(sft_ranks.posttrain, 1, cli=_cli(demo))[0]
+
+
+def _hf_first_loss(demo) -> float:
+    """transformers' loss of the first global batch: its own model on the same tokens and
+    the processor's pixels, one sample at a time."""
+    import transformers as T
+
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+    from anyspeed.stages.common.instruction_data import sample_order
+    from anyspeed.stages.vlm import qwen_data
+    from anyspeed.stages.vlm.pixels import Pixels, processor_settings
+    from anyspeed.stages.vlm.qwen import QwenVLConfig
+
+    cls = (T.Qwen2_5_VLForConditionalGeneration if demo["kind"] == "qwen2_5_vl"
+           else T.Qwen2VLForConditionalGeneration)  # fmt: skip
+    model = cls.from_pretrained(demo["hf"], attn_implementation="eager").eval()
+    config = json.loads(open(f"{demo['hf']}/config.json").read())
+    settings = processor_settings(demo["hf"], 2, 2, 2)
+    vision = QwenVLConfig(config, settings, demo["hf"]).vision()
+    tok = load_tokenizer(TokenizerSpec(name_or_path=demo["hf"]))
+    data = qwen_data.read(demo["data"], str(demo["dir"]), tok, vision, SEQ, 1 << 30)
+    pixels = Pixels(settings)
+    total, count = 0.0, 0
+    for i in sample_order((0, len(data)), 8 * 3, 1234)[:8]:
+        s = data.samples[int(i)]
+        batch = qwen_data.micro_batch(data, [int(i)], len(s.tokens) - 1, pixels, True)
+        kw = {k: v for k, v in batch.items() if k not in ("tokens", "labels", "loss_mask")}
+        ids = batch["tokens"]  # transformers takes the 3-D positions' token kinds separately
+        kw["mm_token_type_ids"] = (ids == vision.image_token).int() + 2 * (
+            ids == vision.video_token
+        ).int()
+        with torch.no_grad():
+            logits = model(input_ids=ids, **kw).logits[0]
+        lp = torch.log_softmax(logits.double(), -1)
+        target, mask = batch["labels"][0], batch["loss_mask"][0].bool()
+        total += float(-lp[torch.arange(len(target)), target][mask].sum())
+        count += int(mask.sum())
+    return total / count
+
+
+def test_first_loss_equals_transformers(one, demo):
+    assert one["loss"][0] == pytest.approx(_hf_first_loss(demo), abs=TOL)
+    assert all(math.isfinite(x) for x in one["loss"]) and one["loss"][-1] < one["loss"][0]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--use-distributed-optimizer"],
+    ],
+    ids=["tp2_sp", "dp2_distopt"],
+)
+def test_loss_and_grad_norm_equal_one_process(layout, one, demo):
+    two = run_distributed(sft_ranks.posttrain, 2, cli=_cli(demo, *layout))[0]
+    assert two["loss"] == pytest.approx(one["loss"], rel=TOL)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
+
+
+def test_qwen2_vl_first_loss_and_tp2(tmp_path):
+    demo = _material(tmp_path, "qwen2_vl")
+    one = run_distributed(sft_ranks.posttrain, 1, cli=_cli(demo))[0]
+    assert one["loss"][0] == pytest.approx(_hf_first_loss(demo), abs=TOL)
+    tp2 = run_distributed(
+        sft_ranks.posttrain, 2, cli=_cli(demo, "--tensor-model-parallel-size", "2")
+    )[0]
+    assert tp2["loss"] == pytest.approx(one["loss"], rel=TOL)
+    assert tp2["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
+
+
+def test_frozen_tower_stays_bit_identical(demo):
+    """--freeze-ViT: after 3 steps the tower equals the HF tower bit for bit; the merger and
+    the language model have moved."""
+    from anyspeed.convert.hf_io import HFCheckpoint
+    from anyspeed.convert.qwen_vl import current_name, model_to_megatron
+
+    out = run_distributed(qwen_vl_ranks.vlm_tower, 1, cli=_cli(demo, "--freeze-ViT"))[0]
+    ck = HFCheckpoint(demo["hf"])
+    names = {current_name(n): n for n in ck.names}
+    config = json.loads(open(f"{demo['hf']}/config.json").read())
+    _, _, start = model_to_megatron(config, lambda n: ck.get(names[n]))
+    tower = {k: v for k, v in out.items() if not k.startswith("merger")}
+    assert tower and all(torch.equal(v, start[f"vision.{k}"]) for k, v in tower.items())
+    merger = {k: v for k, v in out.items() if k.startswith("merger")}
+    assert any(not torch.equal(v, start[f"vision.{k}"]) for k, v in merger.items())
+
+
+def test_video_pixels_follow_the_processor_layout(tmp_path):
+    """A 4-frame video's rows equal the processor's layout computed here by hand: frames
+    normalised with CLIP's mean/std, grouped in pairs, patches in 2x2 merge-block order."""
+    from PIL import Image
+
+    from anyspeed.stages.vlm.data import NORMALISE
+    from anyspeed.stages.vlm.pixels import Pixels
+
+    (tmp_path / "images").mkdir()
+    frames = [str(tmp_path / f) for f in _video(tmp_path, "v", None)]
+    rows, grid = Pixels({"patch_size": 2, "merge_size": 2, "temporal_patch_size": 2,
+                         "min_pixels": 16, "max_pixels": 256}).video(frames)  # fmt: skip
+    assert grid.tolist() == [[2, 8, 8]]
+    mean, std = (np.array(v, dtype=np.float32).reshape(3, 1, 1) for v in NORMALISE["clip"])
+    x = np.stack(
+        [
+            (np.asarray(Image.open(f).convert("RGB"), np.float32).transpose(2, 0, 1) / 255 - mean)
+            / std
+            for f in frames
+        ]
+    )  # fmt: skip  [4, C, 16, 16]
+    x = x.reshape(2, 2, 3, 4, 2, 2, 4, 2, 2).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    assert torch.allclose(rows, torch.from_numpy(x.reshape(128, 24)), atol=1e-6)
+
+
+def test_bad_records_are_counted_and_named(demo, tmp_path, capsys):
+    """A missing image, an image that cannot be decoded and more image tags than images are
+    skipped and counted, naming the file and the record; a record without turns stops before
+    start in one line."""
+    import shutil
+
+    from anyspeed.errors import UsageError
+    from anyspeed.stages.prepare import prepare
+
+    good = json.loads(open(demo["data"], encoding="utf-8").read())[:8]
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png at all")
+    for rec in good:
+        shutil.copy(demo["dir"] / rec["images"][0], tmp_path / rec["images"][0])
+    first = good[0]
+    two_tags = [{"role": "user", "content": "<image><image>what?"}, first["messages"][1]]
+    bad = [dict(first, images=["images/nowhere.png"]), dict(first, images=["images/broken.png"]),
+           dict(first, messages=two_tags)]  # fmt: skip
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(good + bad), encoding="utf-8")
+    cli = _cli(demo)
+    cli[cli.index(demo["data"])] = str(path)
+    run, _ = prepare(cli, where="launcher", command="posttrain")
+    assert len(run.data) == 8
+    err = capsys.readouterr().err
+    for needle in ("missing image; first: record 8", "nowhere.png", "undecodable image; first: "
+                   "record 9", "<image> tags; first: record 10"):  # fmt: skip
+        assert needle in err, err
+    path.write_text(json.dumps(good[:1] + [{"image": "x.png"}]), encoding="utf-8")
+    with pytest.raises(UsageError, match="record 1: not a conversation record") as exc:
+        prepare(cli, where="launcher", command="posttrain")
+    assert "\n" not in str(exc.value)
+    for extra, flag in ((["--pipeline-model-parallel-size", "2"], "pipeline"),
+                        (["--context-parallel-size", "2"], "context")):  # fmt: skip
+        with pytest.raises(UsageError, match=f"--{flag}-.*not supported for Qwen-VL"):
+            prepare(_cli(demo, *extra, "--nproc-per-node", "2"), where="launcher",
+                    command="posttrain")  # fmt: skip
