@@ -64,7 +64,8 @@ def _cli(demo, *extra: str, iters: int = 3) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one(demo):
-    return run_distributed(sft_ranks.posttrain, 1, cli=_cli(demo))[0]
+    save = ["--save", str(demo["dir"] / "one_ck"), "--save-interval", "3"]
+    return run_distributed(sft_ranks.posttrain, 1, cli=_cli(demo, *save))[0]
 
 
 def _hf_first_loss(demo) -> float:
@@ -122,6 +123,33 @@ def test_loss_and_grad_norm_equal_one_process(layout, one, demo):
     two = run_distributed(sft_ranks.posttrain, 2, cli=_cli(demo, *layout))[0]
     assert two["loss"] == pytest.approx(one["loss"], rel=TOL)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
+
+
+def test_converted_checkpoint_trains_at_tp2_and_converts_back(one, demo):
+    """The HF start converted (anyspeed convert) and trained at TP2 from its torch_dist files
+    equals one process; both runs' final checkpoints convert to the same HF tensors."""
+    from anyspeed.commands.convert import main as convert
+
+    d = demo["dir"]
+    assert convert(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                    demo["hf"], "--save-dir", str(d / "mg")]) == 0  # fmt: skip
+    cli = _cli(demo, "--tensor-model-parallel-size", "2", "--save", str(d / "tp2_ck"),
+               "--save-interval", "3")  # fmt: skip
+    cli[cli.index(demo["hf"])] = str(d / "mg")
+    tp2 = run_distributed(sft_ranks.posttrain, 2, cli=cli)[0]
+    assert tp2["loss"] == pytest.approx(one["loss"], rel=TOL)
+    assert tp2["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
+    tensors = []
+    for name in ("one_ck", "tp2_ck"):
+        out = d / f"{name}_hf"
+        assert convert(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                        str(d / name), "--save-dir", str(out)]) == 0  # fmt: skip
+        from safetensors.torch import load_file
+
+        tensors.append({k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()})
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    for k, v in tensors[0].items():  # Adam turns 1e-7 gradient noise into up to ~1e-5 moves
+        assert torch.allclose(v, tensors[1][k], atol=5e-5), k
 
 
 def test_qwen2_vl_first_loss_and_tp2(tmp_path):

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from anyspeed import quiet
 from anyspeed.checkpoint.megatron_lm_args import MODEL_TYPE_HF
@@ -214,14 +215,13 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from anyspeed.convert import ConvertError, megatron_to_hf, verify
-    from anyspeed.convert.llava_api import holds_llava
 
     start = time.perf_counter()
     try:
         both = direction in (("hf", "mg"), ("mg", "hf"))
-        llava = both and holds_llava(args.load_dir, args.load_model_type)  # its record says
-        if llava:
-            hf_dir, mg_dir = _llava(args, direction)
+        multimodal = _multimodal_api(args) if both else None  # its config or record says
+        if multimodal is not None:
+            hf_dir, mg_dir = _multimodal(args, direction, multimodal)
         elif direction == ("hf", "mg"):
             _hf_to_mg(args)
             hf_dir, mg_dir = args.load_dir, args.save_dir
@@ -247,10 +247,8 @@ def _run(args: argparse.Namespace, direction: tuple[str, str]) -> int:
             )
         print(f"anyspeed convert: wrote {args.save_dir} in {time.perf_counter() - start:.1f}s")
         if args.verify:
-            if llava:
-                from anyspeed.convert.llava_api import verify as verify_llava
-
-                diff = verify_llava(hf_dir, mg_dir, tolerance=args.verify_tolerance)
+            if multimodal is not None:
+                diff = multimodal.verify(hf_dir, mg_dir, tolerance=args.verify_tolerance)
             else:
                 diff = verify(hf_dir, mg_dir, tolerance=args.verify_tolerance)
             print(
@@ -288,11 +286,24 @@ def _lora(args: argparse.Namespace) -> dict:
     }
 
 
-def _llava(args: argparse.Namespace, direction: tuple[str, str]) -> tuple[str | None, str]:
-    """A LLaVA model converted; (HF dir, Megatron dir) for ``--verify``. ConvertError for a
-    flag LLaVA lacks."""
+def _multimodal_api(args: argparse.Namespace) -> Any:
+    """The conversion module of the vision-language model ``--load-dir`` holds (LLaVA or
+    Qwen-VL); None for a language model."""
+    from anyspeed.convert import llava_api, qwen_vl_api
+
+    if llava_api.holds_llava(args.load_dir, args.load_model_type):
+        return llava_api
+    if qwen_vl_api.holds_qwen_vl(args.load_dir, args.load_model_type):
+        return qwen_vl_api
+    return None
+
+
+def _multimodal(
+    args: argparse.Namespace, direction: tuple[str, str], api: Any
+) -> tuple[str | None, str]:
+    """A vision-language model converted by ``api``; (HF dir, Megatron dir) for ``--verify``.
+    ConvertError for a flag these models lack."""
     from anyspeed.convert import ConvertError
-    from anyspeed.convert import llava_api as api
 
     unsupported = [
         ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size != 1),
@@ -304,8 +315,8 @@ def _llava(args: argparse.Namespace, direction: tuple[str, str]) -> tuple[str | 
     for flag, given in unsupported:
         if given:
             raise ConvertError(
-                f"{flag}: not supported for LLaVA models (saved as torch_dist, "
-                "which loads at any TP and PP)"
+                f"{flag}: not supported for vision-language models (saved as "
+                "torch_dist, which loads at any TP)"
             )
     if direction == ("hf", "mg"):
         api.hf_to_megatron(

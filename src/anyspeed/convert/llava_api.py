@@ -17,7 +17,7 @@ import torch
 
 from anyspeed.convert import llava as conv
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.hf_io import HFCheckpoint, ShardedWriter, copy_side_files, read_config
+from anyspeed.convert.hf_io import HFCheckpoint, read_config, write_hf_dir
 from anyspeed.models.config import padded_vocab_size
 from anyspeed.models.vision import RECORD, LlavaConfig, from_record, llava_from_hf, record
 
@@ -159,7 +159,6 @@ def megatron_to_hf(
     max_shard_size: str | int = "5GB",
 ) -> Path:
     """A LLaVA torch_dist checkpoint (converted or trained at any TP) -> an HF directory."""
-    from anyspeed.convert.api import staged_output
     from anyspeed.convert.megatron_io import megatron_session
 
     with megatron_session():
@@ -170,15 +169,7 @@ def megatron_to_hf(
     layout = common.get("anyspeed_convert", {}).get("hf_layout", "saved")
     out = conv.to_hf(cfg.with_language(vocab_size=vocab), state)
     named = {conv.hf_name(k, layout): t for k, t in out.items()}
-    with staged_output(save_dir) as tmp:
-        writer = ShardedWriter(tmp, [(k, tuple(t.shape)) for k, t in named.items()], max_shard_size)
-        writer.add(named)
-        writer.close()
-        if hf_cfg_dir:
-            copy_side_files(hf_cfg_dir, tmp)
-        dtype = str(next(iter(named.values())).dtype).removeprefix("torch.")
-        hf_config = dict(hf_config, dtype=dtype)
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    write_hf_dir(save_dir, named, hf_config, hf_cfg_dir, max_shard_size)
     return Path(save_dir)
 
 
