@@ -65,7 +65,7 @@ def test_flags_that_do_not_apply_are_one_line_errors(tmp_path, capsys):
     hf_dir = llava.save(llava.hf_model("clip"), tmp_path / "hf")
     cases = (
         (["--ckpt-format", "legacy"], "torch_dist only"),
-        (["--target-pipeline-parallel-size", "2"], "not supported for LLaVA"),
+        (["--target-pipeline-parallel-size", "2"], "not supported for vision-language models"),
     )
     for extra, needle in cases:
         rc = convert(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
