@@ -8,6 +8,33 @@ from typing import Any
 def qwen_vl_logits(state: dict, config_json: dict, tp: int, inputs: dict) -> dict:
     """This TP rank's vocabulary slice of the logits of the converted Qwen-VL ``state``."""
     import torch
+
+    model = _model(state, config_json, tp)
+    with torch.no_grad():
+        return {"logits": model(**inputs)}
+
+
+def qwen_vl_generate(
+    state: dict, config_json: dict, tp: int, inputs: dict, n: int, cache: bool = True
+) -> dict:
+    """``n`` greedy tokens of the converted Qwen-VL ``state`` at TP ``tp`` (KV cache)."""
+    from anyspeed.inference.qwen_vl import generate
+
+    model = _model(state, config_json, tp)
+    ids = inputs.pop("input_ids")
+    vocab = config_json["text_config"]["vocab_size"]
+    vision = [config_json[k] for k in ("image_token_id", "video_token_id",
+                                       "vision_start_token_id", "vision_end_token_id")]  # fmt: skip
+
+    def pick(logits):  # greedy, never a vision token (as the reference)
+        logits[:, vision] = -float("inf")
+        return logits.argmax(-1)
+
+    return {"tokens": generate(model, ids, inputs, n, vocab, pick=pick, use_kv_cache=cache)}
+
+
+def _model(state: dict, config_json: dict, tp: int):
+    """The QwenVLModel of the converted ``state`` at TP ``tp`` in this rank (eval)."""
     from megatron.core import parallel_state as ps
 
     from anyspeed.convert.qwen_vl import language_preset, shard
@@ -30,8 +57,7 @@ def qwen_vl_logits(state: dict, config_json: dict, tp: int, inputs: dict) -> dic
     local: dict[str, Any] = {k: shard(k, v, tp, rank, gated) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(local, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
-    with torch.no_grad():
-        return {"logits": model(**inputs)}
+    return model
 
 
 def vlm_tower(cli: list[str]) -> dict:

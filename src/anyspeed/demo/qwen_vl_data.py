@@ -68,9 +68,11 @@ def hf_config(kind: str, layers: int = 2, width: int = 64):
     return cfg
 
 
-def make_model(directory: str, kind: str = "qwen2_5_vl", seed: int = 0, **kw) -> str:
-    """A random tiny Qwen-VL HF directory: weights (jittered: no constant tensor), tokenizer
-    and ``preprocessor_config.json``."""
+def make_model(
+    directory: str, kind: str = "qwen2_5_vl", seed: int = 0, jitter: float = 0.02, **kw
+) -> str:
+    """A random tiny Qwen-VL HF directory: weights (jittered by ``jitter``: no constant
+    tensor; a large one gives peaked, varied logits), tokenizer and ``preprocessor_config.json``."""
     import torch
     import transformers as T
 
@@ -84,7 +86,7 @@ def make_model(directory: str, kind: str = "qwen2_5_vl", seed: int = 0, **kw) ->
     model = cls(hf_config(kind, **kw))
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+            p.add_(torch.randn_like(p) * jitter)
     model.save_pretrained(directory)
     make_tokenizer(directory)
     with open(os.path.join(directory, "preprocessor_config.json"), "w") as f:

@@ -71,7 +71,10 @@ class QwenVLModel(MegatronModule):
         second_per_grid_ts: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **decoding: Any,
     ) -> torch.Tensor:
+        """``decoding``: Megatron's ``inference_context`` and ``runtime_gather_output`` (the
+        positions are then those of every token so far: the cache's keys turn at each step)."""
         lm = self.language_model
         if position_ids is None:
             position_ids, _ = mrope_positions(
@@ -94,4 +97,5 @@ class QwenVLModel(MegatronModule):
             attention_mask=None,
             decoder_input=emb,
             labels=labels,
+            **decoding,
         )

@@ -1,0 +1,77 @@
+"""Generation with a Qwen2-VL / Qwen2.5-VL model: the prompt with its images and videos runs
+once through Megatron's static KV cache, then one token per step at mRoPE position
+``cache position + rope delta`` on all three axes (transformers' decoding rule).
+
+Megatron caches keys before their rotation and turns the whole cache at every step, so each
+step passes the positions of every token so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from anyspeed.models.qwen_vl.positions import mrope_positions
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    vision: dict[str, torch.Tensor],
+    new_tokens: int,
+    vocab_size: int,
+    end_ids: tuple[int, ...] = (),
+    pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    use_kv_cache: bool = True,
+) -> list[list[int]]:
+    """Per row of ``input_ids`` [b, n] (rows of one length, no padding) the continuation of
+    at most ``new_tokens``, stopping at an end id; ``vision`` holds the pixel rows and grids
+    (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
+    ``second_per_grid_ts``); ``pick`` maps last logits [b, vocab] to tokens (default greedy).
+    Without the KV cache every step runs the whole sequence (the reference path)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    inner: Any = getattr(model, "module", model)
+    b, n = input_ids.shape
+    positions, deltas = mrope_positions(
+        input_ids.cpu(),
+        inner.tokens,
+        _cpu(vision.get("image_grid_thw")),
+        _cpu(vision.get("video_grid_thw")),
+        _cpu(vision.get("second_per_grid_ts")),
+    )
+    positions, deltas = positions.to(input_ids.device), deltas.to(input_ids.device)
+    ctx = StaticInferenceContext(b, n + new_tokens) if use_kv_cache else None
+    step, inputs, seq = input_ids, dict(vision), input_ids
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+    ends = torch.tensor(end_ids or (-1,), device=input_ids.device)
+    for k in range(new_tokens):
+        logits = model(step, position_ids=positions, inference_context=ctx,
+                       runtime_gather_output=True, **inputs)  # fmt: skip
+        if ctx is not None:
+            ctx.sequence_len_offset += step.shape[1]
+            ctx.enable_decode_mode()
+        nxt = (pick or _greedy)(logits[:, -1, :vocab_size].float())
+        for i in range(b):
+            if not done[i]:
+                out[i].append(int(nxt[i]))
+        done |= torch.isin(nxt, ends)
+        if bool(done.all()):
+            break
+        nxt_pos = (n + k + deltas).view(1, b, 1).expand(3, b, 1)
+        positions = torch.cat([positions, nxt_pos.to(positions.dtype)], dim=2)
+        seq = torch.cat([seq, nxt[:, None]], 1)
+        step, inputs = (nxt[:, None], {}) if ctx is not None else (seq, inputs)
+    return [[t for t in row if t not in end_ids] for row in out]
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.cpu()
