@@ -73,10 +73,10 @@ def _hf_first_loss(demo) -> float:
     the processor's pixels, one sample at a time."""
     import transformers as T
 
+    from anyspeed.data.qwen_vl_pixels import Pixels, processor_settings
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
     from anyspeed.stages.common.instruction_data import sample_order
     from anyspeed.stages.vlm import qwen_data
-    from anyspeed.stages.vlm.pixels import Pixels, processor_settings
     from anyspeed.stages.vlm.qwen import QwenVLConfig
 
     cls = (T.Qwen2_5_VLForConditionalGeneration if demo["kind"] == "qwen2_5_vl"
@@ -185,8 +185,8 @@ def test_video_pixels_follow_the_processor_layout(tmp_path):
     normalised with CLIP's mean/std, grouped in pairs, patches in 2x2 merge-block order."""
     from PIL import Image
 
+    from anyspeed.data.qwen_vl_pixels import Pixels
     from anyspeed.stages.vlm.data import NORMALISE
-    from anyspeed.stages.vlm.pixels import Pixels
 
     (tmp_path / "images").mkdir()
     frames = [str(tmp_path / f) for f in _video(tmp_path, "v", None)]

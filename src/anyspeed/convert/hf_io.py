@@ -386,8 +386,7 @@ def write_hf_dir(
     side_dir: str | Path | None,
     max_shard_size: str | int,
 ) -> None:
-    """An HF directory of tensors ``named`` (sharded safetensors), ``side_dir``'s tokenizer
-    and processor files and ``hf_config`` with the tensors' dtype, written atomically."""
+    """An HF directory (atomically): tensors ``named``, ``side_dir``'s side files, config."""
     from anyspeed.convert.api import staged_output
 
     with staged_output(save_dir) as tmp:

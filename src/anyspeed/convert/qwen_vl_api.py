@@ -23,14 +23,13 @@ from anyspeed.convert.errors import ConvertError
 from anyspeed.convert.hf_io import HFCheckpoint, read_config, write_hf_dir
 from anyspeed.convert.llava_api import DTYPES
 from anyspeed.models.config import ModelConfig, padded_vocab_size
+from anyspeed.models.qwen_vl.spec import RECORD, QwenVLSpec, is_qwen_vl, record
 from anyspeed.models.qwen_vl.tower import tower_from_hf
 
 
 def holds_qwen_vl(load_dir: str | Path, model_type: str) -> bool:
     """Whether ``load_dir`` holds a Qwen-VL model (an HF directory's config.json, or a
     checkpoint's record says so)."""
-    from anyspeed.stages.vlm.qwen import RECORD, is_qwen_vl
-
     load = Path(load_dir)
     if model_type == "hf":
         return (load / "config.json").is_file() and is_qwen_vl(read_config(load))
@@ -48,9 +47,8 @@ def build_model(hf_config: dict[str, Any], language: ModelConfig, dtype: torch.d
     from anyspeed.models import gpt
     from anyspeed.models.qwen_vl.model import QwenVLModel
     from anyspeed.models.qwen_vl.tower import tower_transformer_config
-    from anyspeed.stages.vlm.qwen import QwenVLConfig
 
-    cfg = QwenVLConfig(hf_config, {}, None)
+    cfg = QwenVLSpec(hf_config, language, {})
     kw = {"perform_initialization": False}
     config = gpt.transformer_config(
         language, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -93,8 +91,7 @@ def hf_to_megatron(
     from anyspeed.checkpoint.files import RELEASE, iteration_dir, write_tracker
     from anyspeed.convert.api import staged_output
     from anyspeed.convert.megatron_io import common_state, megatron_session
-    from anyspeed.stages.vlm import qwen
-    from anyspeed.stages.vlm.pixels import processor_settings
+    from anyspeed.data.qwen_vl_pixels import processor_settings
 
     if ckpt_format != "torch_dist":
         raise ConvertError(f"--ckpt-format {ckpt_format}: Qwen-VL converts to torch_dist only")
@@ -110,8 +107,7 @@ def hf_to_megatron(
                                   int(vc.get("spatial_merge_size", 2)),
                                   int(vc.get("temporal_patch_size", 2)))  # fmt: skip
     has_tokenizer = (Path(hf_dir) / "tokenizer.json").is_file()
-    record = {"hf_config": ck.config, "processor": settings,
-              "tokenizer": str(Path(hf_dir).resolve()) if has_tokenizer else None}  # fmt: skip
+    tokenizer = str(Path(hf_dir).resolve()) if has_tokenizer else None
     extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": preset.vocab_size,
              "hf_layout": _layout(ck.names)}  # fmt: skip
     with staged_output(save_dir) as tmp, megatron_session():
@@ -120,7 +116,7 @@ def hf_to_megatron(
         assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
         common = {
             **common_state(language, 0, extra),
-            qwen.RECORD: json.dumps(record),
+            RECORD: record(ck.config, settings, tokenizer),
             "anyspeed_dtype": {v: k for k, v in DTYPES.items()}[dtype],
         }
         release = Path(iteration_dir(tmp, RELEASE))
@@ -136,7 +132,6 @@ def load_megatron(load_dir: str | Path) -> tuple[torch.nn.Module, dict[str, Any]
     from anyspeed.checkpoint.load import load_weights
     from anyspeed.checkpoint.reads import checkpoint_dir, read_common
     from anyspeed.checkpoint.record import model_in_common
-    from anyspeed.stages.vlm.qwen import RECORD
 
     common = read_common(checkpoint_dir(load_dir))
     if RECORD not in common:
@@ -171,8 +166,6 @@ def megatron_to_hf(
 
 def _start_dir(common: dict[str, Any]) -> str | None:
     """The HF directory the checkpoint's run started from, where it still is."""
-    from anyspeed.stages.vlm.qwen import RECORD
-
     path = json.loads(common[RECORD]).get("tokenizer")
     return path if path and Path(path, "config.json").is_file() else None
 

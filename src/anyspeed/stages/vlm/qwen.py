@@ -20,19 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anyspeed.errors import UsageError
+from anyspeed.models.qwen_vl.spec import RECORD, is_qwen_vl
 from anyspeed.stages.vlm.task import VLMTask
 from anyspeed.training.task import StagePlan
 
 if TYPE_CHECKING:
     from anyspeed.training.run import Run
     from anyspeed.training.step import Trainer
-
-RECORD = "anyspeed_qwen_vl"  # the checkpoint entry: the HF config and the processor settings
-KINDS = ("qwen2_vl", "qwen2_5_vl")
-
-
-def is_qwen_vl(config: dict[str, Any]) -> bool:
-    return config.get("model_type") in KINDS
 
 
 def hf_flags(config: dict[str, Any], load: str, argv: list[str]) -> list[str]:
@@ -72,12 +66,9 @@ class QwenVLConfig:
 
     @property
     def tokens(self) -> Any:
-        from anyspeed.models.qwen_vl.positions import VisionTokens
+        from anyspeed.models.qwen_vl.spec import tokens_from_hf
 
-        c, t = self.hf_config, self.tower
-        qwen25 = t.kind == "qwen2_5_vl"  # videos' time axis in tokens per second (HF: 4)
-        seconds = c["vision_config"].get("tokens_per_second", 4) if qwen25 else None
-        return VisionTokens(c["image_token_id"], c["video_token_id"], t.spatial_merge_size, seconds)
+        return tokens_from_hf(self.hf_config)
 
     def vision(self) -> Any:
         from anyspeed.stages.vlm.qwen_data import Vision
@@ -108,7 +99,7 @@ def config_of(args: argparse.Namespace) -> QwenVLConfig | None:
     """The run's Qwen-VL config (from the HF directory or the resumed checkpoint); None for
     another model."""
     from anyspeed.convert.hf_io import read_config
-    from anyspeed.stages.vlm.pixels import processor_settings
+    from anyspeed.data.qwen_vl_pixels import processor_settings
 
     saved = None if args.vlm_hf_dir else _saved(args)
     hf_config = read_config(args.vlm_hf_dir) if args.vlm_hf_dir else (saved or {}).get("hf_config")
@@ -163,10 +154,10 @@ def plan(args: argparse.Namespace, cfg: QwenVLConfig, tok: Any) -> StagePlan:
     folder = args.image_folder or os.path.dirname(path)
     data = qwen_data.read(path, folder, tok, cfg.vision(), args.seq_length, args.max_image_pixels)
     _report(path, data)
+    from anyspeed.models.qwen_vl.spec import record
+
     tokenizer = os.path.abspath(args.tokenizer_name_or_path)
-    record = json.dumps({"hf_config": cfg.hf_config, "processor": cfg.processor,
-                         "tokenizer": tokenizer})  # fmt: skip
-    return StagePlan(None, cfg, data, {RECORD: record})
+    return StagePlan(None, cfg, data, {RECORD: record(cfg.hf_config, cfg.processor, tokenizer)})
 
 
 class QwenVLTask(VLMTask):
@@ -210,8 +201,8 @@ class QwenVLTask(VLMTask):
         device: torch.device,
         trainer: Trainer | None = None,
     ) -> Iterator[list[dict[str, torch.Tensor]]]:
+        from anyspeed.data.qwen_vl_pixels import Pixels
         from anyspeed.stages.common.instruction_data import global_batches
-        from anyspeed.stages.vlm.pixels import Pixels
         from anyspeed.stages.vlm.qwen_data import micro_batch
 
         if self._pixels is None:

@@ -58,7 +58,7 @@ class Vision:
 
     def grid(self, width: int, height: int, frames: int = 1) -> tuple[int, int, int]:
         """(t, h, w) in patches of an input of ``frames`` frames of ``width`` x ``height``."""
-        from anyspeed.stages.vlm.pixels import smart_resize
+        from anyspeed.data.qwen_vl_pixels import smart_resize
 
         h, w = smart_resize(
             height, width, self.patch * self.merge, self.min_pixels, self.max_pixels
