@@ -66,3 +66,65 @@ def test_greedy_tokens_equal_transformers(kind, tp, tmp_path):
         got = run_distributed(qwen_vl_ranks.qwen_vl_generate, tp, state=state, config_json=config,
                               tp=tp, inputs=dict(inputs), n=NEW, cache=cache)  # fmt: skip
         assert all(r["tokens"] == [want] for r in got), (cache, got[0]["tokens"], want)
+
+
+def test_generate_command_prints_transformers_answer(tmp_path, capsys):
+    """``anyspeed generate --load HF_DIR --image F --video DIR``: the printed answer is the
+    decoded greedy tokens of transformers' forward on the same rendered prompt and pixels; a
+    missing frame folder and PP2 are one line."""
+    import transformers as T
+    from PIL import Image
+
+    from anyspeed.commands.generate import main as generate_main
+    from anyspeed.commands.qwen_image import prompt_ids
+    from anyspeed.data.qwen_vl_pixels import Pixels, processor_settings
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+    from anyspeed.models.qwen_vl.spec import QwenVLSpec
+    from anyspeed.stages.vlm.qwen_data import vision_inputs
+
+    d = q.make_model(str(tmp_path / "hf"), "qwen2_5_vl", jitter=0.5)
+    image, frames = tmp_path / "a.png", tmp_path / "frames"
+    Image.new("RGB", (24, 32), (200, 30, 30)).save(image)
+    frames.mkdir()
+    for k in range(4):
+        Image.new("RGB", (16, 16), (10, 40 * k, 10)).save(frames / f"{k}.png")
+    argv = ["--load", d, "--image", str(image), "--video", str(frames), "--max-new-tokens", "12",
+            "--prompt", "what is in the picture?"]  # fmt: skip
+    capsys.readouterr()
+    assert generate_main(argv) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+
+    config = json.loads(open(f"{d}/config.json").read())
+    tok = load_tokenizer(TokenizerSpec(name_or_path=d))
+    spec = QwenVLSpec(config, None, processor_settings(d, 2, 2, 2))  # type: ignore[arg-type]
+    import argparse
+
+    args = argparse.Namespace(prompt=["what is in the picture?"], image=[str(image)],
+                              video=[str(frames)], max_image_pixels=1 << 30)  # fmt: skip
+    ids, sample = prompt_ids(args, tok, spec)
+    inputs = {"input_ids": torch.tensor([ids]),
+              **vision_inputs(list(sample.images), list(sample.videos),
+                              Pixels(spec.processor), True)}  # fmt: skip
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(d, attn_implementation="eager")
+    want = _hf_greedy_until(hf.eval(), config, inputs, 12, tok.eod_id)
+    assert printed == tok.backend.decode(want)
+    assert generate_main([*argv, "--video", str(tmp_path / "none")]) == 2
+    assert "--video" in capsys.readouterr().err
+    assert generate_main([*argv, "--pipeline-model-parallel-size", "2"]) == 2
+
+
+@torch.no_grad()
+def _hf_greedy_until(hf, config: dict, inputs: dict, n: int, end: int) -> list[int]:
+    """transformers' forward, greedily (no vision marker), at most ``n`` tokens up to ``end``."""
+    ids, vision = inputs["input_ids"], {k: v for k, v in inputs.items() if k != "input_ids"}
+    out = []
+    for _ in range(n):
+        hf.model.rope_deltas = None
+        logits = hf(input_ids=ids, mm_token_type_ids=_types(ids, config), **vision).logits[0, -1]
+        logits[_vision_ids(config)] = -torch.inf
+        nxt = int(logits.argmax())
+        if nxt == end:
+            break
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    return out

@@ -66,7 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FILE",
-        help="an image for a LLaVA model to describe (repeatable)",
+        help="an image for a vision-language model to describe (repeatable)",
+    )
+    g.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of a video's frame images, for a Qwen-VL model (repeatable)",
     )
     g.add_argument(
         "--max-image-pixels",
@@ -78,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace, model: Any, tok: Any) -> None:
-    if args.image or session.is_llava(model):
+    if args.image or args.video or session.is_llava(model):
         image.check(args, model)
         return
     try:

@@ -1,5 +1,7 @@
-"""``anyspeed generate --image FILE``: what a LLaVA model says about images, greedily with the KV
-cache, one row per image, through the same runner as every model (any TP; PP is refused)."""
+"""``anyspeed generate --image FILE``: what a vision-language model says about images, with the
+KV cache, through the same runner as every model (any TP; PP is refused). A LLaVA model answers
+greedily, one row per image; a Qwen-VL model (:mod:`anyspeed.commands.qwen_image`) once for all
+``--image`` and ``--video`` inputs together, greedy or sampled."""
 
 from __future__ import annotations
 
@@ -21,15 +23,37 @@ def check_files(args: argparse.Namespace) -> None:
 
     if args.max_image_pixels < 1:
         raise UsageError("--max-image-pixels must be >= 1")
-    for f in args.image:
+    frames = [f for v in args.video for f in video_frames(v)]
+    for f in [*args.image, *frames]:
         why = image_problem(f, args.max_image_pixels)
         if why is not None:
             reason = "no such file" if why[0] == "missing image" else why[1]
             raise UsageError(f"--image {f!r}: {reason}")
 
 
+def video_frames(folder: str) -> list[str]:
+    """A ``--video`` folder's frame images in name order (one line when there are none)."""
+    import os
+
+    from anyspeed.stages.vlm.qwen_data import IMAGE_SUFFIXES
+
+    if not os.path.isdir(folder):
+        raise UsageError(f"--video {folder!r}: not a folder of frame images")
+    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_SUFFIXES))
+    if not names:
+        raise UsageError(f"--video {folder!r}: holds no frame image ({', '.join(IMAGE_SUFFIXES)})")
+    return [os.path.join(folder, n) for n in names]
+
+
 def check(args: argparse.Namespace, model: Any) -> None:
     """The flags of a generation from images (one line for what does not apply)."""
+    if session.is_qwen_vl(model):
+        from anyspeed.commands.qwen_image import check as check_qwen
+
+        check_qwen(args, model)
+        return
+    if args.video:
+        raise UsageError(f"--video: --load {args.load!r} is a LLaVA model (images only)")
     if not session.is_llava(model):
         raise UsageError(
             f"--image: --load {args.load!r} holds a text-only model; drop --image "
@@ -60,6 +84,12 @@ def check(args: argparse.Namespace, model: Any) -> None:
 def generate(run: session.InferenceRun, chunks: list) -> None:
     """Print each image's greedy answer (rank 0)."""
     import torch
+
+    if session.is_qwen_vl(run.model):
+        from anyspeed.commands.qwen_image import generate as generate_qwen
+
+        generate_qwen(run, chunks)
+        return
 
     from anyspeed.checkpoint.record import hf_vocab
     from anyspeed.device import torch_device

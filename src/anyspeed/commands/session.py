@@ -82,6 +82,7 @@ def model_of(ckpt: str) -> Any:
     ``LlavaConfig`` of a LLaVA checkpoint (UsageError naming ``--load``)."""
     from anyspeed.checkpoint.reads import read_common, tracked_dir
     from anyspeed.checkpoint.record import model_in_common
+    from anyspeed.models.qwen_vl import spec as qwen
     from anyspeed.models.vision import RECORD, from_record
 
     try:
@@ -90,6 +91,8 @@ def model_of(ckpt: str) -> Any:
         model = model_in_common(common, ckpt, as_hf=False) if path else None
         if model is not None and RECORD in common:
             return from_record(common[RECORD], model)
+        if model is not None and qwen.RECORD in common:
+            return qwen.from_record(common[qwen.RECORD], model)
     except (UsageError, ValueError) as exc:  # a broken file or model record
         raise UsageError(f"--load {ckpt!r}: {exc}") from None
     if path is None:
@@ -100,8 +103,16 @@ def model_of(ckpt: str) -> Any:
 
 
 def is_llava(model: Any) -> bool:
-    """Whether ``model`` (what :func:`model_of` returns) is a LLaVA model."""
+    """Whether ``model`` (what :func:`model_of` returns) is a vision-language model (LLaVA or
+    Qwen-VL)."""
     return not isinstance(model, ModelConfig)
+
+
+def is_qwen_vl(model: Any) -> bool:
+    """Whether ``model`` is a Qwen2-VL / Qwen2.5-VL model."""
+    from anyspeed.models.qwen_vl.spec import QwenVLSpec
+
+    return isinstance(model, QwenVLSpec)
 
 
 def language(model: Any) -> ModelConfig:
@@ -142,6 +153,9 @@ def complete(args: argparse.Namespace) -> tuple[Any, str | None]:
         model = model_of(args.load)
         if args.tokenizer_name_or_path is None and _has_tokenizer(args.load):
             args.tokenizer_name_or_path = args.load  # a converted LLaVA keeps its tokenizer
+        recorded = getattr(model, "tokenizer", None)  # a Qwen-VL run's, where it still is
+        if args.tokenizer_name_or_path is None and recorded and _has_tokenizer(recorded):
+            args.tokenizer_name_or_path = recorded
     check_flags(args, model)
     _check_layout(args, language(model))
     if args.max_length is None:
@@ -155,12 +169,13 @@ def _hf_model(args: argparse.Namespace, hf_dir: str) -> Any:
     from anyspeed.convert.hf_io import read_config
     from anyspeed.convert.llava_api import is_llava_config
     from anyspeed.models.config import padded_vocab_size
-    from anyspeed.models.hf import preset_from_hf
     from anyspeed.models.vision import llava_from_hf
 
     try:
         config = read_config(hf_dir)
-        model = llava_from_hf(config) if is_llava_config(config) else preset_from_hf(config)
+        model = (
+            llava_from_hf(config) if is_llava_config(config) else _qwen_vl_or_gpt(hf_dir, config)
+        )
     except ValueError as exc:
         raise UsageError(f"--load {hf_dir!r}: {exc}") from None
     vocab = padded_vocab_size(
@@ -171,6 +186,23 @@ def _hf_model(args: argparse.Namespace, hf_dir: str) -> Any:
     if isinstance(model, ModelConfig):
         return dataclasses.replace(model, vocab_size=vocab)
     return model.with_language(vocab_size=vocab)
+
+
+def _qwen_vl_or_gpt(hf_dir: str, config: dict) -> Any:
+    """A Qwen-VL HF directory's spec (its processor settings and tokenizer), else its GPT."""
+    from anyspeed.models.hf import preset_from_hf
+    from anyspeed.models.qwen_vl.spec import QwenVLSpec, is_qwen_vl
+
+    if not is_qwen_vl(config):
+        return preset_from_hf(config)
+    from anyspeed.convert.qwen_vl import language_preset
+    from anyspeed.data.qwen_vl_pixels import processor_settings
+
+    vc = config["vision_config"]
+    settings = processor_settings(hf_dir, int(vc["patch_size"]),
+                                  int(vc.get("spatial_merge_size", 2)),
+                                  int(vc.get("temporal_patch_size", 2)))  # fmt: skip
+    return QwenVLSpec(config, language_preset(config), settings, hf_dir)
 
 
 def _check_layout(args: argparse.Namespace, model: ModelConfig) -> None:
@@ -225,6 +257,8 @@ def load_model(
     if isinstance(model, ModelConfig):
         config = gpt.transformer_config(model, layout, bf16=bf16, fp16=fp16)
         built = gpt.build_chunks(model, config, layout)
+    elif is_qwen_vl(model):
+        built = [_qwen_vl_model(model, layout, bf16, fp16)]
     else:  # weights come from the checkpoint: no initialisation to draw
         config = gpt.transformer_config(
             model.language, layout, bf16=bf16, fp16=fp16, perform_initialization=False
@@ -236,3 +270,15 @@ def load_model(
     except CheckpointMismatch as exc:
         raise UsageError(str(exc)) from None
     return chunks
+
+
+def _qwen_vl_model(spec: Any, layout: Layout, bf16: bool, fp16: bool) -> torch.nn.Module:
+    """This rank's QwenVLModel (TP of ``layout``; weights from the checkpoint)."""
+    from anyspeed.models import gpt
+    from anyspeed.models.qwen_vl.model import QwenVLModel
+    from anyspeed.models.qwen_vl.tower import tower_transformer_config
+
+    kw: dict[str, Any] = {"perform_initialization": False}
+    config = gpt.transformer_config(spec.language, layout, bf16=bf16, fp16=fp16, **kw)
+    tower = tower_transformer_config(spec.tower, layout, config.params_dtype, **kw)
+    return QwenVLModel(spec.tower, tower, spec.language, config, spec.tokens)

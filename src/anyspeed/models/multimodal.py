@@ -32,12 +32,14 @@ def check_layout(cfg: LlavaConfig, layout: Layout) -> None:
         )
     if layout.ep > 1:
         raise ValueError("--expert-model-parallel-size > 1 is not supported for LLaVA")
-    v = cfg.vision
-    for name, n in (("vision heads", v.num_attention_heads), ("vision ffn", v.ffn_hidden_size)):
-        if n % layout.tp:
-            raise ValueError(
-                f"--tensor-model-parallel-size {layout.tp} does not divide the {name} ({n})"
-            )
+    check_tower_tp(cfg.vision.num_attention_heads, cfg.vision.ffn_hidden_size, layout.tp)
+
+
+def check_tower_tp(heads: int, ffn: int, tp: int) -> None:
+    """ValueError (one line) unless TP ``tp`` divides a vision tower's heads and FFN width."""
+    for name, n in (("vision heads", heads), ("vision ffn", ffn)):
+        if n % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the {name} ({n})")
 
 
 def _vision_activation(name: str):

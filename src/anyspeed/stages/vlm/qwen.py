@@ -132,12 +132,12 @@ def check_layout(args: argparse.Namespace, cfg: QwenVLConfig) -> None:
                 f"{flag}: not supported for Qwen-VL in --stage vlm yet; use TP (with "
                 "--sequence-parallel) and DP"
             )
-    t = cfg.tower
-    for name, n in (("vision heads", t.num_heads), ("vision ffn", t.ffn_hidden_size)):
-        if n % layout.tp:
-            raise UsageError(
-                f"--tensor-model-parallel-size {layout.tp} does not divide the {name} ({n})"
-            )
+    from anyspeed.models.multimodal import check_tower_tp
+
+    try:
+        check_tower_tp(cfg.tower.num_heads, cfg.tower.ffn_hidden_size, layout.tp)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def plan(args: argparse.Namespace, cfg: QwenVLConfig, tok: Any) -> StagePlan:

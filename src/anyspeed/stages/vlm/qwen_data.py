@@ -250,7 +250,16 @@ def micro_batch(
         mask[row, :n] = torch.tensor(s.learn[1:], dtype=torch.float)
         images += s.images
         videos += s.videos
-    out = {"tokens": tokens, "labels": labels, "loss_mask": mask}
+    return {"tokens": tokens, "labels": labels, "loss_mask": mask,
+            **vision_inputs(images, videos, pixels, seconds)}  # fmt: skip
+
+
+def vision_inputs(
+    images: list[str], videos: list[tuple[str, ...]], pixels: Any, seconds: bool
+) -> dict[str, torch.Tensor]:
+    """The model's pixel rows and grids of ``images`` and ``videos`` (frame files), in order;
+    ``second_per_grid_ts`` (Qwen2.5-VL, ``seconds``) at the processor's 2 frames per second."""
+    out = {}
     if images:
         out["pixel_values"], out["image_grid_thw"] = pixels.images(images)
     if videos:
