@@ -193,9 +193,17 @@ def _global_names(model: torch.nn.Module) -> Callable[[str], str]:
     return name
 
 
-def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: int, rank: int) -> None:
-    """Copy the whole Megatron ``state`` into this TP rank's ``model`` (or pipeline stage);
+def load_into(
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    tp: int,
+    rank: int,
+    split: Callable[[str, torch.Tensor, int, int], torch.Tensor] | None = None,
+) -> None:
+    """Copy the whole Megatron ``state`` into this TP rank's ``model`` (or pipeline stage),
+    each tensor cut by ``split(name, tensor, tp, rank)`` (LLaVA's :func:`shard` by default);
     every parameter must be covered (a missing one names itself)."""
+    split = split or shard
     name = _global_names(model)
     own = {name(k): v for k, v in model.state_dict().items()}
     missing = [k for k in own if k not in state and not k.endswith("_extra_state")]
@@ -204,7 +212,7 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: int, r
     with torch.no_grad():
         for k, dst in own.items():
             if k in state:
-                src = shard(k, state[k], tp, rank)
+                src = split(k, state[k], tp, rank)
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(
                         f"{k}: shape {tuple(src.shape)} where the model has {tuple(dst.shape)}"

@@ -24,19 +24,55 @@ class QwenVLModel(MegatronModule):
         language: Any,
         language_config: Any,
         tokens: VisionTokens,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
     ) -> None:
         from anyspeed.models import gpt
 
         super().__init__(config=language_config)
         language_config.apply_rope_fusion = False  # the fused RoPE kernels take 1-D positions
         self.tokens = tokens
-        self.vision = QwenVisionTower(tower, tower_config)
-        self.language_model = gpt.build(language, language_config)
-        self.sequence_parallel = bool(language_config.sequence_parallel)
+        self.pre_process = pre_process  # pipeline: the tower sits on the first stage
+        self.vision = QwenVisionTower(tower, tower_config) if pre_process else None
+        self.language_model = gpt.build(
+            language, language_config, pre_process=pre_process, post_process=post_process
+        )
+        self.sequence_parallel = bool(language_config.sequence_parallel) and pre_process
         if self.sequence_parallel:  # whole embeddings: the features go in by position
             emb = self.language_model.embedding
             emb.scatter_to_sequence_parallel = emb.reduce_scatter_embeddings = False
             emb.word_embeddings.reduce_scatter_embeddings = False
+
+    def _embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        pixel_values_videos: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The first stage's decoder input: word embeddings, the tower's rows in the pads."""
+        emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)
+        for pixels, grid, token in (
+            (pixel_values, image_grid_thw, self.tokens.image_token_id),
+            (pixel_values_videos, video_grid_thw, self.tokens.video_token_id),
+        ):
+            if pixels is not None:
+                emb = self._scatter(emb, input_ids, token, self.vision(pixels, grid))
+        if self.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
+        return emb
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        """Megatron's pipeline grad sync of tied embeddings reads these off the model."""
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        return self.language_model.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Megatron's schedules hand a stage its input here (no pipeline: None)."""
@@ -59,7 +95,7 @@ class QwenVLModel(MegatronModule):
         b = input_ids.shape[0]
         flat = embeddings.transpose(0, 1).reshape(-1, embeddings.shape[-1]).clone()
         flat[order] = features.to(flat.dtype)
-        return flat.view(b, -1, embeddings.shape[-1]).transpose(0, 1)
+        return flat.view(b, -1, embeddings.shape[-1]).transpose(0, 1).contiguous()
 
     def forward(
         self,
@@ -80,17 +116,8 @@ class QwenVLModel(MegatronModule):
             position_ids, _ = mrope_positions(
                 input_ids, self.tokens, image_grid_thw, video_grid_thw, second_per_grid_ts
             )
-        emb = lm.embedding(input_ids=input_ids, position_ids=None)
-        for pixels, grid, token in (
-            (pixel_values, image_grid_thw, self.tokens.image_token_id),
-            (pixel_values_videos, video_grid_thw, self.tokens.video_token_id),
-        ):
-            if pixels is not None:
-                emb = self._scatter(emb, input_ids, token, self.vision(pixels, grid))
-        if self.sequence_parallel:
-            from megatron.core import tensor_parallel
-
-            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
+        emb = self._embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                          video_grid_thw) if self.pre_process else None  # fmt: skip
         return lm(
             input_ids=None,
             position_ids=position_ids,

@@ -123,14 +123,14 @@ def check_layout(args: argparse.Namespace, cfg: QwenVLConfig) -> None:
 
     layout = Layout.from_args(args)
     for flag, bad in (
-        ("--pipeline-model-parallel-size", layout.pp > 1),
+        ("--num-layers-per-virtual-pipeline-stage", bool(layout.vpp)),
         ("--context-parallel-size", layout.cp > 1),
         ("--expert-model-parallel-size", layout.ep > 1),
     ):
         if bad:
             raise UsageError(
                 f"{flag}: not supported for Qwen-VL in --stage vlm yet; use TP (with "
-                "--sequence-parallel) and DP"
+                "--sequence-parallel), PP and DP"
             )
     from anyspeed.models.multimodal import check_tower_tp
 
@@ -179,7 +179,11 @@ class QwenVLTask(VLMTask):
         tower = self.cfg.tower
         init = {"perform_initialization": config.perform_initialization}
         tower_config = tower_transformer_config(tower, layout, config.params_dtype, **init)
-        chunk = QwenVLModel(tower, tower_config, model, config, self.cfg.tokens)
+        from megatron.core import parallel_state as ps
+
+        chunk = QwenVLModel(tower, tower_config, model, config, self.cfg.tokens,
+                            pre_process=ps.is_pipeline_first_stage(),
+                            post_process=ps.is_pipeline_last_stage())  # fmt: skip
         chunk.model_type = ModelType.encoder_or_decoder
         freeze(chunk, self.cfg)
         return [chunk]
@@ -210,8 +214,12 @@ class QwenVLTask(VLMTask):
         data, rows = dataset
         seconds = self.cfg.tower.kind == "qwen2_5_vl"
 
+        from megatron.core import parallel_state as ps
+
+        pixels = self._pixels if ps.is_pipeline_first_stage() else None  # later: grids only
+
         def make(idx: list[int]) -> dict[str, torch.Tensor]:
-            return micro_batch(data, idx, run.args.seq_length, self._pixels, seconds)
+            return micro_batch(data, idx, run.args.seq_length, pixels, seconds)
 
         return global_batches(run.args, rows, consumed, device, make)
 
@@ -231,10 +239,13 @@ def freeze(chunk: torch.nn.Module, cfg: QwenVLConfig) -> None:
 
 
 def load_hf(model: torch.nn.Module, cfg: QwenVLConfig, vocab: int, tp: int) -> None:
-    """Copy this TP rank's shard of the HF weights into ``model`` (a QwenVLModel)."""
+    """Copy this rank's shard (TP and pipeline stage) of the HF weights into ``model``."""
+    import functools
+
     from megatron.core import parallel_state as ps
 
     from anyspeed.convert.hf_io import HFCheckpoint
+    from anyspeed.convert.llava import load_into
     from anyspeed.convert.qwen_vl import current_name, model_to_megatron, shard
 
     assert cfg.hf_dir is not None
@@ -242,12 +253,10 @@ def load_hf(model: torch.nn.Module, cfg: QwenVLConfig, vocab: int, tp: int) -> N
     names = {current_name(n): n for n in ck.names}
     dtype = next(model.parameters()).dtype
     _, _, state = model_to_megatron(cfg.hf_config, lambda n: ck.get(names[n]).to(dtype), vocab)
-    rank, gated = ps.get_tensor_model_parallel_rank(), cfg.tower.kind == "qwen2_5_vl"
-    local = {k: shard(k, v, tp, rank, gated) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(local, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
+    split = functools.partial(shard, gated=cfg.tower.kind == "qwen2_5_vl")
+    try:
+        load_into(model, state, tp, ps.get_tensor_model_parallel_rank(), split)
+    except (KeyError, ValueError) as exc:
         raise UsageError(
-            f"--load {cfg.hf_dir!r}: the weights do not fit the model (missing "
-            f"{missing[:3]}, unexpected {unexpected[:3]})"
-        )
+            f"--load {cfg.hf_dir!r}: the weights do not fit the model ({exc})"
+        ) from None

@@ -18,6 +18,7 @@ is a list of frame files (or a folder of them). The loss is on the assistant's w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from anyspeed.stages.vlm.data import VLMData, image_problem
 IMAGE_TAG, VIDEO_TAG = "<image>", "<video>"
 SYSTEM = "You are a helpful assistant."
 ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+SECONDS_PER_GRID = 2 / 2.0  # two frames per grid step at the processor's 2 frames per second
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
@@ -40,6 +42,7 @@ class Sample:
     learn: list[bool]  # per token: an assistant token (learned)
     images: tuple[str, ...]
     videos: tuple[tuple[str, ...], ...]  # frame files of each video
+    grids: tuple[tuple[int, int, int], ...] = ()  # (t, h, w) of the images, then the videos
 
 
 @dataclass(frozen=True)
@@ -134,15 +137,15 @@ def render(
     turns = _turns(record)
     images = [os.path.join(folder, str(p)) for p in _inputs(record, "images", "image")]
     videos = [_frames(folder, v) for v in _inputs(record, "videos", "video")]
-    image_blocks = [vision.block(vision.image_token, vision.grid(*_size(p, max_file_pixels)))
-                    for p in images]  # fmt: skip
+    grids = [vision.grid(*_size(p, max_file_pixels)) for p in images]
+    image_blocks = [vision.block(vision.image_token, g) for g in grids]
     video_blocks = []
     for frames in videos:
         sizes = {_size(f, max_file_pixels) for f in frames}
         if len(sizes) != 1:
             raise ValueError(f"video frames: {frames[0]!r}...: {len(sizes)} sizes, need one")
-        grid = vision.grid(*sizes.pop(), frames=len(frames))
-        video_blocks.append(vision.block(vision.video_token, grid))
+        grids.append(vision.grid(*sizes.pop(), frames=len(frames)))
+        video_blocks.append(vision.block(vision.video_token, grids[-1]))
 
     def plain(text: str) -> list[int]:
         return tok.encode([text], special=False)[0] if text else []
@@ -166,7 +169,7 @@ def render(
             f"tags: {len(image_blocks)} image(s) and {len(video_blocks)} video(s) have no "
             f"{IMAGE_TAG}/{VIDEO_TAG} tag"
         )
-    return Sample(tokens, learn, tuple(images), tuple(videos)), learn
+    return Sample(tokens, learn, tuple(images), tuple(videos), tuple(grids)), learn
 
 
 def _records(path: str) -> list[tuple[str, Any]]:
@@ -220,7 +223,7 @@ def read(
                 f"{where}: no assistant token within --seq-length"
             )
             continue
-        data.samples.append(Sample(tokens, learn, sample.images, sample.videos))
+        data.samples.append(dataclasses.replace(sample, tokens=tokens, learn=learn))
     return data
 
 
@@ -234,14 +237,15 @@ def micro_batch(
     data: VLMData, idx: list[int], seq_len: int, pixels: Any, seconds: bool, pad_id: int = 0
 ) -> dict[str, torch.Tensor]:
     """Tokens [b, seq_len] (right-padded), labels, loss mask, and the batch's pixel rows and
-    grids in order of appearance (videos: also ``second_per_grid_ts`` when ``seconds``, at the
-    processor's 2 frames per second)."""
+    grids in order of appearance (``pixels`` None: the grids alone, which a later pipeline
+    stage's positions need; no image is decoded)."""
     b = len(idx)
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((b, seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros((b, seq_len), dtype=torch.float)
     images: list[str] = []
     videos: list[tuple[str, ...]] = []
+    grids: list[list[tuple[int, int, int]]] = [[], []]
     for row, i in enumerate(idx):
         s = data.samples[i]
         t = torch.tensor(s.tokens)
@@ -250,8 +254,17 @@ def micro_batch(
         mask[row, :n] = torch.tensor(s.learn[1:], dtype=torch.float)
         images += s.images
         videos += s.videos
-    return {"tokens": tokens, "labels": labels, "loss_mask": mask,
-            **vision_inputs(images, videos, pixels, seconds)}  # fmt: skip
+        grids[0] += s.grids[: len(s.images)]
+        grids[1] += s.grids[len(s.images) :]
+    out = {"tokens": tokens, "labels": labels, "loss_mask": mask}
+    if pixels is not None:
+        return {**out, **vision_inputs(images, videos, pixels, seconds)}
+    for key, g in zip(("image_grid_thw", "video_grid_thw"), grids, strict=True):
+        if g:
+            out[key] = torch.tensor(g)
+    if grids[1] and seconds:
+        out["second_per_grid_ts"] = torch.full((len(grids[1]),), SECONDS_PER_GRID)
+    return out
 
 
 def vision_inputs(
@@ -266,6 +279,5 @@ def vision_inputs(
         rows, grids = zip(*(pixels.video(list(v)) for v in videos), strict=True)
         out["pixel_values_videos"], out["video_grid_thw"] = torch.cat(rows), torch.cat(grids)
         if seconds:
-            per_grid = pixels.settings["temporal_patch_size"] / 2.0
-            out["second_per_grid_ts"] = torch.full((len(videos),), per_grid)
+            out["second_per_grid_ts"] = torch.full((len(videos),), SECONDS_PER_GRID)
     return out
