@@ -60,6 +60,7 @@ class QwenVLModel(MegatronModule):
         ):
             if pixels is not None:
                 emb = self._scatter(emb, input_ids, token, self.vision(pixels, grid))
+        emb = cp_share(emb, seq_dim=0)  # every image whole on each rank, then this rank's part
         if self.sequence_parallel:
             from megatron.core import tensor_parallel
 
@@ -112,6 +113,8 @@ class QwenVLModel(MegatronModule):
         """``decoding``: Megatron's ``inference_context`` and ``runtime_gather_output`` (the
         positions are then those of every token so far: the cache's keys turn at each step)."""
         lm = self.language_model
+        if labels is not None:
+            labels = cp_share(labels, seq_dim=1)
         if position_ids is None:
             position_ids, _ = mrope_positions(
                 input_ids, self.tokens, image_grid_thw, video_grid_thw, second_per_grid_ts
@@ -126,3 +129,16 @@ class QwenVLModel(MegatronModule):
             labels=labels,
             **decoding,
         )
+
+
+def cp_share(t: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """This context-parallel rank's part of a whole sequence (Megatron's load-balanced
+    layout: chunks r and 2*cp-1-r of 2*cp); ``t`` itself at CP 1. Differentiable."""
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return t
+    rank = ps.get_context_parallel_rank()
+    chunks = t.chunk(2 * cp, dim=seq_dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=seq_dim)

@@ -264,10 +264,12 @@ def global_batches(
     consumed: int,
     device: torch.device,
     make: Callable[[list[int]], dict[str, torch.Tensor]],
+    cp_split: bool = True,
 ) -> Iterator[list[dict[str, Any]]]:
     """Per iteration, this rank's micro-batches ``make(row indices)`` of the next global batch
     (samples in Megatron's order: global batch i is samples [i*G, (i+1)*G), DP rank k takes
-    every DP-th slice), on ``device`` and split for context parallelism unless packed."""
+    every DP-th slice), on ``device`` and split for context parallelism unless packed or
+    ``cp_split`` is off (the model splits: a vision-language model's pads need the whole row)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -281,7 +283,7 @@ def global_batches(
         for start in range(consumed, consumed + g, mbs * dp):
             idx = [int(i) for i in order[start + rank * mbs : start + (rank + 1) * mbs]]
             batch = {k: v.to(device, non_blocking=True) for k, v in make(idx).items()}
-            if "cu_seqlens" not in batch:
+            if "cu_seqlens" not in batch and cp_split:
                 batch = get_batch_on_this_cp_rank(batch)
             micro.append(batch)
         consumed += g

@@ -124,13 +124,12 @@ def check_layout(args: argparse.Namespace, cfg: QwenVLConfig) -> None:
     layout = Layout.from_args(args)
     for flag, bad in (
         ("--num-layers-per-virtual-pipeline-stage", bool(layout.vpp)),
-        ("--context-parallel-size", layout.cp > 1),
         ("--expert-model-parallel-size", layout.ep > 1),
     ):
         if bad:
             raise UsageError(
                 f"{flag}: not supported for Qwen-VL in --stage vlm yet; use TP (with "
-                "--sequence-parallel), PP and DP"
+                "--sequence-parallel), PP, CP and DP"
             )
     from anyspeed.models.multimodal import check_tower_tp
 
@@ -194,7 +193,9 @@ class QwenVLTask(VLMTask):
     def losses(
         self, model: torch.nn.Module, b: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = b.pop("loss_mask")
+        from anyspeed.models.qwen_vl.model import cp_share
+
+        mask = cp_share(b.pop("loss_mask"), seq_dim=1)  # the model shares the rest itself
         return model(b.pop("tokens"), labels=b.pop("labels"), **b), mask
 
     def batches(
@@ -221,7 +222,7 @@ class QwenVLTask(VLMTask):
         def make(idx: list[int]) -> dict[str, torch.Tensor]:
             return micro_batch(data, idx, run.args.seq_length, pixels, seconds)
 
-        return global_batches(run.args, rows, consumed, device, make)
+        return global_batches(run.args, rows, consumed, device, make, cp_split=False)
 
 
 def freeze(chunk: torch.nn.Module, cfg: QwenVLConfig) -> None:
