@@ -245,3 +245,29 @@ def test_bad_records_are_counted_and_named(demo, tmp_path, capsys):
     with pytest.raises(UsageError, match="record 1: not a conversation record") as exc:
         prepare(cli, where="launcher", command="posttrain")
     assert "\n" not in str(exc.value)
+
+
+LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "--lora-r", "4",
+        "--lora-alpha", "8"]  # fmt: skip
+
+
+def test_lora_on_the_language_model(one, demo):
+    """LoRA adapters on the language model: the first loss is the base model's (B starts at
+    zero), TP2 equals one process over 3 steps, and the tower (frozen with the base) stays
+    bit-identical."""
+    from anyspeed.convert.hf_io import HFCheckpoint
+    from anyspeed.convert.qwen_vl import current_name, model_to_megatron
+
+    tp1 = run_distributed(sft_ranks.posttrain, 1, cli=_cli(demo, *LORA))[0]
+    cli = _cli(demo, *LORA, "--tensor-model-parallel-size", "2")
+    tp2 = run_distributed(sft_ranks.posttrain, 2, cli=cli)[0]
+    assert tp1["loss"][0] == pytest.approx(one["loss"][0], rel=TOL)
+    assert tp1["loss"][1:] != pytest.approx(one["loss"][1:], rel=1e-3)  # only adapters moved
+    assert tp2["loss"] == pytest.approx(tp1["loss"], rel=TOL)
+    assert tp2["grad_norm"] == pytest.approx(tp1["grad_norm"], rel=TOL)
+    tower = run_distributed(qwen_vl_ranks.vlm_tower, 1, cli=_cli(demo, *LORA, iters=1))[0]
+    ck = HFCheckpoint(demo["hf"])
+    names = {current_name(n): n for n in ck.names}
+    config = json.loads(open(f"{demo['hf']}/config.json").read())
+    _, _, start = model_to_megatron(config, lambda n: ck.get(names[n]))
+    assert all(torch.equal(v, start[f"vision.{k}"]) for k, v in tower.items())

@@ -206,7 +206,8 @@ def load_into(
     split = split or shard
     name = _global_names(model)
     own = {name(k): v for k, v in model.state_dict().items()}
-    missing = [k for k in own if k not in state and not k.endswith("_extra_state")]
+    skip = ("_extra_state", ".lora_A", ".lora_B")  # LoRA adapters start on their own
+    missing = [k for k in own if k not in state and not k.endswith(skip)]
     if missing:
         raise KeyError(f"no tensor for {missing[0]} (and {len(missing) - 1} more)")
     with torch.no_grad():

@@ -175,15 +175,17 @@ def apply_lora(
     seed: int = 1234,
     modules_to_save: tuple[str, ...] = (),
 ) -> torch.nn.Module:
-    """Freeze ``chunk`` except ``modules_to_save`` and add adapters on ``targets``."""
+    """Freeze ``chunk`` except ``modules_to_save`` and add adapters on ``targets`` (of its
+    ``language_model``'s layers when it has one: a vision-language model's tower takes none)."""
     for name, p in chunk.named_parameters():
         p.requires_grad = any(f"{m}." in name or name.startswith(m) for m in modules_to_save)
     found = False
-    for key, short, mod in _layers(chunk):
+    lm = getattr(chunk, "language_model", chunk)  # a vision-language model: its language model
+    for key, short, mod in _layers(lm):
         if short in targets:
             _attach(mod, key, r, alpha / r, dropout, seed)
             found = True
-    if not found and chunk.decoder.layers:
+    if not found and lm.decoder.layers:
         raise ValueError(f"no layer named {targets} in this model")
     _views(chunk, tuple(modules_to_save))
     return chunk

@@ -25,6 +25,7 @@ from anyspeed.stages.vlm.task import VLMTask
 from anyspeed.training.task import StagePlan
 
 if TYPE_CHECKING:
+    from anyspeed.training.loop import LoopState
     from anyspeed.training.run import Run
     from anyspeed.training.step import Trainer
 
@@ -57,6 +58,7 @@ class QwenVLConfig:
     freeze_vit: bool = False
     freeze_lm: bool = False
     freeze_projector: bool = False
+    lora: Any = None  # anyspeed.training.lora.LoRAConfig: adapters on the language model
 
     @property
     def tower(self) -> Any:
@@ -113,8 +115,10 @@ def config_of(args: argparse.Namespace) -> QwenVLConfig | None:
     for key in ("min_pixels", "max_pixels"):
         if getattr(args, f"image_{key}", None):
             settings = {**settings, key: int(getattr(args, f"image_{key}"))}
+    from anyspeed.training import lora
+
     return QwenVLConfig(hf_config, settings, args.vlm_hf_dir, args.freeze_vit, args.freeze_lm,
-                        args.freeze_projector)  # fmt: skip
+                        args.freeze_projector, lora.from_args(args))  # fmt: skip
 
 
 def check_layout(args: argparse.Namespace, cfg: QwenVLConfig) -> None:
@@ -156,7 +160,10 @@ def plan(args: argparse.Namespace, cfg: QwenVLConfig, tok: Any) -> StagePlan:
     from anyspeed.models.qwen_vl.spec import record
 
     tokenizer = os.path.abspath(args.tokenizer_name_or_path)
-    return StagePlan(None, cfg, data, {RECORD: record(cfg.hf_config, cfg.processor, tokenizer)})
+    records = {RECORD: record(cfg.hf_config, cfg.processor, tokenizer)}
+    if cfg.lora is not None:
+        records.update(cfg.lora.record().to_common())
+    return StagePlan(None, cfg, data, records)
 
 
 class QwenVLTask(VLMTask):
@@ -186,6 +193,27 @@ class QwenVLTask(VLMTask):
         chunk.model_type = ModelType.encoder_or_decoder
         freeze(chunk, self.cfg)
         return [chunk]
+
+    def transforms(self) -> list[Any]:
+        lora = [self.cfg.lora.transform()] if self.cfg.lora else []
+        return [*super().transforms(), *lora]
+
+    def load(self, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
+        """The HF start (then LoRA's adapters, from --lora-load or fresh), or LoRA's start
+        from a checkpoint; False: the engine's resume."""
+        from anyspeed.stages.common.lora_start import lora_start
+
+        if not self.cfg.hf_dir:
+            return lora_start(self.cfg.lora, run, trainer, scheduler, state)
+        super().load(run, trainer, scheduler, state)
+        if self.cfg.lora is not None:
+            from anyspeed.training.engine import resume
+            from anyspeed.training.lora import set_view
+
+            set_view(trainer.model, "adapters")  # checkpoints hold the adapters
+            if self.cfg.lora.load:
+                resume(run, trainer, scheduler, state, root=self.cfg.lora.load, flag="--lora-load")
+        return True
 
     def load_hf(self, inner: torch.nn.Module, run: Run) -> None:
         load_hf(inner, self.cfg, run.model.vocab_size, run.layout.tp)

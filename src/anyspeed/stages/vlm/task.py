@@ -176,18 +176,17 @@ def plan(args: argparse.Namespace) -> StagePlan:
     from anyspeed.layout import Layout
     from anyspeed.models.multimodal import check_layout
     from anyspeed.stages.vlm import data as vlm_data
-
-    if args.lora_target_modules or args.lora_r or args.lora_load:
-        raise UsageError(
-            "--lora-*: LoRA is not supported for --stage vlm yet; train in "
-            "full or freeze parts (--freeze-LM, --freeze-ViT, "
-            "--freeze-projector)"
-        )
     from anyspeed.stages.vlm import qwen
 
     qwen_cfg = qwen.config_of(args)
     if qwen_cfg is not None:
         return qwen.plan(args, qwen_cfg, _tokenizer(args))
+    if args.lora_target_modules or args.lora_r or args.lora_load:
+        raise UsageError(
+            "--lora-*: LoRA is not supported for a LLaVA model in --stage vlm (it is for "
+            "Qwen-VL); train in full or freeze parts (--freeze-LM, --freeze-ViT, "
+            "--freeze-projector)"
+        )
     cfg = _llava_config(args)
     try:
         check_layout(cfg, Layout.from_args(args))
