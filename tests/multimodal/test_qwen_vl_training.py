@@ -116,7 +116,7 @@ def test_first_loss_equals_transformers(one, demo):
     "layout",
     [
         ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-        ["--use-distributed-optimizer"],
+        pytest.param(["--use-distributed-optimizer"], marks=pytest.mark.slow),
         ["--pipeline-model-parallel-size", "2"],
         ["--context-parallel-size", "2"],
         pytest.param(
@@ -160,6 +160,7 @@ def test_converted_checkpoint_trains_at_tp2_and_converts_back(one, demo):
         assert torch.allclose(v, tensors[1][k], atol=5e-5), k
 
 
+@pytest.mark.slow
 def test_qwen2_vl_first_loss_and_tp2(tmp_path):
     demo = _material(tmp_path, "qwen2_vl")
     one = run_distributed(sft_ranks.posttrain, 1, cli=_cli(demo))[0]
@@ -171,6 +172,7 @@ def test_qwen2_vl_first_loss_and_tp2(tmp_path):
     assert tp2["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
 
 
+@pytest.mark.slow
 def test_frozen_tower_stays_bit_identical(demo):
     """--freeze-ViT: after 3 steps the tower equals the HF tower bit for bit; the merger and
     the language model have moved."""

@@ -94,6 +94,12 @@ def parser() -> argparse.ArgumentParser:
         "the processes (data parallel)",
     )
     p.add_argument(
+        "--family",
+        choices=("llava", "qwen2_vl", "qwen2_5_vl"),
+        default="llava",
+        help="with --mm: the vision-language family (default llava)",
+    )
+    p.add_argument(
         "--sft-iters",
         type=int,
         default=None,
@@ -125,6 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--sft-samples {args.sft_samples}: give at least 1 instruction to train on"
             ),
         )
+    if args.family != "llava" and not args.mm:
+        return report("anyspeed demo", UsageError("--family picks the --mm model: add --mm"))
+    if args.mm and args.family != "llava":
+        from anyspeed.demo.mm_qwen import run
+
+        return run(args, extra)
     if args.mm:
         from anyspeed.demo.mm import run
 
