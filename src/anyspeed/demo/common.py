@@ -228,6 +228,18 @@ def loss_fell(metrics: str, what: str) -> tuple[bool, list[dict]]:
     return fell, rows
 
 
+def loss_halved(metrics: str, what: str) -> bool:
+    """:func:`loss_fell`, and whether the loss fell by at least half, each said in one line."""
+    fell, rows = loss_fell(metrics, what)
+    first, last = rows[0]["lm_loss"], rows[-1]["lm_loss"]
+    halved = last <= 0.5 * first
+    print(
+        f"demo: {what} fell {100 * (1 - last / first):.0f}% "
+        + ("(at least 50%, OK)" if halved else "(less than 50%)")
+    )
+    return fell and halved
+
+
 def tp_layout(n: int) -> list[str]:
     """The demos' layout on ``n`` processes: tensor parallel over all, sequence parallel."""
     return ["--tensor-model-parallel-size", str(n), *(["--sequence-parallel"] if n > 1 else [])]
