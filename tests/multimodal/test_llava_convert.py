@@ -63,6 +63,7 @@ def test_published_layout_is_read_and_written_back(tmp_path, capsys):
 
 def test_flags_that_do_not_apply_are_one_line_errors(tmp_path, capsys):
     hf_dir = llava.save(llava.hf_model("clip"), tmp_path / "hf")
+    capsys.readouterr()  # transformers' "Writing model shards" bar of the save above
     cases = (
         (["--ckpt-format", "legacy"], "torch_dist only"),
         (["--target-pipeline-parallel-size", "2"], "not supported for vision-language models"),

@@ -23,26 +23,14 @@ def check_files(args: argparse.Namespace) -> None:
 
     if args.max_image_pixels < 1:
         raise UsageError("--max-image-pixels must be >= 1")
+    from anyspeed.commands.qwen_image import video_frames
+
     frames = [f for v in args.video for f in video_frames(v)]
     for f in [*args.image, *frames]:
         why = image_problem(f, args.max_image_pixels)
         if why is not None:
             reason = "no such file" if why[0] == "missing image" else why[1]
             raise UsageError(f"--image {f!r}: {reason}")
-
-
-def video_frames(folder: str) -> list[str]:
-    """A ``--video`` folder's frame images in name order (one line when there are none)."""
-    import os
-
-    from anyspeed.stages.vlm.qwen_data import IMAGE_SUFFIXES
-
-    if not os.path.isdir(folder):
-        raise UsageError(f"--video {folder!r}: not a folder of frame images")
-    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_SUFFIXES))
-    if not names:
-        raise UsageError(f"--video {folder!r}: holds no frame image ({', '.join(IMAGE_SUFFIXES)})")
-    return [os.path.join(folder, n) for n in names]
 
 
 def check(args: argparse.Namespace, model: Any) -> None:

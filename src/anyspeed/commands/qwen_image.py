@@ -46,9 +46,22 @@ def check(args: argparse.Namespace, spec: Any) -> None:
         raise UsageError(str(exc)) from None
 
 
+def video_frames(folder: str) -> list[str]:
+    """A ``--video`` folder's frame images in name order (one line when there are none)."""
+    import os
+
+    from anyspeed.stages.vlm.qwen_data import IMAGE_SUFFIXES
+
+    if not os.path.isdir(folder):
+        raise UsageError(f"--video {folder!r}: not a folder of frame images")
+    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_SUFFIXES))
+    if not names:
+        raise UsageError(f"--video {folder!r}: holds no frame image ({', '.join(IMAGE_SUFFIXES)})")
+    return [os.path.join(folder, n) for n in names]
+
+
 def prompt_ids(args: argparse.Namespace, tok: Any, spec: Any) -> tuple[list[int], Any]:
     """The rendered prompt's tokens (vision blocks expanded) and its Sample."""
-    from anyspeed.commands.image import video_frames
     from anyspeed.stages.vlm.qwen_data import Vision, render
 
     c, t, p = spec.hf_config, spec.tower, spec.processor

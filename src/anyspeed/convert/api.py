@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -150,3 +152,24 @@ def check_tp_divisible(preset: ModelConfig, tp: int) -> None:
             raise ValueError(
                 f"{what} {size} is not divisible by --target-tensor-parallel-size {tp}"
             )
+
+
+def write_hf_dir(
+    save_dir: str | Path,
+    named: dict[str, Any],
+    hf_config: dict[str, Any],
+    side_dir: str | Path | None,
+    max_shard_size: str | int,
+) -> None:
+    """An HF directory (atomically): tensors ``named``, ``side_dir``'s side files, config."""
+    from anyspeed.convert.hf_io import ShardedWriter, copy_side_files
+
+    with staged_output(save_dir) as tmp:
+        writer = ShardedWriter(tmp, [(k, tuple(t.shape)) for k, t in named.items()], max_shard_size)
+        writer.add(named)
+        writer.close()
+        if side_dir:
+            copy_side_files(side_dir, tmp)
+        dtype = str(next(iter(named.values())).dtype).removeprefix("torch.")
+        config = dict(hf_config, dtype=dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

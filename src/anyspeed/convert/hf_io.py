@@ -8,7 +8,6 @@ import re
 import shutil
 import struct
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -377,24 +376,3 @@ def copy_side_files(src: str | Path, dst: Path) -> list[str]:
             shutil.copy2(f, dst / f.name)
             copied.append(f.name)
     return copied
-
-
-def write_hf_dir(
-    save_dir: str | Path,
-    named: dict[str, Any],
-    hf_config: dict[str, Any],
-    side_dir: str | Path | None,
-    max_shard_size: str | int,
-) -> None:
-    """An HF directory (atomically): tensors ``named``, ``side_dir``'s side files, config."""
-    from anyspeed.convert.api import staged_output
-
-    with staged_output(save_dir) as tmp:
-        writer = ShardedWriter(tmp, [(k, tuple(t.shape)) for k, t in named.items()], max_shard_size)
-        writer.add(named)
-        writer.close()
-        if side_dir:
-            copy_side_files(side_dir, tmp)
-        dtype = str(next(iter(named.values())).dtype).removeprefix("torch.")
-        config = dict(hf_config, dtype=dtype)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from anyspeed.convert import llava as conv
+from anyspeed.convert.api import write_hf_dir
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.hf_io import HFCheckpoint, read_config, write_hf_dir
+from anyspeed.convert.hf_io import HFCheckpoint, read_config
 from anyspeed.models.config import padded_vocab_size
 from anyspeed.models.vision import RECORD, LlavaConfig, from_record, llava_from_hf, record
 

@@ -20,7 +20,7 @@ from anyspeed.convert.errors import ConvertError
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import mapping_for
 from anyspeed.models.hf import preset_from_hf
-from anyspeed.models.qwen_vl.tower import TowerConfig, tower_from_hf
+from anyspeed.models.qwen_vl.config import TowerConfig, tower_from_hf
 
 VISUAL, LANGUAGE = "model.visual.", "model.language_model."
 DEFAULT_SECTION = (16, 24, 24)

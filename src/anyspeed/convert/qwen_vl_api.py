@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from anyspeed.convert import qwen_vl as conv
+from anyspeed.convert.api import write_hf_dir
 from anyspeed.convert.errors import ConvertError
-from anyspeed.convert.hf_io import HFCheckpoint, read_config, write_hf_dir
+from anyspeed.convert.hf_io import HFCheckpoint, read_config
 from anyspeed.convert.llava_api import DTYPES
 from anyspeed.models.config import ModelConfig, padded_vocab_size
+from anyspeed.models.qwen_vl.config import tower_from_hf
 from anyspeed.models.qwen_vl.spec import RECORD, QwenVLSpec, is_qwen_vl, record
-from anyspeed.models.qwen_vl.tower import tower_from_hf
 
 
 def holds_qwen_vl(load_dir: str | Path, model_type: str) -> bool:

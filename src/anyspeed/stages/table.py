@@ -121,7 +121,7 @@ def _ppo() -> Stage:
 
 def _vlm() -> Stage:
     from anyspeed.stages import flags as posttrain_flags
-    from anyspeed.stages.vlm import task as vlm
+    from anyspeed.stages.vlm import stage as vlm
 
     return Stage(
         "vlm",

@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from anyspeed.models.config import ModelConfig
+from anyspeed.models.qwen_vl.config import TowerConfig, tower_from_hf
 from anyspeed.models.qwen_vl.positions import VisionTokens
-from anyspeed.models.qwen_vl.tower import TowerConfig, tower_from_hf
 
 RECORD = "anyspeed_qwen_vl"
 KINDS = ("qwen2_vl", "qwen2_5_vl")

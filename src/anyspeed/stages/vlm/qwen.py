@@ -62,7 +62,7 @@ class QwenVLConfig:
 
     @property
     def tower(self) -> Any:
-        from anyspeed.models.qwen_vl.tower import tower_from_hf
+        from anyspeed.models.qwen_vl.config import tower_from_hf
 
         return tower_from_hf(self.hf_config["vision_config"])
 
@@ -146,7 +146,7 @@ def check_layout(args: argparse.Namespace, cfg: QwenVLConfig) -> None:
 def plan(args: argparse.Namespace, cfg: QwenVLConfig, tok: Any) -> StagePlan:
     """The Qwen-VL checks and its data (bad records counted)."""
     from anyspeed.stages.vlm import qwen_data
-    from anyspeed.stages.vlm.task import _report
+    from anyspeed.stages.vlm.task import report
 
     check_layout(args, cfg)
     if args.mock_data or not args.data_path or len(args.data_path) != 1:
@@ -156,7 +156,7 @@ def plan(args: argparse.Namespace, cfg: QwenVLConfig, tok: Any) -> StagePlan:
         raise UsageError(f"--data-path {path!r}: no such file")
     folder = args.image_folder or os.path.dirname(path)
     data = qwen_data.read(path, folder, tok, cfg.vision(), args.seq_length, args.max_image_pixels)
-    _report(path, data)
+    report(path, data)
     from anyspeed.models.qwen_vl.spec import record
 
     tokenizer = os.path.abspath(args.tokenizer_name_or_path)
