@@ -15,7 +15,7 @@ def qwen_vl_logits(state: dict, config_json: dict, tp: int, inputs: dict) -> dic
 
 
 def qwen_vl_generate(
-    state: dict, config_json: dict, tp: int, inputs: dict, n: int, cache: bool = True
+    state: dict, config_json: dict, tp: int, inputs: dict, n: int, cache: bool = True, pad=None
 ) -> dict:
     """``n`` greedy tokens of the converted Qwen-VL ``state`` at TP ``tp`` (KV cache)."""
     from anyspeed.inference.qwen_vl import generate
@@ -30,7 +30,8 @@ def qwen_vl_generate(
         logits[:, vision] = -float("inf")
         return logits.argmax(-1)
 
-    return {"tokens": generate(model, ids, inputs, n, vocab, pick=pick, use_kv_cache=cache)}
+    out = generate(model, ids, inputs, n, vocab, pick=pick, use_kv_cache=cache, pad=pad)
+    return {"tokens": out}
 
 
 def _model(state: dict, config_json: dict, tp: int):

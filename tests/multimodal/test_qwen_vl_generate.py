@@ -131,3 +131,50 @@ def _hf_greedy_until(hf, config: dict, inputs: dict, n: int, end: int) -> list[i
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
     return out
+
+
+def _rows(config: dict) -> list[dict]:
+    """Three prompts of different lengths: an image and a video, another image, text only."""
+    full = _verify_inputs(config)
+    ids = full["input_ids"]
+    g = torch.Generator().manual_seed(5)
+    image = torch.tensor([[1, 4, 8]])
+    block = [config["vision_start_token_id"], *[config["image_token_id"]] * 8,
+             config["vision_end_token_id"]]  # fmt: skip
+    text = torch.cat([ids[:, :4], ids[:, -4:]], 1)  # _verify_inputs' text: 4 tokens each end
+    second = {"input_ids": torch.cat([text[:, :3], torch.tensor([block]), text[:, 3:]], 1),
+              "pixel_values": torch.randn(32, full["pixel_values"].shape[1], generator=g),
+              "image_grid_thw": image}  # fmt: skip
+    return [full, second, {"input_ids": text[:, 1:]}]
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_left_padded_batch_equals_each_prompt_alone(tp, tmp_path):
+    """Three prompts (image + video, image, text only) left-padded into one batch: each row's
+    32 greedy tokens (KV cache) equal transformers' on that prompt alone (Qwen2.5-VL)."""
+    import transformers as T
+
+    from anyspeed.convert.hf_io import HFCheckpoint
+    from anyspeed.convert.qwen_vl import current_name, model_to_megatron
+
+    d = q.make_model(str(tmp_path / "m"), "qwen2_5_vl", jitter=0.5)
+    config = json.loads(open(f"{d}/config.json").read())
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(d, attn_implementation="eager")
+    rows = _rows(config)
+    want = [_hf_greedy(hf.eval(), config, dict(r)) for r in rows]
+    width = max(r["input_ids"].shape[1] for r in rows)
+    pad = torch.tensor([width - r["input_ids"].shape[1] for r in rows])
+    ids = torch.cat([torch.cat([torch.zeros(1, int(p), dtype=torch.long), r["input_ids"]], 1)
+                     for p, r in zip(pad, rows, strict=True)])  # fmt: skip
+    batch = {"input_ids": ids}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                "second_per_grid_ts"):  # fmt: skip
+        parts = [r[key] for r in rows if key in r]
+        if parts:
+            batch[key] = torch.cat(parts)
+    ck = HFCheckpoint(d)
+    names = {current_name(n): n for n in ck.names}
+    _, _, state = model_to_megatron(config, lambda n: ck.get(names[n]))
+    got = run_distributed(qwen_vl_ranks.qwen_vl_generate, tp, state=state, config_json=config,
+                          tp=tp, inputs=batch, n=NEW, pad=pad)  # fmt: skip
+    assert all(r["tokens"] == want for r in got), (got[0]["tokens"], want)

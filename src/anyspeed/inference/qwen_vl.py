@@ -1,6 +1,7 @@
 """Generation with a Qwen2-VL / Qwen2.5-VL model: the prompt with its images and videos runs
 once through Megatron's static KV cache, then one token per step at mRoPE position
-``cache position + rope delta`` on all three axes (transformers' decoding rule).
+``real tokens so far + rope delta`` on all three axes (transformers' decoding rule: left padding
+does not count).
 
 Megatron caches keys before their rotation and turns the whole cache at every step, so each
 step passes the positions of every token so far.
@@ -26,22 +27,29 @@ def generate(
     end_ids: tuple[int, ...] = (),
     pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
     use_kv_cache: bool = True,
+    pad: torch.Tensor | None = None,
 ) -> list[list[int]]:
-    """Per row of ``input_ids`` [b, n] (rows of one length, no padding) the continuation of
-    at most ``new_tokens``, stopping at an end id; ``vision`` holds the pixel rows and grids
+    """Per row of ``input_ids`` [b, n] the continuation of at most ``new_tokens``, stopping
+    at an end id; rows may be left-padded by ``pad`` [b] tokens (hidden from attention, at
+    position 0, as transformers places them). ``vision`` holds the pixel rows and grids
     (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
-    ``second_per_grid_ts``); ``pick`` maps last logits [b, vocab] to tokens (default greedy).
-    Without the KV cache every step runs the whole sequence (the reference path)."""
+    ``second_per_grid_ts``) of all rows in order; ``pick`` maps last logits [b, vocab] to
+    tokens (default greedy). Without the KV cache every step runs the whole sequence."""
     from megatron.core.inference.contexts import StaticInferenceContext
+
+    from anyspeed.inference.stepper import Batch
 
     inner: Any = getattr(model, "module", model)
     b, n = input_ids.shape
+    batch = Batch(input_ids.cpu(), torch.zeros(b, dtype=torch.int64) if pad is None else pad.cpu())
+    real = torch.arange(n)[None, :] >= batch.pad[:, None]
     positions, deltas = mrope_positions(
         input_ids.cpu(),
         inner.tokens,
         _cpu(vision.get("image_grid_thw")),
         _cpu(vision.get("video_grid_thw")),
         _cpu(vision.get("second_per_grid_ts")),
+        attention_mask=real.long(),
     )
     positions, deltas = positions.to(input_ids.device), deltas.to(input_ids.device)
     ctx = StaticInferenceContext(b, n + new_tokens) if use_kv_cache else None
@@ -50,7 +58,11 @@ def generate(
     done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
     ends = torch.tensor(end_ids or (-1,), device=input_ids.device)
     for k in range(new_tokens):
-        logits = model(step, position_ids=positions, inference_context=ctx,
+        end = n + k
+        start = end - step.shape[1]
+        mask = batch.mask(start, end)
+        mask = None if mask is None else mask.to(input_ids.device)
+        logits = model(step, position_ids=positions, attention_mask=mask, inference_context=ctx,
                        runtime_gather_output=True, **inputs)  # fmt: skip
         if ctx is not None:
             ctx.sequence_len_offset += step.shape[1]
@@ -62,7 +74,8 @@ def generate(
         done |= torch.isin(nxt, ends)
         if bool(done.all()):
             break
-        nxt_pos = (n + k + deltas).view(1, b, 1).expand(3, b, 1)
+        real_so_far = (n + k - batch.pad).to(deltas.device)  # transformers counts real tokens
+        nxt_pos = (real_so_far[:, None] + deltas).view(1, b, 1).expand(3, b, 1)
         positions = torch.cat([positions, nxt_pos.to(positions.dtype)], dim=2)
         seq = torch.cat([seq, nxt[:, None]], 1)
         step, inputs = (nxt[:, None], {}) if ctx is not None else (seq, inputs)

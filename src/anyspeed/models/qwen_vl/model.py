@@ -108,10 +108,13 @@ class QwenVLModel(MegatronModule):
         second_per_grid_ts: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         **decoding: Any,
     ) -> torch.Tensor:
-        """``decoding``: Megatron's ``inference_context`` and ``runtime_gather_output`` (the
-        positions are then those of every token so far: the cache's keys turn at each step)."""
+        """``attention_mask``: Megatron's [b, 1, q, k] (True hidden) for left-padded decoding
+        (None: causal). ``decoding``: Megatron's ``inference_context`` and
+        ``runtime_gather_output`` (the positions are then those of every token so far: the
+        cache's keys turn at each step)."""
         lm = self.language_model
         if labels is not None:
             labels = cp_share(labels, seq_dim=1)
@@ -124,7 +127,7 @@ class QwenVLModel(MegatronModule):
         return lm(
             input_ids=None,
             position_ids=position_ids,
-            attention_mask=None,
+            attention_mask=attention_mask,
             decoder_input=emb,
             labels=labels,
             **decoding,
