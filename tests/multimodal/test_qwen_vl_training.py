@@ -231,17 +231,25 @@ def test_bad_records_are_counted_and_named(demo, tmp_path, capsys):
         shutil.copy(demo["dir"] / rec["images"][0], tmp_path / rec["images"][0])
     first = good[0]
     two_tags = [{"role": "user", "content": "<image><image>what?"}, first["messages"][1]]
+    from PIL import Image
+
+    Image.new("1", (3000, 3000)).save(tmp_path / "images" / "bomb.png")  # 9 Mpixels, ~1 KB
+    literal = [{"role": "user", "content": "<image><|image_pad|> what?"}, first["messages"][1]]
     bad = [dict(first, images=["images/nowhere.png"]), dict(first, images=["images/broken.png"]),
-           dict(first, messages=two_tags)]  # fmt: skip
+           dict(first, messages=two_tags), dict(first, images=["images/bomb.png"]),
+           dict(first, messages=literal)]  # fmt: skip
     path = tmp_path / "mixed.json"
     path.write_text(json.dumps(good + bad), encoding="utf-8")
-    cli = _cli(demo)
+    cli = _cli(demo, "--max-image-pixels", "4000000")
     cli[cli.index(demo["data"])] = str(path)
     run, _ = prepare(cli, where="launcher", command="posttrain")
     assert len(run.data) == 8
     err = capsys.readouterr().err
-    for needle in ("missing image; first: record 8", "nowhere.png", "undecodable image; first: "
-                   "record 9", "<image> tags; first: record 10"):  # fmt: skip
+    needles = ("missing image; first: record 8", "nowhere.png",
+               "undecodable image; first: record 9", "<image> tags; first: record 10",
+               "image too large; first: record 11", "bomb.png", "9000000 pixels",
+               "image pads; first: record 12")  # fmt: skip
+    for needle in needles:
         assert needle in err, err
     path.write_text(json.dumps(good[:1] + [{"image": "x.png"}]), encoding="utf-8")
     with pytest.raises(UsageError, match="record 1: not a conversation record") as exc:

@@ -169,7 +169,23 @@ def render(
             f"tags: {len(image_blocks)} image(s) and {len(video_blocks)} video(s) have no "
             f"{IMAGE_TAG}/{VIDEO_TAG} tag"
         )
+    _check_pads(tokens, vision, grids, len(images))
     return Sample(tokens, learn, tuple(images), tuple(videos), tuple(grids)), learn
+
+
+def _check_pads(tokens: list[int], vision: Vision, grids: list, n_images: int) -> None:
+    """ValueError when the text itself holds vision pad tokens (written out literally): the
+    model would find more pads than the inputs have features."""
+    unit = vision.merge**2
+    for token, name, part in ((vision.image_token, "image", grids[:n_images]),
+                              (vision.video_token, "video", grids[n_images:])):  # fmt: skip
+        want = sum(t * h * w // unit for t, h, w in part)
+        got = tokens.count(token)
+        if got != want:
+            raise ValueError(
+                f"{name} pads: the text holds {got - want} {name} pad token(s) beyond its "
+                f"{name}s' {want} (write {IMAGE_TAG}/{VIDEO_TAG}, not the pad token)"
+            )
 
 
 def _records(path: str) -> list[tuple[str, Any]]:
