@@ -34,8 +34,12 @@ def check(args: argparse.Namespace, spec: Any) -> None:
         raise UsageError("--prompt: one prompt about the inputs (given several)")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be positive")
-    if not args.use_kv_cache:
-        raise UsageError("--no-kv-cache: Qwen-VL generation always uses the KV cache")
+    from anyspeed.commands.prompting import sampling_params
+
+    try:
+        sampling_params(args).check()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     from anyspeed.models.multimodal import check_tower_tp
 
     try:
@@ -120,6 +124,6 @@ def generate(run: session.InferenceRun, chunks: list) -> None:
     ends = tuple(t for t in (tok.eod_id,) if t is not None)
     vocab = hf_vocab(run.load) or spec.language.vocab_size
     out = decode_ids(model, torch.tensor([ids], device=device), vision, args.max_new_tokens,
-                     vocab, ends, pick)  # fmt: skip
+                     vocab, ends, pick, use_kv_cache=args.use_kv_cache)  # fmt: skip
     fast = getattr(tok, "backend", None)
     print0(fast.decode(out[0]) if fast else decode(tok, out[0]))

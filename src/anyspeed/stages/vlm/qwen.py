@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anyspeed.errors import UsageError
-from anyspeed.models.qwen_vl.spec import RECORD, is_qwen_vl
+from anyspeed.models.qwen_vl.spec import RECORD, is_qwen_vl, record
 from anyspeed.stages.vlm.task import VLMTask
 from anyspeed.training.task import StagePlan
 
@@ -115,6 +115,11 @@ def config_of(args: argparse.Namespace) -> QwenVLConfig | None:
     for key in ("min_pixels", "max_pixels"):
         if getattr(args, f"image_{key}", None):
             settings = {**settings, key: int(getattr(args, f"image_{key}"))}
+    if settings["min_pixels"] > settings["max_pixels"]:
+        raise UsageError(
+            f"--image-min-pixels {settings['min_pixels']} is above --image-max-pixels "
+            f"{settings['max_pixels']}: no size fits both"
+        )
     from anyspeed.training import lora
 
     return QwenVLConfig(hf_config, settings, args.vlm_hf_dir, args.freeze_vit, args.freeze_lm,
@@ -157,8 +162,6 @@ def plan(args: argparse.Namespace, cfg: QwenVLConfig, tok: Any) -> StagePlan:
     folder = args.image_folder or os.path.dirname(path)
     data = qwen_data.read(path, folder, tok, cfg.vision(), args.seq_length, args.max_image_pixels)
     report(path, data)
-    from anyspeed.models.qwen_vl.spec import record
-
     tokenizer = os.path.abspath(args.tokenizer_name_or_path)
     records = {RECORD: record(cfg.hf_config, cfg.processor, tokenizer)}
     if cfg.lora is not None:
@@ -177,6 +180,7 @@ class QwenVLTask(VLMTask):
         self._pixels: Any = None
 
     def build(self, model: Any, config: Any, layout: Any) -> list[torch.nn.Module]:
+        from megatron.core import parallel_state as ps
         from megatron.core.transformer.enums import ModelType
 
         from anyspeed.models.qwen_vl.model import QwenVLModel
@@ -185,8 +189,6 @@ class QwenVLTask(VLMTask):
         tower = self.cfg.tower
         init = {"perform_initialization": config.perform_initialization}
         tower_config = tower_transformer_config(tower, layout, config.params_dtype, **init)
-        from megatron.core import parallel_state as ps
-
         chunk = QwenVLModel(tower, tower_config, model, config, self.cfg.tokens,
                             pre_process=ps.is_pipeline_first_stage(),
                             post_process=ps.is_pipeline_last_stage())  # fmt: skip
@@ -234,6 +236,8 @@ class QwenVLTask(VLMTask):
         device: torch.device,
         trainer: Trainer | None = None,
     ) -> Iterator[list[dict[str, torch.Tensor]]]:
+        from megatron.core import parallel_state as ps
+
         from anyspeed.data.qwen_vl_pixels import Pixels
         from anyspeed.stages.common.instruction_data import global_batches
         from anyspeed.stages.vlm.qwen_data import micro_batch
@@ -242,9 +246,6 @@ class QwenVLTask(VLMTask):
             self._pixels = Pixels(self.cfg.processor)
         data, rows = dataset
         seconds = self.cfg.tower.kind == "qwen2_5_vl"
-
-        from megatron.core import parallel_state as ps
-
         pixels = self._pixels if ps.is_pipeline_first_stage() else None  # later: grids only
 
         def make(idx: list[int]) -> dict[str, torch.Tensor]:
