@@ -40,7 +40,7 @@ def test_prompts_file_not_utf8_names_the_file(tmp_path):
 def test_chat_stdin_not_utf8_is_refused_and_read_again(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff bad\nhello\n")))
     monkeypatch.delenv("RANK", raising=False)
-    assert chat._read_turn() == "hello"
+    assert chat.read_turn() == "hello"
     assert "(stdin: that line is not UTF-8 text, byte 0xff at offset 0" in capsys.readouterr().out
 
 

@@ -178,3 +178,43 @@ def test_left_padded_batch_equals_each_prompt_alone(tp, tmp_path):
     got = run_distributed(qwen_vl_ranks.qwen_vl_generate, tp, state=state, config_json=config,
                           tp=tp, inputs=batch, n=NEW, pad=pad)  # fmt: skip
     assert all(r["tokens"] == want for r in got), (got[0]["tokens"], want)
+
+
+def test_chat_about_an_image(tmp_path, capsys):
+    """``--task chat`` with an image: two scripted turns; the second answer is transformers'
+    greedy continuation of the whole rendered conversation (the first answer in it)."""
+    import argparse
+
+    import transformers as T
+    from PIL import Image
+
+    from anyspeed.commands.generate import main as generate_main
+    from anyspeed.commands.qwen_image import prompt_ids
+    from anyspeed.data.qwen_vl_pixels import Pixels, processor_settings
+    from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
+    from anyspeed.models.qwen_vl.spec import QwenVLSpec
+    from anyspeed.stages.vlm.qwen_data import vision_inputs
+
+    d = q.make_model(str(tmp_path / "hf"), "qwen2_5_vl", jitter=0.5)
+    image = tmp_path / "a.png"
+    Image.new("RGB", (32, 32), (30, 200, 30)).save(image)
+    capsys.readouterr()
+    assert generate_main(["--load", d, "--image", str(image), "--task", "chat", "--top-k", "1",
+                          "--prompt", "what is in the picture?", "--prompt", "what colour?",
+                          "--max-new-tokens", "6"]) == 0  # fmt: skip
+    answers = [x.split("anyspeed >> ", 1)[1] for x in capsys.readouterr().out.splitlines()
+               if x.startswith("anyspeed >> ")]  # fmt: skip
+    assert len(answers) == 2
+    config = json.loads(open(f"{d}/config.json").read())
+    tok = load_tokenizer(TokenizerSpec(name_or_path=d))
+    spec = QwenVLSpec(config, None, processor_settings(d, 2, 2, 2))  # type: ignore[arg-type]
+    args = argparse.Namespace(prompt=[], image=[str(image)], video=[], max_image_pixels=1 << 30)
+    turns = [{"role": "user", "content": "what is in the picture?"},
+             {"role": "assistant", "content": answers[0]},
+             {"role": "user", "content": "what colour?"}]  # fmt: skip
+    ids, sample = prompt_ids(args, tok, spec, turns)
+    inputs = {"input_ids": torch.tensor([ids]),
+              **vision_inputs(list(sample.images), [], Pixels(spec.processor), True)}  # fmt: skip
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(d, attn_implementation="eager")
+    want = _hf_greedy_until(hf.eval(), config, inputs, 6, tok.eod_id)
+    assert answers[1] == tok.backend.decode(want)

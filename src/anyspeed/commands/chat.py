@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 
-def _read_turn() -> str | None:
+def read_turn() -> str | None:
     """The next user line on rank 0 (None at EOF or "exit"), the same on every rank; a line
     that is not UTF-8 is refused in one line and read again."""
     import torch.distributed as dist
@@ -66,7 +66,7 @@ def chat(args: argparse.Namespace, model: list, tok: Any) -> None:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     given = iter(prompts(args))  # --prompt / --prompts-file: the turns, else stdin
     scripted = bool(args.prompt or args.prompts_file)
-    while (line := next(given, None) if scripted else _read_turn()) is not None:
+    while (line := next(given, None) if scripted else read_turn()) is not None:
         if scripted and rank0:
             print(f"\nYou >> {line}")
         history, ids = _fit(args, tok, history, line, special)

@@ -25,13 +25,13 @@ def check(args: argparse.Namespace, spec: Any) -> None:
             "--pipeline-model-parallel-size: generation from images runs with tensor "
             "parallelism only (the tower sits on the first stage)"
         )
-    if args.task not in ("greedy", "do_sample") or args.stop or args.prompts_file:
+    if args.task not in ("greedy", "do_sample", "chat") or args.stop:
+        raise UsageError("--image: --task greedy, do_sample or chat (no --stop)")
+    if args.task != "chat" and (len(args.prompt) > 1 or args.prompts_file):
         raise UsageError(
-            "--image: --task greedy or do_sample with at most one --prompt (no --stop or "
-            "--prompts-file)"
+            "--prompt: one prompt about the inputs (several turns: --task chat, with "
+            "--prompt per turn, --prompts-file or stdin)"
         )
-    if len(args.prompt) > 1:
-        raise UsageError("--prompt: one prompt about the inputs (given several)")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be positive")
     from anyspeed.commands.prompting import sampling_params
@@ -64,66 +64,110 @@ def video_frames(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in names]
 
 
-def prompt_ids(args: argparse.Namespace, tok: Any, spec: Any) -> tuple[list[int], Any]:
-    """The rendered prompt's tokens (vision blocks expanded) and its Sample."""
-    from anyspeed.stages.vlm.qwen_data import Vision, render
+def vision_of(spec: Any) -> Any:
+    """The vision-block rule of the model's config and processor."""
+    from anyspeed.stages.vlm.qwen_data import Vision
 
     c, t, p = spec.hf_config, spec.tower, spec.processor
-    vision = Vision(c["image_token_id"], c["video_token_id"], c["vision_start_token_id"],
-                    c["vision_end_token_id"], t.patch_size, t.spatial_merge_size,
-                    t.temporal_patch_size, p["min_pixels"], p["max_pixels"])  # fmt: skip
-    text = args.prompt[0] if args.prompt else DEFAULT_PROMPT
+    return Vision(c["image_token_id"], c["video_token_id"], c["vision_start_token_id"],
+                  c["vision_end_token_id"], t.patch_size, t.spatial_merge_size,
+                  t.temporal_patch_size, p["min_pixels"], p["max_pixels"])  # fmt: skip
+
+
+def prompt_ids(
+    args: argparse.Namespace, tok: Any, spec: Any, turns: list[dict] | None = None
+) -> tuple[list[int], Any]:
+    """The rendered conversation's tokens (vision blocks expanded) and its Sample: ``turns``
+    (default: the one ``--prompt``), the inputs' tags leading the first user turn."""
+    from anyspeed.stages.vlm.qwen_data import render
+
+    if turns is None:
+        turns = [{"role": "user", "content": args.prompt[0] if args.prompt else DEFAULT_PROMPT}]
     tags = "<image>" * len(args.image) + "<video>" * len(args.video)
+    turns = [dict(turns[0], content=tags + turns[0]["content"]), *turns[1:]]
     record = {
-        "messages": [{"role": "user", "content": tags + text}],
+        "messages": turns,
         "images": list(args.image),
         "videos": [video_frames(v) for v in args.video],
     }
     try:
-        sample, _ = render(record, "", tok, vision, args.max_image_pixels)
+        sample, _ = render(record, "", tok, vision_of(spec), args.max_image_pixels)
     except ValueError as exc:
         raise UsageError(f"--image/--video: {exc}") from None
     head = tok.encode(["<|im_start|>assistant\n"], special=False)[0]
     return sample.tokens + head, sample
 
 
+class _Answerer:
+    """The model's answer to a rendered conversation (its pixels read once)."""
+
+    def __init__(self, run: session.InferenceRun, chunks: list) -> None:
+        import torch
+
+        from anyspeed.checkpoint.record import hf_vocab
+        from anyspeed.commands.prompting import sampling_params
+        from anyspeed.data.qwen_vl_pixels import Pixels
+        from anyspeed.device import torch_device
+        from anyspeed.stages.vlm.qwen_data import vision_inputs
+
+        args, tok, spec = run.args, run.tokenizer, run.model
+        self.run, self.model, self.device = run, chunks[0], torch_device()
+        _, sample = prompt_ids(args, tok, spec)
+        qwen25 = spec.tower.kind == "qwen2_5_vl"
+        vision = vision_inputs(list(sample.images), list(sample.videos), Pixels(spec.processor),
+                               qwen25)  # fmt: skip
+        dtype = next(self.model.parameters()).dtype
+        self.vision = {k: v.to(self.device) for k, v in vision.items()}
+        for k in ("pixel_values", "pixel_values_videos"):
+            if k in self.vision:
+                self.vision[k] = self.vision[k].to(dtype)
+        self.params, self.g = sampling_params(args), torch.Generator().manual_seed(args.seed)
+        c = spec.hf_config
+        self.markers = [c[k] for k in ("image_token_id", "video_token_id",
+                                       "vision_start_token_id", "vision_end_token_id")]  # fmt: skip
+        self.ends = tuple(t for t in (tok.eod_id,) if t is not None)
+        self.vocab = hf_vocab(run.load) or spec.language.vocab_size
+
+    def __call__(self, turns: list[dict] | None = None) -> str:
+        import torch
+
+        from anyspeed.inference.generate import decode
+        from anyspeed.inference.qwen_vl import generate as decode_ids
+        from anyspeed.inference.sampling import next_tokens
+
+        args, tok = self.run.args, self.run.tokenizer
+        ids, _ = prompt_ids(args, tok, self.run.model, turns)
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:  # the same draw on every TP rank
+            logits[:, self.markers] = -float("inf")  # they mark inputs: never an answer's
+            return next_tokens(logits, self.params, self.g).to(logits.device)
+
+        out = decode_ids(self.model, torch.tensor([ids], device=self.device), self.vision,
+                         args.max_new_tokens, self.vocab, self.ends, pick,
+                         use_kv_cache=args.use_kv_cache)[0]  # fmt: skip
+        fast = getattr(tok, "backend", None)
+        return fast.decode(out) if fast else decode(tok, out)
+
+
 def generate(run: session.InferenceRun, chunks: list) -> None:
-    """Print the answer (rank 0)."""
-    import torch
+    """Print the answer (rank 0); with ``--task chat``, answer turn after turn about the same
+    inputs (``--prompt`` per turn, ``--prompts-file`` lines, or stdin until EOF / "exit")."""
+    import os
 
-    from anyspeed.checkpoint.record import hf_vocab
-    from anyspeed.commands.prompting import sampling_params
-    from anyspeed.data.qwen_vl_pixels import Pixels
-    from anyspeed.device import torch_device
-    from anyspeed.inference.generate import decode
-    from anyspeed.inference.qwen_vl import generate as decode_ids
-    from anyspeed.inference.sampling import next_tokens
-    from anyspeed.stages.vlm.qwen_data import vision_inputs
+    from anyspeed.commands.chat import read_turn
+    from anyspeed.commands.prompting import prompts
 
-    args, tok, spec = run.args, run.tokenizer, run.model
-    ids, sample = prompt_ids(args, tok, spec)
-    qwen25 = spec.tower.kind == "qwen2_5_vl"
-    pixels = Pixels(spec.processor)
-    vision = vision_inputs(list(sample.images), list(sample.videos), pixels, qwen25)
-    model, device = chunks[0], torch_device()
-    dtype = next(model.parameters()).dtype
-    vision = {k: v.to(device) for k, v in vision.items()}
-    for k in ("pixel_values", "pixel_values_videos"):
-        if k in vision:
-            vision[k] = vision[k].to(dtype)
-    params, g = sampling_params(args), torch.Generator().manual_seed(args.seed)
-
-    c = spec.hf_config
-    markers = [c[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                              "vision_end_token_id")]  # fmt: skip
-
-    def pick(logits: torch.Tensor) -> torch.Tensor:  # the same draw on every TP rank
-        logits[:, markers] = -float("inf")  # they mark inputs: never an answer's token
-        return next_tokens(logits, params, g).to(logits.device)
-
-    ends = tuple(t for t in (tok.eod_id,) if t is not None)
-    vocab = hf_vocab(run.load) or spec.language.vocab_size
-    out = decode_ids(model, torch.tensor([ids], device=device), vision, args.max_new_tokens,
-                     vocab, ends, pick, use_kv_cache=args.use_kv_cache)  # fmt: skip
-    fast = getattr(tok, "backend", None)
-    print0(fast.decode(out[0]) if fast else decode(tok, out[0]))
+    answer = _Answerer(run, chunks)
+    if run.args.task != "chat":
+        print0(answer())
+        return
+    turns: list[dict] = []
+    given = iter(prompts(run.args))
+    scripted = bool(run.args.prompt or run.args.prompts_file)
+    while (line := next(given, None) if scripted else read_turn()) is not None:
+        if scripted and int(os.environ.get("RANK", "0")) == 0:
+            print(f"\nYou >> {line}")
+        turns.append({"role": "user", "content": line})
+        text = answer(turns)
+        print0(f"anyspeed >> {text}")
+        turns.append({"role": "assistant", "content": text})
