@@ -281,3 +281,16 @@ def test_lora_on_the_language_model(one, demo):
     config = json.loads(open(f"{demo['hf']}/config.json").read())
     _, _, start = model_to_megatron(config, lambda n: ck.get(names[n]))
     assert all(torch.equal(v, start[f"vision.{k}"]) for k, v in tower.items())
+
+
+def test_text_stages_refuse_a_qwen_vl_directory_in_one_line(demo):
+    """A Qwen-VL directory given to a text stage names the commands that take it."""
+    from anyspeed.errors import UsageError
+    from anyspeed.stages.prepare import prepare
+
+    cli = ["--stage", "sft", "--load", demo["hf"], "--data-path", "x", "--seq-length", "64",
+           "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
+           "--lr", "1e-5"]  # fmt: skip
+    with pytest.raises(UsageError, match="vision-language model: train it with") as exc:
+        prepare(cli, where="launcher", command="posttrain")
+    assert "\n" not in str(exc.value) and "--stage vlm" in str(exc.value)

@@ -42,6 +42,9 @@ def _number(config: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
     return kind(value)
 
 
+VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl")  # model types the vlm stage takes
+
+
 def hf_family(config: dict[str, Any]) -> str:
     """The family (HF ``model_type``) of an HF ``config.json``; ValueError lists the supported."""
     archs = config.get("architectures") or []
@@ -53,6 +56,12 @@ def hf_family(config: dict[str, Any]) -> str:
     family = by_arch.get(causal[0]) if archs else config.get("model_type")
     if not isinstance(family, str) or family not in HF_ARCHITECTURES or len(set(causal)) > 1:
         got = ", ".join(archs) or f"model_type {config.get('model_type')!r:.40}"
+        if config.get("model_type") in VISION_LANGUAGE:
+            raise ValueError(
+                f"{got} is a vision-language model: train it with `anyspeed posttrain --stage "
+                "vlm`, convert it with `anyspeed convert`, ask it with `anyspeed generate "
+                "--image` (RL with images is not supported yet)"
+            )
         raise ValueError(
             f"unsupported architecture {got}; supported: "
             f"{', '.join(sorted(HF_ARCHITECTURES.values()))}"
