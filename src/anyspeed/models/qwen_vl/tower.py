@@ -92,6 +92,13 @@ class QwenVisionTower(MegatronModule):
         return torch.cat([angles, angles], dim=-1)[:, None, None, :]
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """One input (image or video) at a time: inputs never attend to each other, so each
+        layer's mask is the size of one input, not of the whole batch."""
+        sizes = [t * h * w for t, h, w in grid_thw.tolist()]
+        parts = pixels.split(sizes)
+        return torch.cat([self._one(p, g[None]) for p, g in zip(parts, grid_thw, strict=True)])
+
+    def _one(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         cfg, unit = self.cfg, self.cfg.spatial_merge_size**2
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
         rope = self._rotary(grid_thw)
