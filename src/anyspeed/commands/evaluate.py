@@ -153,7 +153,8 @@ def _check(args: argparse.Namespace, model: Any, tok: Any) -> Any:
     """The flags checked and the task's items opened (the run's ``data``)."""
     if session.is_llava(model):
         raise UsageError(
-            f"--load {args.load!r} holds a LLaVA model: anyspeed evaluate scores text models"
+            f"--load {args.load!r} holds a vision-language model: anyspeed evaluate scores "
+            "text models (ask it with anyspeed generate --image)"
         )
     _check_execution(args)
     _check_output(args.output_json)
