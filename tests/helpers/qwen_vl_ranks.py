@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 
 def qwen_vl_logits(state: dict, config_json: dict, tp: int, inputs: dict) -> dict:
     """This TP rank's vocabulary slice of the logits of the converted Qwen-VL ``state``."""
@@ -15,12 +13,13 @@ def qwen_vl_logits(state: dict, config_json: dict, tp: int, inputs: dict) -> dic
 
 
 def qwen_vl_generate(
-    state: dict, config_json: dict, tp: int, inputs: dict, n: int, cache: bool = True, pad=None
-) -> dict:
-    """``n`` greedy tokens of the converted Qwen-VL ``state`` at TP ``tp`` (KV cache)."""
+    state: dict, config_json: dict, tp: int, inputs: dict, n: int, cache: bool = True, pad=None,
+    pp: int = 1,
+) -> dict:  # fmt: skip
+    """``n`` greedy tokens of the converted Qwen-VL ``state`` at TP ``tp`` x PP ``pp``."""
     from anyspeed.inference.qwen_vl import generate
 
-    model = _model(state, config_json, tp)
+    model = _model(state, config_json, tp, pp)
     ids = inputs.pop("input_ids")
     vocab = config_json["text_config"]["vocab_size"]
     vision = [config_json[k] for k in ("image_token_id", "video_token_id",
@@ -34,10 +33,13 @@ def qwen_vl_generate(
     return {"tokens": out}
 
 
-def _model(state: dict, config_json: dict, tp: int):
-    """The QwenVLModel of the converted ``state`` at TP ``tp`` in this rank (eval)."""
+def _model(state: dict, config_json: dict, tp: int, pp: int = 1):
+    """This rank's QwenVLModel (TP shard, pipeline stage) of the converted ``state`` (eval)."""
+    import functools
+
     from megatron.core import parallel_state as ps
 
+    from anyspeed.convert.llava import load_into
     from anyspeed.convert.qwen_vl import language_preset, shard
     from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
@@ -46,18 +48,18 @@ def _model(state: dict, config_json: dict, tp: int):
     from anyspeed.models.qwen_vl.positions import VisionTokens
     from anyspeed.models.qwen_vl.tower import tower_from_hf, tower_transformer_config
 
-    layout = Layout(tp=tp)
+    layout = Layout(tp=tp, pp=pp)
     init_distributed(layout, seed=0)
     tower, preset = tower_from_hf(config_json["vision_config"]), language_preset(config_json)
     seconds = config_json["vision_config"].get("tokens_per_second")
     tokens = VisionTokens(config_json["image_token_id"], config_json["video_token_id"], 2,
                           seconds if tower.kind == "qwen2_5_vl" else None)  # fmt: skip
     model = QwenVLModel(tower, tower_transformer_config(tower, layout), preset,
-                        gpt.transformer_config(preset, layout), tokens).eval()  # fmt: skip
-    rank, gated = ps.get_tensor_model_parallel_rank(), tower.kind == "qwen2_5_vl"
-    local: dict[str, Any] = {k: shard(k, v, tp, rank, gated) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(local, strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+                        gpt.transformer_config(preset, layout), tokens,
+                        pre_process=ps.is_pipeline_first_stage(),
+                        post_process=ps.is_pipeline_last_stage()).eval()  # fmt: skip
+    split = functools.partial(shard, gated=tower.kind == "qwen2_5_vl")
+    load_into(model, state, tp, ps.get_tensor_model_parallel_rank(), split)  # every tensor
     return model
 
 

@@ -47,10 +47,11 @@ def _hf_greedy(hf, config: dict, inputs: dict) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "kind,tp",
-    [("qwen2_5_vl", 1), ("qwen2_5_vl", 2), pytest.param("qwen2_vl", 2, marks=pytest.mark.slow)],
-)
-def test_greedy_tokens_equal_transformers(kind, tp, tmp_path):
+    "kind,tp,pp",
+    [("qwen2_5_vl", 1, 1), ("qwen2_5_vl", 2, 1), ("qwen2_5_vl", 1, 2),
+     pytest.param("qwen2_vl", 2, 1, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_greedy_tokens_equal_transformers(kind, tp, pp, tmp_path):
     import transformers as T
 
     from anyspeed.convert.hf_io import HFCheckpoint
@@ -66,15 +67,16 @@ def test_greedy_tokens_equal_transformers(kind, tp, tmp_path):
     names = {current_name(n): n for n in ck.names}
     _, _, state = model_to_megatron(config, lambda n: ck.get(names[n]))
     for cache in (True, False):
-        got = run_distributed(qwen_vl_ranks.qwen_vl_generate, tp, state=state, config_json=config,
-                              tp=tp, inputs=dict(inputs), n=NEW, cache=cache)  # fmt: skip
+        got = run_distributed(qwen_vl_ranks.qwen_vl_generate, tp * pp, state=state,
+                              config_json=config, tp=tp, pp=pp, inputs=dict(inputs), n=NEW,
+                              cache=cache)  # fmt: skip
         assert all(r["tokens"] == [want] for r in got), (cache, got[0]["tokens"], want)
 
 
 def test_generate_command_prints_transformers_answer(tmp_path, capsys):
     """``anyspeed generate --load HF_DIR --image F --video DIR``: the printed answer is the
     decoded greedy tokens of transformers' forward on the same rendered prompt and pixels; a
-    missing frame folder and PP2 are one line."""
+    missing frame folder and beam search are one line."""
     import transformers as T
     from PIL import Image
 
@@ -113,7 +115,7 @@ def test_generate_command_prints_transformers_answer(tmp_path, capsys):
     assert printed == tok.backend.decode(want)
     assert generate_main([*argv, "--video", str(tmp_path / "none")]) == 2
     assert "--video" in capsys.readouterr().err
-    assert generate_main([*argv, "--pipeline-model-parallel-size", "2"]) == 2
+    assert generate_main([*argv, "--task", "beam_search"]) == 2
 
 
 @torch.no_grad()

@@ -20,11 +20,6 @@ def check(args: argparse.Namespace, spec: Any) -> None:
     """One line for what a Qwen-VL generation does not take."""
     if not args.image and not args.video:
         raise UsageError(f"--load {args.load!r} holds a Qwen-VL model: pass --image or --video")
-    if args.pipeline_model_parallel_size != 1:
-        raise UsageError(
-            "--pipeline-model-parallel-size: generation from images runs with tensor "
-            "parallelism only (the tower sits on the first stage)"
-        )
     if args.task not in ("greedy", "do_sample", "chat") or args.stop:
         raise UsageError("--image: --task greedy, do_sample or chat (no --stop)")
     if args.task != "chat" and (len(args.prompt) > 1 or args.prompts_file):

@@ -273,7 +273,10 @@ def load_model(
 
 
 def _qwen_vl_model(spec: Any, layout: Layout, bf16: bool, fp16: bool) -> torch.nn.Module:
-    """This rank's QwenVLModel (TP of ``layout``; weights from the checkpoint)."""
+    """This rank's QwenVLModel (TP and pipeline stage of ``layout``; weights from the
+    checkpoint)."""
+    from megatron.core import parallel_state as ps
+
     from anyspeed.models import gpt
     from anyspeed.models.qwen_vl.model import QwenVLModel
     from anyspeed.models.qwen_vl.tower import tower_transformer_config
@@ -281,4 +284,6 @@ def _qwen_vl_model(spec: Any, layout: Layout, bf16: bool, fp16: bool) -> torch.n
     kw: dict[str, Any] = {"perform_initialization": False}
     config = gpt.transformer_config(spec.language, layout, bf16=bf16, fp16=fp16, **kw)
     tower = tower_transformer_config(spec.tower, layout, config.params_dtype, **kw)
-    return QwenVLModel(spec.tower, tower, spec.language, config, spec.tokens)
+    return QwenVLModel(spec.tower, tower, spec.language, config, spec.tokens,
+                       pre_process=ps.is_pipeline_first_stage(),
+                       post_process=ps.is_pipeline_last_stage())  # fmt: skip

@@ -41,7 +41,7 @@ def pipeline_forward(
 
     if ps.get_pipeline_model_parallel_world_size() == 1 and len(model) == 1:
         return _direct(model[0], tokens, positions, mask, kwargs)  # no schedule to run
-    return _scheduled(model, tokens, lambda chunk: chunk(tokens, positions, mask, **kwargs))
+    return scheduled(model, tokens, lambda chunk: chunk(tokens, positions, mask, **kwargs))
 
 
 @torch.no_grad()
@@ -68,10 +68,10 @@ def pipeline_logprobs(
     def call(chunk: torch.nn.Module) -> torch.Tensor:
         return token_logprobs(chunk, tokens, positions, labels, mask, vocab_size=vocab_size)
 
-    return _scheduled(model, tokens, call)
+    return scheduled(model, tokens, call)
 
 
-def _scheduled(model: list[torch.nn.Module], tokens: torch.Tensor, call: Any) -> Any:
+def scheduled(model: list[torch.nn.Module], tokens: torch.Tensor, call: Any) -> Any:
     """``call(chunk)`` on every chunk through Megatron's forward-only schedule, in eval mode;
     the last stage's output (None on the other stages)."""
     from megatron.core import parallel_state as ps

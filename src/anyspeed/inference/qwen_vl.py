@@ -34,7 +34,8 @@ def generate(
     position 0, as transformers places them). ``vision`` holds the pixel rows and grids
     (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
     ``second_per_grid_ts``) of all rows in order; ``pick`` maps last logits [b, vocab] to
-    tokens (default greedy). Without the KV cache every step runs the whole sequence."""
+    tokens (default greedy). Without the KV cache every step runs the whole sequence. Under
+    pipeline parallelism ``model`` is this stage's chunk; every stage returns the tokens."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     from anyspeed.inference.stepper import Batch
@@ -62,12 +63,12 @@ def generate(
         start = end - step.shape[1]
         mask = batch.mask(start, end)
         mask = None if mask is None else mask.to(input_ids.device)
-        logits = model(step, position_ids=positions, attention_mask=mask, inference_context=ctx,
-                       runtime_gather_output=True, **inputs)  # fmt: skip
+        kw = dict(position_ids=positions, attention_mask=mask, inference_context=ctx,
+                  runtime_gather_output=True, **inputs)  # fmt: skip
+        nxt = _next(model, step, kw, pick or _greedy, vocab_size)
         if ctx is not None:
             ctx.sequence_len_offset += step.shape[1]
             ctx.enable_decode_mode()
-        nxt = (pick or _greedy)(logits[:, -1, :vocab_size].float())
         for i in range(b):
             if not done[i]:
                 out[i].append(int(nxt[i]))
@@ -80,6 +81,25 @@ def generate(
         seq = torch.cat([seq, nxt[:, None]], 1)
         step, inputs = (nxt[:, None], {}) if ctx is not None else (seq, inputs)
     return [[t for t in row if t not in end_ids] for row in out]
+
+
+def _next(
+    model: Any, step: torch.Tensor, kw: dict, pick: Callable, vocab_size: int
+) -> torch.Tensor:
+    """The next token of each row: the model called directly, or (a pipeline stage's chunk)
+    through Megatron's forward-only schedule, the last stage's pick shared with every stage."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return pick(model(step, **kw)[:, -1, :vocab_size].float())
+    from anyspeed.inference.forward import scheduled
+    from anyspeed.inference.stepper import share
+
+    logits = scheduled([model], step, lambda chunk: chunk(step, **kw))
+    nxt = torch.zeros(step.shape[0], dtype=torch.long)
+    if logits is not None:
+        nxt = pick(logits[:, -1, :vocab_size].float()).long().cpu()
+    return share(nxt).to(step.device)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,9 @@ class QwenVLModel(MegatronModule):
 
         super().__init__(config=language_config)
         language_config.apply_rope_fusion = False  # the fused RoPE kernels take 1-D positions
+        from megatron.core.transformer.enums import ModelType
+
+        self.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules read
         self.tokens = tokens
         self.pre_process = pre_process  # pipeline: the tower sits on the first stage
         self.vision = QwenVisionTower(tower, tower_config) if pre_process else None

@@ -181,7 +181,6 @@ class QwenVLTask(VLMTask):
 
     def build(self, model: Any, config: Any, layout: Any) -> list[torch.nn.Module]:
         from megatron.core import parallel_state as ps
-        from megatron.core.transformer.enums import ModelType
 
         from anyspeed.models.qwen_vl.model import QwenVLModel
         from anyspeed.models.qwen_vl.tower import tower_transformer_config
@@ -192,7 +191,6 @@ class QwenVLTask(VLMTask):
         chunk = QwenVLModel(tower, tower_config, model, config, self.cfg.tokens,
                             pre_process=ps.is_pipeline_first_stage(),
                             post_process=ps.is_pipeline_last_stage())  # fmt: skip
-        chunk.model_type = ModelType.encoder_or_decoder
         freeze(chunk, self.cfg)
         return [chunk]
 
