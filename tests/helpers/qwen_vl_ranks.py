@@ -73,3 +73,18 @@ def vlm_tower(cli: list[str]) -> dict:
     model = train(run, task_for(run))["trainer"].model[0].module
     state = model.vision.state_dict()
     return {k: v.detach().clone() for k, v in state.items() if not k.endswith("_extra_state")}
+
+
+def lora_logits(cli: list[str], inputs: dict) -> dict:
+    """Train ``anyspeed posttrain --stage vlm`` with LoRA here; the trained model's logits of
+    ``inputs`` (adapters on)."""
+    import torch
+
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import train
+
+    run, _ = prepare(cli, command="posttrain")
+    model = train(run, task_for(run))["trainer"].model[0].module.eval()
+    with torch.no_grad():
+        return {"logits": model(**inputs)}

@@ -283,6 +283,36 @@ def test_lora_on_the_language_model(one, demo):
     assert all(torch.equal(v, start[f"vision.{k}"]) for k, v in tower.items())
 
 
+def test_lora_adapters_merge_into_an_hf_export(demo, tmp_path):
+    """A LoRA run's adapters merged by ``anyspeed convert --lora-load`` into the converted base:
+    transformers' logits of the export equal the trained model's (adapters on) within 1e-4."""
+    import transformers as T
+
+    from anyspeed.commands.convert import main as convert
+    from anyspeed.convert.qwen_vl_api import _verify_inputs
+
+    config = json.loads(open(f"{demo['hf']}/config.json").read())
+    inputs = _verify_inputs(config)
+    cli = _cli(demo, *LORA, "--save", str(tmp_path / "lora"), "--save-interval", "3")
+    want = run_distributed(qwen_vl_ranks.lora_logits, 1, cli=cli, inputs=dict(inputs))[0]
+    base, out = tmp_path / "base", tmp_path / "merged"
+    assert convert(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                    demo["hf"], "--save-dir", str(base)]) == 0  # fmt: skip
+    assert convert(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                    str(base), "--lora-load", str(tmp_path / "lora"), "--save-dir",
+                    str(out)]) == 0  # fmt: skip
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(out, attn_implementation="eager")
+    ids = inputs["input_ids"]
+    types = (ids == config["image_token_id"]).int() + 2 * (ids == config["video_token_id"]).int()
+    with torch.no_grad():
+        got = hf.eval()(mm_token_type_ids=types, **inputs).logits
+    base_logits = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(demo["hf"]).eval()
+    with torch.no_grad():
+        before = base_logits(mm_token_type_ids=types, **inputs).logits
+    assert (want["logits"] - before).abs().max() > 1e-3  # the adapters moved the model
+    assert torch.allclose(want["logits"][..., : got.shape[-1]], got, atol=1e-4)
+
+
 def test_text_stages_refuse_a_qwen_vl_directory_in_one_line(demo):
     """A Qwen-VL directory given to a text stage names the commands that take it."""
     from anyspeed.errors import UsageError

@@ -310,7 +310,8 @@ def _multimodal(
         ("--target-expert-parallel-size", args.target_expert_parallel_size != 1),
         ("--num-layer-list", args.num_layer_list is not None),
         ("--mtp-num-layers", args.mtp_num_layers is not None),
-        ("--lora-load", bool(args.lora_load or args.save_lora_to_hf)),
+        ("--save-lora-to-hf", bool(args.save_lora_to_hf)),
+        ("--lora-load", bool(args.lora_load) and not getattr(api, "MERGES_LORA", False)),
     ]
     for flag, given in unsupported:
         if given:
@@ -328,8 +329,9 @@ def _multimodal(
             params_dtype=args.params_dtype,
         )
         return args.load_dir, args.save_dir
+    lora = {"lora": _lora(args)} if args.lora_load else {}
     api.megatron_to_hf(
-        args.load_dir, args.save_dir, args.hf_cfg_dir, max_shard_size=args.max_shard_size
+        args.load_dir, args.save_dir, args.hf_cfg_dir, max_shard_size=args.max_shard_size, **lora
     )
     return args.save_dir, args.load_dir
 

@@ -29,7 +29,9 @@ PEFT_PREFIX = "base_model.model."
 class Adapters:
     """The adapters of one LoRA checkpoint, read per Megatron weight name."""
 
-    def __init__(self, lora_dir: str | Path, preset: ModelConfig) -> None:
+    def __init__(self, lora_dir: str | Path, preset: ModelConfig, prefix: str = "") -> None:
+        """``prefix``: where the language model sits in the checkpoint's model (a
+        vision-language model's ``language_model.``); names given to :meth:`pair` carry it."""
         from anyspeed.checkpoint.reads import checkpoint_dir, checkpoint_format, read_common
         from anyspeed.convert.dcp_io import DcpReader
         from anyspeed.convert.torch_dist import checkpoint_keys
@@ -44,7 +46,7 @@ class Adapters:
         self.record = record
         self.dir, self.it_dir, self.reader = lora_dir, it_dir, DcpReader(it_dir)
         self.key_of = checkpoint_keys(preset)
-        self.scale = record.scale
+        self.scale, self.prefix = record.scale, prefix
 
     def check(self, r: int | None, alpha: float | None, targets: list[str] | None) -> None:
         """The flags given must describe this checkpoint (MindSpeed-LLM passes them)."""
@@ -54,12 +56,16 @@ class Adapters:
 
     def pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A, B) of Megatron weight ``name``; None when it has no adapter."""
+        if not name.startswith(self.prefix):
+            return None
+        name = name[len(self.prefix) :]
         if spec.target_of(name) not in self.record.target_modules:
             return None
         from anyspeed.convert.engine import materialize
         from anyspeed.convert.torch_dist import read_entry
 
         key, index = self.key_of(name)  # the adapters are keyed and stacked as the weight
+        key = self.prefix + key
         a, b = (
             materialize(read_entry(self.reader, spec.adapter_key(key, part), index, self.it_dir))
             for part in (spec.A, spec.B)

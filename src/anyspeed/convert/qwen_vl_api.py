@@ -27,6 +27,8 @@ from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.qwen_vl.config import tower_from_hf
 from anyspeed.models.qwen_vl.spec import RECORD, QwenVLSpec, is_qwen_vl, record
 
+MERGES_LORA = True  # mg -> hf takes --lora-load (adapters on the language model)
+
 
 def holds_qwen_vl(load_dir: str | Path, model_type: str) -> bool:
     """Whether ``load_dir`` holds a Qwen-VL model (an HF directory's config.json, or a
@@ -151,18 +153,40 @@ def megatron_to_hf(
     hf_cfg_dir: str | Path | None = None,
     *,
     max_shard_size: str | int = "5GB",
+    lora: dict | None = None,
 ) -> Path:
-    """A Qwen-VL torch_dist checkpoint (converted, or trained at any TP) -> an HF directory."""
+    """A Qwen-VL torch_dist checkpoint (converted, or trained at any TP) -> an HF directory;
+    ``lora`` (``{"load": dir, "r", "alpha", "target_modules"}``) merges the adapters of a LoRA
+    run on the language model into it first (W + alpha / r * B A)."""
     from anyspeed.convert.megatron_io import megatron_session
 
     with megatron_session():
         model, hf_config, common = load_megatron(load_dir)
         state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tower, preset = tower_from_hf(hf_config["vision_config"]), conv.language_preset(hf_config)
+    if lora:
+        _merge(state, lora, dataclasses.replace(preset, vocab_size=model.language_model.vocab_size))
     layout = common.get("anyspeed_convert", {}).get("hf_layout", "old")  # save_pretrained's
     named = {_spelled(k, layout): t for k, t in conv.model_to_hf(tower, preset, state).items()}
     write_hf_dir(save_dir, named, hf_config, hf_cfg_dir or _start_dir(common), max_shard_size)
     return Path(save_dir)
+
+
+def _merge(state: dict[str, torch.Tensor], lora: dict, preset: ModelConfig) -> None:
+    """Add each adapted language-model weight's ``alpha / r * B @ A`` (fp32) in place."""
+    from anyspeed.convert.lora import Adapters
+
+    adapters = Adapters(lora["load"], preset, prefix="language_model.")
+    adapters.check(lora.get("r"), lora.get("alpha"), lora.get("target_modules"))
+    merged = 0
+    for name, w in state.items():
+        ab = adapters.pair(name)
+        if ab is not None:
+            delta = ab[1].float() @ ab[0].float() * adapters.scale
+            state[name] = (w.float() + delta).to(w.dtype)
+            merged += 1
+    if not merged:
+        raise ConvertError(f"--lora-load {lora['load']}: no adapter fits the model's layers")
 
 
 def _start_dir(common: dict[str, Any]) -> str | None:
