@@ -88,3 +88,8 @@ def fails_on_rank1(prompts: list[str], completions: list[str], labels: list[str]
     if dist.is_initialized() and dist.get_rank() == 1:
         raise ValueError("rank 1's verifier broke")
     return [0.0] * len(completions)
+
+
+def letter_a(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """How many times the completion has the letter a (a reward a random model varies on)."""
+    return [float(c.count("a")) for c in completions]

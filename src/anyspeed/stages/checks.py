@@ -132,7 +132,7 @@ def _check_mrope(args: argparse.Namespace) -> None:
         if getattr(args, "mrope_section", None):
             raise UsageError("--mrope-section needs --position-embedding-type mrope")
         return
-    if getattr(args, "stage", None) != "vlm":
+    if getattr(args, "stage", None) not in ("vlm", "vlm_grpo"):
         raise UsageError(
             "--position-embedding-type mrope: only --stage vlm (Qwen2-VL / Qwen2.5-VL) "
             "makes its 3-D positions; use rope"

@@ -135,6 +135,23 @@ def _vlm() -> Stage:
     )
 
 
+def _vlm_grpo() -> Stage:
+    from anyspeed.stages import flags as posttrain_flags
+    from anyspeed.stages.vlm import qwen_grpo
+    from anyspeed.stages.vlm import stage as vlm
+
+    return Stage(
+        "vlm_grpo",
+        "posttrain",
+        "GRPO on a Qwen2-VL / Qwen2.5-VL model: colocated rollouts from image prompts, rule "
+        "rewards against the records' answers",
+        (posttrain_flags.add_arguments, vlm.add_arguments, qwen_grpo.add_arguments),
+        qwen_grpo.plan,
+        qwen_grpo.make_task,
+        argv=vlm.expand_argv,
+    )
+
+
 # name -> row builder (imports stay lazy: `anyspeed --help` must start fast)
 STAGES: dict[str, Callable[[], Stage]] = {
     "pretrain": _pretrain,
@@ -145,6 +162,7 @@ STAGES: dict[str, Callable[[], Stage]] = {
     "grpo": _grpo,
     "ppo": _ppo,
     "vlm": _vlm,
+    "vlm_grpo": _vlm_grpo,
 }
 
 

@@ -100,7 +100,27 @@ def r1_format(prompts: list[str], completions: list[str], labels: list[str]) -> 
     return [1.0 if R1_FORMAT.match(c) else 0.0 for c in completions]
 
 
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def exact_match(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """1.0 when the completion's words are the label's (case and punctuation aside), else 0."""
+    return [float(_words(c) == _words(lab)) for c, lab in zip(completions, labels, strict=True)]
+
+
+def word_overlap(prompts: list[str], completions: list[str], labels: list[str]) -> list[float]:
+    """The share of the label's words the completion has, 0 to 1 (a caption's partial credit)."""
+    out = []
+    for c, lab in zip(completions, labels, strict=True):
+        want, got = _words(lab), set(_words(c))
+        out.append(sum(w in got for w in want) / len(want) if want else 0.0)
+    return out
+
+
 BUILTIN: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "word_overlap": word_overlap,
     "gsm8k": gsm8k,
     "gsm8k_flexible": gsm8k_flexible,
     "boxed": boxed,
