@@ -63,10 +63,12 @@ class GRPOConfig(QwenVLConfig):
 def plan(args: argparse.Namespace) -> StagePlan:
     """The model, the layout, the flags and the prompts (bad records counted and named)."""
     import dataclasses
+    import os
 
+    from anyspeed.layout import Layout
     from anyspeed.stages.common.rl import rewards
     from anyspeed.stages.vlm import qwen
-    from anyspeed.stages.vlm.task import tokenizer_of
+    from anyspeed.stages.vlm.task import report, tokenizer_of
 
     cfg = qwen.config_of(args)
     if cfg is None:
@@ -82,10 +84,6 @@ def plan(args: argparse.Namespace) -> StagePlan:
                       group=n, max_response=args.max_response_length,
                       temperature=args.temperature,
                       reward=rewards.resolve(args.verifier_function, None))  # fmt: skip
-    import os
-
-    from anyspeed.layout import Layout
-
     world = int(os.environ.get("WORLD_SIZE") or getattr(args, "nproc_per_node", None) or 1)
     dp = Layout.from_args(args).dp(world)
     if (gbs // n) % dp:
@@ -96,6 +94,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
     tok = tokenizer_of(args)
     base = qwen.plan(args, grpo, tok)
     data = prompts(base.data, tok, args.seq_length, args.max_response_length)
+    report(args.data_path[0], data)  # the prompts left without room for an answer; none: error
     return StagePlan(None, grpo, data, base.records)
 
 
@@ -105,7 +104,7 @@ def prompts(data: Any, tok: Any, seq_length: int, max_response: int) -> Any:
     from anyspeed.inference.generate import decode
     from anyspeed.stages.vlm.data import VLMData
 
-    out = VLMData([], dict(data.skipped))
+    out = VLMData([])  # (the records' own problems were reported with the data)
     for s in data.samples:
         end = max(i for i, f in enumerate(s.learn) if f)  # the last assistant turn's end token
         start = end
