@@ -63,10 +63,7 @@ def vision_of(spec: Any) -> Any:
     """The vision-block rule of the model's config and processor."""
     from anyspeed.stages.vlm.qwen_data import Vision
 
-    c, t, p = spec.hf_config, spec.tower, spec.processor
-    return Vision(c["image_token_id"], c["video_token_id"], c["vision_start_token_id"],
-                  c["vision_end_token_id"], t.patch_size, t.spatial_merge_size,
-                  t.temporal_patch_size, p["min_pixels"], p["max_pixels"])  # fmt: skip
+    return Vision.of(spec.hf_config, spec.processor)
 
 
 def prompt_ids(
@@ -109,17 +106,16 @@ class _Answerer:
         self.run, self.model, self.device = run, chunks[0], torch_device()
         _, sample = prompt_ids(args, tok, spec)
         qwen25 = spec.tower.kind == "qwen2_5_vl"
-        vision = vision_inputs(list(sample.images), list(sample.videos), Pixels(spec.processor),
-                               qwen25)  # fmt: skip
+        vision = vision_inputs(
+            list(sample.images), list(sample.videos), Pixels(spec.processor), qwen25
+        )
         dtype = next(self.model.parameters()).dtype
         self.vision = {k: v.to(self.device) for k, v in vision.items()}
         for k in ("pixel_values", "pixel_values_videos"):
             if k in self.vision:
                 self.vision[k] = self.vision[k].to(dtype)
         self.params, self.g = sampling_params(args), torch.Generator().manual_seed(args.seed)
-        c = spec.hf_config
-        self.markers = [c[k] for k in ("image_token_id", "video_token_id",
-                                       "vision_start_token_id", "vision_end_token_id")]  # fmt: skip
+        self.markers = vision_of(spec).markers
         self.ends = tuple(t for t in (tok.eod_id,) if t is not None)
         self.vocab = hf_vocab(run.load) or spec.language.vocab_size
 
@@ -137,9 +133,16 @@ class _Answerer:
             logits[:, self.markers] = -float("inf")  # they mark inputs: never an answer's
             return next_tokens(logits, self.params, self.g).to(logits.device)
 
-        out = decode_ids(self.model, torch.tensor([ids], device=self.device), self.vision,
-                         args.max_new_tokens, self.vocab, self.ends, pick,
-                         use_kv_cache=args.use_kv_cache)[0]  # fmt: skip
+        out = decode_ids(
+            self.model,
+            torch.tensor([ids], device=self.device),
+            self.vision,
+            args.max_new_tokens,
+            self.vocab,
+            self.ends,
+            pick,
+            use_kv_cache=args.use_kv_cache,
+        )[0]
         fast = getattr(tok, "backend", None)
         return fast.decode(out) if fast else decode(tok, out)
 

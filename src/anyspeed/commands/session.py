@@ -199,9 +199,12 @@ def _qwen_vl_or_gpt(hf_dir: str, config: dict) -> Any:
     from anyspeed.data.qwen_vl_pixels import processor_settings
 
     vc = config["vision_config"]
-    settings = processor_settings(hf_dir, int(vc["patch_size"]),
-                                  int(vc.get("spatial_merge_size", 2)),
-                                  int(vc.get("temporal_patch_size", 2)))  # fmt: skip
+    settings = processor_settings(
+        hf_dir,
+        int(vc["patch_size"]),
+        int(vc.get("spatial_merge_size", 2)),
+        int(vc.get("temporal_patch_size", 2)),
+    )
     return QwenVLSpec(config, language_preset(config), settings, hf_dir)
 
 
@@ -284,6 +287,12 @@ def _qwen_vl_model(spec: Any, layout: Layout, bf16: bool, fp16: bool) -> torch.n
     kw: dict[str, Any] = {"perform_initialization": False}
     config = gpt.transformer_config(spec.language, layout, bf16=bf16, fp16=fp16, **kw)
     tower = tower_transformer_config(spec.tower, layout, config.params_dtype, **kw)
-    return QwenVLModel(spec.tower, tower, spec.language, config, spec.tokens,
-                       pre_process=ps.is_pipeline_first_stage(),
-                       post_process=ps.is_pipeline_last_stage())  # fmt: skip
+    return QwenVLModel(
+        spec.tower,
+        tower,
+        spec.language,
+        config,
+        spec.tokens,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )

@@ -54,9 +54,13 @@ def build_model(hf_config: dict[str, Any], language: ModelConfig, dtype: torch.d
     cfg = QwenVLSpec(hf_config, language, {})
     kw = {"perform_initialization": False}
     config = gpt.transformer_config(
-        language, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        params_dtype=dtype, pipeline_dtype=dtype, **kw,
-    )  # fmt: skip
+        language,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        **kw,
+    )
     tower_config = tower_transformer_config(cfg.tower, Layout(), dtype, **kw)
     return QwenVLModel(cfg.tower, tower_config, language, config, cfg.tokens)
 
@@ -106,13 +110,19 @@ def hf_to_megatron(
     _, _, state = conv.model_to_megatron(ck.config, lambda n: ck.get(names[n]).to(dtype), padded)
     language = dataclasses.replace(preset, vocab_size=padded)
     vc = ck.config["vision_config"]
-    settings = processor_settings(str(hf_dir), int(vc["patch_size"]),
-                                  int(vc.get("spatial_merge_size", 2)),
-                                  int(vc.get("temporal_patch_size", 2)))  # fmt: skip
+    settings = processor_settings(
+        str(hf_dir),
+        int(vc["patch_size"]),
+        int(vc.get("spatial_merge_size", 2)),
+        int(vc.get("temporal_patch_size", 2)),
+    )
     has_tokenizer = (Path(hf_dir) / "tokenizer.json").is_file()
     tokenizer = str(Path(hf_dir).resolve()) if has_tokenizer else None
-    extra = {"hf_config_json": json.dumps(ck.config), "hf_vocab_size": preset.vocab_size,
-             "hf_layout": _layout(ck.names)}  # fmt: skip
+    extra = {
+        "hf_config_json": json.dumps(ck.config),
+        "hf_vocab_size": preset.vocab_size,
+        "hf_layout": _layout(ck.names),
+    }
     with staged_output(save_dir) as tmp, megatron_session():
         model = build_model(ck.config, language, dtype)
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -228,8 +238,15 @@ def _verify_inputs(c: dict[str, Any]) -> dict[str, torch.Tensor]:
     dim = int(vc.get("in_channels", 3)) * t * p * p
     g = torch.Generator().manual_seed(0)
     image, video = torch.tensor([[1, 8, 12]]), torch.tensor([[2, 8, 8]])
-    vision = {c[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                             "vision_end_token_id")}  # fmt: skip
+    vision = {
+        c[k]
+        for k in (
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+        )
+    }
     vocab = int((c.get("text_config") or c)["vocab_size"])
     allowed = torch.tensor([i for i in range(vocab) if i not in vision])
     text = allowed[torch.randint(0, len(allowed), (1, 12), generator=g)]
@@ -238,8 +255,16 @@ def _verify_inputs(c: dict[str, Any]) -> dict[str, torch.Tensor]:
         n = int(grid.prod()) // m**2
         return torch.tensor([[c["vision_start_token_id"], *[token] * n, c["vision_end_token_id"]]])
 
-    ids = torch.cat([text[:, :4], block(c["image_token_id"], image), text[:, 4:8],
-                     block(c["video_token_id"], video), text[:, 8:]], 1)  # fmt: skip
+    ids = torch.cat(
+        [
+            text[:, :4],
+            block(c["image_token_id"], image),
+            text[:, 4:8],
+            block(c["video_token_id"], video),
+            text[:, 8:],
+        ],
+        1,
+    )
     inputs = {
         "input_ids": ids,
         "pixel_values": torch.randn(int(image.prod()), dim, generator=g),

@@ -79,10 +79,29 @@ def _captions(save: str, held: str, folder: str) -> list[tuple[str, str]]:
     return [(t, dec.decode(row)) for t, row in zip(truths, rows, strict=True)]
 
 
-def run(args: argparse.Namespace, extra: list[str]) -> int:
-    """The whole multimodal demo; ``extra`` goes to ``anyspeed posttrain``."""
+def train_vlm(
+    args: argparse.Namespace,
+    hf: str,
+    data: str,
+    save: str,
+    metrics: str,
+    flags: list[str],
+    extra: list[str],
+) -> int:
+    """``anyspeed posttrain --stage vlm`` from ``hf`` on the demo's processes, data parallel
+    (8 samples a process a step), saving at the end; its exit code."""
     from anyspeed.commands.train import posttrain as posttrain_main
 
+    n, iters = args.nproc_per_node, args.train_iters or 200
+    cmd = ["--nproc-per-node", str(n), "--stage", "vlm", "--load", hf, "--data-path", data]
+    cmd += ["--global-batch-size", str(8 * n), "--train-iters", str(iters), *flags]
+    cmd += ["--save", save, "--save-interval", str(iters), "--metrics-file", metrics, *extra]
+    print(f"[3/4] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    return posttrain_main(cmd)
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    """The whole multimodal demo; ``extra`` goes to ``anyspeed posttrain``."""
     t0 = time.perf_counter()
     work = args.workdir
     train = D.make_records(work, 512, 0, "train")
@@ -92,31 +111,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"[2/4] a random tiny LLaVA (LLaMA + CLIP tower) and a word tokenizer: {hf}")
     save = os.path.join(work, "vlm-checkpoints")
     metrics = fresh_metrics(os.path.join(work, "vlm-metrics.jsonl"))
-    n, iters = args.nproc_per_node, args.train_iters or 200
-    cmd = [
-        "--nproc-per-node",
-        str(n),
-        "--stage",
-        "vlm",
-        "--load",
-        hf,
-        "--data-path",
-        train,
-        "--global-batch-size",
-        str(8 * n),
-        "--train-iters",
-        str(iters),
-        *TRAIN,
-        "--save",
-        save,
-        "--save-interval",
-        str(iters),
-        "--metrics-file",
-        metrics,
-        *extra,
-    ]
-    print(f"[3/4] anyspeed posttrain {' '.join(cmd)}", flush=True)
-    rc = posttrain_main(cmd)
+    rc = train_vlm(args, hf, train, save, metrics, TRAIN, extra)
     if rc:
         return rc
     ok = loss_halved(metrics, "caption loss")

@@ -20,7 +20,7 @@ import time
 
 from anyspeed.demo import qwen_vl_data as Q
 from anyspeed.demo.common import fresh_metrics, loss_halved
-from anyspeed.demo.mm import TRAIN
+from anyspeed.demo.mm import TRAIN, train_vlm
 
 SEQ = "64"  # the chat frame, an image's 12 or 16 vision tokens and the caption
 
@@ -45,11 +45,8 @@ def _accuracy(ckpt: str, held: str, folder: str, hf: str) -> tuple[int, list[tup
     with megatron_session():
         spec = model_of(ckpt)
         (model,) = load_model(ckpt, spec, Layout())
-        c, t, p = spec.hf_config, spec.tower, spec.processor
-        vision = Vision(c["image_token_id"], c["video_token_id"], c["vision_start_token_id"],
-                        c["vision_end_token_id"], t.patch_size, t.spatial_merge_size,
-                        t.temporal_patch_size, p["min_pixels"], p["max_pixels"])  # fmt: skip
-        pixels, markers = Pixels(spec.processor), [vision.image_token, vision.video_token]
+        vision = Vision.of(spec.hf_config, spec.processor)
+        pixels, markers = Pixels(spec.processor), vision.markers
 
         def pick(logits: torch.Tensor) -> torch.Tensor:
             logits[:, markers] = -float("inf")
@@ -67,7 +64,6 @@ def _accuracy(ckpt: str, held: str, folder: str, hf: str) -> tuple[int, list[tup
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """The whole Qwen-VL demo; ``extra`` goes to ``anyspeed posttrain``."""
-    from anyspeed.commands.train import posttrain as posttrain_main
     from anyspeed.convert.qwen_vl_api import hf_to_megatron
 
     t0 = time.perf_counter()
@@ -81,20 +77,17 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     before, _ = _accuracy(start, held, work, hf)
     save = os.path.join(work, "vlm-checkpoints")
     metrics = fresh_metrics(os.path.join(work, "vlm-metrics.jsonl"))
-    n, iters = args.nproc_per_node, args.train_iters or 200
     flags = [*TRAIN]
     flags[flags.index("--seq-length") + 1] = SEQ
-    cmd = ["--nproc-per-node", str(n), "--stage", "vlm", "--load", hf, "--data-path", train,
-           "--global-batch-size", str(8 * n), "--train-iters", str(iters), *flags, "--save",
-           save, "--save-interval", str(iters), "--metrics-file", metrics, *extra]  # fmt: skip
-    print(f"[3/4] anyspeed posttrain {' '.join(cmd)}", flush=True)
-    rc = posttrain_main(cmd)
+    rc = train_vlm(args, hf, train, save, metrics, flags, extra)
     if rc:
         return rc
     ok = loss_halved(metrics, "caption loss")
     after, pairs = _accuracy(save, held, work, hf)
-    print(f"[4/4] held-out captions exactly right: {before}/{len(pairs)} before training, "
-          f"{after}/{len(pairs)} after")  # fmt: skip
+    print(
+        f"[4/4] held-out captions exactly right: {before}/{len(pairs)} before training, "
+        f"{after}/{len(pairs)} after"
+    )
     for truth, got in pairs[:3]:
         print(f"  drawn: {truth!r:34} caption: {got!r}")
     rc = 0 if ok and after > before else 1

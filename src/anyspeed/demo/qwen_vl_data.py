@@ -11,8 +11,16 @@ import random
 
 from anyspeed.demo import mm_data
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-           "<|image_pad|>", "<|video_pad|>", "<unk>"]  # fmt: skip
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<unk>",
+]
 WORDS = ["system", "user", "assistant", "You", "are", "helpful", ".", *mm_data.WORDS[2:]]
 VOCAB = 64
 QUESTION = "<image>what is in the picture?"
@@ -45,20 +53,34 @@ def hf_config(kind: str, layers: int = 2, width: int = 64):
     import transformers as T
 
     ids = token_ids()
-    text = dict(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers,
-                num_attention_heads=width // 16, num_key_value_heads=width // 32,
-                intermediate_size=2 * width, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                 "mrope_section": [2, 3, 3]},
-                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-                bos_token_id=None)  # fmt: skip
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=width // 16,
+        num_key_value_heads=width // 32,
+        intermediate_size=2 * width,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None,
+    )
     if kind == "qwen2_vl":
         vision = dict(embed_dim=32, depth=2, num_heads=4, patch_size=2, hidden_size=width)
         cfg = T.Qwen2VLConfig(text_config=text, vision_config=vision)
     else:
-        vision = dict(hidden_size=32, depth=2, num_heads=4, patch_size=2, intermediate_size=48,
-                      out_hidden_size=width, window_size=8, fullatt_block_indexes=[1],
-                      tokens_per_second=4)  # fmt: skip
+        vision = dict(
+            hidden_size=32,
+            depth=2,
+            num_heads=4,
+            patch_size=2,
+            intermediate_size=48,
+            out_hidden_size=width,
+            window_size=8,
+            fullatt_block_indexes=[1],
+            tokens_per_second=4,
+        )
         cfg = T.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
     cfg.image_token_id, cfg.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
     cfg.vision_start_token_id, cfg.vision_end_token_id = (
@@ -90,9 +112,17 @@ def make_model(
     model.save_pretrained(directory)
     make_tokenizer(directory)
     with open(os.path.join(directory, "preprocessor_config.json"), "w") as f:
-        json.dump({"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 2,
-                   "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 16,
-                   "max_pixels": MAX_PIXELS}, f)  # fmt: skip
+        json.dump(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "patch_size": 2,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "min_pixels": 16,
+                "max_pixels": MAX_PIXELS,
+            },
+            f,
+        )
     return directory
 
 
@@ -117,8 +147,10 @@ def make_records(folder: str, n: int, seed: int, name: str) -> str:
         if (h, w) != (mm_data.IMAGE_SIZE, mm_data.IMAGE_SIZE):
             with Image.open(path) as im:
                 im.resize((w, h)).save(path)
-        messages = [{"role": "user", "content": QUESTION},
-                    {"role": "assistant", "content": mm_data.caption(*what)}]  # fmt: skip
+        messages = [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": mm_data.caption(*what)},
+        ]
         records.append({"messages": messages, "images": [image]})
     path = os.path.join(folder, f"{name}.json")
     with open(path, "w", encoding="utf-8") as f:

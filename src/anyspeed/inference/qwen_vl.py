@@ -63,8 +63,13 @@ def generate(
         start = end - step.shape[1]
         mask = batch.mask(start, end)
         mask = None if mask is None else mask.to(input_ids.device)
-        kw = dict(position_ids=positions, attention_mask=mask, inference_context=ctx,
-                  runtime_gather_output=True, **inputs)  # fmt: skip
+        kw = dict(
+            position_ids=positions,
+            attention_mask=mask,
+            inference_context=ctx,
+            runtime_gather_output=True,
+            **inputs,
+        )
         nxt = _next(model, step, kw, pick or _greedy, vocab_size)
         if ctx is not None:
             ctx.sequence_len_offset += step.shape[1]

@@ -125,8 +125,13 @@ class QwenVLModel(MegatronModule):
             position_ids, _ = mrope_positions(
                 input_ids, self.tokens, image_grid_thw, video_grid_thw, second_per_grid_ts
             )
-        emb = self._embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                          video_grid_thw) if self.pre_process else None  # fmt: skip
+        emb = (
+            self._embed(
+                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+            )
+            if self.pre_process
+            else None
+        )
         return lm(
             input_ids=None,
             position_ids=position_ids,

@@ -75,10 +75,7 @@ class QwenVLConfig:
     def vision(self) -> Any:
         from anyspeed.stages.vlm.qwen_data import Vision
 
-        c, t, p = self.hf_config, self.tower, self.processor
-        return Vision(c["image_token_id"], c["video_token_id"], c["vision_start_token_id"],
-                      c["vision_end_token_id"], t.patch_size, t.spatial_merge_size,
-                      t.temporal_patch_size, p["min_pixels"], p["max_pixels"])  # fmt: skip
+        return Vision.of(self.hf_config, self.processor)
 
 
 def _saved(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -109,9 +106,11 @@ def config_of(args: argparse.Namespace) -> QwenVLConfig | None:
         return None
     vc = hf_config["vision_config"]
     settings = (saved or {}).get("processor") or processor_settings(
-        args.vlm_hf_dir, int(vc["patch_size"]), int(vc.get("spatial_merge_size", 2)),
+        args.vlm_hf_dir,
+        int(vc["patch_size"]),
+        int(vc.get("spatial_merge_size", 2)),
         int(vc.get("temporal_patch_size", 2)),
-    )  # fmt: skip
+    )
     for key in ("min_pixels", "max_pixels"):
         if getattr(args, f"image_{key}", None):
             settings = {**settings, key: int(getattr(args, f"image_{key}"))}
@@ -122,8 +121,15 @@ def config_of(args: argparse.Namespace) -> QwenVLConfig | None:
         )
     from anyspeed.training import lora
 
-    return QwenVLConfig(hf_config, settings, args.vlm_hf_dir, args.freeze_vit, args.freeze_lm,
-                        args.freeze_projector, lora.from_args(args))  # fmt: skip
+    return QwenVLConfig(
+        hf_config,
+        settings,
+        args.vlm_hf_dir,
+        args.freeze_vit,
+        args.freeze_lm,
+        args.freeze_projector,
+        lora.from_args(args),
+    )
 
 
 def check_layout(args: argparse.Namespace, cfg: QwenVLConfig) -> None:
@@ -188,9 +194,15 @@ class QwenVLTask(VLMTask):
         tower = self.cfg.tower
         init = {"perform_initialization": config.perform_initialization}
         tower_config = tower_transformer_config(tower, layout, config.params_dtype, **init)
-        chunk = QwenVLModel(tower, tower_config, model, config, self.cfg.tokens,
-                            pre_process=ps.is_pipeline_first_stage(),
-                            post_process=ps.is_pipeline_last_stage())  # fmt: skip
+        chunk = QwenVLModel(
+            tower,
+            tower_config,
+            model,
+            config,
+            self.cfg.tokens,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+        )
         freeze(chunk, self.cfg)
         return [chunk]
 

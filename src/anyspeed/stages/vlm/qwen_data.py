@@ -59,6 +59,22 @@ class Vision:
     min_pixels: int
     max_pixels: int
 
+    @classmethod
+    def of(cls, hf_config: dict[str, Any], processor: dict[str, Any]) -> Vision:
+        """The rule of an HF Qwen-VL config and its image processor's settings."""
+        from anyspeed.models.qwen_vl.config import tower_from_hf
+
+        c, t, p = hf_config, tower_from_hf(hf_config["vision_config"]), processor
+        ids = (c["image_token_id"], c["video_token_id"])
+        ends = (c["vision_start_token_id"], c["vision_end_token_id"])
+        geometry = (t.patch_size, t.spatial_merge_size, t.temporal_patch_size)
+        return cls(*ids, *ends, *geometry, p["min_pixels"], p["max_pixels"])
+
+    @property
+    def markers(self) -> list[int]:
+        """The tokens that only mark inputs (pads, start, end): never an answer's."""
+        return [self.image_token, self.video_token, self.start_token, self.end_token]
+
     def grid(self, width: int, height: int, frames: int = 1) -> tuple[int, int, int]:
         """(t, h, w) in patches of an input of ``frames`` frames of ``width`` x ``height``."""
         from anyspeed.data.qwen_vl_pixels import smart_resize
@@ -177,8 +193,10 @@ def _check_pads(tokens: list[int], vision: Vision, grids: list, n_images: int) -
     """ValueError when the text itself holds vision pad tokens (written out literally): the
     model would find more pads than the inputs have features."""
     unit = vision.merge**2
-    for token, name, part in ((vision.image_token, "image", grids[:n_images]),
-                              (vision.video_token, "video", grids[n_images:])):  # fmt: skip
+    for token, name, part in (
+        (vision.image_token, "image", grids[:n_images]),
+        (vision.video_token, "video", grids[n_images:]),
+    ):
         want = sum(t * h * w // unit for t, h, w in part)
         got = tokens.count(token)
         if got != want:

@@ -80,10 +80,13 @@ def plan(args: argparse.Namespace) -> StagePlan:
         )
     if args.max_response_length < 1 or args.temperature <= 0:
         raise UsageError("--max-response-length and --temperature must be positive")
-    grpo = GRPOConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
-                      group=n, max_response=args.max_response_length,
-                      temperature=args.temperature,
-                      reward=rewards.resolve(args.verifier_function, None))  # fmt: skip
+    grpo = GRPOConfig(
+        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+        group=n,
+        max_response=args.max_response_length,
+        temperature=args.temperature,
+        reward=rewards.resolve(args.verifier_function, None),
+    )
     world = int(os.environ.get("WORLD_SIZE") or getattr(args, "nproc_per_node", None) or 1)
     dp = Layout.from_args(args).dp(world)
     if (gbs // n) % dp:
@@ -181,8 +184,9 @@ class GRPOTask(QwenVLTask):
             mine = order[step * per_step : (step + 1) * per_step][rank::dp]
             samples = self.rollout(trainer, data, [int(i) for i in mine], args, step, rank)
             mbs = args.micro_batch_size
-            yield [self.micro(samples[i : i + mbs], args, device)
-                   for i in range(0, len(samples), mbs)]  # fmt: skip
+            yield [
+                self.micro(samples[i : i + mbs], args, device) for i in range(0, len(samples), mbs)
+            ]
             step += 1
 
     def rollout(
@@ -206,12 +210,20 @@ class GRPOTask(QwenVLTask):
             torch.Generator().manual_seed(args.seed * 1_000_003 + step * 7919 + i * 131 + j)
             for i in idx
             for j in range(c.group)
-        ]  # fmt: skip  (the same at every DP size)
+        ]  # the same at every DP size
         ends = (tok.eod_id,) if tok.eod_id is not None else ()
         model.eval()
         try:
-            out = generate(model, ids.to(device), vision, c.max_response, self._vocab(),
-                           ends, self._sampler(gens), pad=pad)  # fmt: skip
+            out = generate(
+                model,
+                ids.to(device),
+                vision,
+                c.max_response,
+                self._vocab(),
+                ends,
+                self._sampler(gens),
+                pad=pad,
+            )
         finally:
             model.train()
         done = [r + list(ends[:1]) if len(r) < c.max_response else r for r in out]
@@ -227,9 +239,16 @@ class GRPOTask(QwenVLTask):
         from anyspeed.stages.vlm.data import VLMData
         from anyspeed.stages.vlm.qwen_data import Sample, micro_batch
 
-        rows = [Sample(p.tokens + r, [False] * len(p.tokens) + [True] * len(r),
-                       p.sample.images, p.sample.videos, p.sample.grids)
-                for p, r, _, _ in samples]  # fmt: skip
+        rows = [
+            Sample(
+                p.tokens + r,
+                [False] * len(p.tokens) + [True] * len(r),
+                p.sample.images,
+                p.sample.videos,
+                p.sample.grids,
+            )
+            for p, r, _, _ in samples
+        ]
         pixels = self._pixels_of() if ps.is_pipeline_first_stage() else None
         qwen25 = self.cfg.tower.kind == "qwen2_5_vl"
         b = micro_batch(VLMData(rows), list(range(len(rows))), args.seq_length, pixels, qwen25)
@@ -243,16 +262,16 @@ class GRPOTask(QwenVLTask):
         images = [f for p in prompts for f in p.images]
         videos = [v for p in prompts for v in p.videos]
         qwen25 = self.cfg.tower.kind == "qwen2_5_vl"
-        return {k: v.to(device) for k, v in
-                vision_inputs(images, videos, self._pixels_of(), qwen25).items()}  # fmt: skip
+        return {
+            k: v.to(device)
+            for k, v in vision_inputs(images, videos, self._pixels_of(), qwen25).items()
+        }
 
     def _sampler(self, gens: list[torch.Generator]) -> Any:
         """Temperature sampling, each row from its own generator (seeded by the prompt's place
         in the data order and the sample: the same tokens at every layout); the vision marker
         tokens never drawn."""
-        c = self.cfg.hf_config
-        markers = [c[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                  "vision_end_token_id")]  # fmt: skip
+        markers = self.cfg.vision().markers
         temperature = self.cfg.temperature
 
         def pick(logits: torch.Tensor) -> torch.Tensor:
