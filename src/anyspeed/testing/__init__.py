@@ -13,6 +13,7 @@ import os
 import pickle
 import queue
 import signal
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -28,10 +29,39 @@ class DistributedError(RuntimeError):
     """A rank failed or the group timed out."""
 
 
+def fault_path(pid: int) -> str:
+    """Where rank ``pid`` writes the Python stacks of a crash (SIGSEGV, SIGABRT)."""
+    return os.path.join(tempfile.gettempdir(), f"anyspeed-rank-{pid}.fault")
+
+
+def record_faults() -> Any:
+    """Dump every thread's Python stack to :func:`fault_path` if this process crashes, so a
+    rank that dies without reporting still says where; the caller keeps the file open."""
+    import faulthandler
+
+    out = open(fault_path(os.getpid()), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.enable(file=out, all_threads=True)
+    return out
+
+
+def crash_report(pid: int | None) -> str:
+    """The stacks rank ``pid`` dumped when it crashed ('' if none), the file then removed."""
+    if pid is None:
+        return ""
+    try:
+        with open(fault_path(pid)) as f:
+            text = f.read().strip()
+        os.remove(fault_path(pid))
+    except OSError:
+        return ""
+    return text
+
+
 def _entry(fn, rank, world, port, q, kwargs, env, threads):
     # Own process group: the parent can then end this rank *and* anything it started
     # (dist_checkpointing's writer/manager processes) in one killpg.
     os.setpgrp()
+    faults = record_faults()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -67,6 +97,11 @@ def _entry(fn, rank, world, port, q, kwargs, env, threads):
                 dist.destroy_process_group()
         except Exception:
             pass
+        import faulthandler
+
+        faulthandler.disable()
+        faults.close()
+        os.remove(faults.name)
 
 
 def run_distributed(
@@ -124,6 +159,7 @@ def run_distributed(
             except (ProcessLookupError, PermissionError):
                 pass
             p.join(timeout=5)
+            crash_report(p.pid)  # a killed rank's crash file, unused
 
 
 def _collect(q: Any, procs: list[Any], world_size: int, timeout: float, name: str) -> list[Any]:
@@ -133,6 +169,7 @@ def _collect(q: Any, procs: list[Any], world_size: int, timeout: float, name: st
 
     results: dict[int, Any] = {}
     failures: list[str] = []
+    reported: set[int] = set()
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(failures) < world_size:
@@ -146,12 +183,18 @@ def _collect(q: Any, procs: list[Any], world_size: int, timeout: float, name: st
             try:
                 rank, ok, payload = q.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and not failures:
+                dead = [
+                    i
+                    for i, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and i not in reported
+                ]
+                if dead:
                     # A rank died without reporting (segfault, os._exit): give peers a moment.
                     deadline = min(deadline, time.monotonic() + 10)
-                    failures.extend(f"rank {i} exited with code {procs[i].exitcode}" for i in dead)
+                    reported.update(dead)
+                    failures.extend(_death(i, procs[i]) for i in dead)
                 continue
+            reported.add(rank)
             if ok:
                 results[rank] = pickle.loads(payload)
             else:
@@ -165,3 +208,13 @@ def _collect(q: Any, procs: list[Any], world_size: int, timeout: float, name: st
             raise DistributedError("\n".join(failures)) from None
         raise
     return [results[r] for r in range(world_size)]
+
+
+def _death(rank: int, proc: Any) -> str:
+    """What a rank that died without reporting says: its exit code, or the signal and the
+    Python stacks it dumped (a peer's 'connection closed' error says only that it died)."""
+    code = proc.exitcode
+    if code >= 0:
+        return f"rank {rank} exited with code {code}"
+    stacks = crash_report(proc.pid)
+    return f"rank {rank} died of signal {-code}" + (f":\n{stacks}" if stacks else "")

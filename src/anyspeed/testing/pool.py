@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from anyspeed.testing import crash_report, record_faults
+
 ENV = "ANYSPEED_SHARED_RANKS"
 
 
@@ -61,6 +63,7 @@ def _reset(threads: int) -> None:
 def _serve(rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threads: int) -> None:
     """One shared rank: run each task sent to it until it is told to stop (None)."""
     os.setpgrp()  # the parent ends this rank and what it started in one killpg
+    record_faults()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -140,6 +143,7 @@ class Pool:
             except (ProcessLookupError, PermissionError):
                 pass
             p.join(timeout=5)
+            crash_report(p.pid)  # the rank's crash file, read already or unused
 
 
 _POOLS: dict[tuple, Pool] = {}
