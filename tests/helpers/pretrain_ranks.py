@@ -18,9 +18,19 @@ def pretrain(cli: list[str], crash_on_save: int | None = None, nan_at: int | Non
     args, _ = prepare(cli)
     faults = FaultInjection(nan_at=nan_at, crash_on_save=crash_on_save)
     history = train(args, task_for(args), extra_hooks=[faults])
-    history["state_bytes"] = state_bytes(history.pop("trainer"))
+    trainer = history.pop("trainer")
+    history["pending_gathers"] = pending_gathers(trainer)
+    history["state_bytes"] = state_bytes(trainer)
     history["estimate"] = estimated_state(args)
     return history
+
+
+def pending_gathers(trainer) -> int:  # noqa: ANN001 - anyspeed's Trainer
+    """Megatron-FSDP parameter all-gathers still in flight when the run returned."""
+    pipes = [
+        getattr(getattr(c, "module", None), "all_gather_pipeline", None) for c in trainer.model
+    ]
+    return sum(len(getattr(p, "param_gather_event_map", {})) for p in pipes)
 
 
 def estimated_state(run) -> dict[str, int]:  # noqa: ANN001 - a checked Run

@@ -164,6 +164,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
     from anyspeed.training.loop import run as run_loop
     from anyspeed.training.memory_hook import SavedBytesHook
     from anyspeed.training.metrics import peak_memory_bytes
+    from anyspeed.training.sharding import settle
 
     trainer, scheduler, state = _start(run, task)
     if run.args.mock_data:  # mock datasets have nothing to cache; Megatron warns per split
@@ -208,6 +209,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
         run_loop(state, task.batches(train_ds, run, state.consumed, device, trainer), hooks)
     finally:
         reporter.close()
+    settle(trainer.model)
     history = state.history
     history["trainer"] = trainer
     history["peak_memory_bytes"] = peak_memory_bytes()

@@ -70,3 +70,13 @@ def _torch_fsdp2(chunks: list[torch.nn.Module], config: Any, layout: Layout) -> 
         )
         for chunk in chunks
     ]
+
+
+def settle(chunks: list[torch.nn.Module]) -> None:
+    """Wait for the parameter all-gathers Megatron-FSDP starts after each optimizer step (it
+    prefetches the next forward's first buckets): a run then returns with no collective in
+    flight into its buffers, before its groups are torn down or its weights read."""
+    for chunk in chunks:
+        pipeline = getattr(getattr(chunk, "module", None), "all_gather_pipeline", None)
+        for bucket_id, bwd in list(getattr(pipeline, "param_gather_event_map", {})):
+            pipeline.wait_bucket_ready(bucket_id, bwd)
