@@ -13,7 +13,6 @@ import os
 import pickle
 import queue
 import signal
-import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -21,40 +20,13 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from anyspeed.launch import free_port
+from anyspeed.testing.faults import crash_report, record_faults
 
 __all__ = ["run_distributed", "free_port", "DistributedError"]
 
 
 class DistributedError(RuntimeError):
     """A rank failed or the group timed out."""
-
-
-def fault_path(pid: int) -> str:
-    """Where rank ``pid`` writes the Python stacks of a crash (SIGSEGV, SIGABRT)."""
-    return os.path.join(tempfile.gettempdir(), f"anyspeed-rank-{pid}.fault")
-
-
-def record_faults() -> Any:
-    """Dump every thread's Python stack to :func:`fault_path` if this process crashes, so a
-    rank that dies without reporting still says where; the caller keeps the file open."""
-    import faulthandler
-
-    out = open(fault_path(os.getpid()), "w")  # noqa: SIM115 - open for the process's life
-    faulthandler.enable(file=out, all_threads=True)
-    return out
-
-
-def crash_report(pid: int | None) -> str:
-    """The stacks rank ``pid`` dumped when it crashed ('' if none), the file then removed."""
-    if pid is None:
-        return ""
-    try:
-        with open(fault_path(pid)) as f:
-            text = f.read().strip()
-        os.remove(fault_path(pid))
-    except OSError:
-        return ""
-    return text
 
 
 def _entry(fn, rank, world, port, q, kwargs, env, threads):

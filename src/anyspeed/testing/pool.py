@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from anyspeed.testing import crash_report, record_faults
+from anyspeed.testing.faults import crash_report, record_faults
 
 ENV = "ANYSPEED_SHARED_RANKS"
 
