@@ -15,6 +15,7 @@ within minutes). Tokens are checked equal; the table gives new tokens per second
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 
@@ -22,8 +23,20 @@ import torch
 
 from anyspeed.testing import run_distributed
 
+SHAPES = {
+    # a random Llama-style model: 8 heads / 4 KV groups, SwiGLU at 8/3 of hidden (``--hidden``)
+    "default": {},
+    # SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M's config.json): 30 layers, hidden 576,
+    # 9 heads / 3 KV groups, FFN 1536, vocab 49152, tied embeddings, 134.5M parameters
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                    rms_norm_eps=1e-5),
+}  # fmt: skip
 
-def _hf_model(directory: str, a: argparse.Namespace) -> None:
+
+def _hf_model(directory: str, a: argparse.Namespace) -> int:
+    """Save the random model as an HF directory; its parameter count."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from anyspeed.models import get_preset
@@ -33,12 +46,38 @@ def _hf_model(directory: str, a: argparse.Namespace) -> None:
                intermediate_size=a.hidden * 8 // 3 // 64 * 64, num_hidden_layers=a.layers,
                num_attention_heads=8, num_key_value_heads=4, head_dim=a.hidden // 8,
                vocab_size=a.vocab, max_position_embeddings=8192)  # fmt: skip
+    cfg.update(SHAPES[a.shape])
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
     model.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _bandwidth_rows(nbytes: int) -> dict:
+    """Rows that stream a buffer of ``nbytes`` (the weights' size): ``read`` sums it, ``copy``
+    copies it (bytes of the buffer per second: the copy's write is not counted). Each row
+    makes three passes back to back and returns its fastest pass's seconds: memory left idle
+    between rounds reads up to 3x slower on this VM at first, while the decode's weights
+    stay hot. Timed with the decode rows, they give this thread's bandwidth in the same
+    minutes."""
+    src = torch.rand(nbytes // 4)
+    dst = torch.empty_like(src)
+
+    def passes(fn) -> float:  # noqa: ANN001 - a no-argument callable
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return {
+        "read": lambda: passes(lambda: src.sum().item()),
+        "copy": lambda: passes(lambda: dst.copy_(src)),
+    }
 
 
 def _timed(fns: dict, repeats: int, slow: str = "nokv") -> dict:
@@ -84,8 +123,8 @@ def _hf_generate(hf: str, prompts: list[list[int]], new: int, copied: bool):
     return run
 
 
-def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int,
-         threads: int) -> dict:  # fmt: skip
+def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int, threads: int,
+         nocache: bool, weight_bytes: int) -> dict:  # fmt: skip
     from anyspeed.commands.session import load_model, model_of
     from anyspeed.distributed.groups import init_distributed
     from anyspeed.inference.decode import Request, generate
@@ -95,11 +134,21 @@ def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int,
     init_distributed(Layout(), seed=0)
     model = load_model(mg, model_of(mg), Layout())
     fns = {}
-    for name, cache in (("kv", True), ("nokv", False)):
+    for name, cache in (("kv", True), ("nokv", False))[: 2 if nocache else 1]:
         req = Request(new, use_kv_cache=cache)
         fns[name] = lambda req=req: generate(model, prompts, req)
+    # the same weights kept in Megatron's [out, in] order (load_model transposes them on a CPU)
+    plain = load_model(mg, model_of(mg), Layout())
+    with torch.no_grad():
+        for p in plain[0].parameters():
+            if p.dim() == 2 and not p.is_contiguous():
+                p.data = p.data.contiguous()
+    fns["kv_plain"] = lambda: generate(plain, prompts, Request(new, use_kv_cache=True))
     for key, copied in (("hf", False), ("hf_copied", True)):
         fns[key] = _hf_generate(hf, prompts, new, copied)
+    if len(prompts) == 1:  # one row: each step streams every weight once
+        fns["prefill"] = lambda: generate(model, prompts, Request(1, use_kv_cache=True))
+        fns.update(_bandwidth_rows(weight_bytes))
     out = _timed(fns, repeats)
     out["threads"] = torch.get_num_threads()
     return out
@@ -118,30 +167,65 @@ def main() -> None:
                    help="prompts decoded together (same length: no padding)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every row (1: steady on a shared machine)")  # fmt: skip
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="default",
+        help="smollm2: SmolLM2-135M's shape (overrides --hidden/--layers/--vocab)",
+    )
+    p.add_argument(
+        "--no-nocache",
+        dest="nocache",
+        action="store_false",
+        help="skip the no-KV-cache row (slow on deep models)",
+    )
     a = p.parse_args()
     from anyspeed.convert import hf_to_megatron
 
     root = tempfile.mkdtemp(prefix="anyspeed-bench-gen-")
-    _hf_model(f"{root}/hf", a)
+    params = _hf_model(f"{root}/hf", a)
     hf_to_megatron(f"{root}/hf", f"{root}/mg")
+    with open(f"{root}/hf/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
     prompts = torch.randint(
-        0, a.vocab, (a.batch, a.prompt_tokens), generator=torch.Generator().manual_seed(1)
+        0, vocab, (a.batch, a.prompt_tokens), generator=torch.Generator().manual_seed(1)
     )
     res = run_distributed(_run, 1, hf=f"{root}/hf", mg=f"{root}/mg", prompts=prompts.tolist(),
                           new=a.new_tokens, repeats=a.repeats, threads=a.threads,
+                          nocache=a.nocache, weight_bytes=params * 4,
                           timeout=3600)[0]  # fmt: skip
-    same = res["kv"][1] == res["nokv"][1] == res["hf"][1] == res["hf_copied"][1]
-    print(f"greedy decode, {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, batch "
-          f"{a.batch}, prompt {a.prompt_tokens} + {a.new_tokens} new tokens, fp32, "
-          f"{res['threads']} threads; tokens identical: {same}")  # fmt: skip
+    _report(a, res, params)
+
+
+def _report(a: argparse.Namespace, res: dict, params: int) -> None:
+    """The table: tokens/s of each row, and at batch 1 the share of the bandwidth bound."""
+    rows = [k for k in ("kv", "kv_plain", "nokv", "hf", "hf_copied") if k in res]
+    same = all(res[k][1] == res["kv"][1] for k in rows)
+    print(f"greedy decode, {a.shape} shape ({params / 1e6:.1f}M parameters), batch {a.batch}, "
+          f"prompt {a.prompt_tokens} + {a.new_tokens} new tokens, fp32, {res['threads']} "
+          f"threads; tokens identical: {same}")  # fmt: skip
     new = a.new_tokens * a.batch  # tokens/s counts every row's new tokens
     kv = new / res["kv"][0]
     print(f"{'run':<34}{'seconds':>9}{'tokens/s':>10}{'KV cache is':>14}")
-    for label, key in (("anyspeed, KV cache", "kv"), ("anyspeed, no KV cache", "nokv"),
+    for label, key in (("anyspeed, KV cache", "kv"), ("  weights in [out, in] order", "kv_plain"),
+                       ("anyspeed, no KV cache", "nokv"),
                        ("transformers generate (mmap'd)", "hf"),
                        ("transformers generate (copied)", "hf_copied")):  # fmt: skip
-        tps = new / res[key][0]
-        print(f"{label:<34}{res[key][0]:>9.2f}{tps:>10.1f}{kv / tps:>13.2f}x")
+        if key in res:
+            tps = new / res[key][0]
+            print(f"{label:<34}{res[key][0]:>9.2f}{tps:>10.1f}{kv / tps:>13.2f}x")
+    if "read" in res:
+        size = params * 4
+        # the decode steps alone: the whole run less a run that only prefills (1 new token)
+        step = (a.new_tokens - 1) / (res["kv"][0] - res["prefill"][0])
+        print(f"anyspeed's decode steps alone (without the {res['prefill'][0]:.2f} s prefill): "
+              f"{step:.1f} tokens/s")  # fmt: skip
+        for key in ("read", "copy"):
+            gbs = size / res[key][1]  # the row's fastest pass
+            bound = gbs / size  # tokens/s if a step only streamed the weights once
+            print(f"bandwidth ({key} of {size / 1e6:.0f} MB, this thread): {gbs / 1e9:.1f} GB/s;"
+                  f" bound {bound:.1f} tokens/s; the decode steps at {step / bound:.0%} of it,"
+                  f" the whole run at {kv / bound:.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":

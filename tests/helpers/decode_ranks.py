@@ -143,3 +143,20 @@ def _beams(model: list) -> list[list[int]]:
     for seed in (7, 7, 8):
         out.append(beam_search(model, PROMPTS[0], Request(10, params=params, seed=seed), beams=3))
     return out
+
+
+def transposed_vs_plain(tp: int, steps: int) -> dict:
+    """Per case: (weights :func:`transpose_for_decode` moved, the logits of each decode step
+    with them moved, the logits with Megatron's weight order), both through the lean step."""
+    from anyspeed.features.inference.weights import transpose_for_decode
+
+    out = {}
+    for name, model in _models(tp, 1):
+        if name not in ("gqa-swiglu", "qkv-bias-tied", "bf16", "moe", "mla"):
+            continue
+        with torch.inference_mode():
+            plain, fed = _steps(model, True, steps)
+            moved = transpose_for_decode(model)
+            moved_logits = _steps(model, True, steps, fed)[0]
+        out[name] = (moved, moved_logits, plain)
+    return out

@@ -272,7 +272,19 @@ def load_model(
         load_weights(ckpt, chunks)
     except CheckpointMismatch as exc:
         raise UsageError(str(exc)) from None
+    if torch_device().type == "cpu" and _fast_path():
+        from anyspeed.features.inference.weights import transpose_for_decode
+
+        transpose_for_decode(chunks)
     return chunks
+
+
+def _fast_path() -> bool:
+    """Whether the adaptor applied ``no-grad-fast-path`` in this process."""
+    from anyspeed import adaptor
+
+    st = adaptor.state()
+    return st is not None and any(f.name == "no-grad-fast-path" for f in st.applied)
 
 
 def _qwen_vl_model(spec: Any, layout: Layout, bf16: bool, fp16: bool) -> torch.nn.Module:
