@@ -75,6 +75,54 @@ def test_swiglu_matches_unfused(dtype):
         assert (ref.detach().float() - bias_swiglu(x, None).float()).abs().max() <= TOL[dtype]
 
 
+def test_cpu_rmsnorm_matches_torch_rms_norm():
+    """``fused-norm``'s CPU RMSNorm: output and both gradients equal ``F.rms_norm``'s through
+    autograd (float64 to 1e-12, the exact formulas; fp32 to 1e-5), torch's gradcheck holds,
+    and it is what the level-1 norm module runs in fp32 (bf16 stays with ``F.rms_norm``)."""
+    from anyspeed.features.ops import norm
+
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(16, 3, 40, generator=gen, dtype=dtype).mul_(3).requires_grad_()
+        w = torch.randn(40, generator=gen, dtype=dtype).requires_grad_()
+        dy = torch.randn(16, 3, 40, generator=gen, dtype=dtype)
+        ref = F.rms_norm(x, (40,), w, 1e-6)
+        got = norm.CPURMSNorm.apply(x, w, 1e-6)
+        grads = torch.autograd.grad(ref, (x, w), dy) + torch.autograd.grad(got, (x, w), dy)
+        torch.testing.assert_close(got, ref, rtol=0, atol=tol)
+        for a, b in zip(grads[2:], grads[:2], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=tol * 10)
+    small = (torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True),
+             torch.randn(6, dtype=torch.float64, requires_grad=True))  # fmt: skip
+    assert torch.autograd.gradcheck(lambda a, b: norm.CPURMSNorm.apply(a, b, 1e-6), small)
+    calls = []
+    fn = norm.CPURMSNorm.apply
+    norm.CPURMSNorm.apply = lambda *a: calls.append(a[0].dtype) or fn(*a)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.randn(4, 8, dtype=dtype), torch.ones(8, dtype=dtype)
+            norm.fused_rms_norm(x, (8,), w, 1e-6)
+    finally:
+        norm.CPURMSNorm.apply = fn
+    assert calls == [torch.float32]
+
+
+def test_fused_norm_is_what_level_1_norms_run():
+    """Level 1 routes the norm module's RMSNorm to the CPU kernel; level 0 keeps torch's."""
+    from anyspeed import adaptor
+    from anyspeed.features.ops import norm
+
+    plain = norm.rms_norm
+    assert plain is not norm.fused_rms_norm
+    for level, expected in (("0", plain), ("1", norm.fused_rms_norm)):
+        adaptor.apply(argv=["--optimization-level", level])
+        try:
+            assert norm.rms_norm is expected, level
+        finally:
+            adaptor.undo()
+    assert norm.rms_norm is plain
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.5])

@@ -153,6 +153,9 @@ class FusedNorm(OpFeature):
     name = "fused-norm"
     flags = ("--use-fused-rmsnorm",)
     description = (
-        "RMSNorm/LayerNorm through torch's fused F.rms_norm/F.layer_norm (the level-0 "
-        "compat norm already uses them; the flag is accepted for MindSpeed scripts)"
+        "RMSNorm with a hand-written backward for fp32 on a CPU (torch's composite backward "
+        "is several times slower); elsewhere torch's F.rms_norm/F.layer_norm, as at level 0"
     )
+    target = "anyspeed.features.ops.norm.rms_norm"
+    impl = "anyspeed.features.ops.norm:fused_rms_norm"
+    reason = "fp32 RMSNorm on a CPU with a six-pass backward instead of torch's composite one"

@@ -5,12 +5,60 @@ refuses ``--sequence-parallel``: with the sequence split across tensor-parallel 
 sees only part of the tokens, so the norm weights' gradients are partial and must be summed over
 the TP group. This module marks its parameters ``sequence_parallel`` so Megatron's
 ``finalize_model_grads`` does that all-reduce, exactly as it does for Transformer Engine's norms.
+
+Its RMSNorm goes through :func:`rms_norm`, ``F.rms_norm`` unless the level-1 ``fused-norm``
+feature replaces it by :func:`fused_rms_norm`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, shape: tuple[int], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm :class:`DeviceNorm` runs (``fused-norm`` replaces it)."""
+    return F.rms_norm(x, shape, w, eps)
+
+
+def fused_rms_norm(x: torch.Tensor, shape: tuple[int], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``fused-norm``'s RMSNorm: :class:`CPURMSNorm` for fp32 on a CPU, ``F.rms_norm`` else
+    (a device kernel, or low precision, which it computes in fp32)."""
+    if x.device.type == "cpu" and x.dtype == w.dtype == torch.float32:
+        return CPURMSNorm.apply(x, w, eps)
+    return F.rms_norm(x, shape, w, eps)
+
+
+class CPURMSNorm(torch.autograd.Function):
+    """RMSNorm over the last dimension with a hand-written backward.
+
+    On a CPU torch 2.13's ``rms_norm`` is a chain of composite ops whose autograd backward
+    took 32 ms for one [1024, 4, 512] fp32 tensor on one thread; this one makes six passes
+    over the tensor (about 1.3 ms each): ``dx = r * (g - y * mean(g * y))`` with ``g = dy * w``,
+    ``y = x * r`` and ``r = 1 / sqrt(mean(x^2) + eps)``; ``dw = sum(dy * y)``. It saves ``x``
+    and ``r`` (one value per row), as ``F.rms_norm`` does.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.shape[-1]
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # one pass
+        r = norm.square_().div_(h).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, w, r)
+        return torch.mul(x, r).mul_(w)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w, r = ctx.saved_tensors
+        h = x.shape[-1]
+        y = torch.mul(x, r)
+        dw = torch.mul(dy, y).reshape(-1, h).sum(0) if ctx.needs_input_grad[1] else None
+        g = torch.mul(dy, w)
+        mean = torch.linalg.vecdot(g, y, dim=-1).unsqueeze(-1).div_(h)
+        dx = torch.addcmul(g, y, mean, value=-1).mul_(r)
+        return dx, dw, None
 
 
 class DeviceNorm(torch.nn.Module):
@@ -48,5 +96,5 @@ class DeviceNorm(torch.nn.Module):
         w = self.weight + 1 if self.zero_centered_gamma else self.weight
         shape = (self.hidden_size,)
         if self.kind == "RMSNorm":
-            return F.rms_norm(x, shape, w, self.eps)
+            return rms_norm(x, shape, w, self.eps)
         return F.layer_norm(x, shape, w, self.bias, self.eps)
