@@ -13,8 +13,9 @@ if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"  # the caller's selection, in one process
 fi
 # The whole fast suite: one pytest-xdist worker per core (at most 4), an idle worker taking tests
-# queued for the other (worksteal), then the tests that measure the machine, alone.
+# queued for the other (worksteal), then the tests that measure the machine, alone. The 25 slowest
+# are listed at the end, to keep the suite within its time budget.
 WORKERS=${ANYSPEED_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 WORKERS=$(( WORKERS > 4 ? 4 : WORKERS ))
-"${PYTEST[@]}" -n "$WORKERS" --dist worksteal -m "not slow and not alone"
+"${PYTEST[@]}" -n "$WORKERS" --dist worksteal -m "not slow and not alone" --durations=25
 exec "${PYTEST[@]}" -m "alone and not slow"
