@@ -100,11 +100,17 @@ def test_cpu_rmsnorm_matches_torch_rms_norm():
     norm.CPURMSNorm.apply = lambda *a: calls.append(a[0].dtype) or fn(*a)
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            x, w = torch.randn(4, 8, dtype=dtype), torch.ones(8, dtype=dtype)
+            x, w = torch.randn(4, 8, dtype=dtype), torch.ones(8, dtype=dtype, requires_grad=True)
             norm.fused_rms_norm(x, (8,), w, 1e-6)
+        x = torch.randn(4, 8).mul_(3)
+        with torch.no_grad():  # no autograd node: the forward alone
+            got = norm.fused_rms_norm(x, (8,), w.detach().float(), 1e-6)
     finally:
         norm.CPURMSNorm.apply = fn
-    assert calls == [torch.float32]
+    assert calls == [torch.float32]  # bf16 and no-grad calls do not build the node
+    torch.testing.assert_close(
+        got, F.rms_norm(x, (8,), w.detach().float(), 1e-6), rtol=0, atol=1e-5
+    )
 
 
 def test_fused_norm_is_what_level_1_norms_run():

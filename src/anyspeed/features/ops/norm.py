@@ -27,8 +27,16 @@ def fused_rms_norm(x: torch.Tensor, shape: tuple[int], w: torch.Tensor, eps: flo
     """``fused-norm``'s RMSNorm: :class:`CPURMSNorm` for fp32 on a CPU, ``F.rms_norm`` else
     (a device kernel, or low precision, which it computes in fp32)."""
     if x.device.type == "cpu" and x.dtype == w.dtype == torch.float32:
-        return CPURMSNorm.apply(x, w, eps)
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return CPURMSNorm.apply(x, w, eps)
+        return torch.mul(x, _inverse_rms(x, eps)).mul_(w)  # no autograd node to build
     return F.rms_norm(x, shape, w, eps)
+
+
+def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension, from one pass over ``x``."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 class CPURMSNorm(torch.autograd.Function):
@@ -43,9 +51,7 @@ class CPURMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        h = x.shape[-1]
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # one pass
-        r = norm.square_().div_(h).add_(eps).rsqrt_()
+        r = _inverse_rms(x, eps)
         ctx.save_for_backward(x, w, r)
         return torch.mul(x, r).mul_(w)
 
