@@ -76,41 +76,25 @@ def test_swiglu_matches_unfused(dtype):
 
 
 def test_cpu_rmsnorm_matches_torch_rms_norm():
-    """``fused-norm``'s CPU RMSNorm: output and both gradients equal ``F.rms_norm``'s through
-    autograd (float64 to 1e-12, the exact formulas; fp32 to 1e-5), torch's gradcheck holds,
-    and it is what the level-1 norm module runs in fp32 (bf16 stays with ``F.rms_norm``)."""
+    """``fused-norm``'s RMSNorm under inference mode equals ``F.rms_norm`` (fp32, 1e-5); with
+    grad, or under plain no-grad (recomputation's first pass), it is ``F.rms_norm`` itself,
+    bit for bit, and so is bf16."""
     from anyspeed.features.ops import norm
 
-    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(16, 3, 40, generator=gen, dtype=dtype).mul_(3).requires_grad_()
-        w = torch.randn(40, generator=gen, dtype=dtype).requires_grad_()
-        dy = torch.randn(16, 3, 40, generator=gen, dtype=dtype)
-        ref = F.rms_norm(x, (40,), w, 1e-6)
-        got = norm.CPURMSNorm.apply(x, w, 1e-6)
-        grads = torch.autograd.grad(ref, (x, w), dy) + torch.autograd.grad(got, (x, w), dy)
-        torch.testing.assert_close(got, ref, rtol=0, atol=tol)
-        for a, b in zip(grads[2:], grads[:2], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=tol * 10)
-    small = (torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True),
-             torch.randn(6, dtype=torch.float64, requires_grad=True))  # fmt: skip
-    assert torch.autograd.gradcheck(lambda a, b: norm.CPURMSNorm.apply(a, b, 1e-6), small)
-    calls = []
-    fn = norm.CPURMSNorm.apply
-    norm.CPURMSNorm.apply = lambda *a: calls.append(a[0].dtype) or fn(*a)
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            x, w = torch.randn(4, 8, dtype=dtype), torch.ones(8, dtype=dtype, requires_grad=True)
-            norm.fused_rms_norm(x, (8,), w, 1e-6)
-        x = torch.randn(4, 8).mul_(3)
-        with torch.no_grad():  # no autograd node: the forward alone
-            got = norm.fused_rms_norm(x, (8,), w.detach().float(), 1e-6)
-    finally:
-        norm.CPURMSNorm.apply = fn
-    assert calls == [torch.float32]  # bf16 and no-grad calls do not build the node
-    torch.testing.assert_close(
-        got, F.rms_norm(x, (8,), w.detach().float(), 1e-6), rtol=0, atol=1e-5
-    )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, 40, generator=gen).mul_(3)
+    w = torch.randn(40, generator=gen)
+    ref = F.rms_norm(x, (40,), w, 1e-6)
+    with torch.inference_mode():
+        got = norm.fused_rms_norm(x, (40,), w, 1e-6)
+        assert not torch.equal(got, ref)  # its own passes ran
+        bf16 = norm.fused_rms_norm(x.bfloat16(), (40,), w.bfloat16(), 1e-6)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert torch.equal(bf16, F.rms_norm(x.bfloat16(), (40,), w.bfloat16(), 1e-6))
+    with torch.no_grad():
+        assert torch.equal(norm.fused_rms_norm(x, (40,), w, 1e-6), ref)
+    xg = x.clone().requires_grad_()
+    assert torch.equal(norm.fused_rms_norm(xg, (40,), w, 1e-6), ref)
 
 
 def test_fused_norm_is_what_level_1_norms_run():

@@ -153,9 +153,9 @@ class FusedNorm(OpFeature):
     name = "fused-norm"
     flags = ("--use-fused-rmsnorm",)
     description = (
-        "RMSNorm with a hand-written backward for fp32 on a CPU (torch's composite backward "
-        "is several times slower); elsewhere torch's F.rms_norm/F.layer_norm, as at level 0"
+        "fp32 RMSNorm on a CPU under inference mode in three passes (torch's composite takes "
+        "twice as long); otherwise torch's F.rms_norm/F.layer_norm"
     )
     target = "anyspeed.features.ops.norm.rms_norm"
     impl = "anyspeed.features.ops.norm:fused_rms_norm"
-    reason = "fp32 RMSNorm on a CPU with a six-pass backward instead of torch's composite one"
+    reason = "fp32 RMSNorm on a CPU under inference mode in three passes, not torch's composite"
