@@ -97,3 +97,28 @@ def test_weights_in_transposed_order_give_the_same_logits(tp: int) -> None:
             for a, b in zip(moved, plain, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
                 assert torch.equal(a.argmax(-1), b.argmax(-1)), name
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_weights_give_the_same_logits(tp: int) -> None:
+    """``prepare_for_decode`` (a CPU inference load) packs the products of plain fp32 models
+    (where MKL has packed products) and transposes nothing else there; each decode step's
+    logits stay within 1e-5 of the lean step's plain products, with the same greedy tokens, and
+    a weight changed in place since it was packed is packed again."""
+    from anyspeed.features.inference import packed
+
+    mkl = packed.available()
+    ranks = run_distributed(decode_ranks.packed_vs_plain, tp, tp=tp, steps=4, timeout=300)
+    for rank in ranks:
+        plain_kind = "packed" if mkl else "transposed"
+        assert {k: v[0] for k, v in rank.items()} == {
+            "gqa-swiglu": plain_kind, "qkv-bias-tied": plain_kind,
+            "layernorm-gelu-bias": plain_kind, "bf16": "", "moe": "",
+        }  # fmt: skip
+        for name, (_, got, plain, changed, changed_plain, had) in rank.items():
+            assert had == (name in ("gqa-swiglu", "qkv-bias-tied", "layernorm-gelu-bias") and mkl)
+            for a, b in zip(got + changed, plain + changed_plain, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+                assert torch.equal(a.argmax(-1), b.argmax(-1)), name
+            # the in-place update changed the logits (so a stale packed copy would show)
+            assert (changed[-1] - got[-1]).abs().max() > 1e-3, name

@@ -160,3 +160,26 @@ def transposed_vs_plain(tp: int, steps: int) -> dict:
             moved_logits = _steps(model, True, steps, fed)[0]
         out[name] = (moved, moved_logits, plain)
     return out
+
+
+def packed_vs_plain(tp: int, steps: int) -> dict:
+    """Per case: (what ``prepare_for_decode`` did, the logits of each step through it, the
+    lean step's logits without it, the same two after a weight changed in place)."""
+    from anyspeed.features.inference import packed
+    from anyspeed.features.inference.weights import prepare_for_decode
+
+    out = {}
+    for name, model in _models(tp, 1):
+        if name not in ("gqa-swiglu", "qkv-bias-tied", "layernorm-gelu-bias", "bf16", "moe"):
+            continue
+        with torch.inference_mode():
+            plain, fed = _steps(model, True, steps)
+            kind = prepare_for_decode(model)
+            got = _steps(model, True, steps, fed)[0]
+            model[0].decoder.layers[0].mlp.linear_fc2.weight.mul_(3.0)  # an in-place update
+            changed = _steps(model, True, steps, fed)[0]
+            packs = packed.of(model[0])
+            packed.disable(model)
+            changed_plain = _steps(model, True, steps, fed)[0]
+        out[name] = (kind, got, plain, changed, changed_plain, packs is not None)
+    return out

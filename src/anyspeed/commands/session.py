@@ -273,9 +273,9 @@ def load_model(
     except CheckpointMismatch as exc:
         raise UsageError(str(exc)) from None
     if torch_device().type == "cpu" and _fast_path():
-        from anyspeed.features.inference.weights import transpose_for_decode
+        from anyspeed.features.inference.weights import prepare_for_decode
 
-        transpose_for_decode(chunks)
+        prepare_for_decode(chunks)
     return chunks
 
 

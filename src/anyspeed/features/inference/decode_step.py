@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+from anyspeed.features.inference.packed import PackedWeights
+from anyspeed.features.inference.packed import of as packed_of
+
 _PLAN = "_anyspeed_decode_plan"
 # TransformerConfig fields whose non-default value changes the layer's math beyond this step
 _PLAIN = {
@@ -171,10 +174,16 @@ def plan_of(model: Any) -> _Plan | None:
 
 
 def _linear(
-    x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], group: Any = None
+    x: torch.Tensor,
+    wb: tuple[torch.Tensor, torch.Tensor | None],
+    packs: PackedWeights | None,
+    group: Any = None,
 ) -> torch.Tensor:
-    """``x @ w.T`` (summed over the TP ``group`` for a row-parallel weight) ``+ b``."""
-    out = torch.matmul(x, wb[0].t())
+    """``x @ w.T`` (summed over the TP ``group`` for a row-parallel weight) ``+ b``; through
+    the weight's packed copy when the model has ``packs``."""
+    if packs is not None and group is None:
+        return packs.linear(x, *wb)
+    out = torch.matmul(x, wb[0].t()) if packs is None else packs.linear(x, wb[0], None)
     if group is not None:
         torch.distributed.all_reduce(out, group=group)
     return out if wb[1] is None else out + wb[1]
@@ -204,7 +213,13 @@ def _attend(
 
 
 def _attention(
-    plan: _Plan, lay: _Layer, h: torch.Tensor, ctx: Any, rope: tuple, mask: torch.Tensor | None
+    plan: _Plan,
+    lay: _Layer,
+    h: torch.Tensor,
+    ctx: Any,
+    rope: tuple,
+    mask: torch.Tensor | None,
+    packs: PackedWeights | None = None,
 ) -> torch.Tensor:
     """Self-attention of one new token per row [1, b, hidden] through the static cache."""
     from anyspeed.features.ops.rope import rotate
@@ -214,7 +229,7 @@ def _attention(
         return out if bias is None else out + bias
 
     b, g, d = h.shape[1], plan.groups, plan.dim
-    qkv = _linear(h, lay.qkv).view(1, b, g, (plan.per_group + 2) * d)
+    qkv = _linear(h, lay.qkv, packs).view(1, b, g, (plan.per_group + 2) * d)
     q, k, v = qkv.split([plan.per_group * d, d, d], dim=-1)
     q = q.reshape(1, b, g * plan.per_group, d)
     if lay.q_norm is not None:
@@ -233,20 +248,22 @@ def _attention(
         values[: start + 1, rows],
         mask,
     )
-    return _linear(out[None], lay.proj, plan.tp_group)
+    return _linear(out[None], lay.proj, packs, plan.tp_group)
 
 
-def _mlp(plan: _Plan, lay: _Layer, h: torch.Tensor) -> torch.Tensor:
+def _mlp(
+    plan: _Plan, lay: _Layer, h: torch.Tensor, packs: PackedWeights | None = None
+) -> torch.Tensor:
     if lay.fc1 is None:  # a MoE block: its own module
         out, bias = lay.mlp(h)
         return out if bias is None else out + bias
-    y = _linear(h, lay.fc1)
+    y = _linear(h, lay.fc1, packs)
     if plan.gated:
         gate, up = y.chunk(2, dim=-1)
         y = plan.act(gate) * up
     else:
         y = plan.act(y)
-    return _linear(y, lay.fc2, plan.tp_group)
+    return _linear(y, lay.fc2, packs, plan.tp_group)
 
 
 def decode_step(
@@ -280,9 +297,10 @@ def decode_step(
         start = ctx.sequence_len_offset
         rope = (cos[start : start + 1], sin[start : start + 1])
     mask = attention_mask  # [b, 1, 1, keys]: one query per row
+    packs = packed_of(model)
     for lay in plan.layers:
-        x = x + _attention(plan, lay, lay.norm1(x), ctx, rope, mask)
-        x = x + _mlp(plan, lay, lay.norm2(x))
+        x = x + _attention(plan, lay, lay.norm1(x), ctx, rope, mask, packs)
+        x = x + _mlp(plan, lay, lay.norm2(x), packs)
     if model.decoder.final_layernorm is not None:
         x = model.decoder.final_layernorm(x)
     if not model.post_process:
@@ -292,5 +310,9 @@ def decode_step(
         if (model.share_embeddings_and_output_weights)
         else None
     )
-    logits, _ = model.output_layer(x, weight=weight, runtime_gather_output=True)
+    if packs is not None and plan.tp_group is None:  # the whole vocabulary on this rank
+        head = model.output_layer
+        logits = packs.linear(x, head.weight if weight is None else weight, _wb(head)[1])
+    else:
+        logits, _ = model.output_layer(x, weight=weight, runtime_gather_output=True)
     return logits.transpose(0, 1).contiguous()

@@ -1,5 +1,6 @@
-"""Part of ``no-grad-fast-path`` on the CPU: a model loaded only to generate or score keeps
-each linear weight in its transpose's memory order (``w.t().contiguous().t()``: the same
+"""Part of ``no-grad-fast-path`` on the CPU: a model loaded only to generate or score gets
+packed products (:mod:`anyspeed.features.inference.packed`), or where those are not available
+keeps each linear weight in its transpose's memory order (``w.t().contiguous().t()``: the same
 values and shape, strides ``(1, out)``), so ``x @ w.t()`` multiplies by a contiguous
 ``[in, out]`` matrix.
 
@@ -38,16 +39,37 @@ def _linear_weights(chunk: Any) -> list[torch.nn.Parameter]:
     return out
 
 
+def _plain(chunk: Any) -> bool:
+    """Whether ``chunk`` is a GPT model whose layers the lean step runs from their weights
+    (no MoE block, no multi-latent attention)."""
+    from anyspeed.features.inference.decode_step import plan_of
+
+    plan = plan_of(chunk) if hasattr(chunk, "decoder") else None
+    if plan is None:
+        return False
+    return all(lay.fc1 is not None and lay.qkv is not None for lay in plan.layers)
+
+
+def prepare_for_decode(chunks: list[Any]) -> str:
+    """A model loaded only to generate or score: the lean step's products through packed
+    weights (:mod:`anyspeed.features.inference.packed`) where MKL has them and the copies fit
+    in memory, else through weights in transposed order; which ("packed", "transposed" or ""
+    for a model of other layers)."""
+    from anyspeed.features.inference import packed
+
+    plain = [c for c in chunks if _plain(c)]
+    if plain and packed.enable(plain, [w for c in plain for w in _linear_weights(c)]):
+        return "packed"
+    return "transposed" if transpose_for_decode(chunks) else ""
+
+
 def transpose_for_decode(chunks: list[Any]) -> int:
     """Store the linear weights of ``chunks`` (GPT models of plain layers, float32) in
     transposed memory order, one weight at a time; the number moved (0 when a chunk is of
     another kind)."""
-    from anyspeed.features.inference.decode_step import plan_of
-
     moved = 0
     for chunk in chunks:
-        plan = plan_of(chunk) if hasattr(chunk, "decoder") else None
-        if plan is None or any(lay.fc1 is None or lay.qkv is None for lay in plan.layers):
+        if not _plain(chunk):
             continue
         with torch.no_grad():
             for w in _linear_weights(chunk):
