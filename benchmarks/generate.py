@@ -182,18 +182,18 @@ def main() -> None:
     a = p.parse_args()
     from anyspeed.convert import hf_to_megatron
 
-    root = tempfile.mkdtemp(prefix="anyspeed-bench-gen-")
-    params = _hf_model(f"{root}/hf", a)
-    hf_to_megatron(f"{root}/hf", f"{root}/mg")
-    with open(f"{root}/hf/config.json") as f:
-        vocab = json.load(f)["vocab_size"]
-    prompts = torch.randint(
-        0, vocab, (a.batch, a.prompt_tokens), generator=torch.Generator().manual_seed(1)
-    )
-    res = run_distributed(_run, 1, hf=f"{root}/hf", mg=f"{root}/mg", prompts=prompts.tolist(),
-                          new=a.new_tokens, repeats=a.repeats, threads=a.threads,
-                          nocache=a.nocache, weight_bytes=params * 4,
-                          timeout=3600)[0]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="anyspeed-bench-gen-") as root:
+        params = _hf_model(f"{root}/hf", a)
+        hf_to_megatron(f"{root}/hf", f"{root}/mg")
+        with open(f"{root}/hf/config.json") as f:
+            vocab = json.load(f)["vocab_size"]
+        prompts = torch.randint(
+            0, vocab, (a.batch, a.prompt_tokens), generator=torch.Generator().manual_seed(1)
+        )
+        res = run_distributed(_run, 1, hf=f"{root}/hf", mg=f"{root}/mg", prompts=prompts.tolist(),
+                              new=a.new_tokens, repeats=a.repeats, threads=a.threads,
+                              nocache=a.nocache, weight_bytes=params * 4,
+                              timeout=3600)[0]  # fmt: skip
     _report(a, res, params)
 
 

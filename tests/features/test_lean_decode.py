@@ -104,7 +104,7 @@ def test_packed_weights_give_the_same_logits(tp: int) -> None:
     """``prepare_for_decode`` (a CPU inference load) packs the products of plain fp32 models
     (where MKL has packed products) and transposes nothing else there; each decode step's
     logits stay within 1e-5 of the lean step's plain products, with the same greedy tokens, and
-    a weight changed in place since it was packed is packed again."""
+    a weight changed in place or given new data since it was packed is packed again."""
     from anyspeed.features.inference import packed
 
     mkl = packed.available()
@@ -120,5 +120,5 @@ def test_packed_weights_give_the_same_logits(tp: int) -> None:
             for a, b in zip(got + changed, plain + changed_plain, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
                 assert torch.equal(a.argmax(-1), b.argmax(-1)), name
-            # the in-place update changed the logits (so a stale packed copy would show)
+            # the updates changed the logits (so a stale packed copy would show)
             assert (changed[-1] - got[-1]).abs().max() > 1e-3, name

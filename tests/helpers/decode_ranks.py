@@ -164,7 +164,8 @@ def transposed_vs_plain(tp: int, steps: int) -> dict:
 
 def packed_vs_plain(tp: int, steps: int) -> dict:
     """Per case: (what ``prepare_for_decode`` did, the logits of each step through it, the
-    lean step's logits without it, the same two after a weight changed in place)."""
+    lean step's logits without it, the same two after one weight changed in place and another
+    got new data, whether it had packed weights)."""
     from anyspeed.features.inference import packed
     from anyspeed.features.inference.weights import prepare_for_decode
 
@@ -176,7 +177,10 @@ def packed_vs_plain(tp: int, steps: int) -> dict:
             plain, fed = _steps(model, True, steps)
             kind = prepare_for_decode(model)
             got = _steps(model, True, steps, fed)[0]
-            model[0].decoder.layers[0].mlp.linear_fc2.weight.mul_(3.0)  # an in-place update
+            layers = model[0].decoder.layers
+            layers[0].mlp.linear_fc2.weight.mul_(3.0)  # an in-place update
+            qkv = layers[-1].self_attention.linear_qkv.weight
+            qkv.data = qkv.data * 0.5  # new data
             changed = _steps(model, True, steps, fed)[0]
             packs = packed.of(model[0])
             packed.disable(model)

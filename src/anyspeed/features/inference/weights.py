@@ -1,8 +1,8 @@
-"""Part of ``no-grad-fast-path`` on the CPU: a model loaded only to generate or score gets
-packed products (:mod:`anyspeed.features.inference.packed`), or where those are not available
-keeps each linear weight in its transpose's memory order (``w.t().contiguous().t()``: the same
+"""Part of ``no-grad-fast-path`` on the CPU: a model loaded only to generate or score keeps
+each linear weight in its transpose's memory order (``w.t().contiguous().t()``: the same
 values and shape, strides ``(1, out)``), so ``x @ w.t()`` multiplies by a contiguous
-``[in, out]`` matrix.
+``[in, out]`` matrix; products of several rows go through packed copies instead
+(:mod:`anyspeed.features.inference.packed`).
 
 A one-token decode step is a chain of matrix-vector products that stream every weight once.
 With one thread, MKL's fp32 product streams a contiguous ``[in, out]`` matrix about 10% faster
@@ -51,16 +51,17 @@ def _plain(chunk: Any) -> bool:
 
 
 def prepare_for_decode(chunks: list[Any]) -> str:
-    """A model loaded only to generate or score: the lean step's products through packed
-    weights (:mod:`anyspeed.features.inference.packed`) where MKL has them and the copies fit
-    in memory, else through weights in transposed order; which ("packed", "transposed" or ""
-    for a model of other layers)."""
+    """A model loaded only to generate or score: its weights in transposed order (one row's
+    products), and the lean step's products of several rows through packed weights
+    (:mod:`anyspeed.features.inference.packed`) where MKL has them and the copies fit in
+    memory; "packed", "transposed" (no packing) or "" (a model of other layers)."""
     from anyspeed.features.inference import packed
 
     plain = [c for c in chunks if _plain(c)]
+    moved = transpose_for_decode(plain)  # one row's products
     if plain and packed.enable(plain, [w for c in plain for w in _linear_weights(c)]):
         return "packed"
-    return "transposed" if transpose_for_decode(chunks) else ""
+    return "transposed" if moved else ""
 
 
 def transpose_for_decode(chunks: list[Any]) -> int:
@@ -71,7 +72,9 @@ def transpose_for_decode(chunks: list[Any]) -> int:
     for chunk in chunks:
         if not _plain(chunk):
             continue
-        with torch.no_grad():
+        # not inference tensors, even when called under inference mode: those keep no version
+        # counter, and packed copies follow a weight's changes by it
+        with torch.inference_mode(False), torch.no_grad():
             for w in _linear_weights(chunk):
                 if w.dtype == torch.float32 and w.is_contiguous():
                     w.data = w.data.t().contiguous().t()
