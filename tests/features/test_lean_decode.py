@@ -104,7 +104,8 @@ def test_packed_weights_give_the_same_logits(tp: int) -> None:
     """``prepare_for_decode`` (a CPU inference load) packs the products of plain fp32 models
     (where MKL has packed products) and transposes nothing else there; each decode step's
     logits stay within 1e-5 of the lean step's plain products, with the same greedy tokens, and
-    a weight changed in place or given new data since it was packed is packed again."""
+    a weight changed in place or given new data since it was packed is packed again; a
+    rollout of a model being trained packs for its duration only."""
     from anyspeed.features.inference import packed
 
     mkl = packed.available()
@@ -115,8 +116,12 @@ def test_packed_weights_give_the_same_logits(tp: int) -> None:
             "gqa-swiglu": plain_kind, "qkv-bias-tied": plain_kind,
             "layernorm-gelu-bias": plain_kind, "bf16": "", "moe": "",
         }  # fmt: skip
-        for name, (_, got, plain, changed, changed_plain, had) in rank.items():
+        for name, (_, got, plain, changed, changed_plain, had, rollout) in rank.items():
             assert had == (name in ("gqa-swiglu", "qkv-bias-tied", "layernorm-gelu-bias") and mkl)
+            # a rollout of a model being trained: packed only while it runs
+            assert rollout[0] == had and rollout[2], name
+            for a, b in zip(rollout[1], plain, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
             for a, b in zip(got + changed, plain + changed_plain, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
                 assert torch.equal(a.argmax(-1), b.argmax(-1)), name

@@ -165,14 +165,18 @@ def transposed_vs_plain(tp: int, steps: int) -> dict:
 def packed_vs_plain(tp: int, steps: int) -> dict:
     """Per case: (what ``prepare_for_decode`` did, the logits of each step through it, the
     lean step's logits without it, the same two after one weight changed in place and another
-    got new data, whether it had packed weights)."""
+    got new data, whether it had packed weights; and a rollout's: packed during it, its logits,
+    freed after)."""
     from anyspeed.features.inference import packed
-    from anyspeed.features.inference.weights import prepare_for_decode
+    from anyspeed.features.inference.weights import packed_during, prepare_for_decode
 
     out = {}
     for name, model in _models(tp, 1):
         if name not in ("gqa-swiglu", "qkv-bias-tied", "layernorm-gelu-bias", "bf16", "moe"):
             continue
+        with torch.no_grad(), packed_during(model):  # a rollout of a model being trained
+            inside = (packed.of(model[0]) is not None, _steps(model, True, steps)[0])
+        rollout = (*inside, packed.of(model[0]) is None)  # (packed in it, its logits, freed)
         with torch.inference_mode():
             plain, fed = _steps(model, True, steps)
             kind = prepare_for_decode(model)
@@ -185,5 +189,5 @@ def packed_vs_plain(tp: int, steps: int) -> dict:
             packs = packed.of(model[0])
             packed.disable(model)
             changed_plain = _steps(model, True, steps, fed)[0]
-        out[name] = (kind, got, plain, changed, changed_plain, packs is not None)
+        out[name] = (kind, got, plain, changed, changed_plain, packs is not None, rollout)
     return out

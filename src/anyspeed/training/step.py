@@ -204,10 +204,12 @@ class Trainer:
         """New tokens for each prompt from the training model at the training layout (the
         KV-cache decoder of :mod:`anyspeed.inference`), the model in eval mode and back;
         the same tokens on every rank."""
+        from anyspeed.features.inference.weights import packed_during
         from anyspeed.inference.decode import generate
 
-        with eval_mode(self.model), sequence_parallel_off(self.model):
-            return generate([unwrap(m) for m in self.model], prompts, request)
+        chunks = [unwrap(m) for m in self.model]
+        with eval_mode(self.model), sequence_parallel_off(self.model), packed_during(chunks):
+            return generate(chunks, prompts, request)
 
     @torch.no_grad()
     def sample(
@@ -216,8 +218,9 @@ class Trainer:
         """:meth:`generate` with each new token's log-probability under the sampling
         temperature (a rollout's own log-probs), the same on every rank; ``kept``
         (:class:`anyspeed.inference.decode.Kept`) keeps the KV cache for a next turn."""
+        from anyspeed.features.inference.weights import packed_during
         from anyspeed.inference.decode import sample
 
         chunks = [unwrap(m) for m in self.model]
-        with eval_mode(self.model), sequence_parallel_off(self.model):
+        with eval_mode(self.model), sequence_parallel_off(self.model), packed_during(chunks):
             return sample(chunks, prompts, request, logprobs=True, kept=kept)

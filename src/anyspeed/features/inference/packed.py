@@ -81,7 +81,7 @@ def _available_bytes() -> int:
 def enable(chunks: list[Any], weights: list[torch.Tensor]) -> bool:
     """Switch packed products on for ``chunks`` (fp32 ``weights`` of the lean step's plain
     layers) when MKL has them and the copies fit; whether it did."""
-    if not available() or any(w.dtype != torch.float32 for w in weights):
+    if not available() or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in weights):
         return False
     if any(w.is_inference() for w in weights):  # no version counter to see a change by
         return False

@@ -18,6 +18,8 @@ columns). Never for training: optimizers and gradient buffers hold parameter vie
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,9 +61,17 @@ def prepare_for_decode(chunks: list[Any]) -> str:
 
     plain = [c for c in chunks if _plain(c)]
     moved = transpose_for_decode(plain)  # one row's products
-    if plain and packed.enable(plain, [w for c in plain for w in _linear_weights(c)]):
+    if plain and packed.enable(plain, decode_weights(plain)):
         return "packed"
     return "transposed" if moved else ""
+
+
+def decode_weights(chunks: list[Any]) -> list[torch.Tensor]:
+    """The linear weights the lean step multiplies by, when every chunk is a GPT model of
+    plain layers; else none."""
+    if not chunks or not all(_plain(c) for c in chunks):
+        return []
+    return [w for c in chunks for w in _linear_weights(c)]
 
 
 def transpose_for_decode(chunks: list[Any]) -> int:
@@ -80,3 +90,20 @@ def transpose_for_decode(chunks: list[Any]) -> int:
                     w.data = w.data.t().contiguous().t()
                     moved += 1
     return moved
+
+
+@contextlib.contextmanager
+def packed_during(chunks: list[Any]) -> Iterator[None]:
+    """Packed products for one rollout of a model being trained (plain fp32 layers on the CPU,
+    when the copies fit): packed at its first step, freed when it ends, so the training steps
+    around it keep their memory."""
+    from anyspeed.features.inference import packed
+
+    weights = decode_weights(chunks)
+    on = bool(weights) and all(packed.of(c) is None for c in chunks)
+    on = on and packed.enable(chunks, weights)
+    try:
+        yield
+    finally:
+        if on:
+            packed.disable(chunks)
