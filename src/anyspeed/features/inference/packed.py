@@ -9,10 +9,10 @@ skips it: 1.3x-1.6x faster products at 2-64 rows over SmolLM2-135M's weights, th
 :mod:`anyspeed.features.inference.weights`). See docs/inference.md.
 
 The packed copies double the weights' memory while the model decodes, so packing is switched
-on only for a model loaded to generate or score (never one being trained) whose weights take
-under a quarter of the memory then available; one batch size is kept at a time, and a weight
-changed in place since it was packed (its version counter moved) or given new data is
-packed again.
+on only for a model loaded to generate or score, or for one rollout of a model being trained
+(the copies freed after it), whose weights take under a quarter of the memory then available;
+one batch size is kept at a time, and a weight changed in place since it was packed (its
+version counter moved) or given new data is packed again.
 """
 
 from __future__ import annotations
