@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from anyspeed import features
 from anyspeed.device import DeviceInfo, detect
+from anyspeed.device.jit import keep_megatron_jit_off
 from anyspeed.errors import report
 from anyspeed.features import Feature, FeatureError
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs
@@ -60,6 +61,8 @@ def apply(
         args.optimization_level = features.DEFAULT_OPTIMIZATION_LEVEL
     if _STATE is None:
         _STATE = AdaptorState(device=detect())
+        if not _STATE.device.is_cuda:  # torch.compile'd CUDA fusions: not imported here
+            keep_megatron_jit_off()
     st = _STATE
     features.validate(args, st.device)
     new = [f for f in features.enabled_features(args, st.device) if f not in st.applied]

@@ -1,0 +1,39 @@
+"""On a device without CUDA, Megatron-Core imports with its ``jit_fuser`` left a no-op: its fused
+functions are plain functions (no TorchDynamo / Inductor imported for them), which compute the
+same values as the formula they implement."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+PROBE = """
+import sys, types, torch
+import anyspeed.megatron_adaptor
+from megatron.core.fusions import fused_bias_swiglu as f
+y = torch.randn(4, 10)
+a, b = y.chunk(2, -1)
+ok = torch.allclose(f.swiglu(y), torch.nn.functional.silu(a) * b, atol=1e-6)
+print(isinstance(f.swiglu, types.FunctionType), "torch._dynamo" in sys.modules, ok)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA Megatron keeps torch.compile")
+def test_megatron_imports_without_torch_compile_off_cuda() -> None:
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", PROBE], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "True"], out.stdout
+
+
+def test_too_late_once_megatron_imported() -> None:
+    """After ``megatron.core`` has imported its decorations are done: nothing is installed."""
+    import megatron.core  # noqa: F401
+
+    from anyspeed.device.jit import _AfterJit, keep_megatron_jit_off
+
+    assert keep_megatron_jit_off() is False
+    assert not any(isinstance(f, _AfterJit) for f in sys.meta_path)
