@@ -11,9 +11,14 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank() -> int:
+    """This process's global rank from the launcher's environment (0 without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def is_rank0() -> bool:
     """Whether this process is global rank 0 (the one that prints and writes)."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return rank() == 0
 
 
 def print0(*parts: Any, **kwargs: Any) -> None:

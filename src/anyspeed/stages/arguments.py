@@ -218,6 +218,19 @@ def _logging(p: argparse.ArgumentParser) -> None:
         help="after training, print a greedy continuation of this text",
     )
     g.add_argument("--generate-tokens", type=int, default=32)
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler over steps --profile-step-start+1 .. --profile-step-end on "
+        "--profile-ranks: a Chrome trace in --tensorboard-dir (else --save) and one line with "
+        "the matrix products' share of the step",
+    )
+    g.add_argument(
+        "--use-pytorch-profiler", action="store_true", help="accepted: --profile uses it"
+    )
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
 
 
 def build_parser() -> argparse.ArgumentParser:

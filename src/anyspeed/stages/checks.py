@@ -197,7 +197,22 @@ def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | No
             raise UsageError(
                 "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"
             ) from None
+    _check_profile(args, world)
     return load
+
+
+def _check_profile(args: argparse.Namespace, world: int) -> None:
+    """``--profile``'s window and ranks."""
+    if not getattr(args, "profile", False):
+        return
+    if args.profile_step_end <= args.profile_step_start:
+        raise UsageError(
+            f"--profile-step-end {args.profile_step_end} must be above --profile-step-start "
+            f"{args.profile_step_start} (the steps after the start, up to the end, are profiled)"
+        )
+    bad = [r for r in args.profile_ranks if not 0 <= r < world]
+    if bad:
+        raise UsageError(f"--profile-ranks {bad[0]}: the ranks of this run are 0..{world - 1}")
 
 
 def _check_load(args: argparse.Namespace, layout: Layout, world: int) -> str | None:

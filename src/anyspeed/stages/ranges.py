@@ -167,6 +167,8 @@ RANGES: dict[str, Range] = {
     "--eval-interval": POSITIVE,
     "--eval-iters": COUNT,
     "--generate-tokens": POSITIVE,
+    "--profile-step-start": COUNT,
+    "--profile-step-end": POSITIVE,
     # post-training: LoRA and the reference (every stage)
     "--lora-r": POSITIVE,
     "--lora-alpha": STRICTLY_POSITIVE,

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from anyspeed.distributed.process import print0, world_size
+from anyspeed.distributed.process import print0, rank, world_size
 from anyspeed.training.loop import Hook
 from anyspeed.training.run import Run
 from anyspeed.training.task import Task
@@ -203,6 +203,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
             },
         ),
         *task.hooks(run),
+        *_profile(run),
         *extra_hooks,
     ]
     try:
@@ -214,3 +215,14 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
     history["trainer"] = trainer
     history["peak_memory_bytes"] = peak_memory_bytes()
     return history
+
+
+def _profile(run: Run) -> list[Hook]:
+    """``--profile``'s hook on this rank when it is one of ``--profile-ranks``."""
+    from anyspeed.training.profile_hook import ProfileHook
+
+    a = run.args
+    if not getattr(a, "profile", False) or rank() not in a.profile_ranks:
+        return []
+    out = a.tensorboard_dir or a.save
+    return [ProfileHook(run.prog, a.profile_step_start, a.profile_step_end, out)]

@@ -1,0 +1,56 @@
+"""``anyspeed pretrain --profile``: a Chrome trace of the window's steps and a line with the
+ops' time and the matrix products' share, which the trace itself must bear out."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+BASE = ["--model", "tiny-qwen2.5", "--mock-data", "--train-iters", "4", "--lr", "1e-3",
+        "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
+        "--eval-iters", "0", "--no-progress-bar", "--log-interval", "2"]  # fmt: skip
+PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm"}
+
+
+def _pretrain(*argv: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "anyspeed", "pretrain", *BASE, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_profile_writes_a_trace_and_the_products_share(tmp_path) -> None:
+    out = _pretrain("--profile", "--profile-step-start", "1", "--profile-step-end", "3",
+                    "--tensorboard-dir", str(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "USDT" not in out.stdout + out.stderr  # the profiler's own start/stop lines
+    lines = [ln for ln in out.stdout.splitlines() if "profile of steps" in ln]
+    assert len(lines) == 1, out.stdout
+    m = re.search(r"steps 2-3 on rank 0: ([\d.]+) ms of ops .* matrix products ([\d.]+)% of it",
+                  lines[0])  # fmt: skip
+    assert m, lines[0]
+    total_ms, share = float(m.group(1)), float(m.group(2)) / 100
+    trace = json.load(open(tmp_path / "profile_rank0_steps2-3.json"))
+    ops = [e for e in trace["traceEvents"] if e.get("cat") == "cpu_op"]
+    # the products are leaf ops on the CPU: their durations in the trace are their self times
+    products_ms = sum(e["dur"] for e in ops if e["name"] in PRODUCTS) / 1e3 / 2
+    assert products_ms > 0
+    assert share * total_ms == pytest.approx(products_ms, rel=0.05, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--profile-step-start", "2", "--profile-step-end", "2"],
+         "--profile-step-end 2 must be above --profile-step-start 2"),
+        (["--profile-ranks", "1"], "--profile-ranks 1: the ranks of this run are 0..0"),
+        (["--profile-step-start", "-1"], "--profile-step-start"),
+    ],
+)  # fmt: skip
+def test_bad_profile_flags_are_one_line(argv: list[str], error: str) -> None:
+    out = _pretrain("--profile", *argv)
+    assert out.returncode == 2, out.stdout[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and error in lines[0], out.stderr
