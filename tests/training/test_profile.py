@@ -47,6 +47,7 @@ def test_profile_writes_a_trace_and_the_products_share(tmp_path) -> None:
          "--profile-step-end 2 must be above --profile-step-start 2"),
         (["--profile-ranks", "1"], "--profile-ranks 1: the ranks of this run are 0..0"),
         (["--profile-step-start", "-1"], "--profile-step-start"),
+        (["--profile-ranks", "-1"], "--profile-ranks"),
     ],
 )  # fmt: skip
 def test_bad_profile_flags_are_one_line(argv: list[str], error: str) -> None:

@@ -169,6 +169,7 @@ RANGES: dict[str, Range] = {
     "--generate-tokens": POSITIVE,
     "--profile-step-start": COUNT,
     "--profile-step-end": POSITIVE,
+    "--profile-ranks": COUNT,
     # post-training: LoRA and the reference (every stage)
     "--lora-r": POSITIVE,
     "--lora-alpha": STRICTLY_POSITIVE,
