@@ -45,9 +45,11 @@ def test_profile_writes_a_trace_and_the_products_share(tmp_path) -> None:
     [
         (["--profile-step-start", "2", "--profile-step-end", "2"],
          "--profile-step-end 2 must be above --profile-step-start 2"),
-        (["--profile-ranks", "1"], "--profile-ranks 1: the ranks of this run are 0..0"),
+        (["--profile-ranks", "1", "--profile-step-start", "1"],
+         "--profile-ranks 1: the ranks of this run are 0..0"),
         (["--profile-step-start", "-1"], "--profile-step-start"),
         (["--profile-ranks", "-1"], "--profile-ranks"),
+        ([], "--profile-step-start 10 is not below --train-iters 4"),  # the default window
     ],
 )  # fmt: skip
 def test_bad_profile_flags_are_one_line(argv: list[str], error: str) -> None:
@@ -55,3 +57,20 @@ def test_bad_profile_flags_are_one_line(argv: list[str], error: str) -> None:
     assert out.returncode == 2, out.stdout[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and error in lines[0], out.stderr
+
+
+def test_a_run_past_the_window_says_so(capsys) -> None:
+    """A resumed run that starts after the window profiles nothing and says so at its end."""
+    from types import SimpleNamespace
+
+    from anyspeed.training.profile_hook import ProfileHook
+
+    hook = ProfileHook("anyspeed pretrain", 1, 3, None)
+    state = SimpleNamespace(start_iteration=5, iteration=5)
+    for _ in range(3):  # steps 6-8: before_step sees 5, 6, 7 finished
+        hook.before_step(state)
+        state.iteration += 1
+        hook.after_step(state, {})
+    hook.on_end(state, True)
+    out = capsys.readouterr().out
+    assert "profile: no step in 2-3 ran (this run trained steps 6-8)" in out

@@ -210,6 +210,13 @@ def _check_profile(args: argparse.Namespace, world: int) -> None:
             f"--profile-step-end {args.profile_step_end} must be above --profile-step-start "
             f"{args.profile_step_start} (the steps after the start, up to the end, are profiled)"
         )
+    iters = getattr(args, "train_iters", None)
+    if iters is not None and args.profile_step_start >= iters:
+        raise UsageError(
+            f"--profile-step-start {args.profile_step_start} is not below --train-iters {iters}: "
+            "no step would be profiled (lower it, e.g. --profile-step-start 1 "
+            "--profile-step-end 3)"
+        )
     bad = [r for r in args.profile_ranks if not 0 <= r < world]
     if bad:
         raise UsageError(f"--profile-ranks {bad[0]}: the ranks of this run are 0..{world - 1}")

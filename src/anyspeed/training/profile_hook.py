@@ -81,6 +81,12 @@ class ProfileHook(Hook):
     def on_end(self, state: LoopState, completed: bool) -> None:
         if self.prof is not None:
             self._finish(state.iteration)
+        elif not self.first:  # e.g. a resumed run that started past the window
+            print(
+                f"{self.prog}: profile: no step in {self.start + 1}-{self.end} ran (this run "
+                f"trained steps {state.start_iteration + 1}-{state.iteration})",
+                flush=True,
+            )
 
     def on_abort(self, state: LoopState) -> None:
         if self.prof is not None:
