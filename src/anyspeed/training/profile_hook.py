@@ -104,8 +104,9 @@ class ProfileHook(Hook):
             prof.__exit__(None, None, None)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         steps = last - self.first + 1
-        on_device = any(getattr(e, "self_device_time_total", 0) > 0 for e in prof.key_averages())
-        total, share, ranked = summarize(prof.key_averages(), steps, on_device)
+        averages = prof.key_averages()
+        on_device = any(getattr(e, "self_device_time_total", 0) > 0 for e in averages)
+        total, share, ranked = summarize(averages, steps, on_device)
         where = ""
         if self.out_dir:
             os.makedirs(self.out_dir, exist_ok=True)
