@@ -35,13 +35,17 @@ def test_lean_step_equals_megatron_forward(ranks: list[dict], case: str) -> None
         for key, value in rank.items():
             if not isinstance(key, tuple) or key[1] != case:
                 continue
-            layout, (lean, megatron, lean_calls) = key[0], value
+            layout, (lean, megatron, lean_calls, order) = key[0], value
             seen += 1
             if case == "learned-positions":
                 assert lean_calls == 0  # not supported: Megatron's forward ran every step
             else:  # every decode step (not the prefill) of every layer of the stage ran lean
                 layers = 1 if layout == "tp1pp2" else 2
                 assert lean_calls == (STEPS - 1) * layers, (case, layout)
+            # the lean step's cache holds each row's slots together (MLA keeps its own cache;
+            # Megatron's forward, the reference, allocates its own order)
+            step_order = case not in ("learned-positions", "mla")
+            assert order == [step_order, False], (case, layout)
             for step, (a, b) in enumerate(zip(lean, megatron, strict=True)):
                 assert (a is None) == (b is None)
                 if a is not None:  # bf16: within a few bf16 steps of the logits' size

@@ -28,6 +28,9 @@ CASES = {
     ),  # fmt: skip
 }
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [30, 12]]  # padded batch: the decode mask matters
+# per ``_steps`` call: whether every cached key / value of a plain-attention layer is laid out
+# [batch, groups, seq, dim] in memory (the order ``decode_step.allocate_cache`` gives)
+STEP_ORDER: list[bool] = []
 
 
 def _steps(model: list, lean: bool, steps: int,
@@ -51,6 +54,10 @@ def _steps(model: list, lean: bool, steps: int,
         fed.append(share(chosen) if forced is None else forced[i])
         stepper.append(fed[-1])
     chunk.__dict__.pop(decode_step._PLAN, None)
+    STEP_ORDER.append(
+        all(t.permute(1, 2, 0, 3).is_contiguous()
+            for kv in stepper.context.key_value_memory_dict.values() for t in kv)
+    )  # fmt: skip
     return out, fed
 
 
@@ -74,7 +81,9 @@ def lean_vs_megatron(layouts: list[tuple[int, int]], steps: int) -> dict:
                 calls.clear()
                 lean, fed = _steps(model, True, steps)
                 n = len(calls)  # Megatron's run is fed the same tokens (bf16 near-ties)
-                out[f"tp{tp}pp{pp}", name] = (lean, _steps(model, False, steps, fed)[0], n)
+                megatron = _steps(model, False, steps, fed)[0]
+                order = STEP_ORDER[-2:]  # (lean run, Megatron's run)
+                out[f"tp{tp}pp{pp}", name] = (lean, megatron, n, order)
             if name == "gqa-swiglu" and (tp, pp) == layouts[0]:
                 out["stop"] = _stopped(model)
                 out["likelihood"] = _likelihoods(model)

@@ -156,11 +156,11 @@ def _decode(
         chosen = share(chosen)
         lp = share(lp) if logprobs else lp
         fresh: list[int | None] = []
-        for i, tok in enumerate(chosen.tolist()):
+        for i, (tok, p) in enumerate(zip(chosen.tolist(), lp.tolist(), strict=True)):
             fresh.append(None if done[i] else tok)
             if not done[i]:
                 out[i].append(tok)
-                lps[i].append(float(lp[i]))
+                lps[i].append(p)
                 done[i] = req.stops(out[i])
         stepper.append(chosen)
         if on_tokens is not None:

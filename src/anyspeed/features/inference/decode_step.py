@@ -173,6 +173,26 @@ def plan_of(model: Any) -> _Plan | None:
     return plan or None
 
 
+def allocate_cache(model: Any, ctx: Any) -> None:
+    """Allocate the static KV cache of the layers :func:`decode_step` attends through, before
+    Megatron's first forward would: the same ``[seq, batch, groups, dim]`` tensors Megatron
+    indexes, but laid out ``[batch, groups, seq, dim]`` in memory, so each row's keys of one
+    group are contiguous for the step's batched products (Megatron's own order puts a whole
+    batch between two slots of a row: 28% slower attention at batch 64)."""
+    plan = plan_of(model)
+    if plan is None:
+        return
+    batch, seq = ctx.max_batch_size, ctx.max_sequence_length
+    for lay in plan.layers:
+        if lay.attention is not None or lay.number in ctx.key_value_memory_dict:
+            continue
+        w = lay.qkv[0]
+        shape = (batch, plan.groups, seq, plan.dim)
+        ctx.key_value_memory_dict[lay.number] = tuple(
+            torch.empty(shape, dtype=w.dtype, device=w.device).permute(2, 0, 1, 3) for _ in range(2)
+        )
+
+
 def _linear(
     x: torch.Tensor,
     wb: tuple[torch.Tensor, torch.Tensor | None],
@@ -228,22 +248,26 @@ def _attention(
         out, bias = lay.attention(h, attention_mask=mask, inference_context=ctx)
         return out if bias is None else out + bias
 
-    b, g, d = h.shape[1], plan.groups, plan.dim
-    qkv = _linear(h, lay.qkv, packs).view(1, b, g, (plan.per_group + 2) * d)
-    q, k, v = qkv.split([plan.per_group * d, d, d], dim=-1)
-    q = q.reshape(1, b, g * plan.per_group, d)
-    if lay.q_norm is not None:
-        q = lay.q_norm(q)
-    if lay.k_norm is not None:
-        k = lay.k_norm(k)
-    q, k = rotate(q, *rope), rotate(k, *rope)
+    b, g, p, d = h.shape[1], plan.groups, plan.per_group, plan.dim
+    qkv = _linear(h, lay.qkv, packs).view(1, b, g, p + 2, d)  # each group: p queries, k, v
+    v = qkv[:, :, :, p + 1]
+    if lay.q_norm is None and lay.k_norm is None:  # one rotation for the queries and the key
+        qk = rotate(qkv[:, :, :, : p + 1], *rope)
+        q, k = qk[:, :, :, :p], qk[:, :, :, p]
+    else:
+        q, k = qkv[:, :, :, :p].reshape(1, b, g * p, d), qkv[:, :, :, p]
+        if lay.q_norm is not None:
+            q = lay.q_norm(q)
+        if lay.k_norm is not None:
+            k = lay.k_norm(k)
+        q, k = rotate(q, *rope).view(1, b, g, p, d), rotate(k, *rope)
     keys, values = ctx.key_value_memory_dict[lay.number]
     start, rows = ctx.sequence_len_offset, slice(ctx.batch_size_offset, ctx.batch_size_offset + b)
     keys[start, rows] = k[0]
     values[start, rows] = v[0]
     out = _attend(
         plan,
-        q[0].view(b, g, plan.per_group, d),
+        q[0],
         keys[: start + 1, rows],
         values[: start + 1, rows],
         mask,

@@ -140,7 +140,7 @@ def _store_rotated_keys(previous: Callable) -> Callable:
 def _lean_decode(previous: Callable) -> Callable:
     """``GPTModel.forward`` for a one-token static-cache decode step under no-grad in eval mode:
     :func:`decode_step` when the model's layers are plain, Megatron's forward otherwise."""
-    from anyspeed.features.inference.decode_step import decode_step
+    from anyspeed.features.inference.decode_step import allocate_cache, decode_step
 
     @functools.wraps(previous)
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
@@ -158,6 +158,13 @@ def _lean_decode(previous: Callable) -> Callable:
             out = decode_step(self, input_ids, position_ids, attention_mask, ctx)
             if out is not None:
                 return out
+        elif (
+            ctx is not None
+            and not ctx.key_value_memory_dict
+            and not torch.is_grad_enabled()
+            and ctx.is_static_batching()
+        ):  # the prefill of a cache the lean step will read: its slots in the step's order
+            allocate_cache(self, ctx)
         return previous(self, input_ids, position_ids, attention_mask, *args, **kwargs)
 
     return forward
