@@ -81,6 +81,13 @@ def _wb(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return linear.weight, bias if isinstance(bias, torch.Tensor) and bias.numel() else None
 
 
+def _norm_or_none(norm: Any) -> Any:
+    """A qk-norm module; None for none (Megatron's specs put an ``IdentityOp`` there)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return None if norm is None or isinstance(norm, IdentityOp) else norm
+
+
 def _layer(layer: Any) -> _Layer | None:
     """The weights and norm modules of one layer whose attention is plain (or multi-latent,
     then called as its module) and whose MLP is plain (or a MoE block); None otherwise."""
@@ -111,8 +118,8 @@ def _layer(layer: Any) -> _Layer | None:
         number=attn.layer_number,
         norm1=norms[0],
         qkv=None if latent else _wb(attn.linear_qkv),
-        q_norm=None if latent else attn.q_layernorm,
-        k_norm=None if latent else attn.k_layernorm,
+        q_norm=None if latent else _norm_or_none(attn.q_layernorm),
+        k_norm=None if latent else _norm_or_none(attn.k_layernorm),
         proj=None if latent else _wb(attn.linear_proj),
         norm2=norms[1],
         fc1=_wb(layer.mlp.linear_fc1) if dense else None,
@@ -221,15 +228,22 @@ def _attend(
     key/value head without repeating it. ``mask`` [b, 1, 1, >= n] hides True slots.
 
     (torch's fused ``scaled_dot_product_attention`` was tried here: faster only for caches of
-    under ~100 slots, up to 2x slower at 1,000 slots or batch 64 on a CPU.)"""
-    scores = torch.matmul(q * plan.scale, keys.permute(1, 2, 3, 0))  # [b, g, per_group, n]
+    under ~100 slots, up to 2x slower at 1,000 slots or batch 64 on a CPU.) The scale is applied
+    inside the first product, as Megatron's own attention applies it (``baddbmm``'s alpha)."""
+    b, g, p, d = q.shape
+    n = keys.shape[0]
+    # [b * g, d, n] and [b * g, n, d]: views, as b and g merge in either order of the cache
+    kt = keys.permute(1, 2, 3, 0).reshape(b * g, d, n)
+    vs = values.permute(1, 2, 0, 3).reshape(b * g, n, d)
+    empty = kt.new_empty(())  # beta=0: not read
+    scores = torch.baddbmm(empty, q.reshape(b * g, p, d), kt, beta=0.0, alpha=plan.scale)
     if mask is not None:
-        scores = scores.masked_fill(mask[..., : keys.shape[0]], float("-inf"))
+        scores = scores.view(b, g, p, n).masked_fill(mask[..., :n], float("-inf"))
     if plan.softmax_fp32 and scores.dtype != torch.float32:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     else:
         probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values.permute(1, 2, 0, 3)).flatten(1)
+    return torch.bmm(probs.view(b * g, p, n), vs).view(b, -1)
 
 
 def _attention(
