@@ -37,3 +37,24 @@ def test_too_late_once_megatron_imported() -> None:
 
     assert keep_megatron_jit_off() is False
     assert not any(isinstance(f, _AfterJit) for f in sys.meta_path)
+
+
+COMPILE = """
+import torch
+import anyspeed.megatron_adaptor
+def f(x, w):
+    return torch.nn.functional.silu(x) * w + x.pow(2).mean(-1, keepdim=True)
+x, w = torch.randn(8, 32), torch.randn(32)
+shim = type(torch.cuda.get_device_properties(0)).__name__
+print(shim, torch.allclose(torch.compile(f)(x, w), f(x, w), atol=1e-6))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for torch.cuda only")
+def test_torch_compile_runs_under_the_cpu_stand_in() -> None:
+    """A user's ``torch.compile`` on the CPU works with anyspeed's stand-in for ``torch.cuda``
+    (Inductor reads the device's properties for its cache key; it crashed on a missing one)."""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", COMPILE], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["SimpleNamespace", "True"], out.stdout

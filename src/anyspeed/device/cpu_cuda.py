@@ -329,6 +329,7 @@ def get_device_properties(device: Any = None) -> SimpleNamespace:
         minor=0,
         is_integrated=True,
         uuid="cpu",
+        gcnArchName="",  # read by Inductor (torch.version.cuda is None in a CPU build)
     )
 
 
