@@ -55,5 +55,9 @@ def turns(layouts: list[tuple[int, int]], prompts: list[list[int]], kinds: list[
                 res["fresh"].append(sample(model, nexts, more, logprobs=True))
                 history = [n + t for n, t in zip(nexts, res["kept"][-1][0], strict=True)]
             res["resumed"] = kept.resumed
+            cache = kept.stepper.context.key_value_memory_dict.values()  # the last turn's
+            res["step_order"] = all(
+                t.permute(1, 2, 0, 3).is_contiguous() for kv in cache for t in kv
+            )
             out[f"tp{tp}pp{pp}-{kind}"] = res
     return out

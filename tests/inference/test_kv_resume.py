@@ -33,6 +33,8 @@ def test_resumed_cache_equals_reading_afresh() -> None:
                              layouts=[(1, 1)], prompts=PROMPTS, kinds=["dense"],
                              greedy=False, timeout=300)  # fmt: skip
     _check(got["tp1pp1-dense"])
+    # the moved cache keeps the lean step's memory order (each row's slots of a group together)
+    assert got["tp1pp1-dense"]["step_order"]
 
 
 @pytest.mark.slow

@@ -56,8 +56,9 @@ def resumed(
         for r, o in enumerate(rows)
     ]
     for layer, (keys, values) in ctx.key_value_memory_dict.items():
-        shape = (new.total, len(rows), *keys.shape[2:])
-        nk, nv = keys.new_zeros(shape), values.new_zeros((new.total, len(rows), *values.shape[2:]))
+        nk, nv = (
+            _zeros_like_order(t, (new.total, len(rows), *t.shape[2:])) for t in (keys, values)
+        )
         for r, (o, was, now, keep) in enumerate(moves):
             if keep <= 0:
                 continue
@@ -120,6 +121,14 @@ def _rotate(keys: torch.Tensor, shift: int, table: torch.Tensor | None) -> torch
     angle = table[abs(shift)].to(keys.device)
     angle = angle if shift > 0 else -angle
     return apply_rope(keys[:, None], angle[None].expand(keys.shape[0], -1, -1, -1))[:, 0]
+
+
+def _zeros_like_order(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeros of ``shape`` [seq, batch, groups, dim] in ``t``'s memory order: the lean decode
+    step's cache is laid out [batch, groups, seq, dim] (``decode_step.allocate_cache``)."""
+    if t.dim() == 4 and t.permute(1, 2, 0, 3).is_contiguous() and not t.is_contiguous():
+        return t.new_zeros(shape[1], shape[2], shape[0], shape[3]).permute(2, 0, 1, 3)
+    return t.new_zeros(shape)
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:
