@@ -160,6 +160,23 @@ def _metrics(path: str, key: str) -> list[float]:
         return [r[key] for r in map(json.loads, f) if key in r]
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _critic(ev: list[float], loss: list[float]) -> str:
+    """How well the critic predicted the returns: its explained variance at step 1, over its
+    best 5 steps in a row and over the last 5, and its value loss at step 1 and the last 5.
+    Once the policy settles on one answer the returns hardly vary; the explained variance, a
+    share of that variance, then swings around 0 while the value loss shows the fit."""
+    best = max(_mean(ev[i : i + 5]) for i in range(max(1, len(ev) - 4)))
+    return (
+        f"critic explained variance {ev[0]:.2f} (step 1) -> {best:.2f} (its best 5 steps in a "
+        f"row), {_mean(ev[-5:]):.2f} (the last 5); value loss {loss[0]:.3f} -> "
+        f"{_mean(loss[-5:]):.3f} (the last 5 steps)"
+    )
+
+
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """The whole PPO demo; ``extra`` goes to ``anyspeed posttrain --stage ppo``."""
     t0 = time.perf_counter()
@@ -198,14 +215,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return 1
     after = grpo.heldout(args, save, tok_dir, held, f"[10/{STEPS}]")
     r, ev = _metrics(metrics, "grpo/rewards/mean"), _metrics(metrics, "critic/vf_explained_var")
-    if not r or before is None or after is None:
+    loss = _metrics(metrics, "critic/vf_loss")
+    if not r or not ev or not loss or before is None or after is None:
         return 1
-    last, explained = sum(r[-5:]) / len(r[-5:]), sum(ev[-5:]) / len(ev[-5:])
     print(
-        f"demo: reward model's mean score {r[0]:.2f} (step 1, before any update) -> {last:.2f} "
-        f"(the last 5 steps); critic explained variance {ev[0]:.2f} -> {explained:.2f}; "
+        f"demo: reward model's mean score {r[0]:.2f} (step 1, before any update) -> "
+        f"{_mean(r[-5:]):.2f} (the last 5 steps); {_critic(ev, loss)}; "
         f"held-out greedy accuracy {before:.2f} -> {after:.2f}"
     )
+    last = _mean(r[-5:])
     rc = 0 if last > r[0] else 1
     print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
     return rc
