@@ -7,7 +7,9 @@ prompt: with Megatron's static KV cache, without it (every step re-runs the whol
 and with transformers' ``generate(do_sample=False)`` (its default dynamic cache, SDPA
 attention, under ``torch.inference_mode`` like anyspeed's loop). Rows are interleaved round by
 round and each keeps its best of ``--repeats`` rounds (this VM's speed drifts by tens of percent
-within minutes). Tokens are checked equal; the table gives new tokens per second and ratios.
+within minutes). Two more rows decode with anyspeed's KV cache without packed weights and with
+the cache in its other memory order (Megatron's on a CPU, the lean step's elsewhere). Tokens are
+checked equal; the table gives new tokens per second and ratios.
 
     python benchmarks/generate.py [--new-tokens 256] [--hidden 512] [--layers 4] [--batch 1]
 """
@@ -123,11 +125,29 @@ def _hf_generate(hf: str, prompts: list[list[int]], new: int, copied: bool):
     return run
 
 
+def _other_cache_order(fn):  # noqa: ANN001, ANN202 - a no-argument callable
+    """``fn`` with the lean step's KV cache in the other memory order on this device (Megatron's
+    on a CPU, the step's elsewhere): the same tokens, the order's own speed."""
+    from anyspeed.device import torch_device
+    from anyspeed.features.inference import decode_step
+
+    def run():  # noqa: ANN202
+        saved = decode_step.STEP_ORDER_DEVICES
+        decode_step.STEP_ORDER_DEVICES = saved ^ {torch_device().type}
+        try:
+            return fn()
+        finally:
+            decode_step.STEP_ORDER_DEVICES = saved
+
+    return run
+
+
 def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int, threads: int,
          nocache: bool, weight_bytes: int) -> dict:  # fmt: skip
     from anyspeed.commands.session import load_model, model_of
+    from anyspeed.device import torch_device
     from anyspeed.distributed.groups import init_distributed
-    from anyspeed.features.inference import packed
+    from anyspeed.features.inference import decode_step, packed
     from anyspeed.features.inference.weights import transpose_for_decode
     from anyspeed.inference.decode import Request, generate
     from anyspeed.layout import Layout
@@ -144,6 +164,7 @@ def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int, thr
     packed.disable(plain)
     transpose_for_decode(plain)
     fns["kv_plain"] = lambda: generate(plain, prompts, Request(new, use_kv_cache=True))
+    fns["kv_order"] = _other_cache_order(lambda: generate(model, prompts, Request(new)))
     for key, copied in (("hf", False), ("hf_copied", True)):
         fns[key] = _hf_generate(hf, prompts, new, copied)
     if len(prompts) == 1:  # one row: each step streams every weight once
@@ -151,6 +172,7 @@ def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int, thr
         fns.update(_bandwidth_rows(weight_bytes))
     out = _timed(fns, repeats)
     out["threads"] = torch.get_num_threads()
+    out["step_order"] = torch_device().type in decode_step.STEP_ORDER_DEVICES
     return out
 
 
@@ -199,7 +221,8 @@ def main() -> None:
 
 def _report(a: argparse.Namespace, res: dict, params: int) -> None:
     """The table: tokens/s of each row, and at batch 1 the share of the bandwidth bound."""
-    rows = [k for k in ("kv", "kv_plain", "nokv", "hf", "hf_copied") if k in res]
+    rows = [k for k in ("kv", "kv_plain", "kv_order", "nokv", "hf", "hf_copied") if k in res]
+    other = "Megatron's order" if res["step_order"] else "the step's order"
     same = all(res[k][1] == res["kv"][1] for k in rows)
     print(f"greedy decode, {a.shape} shape ({params / 1e6:.1f}M parameters), batch {a.batch}, "
           f"prompt {a.prompt_tokens} + {a.new_tokens} new tokens, fp32, {res['threads']} "
@@ -208,7 +231,7 @@ def _report(a: argparse.Namespace, res: dict, params: int) -> None:
     kv = new / res["kv"][0]
     print(f"{'run':<34}{'seconds':>9}{'tokens/s':>10}{'KV cache is':>14}")
     for label, key in (("anyspeed, KV cache", "kv"), ("  without packed weights", "kv_plain"),
-                       ("anyspeed, no KV cache", "nokv"),
+                       (f"  cache in {other}", "kv_order"), ("anyspeed, no KV cache", "nokv"),
                        ("transformers generate (mmap'd)", "hf"),
                        ("transformers generate (copied)", "hf_copied")):  # fmt: skip
         if key in res:
