@@ -143,12 +143,8 @@ def _decode(
         logits = stepper.logits()
         chosen = torch.zeros(n, dtype=torch.int64)
         lp = torch.zeros(n, dtype=torch.float32)
-        if logits is not None and rows is not None:
-            chosen = torch.cat(
-                [next_tokens(logits[i : i + 1], req.params, g) for i, g in enumerate(rows)]
-            )
-        elif logits is not None:
-            chosen = next_tokens(logits, req.params, gen)
+        if logits is not None:
+            chosen = next_tokens(logits, req.params, gen, rows)
         if logits is not None:
             if logprobs:
                 scaled = logits.float() / (1.0 if req.params.greedy else req.params.temperature)

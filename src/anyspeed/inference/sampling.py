@@ -8,6 +8,7 @@ creates ``torch.Generator(device=<cuda index>)``, which fails off CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,21 +41,69 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(out, params.top_k, dim=-1).values[..., -1:]
         out = out.masked_fill(out < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-        drop_sorted = before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        out = out.masked_fill(drop, float("-inf"))
+        out = out.masked_fill(~nucleus(out, params.top_p, params.top_k), float("-inf"))
     return out
 
 
+def nucleus(logits: torch.Tensor, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """Mask [b, vocab] of the tokens top-p keeps: ranked by probability, those whose higher-
+    ranked tokens hold under ``top_p`` of the mass. Searched among the most likely 256 (or
+    ``top_k``) first; while some row's nucleus is wider, among more (twice what the mass found
+    so far suggests), and by one full sort once that is a quarter of the vocabulary. At batch
+    64 over a 152k vocabulary on a CPU a full sort takes 0.36 s, the top 256 13 ms."""
+    probs = logits.softmax(dim=-1)
+    n = probs.shape[-1]
+    k = min(n, top_k or 256)
+    while True:
+        vals, order = torch.topk(probs, k, dim=-1) if k < n else probs.sort(-1, descending=True)
+        mass = vals.cumsum(dim=-1)
+        reached = float(mass[:, -1].min())
+        if k == n or reached >= top_p:  # every row's nucleus lies within the first k
+            break
+        # probabilities fall with rank, so k * top_p / reached undercounts the k needed
+        wanted = 2 * k * top_p / max(reached, 1e-12)
+        k = n if wanted >= n / 4 else max(2 * k, int(wanted))
+    keep = (mass - vals) < top_p  # the mass ranked above each token
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
+
+
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [b, vocab] by inverting its cumulative distribution
+    (float64) at ``uniform`` [b, 1] in [0, 1): a token of probability 0 is never drawn.
+    ``torch.multinomial`` draws the same distribution 11x slower on a CPU (0.21 s against
+    19 ms for a [64, 152k] batch)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    got = torch.searchsorted(cdf, uniform * total, right=True)
+    last = torch.searchsorted(cdf, total)  # the last token of non-zero probability
+    return torch.where(got < probs.shape[-1], got, last)[:, 0]
+
+
 def next_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    row_generators: Sequence[torch.Generator] | None = None,
 ) -> torch.Tensor:
-    """The next token of each row of ``logits`` [b, vocab] (int64 [b], on the CPU)."""
+    """The next token of each row of ``logits`` [b, vocab] (int64 [b], on the CPU); with
+    ``row_generators`` each row draws from its own generator (its token does not depend on
+    the other rows), else all from ``generator``."""
     logits = logits.detach().float().cpu()
     if params.greedy:  # the first of equal maxima, as argmax; max's reduction is 3x faster
         return logits.max(dim=-1).indices
     probs = filter_logits(logits, params).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probs, uniforms(len(probs), generator, row_generators))
+
+
+def uniforms(
+    n: int,
+    generator: torch.Generator | None = None,
+    row_generators: Sequence[torch.Generator] | None = None,
+) -> torch.Tensor:
+    """[n, 1] uniform float64 draws in [0, 1): one from each of ``row_generators``, else all
+    from ``generator``."""
+    if row_generators is None:
+        return torch.rand(n, 1, generator=generator, dtype=torch.float64)
+    if len(row_generators) != n:
+        raise ValueError(f"{len(row_generators)} row generators for {n} rows")
+    return torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in row_generators])

@@ -271,14 +271,15 @@ class GRPOTask(QwenVLTask):
         """Temperature sampling, each row from its own generator (seeded by the prompt's place
         in the data order and the sample: the same tokens at every layout); the vision marker
         tokens never drawn."""
+        from anyspeed.inference.sampling import draw, uniforms
+
         markers = self.cfg.vision().markers
         temperature = self.cfg.temperature
 
         def pick(logits: torch.Tensor) -> torch.Tensor:
             scaled = logits.float().cpu() / temperature
             probs = scaled.index_fill(1, torch.tensor(markers), -float("inf")).softmax(-1)
-            draws = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gens, strict=True)]
-            return torch.cat(draws)
+            return draw(probs, uniforms(len(probs), row_generators=gens))
 
         return pick
 

@@ -1,0 +1,81 @@
+"""Token choice against plain references: the top-p set equals the one a full sort gives
+(narrow nuclei found among the top k, wide ones by a sort), drawn tokens follow their
+probabilities and never land on a token of probability 0, and a row with its own generator
+draws the same token whatever rows share its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anyspeed.inference.sampling import SamplingParams, draw, next_tokens, nucleus, uniforms
+
+
+def _sorted_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Reference: every token whose more likely tokens hold under ``top_p`` of the mass."""
+    probs = logits.softmax(-1)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    for r in range(len(probs)):
+        order = sorted(range(probs.shape[1]), key=lambda i: -float(probs[r, i]))
+        above = 0.0
+        for i in order:
+            if above >= top_p:
+                break
+            keep[r, i] = True
+            above += float(probs[r, i])
+    return keep
+
+
+@pytest.mark.parametrize("scale", [0.1, 2.0, 8.0])  # flat (wide nucleus) to peaked (narrow)
+@pytest.mark.parametrize("top_p", [0.3, 0.9])
+def test_nucleus_equals_a_full_sort(scale: float, top_p: float) -> None:
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(7)) * scale
+    got = nucleus(logits, top_p)
+    ref = _sorted_nucleus(logits, top_p)
+    # the reference sums in double: a token at the edge may differ by rounding, none other
+    assert (got != ref).sum() <= 1, (got.sum(-1), ref.sum(-1))
+    assert got.any(-1).all()  # the most likely token always stays
+
+
+def test_nucleus_within_top_k() -> None:
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(greedy=False, top_k=20, top_p=0.8)
+    from anyspeed.inference.sampling import filter_logits
+
+    kept = filter_logits(logits, params).isfinite()
+    cut = logits.masked_fill(logits < logits.topk(20).values[:, -1:], float("-inf"))
+    assert torch.equal(kept, _sorted_nucleus(cut, 0.8))
+    assert (kept.sum(-1) <= 20).all()
+
+
+def test_draws_follow_the_probabilities() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]])
+    n = 40_000
+    g = torch.Generator().manual_seed(0)
+    got = torch.stack([draw(probs, uniforms(2, g)) for _ in range(n)])  # [n, 2]
+    for r in range(2):
+        freq = torch.bincount(got[:, r], minlength=6).double() / n
+        sigma = (probs[r].double() * (1 - probs[r].double()) / n).sqrt()
+        assert ((freq - probs[r].double()).abs() <= 5 * sigma + 1e-12).all(), freq
+        assert (freq[probs[r] == 0] == 0).all()
+
+
+def test_draw_at_the_ends_of_the_unit_interval() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.75, 0.0]])
+    low, high = torch.tensor([[0.0]], dtype=torch.float64), torch.tensor([[1 - 2**-53]])
+    assert draw(probs, low).tolist() == [1] and draw(probs, high.double()).tolist() == [2]
+
+
+def test_a_row_with_its_own_generator_ignores_its_neighbours() -> None:
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(greedy=False, temperature=0.9, top_p=0.95)
+
+    def gens(seeds):
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    batch = next_tokens(logits, params, row_generators=gens(range(10, 15)))
+    alone = [int(next_tokens(logits[i : i + 1], params, row_generators=gens([10 + i]))[0])
+             for i in range(5)]  # fmt: skip
+    assert batch.tolist() == alone
+    with pytest.raises(ValueError, match="3 row generators for 5 rows"):
+        next_tokens(logits, params, row_generators=gens(range(3)))
