@@ -60,10 +60,29 @@ def test_draws_follow_the_probabilities() -> None:
         assert (freq[probs[r] == 0] == 0).all()
 
 
+@pytest.mark.parametrize("n", [5000, 4096, 700])  # several blocks with a ragged tail, whole, one
+def test_draw_by_blocks_equals_a_flat_inversion(n: int) -> None:
+    """Over many rows the blocked inversion picks the token a flat float64 cumulative sum
+    picks, and never one of probability 0."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(200, n, generator=g) * 2
+    logits[torch.rand(200, n, generator=g) < 0.5] = float("-inf")  # half the tokens: p = 0
+    probs = logits.softmax(-1)
+    u = torch.rand(200, 1, generator=g, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    ref = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    got = draw(probs, u, block=1024)
+    assert torch.equal(got, ref)
+    assert (probs.gather(1, got[:, None]) > 0).all()
+
+
 def test_draw_at_the_ends_of_the_unit_interval() -> None:
     probs = torch.tensor([[0.0, 0.25, 0.75, 0.0]])
     low, high = torch.tensor([[0.0]], dtype=torch.float64), torch.tensor([[1 - 2**-53]])
     assert draw(probs, low).tolist() == [1] and draw(probs, high.double()).tolist() == [2]
+    spread = torch.zeros(1, 3000)
+    spread[0, [5, 1500, 2100]] = torch.tensor([0.2, 0.3, 0.5])  # three blocks of 1024
+    assert draw(spread, low).tolist() == [5] and draw(spread, high.double()).tolist() == [2100]
 
 
 def test_a_row_with_its_own_generator_ignores_its_neighbours() -> None:

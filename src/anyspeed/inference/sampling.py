@@ -67,16 +67,37 @@ def nucleus(logits: torch.Tensor, top_p: float, top_k: int = 0) -> torch.Tensor:
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
 
 
-def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` [b, vocab] by inverting its cumulative distribution
-    (float64) at ``uniform`` [b, 1] in [0, 1): a token of probability 0 is never drawn.
-    ``torch.multinomial`` draws the same distribution 4.5x slower on a CPU (0.21 s against
-    46 ms for a [64, 152k] batch, 2 threads)."""
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    total = cdf[:, -1:].contiguous()
-    got = torch.searchsorted(cdf, uniform * total, right=True)
-    last = torch.searchsorted(cdf, total)  # the last token of non-zero probability
-    return torch.where(got < probs.shape[-1], got, last)[:, 0]
+def draw(probs: torch.Tensor, uniform: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """One token per row of ``probs`` [b, vocab] by inverting its cumulative distribution at
+    ``uniform`` [b, 1] in [0, 1): the first token whose cumulative mass exceeds ``uniform``
+    times the row's total, so a token of probability 0 is never drawn. The distribution is
+    summed by blocks of ``block`` tokens (float32 within a block, float64 across blocks and
+    within the chosen one). For a [64, 152k] batch on a CPU (2 threads) this takes 1.5 ms,
+    ``torch.multinomial`` 0.21 s for the same distribution."""
+    b, n = probs.shape
+    full = n - n % block
+    sums = [probs[:, :full].view(b, -1, block).sum(-1)] if full else []
+    if full < n:
+        sums.append(probs[:, full:].sum(-1, keepdim=True))
+    cdf = torch.cat(sums, dim=1).double().cumsum(dim=-1)  # [b, blocks]
+    target = uniform * cdf[:, -1:]
+    j = _first_above(cdf, target)  # the block holding the token
+    start = j * block
+    width = torch.clamp(n - start, max=block)
+    cols = start[:, None] + torch.arange(block)
+    inner = probs.gather(1, cols.clamp(max=n - 1)).masked_fill(cols >= n, 0.0)
+    before = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    within = _first_above(before[:, None] + inner.cumsum(dim=-1, dtype=torch.float64), target)
+    return start + torch.minimum(within, width - 1)
+
+
+def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose ``cdf`` exceeds ``target``; where rounding put the
+    target at or past the row's end, the first index reaching its end (the last entry of
+    non-zero mass)."""
+    got = torch.searchsorted(cdf, target, right=True)[:, 0]
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())[:, 0]
+    return torch.where(got < cdf.shape[-1], got, last)
 
 
 def next_tokens(
