@@ -76,6 +76,25 @@ def test_draw_by_blocks_equals_a_flat_inversion(n: int) -> None:
     assert (probs.gather(1, got[:, None]) > 0).all()
 
 
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_sampled_tokens_follow_the_filtered_distribution(top_k: int) -> None:
+    """``next_tokens`` with temperature, top-k and top-p against the distribution written out:
+    softmax of the scaled logits, cut to top-k, cut to the nucleus, renormalised."""
+    logits = torch.tensor([[2.0, 0.5, 1.5, -1.0, 1.0, 0.0, 3.0, -2.0]])
+    params = SamplingParams(greedy=False, temperature=0.8, top_k=top_k, top_p=0.8)
+    scaled = logits / 0.8
+    if top_k:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[:, -1:], float("-inf"))
+    probs = scaled.softmax(-1) * _sorted_nucleus(scaled, 0.8)
+    probs = (probs / probs.sum()).double()[0]
+    n, g = 10_000, torch.Generator().manual_seed(2)
+    got = torch.stack([next_tokens(logits, params, g) for _ in range(n)])[:, 0]
+    freq = torch.bincount(got, minlength=8).double() / n
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((freq - probs).abs() <= 5 * sigma + 1e-12).all(), (freq, probs)
+    assert (freq[probs == 0] == 0).all() and (probs > 0).sum() >= 2
+
+
 def test_draw_at_the_ends_of_the_unit_interval() -> None:
     probs = torch.tensor([[0.0, 0.25, 0.75, 0.0]])
     low, high = torch.tensor([[0.0]], dtype=torch.float64), torch.tensor([[1 - 2**-53]])
