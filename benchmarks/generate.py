@@ -22,8 +22,15 @@ import tempfile
 import time
 
 import torch
+from transformers.utils import logging as hf_logging
 
-from anyspeed.testing import run_distributed
+from anyspeed import quiet
+
+# before Megatron imports, here and in each spawned rank (which imports this module first)
+quiet.install()
+hf_logging.disable_progress_bar()  # transformers' bars for a 40-tensor save and load
+
+from anyspeed.testing import run_distributed  # noqa: E402
 
 SHAPES = {
     # a random Llama-style model: 8 heads / 4 KV groups, SwiGLU at 8/3 of hidden (``--hidden``)
@@ -47,7 +54,7 @@ def _hf_model(directory: str, a: argparse.Namespace) -> int:
     cfg = dict(hf_config(get_preset("tiny-llama3")), hidden_size=a.hidden,
                intermediate_size=a.hidden * 8 // 3 // 64 * 64, num_hidden_layers=a.layers,
                num_attention_heads=8, num_key_value_heads=4, head_dim=a.hidden // 8,
-               vocab_size=a.vocab, max_position_embeddings=8192)  # fmt: skip
+               vocab_size=a.vocab, max_position_embeddings=16384)  # fmt: skip
     cfg.update(SHAPES[a.shape])
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
     torch.manual_seed(0)
