@@ -36,7 +36,9 @@ def runs(add_prompts, tiny_qwen, hf_tok) -> dict[str, dict]:
 def test_policy_and_critic_equal_one_process(layout, runs):
     got, want = runs[layout], runs["one"]
     assert got["metrics"]["grpo/rewards/mean"] == want["metrics"]["grpo/rewards/mean"]
-    assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7)
+    # the first pass over a rollout has ratio 1: its policy loss is minus the mean of whitened
+    # advantages, 0 up to fp32 rounding of O(1) terms (seen at 5e-8 and 9e-8 in two layouts)
+    assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-6)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
     for k in ("critic/vf_loss", "critic/grad_norm", "critic/vf_explained_var"):
         assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=TOL, abs=1e-7), k
