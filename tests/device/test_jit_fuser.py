@@ -4,6 +4,7 @@ same values as the formula they implement."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -44,6 +45,7 @@ import torch
 import anyspeed.megatron_adaptor
 def f(x, w):
     return torch.nn.functional.silu(x) * w + x.pow(2).mean(-1, keepdim=True)
+torch.manual_seed(0)
 x, w = torch.randn(8, 32), torch.randn(32)
 shim = type(torch.cuda.get_device_properties(0)).__name__
 print(shim, torch.allclose(torch.compile(f)(x, w), f(x, w), atol=1e-6))
@@ -51,10 +53,13 @@ print(shim, torch.allclose(torch.compile(f)(x, w), f(x, w), atol=1e-6))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for torch.cuda only")
-def test_torch_compile_runs_under_the_cpu_stand_in() -> None:
+def test_torch_compile_runs_under_the_cpu_stand_in(tmp_path) -> None:  # noqa: ANN001
     """A user's ``torch.compile`` on the CPU works with anyspeed's stand-in for ``torch.cuda``
-    (Inductor reads the device's properties for its cache key; it crashed on a missing one)."""
+    (Inductor reads the device's properties for its cache key; it crashed on a missing one).
+    Inductor's cache is the test's own: a kernel cached by another run (one under another
+    ``ATEN_CPU_CAPABILITY`` gave NaN here) must not decide the result."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", COMPILE], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+                         text=True, timeout=300, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["SimpleNamespace", "True"], out.stdout
