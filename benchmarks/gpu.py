@@ -20,7 +20,6 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 
 NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"  # thousands separated by commas in anyspeed's line
 LINE = re.compile(r"elapsed time per iteration \(ms\): " + NUM)
@@ -70,17 +69,33 @@ def parse(text: str, skip: int) -> dict[str, float]:
     return out
 
 
-def anyspeed_row(level: int, iters: int, dry: bool, vocab: str) -> dict[str, float]:
+def _run(name: str, cmd: list[str], timeout: int, skip: int, env: dict | None = None) -> dict:
+    """One row's program; its medians, or ``{"error": ...}`` (one line) when it failed or ran
+    past ``timeout`` seconds, so the other rows still run and print."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ran past --row-timeout {timeout} s"}
+    text = res.stdout + res.stderr
+    if res.returncode:
+        tail = [ln for ln in res.stderr.splitlines() if ln.strip()][-1:] or ["(no output)"]
+        print(f"{name}: exit {res.returncode}; its output's end:\n{text[-3000:]}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return {"error": f"exit {res.returncode}: {tail[0][:160]}"}
+    try:
+        return parse(text, skip)
+    except RuntimeError as e:
+        return {"error": str(e).splitlines()[0]}
+
+
+def anyspeed_row(level: int, iters: int, dry: bool, vocab: str, timeout: int = 1200) -> dict:
     cmd = [sys.executable, "-m", "anyspeed", "pretrain", *shape(dry), *COMMON, "--vocab-size",
            vocab, "--train-iters", str(iters), "--optimization-level", str(level),
            "--no-progress-bar"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    if res.returncode:
-        raise RuntimeError(f"level {level}: {res.stderr[-2000:]}")
-    return parse(res.stdout + res.stderr, skip=iters // 2)
+    return _run(f"level {level}", cmd, timeout, skip=iters // 2)
 
 
-def megatron_row(iters: int, dry: bool, vocab: str) -> dict[str, float] | None:
+def megatron_row(iters: int, dry: bool, vocab: str, timeout: int = 1200) -> dict | None:
     """Megatron-LM's pretrain_gpt.py on the local spec, no anyspeed (None without a checkout;
     the dry run needs a device it can run on, so it runs it only where CUDA is)."""
     import torch
@@ -89,51 +104,69 @@ def megatron_row(iters: int, dry: bool, vocab: str) -> dict[str, float] | None:
     if not root or not torch.cuda.is_available():
         return None
     tok = ["--tokenizer-type", "NullTokenizer", "--vocab-size", vocab]
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", os.path.join(root, "pretrain_gpt.py"), *shape(dry),
-               *COMMON, *tok, "--train-iters", str(iters), "--transformer-impl", "local",
-               "--log-throughput", "--save", tmp, "--save-interval", "100000"]  # fmt: skip
-        env = dict(os.environ, PYTHONPATH=root, CUDA_DEVICE_MAX_CONNECTIONS="1")
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
-    if res.returncode:
-        raise RuntimeError(f"pretrain_gpt.py: {res.stderr[-2000:]}")
-    return parse(res.stdout + res.stderr, skip=iters // 2)
+    # no --save: Megatron would write the 1.5B model's checkpoint after the last iteration
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "1", os.path.join(root, "pretrain_gpt.py"), *shape(dry), *COMMON, *tok,
+           "--train-iters", str(iters), "--transformer-impl", "local",
+           "--log-throughput"]  # fmt: skip
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, CUDA_DEVICE_MAX_CONNECTIONS="1")
+    return _run("pretrain_gpt.py", cmd, timeout, skip=iters // 2, env=env)
 
 
-def table(rows: dict[str, dict[str, float] | None]) -> list[str]:
+def _megatron_flops(ref: dict | None) -> float | None:
+    """Megatron's FLOPs per iteration: its TFLOP/s times its time per iteration."""
+    if ref and "megatron_tflops" in ref and "ms" in ref:
+        return ref["megatron_tflops"] * ref["ms"] * 1e9
+    return None
+
+
+def line(name: str, r: dict | None, flops: float | None) -> str:
+    """One row's line; MFU by Megatron's FLOPs where its row ran (``flops``)."""
+    if r is None:
+        return f"{name:16} skipped (set ANYSPEED_MEGATRON_LM; needs CUDA)"
+    if "error" in r:
+        return f"{name:16} failed: {r['error']}"
+    peak_tflops = r["tflops"] / (r["mfu"] / 100) if r.get("mfu") else None
+    if flops and peak_tflops:
+        mfu, how = flops / (r["ms"] * 1e9) / peak_tflops * 100, "Megatron's FLOPs"
+    else:
+        mfu, how = r.get("mfu", float("nan")), "anyspeed's FLOPs"
+    tokens, peak = r.get("tokens", float("nan")), r.get("peak", float("nan"))
+    return (f"{name:16} {tokens:10.0f} tokens/s {r['ms']:9.1f} ms/iter "
+            f"MFU {mfu:5.1f}% ({how}) peak {peak:.2f} GiB")  # fmt: skip
+
+
+def table(rows: dict[str, dict | None]) -> list[str]:
     """One line per row; MFU by Megatron's FLOPs where its row ran."""
-    ref = rows.get("megatron local")
-    flops = ref["megatron_tflops"] * ref["ms"] * 1e9 if ref and "megatron_tflops" in ref else None
-    lines = []
-    for name, r in rows.items():
-        if r is None:
-            lines.append(f"{name:16} skipped (set ANYSPEED_MEGATRON_LM; needs CUDA)")
-            continue
-        peak_tflops = r["tflops"] / (r["mfu"] / 100) if r.get("mfu") else None
-        if flops and peak_tflops:
-            mfu, how = flops / (r["ms"] * 1e9) / peak_tflops * 100, "Megatron's FLOPs"
-        else:
-            mfu, how = r.get("mfu", float("nan")), "anyspeed's FLOPs"
-        tokens, peak = r.get("tokens", float("nan")), r.get("peak", float("nan"))
-        lines.append(f"{name:16} {tokens:10.0f} tokens/s {r['ms']:9.1f} ms/iter "
-                     f"MFU {mfu:5.1f}% ({how}) peak {peak:.2f} GiB")  # fmt: skip
-    return lines
+    flops = _megatron_flops(rows.get("megatron local"))
+    return [line(name, r, flops) for name, r in rows.items()]
 
 
 def main(argv: list[str] | None = None) -> list[str]:
+    """Megatron's row first (its FLOPs give every row's MFU), then each level; each line is
+    printed as its row ends, so a run cut short still shows the rows it finished."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry", action="store_true", help="a tiny model on this machine's device")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--levels", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--row-timeout", type=int, default=1200,
+                   help="seconds one row may run before it is reported failed")  # fmt: skip
     args = p.parse_args(argv)
     vocab = "512" if args.dry else "151936"
-    rows: dict[str, dict[str, float] | None] = {}
+    ref = megatron_row(args.iters, args.dry, vocab, args.row_timeout)
+    flops = _megatron_flops(ref)
+    lines, peaks = [], []
     for level in args.levels:
-        rows[f"anyspeed level {level}"] = anyspeed_row(level, args.iters, args.dry, vocab)
-    rows["megatron local"] = megatron_row(args.iters, args.dry, vocab)
-    lines = table(rows)
-    print("\n".join(lines), flush=True)
+        r = anyspeed_row(level, args.iters, args.dry, vocab, args.row_timeout)
+        if r.get("mfu"):  # the device's peak TFLOP/s that anyspeed's MFU line used
+            peaks.append(r["tflops"] / (r["mfu"] / 100))
+        lines.append(line(f"anyspeed level {level}", r, flops))
+        print(lines[-1], flush=True)
+    if flops and peaks and "mfu" not in ref:  # Megatron prints TFLOP/s, not MFU
+        ref = dict(ref, tflops=ref["megatron_tflops"], mfu=ref["megatron_tflops"] / peaks[0] * 100)
+    lines.append(line("megatron local", ref, flops))
+    print(lines[-1], flush=True)
     return lines
 
 

@@ -43,3 +43,43 @@ def test_mfu_by_megatrons_flops_where_its_row_ran():
     assert float(line.split("MFU")[1].split("%")[0]) == pytest.approx(
         31.25, abs=0.1
     )  # printed to 0.1
+
+
+def test_a_failed_row_is_one_line_and_the_others_still_print(capsys):
+    """A row whose program fails, runs past its time or prints no iteration reports one line;
+    the script goes on with the other rows."""
+    import sys
+
+    bench = _load()
+    failed = bench._run("x", [sys.executable, "-c", "import sys; sys.exit('boom')"], 60, 0)
+    assert failed == {"error": "exit 1: boom"}
+    slow = bench._run("x", [sys.executable, "-c", "import time; time.sleep(30)"], 1, 0)
+    assert slow == {"error": "ran past --row-timeout 1 s"}
+    silent = bench._run("x", [sys.executable, "-c", "print('hello')"], 60, 0)
+    assert silent["error"].startswith("no iteration lines")
+    assert bench.line("anyspeed level 2", failed, None) == "anyspeed level 2 failed: exit 1: boom"
+
+
+def test_megatrons_row_runs_first_and_gets_the_peak_of_anyspeeds_rows(monkeypatch, capsys):
+    """Megatron's line gives TFLOP/s, not MFU: its MFU is its TFLOP/s over the peak that
+    anyspeed's rows used (40 TFLOP/s at 20% -> 200), 50 / 200 = 25%; a failed level still
+    leaves the other rows' lines."""
+    bench = _load()
+    order = []
+    ref = dict(ms=100.0, tokens=800.0, megatron_tflops=50.0, peak=1.0)
+    monkeypatch.setattr(bench, "megatron_row", lambda *a: order.append("megatron") or ref)
+
+    def level(lvl, *a):
+        order.append(lvl)
+        if lvl == 1:
+            return {"error": "exit 1: out of memory"}
+        return dict(ms=80.0, tokens=1000.0, tflops=40.0, mfu=20.0, peak=1.0)
+
+    monkeypatch.setattr(bench, "anyspeed_row", level)
+    lines = bench.main(["--levels", "0", "1", "2"])
+    assert order == ["megatron", 0, 1, 2]
+    assert "failed: exit 1: out of memory" in lines[1]
+    assert float(lines[0].split("MFU")[1].split("%")[0]) == pytest.approx(31.2, abs=0.1)
+    assert lines[3].startswith("megatron local")
+    assert float(lines[3].split("MFU")[1].split("%")[0]) == pytest.approx(25.0, abs=0.1)
+    assert capsys.readouterr().out.splitlines() == lines  # each printed as its row ended
