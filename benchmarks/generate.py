@@ -1,15 +1,17 @@
 """Decode speed: anyspeed's KV-cache generation vs no cache vs transformers' ``generate``.
 
 One random Llama-style model (default 4 layers, hidden 512, 8 heads / 4 KV groups, vocab 4096)
-is saved as a Hugging Face directory and converted to Megatron once. In one process (the same
-threads for every row) it greedily decodes ``--new-tokens`` (256) after a ``--prompt-tokens``
+is saved as a Hugging Face directory and converted to Megatron once. With the same threads for
+every row it greedily decodes ``--new-tokens`` (256) after a ``--prompt-tokens``
 prompt: with Megatron's static KV cache, without it (every step re-runs the whole sequence),
 and with transformers' ``generate(do_sample=False)`` (its default dynamic cache, SDPA
 attention, under ``torch.inference_mode`` like anyspeed's loop). Rows are interleaved round by
 round and each keeps its best of ``--repeats`` rounds (this VM's speed drifts by tens of percent
 within minutes). Two more rows decode with anyspeed's KV cache without packed weights and with
 the cache in its other memory order (Megatron's on a CPU, the lean step's elsewhere). Tokens are
-checked equal; the table gives new tokens per second and ratios.
+checked equal; the table gives new tokens per second and ratios. transformers runs in a process
+of its own, driven round by round with the others: as in a transformers user's process,
+nothing of anyspeed's (its adaptor's patches, its models' memory) is in it.
 
     python benchmarks/generate.py [--new-tokens 256] [--hidden 512] [--layers 4] [--batch 1]
 """
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import tempfile
 import time
+from typing import Any, NamedTuple
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -100,8 +104,52 @@ def _timed(fns: dict, repeats: int, slow: str = "nokv") -> dict:
                 continue
             t0 = time.perf_counter()
             out = fn()
-            best[k] = (min(best[k][0], time.perf_counter() - t0), out)
+            took = time.perf_counter() - t0
+            if isinstance(out, _Took):  # timed where it ran
+                took, out = out
+            best[k] = (min(best[k][0], took), out)
     return best
+
+
+class _Took(NamedTuple):
+    seconds: float
+    out: Any
+
+
+class _HfProcess:
+    """transformers' rows in a process of their own, driven round by round from the rank's
+    and timed there: a transformers user's process has none of anyspeed's adaptor patches or
+    models in it."""
+
+    def __init__(self, hf: str, prompts: list[list[int]], new: int, threads: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        args = (child, hf, prompts, new, threads)
+        self.proc = ctx.Process(target=_hf_serve, args=args, daemon=True)
+        self.proc.start()
+        child.close()
+
+    def row(self, key: str):  # noqa: ANN201 - a no-argument callable
+        def run() -> _Took:
+            self.conn.send(key)
+            return _Took(*self.conn.recv())
+
+        return run
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(60)
+
+
+def _hf_serve(conn: Any, hf: str, prompts: list[list[int]], new: int, threads: int) -> None:
+    """The transformers process: runs the row it is sent, answers (seconds, tokens)."""
+    torch.set_num_threads(threads)
+    fns = {key: _hf_generate(hf, prompts, new, copied)
+           for key, copied in (("hf", False), ("hf_copied", True))}  # fmt: skip
+    while (key := conn.recv()) is not None:
+        t0 = time.perf_counter()
+        out = fns[key]()
+        conn.send((time.perf_counter() - t0, out))
 
 
 def _hf_generate(hf: str, prompts: list[list[int]], new: int, copied: bool):
@@ -172,12 +220,16 @@ def _run(hf: str, mg: str, prompts: list[list[int]], new: int, repeats: int, thr
     transpose_for_decode(plain)
     fns["kv_plain"] = lambda: generate(plain, prompts, Request(new, use_kv_cache=True))
     fns["kv_order"] = _other_cache_order(lambda: generate(model, prompts, Request(new)))
-    for key, copied in (("hf", False), ("hf_copied", True)):
-        fns[key] = _hf_generate(hf, prompts, new, copied)
+    hf_rows = _HfProcess(hf, prompts, new, threads)
+    for key in ("hf", "hf_copied"):
+        fns[key] = hf_rows.row(key)
     if len(prompts) == 1:  # one row: each step streams every weight once
         fns["prefill"] = lambda: generate(model, prompts, Request(1, use_kv_cache=True))
         fns.update(_bandwidth_rows(weight_bytes))
-    out = _timed(fns, repeats)
+    try:
+        out = _timed(fns, repeats)
+    finally:
+        hf_rows.close()
     out["threads"] = torch.get_num_threads()
     out["step_order"] = torch_device().type in decode_step.STEP_ORDER_DEVICES
     return out
