@@ -12,7 +12,8 @@
 # to $OUT/<name>.log: gpu (benchmarks/gpu.py, training MFU), generate (benchmarks/generate.py
 # at batch 64, decode against transformers) and check (scripts/gpu_check.py, CUDA parity).
 # GPU_ARGS adds arguments to benchmarks/gpu.py (--dry: the tiny model, to try this script).
-# A device call: command "bash scripts/device.sh run gpu", carry [".whl", "mlm"].
+# A device call: command "bash scripts/device.sh run gpu", carry [".whl", "mlm"]. A session's
+# 15 device minutes fit a machine's start, `run gpu` (560 s at most) and `run generate` (180 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,7 +56,7 @@ run() {
     'megatron-core', m.__version__)" || exit 1
   case "$what" in
     gpu) step gpu "${GPU_LIMIT:-560}" python3 benchmarks/gpu.py --row-timeout 130 ${GPU_ARGS:-} ;;
-    generate) step generate "${GEN_LIMIT:-300}" python3 benchmarks/generate.py --batch 64 \
+    generate) step generate "${GEN_LIMIT:-180}" python3 benchmarks/generate.py --batch 64 \
       --new-tokens 64 --repeats 3 --no-nocache ;;
     check) step check "${CHECK_LIMIT:-400}" python3 scripts/gpu_check.py ;;
     all) run gpu && run generate && run check ;;
