@@ -24,7 +24,9 @@ def test_dry_run_prints_a_row_per_level():
     assert [ln.split()[2] for ln in lines[:3]] == ["0", "1", "2"]
     for line in lines[:3]:
         tokens = float(line.split()[3])
-        assert tokens > 0 and "MFU" in line and "anyspeed's FLOPs" in line
+        # MFU by anyspeed's FLOPs, or n/a where this CPU's bf16 peak could not be measured
+        # (a machine busy with other tests)
+        assert tokens > 0 and ("anyspeed's FLOPs" in line or "MFU   n/a" in line), line
     assert lines[3].startswith("megatron local") and "skipped" in lines[3]
 
 

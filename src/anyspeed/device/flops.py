@@ -6,7 +6,10 @@ under ``~/.cache/anyspeed/peak_flops.json`` (keyed by device name, CPU capabilit
 thread count: an AVX2-only CPU and an AVX512-BF16 one of the same name differ 60-fold in bf16).
 On a CPU only bursts in which the process had its cores to itself count: a peak measured while
 other work ran would be low and inflate MFU (52-84% for a hidden-64 model), so a machine busy
-throughout gives no peak and no MFU, and nothing is cached. :class:`Peak` says where it came from.
+throughout gives no peak and no MFU, and nothing is cached. Its cores are those the product
+keeps busy, counted from its threads' CPU times (oneDNN's AMX bf16 product keeps one of two
+busy: counted against two, an idle machine looked busy and bf16 MFU was never shown).
+:class:`Peak` says where it came from.
 
 A measured peak is the best rate over the run's dtype *and* fp32: half-precision work also runs
 on fp32 units (on a CPU without bf16 matmul kernels much of a bf16 step does), so the dtype's own
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +96,8 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5
     # The best of several short bursts, not one long average: on a shared machine another
     # process's burst only spoils the bursts it overlaps, and a cached peak lasts.
     cores = torch.get_num_threads() if dev.type == "cpu" else 0
+    if cores > 1:
+        cores, n, a, b = _all_threads(cores, n, a, b, seconds)
     best, begin, cpu_begin = None, time.perf_counter(), time.process_time()
     while time.perf_counter() - begin < seconds:
         iters, start, cpu = 0, time.perf_counter(), time.process_time()
@@ -111,6 +117,55 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5
     ):
         return None  # busy throughout: a lucky burst is no evidence of the free rate
     return best
+
+
+def _thread_ticks() -> dict[int, int] | None:
+    """CPU clock ticks (user + system) of each thread of this process; None off Linux."""
+    ticks = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
+            ticks[int(tid)] = int(fields[11]) + int(fields[12])  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
+    return ticks
+
+
+def busy_threads(fn: Callable[[], object], seconds: float = 0.1) -> int | None:
+    """How many of this process's threads ``fn``, called for ``seconds``, keeps busy: those
+    with at least 30% of the busiest one's CPU time (contention slows them all alike, so the
+    count holds on a shared machine); None where threads' times cannot be read."""
+    before = _thread_ticks()
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+    after = _thread_ticks()
+    if before is None or after is None:
+        return None
+    spent = [t - before.get(tid, 0) for tid, t in after.items()]
+    top = max(spent, default=0)
+    return sum(s >= 0.3 * top for s in spent) if top > 0 else None
+
+
+def _all_threads(
+    cores: int, n: int, a: torch.Tensor, b: torch.Tensor, seconds: float
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The threads the CPU product ``a @ b`` keeps busy, its size and operands: one that keeps
+    fewer than ``cores`` busy is tried at up to 4x the size while a product stays within
+    1/128 of ``seconds`` (oneDNN runs a 1024^2 AMX bf16 product on one thread of two at 1.3
+    TFLOP/s, a 2048^2 one on both at 2.3). The threads the last one keeps busy are its cores."""
+    used = busy_threads(lambda: a @ b) or cores
+    while used < cores and n < 4096:
+        start = time.perf_counter()
+        a @ b
+        if (time.perf_counter() - start) * 8 > seconds / 16:  # the next size: 8x the work
+            break
+        n *= 2
+        a, b = torch.randn(n, n).to(a.dtype), torch.randn(n, n).to(a.dtype)
+        a @ b
+        used = busy_threads(lambda x=a, y=b: x @ y) or cores
+    return min(cores, used), n, a, b
 
 
 def _datasheet(dtype: torch.dtype) -> float | None:
