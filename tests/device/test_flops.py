@@ -175,65 +175,57 @@ def test_busy_threads_counts_the_threads_a_kernel_keeps_busy():
         torch.set_num_threads(saved)
 
 
-@pytest.mark.alone
-def test_a_product_on_fewer_threads_than_torchs_is_not_taken_for_contention(monkeypatch):
-    """oneDNN's AMX bf16 product runs on one thread whatever torch's count: measured against
-    two threads, an idle machine looked busy throughout and bf16 MFU was never shown. Here a
-    product forced onto one thread stands in for it."""
+def _measured_with_small_products_on_one_thread(
+    monkeypatch: pytest.MonkeyPatch, below: int, seconds: float, sizes: list[list[int]]
+) -> list[float | None]:
+    """Three fp32 measurements at two torch threads, starting at 256^2, with every product of
+    under ``below``^2 forced onto one thread (as oneDNN runs a 1024^2 AMX bf16 product); the
+    sizes each measurement multiplied at go to ``sizes``. A few tries: the machine running
+    the tests may itself be shared."""
     import os
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core")
-    saved = torch.get_num_threads()
 
-    def one_thread(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        sizes[-1].append(a.shape[0])
+        if a.shape[0] >= below:
+            return torch.mm(a, b)
         torch.set_num_threads(1)
         try:
             return torch.mm(a, b)
         finally:
             torch.set_num_threads(2)
 
+    saved, rates = torch.get_num_threads(), []
     torch.set_num_threads(2)
-    monkeypatch.setattr(torch.Tensor, "__matmul__", one_thread)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", product)
     try:
-        # a few tries: the machine running the tests may itself be shared
-        rates = [flops.measure_matmul_flops(torch.float32, n=256, seconds=0.2) for _ in range(3)]
+        for _ in range(3):
+            sizes.append([])
+            rates.append(flops.measure_matmul_flops(torch.float32, n=256, seconds=seconds))
     finally:
         torch.set_num_threads(saved)
+    return rates
+
+
+@pytest.mark.alone
+def test_a_product_on_fewer_threads_than_torchs_is_not_taken_for_contention(monkeypatch):
+    """oneDNN's AMX bf16 product runs on one thread of two up to 1024^2: measured against two
+    threads, an idle machine looked busy throughout and bf16 MFU was never shown. Here every
+    product is forced onto one thread."""
+    rates = _measured_with_small_products_on_one_thread(monkeypatch, 1 << 30, 0.2, [])
     assert max(r or 0.0 for r in rates) > 1e8
 
 
 @pytest.mark.alone
 def test_a_product_that_keeps_all_threads_busy_only_when_larger_is_measured_larger(monkeypatch):
     """oneDNN runs a 1024^2 AMX bf16 product on one thread of two (1.3 TFLOP/s) and a 2048^2
-    one on both (2.3): measured at the small size, the peak was half the device's. Here a
-    product below 512^2 forced onto one thread stands in for it: the bursts run at 512^2."""
-    import os
-
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one core")
-    saved, sizes = torch.get_num_threads(), []
-
-    def small_on_one_thread(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        sizes.append(a.shape[0])
-        if a.shape[0] >= 512:
-            return torch.mm(a, b)
-        torch.set_num_threads(1)
-        try:
-            return torch.mm(a, b)
-        finally:
-            torch.set_num_threads(2)
-
-    torch.set_num_threads(2)
-    monkeypatch.setattr(torch.Tensor, "__matmul__", small_on_one_thread)
-    rates = []
-    try:
-        for _ in range(3):  # a few tries: the machine running the tests may itself be shared
-            sizes.clear()
-            rates.append(flops.measure_matmul_flops(torch.float32, n=256, seconds=0.3))
-            # 256^2 until it is seen on one thread, then 512^2 only: every timed burst at 512
-            switch = sizes.index(512)
-            assert set(sizes[:switch]) == {256} and set(sizes[switch:]) == {512}
-    finally:
-        torch.set_num_threads(saved)
+    one on both (2.3): measured at the small size, the peak was half the device's. Here
+    products under 512^2 are forced onto one thread: every timed burst runs at 512^2."""
+    sizes: list[list[int]] = []
+    rates = _measured_with_small_products_on_one_thread(monkeypatch, 512, 0.3, sizes)
     assert max(r or 0.0 for r in rates) > 1e8
+    for seen in sizes:  # 256^2 until seen on one thread, then 512^2 only
+        switch = seen.index(512)
+        assert set(seen[:switch]) == {256} and set(seen[switch:]) == {512}
