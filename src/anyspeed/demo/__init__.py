@@ -43,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
         "--train-iters",
         type=int,
         default=None,
-        help="training iterations (default 400; 100 with --sft; 40 DPO iterations with --dpo)",
+        help="training iterations (default 400; 100 with --sft; 40 DPO iterations with --dpo; "
+        "80 GRPO steps with --tools)",
     )
     p.add_argument(
         "--corpus-mb",

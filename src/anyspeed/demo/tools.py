@@ -177,7 +177,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return 1
     save = os.path.join(args.workdir, "tools-checkpoints")
     metrics = fresh_metrics(os.path.join(args.workdir, "tools-metrics.jsonl"))
-    steps = args.train_iters or 50
+    # 80 steps: on an AVX2 CPU the reward rose 0.42 -> 0.84 within 50; on a Sapphire Rapids
+    # one (other float sums, another SFT model) it was 0.50 at 50 and 0.68 at 80
+    steps = args.train_iters or 80
     cmd = [
         "--stage",
         "grpo",
