@@ -144,8 +144,10 @@ class _HfProcess:
 def _hf_serve(conn: Any, hf: str, prompts: list[list[int]], new: int, threads: int) -> None:
     """The transformers process: runs the row it is sent, answers (seconds, tokens)."""
     torch.set_num_threads(threads)
-    fns = {key: _hf_generate(hf, prompts, new, copied)
-           for key, copied in (("hf", False), ("hf_copied", True))}  # fmt: skip
+    fns = {
+        key: _hf_generate(hf, prompts, new, copied)
+        for key, copied in (("hf", False), ("hf_copied", True))
+    }
     while (key := conn.recv()) is not None:
         t0 = time.perf_counter()
         out = fns[key]()

@@ -79,8 +79,10 @@ def _run(name: str, cmd: list[str], timeout: int, skip: int, env: dict | None = 
     text = res.stdout + res.stderr
     if res.returncode:
         tail = [ln for ln in res.stderr.splitlines() if ln.strip()][-1:] or ["(no output)"]
-        print(f"{name}: exit {res.returncode}; its output's end:\n{text[-3000:]}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        end = text[-3000:]
+        print(
+            f"{name}: exit {res.returncode}; its output's end:\n{end}", file=sys.stderr, flush=True
+        )
         return {"error": f"exit {res.returncode}: {tail[0][:160]}"}
     try:
         return parse(text, skip)
@@ -151,8 +153,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--dry", action="store_true", help="a tiny model on this machine's device")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--levels", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--row-timeout", type=int, default=1200,
-                   help="seconds one row may run before it is reported failed")  # fmt: skip
+    p.add_argument(
+        "--row-timeout",
+        type=int,
+        default=1200,
+        help="seconds one row may run before it is reported failed",
+    )
     args = p.parse_args(argv)
     vocab = "512" if args.dry else "151936"
     ref = megatron_row(args.iters, args.dry, vocab, args.row_timeout)
