@@ -16,6 +16,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("ANYSPEED_SHARED_RANKS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ``import helpers...``
 
+# Megatron-Core as anyspeed's commands and ranks import it: off CUDA its jit_fuser is a no-op
+# (test modules import it at collection, before any adaptor is applied).
+from anyspeed.device.jit import keep_megatron_jit_off  # noqa: E402
+
+keep_megatron_jit_off(unless_cuda=True)
+
 
 @pytest.fixture(scope="session", name="hf_tok")
 def hf_tok_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -70,12 +70,20 @@ def _models(argv: Sequence[str]) -> int:
     return 0
 
 
-def _run(module: str, function: str = "main", prefix: Sequence[str] = ()):
-    """A command that imports ``module`` only when it runs (start-up stays fast)."""
+def _run(module: str, function: str = "main", prefix: Sequence[str] = (), megatron: bool = True):
+    """A command that imports ``module`` only when it runs (start-up stays fast); ``megatron``:
+    it may import Megatron-Core (the commands without torch say False)."""
 
     def call(argv: Sequence[str]) -> int:
         import importlib
 
+        if megatron:  # (anyspeed.device imports torch)
+            from anyspeed.device.jit import keep_megatron_jit_off
+
+            # Commands read data and checkpoints with Megatron-Core's code before the adaptor
+            # is applied: its jit_fuser would import TorchDynamo (1.3 s) on a device without
+            # CUDA, which never calls the functions it decorates.
+            keep_megatron_jit_off(unless_cuda=True)
         return getattr(importlib.import_module(module), function)([*prefix, *argv])
 
     return call
@@ -86,8 +94,10 @@ COMMANDS = {
     "pretrain": _run("anyspeed.commands.train", "pretrain"),
     "posttrain": _run("anyspeed.commands.train", "posttrain"),
     "fsdp2": _run("anyspeed.commands.fsdp2"),
-    "preprocess": _run("anyspeed.commands.preprocess", prefix=["preprocess"]),
-    "train-tokenizer": _run("anyspeed.commands.preprocess", prefix=["train-tokenizer"]),
+    "preprocess": _run("anyspeed.commands.preprocess", prefix=["preprocess"], megatron=False),
+    "train-tokenizer": _run(
+        "anyspeed.commands.preprocess", prefix=["train-tokenizer"], megatron=False
+    ),
     "convert": _run("anyspeed.commands.convert"),
     "models": _models,
     "memory": _run("anyspeed.commands.memory"),

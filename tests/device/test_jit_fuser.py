@@ -63,3 +63,26 @@ def test_torch_compile_runs_under_the_cpu_stand_in(tmp_path) -> None:  # noqa: A
                          text=True, timeout=300, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["SimpleNamespace", "True"], out.stdout
+
+
+CLI_PROBE = """
+import sys, types
+sys.path.insert(0, sys.argv[1])
+from anyspeed import cli
+rc = cli._run("probe_command")([])  # how `anyspeed <command>` runs a command's module
+from megatron.core.fusions import fused_bias_swiglu as f
+print(rc, isinstance(f.swiglu, types.FunctionType), "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA Megatron keeps torch.compile")
+def test_a_command_that_imports_megatron_first_keeps_its_jit_off(tmp_path) -> None:  # noqa: ANN001
+    """A command whose module imports Megatron-Core before any adaptor is applied (as
+    ``convert`` and the data checks of ``pretrain`` do) still gets the no-op decorator."""
+    (tmp_path / "probe_command.py").write_text(
+        "import megatron.core.models.gpt  # noqa: F401\n\n\ndef main(argv):\n    return 0\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", CLI_PROBE, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "True", "False"], out.stdout

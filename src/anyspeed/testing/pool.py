@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from anyspeed.device.jit import keep_megatron_jit_off
 from anyspeed.testing.faults import crash_report, record_faults
 
 ENV = "ANYSPEED_SHARED_RANKS"
@@ -74,6 +75,7 @@ def _serve(rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threa
     )
     base = dict(os.environ)
     parent = os.getppid()
+    keep_megatron_jit_off(unless_cuda=True)  # a task's module may import Megatron-Core
     import torch
 
     torch.set_num_threads(threads)
