@@ -13,6 +13,7 @@ import time
 import pytest
 
 from anyspeed.demo import grpo, ppo
+from helpers import timing
 
 
 def test_pairs_prefer_the_credited_answer_to_the_bare_and_the_wrong_sum():
@@ -48,5 +49,6 @@ def test_ppo_demo_raises_the_reward_models_score(tmp_path):
     r0, r1, _, ev_best, _, loss0, loss1 = map(float, re.findall(r"-?\d+\.\d+", line)[:7])
     # the critic explained the returns while they varied, and ends fitting them closely (once
     # the policy settles the returns hardly vary and the explained variance is noise around 0)
-    assert r1 >= r0 + 0.2 and ev_best > 0.3 and loss1 < 0.1 * loss0 and took < 600, (line, took)
+    assert r1 >= r0 + 0.2 and ev_best > 0.3 and loss1 < 0.1 * loss0, line
+    assert timing.within(took, 600), took
     assert all(x.startswith("anyspeed") for x in out.stderr.splitlines()), out.stderr
