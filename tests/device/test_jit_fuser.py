@@ -71,18 +71,23 @@ sys.path.insert(0, sys.argv[1])
 from anyspeed import cli
 rc = cli._run("probe_command")([])  # how `anyspeed <command>` runs a command's module
 from megatron.core.fusions import fused_bias_swiglu as f
-print(rc, isinstance(f.swiglu, types.FunctionType), "torch._dynamo" in sys.modules)
+plain = isinstance(f.swiglu, types.FunctionType) and not hasattr(f.swiglu, "__wrapped__")
+print(rc, plain, "torch._dynamo" in sys.modules)  # torch.compile wraps it (functools.wraps)
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA Megatron keeps torch.compile")
-def test_a_command_that_imports_megatron_first_keeps_its_jit_off(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_command_that_imports_megatron_first_keeps_its_jit_off(tmp_path, device) -> None:  # noqa: ANN001
     """A command whose module imports Megatron-Core before any adaptor is applied (as
-    ``convert`` and the data checks of ``pretrain`` do) still gets the no-op decorator."""
+    ``convert`` and the data checks of ``pretrain`` do) still gets the no-op decorator; where
+    the device is CUDA (forced here by ``ANYSPEED_DEVICE``), Megatron keeps torch.compile."""
     (tmp_path / "probe_command.py").write_text(
         "import megatron.core.models.gpt  # noqa: F401\n\n\ndef main(argv):\n    return 0\n"
     )
+    env = dict(os.environ, ANYSPEED_DEVICE=device)
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", CLI_PROBE, str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["0", "True", "False"], out.stdout
+    off = device == "cpu"
+    assert out.stdout.split() == ["0", str(off), str(not off)], out.stdout

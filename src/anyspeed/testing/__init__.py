@@ -53,8 +53,9 @@ def _entry(fn, rank, world, port, q, kwargs, env, threads):
         # argv): the adaptor applies it, and a rank that imports the one-line shim reads it.
         argv = kwargs.pop("_argv", [])
         sys.argv = [sys.argv[0], *argv]
-        from anyspeed import adaptor
+        from anyspeed import adaptor, quiet
 
+        quiet.install()  # as anyspeed's own ranks are: no wall of Megatron's fallback notices
         adaptor.apply(argv=argv)
         result = fn(**kwargs)
         # Plain pickle (not torch's shared-memory reducer): the bytes outlive this process.
