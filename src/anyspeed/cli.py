@@ -78,7 +78,13 @@ def _run(module: str, function: str = "main", prefix: Sequence[str] = (), megatr
         import importlib
 
         if megatron:  # (anyspeed.device imports torch)
+            from anyspeed.device import forced_type
             from anyspeed.device.jit import keep_megatron_jit_off
+
+            try:
+                forced_type()  # a bad ANYSPEED_DEVICE: one line, before any work
+            except UsageError as exc:
+                return report("anyspeed", exc)
 
             # Commands read data and checkpoints with Megatron-Core's code before the adaptor
             # is applied: its jit_fuser would import TorchDynamo (1.3 s) on a device without

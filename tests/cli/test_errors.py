@@ -39,3 +39,25 @@ def test_report_prints_first_line_and_returns_code(capsys):
 def test_commands_share_the_type():
     assert DataUsageError is UsageError
     assert issubclass(ConvertError, UsageError) and issubclass(UsageError, ValueError)
+
+
+@pytest.mark.parametrize("value", ["foo", "cuda:0"])
+@pytest.mark.parametrize("command", ["convert", "pretrain", "generate"])
+def test_a_bad_anyspeed_device_is_one_line_before_any_work(command, value, monkeypatch, capsys):
+    """``ANYSPEED_DEVICE`` that torch does not know as a device type: one line and exit 2 (it
+    was torch's traceback from inside the command)."""
+    from anyspeed import cli
+
+    monkeypatch.setenv("ANYSPEED_DEVICE", value)
+    assert cli.main([command, "--load", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"anyspeed: error: ANYSPEED_DEVICE={value}:"), err
+
+
+def test_a_device_type_torch_knows_is_taken(monkeypatch):
+    from anyspeed.device import forced_type
+
+    monkeypatch.setenv("ANYSPEED_DEVICE", " CPU ")
+    assert forced_type() == "cpu"
+    monkeypatch.delenv("ANYSPEED_DEVICE")
+    assert forced_type() == ""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceInfo", "detect", "torch_device"]
+__all__ = ["DeviceInfo", "detect", "forced_type", "torch_device"]
 
 # Default process-group backend per device type.
 _DIST_BACKEND = {"cuda": "nccl", "cpu": "gloo", "npu": "hccl", "xpu": "xccl", "mps": "gloo"}
@@ -49,10 +49,30 @@ def _dist_backend(dev_type: str) -> str:
         return "gloo"
 
 
+def forced_type() -> str:
+    """``ANYSPEED_DEVICE`` ("" when unset); UsageError (one line) for a value that is not a
+    device type torch knows, before anything is built on it."""
+    from anyspeed.errors import UsageError
+
+    forced = os.environ.get("ANYSPEED_DEVICE", "").strip().lower()
+    if not forced:
+        return ""
+    try:
+        ok = torch.device(forced).type == forced and ":" not in forced
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise UsageError(
+            f"ANYSPEED_DEVICE={forced}: not a device type torch knows; use cpu, cuda or another "
+            "torch device type without an index (cuda, not cuda:0), or unset it"
+        )
+    return forced
+
+
 @functools.cache
 def detect() -> DeviceInfo:
     """Detect the device. ``ANYSPEED_DEVICE=cpu`` (or another type) forces a choice."""
-    forced = os.environ.get("ANYSPEED_DEVICE", "").strip().lower()
+    forced = forced_type()
     if forced:
         dev_type = forced
     elif torch.cuda.is_available():
