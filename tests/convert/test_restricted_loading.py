@@ -336,3 +336,31 @@ def test_checkpoint_with_megatron_lm_args_converts_to_hf(tmp_path):
     # --hf-cfg-dir holding the model's own config.json: the same model, however each spells it
     again = megatron_to_hf(mg, tmp_path / "again", tmp_path / "hf", model_type_hf="qwen25")
     assert json.loads((again / "config.json").read_text()) == orig
+
+
+def test_a_refused_metadata_is_the_error_where_torch_drops_it(good, tmp_path):
+    """torch before 2.13 swallows ``read_metadata``'s error and fails on "metadata is None"
+    (seen with 2.11); the wrapped ``_load_state_dict`` fails with the refusal instead."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from anyspeed.features.compat import safe_loading
+
+    ckpt = _planted(".metadata", good, tmp_path, tmp_path / "code-ran")
+
+    def torch_before_2_13(*_: object) -> None:
+        try:
+            safe_loading.read_metadata(FileSystemReader(str(ckpt)))
+        except Exception:  # noqa: BLE001 - what torch 2.11 does
+            pass
+        raise AssertionError("metadata is None")
+
+    with pytest.raises(UnsafePickleError) as info:
+        safe_loading.carrying_refusal(torch_before_2_13)()
+    _one_line(info.value, REFUSED)
+    assert not (tmp_path / "code-ran").exists()
+
+    def other_failure(*_: object) -> None:
+        raise KeyError("not a refusal")
+
+    with pytest.raises(KeyError):  # an error that is no refusal passes through as it is
+        safe_loading.carrying_refusal(other_failure)()

@@ -215,7 +215,8 @@ def test_yarn_scaling_of_a_deepseek_config_is_transformers(mscales):
         _yarn_get_mscale,
     )
     from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
     yarn = {k: v for k, v in DEEPSEEK_YARN.items() if k not in ("mscale", "mscale_all_dim")}
     cfg = _config("deepseek_v3", dict(max_position_embeddings=163840,

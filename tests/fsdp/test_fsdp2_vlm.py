@@ -41,7 +41,12 @@ def test_conversations_render_as_the_processor_says(vlm: tuple[str, str]) -> Non
     model_dir, data = vlm
     src = ConversationSource(data, 256, model_dir, "", 10**8)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    proc = AutoImageProcessor.from_pretrained(model_dir)
+    try:
+        proc = AutoImageProcessor.from_pretrained(model_dir)
+    except ImportError:  # transformers 5.17's Auto class needs torchvision; its PIL one not
+        import transformers
+
+        proc = transformers.Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     records = json.loads(open(data).read())
     for i, record in enumerate(records):
@@ -89,3 +94,38 @@ def test_dp2_equals_one_process_and_frozen_tower(tmp_path, vlm: tuple[str, str])
         if k.startswith("model.visual."):
             assert torch.equal(trained[k], start[k]), k
     assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
+
+
+def test_an_image_processor_that_needs_torchvision_falls_back_to_pil(vlm: tuple[str, str]):
+    """transformers 5.17's ``AutoImageProcessor`` needs torchvision; the PIL processor reads the
+    same settings. Any other import failure is one line naming the fix."""
+    import transformers
+
+    from anyspeed.errors import UsageError
+    from anyspeed.fsdp.mm_data import _image_processor
+
+    model_dir, _ = vlm
+
+    class NeedsTorchvision:
+        @staticmethod
+        def from_pretrained(_: str) -> None:
+            raise ImportError("\nAutoImageProcessor requires the Torchvision library but ...")
+
+    proc = _image_processor(NeedsTorchvision, model_dir)
+    assert isinstance(proc, transformers.Qwen2VLImageProcessorPil)
+    assert (
+        proc.merge_size
+        == transformers.AutoConfig.from_pretrained(model_dir).vision_config.spatial_merge_size
+    )
+
+    class Broken:
+        @staticmethod
+        def from_pretrained(_: str) -> None:
+            raise ImportError("No module named 'pillow_heif'")
+
+    with pytest.raises(
+        UsageError,
+        match=r"cannot load its image processor .*pillow_heif.*pip install what it names",
+    ) as e:
+        _image_processor(Broken, model_dir)
+    assert "\n" not in str(e.value)

@@ -29,3 +29,16 @@ def hf_config(kind: str, vision_extra: dict | None = None, **text: Any) -> Any:
     cfg.image_token_id, cfg.video_token_id = IMAGE, VIDEO
     cfg.vision_start_token_id, cfg.vision_end_token_id = START, END
     return cfg
+
+
+def seconds_per_grid() -> float:
+    """The seconds per temporal grid the Qwen2.5-VL tests give their video: 0.5 (a fraction, so
+    that the time spacing is exercised) where transformers keeps it; 1.0 where transformers'
+    ``get_rope_index`` truncates it to an integer first (its bug before huggingface/transformers
+    PR 48669; 5.17 has it), which would collapse the reference's video times to one."""
+    import inspect
+
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    source = inspect.getsource(Qwen2_5_VLModel.get_rope_index)
+    return 1.0 if "int(next(second_per_grid_ts))" in source else 0.5

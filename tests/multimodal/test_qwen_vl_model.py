@@ -14,7 +14,7 @@ from anyspeed.models import gpt
 from anyspeed.models.qwen_vl.model import QwenVLModel
 from anyspeed.models.qwen_vl.positions import VisionTokens
 from anyspeed.models.qwen_vl.tower import tower_transformer_config
-from helpers.qwen_vl import END, IMAGE, START, VIDEO
+from helpers.qwen_vl import END, IMAGE, START, VIDEO, seconds_per_grid
 
 TEXT = {
     "num_hidden_layers": 2,
@@ -61,7 +61,7 @@ def _case(kind: str) -> tuple:
     ids, vision = _inputs()
     inputs = {"input_ids": ids, **vision}
     if kind == "qwen2_5_vl":
-        inputs["second_per_grid_ts"] = torch.tensor([0.5])
+        inputs["second_per_grid_ts"] = torch.tensor([seconds_per_grid()])
     types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     with torch.no_grad():
         want = hf(mm_token_type_ids=types, **inputs).logits

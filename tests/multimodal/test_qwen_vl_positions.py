@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from anyspeed.models.qwen_vl.positions import VisionTokens, mrope_positions
-from helpers.qwen_vl import END, IMAGE, START, VIDEO, hf_config
+from helpers.qwen_vl import END, IMAGE, START, VIDEO, hf_config, seconds_per_grid
 
 IMAGES = torch.tensor([[1, 8, 10], [1, 4, 4]])  # 16x20 and 8x8 px at patch 2
 VIDEOS = torch.tensor([[2, 4, 4]])  # 4 frames (temporal patch 2) of 8x8 px
@@ -42,7 +42,8 @@ def test_positions_equal_get_rope_index(kind: str) -> None:
     model = _model(kind)
     ids, mask = _batch()
     types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
-    extra = {"second_per_grid_ts": torch.tensor([0.5])} if kind == "qwen2_5_vl" else {}
+    seconds = seconds_per_grid()
+    extra = {"second_per_grid_ts": torch.tensor([seconds])} if kind == "qwen2_5_vl" else {}
     want, want_deltas = model.get_rope_index(ids, types, IMAGES, VIDEOS, attention_mask=mask,
                                              **extra)  # fmt: skip
     spec = VisionTokens(IMAGE, VIDEO, 2, 4 if kind == "qwen2_5_vl" else None)
@@ -50,7 +51,7 @@ def test_positions_equal_get_rope_index(kind: str) -> None:
     assert torch.equal(got, want)
     assert torch.equal(deltas, want_deltas)
     frames = got[0, 1][ids[1] == VIDEO].unique()  # the inputs exercise the time spacing
-    assert (frames[1] - frames[0]).item() == (2 if kind == "qwen2_5_vl" else 1)
+    assert (frames[1] - frames[0]).item() == (int(seconds * 4) if kind == "qwen2_5_vl" else 1)
 
 
 def test_a_block_that_does_not_fit_its_grid_is_refused() -> None:

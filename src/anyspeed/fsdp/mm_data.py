@@ -34,6 +34,26 @@ ROLES = {
 FAMILIES = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>"}
 
 
+def _image_processor(auto: Any, model_dir: str) -> Any:
+    """The model's image processor; with transformers before 5.25 or so, whose
+    ``AutoImageProcessor`` needs torchvision, the PIL one that reads the same settings."""
+    try:
+        return auto.from_pretrained(model_dir)
+    except ImportError as exc:
+        import transformers
+
+        pil = getattr(transformers, "Qwen2VLImageProcessorPil", None)
+        torchvision = "torchvision" in str(exc).lower()
+        if torchvision and pil is not None:
+            return pil.from_pretrained(model_dir)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(
+            f"model.model_name_or_path {model_dir!r}: transformers {transformers.__version__} "
+            f"cannot load its image processor ({first}); "
+            + ("pip install torchvision" if torchvision else "pip install what it names")
+        ) from None
+
+
 def _records(path: str) -> list[Any]:
     with open(path, encoding="utf-8") as f:
         text = f.read()
@@ -91,7 +111,7 @@ class ConversationSource:
             )
         with quiet():  # e.g. "requires torchvision, falling back to the PIL processor"
             self.tok = AutoTokenizer.from_pretrained(model_dir)
-            self.images = AutoImageProcessor.from_pretrained(model_dir)
+            self.images = _image_processor(AutoImageProcessor, model_dir)
         if not self.tok.chat_template:
             raise UsageError(f"model.model_name_or_path {model_dir!r} has no chat template")
         self.pad = FAMILIES[config.model_type]

@@ -95,14 +95,40 @@ def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     path = self._get_metadata_path(kwargs.get("rank"))
-    with self.fs.create_stream(path, "rb") as stream:
-        metadata = safe_pickle.load(stream, os.fspath(path))
-    if not isinstance(metadata, Metadata):
-        raise safe_pickle.UnsafePickleError(f"{path}: not torch.distributed.checkpoint metadata")
+    try:
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = safe_pickle.load(stream, os.fspath(path))
+        if not isinstance(metadata, Metadata):
+            raise safe_pickle.UnsafePickleError(
+                f"{path}: not torch.distributed.checkpoint metadata"
+            )
+    except safe_pickle.UnsafePickleError as exc:
+        _scope.metadata_refusal = exc  # torch before 2.13 drops it: see carrying_refusal
+        raise
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     metadata.storage_meta.load_id = self.load_id
     return metadata
+
+
+def carrying_refusal(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ``_load_state_dict`` that fails with the ``.metadata`` refusal itself. Before
+    torch 2.13 it swallows any error of ``read_metadata`` and fails on "metadata is None"."""
+
+    @functools.wraps(load_state_dict)
+    def with_the_refusal(*args: Any, **kwargs: Any) -> Any:
+        _scope.metadata_refusal = None
+        try:
+            return load_state_dict(*args, **kwargs)
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            refusal = getattr(_scope, "metadata_refusal", None)
+            if refusal is None or safe_pickle.find_refusal(exc) is not None:
+                raise
+            raise refusal from exc
+        finally:
+            _scope.metadata_refusal = None
+
+    return with_the_refusal
 
 
 def _scan_torch_save(data: bytes | str, what: str) -> None:
@@ -241,6 +267,12 @@ class SafeLoading(Feature):
             read_metadata,
             feature=self.name,
             reason="torch reads .metadata with a bare pickle.load: a planted __reduce__ would run",
+        )
+        pm.register_wrap(
+            f"{_DCP}.state_dict_loader._load_state_dict",
+            carrying_refusal,
+            feature=self.name,
+            reason="torch before 2.13 turns a refused .metadata into 'metadata is None'",
         )
         for target, why in (
             (
