@@ -22,12 +22,23 @@ print(isinstance(f.swiglu, types.FunctionType), "torch._dynamo" in sys.modules, 
 """
 
 
+def _torch_itself_imports_dynamo() -> bool:
+    """torch 2.6's ``torch.distributed.tensor.parallel`` (which Megatron imports) imports
+    TorchDynamo by itself; there only the plain functions can be checked."""
+    probe = "import sys, torch.distributed.tensor.parallel; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    return out.stdout.split() == ["True"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA Megatron keeps torch.compile")
 def test_megatron_imports_without_torch_compile_off_cuda() -> None:
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", PROBE], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "False", "True"], out.stdout
+    plain, dynamo, same = out.stdout.split()
+    assert (plain, same) == ("True", "True"), out.stdout
+    assert dynamo == "False" or _torch_itself_imports_dynamo(), out.stdout
 
 
 def test_too_late_once_megatron_imported() -> None:
@@ -90,4 +101,6 @@ def test_a_command_that_imports_megatron_first_keeps_its_jit_off(tmp_path, devic
                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     off = device == "cpu"
-    assert out.stdout.split() == ["0", str(off), str(not off)], out.stdout
+    rc, plain, dynamo = out.stdout.split()
+    assert (rc, plain) == ("0", str(off)), out.stdout
+    assert dynamo == str(not off) or (off and _torch_itself_imports_dynamo()), out.stdout

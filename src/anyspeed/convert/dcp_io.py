@@ -34,8 +34,13 @@ from anyspeed.convert.mapped import FileSink, deferred
 
 @contextlib.contextmanager
 def no_crc32() -> Iterator[None]:
-    """Skip the zip CRC-32 of ``torch.save`` (a third of its time); readers do not check it."""
-    from torch.utils.serialization import config
+    """Skip the zip CRC-32 of ``torch.save`` (a third of its time); readers do not check it.
+    torch 2.6 has no such setting: there it is computed."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        yield
+        return
 
     before = config.save.compute_crc32
     config.save.compute_crc32 = False

@@ -94,7 +94,8 @@ def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
     """FileSystemReader.read_metadata through the restricted unpickler (torch's uses pickle)."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    path = self._get_metadata_path(kwargs.get("rank"))
+    named = getattr(self, "_get_metadata_path", None)  # torch 2.6 has none (one global file)
+    path = named(kwargs.get("rank")) if named else self.fs.concat_path(self.path, ".metadata")
     try:
         with self.fs.create_stream(path, "rb") as stream:
             metadata = safe_pickle.load(stream, os.fspath(path))
