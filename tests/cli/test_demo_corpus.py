@@ -29,10 +29,10 @@ def test_held_out_documents_sample_the_corpus(tmp_path):
     texts = [json.loads(line)["text"] for line in open(path, encoding="utf-8")]
     assert len(texts) == len(names) and names[len(names) - len(held) :] == held
 
-    # Not one kind: no directory (the top level counted as one) has half of them, and at
-    # most one codec table.
-    top = Counter(os.path.dirname(n) for n in held).most_common(1)[0]
-    assert top[1] < len(held) / 2, (top, held)
+    # Not one kind: no package has half of them, and at most one codec table. The top level
+    # (unrelated modules) is no kind: in Python 3.12's library 4 of the 7 picks are there.
+    top = Counter(os.path.dirname(n) for n in held if os.path.dirname(n)).most_common(1)
+    assert not top or top[0][1] < len(held) / 2, (top, held)
     assert sum(n.startswith("encodings/") for n in held) <= 1, held
     # Typical sizes: no outlier (pydoc_data/topics.py, 12% of the corpus) stands for a set.
     median = statistics.median(len(t) for t in texts)

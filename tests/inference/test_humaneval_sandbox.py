@@ -186,6 +186,18 @@ def test_probe_names_each_missing_protection_with_a_reason() -> None:
     assert all("\n" not in line and line.startswith("HumanEval sandbox: no ") for line in lines)
 
 
+def test_every_protection_has_a_warning_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that refuses them all (the launcher's test program failed) gets a line for
+    each; ipc-namespace had none, and the warning itself raised KeyError."""
+    from anyspeed.inference.eval import execution, sandbox
+
+    monkeypatch.setattr(execution, "probe", lambda: dict.fromkeys(sandbox.PROTECTIONS, "why"))
+    lines = execution.missing_protections()
+    assert [line.split(" (")[0][len("HumanEval sandbox: no ") :] for line in lines] == list(
+        sandbox.PROTECTIONS
+    )
+
+
 def test_a_refused_protection_is_named_and_the_rest_still_hold(tmp_path: Path) -> None:
     """As root of a user namespace (a rootless container) no other uid exists: separate-user
     is reported missing with the kernel's reason, while the mount namespace still keeps files
@@ -210,3 +222,20 @@ def test_a_refused_protection_is_named_and_the_rest_still_hold(tmp_path: Path) -
     out = json.loads(proc.stdout)
     assert any(line.startswith("HumanEval sandbox: no separate-user (") for line in out["lines"])
     assert "Read-only file system" in out["reason"] and victim.read_text() == "original"
+
+
+def test_the_program_runs_on_its_own_interpreters_library() -> None:
+    """A shared-library interpreter under a private directory (pyenv's under /root) is run
+    from a mounted copy; its libpython must come from that copy too. Its RUNPATH names the
+    private path, so Python 3.12 failed to start there and 3.11 loaded the system's copy."""
+    import sysconfig
+
+    from anyspeed.inference.eval.execution import run_program
+
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        pytest.skip("a statically linked interpreter: no libpython to find")
+    code = "print([l.split()[-1] for l in open('/proc/self/maps') if 'libpython' in l][0])"
+    o = run_program("lib", code)
+    assert o.passed, o.reason
+    lib = o.output.strip()
+    assert "/.python/lib/" in lib or lib.startswith(os.path.realpath(sys.base_prefix)), lib

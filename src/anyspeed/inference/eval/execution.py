@@ -35,6 +35,8 @@ LAUNCH_GRACE = 30.0  # seconds the launcher may take to start and clean up, past
 CONSEQUENCE = {
     "pid-namespace": "a program can see every process; its leftovers are ended by the "
     "launcher walking /proc instead",
+    "ipc-namespace": "a program can leave System V IPC objects and POSIX message queues "
+    "behind, and reach the host's",
     "network-namespace": "a program can open network connections (only a Python-level "
     "guard, easy to bypass, is in the way)",
     "read-only-filesystem": "a program can write wherever its user may",

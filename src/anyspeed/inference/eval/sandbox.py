@@ -237,6 +237,9 @@ def _expose_python(cfg: dict, use: list[str]) -> str | None:
     os.mkdir(inner, 0o755)
     _mount(prefix, inner, None, 0x1000 | MS_REC)  # MS_BIND; read-only like its source
     cfg["exec"] = os.path.join(inner, os.path.relpath(real, prefix))
+    # A shared-library build (pyenv's) finds libpython by its absolute RUNPATH, under the
+    # private directory: the loader looks in the mounted copy first.
+    os.environ["LD_LIBRARY_PATH"] = os.path.join(inner, "lib")
     return None
 
 
