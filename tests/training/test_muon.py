@@ -22,7 +22,7 @@ from helpers import muon_ranks
 
 
 @pytest.mark.skipif(not hasattr(__import__("torch").optim, "Muon"),
-                    reason="the reference, torch.optim.Muon, came with torch 2.9")  # fmt: skip
+                    reason="the reference, torch.optim.Muon, is absent (torch 2.6)")  # fmt: skip
 def test_one_step_equals_torch_muon_and_adamw() -> None:
     muon = dict(momentum=0.9, coefficient_type="simple", scale_mode="shape_scaling",
                 use_nesterov=True, split_qkv=False)  # fmt: skip

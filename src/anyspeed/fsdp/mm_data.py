@@ -35,8 +35,8 @@ FAMILIES = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "qwen3_v
 
 
 def _image_processor(auto: Any, model_dir: str) -> Any:
-    """The model's image processor; with transformers before 5.25 or so, whose
-    ``AutoImageProcessor`` needs torchvision, the PIL one that reads the same settings."""
+    """The model's image processor; where ``AutoImageProcessor`` needs torchvision and it is
+    absent (transformers 5.17; 5.25 falls back by itself), the PIL one, same settings."""
     try:
         return auto.from_pretrained(model_dir)
     except ImportError as exc:
@@ -50,7 +50,7 @@ def _image_processor(auto: Any, model_dir: str) -> Any:
         raise UsageError(
             f"model.model_name_or_path {model_dir!r}: transformers {transformers.__version__} "
             f"cannot load its image processor ({first}); "
-            + ("pip install torchvision" if torchvision else "pip install what it names")
+            + ("pip install torchvision" if torchvision else "install the module it names")
         ) from None
 
 
