@@ -26,8 +26,8 @@ def _torch_itself_imports_dynamo() -> bool:
     """torch 2.6's ``torch.distributed.tensor.parallel`` (which Megatron imports) imports
     TorchDynamo by itself; there only the plain functions can be checked."""
     probe = "import sys, torch.distributed.tensor.parallel; print('torch._dynamo' in sys.modules)"
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    cmd = [sys.executable, "-W", "ignore", "-c", probe]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     return out.stdout.split() == ["True"]
 
 

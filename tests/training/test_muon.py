@@ -15,14 +15,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from anyspeed.commands.train import pretrain as main
 from anyspeed.testing import run_distributed
 from helpers import muon_ranks
 
 
-@pytest.mark.skipif(not hasattr(__import__("torch").optim, "Muon"),
-                    reason="the reference, torch.optim.Muon, is absent (torch 2.6)")  # fmt: skip
+@pytest.mark.skipif(
+    not hasattr(torch.optim, "Muon"),
+    reason="the reference, torch.optim.Muon, is absent (torch 2.6)",
+)
 def test_one_step_equals_torch_muon_and_adamw() -> None:
     muon = dict(momentum=0.9, coefficient_type="simple", scale_mode="shape_scaling",
                 use_nesterov=True, split_qkv=False)  # fmt: skip
