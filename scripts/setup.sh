@@ -11,7 +11,7 @@ fi
 VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "$VPY" -m pip install -q "torch>=2.6"
+    "$VPY" -m pip install -q "torch>=2.8"
   elif [ -n "${ANYSPEED_TORCH_INDEX:-}" ]; then
     "$VPY" -m pip install -q torch==2.13.0 --index-url "$ANYSPEED_TORCH_INDEX"
   else
@@ -19,4 +19,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$VPY" -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+# anyspeed is installed editable, so Python compiles its modules on import; where
+# PYTHONDONTWRITEBYTECODE is set (as on CI's machine) it would do so again in every process.
+"$VPY" -m compileall -q -j 0 src >/dev/null
 "$VPY" -W ignore -c "import torch, megatron.core, anyspeed; print('anyspeed ready: torch', torch.__version__)"

@@ -1,11 +1,15 @@
-"""The test harness says where a rank that crashed (SIGSEGV) died: a peer's 'connection closed'
-error alone does not, which left a crash in CI without a stack."""
+"""The test harness: where a rank that crashed (SIGSEGV) died (a peer's 'connection closed'
+error alone does not say, which left a crash in CI without a stack), and ranks forked from a
+preloaded server that start as spawned ones."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import pytest
 
-from anyspeed.testing import DistributedError, run_distributed
+from anyspeed.testing import DistributedError, forkserver, run_distributed
 from helpers import harness_ranks
 
 
@@ -16,3 +20,58 @@ def test_a_segfaulting_rank_reports_its_stack(fresh: bool) -> None:
     text = str(err.value)
     assert "rank 1 died of signal 11" in text
     assert "crash_in_named_frame" in text  # the dumped Python stack names the frame
+
+
+# The variables a rank sets for itself, and pytest's per-test one.
+_OWN = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PYTEST_CURRENT_TEST",
+}
+
+
+def _strip(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in _OWN}
+
+
+def test_a_forked_rank_starts_as_a_spawned_one() -> None:
+    """Ranks forked from the preloaded server (:mod:`anyspeed.testing.forkserver`) see the
+    caller's environment, and their global generators are seeded apart, as spawned ranks'
+    are; a call whose environment differs from the server's spawns its ranks."""
+    forked = run_distributed(harness_ranks.start_state, 2, fresh=True)
+    again = run_distributed(harness_ranks.start_state, 2, fresh=True)
+    spawned = run_distributed(harness_ranks.start_state, 2, fresh=True, env={"ANYSPEED_X": "1"})
+    assert [r["method"] for r in spawned] == ["spawn", "spawn"]
+    if forkserver.usable():
+        assert [r["method"] for r in forked] == ["forkserver", "forkserver"]
+    for f, s in zip(forked, spawned, strict=True):
+        assert s["env"].pop("ANYSPEED_X") == "1"
+        # what the rank itself set, alike; a spawned rank also inherits what readline exported
+        # in this process below os.environ (pytest imports it), the terminal's size
+        assert _strip(f["env"]).items() <= _strip(s["env"]).items()
+        assert set(_strip(s["env"])) - set(_strip(f["env"])) <= {"COLUMNS", "LINES"}
+        assert _strip(os.environ).items() <= _strip(f["env"]).items()
+        assert f["jit_off"] and s["jit_off"]  # Megatron's torch.compile decorators stayed off
+    for gen in ("torch", "numpy"):  # not the server's state, in every rank and every call
+        draws = [r[gen] for r in forked + again]
+        assert len({tuple(d) for d in draws}) == 4, gen
+        assert spawned[0][gen] != spawned[1][gen]
+
+
+def test_the_server_is_used_only_for_its_own_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variable changed since the server started (a module may have read it on import), or
+    one a call adds, sends the call to spawned ranks; so does ``ANYSPEED_TEST_FORKSERVER=0``."""
+    if not forkserver.usable():
+        pytest.skip("no fork server on this machine (CUDA, an accelerator, or not Linux)")
+    ctx, whole = forkserver.context({})
+    assert ctx.get_start_method() == "forkserver" and whole == dict(os.environ)
+    assert forkserver.context({"ANYSPEED_X": "1"})[1] is None
+    monkeypatch.setenv("ANYSPEED_X", "1")
+    assert forkserver.context({})[0].get_start_method() == "spawn"
+    monkeypatch.delenv("ANYSPEED_X")
+    monkeypatch.setenv(forkserver.ENV, "0")
+    assert forkserver.context({})[0].get_start_method() == "spawn"

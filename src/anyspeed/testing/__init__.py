@@ -17,9 +17,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from anyspeed.launch import free_port
+from anyspeed.testing import forkserver
 from anyspeed.testing.faults import crash_report, record_faults
 
 __all__ = ["run_distributed", "free_port", "DistributedError"]
@@ -29,10 +28,11 @@ class DistributedError(RuntimeError):
     """A rank failed or the group timed out."""
 
 
-def _entry(fn, rank, world, port, q, kwargs, env, threads):
+def _entry(fn, rank, world, port, q, kwargs, env, threads, whole):
     # Own process group: the parent can then end this rank *and* anything it started
     # (dist_checkpointing's writer/manager processes) in one killpg.
     os.setpgrp()
+    forkserver.adopt(whole)
     faults = record_faults()
     os.environ.update(env)
     os.environ.update(
@@ -110,12 +110,12 @@ def run_distributed(
         except BaseException:
             testing_pool.discard(pool)
             raise
-    ctx = mp.get_context("spawn")
+    ctx, whole = forkserver.context(dict(env or {}))
     q = ctx.Queue()
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, r, world_size, port, q, dict(kwargs), dict(env or {}), threads),
+            args=(fn, r, world_size, port, q, dict(kwargs), dict(env or {}), threads, whole),
             daemon=False,  # ranks may start helper processes (checkpoint writers)
         )
         for r in range(world_size)

@@ -21,9 +21,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from anyspeed.device.jit import keep_megatron_jit_off
+from anyspeed.testing import forkserver
 from anyspeed.testing.faults import crash_report, record_faults
 
 ENV = "ANYSPEED_SHARED_RANKS"
@@ -61,9 +60,12 @@ def _reset(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _serve(rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threads: int) -> None:
+def _serve(
+    rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threads: int, whole: Any
+) -> None:
     """One shared rank: run each task sent to it until it is told to stop (None)."""
     os.setpgrp()  # the parent ends this rank and what it started in one killpg
+    forkserver.adopt(whole)
     record_faults()
     os.environ.update(env)
     os.environ.update(
@@ -111,13 +113,13 @@ class Pool:
     """One world size's shared ranks."""
 
     def __init__(self, world: int, env: dict[str, str], threads: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx, whole = forkserver.context(env)
         self.q = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.procs = [
             ctx.Process(
                 target=_serve,
-                args=(r, world, self.inboxes[r], self.q, dict(env), threads),
+                args=(r, world, self.inboxes[r], self.q, dict(env), threads, whole),
                 daemon=False,
             )
             for r in range(world)
