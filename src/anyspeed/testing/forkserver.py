@@ -14,7 +14,10 @@ fork of it. A forked rank must then look like a spawned one:
   process's are (not left in the server's state, the same in every rank; the standard library's
   ``random`` reseeds itself after a fork).
 
-``ANYSPEED_TEST_FORKSERVER=0`` spawns every rank. Never used with CUDA or another accelerator:
+A forked rank writes to the standard output and error the server was started with (under
+pytest's capture, the first such test's); failures come back through the result queue, and a
+crash's stacks through :mod:`anyspeed.testing.faults`, as before. ``ANYSPEED_TEST_FORKSERVER=0``
+spawns every rank. Never used with CUDA or another accelerator:
 a process that forks after touching one cannot use it.
 """
 
