@@ -34,3 +34,10 @@ def start_state() -> dict:
         # Megatron's fused functions stayed plain (torch.compile's wrapper has __wrapped__)
         "jit_off": not hasattr(swiglu.swiglu, "__wrapped__"),
     }
+
+
+def pid() -> int:
+    """This rank's process id."""
+    import os
+
+    return os.getpid()

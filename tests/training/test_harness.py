@@ -5,6 +5,9 @@ preloaded server that start as spawned ones."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Mapping
 
 import pytest
@@ -75,3 +78,42 @@ def test_the_server_is_used_only_for_its_own_environment(monkeypatch: pytest.Mon
     monkeypatch.delenv("ANYSPEED_X")
     monkeypatch.setenv(forkserver.ENV, "0")
     assert forkserver.context({})[0].get_start_method() == "spawn"
+
+
+ORPHAN = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+os.environ["ANYSPEED_SHARED_RANKS"] = "1"
+from anyspeed.testing import run_distributed
+from helpers import harness_ranks
+print(*run_distributed(harness_ranks.pid, 2), flush=True)
+os._exit(0)  # as a pytest-xdist worker ends: no atexit hook stops the shared ranks
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_shared_ranks_end_when_their_test_process_dies() -> None:
+    """The shared ranks of a test process that ends without stopping them end by themselves,
+    forked or spawned (a forked rank's parent, the fork server, stays alive meanwhile)."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", ORPHAN, tests],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_running(p) for p in pids), "shared ranks outlived their test process"

@@ -12,6 +12,7 @@ the next call starts a new one. ``fresh=True`` always starts new ranks.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import pickle
 import queue
@@ -61,7 +62,13 @@ def _reset(threads: int) -> None:
 
 
 def _serve(
-    rank: int, world: int, inbox: Any, q: Any, env: dict[str, str], threads: int, whole: Any
+    rank: int,
+    world: int,
+    inbox: Any,
+    q: Any,
+    env: dict[str, str],
+    threads: int,
+    whole: dict[str, str] | None,
 ) -> None:
     """One shared rank: run each task sent to it until it is told to stop (None)."""
     os.setpgrp()  # the parent ends this rank and what it started in one killpg
@@ -76,12 +83,11 @@ def _serve(
         MASTER_ADDR="127.0.0.1",
     )
     base = dict(os.environ)
-    parent = os.getppid()
     keep_megatron_jit_off(unless_cuda=True)  # a task's module may import Megatron-Core
     import torch
 
     torch.set_num_threads(threads)
-    while (task := _next(inbox, parent)) is not None:
+    while (task := _next(inbox, multiprocessing.parent_process())) is not None:
         fn, kwargs, port = task
         os.environ.clear()
         os.environ.update(base, MASTER_PORT=str(port))
@@ -98,14 +104,16 @@ def _serve(
             _reset(threads)
 
 
-def _next(inbox: Any, parent: int) -> Any:
-    """The next task, or None (stop) once the test process that started this rank is gone
-    (a pytest-xdist worker ends without running atexit hooks)."""
+def _next(inbox: Any, caller: Any) -> Any:
+    """The next task, or None (stop) once the test process that started this rank is gone (a
+    pytest-xdist worker ends without running atexit hooks). ``caller`` is multiprocessing's handle
+    on it: a forked rank's parent process is the fork server, which outlives the caller while
+    its ranks hold the server's liveness pipe, so the parent's pid would never change."""
     while True:
         try:
             return inbox.get(timeout=5)
         except queue.Empty:
-            if os.getppid() != parent:
+            if caller is None or not caller.is_alive():
                 return None
 
 
