@@ -1,7 +1,7 @@
 """Test ranks forked from a server that has imported torch, Megatron-Core and anyspeed once.
 
 A spawned rank spends seconds importing torch, Megatron-Core, transformers and anyspeed (about
-4 s of CPU per rank on a 2-core VM) before it runs a test's function of a fraction of that. On a
+3-4 s of CPU per rank on a 2-core VM) before it runs a test's function of a fraction of that. On a
 CPU-only machine :func:`context` hands out multiprocessing's ``forkserver`` instead: its server
 imports :mod:`anyspeed.testing.preload` once, without applying the adaptor, and every rank is a
 fork of it. A forked rank must then look like a spawned one:
