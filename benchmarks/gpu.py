@@ -6,10 +6,12 @@ Model: the ``qwen2.5-1.5b`` preset, bf16, sequence 4096, micro batch 1, mock dat
 distributed optimizer; 10 iterations, the last 5 timed (median). Each row prints tokens/s, the
 time per iteration, MFU and the peak memory anyspeed reports. MFU is by Megatron's FLOPs formula
 where Megatron's row ran: its TFLOP/s x time gives Megatron's FLOPs per iteration, the same for
-every row. Otherwise it is anyspeed's own count. ``--dry`` runs the same rows on a tiny model
-(bf16 too) on the CPU, so the script cannot rot (a fast test runs it).
+every row. Otherwise it is anyspeed's own count. The level-2 row also profiles two untimed
+steps (``--profile``) and prints where a step's device time goes: the matrix products' share
+and the top operators. ``--dry`` runs the same rows on a tiny model (bf16 too) on the CPU, so
+the script cannot rot (a fast test runs it).
 
-    python benchmarks/gpu.py [--dry] [--iters 10] [--levels 0 1 2]
+    python benchmarks/gpu.py [--dry] [--iters 10] [--levels 0 1 2] [--profile-level 2]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ FIELDS = {
     "peak": re.compile(r"peak mem: " + NUM + " GiB"),
     "megatron_tflops": re.compile(r"throughput per GPU \(TFLOP/s/GPU\): " + NUM),
 }
+PROFILE = re.compile(r"profile of steps .*")  # anyspeed's --profile line
 
 
 def _num(m: re.Match) -> float:
@@ -70,8 +73,9 @@ def parse(text: str, skip: int) -> dict[str, float]:
 
 
 def _run(name: str, cmd: list[str], timeout: int, skip: int, env: dict | None = None) -> dict:
-    """One row's program; its medians, or ``{"error": ...}`` (one line) when it failed or ran
-    past ``timeout`` seconds, so the other rows still run and print."""
+    """One row's program; its medians (and its ``--profile`` line as ``profile``), or
+    ``{"error": ...}`` (one line) when it failed or ran past ``timeout`` seconds, so the other
+    rows still run and print."""
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -85,15 +89,29 @@ def _run(name: str, cmd: list[str], timeout: int, skip: int, env: dict | None = 
         )
         return {"error": f"exit {res.returncode}: {tail[0][:160]}"}
     try:
-        return parse(text, skip)
+        out = parse(text, skip)
     except RuntimeError as e:
         return {"error": str(e).splitlines()[0]}
+    found = PROFILE.search(text)
+    return out if found is None else dict(out, profile=found.group(0))
 
 
-def anyspeed_row(level: int, iters: int, dry: bool, vocab: str, timeout: int = 1200) -> dict:
+def profile_window(iters: int) -> list[str]:
+    """``--profile`` flags for the (up to) two steps before the timed ones (those after the
+    first ``iters // 2``), so the profiler's cost is not in the row's figures."""
+    skip = iters // 2
+    if skip < 1:
+        return []
+    return ["--profile", "--profile-step-start", str(max(0, skip - 2)), "--profile-step-end",
+            str(skip)]  # fmt: skip
+
+
+def anyspeed_row(
+    level: int, iters: int, dry: bool, vocab: str, timeout: int = 1200, profile: bool = False
+) -> dict:
     cmd = [sys.executable, "-m", "anyspeed", "pretrain", *shape(dry), *COMMON, "--vocab-size",
            vocab, "--train-iters", str(iters), "--optimization-level", str(level),
-           "--no-progress-bar"]  # fmt: skip
+           "--no-progress-bar", *(profile_window(iters) if profile else [])]  # fmt: skip
     return _run(f"level {level}", cmd, timeout, skip=iters // 2)
 
 
@@ -159,17 +177,27 @@ def main(argv: list[str] | None = None) -> list[str]:
         default=1200,
         help="seconds one row may run before it is reported failed",
     )
+    p.add_argument(
+        "--profile-level",
+        type=int,
+        default=2,
+        help="the level whose row also runs torch.profiler over two untimed steps and prints "
+        "where the step's time goes (-1: none)",
+    )
     args = p.parse_args(argv)
     vocab = "512" if args.dry else "151936"
     ref = megatron_row(args.iters, args.dry, vocab, args.row_timeout)
     flops = _megatron_flops(ref)
     lines, peaks = [], []
     for level in args.levels:
-        r = anyspeed_row(level, args.iters, args.dry, vocab, args.row_timeout)
+        profile = level == args.profile_level
+        r = anyspeed_row(level, args.iters, args.dry, vocab, args.row_timeout, profile)
         if r.get("mfu"):  # the device's peak TFLOP/s that anyspeed's MFU line used
             peaks.append(r["tflops"] / (r["mfu"] / 100))
         lines.append(line(f"anyspeed level {level}", r, flops))
         print(lines[-1], flush=True)
+        if "profile" in r:  # not a row of the table: printed, not returned
+            print(f"  level {level} {r['profile']}", flush=True)
     if flops and peaks and "mfu" not in ref:  # Megatron prints TFLOP/s, not MFU
         ref = dict(ref, tflops=ref["megatron_tflops"], mfu=ref["megatron_tflops"] / peaks[0] * 100)
     lines.append(line("megatron local", ref, flops))

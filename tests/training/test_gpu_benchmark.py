@@ -5,6 +5,7 @@ is Megatron's FLOPs per iteration over each row's time and peak."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ def _load():
     return module
 
 
-def test_dry_run_prints_a_row_per_level():
+def test_dry_run_prints_a_row_per_level(capsys):
     lines = _load().main(["--dry", "--iters", "3"])
     assert [ln.split()[2] for ln in lines[:3]] == ["0", "1", "2"]
     for line in lines[:3]:
@@ -28,6 +29,14 @@ def test_dry_run_prints_a_row_per_level():
         # (a machine busy with other tests)
         assert tokens > 0 and ("anyspeed's FLOPs" in line or "MFU   n/a" in line), line
     assert lines[3].startswith("megatron local") and "skipped" in lines[3]
+    # level 2 also profiled its one untimed step (3 // 2 = 1 untimed), printed after its row
+    printed = capsys.readouterr().out.splitlines()
+    at = printed.index(lines[2])
+    assert re.match(
+        r"  level 2 profile of steps 1-1 on rank 0: [\d.]+ ms of ops \(CPU self time\) per "
+        r"step, matrix products [\d.]+% of it; top: ",
+        printed[at + 1],
+    ), printed
 
 
 def test_mfu_by_megatrons_flops_where_its_row_ran():

@@ -74,3 +74,40 @@ def test_a_run_past_the_window_says_so(capsys) -> None:
     hook.on_end(state, True)
     out = capsys.readouterr().out
     assert "profile: no step in 2-3 ran (this run trained steps 6-8)" in out
+
+
+def test_device_time_counts_each_kernel_once() -> None:
+    """On a device torch's profiler lists each kernel twice: as its own event and inside the
+    operator that launched it. The step's total must be the kernels' alone, as torch's own
+    table sums it, and the products' share that of their operators. Events laid out as
+    torch's kineto reader builds them (a CUDA profile cannot run on this machine)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    from anyspeed.training.profile_hook import summarize
+
+    def op(i: int, name: str, start: int, end: int, kernel: tuple | None = None) -> FunctionEvent:
+        ev = FunctionEvent(i, name, 0, start, end, use_device="cuda", stack=[])
+        if kernel:
+            ev.append_kernel(kernel[0], 0, kernel[1])
+        return ev
+
+    def kernel(i: int, name: str, start: int, end: int, note: bool = False) -> FunctionEvent:
+        return FunctionEvent(i, name, 7, start, end, use_device="cuda", stack=[],
+                             device_type=DeviceType.CUDA, is_user_annotation=note)  # fmt: skip
+
+    events = EventList(
+        [op(1, "aten::linear", 5, 30), op(2, "aten::mm", 10, 20, ("sm90_gemm", 300)),
+         op(3, "aten::add", 21, 25, ("elementwise", 50)), kernel(4, "sm90_gemm", 100, 400),
+         kernel(5, "elementwise", 400, 450), kernel(6, "a range", 90, 460, note=True)],
+        use_device="cuda",
+    )  # fmt: skip
+    events._build_tree()
+    averages = events.key_averages()
+    table = averages.table(sort_by="self_cuda_time_total")
+    torch_total = float(re.search(r"Self CUDA time total: ([\d.]+)us", table).group(1))
+    mm_share = float(re.search(r"aten::mm(?:\s+\S+){6}\s+([\d.]+)%", table).group(1))
+    total, share, ranked = summarize(averages, 2, on_device=True)
+    assert total == pytest.approx(torch_total / 1e6 / 2)
+    assert share * 100 == pytest.approx(mm_share, abs=0.01)
+    assert [k for k, _ in ranked] == ["aten::mm", "aten::add"]  # operators, by their kernels

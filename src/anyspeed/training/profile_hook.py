@@ -27,16 +27,36 @@ PRODUCTS = frozenset(
 
 def summarize(averages: Any, steps: int, on_device: bool) -> tuple[float, float, list]:
     """(ops' seconds per step, matrix products' share of them, [(op, seconds per step)] by
-    time) from a profiler's ``key_averages()``: self times, on the device when it has one."""
+    time) from a profiler's ``key_averages()``: self times, on the device when it has one.
+
+    On a device each operator's self time is that of the kernels it launched, and the kernels
+    are listed again as events of their own; the total is theirs alone (as torch's own table
+    sums it), so a kernel is counted once."""
     times: dict[str, float] = {}
+    total = 0.0
     for e in averages:
-        us = e.self_device_time_total if on_device else e.self_cpu_time_total
+        if not on_device:
+            us = e.self_cpu_time_total
+            total += max(us, 0) / 1e6 / steps
+        elif _is_kernel(e):
+            if not getattr(e, "is_user_annotation", False):  # a range, not work
+                total += e.self_device_time_total / 1e6 / steps
+            continue
+        else:  # an operator: its own kernels' time
+            us = e.self_device_time_total
         if us > 0:
             times[e.key] = times.get(e.key, 0.0) + us / 1e6 / steps
-    total = sum(times.values())
     products = sum(t for k, t in times.items() if k in PRODUCTS)
     ranked = sorted(times.items(), key=lambda kv: -kv[1])
     return total, (products / total if total else 0.0), ranked
+
+
+def _is_kernel(e: Any) -> bool:
+    """Whether a profiler event is the device's own (a kernel, a copy) rather than an
+    operator on the CPU."""
+    from torch.autograd import DeviceType
+
+    return getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU
 
 
 @contextlib.contextmanager
