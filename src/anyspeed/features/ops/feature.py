@@ -6,7 +6,7 @@ switches it on explicitly; asking for it at level 0 is an error). The seams are 
 * ``flash-attention`` (``--use-flash-attn``): :class:`SDPAttention` as the local spec's attention
   core, installed by the ``attention-core`` feature (the one owner of that seam).
 * ``fused-swiglu`` (``--use-fused-swiglu``): ``bias_activation_fusion`` with anyspeed's
-  ``bias_swiglu_impl``.
+  ``bias_swiglu_impl`` (on CUDA with Megatron's own, which ``torch.compile`` fuses there).
 * ``fused-rope`` (``--use-fused-rotary-pos-emb``): ``apply_rope_fusion`` with anyspeed's
   ``fused_apply_rotary_pos_emb``.
 * ``fused-cross-entropy`` (Megatron's ``--cross-entropy-loss-fusion``): the ``native`` fused
@@ -51,6 +51,14 @@ class OpFeature(KernelFeature):
     ) -> None:
         if not self.target:
             return
+        self.route(pm)
+        module, _, name = self.impl.partition(":")
+        impl = getattr(importlib.import_module(module), name)
+        pm.register_replace(self.target, impl, feature=self.name, reason=self.reason)
+
+    def route(self, pm: PatchManager, why: str = "") -> None:
+        """Set :meth:`config_fields` on every ``TransformerConfig`` once Megatron's own checks
+        have run."""
         feature = self
 
         def wrap(post_init):
@@ -62,11 +70,18 @@ class OpFeature(KernelFeature):
 
             return __post_init__
 
-        why = f"switch on the config field(s) that route to {self.name}"
+        why = why or f"switch on the config field(s) that route to {self.name}"
         pm.register_wrap(_POST_INIT, wrap, feature=self.name, reason=why)
-        module, _, name = self.impl.partition(":")
-        impl = getattr(importlib.import_module(module), name)
-        pm.register_replace(self.target, impl, feature=self.name, reason=self.reason)
+
+
+def megatron_compiles(device: DeviceInfo) -> bool:
+    """Whether Megatron-Core's fused bias/activation functions run ``torch.compile``'d here: on
+    CUDA, where anyspeed leaves Megatron's ``jit_fuser`` on (checked on the function itself)."""
+    if not device.is_cuda:
+        return False
+    from megatron.core.fusions import fused_bias_swiglu
+
+    return hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable")
 
 
 class FlashAttention(OpFeature):
@@ -92,7 +107,10 @@ class FlashAttention(OpFeature):
 class FusedSwiGLU(OpFeature):
     name = "fused-swiglu"
     flags = ("--use-fused-swiglu",)
-    description = "SwiGLU as one autograd node that saves only its input"
+    description = (
+        "SwiGLU as one autograd node that saves only its input (on CUDA Megatron's own, "
+        "torch.compile'd)"
+    )
     target = _FUSIONS + "fused_bias_swiglu.bias_swiglu_impl"
     impl = "anyspeed.features.ops.swiglu:bias_swiglu"
     reason = "Megatron's fused SwiGLU entry -> input-only-saving SwiGLU"
@@ -105,6 +123,13 @@ class FusedSwiGLU(OpFeature):
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
+        if megatron_compiles(device):
+            # Megatron's fused entry saves only its input too, and there its forward and
+            # backward are each one compiled kernel, where anyspeed's eager ones are several
+            # passes over the [tokens, 2 x ffn] tensor.
+            why = "switch on bias_activation_fusion: Megatron's torch.compile'd SwiGLU (CUDA)"
+            self.route(pm, why)
+            return
         super().register_patches(pm, args, device)
         from anyspeed.features.ops.swiglu import weighted_bias_swiglu
 
