@@ -33,6 +33,7 @@ FIELDS = {
     "megatron_tflops": re.compile(r"throughput per GPU \(TFLOP/s/GPU\): " + NUM),
 }
 PROFILE = re.compile(r"profile of steps .*")  # anyspeed's --profile line
+WRAPPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_pretrain.py")
 
 
 def _num(m: re.Match) -> float:
@@ -102,17 +103,50 @@ def profile_window(iters: int) -> list[str]:
     skip = iters // 2
     if skip < 1:
         return []
-    return ["--profile", "--profile-step-start", str(max(0, skip - 2)), "--profile-step-end",
-            str(skip)]  # fmt: skip
+    return [
+        "--profile",
+        "--profile-step-start",
+        str(max(0, skip - 2)),
+        "--profile-step-end",
+        str(skip),
+    ]
 
 
 def anyspeed_row(
     level: int, iters: int, dry: bool, vocab: str, timeout: int = 1200, profile: bool = False
 ) -> dict:
-    cmd = [sys.executable, "-m", "anyspeed", "pretrain", *shape(dry), *COMMON, "--vocab-size",
-           vocab, "--train-iters", str(iters), "--optimization-level", str(level),
-           "--no-progress-bar", *(profile_window(iters) if profile else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "anyspeed",
+        "pretrain",
+        *shape(dry),
+        *COMMON,
+        "--vocab-size",
+        vocab,
+        "--train-iters",
+        str(iters),
+        "--optimization-level",
+        str(level),
+        "--no-progress-bar",
+        *(profile_window(iters) if profile else []),
+    ]
     return _run(f"level {level}", cmd, timeout, skip=iters // 2)
+
+
+def missing_kernel_flags() -> list[str]:
+    """Megatron-LM's defaults that need Transformer Engine's or Apex's kernels, switched off
+    where those are absent: Megatron stops without them (RoPE fusion at its config's check,
+    gradient-accumulation fusion when it builds a linear layer, the masked softmax at the first
+    forward). Its torch.compile'd fusions (bias-SwiGLU, bias-dropout-add) stay on."""
+    from importlib.util import find_spec
+
+    needs = [
+        ("transformer_engine", "--no-rope-fusion"),
+        ("fused_weight_gradient_mlp_cuda", "--no-gradient-accumulation-fusion"),
+        ("scaled_upper_triang_masked_softmax_cuda", "--no-masked-softmax-fusion"),
+    ]
+    return [flag for module, flag in needs if find_spec(module) is None]
 
 
 def megatron_row(iters: int, dry: bool, vocab: str, timeout: int = 1200) -> dict | None:
@@ -123,15 +157,30 @@ def megatron_row(iters: int, dry: bool, vocab: str, timeout: int = 1200) -> dict
     root = os.environ.get("ANYSPEED_MEGATRON_LM")
     if not root or not torch.cuda.is_available():
         return None
-    tok = ["--tokenizer-type", "NullTokenizer", "--vocab-size", vocab]
-    # no --save: Megatron would write the 1.5B model's checkpoint after the last iteration
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "1", os.path.join(root, "pretrain_gpt.py"), *shape(dry), *COMMON, *tok,
-           "--train-iters", str(iters), "--transformer-impl", "local",
-           "--log-throughput"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    script = os.path.join(root, "pretrain_gpt.py")
+    cmd = [*torchrun, WRAPPER, script, *megatron_flags(iters, dry, vocab)]
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, CUDA_DEVICE_MAX_CONNECTIONS="1")
     return _run("pretrain_gpt.py", cmd, timeout, skip=iters // 2, env=env)
+
+
+def megatron_flags(iters: int, dry: bool, vocab: str) -> list[str]:
+    """pretrain_gpt.py's flags for the reference row: the same model and batch, the local
+    spec, its throughput line, no kernel it does not have."""
+    tok = ["--tokenizer-type", "NullTokenizer", "--vocab-size", vocab]
+    # no --save: Megatron would write the 1.5B model's checkpoint after the last iteration
+    return [
+        *shape(dry),
+        *COMMON,
+        *tok,
+        "--train-iters",
+        str(iters),
+        "--transformer-impl",
+        "local",
+        "--log-throughput",
+        *missing_kernel_flags(),
+    ]
 
 
 def _megatron_flops(ref: dict | None) -> float | None:

@@ -6,7 +6,8 @@
 #
 # prepare: downloads the wheels the device image lacks (megatron-core at pyproject's pin and
 # zstandard, for its Python 3.12) into .whl/, and Megatron-LM's pretrain_gpt.py with its
-# megatron/ package at core_v0.16.1 into mlm/ (for benchmarks/gpu.py's row without anyspeed);
+# megatron/ package at core_v0.16.1 into mlm/ (for benchmarks/gpu.py's row without anyspeed),
+# with the wheel's compiled dataset helpers;
 # both are ignored by git here and travel when the device call names them in `carry`.
 # run: installs the wheels into /tmp/site, then runs, each under its own time limit and logged
 # to $OUT/<name>.log: gpu (benchmarks/gpu.py, training MFU), generate (benchmarks/generate.py
@@ -27,6 +28,16 @@ prepare() {
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$pin" zstandard
   git --git-dir="$mirror" archive core_v0.16.1 pretrain_gpt.py gpt_builders.py \
     mamba_builders.py model_provider.py megatron | tar -x -C mlm
+  # the wheel's compiled dataset helpers beside Megatron-LM's sources (benchmarks/
+  # megatron_pretrain.py then skips rebuilding them, which needs a compiler and Python's headers)
+  python3 - .whl/megatron_core-*.whl mlm/megatron/core/datasets <<'PY'
+import sys, zipfile, os
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in z.namelist():
+        if name.startswith("megatron/core/datasets/helpers_cpp") and name.endswith(".so"):
+            with open(os.path.join(sys.argv[2], os.path.basename(name)), "wb") as f:
+                f.write(z.read(name))
+PY
   for path in /.whl/ /mlm/; do
     grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude
   done

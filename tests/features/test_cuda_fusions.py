@@ -39,19 +39,27 @@ print((y1 - y2).abs().max().item(), (gx1 - gx2).abs().max().item())
 
 
 def _probe(device: str, code: str, tmp_path) -> list[str]:  # noqa: ANN001
-    env = dict(os.environ, ANYSPEED_DEVICE=device,
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # fmt: skip
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
-                         text=True, timeout=300, env=env)  # fmt: skip
+    env = dict(
+        os.environ, ANYSPEED_DEVICE=device, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split()
 
 
 @pytest.mark.parametrize(
     "device, impl, compiled",
-    [("cpu", "anyspeed.features.ops.swiglu", "False"),
-     ("cuda", "megatron.core.fusions.fused_bias_swiglu", "True")],
-)  # fmt: skip
+    [
+        ("cpu", "anyspeed.features.ops.swiglu", "False"),
+        ("cuda", "megatron.core.fusions.fused_bias_swiglu", "True"),
+    ],
+)
 def test_swiglu_route_by_device(device: str, impl: str, compiled: str, tmp_path) -> None:  # noqa: ANN001
     """The config field that routes the MLP to the fused entry is on either way; the entry is
     Megatron's compiled one on CUDA and anyspeed's on the CPU."""

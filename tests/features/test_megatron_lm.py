@@ -19,14 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-MLM = os.environ.get("ANYSPEED_MEGATRON_LM")
-pytestmark = [
-    pytest.mark.megatron_lm,
-    pytest.mark.skipif(
-        not MLM or not Path(MLM, "pretrain_gpt.py").is_file(),
-        reason="set ANYSPEED_MEGATRON_LM to a Megatron-LM checkout (tag core_v0.16.1)",
-    ),
-]
+from helpers.megatron_lm import MARKS, MLM
+
+pytestmark = MARKS
 
 COMMON = [
     "--distributed-backend",

@@ -94,3 +94,33 @@ def test_megatrons_row_runs_first_and_gets_the_peak_of_anyspeeds_rows(monkeypatc
     assert lines[3].startswith("megatron local")
     assert float(lines[3].split("MFU")[1].split("%")[0]) == pytest.approx(25.0, abs=0.1)
     assert capsys.readouterr().out.splitlines() == lines  # each printed as its row ended
+
+
+SCRIPT_PROBE = """
+import sys
+import sibling  # a module beside the script, as pretrain_gpt.py imports gpt_builders
+import megatron.core.datasets.utils as utils
+print(sys.argv[1:], sibling.NAME, utils.compile_helpers.__name__)
+"""
+
+
+def test_megatron_wrapper_runs_the_script_as_python_does(tmp_path) -> None:  # noqa: ANN001
+    """``benchmarks/megatron_pretrain.py`` runs the script it is given with the same arguments
+    and imports as ``python script.py`` would; where Megatron's compiled dataset helpers import
+    (they do here), their rebuild is the only thing it leaves out."""
+    import subprocess
+    import sys
+
+    (tmp_path / "script.py").write_text(SCRIPT_PROBE)
+    (tmp_path / "sibling.py").write_text("NAME = 'beside'\n")
+    wrapper = SCRIPT.parent / "megatron_pretrain.py"
+    args = ["--num-layers", "2", "--mock-data"]
+    runs = [
+        [sys.executable, "-W", "ignore", str(tmp_path / "script.py"), *args],
+        [sys.executable, "-W", "ignore", str(wrapper), str(tmp_path / "script.py"), *args],
+    ]
+    outs = [subprocess.run(cmd, capture_output=True, text=True, timeout=120) for cmd in runs]
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-1500:] for o in outs]
+    direct, wrapped = (o.stdout.strip().rsplit(" ", 1) for o in outs)
+    assert direct[0] == wrapped[0] == "['--num-layers', '2', '--mock-data'] beside"
+    assert (direct[1], wrapped[1]) == ("compile_helpers", "<lambda>")

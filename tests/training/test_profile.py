@@ -93,15 +93,29 @@ def test_device_time_counts_each_kernel_once() -> None:
         return ev
 
     def kernel(i: int, name: str, start: int, end: int, note: bool = False) -> FunctionEvent:
-        return FunctionEvent(i, name, 7, start, end, use_device="cuda", stack=[],
-                             device_type=DeviceType.CUDA, is_user_annotation=note)  # fmt: skip
+        return FunctionEvent(
+            i,
+            name,
+            7,
+            start,
+            end,
+            use_device="cuda",
+            stack=[],
+            device_type=DeviceType.CUDA,
+            is_user_annotation=note,
+        )
 
     events = EventList(
-        [op(1, "aten::linear", 5, 30), op(2, "aten::mm", 10, 20, ("sm90_gemm", 300)),
-         op(3, "aten::add", 21, 25, ("elementwise", 50)), kernel(4, "sm90_gemm", 100, 400),
-         kernel(5, "elementwise", 400, 450), kernel(6, "a range", 90, 460, note=True)],
+        [
+            op(1, "aten::linear", 5, 30),
+            op(2, "aten::mm", 10, 20, ("sm90_gemm", 300)),
+            op(3, "aten::add", 21, 25, ("elementwise", 50)),
+            kernel(4, "sm90_gemm", 100, 400),
+            kernel(5, "elementwise", 400, 450),
+            kernel(6, "a range", 90, 460, note=True),
+        ],
         use_device="cuda",
-    )  # fmt: skip
+    )
     events._build_tree()
     averages = events.key_averages()
     table = averages.table(sort_by="self_cuda_time_total")
