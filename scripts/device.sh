@@ -66,7 +66,8 @@ run() {
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', '|',
     'megatron-core', m.__version__)" || exit 1
   case "$what" in
-    gpu) step gpu "${GPU_LIMIT:-560}" python3 benchmarks/gpu.py --row-timeout 130 ${GPU_ARGS:-} ;;
+    gpu) step gpu "${GPU_LIMIT:-560}" python3 benchmarks/gpu.py --row-timeout 120 \
+      --megatron-timeout 200 ${GPU_ARGS:-} ;;
     generate) step generate "${GEN_LIMIT:-180}" python3 benchmarks/generate.py --batch 64 \
       --new-tokens 64 --repeats 3 --no-nocache ;;
     check) step check "${CHECK_LIMIT:-400}" python3 scripts/gpu_check.py ;;
