@@ -25,9 +25,8 @@ NOOPS: dict[str, tuple[bool, str]] = {
     "--no-bias-gelu-fusion": (False, "bias-GeLU: " + _FUSION_OFF),
     "--no-bias-swiglu-fusion": (
         False,
-        "Megatron's bias-SwiGLU: "
-        + _FUSION_OFF
-        + "; --optimization-level chooses anyspeed's fused-swiglu",
+        "Megatron's bias-SwiGLU: off in the portable config; --optimization-level chooses "
+        "fused-swiglu (on CUDA Megatron's torch.compile'd one, elsewhere anyspeed's)",
     ),
     "--no-bias-dropout-fusion": (False, "bias-dropout: " + _FUSION_OFF),
     "--no-rope-fusion": (
