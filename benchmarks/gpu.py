@@ -6,12 +6,13 @@ Model: the ``qwen2.5-1.5b`` preset, bf16, sequence 4096, micro batch 1, mock dat
 distributed optimizer; 10 iterations, the last 5 timed (median). Each row prints tokens/s, the
 time per iteration, MFU and the peak memory anyspeed reports. MFU is by Megatron's FLOPs formula
 where Megatron's row ran: its TFLOP/s x time gives Megatron's FLOPs per iteration, the same for
-every row. Otherwise it is anyspeed's own count. The level-2 row also profiles two untimed
-steps (``--profile``) and prints where a step's device time goes: the matrix products' share
-and the top operators. ``--dry`` runs the same rows on a tiny model (bf16 too) on the CPU, so
-the script cannot rot (a fast test runs it).
+every row. Otherwise it is anyspeed's own count. The rows of levels 0 and 2 also profile two
+untimed steps (``--profile``) and print where a step's device time goes: the matrix products'
+share and the top operators, side by side for plain Megatron-Core and anyspeed's default.
+``--dry`` runs the same rows on a tiny model (bf16 too) on the CPU, so the script cannot rot (a
+fast test runs it).
 
-    python benchmarks/gpu.py [--dry] [--iters 10] [--levels 0 1 2] [--profile-level 2]
+    python benchmarks/gpu.py [--dry] [--iters 10] [--levels 0 1 2] [--profile-levels 0 2]
 """
 
 from __future__ import annotations
@@ -233,11 +234,12 @@ def main(argv: list[str] | None = None) -> list[str]:
         "Megatron's torch.compile'd fusions",
     )
     p.add_argument(
-        "--profile-level",
+        "--profile-levels",
         type=int,
-        default=2,
-        help="the level whose row also runs torch.profiler over two untimed steps and prints "
-        "where the step's time goes (-1: none)",
+        nargs="*",
+        default=[0, 2],
+        help="the levels whose rows also run torch.profiler over two untimed steps and print "
+        "where a step's time goes (none: no profile)",
     )
     args = p.parse_args(argv)
     vocab = "512" if args.dry else "151936"
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     flops = _megatron_flops(ref)
     lines, peaks = [], []
     for level in args.levels:
-        profile = level == args.profile_level
+        profile = level in args.profile_levels
         r = anyspeed_row(level, args.iters, args.dry, vocab, args.row_timeout, profile)
         if r.get("mfu"):  # the device's peak TFLOP/s that anyspeed's MFU line used
             peaks.append(r["tflops"] / (r["mfu"] / 100))

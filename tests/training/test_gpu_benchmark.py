@@ -29,14 +29,17 @@ def test_dry_run_prints_a_row_per_level(capsys):
         # (a machine busy with other tests)
         assert tokens > 0 and ("anyspeed's FLOPs" in line or "MFU   n/a" in line), line
     assert lines[3].startswith("megatron local") and "skipped" in lines[3]
-    # level 2 also profiled its one untimed step (3 // 2 = 1 untimed), printed after its row
+    # levels 0 and 2 also profiled their one untimed step (3 // 2 = 1), each printed after
+    # its row; level 1 did not
     printed = capsys.readouterr().out.splitlines()
-    at = printed.index(lines[2])
-    assert re.match(
-        r"  level 2 profile of steps 1-1 on rank 0: [\d.]+ ms of ops \(CPU self time\) per "
-        r"step, matrix products [\d.]+% of it; top: ",
-        printed[at + 1],
-    ), printed
+    for level, profiled in ((0, True), (1, False), (2, True)):
+        after = printed[printed.index(lines[level]) + 1]
+        found = re.match(
+            rf"  level {level} profile of steps 1-1 on rank 0: [\d.]+ ms of ops \(CPU self "
+            r"time\) per step, matrix products [\d.]+% of it; top: ",
+            after,
+        )
+        assert bool(found) == profiled, printed
 
 
 def test_mfu_by_megatrons_flops_where_its_row_ran():
