@@ -2,7 +2,7 @@
 # The GPU checks of issue 49 on a lent CUDA machine (no network there; CI never runs this).
 #
 #   scripts/device.sh prepare <Megatron-LM git dir>   here, once: what the device lacks
-#   scripts/device.sh run [gpu|generate|check|all]     there, from the checkout's root
+#   scripts/device.sh run [gpu|kernels|generate|check|all]   there, from the checkout's root
 #
 # prepare: downloads the wheels the device image lacks (megatron-core at pyproject's pin and
 # zstandard, for its Python 3.12) into .whl/, and Megatron-LM's pretrain_gpt.py with its
@@ -10,11 +10,13 @@
 # with the wheel's compiled dataset helpers;
 # both are ignored by git here and travel when the device call names them in `carry`.
 # run: installs the wheels into /tmp/site, then runs, each under its own time limit and logged
-# to $OUT/<name>.log: gpu (benchmarks/gpu.py, training MFU), generate (benchmarks/generate.py
-# at batch 64, decode against transformers) and check (scripts/gpu_check.py, CUDA parity).
+# to $OUT/<name>.log: gpu (benchmarks/gpu.py, training MFU), kernels (benchmarks/ops.py: each
+# level-1 kernel against Megatron's at the 1.5B shape), generate (benchmarks/generate.py at
+# batch 64, decode against transformers) and check (scripts/gpu_check.py, CUDA parity).
 # GPU_ARGS adds arguments to benchmarks/gpu.py (--dry: the tiny model, to try this script).
 # A device call: command "bash scripts/device.sh run gpu", carry [".whl", "mlm"]. A session's
-# 15 device minutes fit a machine's start, `run gpu` (560 s at most) and `run generate` (180 s).
+# 15 device minutes fit a machine's start, `run gpu` (560 s at most) and `run kernels` (150 s);
+# `run generate` (180 s) when `run gpu` ended early.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,11 +70,13 @@ run() {
   case "$what" in
     gpu) step gpu "${GPU_LIMIT:-560}" python3 benchmarks/gpu.py --row-timeout 120 \
       --megatron-timeout 200 ${GPU_ARGS:-} ;;
+    kernels) step kernels "${KERNELS_LIMIT:-150}" python3 benchmarks/ops.py --skip-e2e \
+      --shape qwen2.5-1.5b --dtype bf16 --seq-length 4096 --reps 5 ;;
     generate) step generate "${GEN_LIMIT:-180}" python3 benchmarks/generate.py --batch 64 \
       --new-tokens 64 --repeats 3 --no-nocache ;;
     check) step check "${CHECK_LIMIT:-400}" python3 scripts/gpu_check.py ;;
-    all) run gpu && run generate && run check ;;
-    *) echo "scripts/device.sh run: unknown check '$what' (gpu, generate, check or all)" >&2
+    all) run gpu && run kernels && run generate && run check ;;
+    *) echo "scripts/device.sh run: unknown check '$what' (gpu, kernels, generate, check or all)" >&2
        exit 2 ;;
   esac
 }
@@ -80,6 +84,6 @@ run() {
 case "${1:-}" in
   prepare) shift; prepare "$@" ;;
   run) shift; run "$@" ;;
-  *) echo "usage: scripts/device.sh prepare <Megatron-LM git dir> | run [gpu|generate|check|all]" >&2
+  *) echo "usage: scripts/device.sh prepare <Megatron-LM git dir> | run [gpu|kernels|generate|check|all]" >&2
      exit 2 ;;
 esac

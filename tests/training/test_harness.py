@@ -117,3 +117,30 @@ def test_shared_ranks_end_when_their_test_process_dies() -> None:
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(_running(p) for p in pids), "shared ranks outlived their test process"
+
+
+def test_a_task_the_ranks_cannot_take_fails_at_once(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A function pickle cannot name raises in the caller, before any rank waits for it; one the
+    shared ranks cannot import (its folder joined this process's path after they started) is
+    each rank's reported failure. Neither waits for the call's timeout (120 s here): a queue's
+    feeder thread used to drop an unpicklable task with a printed error."""
+    import importlib.util
+    import pickle
+
+    monkeypatch.setenv("ANYSPEED_SHARED_RANKS", "1")
+    run_distributed(harness_ranks.pid, 2, timeout=120)  # the shared ranks are up
+    (tmp_path / "late_module.py").write_text("def task():\n    return 1\n")
+    spec = importlib.util.spec_from_file_location("unnamed_module", tmp_path / "late_module.py")
+    unnamed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(unnamed)
+    t0 = time.monotonic()
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        run_distributed(unnamed.task, 2, timeout=120)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import late_module
+
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match="No module named 'late_module'"):
+        run_distributed(late_module.task, 2, timeout=120)
+    assert time.monotonic() - t0 < 30

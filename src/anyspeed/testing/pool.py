@@ -20,6 +20,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from anyspeed.device.jit import keep_megatron_jit_off
@@ -88,10 +89,11 @@ def _serve(
 
     torch.set_num_threads(threads)
     while (task := _next(inbox, multiprocessing.parent_process())) is not None:
-        fn, kwargs, port = task
-        os.environ.clear()
-        os.environ.update(base, MASTER_PORT=str(port))
         try:
+            # unpickled here, so a function this rank cannot import is reported, not fatal
+            fn, kwargs, port = ForkingPickler.loads(task)
+            os.environ.clear()
+            os.environ.update(base, MASTER_PORT=str(port))
             argv = kwargs.pop("_argv", [])
             sys.argv = [sys.argv[0], *argv]
             from anyspeed import adaptor
@@ -139,8 +141,12 @@ class Pool:
         return all(p.is_alive() for p in self.procs)
 
     def submit(self, fn: Callable[..., Any], kwargs: dict[str, Any], port: int) -> None:
+        """Send the task to every rank, pickled here: a task that cannot be pickled raises in
+        the caller (a queue's feeder thread would only print the error, and the caller would
+        wait for results until its timeout)."""
+        task = bytes(ForkingPickler.dumps((fn, dict(kwargs), port)))
         for box in self.inboxes:
-            box.put((fn, dict(kwargs), port))
+            box.put(task)
 
     def close(self, kill: bool) -> None:
         """Stop the ranks (at once with ``kill``, else after their current task)."""
