@@ -144,3 +144,13 @@ def test_a_task_the_ranks_cannot_take_fails_at_once(tmp_path, monkeypatch) -> No
     with pytest.raises(DistributedError, match="No module named 'late_module'"):
         run_distributed(late_module.task, 2, timeout=120)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_tensor_argument_reaches_every_shared_rank(monkeypatch) -> None:  # noqa: ANN001
+    """A tensor argument goes to shared ranks through a file descriptor each rank receives once:
+    every rank gets its own (one pickled copy for all ranks reached only the first)."""
+    import torch
+
+    monkeypatch.setenv("ANYSPEED_SHARED_RANKS", "1")
+    t = torch.arange(1000, dtype=torch.float64)
+    assert run_distributed(harness_ranks.total, 2, timeout=120, t=t) == [499500.0] * 2

@@ -143,10 +143,10 @@ class Pool:
     def submit(self, fn: Callable[..., Any], kwargs: dict[str, Any], port: int) -> None:
         """Send the task to every rank, pickled here: a task that cannot be pickled raises in
         the caller (a queue's feeder thread would only print the error, and the caller would
-        wait for results until its timeout)."""
-        task = bytes(ForkingPickler.dumps((fn, dict(kwargs), port)))
+        wait for results until its timeout). Pickled once per rank, as a queue does: a tensor
+        passed by file descriptor can be received once."""
         for box in self.inboxes:
-            box.put(task)
+            box.put(bytes(ForkingPickler.dumps((fn, dict(kwargs), port))))
 
     def close(self, kill: bool) -> None:
         """Stop the ranks (at once with ``kill``, else after their current task)."""
