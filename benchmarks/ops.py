@@ -148,7 +148,7 @@ def kernel_rows(seq: int, reps: int, shape: str = "55m", dtype: str = "fp32") ->
         a, c = z.chunk(2, dim=-1)
         return F.silu(a) * c
 
-    causal = AttnMaskType.causal
+    causal, swiglu_l1 = AttnMaskType.causal, _level1_swiglu(dev)
     cases = [
         (
             "attention (causal, GQA)",
@@ -156,7 +156,7 @@ def kernel_rows(seq: int, reps: int, shape: str = "55m", dtype: str = "fp32") ->
             lambda: new_attn(q, k, v, None, causal),
         ),
         # level 1's SwiGLU entry on this device (on CUDA Megatron's compiled one)
-        ("SwiGLU", lambda: glu(x), lambda: _level1_swiglu(dev)(x, None)),
+        ("SwiGLU", lambda: glu(x), lambda: swiglu_l1(x, None)),
         ("RoPE", lambda: _apply_rotary_pos_emb_bshd(t, freqs), lambda: apply_rope(t, freqs)),
         (
             f"cross-entropy (vocab {vocab})",
