@@ -78,9 +78,10 @@ def _compiled_rows(dev, x, logits, labels) -> list[tuple]:  # noqa: ANN001
     from megatron.core.fusions import fused_bias_swiglu, fused_cross_entropy
 
     from anyspeed.features.ops.cross_entropy import vocab_parallel_cross_entropy
+    from anyspeed.features.ops.feature import fusions_compiled
     from anyspeed.features.ops.swiglu import swiglu
 
-    if not hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable"):
+    if not fusions_compiled():
         return []
     tp = ps.get_tensor_model_parallel_group()
     fused_ce = fused_cross_entropy.fused_vocab_parallel_cross_entropy

@@ -76,7 +76,8 @@ run() {
       --new-tokens 64 --repeats 3 --no-nocache ;;
     check) step check "${CHECK_LIMIT:-400}" python3 scripts/gpu_check.py ;;
     all) run gpu && run kernels && run generate && run check ;;
-    *) echo "scripts/device.sh run: unknown check '$what' (gpu, kernels, generate, check or all)" >&2
+    *) echo "scripts/device.sh run: unknown check '$what'" \
+         "(gpu, kernels, generate, check or all)" >&2
        exit 2 ;;
   esac
 }
@@ -84,6 +85,7 @@ run() {
 case "${1:-}" in
   prepare) shift; prepare "$@" ;;
   run) shift; run "$@" ;;
-  *) echo "usage: scripts/device.sh prepare <Megatron-LM git dir> | run [gpu|kernels|generate|check|all]" >&2
+  *) echo "usage: scripts/device.sh prepare <Megatron-LM git dir>" \
+          "| run [gpu|kernels|generate|check|all]" >&2
      exit 2 ;;
 esac

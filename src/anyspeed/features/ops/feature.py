@@ -75,10 +75,14 @@ class OpFeature(KernelFeature):
 
 
 def megatron_compiles(device: DeviceInfo) -> bool:
-    """Whether Megatron-Core's fused bias/activation functions run ``torch.compile``'d here: on
-    CUDA, where anyspeed leaves Megatron's ``jit_fuser`` on (checked on the function itself)."""
-    if not device.is_cuda:
-        return False
+    """Whether Megatron-Core's fused bias/activation functions run ``torch.compile``'d on
+    ``device``: on CUDA, where anyspeed leaves Megatron's ``jit_fuser`` on."""
+    return device.is_cuda and fusions_compiled()
+
+
+def fusions_compiled() -> bool:
+    """Whether this process's Megatron-Core decorated its fused functions with
+    ``torch.compile`` (checked on one of them)."""
     from megatron.core.fusions import fused_bias_swiglu
 
     return hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable")
