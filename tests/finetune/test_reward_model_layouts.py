@@ -65,13 +65,19 @@ def test_scores_equal_transformers(small_rm, add_prompts, tiny_qwen, hf_tok, lay
 def test_a_layout_it_does_not_fit_is_refused(capsys, monkeypatch, small_rm, add_prompts,
                                              tiny_qwen, hf_tok, tmp_path):  # fmt: skip
     """Three layers do not split over two pipeline stages: refused before start, naming the
-    flags that run it whole."""
+    flags that run it whole; under a launcher, and in anyspeed's own before it starts the
+    ranks (which checked it against a world of one, refusing every such layout)."""
     from anyspeed.commands.train import posttrain
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
     argv = cli(tiny_qwen, add_prompts, hf_tok, "--reward-model", small_rm,
                "--pipeline-model-parallel-size", "2", "--save", str(tmp_path / "run"))  # fmt: skip
-    assert posttrain(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--reward-tensor-parallel-size 1" in err, err
+    for where in ("launcher", "ranks"):
+        if where == "ranks":
+            monkeypatch.setenv("WORLD_SIZE", "2")
+        else:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        assert posttrain([*argv, "--nproc-per-node", "2"]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+        assert len(err) == 1 and "--reward-tensor-parallel-size 1" in err[0], err
+        assert "--num-layers 3 is not divisible" in err[0], err
     assert not os.path.exists(tmp_path / "run" / "iter_0000001")

@@ -121,3 +121,25 @@ def tool_trajectories(cli: list[str], rows: list[int]) -> dict:
     return {"prompts": roll.prompts, "tokens": roll.tokens, "masks": roll.masks,
             "logps": roll.logps, "rewards": roll.rewards.tolist(),
             "calls": task.tool_stats.calls, "resumed": task.tool_stats.resumed}  # fmt: skip
+
+
+def distill_rollout(cli: list[str], rows: list[int]) -> list[dict] | None:
+    """The run's rollout of prompt ``rows`` through the task's own ``rollout`` (sampled, the
+    old and the teacher's log-probs, the advantages): per micro-batch its tokens, labels, loss
+    mask, log-probs and advantages, as lists; None off the last pipeline stage."""
+    import numpy as np
+
+    from anyspeed.device import torch_device
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import _start
+
+    run, _ = prepare(cli, command="posttrain")
+    task = task_for(run)
+    trainer, _, _ = _start(run, task)
+    micro = task.rollout(trainer, run.data, np.asarray(rows), range(len(rows)), run.args,
+                         torch_device())  # fmt: skip
+    if "teacher_logp" not in micro[0]:
+        return None
+    keys = ("tokens", "labels", "loss_mask", "old_logp", "teacher_logp", "advantages")
+    return [{k: b[k].cpu().tolist() for k in keys} for b in micro]

@@ -11,6 +11,12 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def planned_world_size(nproc_per_node: int | None) -> int:
+    """The job's world size while its flags are checked: the launcher's under one, else the
+    ``--nproc-per-node`` processes anyspeed's own launcher is about to start."""
+    return int(os.environ.get("WORLD_SIZE", nproc_per_node or 1))
+
+
 def rank() -> int:
     """This process's global rank from the launcher's environment (0 without a launcher)."""
     return int(os.environ.get("RANK", "0"))

@@ -152,6 +152,22 @@ def _vlm_grpo() -> Stage:
     )
 
 
+def _distill() -> Stage:
+    from anyspeed.stages import flags as posttrain_flags
+    from anyspeed.stages.distill import stage as distill
+
+    return Stage(
+        "distill",
+        "posttrain",
+        "on-policy distillation: the student samples, a frozen teacher's log-probabilities "
+        "are its signal, on prompt data",
+        (posttrain_flags.add_arguments, distill.add_arguments),
+        distill.plan,
+        distill.make_task,
+        argv=distill.expand_config,
+    )
+
+
 # name -> row builder (imports stay lazy: `anyspeed --help` must start fast)
 STAGES: dict[str, Callable[[], Stage]] = {
     "pretrain": _pretrain,
@@ -161,6 +177,7 @@ STAGES: dict[str, Callable[[], Stage]] = {
     "orm": _orm,
     "grpo": _grpo,
     "ppo": _ppo,
+    "distill": _distill,
     "vlm": _vlm,
     "vlm_grpo": _vlm_grpo,
 }

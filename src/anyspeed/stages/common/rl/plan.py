@@ -5,7 +5,6 @@ correction and the prompt data (the flags: :mod:`.flags`)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +60,9 @@ class RLConfig:
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
-    world = int(os.environ.get("WORLD_SIZE", args.nproc_per_node or 1))
+    from anyspeed.distributed.process import planned_world_size
+
+    world = planned_world_size(args.nproc_per_node)
     model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     return max(1, world // (model * args.context_parallel_size))
 
@@ -106,10 +107,15 @@ def _check_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     return rbs, steps, prompt
 
 
-def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> StagePlan:
+def rl_plan(
+    args: argparse.Namespace,
+    extra: Any = None,
+    verifiers: tuple[str, ...] = ("gsm8k",),
+    **fields: Any,
+) -> StagePlan:
     """An RL stage's checks (before the generic ones); the prompt data, opened once. ``extra``:
-    the stage's own checked config (e.g. PPO's critic); ``fields``: :class:`RLConfig` fields
-    the stage sets (``dual_clip``, ``kl_in_reward``)."""
+    the stage's own checked config (PPO's critic); ``verifiers``: the rule rewards when none is
+    named and no reward model scores; ``fields``: :class:`RLConfig` fields the stage sets."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
     from anyspeed.stages.common.rl import correction, multiturn, reward_model, rewards
@@ -131,9 +137,9 @@ def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> Stage
     reshard = _rollout_layout(args)
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
     rm = reward_model.check(args)
-    verifiers = args.verifier_function or ([] if rm else ["gsm8k"])
-    if verifiers:
-        rewards.resolve(verifiers, args.verifier_weight)  # imports user functions now
+    named = args.verifier_function or ([] if rm else list(verifiers))
+    if named:
+        rewards.resolve(named, args.verifier_weight)  # imports user functions now
     _warn_dropout(args)
     lora_cfg = lora.from_args(args)
     prompt_data.check_files(prefix)
@@ -160,7 +166,7 @@ def rl_plan(args: argparse.Namespace, extra: Any = None, **fields: Any) -> Stage
         args.entropy_coeff,
         args.adv_estimator,
         args.loss_agg_mode,
-        tuple(verifiers),
+        tuple(named),
         tuple(args.verifier_weight) if args.verifier_weight else None,
         args.overlong_buffer_len,
         args.overlong_penalty_factor,

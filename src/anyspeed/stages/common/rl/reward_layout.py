@@ -50,9 +50,12 @@ def wants_whole(args: argparse.Namespace) -> bool:
     return True
 
 
-def architecture(args: argparse.Namespace, path: str, policy: ModelConfig) -> ModelConfig | None:
-    """The reward model's architecture when it is not the policy's (None when it is), checked:
-    it must read the policy's tokens (the same vocabulary)."""
+def architecture(
+    args: argparse.Namespace, path: str, policy: ModelConfig, flag: str = "--reward-model"
+) -> ModelConfig | None:
+    """The architecture of the frozen model at ``path`` (a reward model, a teacher; ``flag``
+    names it in errors) when it is not the policy's (None when it is), checked: it must read
+    the policy's tokens (the same vocabulary)."""
     from anyspeed.checkpoint.errors import ModelRecordError
     from anyspeed.checkpoint.reads import tracked_dir
     from anyspeed.checkpoint.record import hf_vocab, read_model
@@ -67,8 +70,8 @@ def architecture(args: argparse.Namespace, path: str, policy: ModelConfig) -> Mo
     rm_vocab, vocab = hf_vocab(path) or own.vocab_size, hf_vocab(args.load) or policy.vocab_size
     if rm_vocab != vocab:
         raise UsageError(
-            f"--reward-model {path!r} reads a vocabulary of {rm_vocab} tokens, the policy "
-            f"{vocab}: a reward model must share the policy's tokenizer"
+            f"{flag} {path!r} reads a vocabulary of {rm_vocab} tokens, the policy "
+            f"{vocab}: it must share the policy's tokenizer"
         )
     return own
 
@@ -84,18 +87,39 @@ def _normalised(own: ModelConfig, policy: ModelConfig) -> ModelConfig:
     )
 
 
-def check_fits_layout(args: argparse.Namespace, path: str, own: ModelConfig, world: int) -> None:
-    """A reward model of its own architecture at the training layout: its heads and layers
-    must divide as the layout splits them, else one line naming the flags that run it whole."""
+def check_fits_layout(
+    args: argparse.Namespace,
+    own: ModelConfig,
+    world: int,
+    flag: str = "--reward-model",
+    fix: str = f"run it whole on every rank with {FLAGS}",
+) -> None:
+    """A frozen model of its own architecture (``flag`` names it) at the training layout: its
+    heads and layers must divide as the layout splits them, else one line saying ``fix``."""
     from anyspeed.layout import Layout
     from anyspeed.layout.checks import validate_for
 
     try:
         validate_for(Layout.from_args(args), world, own)
     except ValueError as exc:
-        raise UsageError(
-            f"--reward-model at the training layout: {exc}; run it whole on every rank with {FLAGS}"
-        ) from None
+        raise UsageError(f"{flag} at the training layout: {exc}; {fix}") from None
+
+
+def hf_config(path: str, flag: str) -> dict | None:
+    """The parsed ``config.json`` of a Hugging Face directory ``path`` (None: it has none);
+    one line naming ``flag`` when it cannot be read."""
+    import json
+    import os
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag}: cannot read config.json ({exc})") from None
+    return cfg if isinstance(cfg, dict) else {}
 
 
 class WholeRewardModel:

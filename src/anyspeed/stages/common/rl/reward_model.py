@@ -30,7 +30,7 @@ def check(args: argparse.Namespace) -> RewardSource | None:
     with a value head, reading the policy's tokens; its architecture when not the policy's and
     where it runs (:mod:`.reward_layout`). None: not given."""
     from anyspeed.checkpoint.reads import tracked_dir
-    from anyspeed.distributed.process import world_size
+    from anyspeed.distributed.process import planned_world_size
     from anyspeed.models.presets import model_from_args
     from anyspeed.stages.common.rl.reward_layout import architecture, check_fits_layout, wants_whole
     from anyspeed.stages.common.value_head import check_model_dir
@@ -44,7 +44,7 @@ def check(args: argparse.Namespace) -> RewardSource | None:
     policy = model_from_args(args)
     own = architecture(args, path, policy) if tracked_dir(path) else None
     if own is not None and not whole:
-        check_fits_layout(args, path, own, world_size())
+        check_fits_layout(args, own, planned_world_size(args.nproc_per_node))
     path = check_model_dir(args, path, "--reward-model", head=True, model=own or policy)
     return RewardSource(path, own, whole)
 
@@ -53,20 +53,14 @@ def _from_hf(args: argparse.Namespace, path: str, flag: str, whole: bool) -> str
     """A Hugging Face ``*ForSequenceClassification`` directory (one label) converted, once,
     into a reward-model checkpoint beside the run's conversions (at TP 1 for a reward model
     run whole); other directories as given."""
-    import json
-
     from anyspeed.convert import hf_cache
     from anyspeed.convert.reward import is_reward_config
+    from anyspeed.stages.common.rl.reward_layout import hf_config
 
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
+    cfg = hf_config(path, flag)
+    if cfg is None:
         return path
-    try:
-        with open(config, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{flag}: cannot read config.json ({exc})") from None
-    if not isinstance(cfg, dict) or not is_reward_config(cfg):
+    if not is_reward_config(cfg):
         raise UsageError(
             f"{flag} is a Hugging Face model but not a one-label *ForSequenceClassification "
             "(a reward model); give one, or an --stage orm checkpoint"

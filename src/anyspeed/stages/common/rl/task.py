@@ -160,6 +160,9 @@ class PolicyTask(Task):
             per_token = per_token + c.beta * kl
         if c.entropy_coeff:
             per_token = per_token - c.entropy_coeff * entropy
+        own = self.token_terms(logp, b)
+        if own is not None:
+            per_token = per_token + own
         seq = cp_sum(torch.stack([(per_token * mask).sum(-1), mask.sum(-1)]))
         total, count = L.aggregate(seq[0], seq[1], c.agg, c.max_response)
         n = mask.sum().double()
@@ -181,6 +184,11 @@ class PolicyTask(Task):
         for i, name in enumerate(self.stat_names):
             metrics[name] = torch.stack([b["stats"][i].double(), torch.ones_like(n)])
         return total, count.round().to(torch.int), metrics
+
+    def token_terms(self, logp: torch.Tensor, b: dict) -> torch.Tensor | None:
+        """A stage's own per-token loss terms [b, s] (distillation's KL to its teacher), added
+        before the aggregation; None: none."""
+        return None
 
     def step_metrics(self, b: dict, n: torch.Tensor) -> dict[str, torch.Tensor]:
         """A stage's own metrics of a micro-batch (``[sum, count]`` each; PPO: its critic's)."""

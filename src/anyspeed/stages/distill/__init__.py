@@ -1,0 +1,1 @@
+"""``--stage distill``: on-policy distillation of a student toward a frozen teacher."""

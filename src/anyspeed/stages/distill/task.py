@@ -1,0 +1,64 @@
+"""The distillation task: the RL stages' policy task whose signal is a frozen teacher's.
+
+Each rollout samples from the student, then the teacher scores every sampled token (its
+log-probability, at the sampling temperature). With ``policy-gradient`` a token's reward is
+minus the estimate of KL(student || teacher) at it, from the old (rollout) log-probability, and
+its advantage is that reward alone (no discount: Thinking Machines' on-policy distillation),
+plus the group advantage of any rule reward; the clipped policy loss does the rest. With
+``supervised`` the estimate at the current log-probability is itself a per-token loss term
+(verl's supervised distillation). ``distill/reverse_kl`` is the k1 estimate of KL(student ||
+teacher) over each step's answer tokens, at the rollout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from anyspeed.stages.common.rl import objective as L
+from anyspeed.stages.common.rl.task import PolicyTask
+from anyspeed.stages.distill import teacher
+from anyspeed.training.task import FrozenModel
+
+if TYPE_CHECKING:
+    from anyspeed.training.run import Run
+    from anyspeed.training.step import Trainer
+
+METRICS = ("distill/reverse_kl",)
+
+
+class DistillTask(PolicyTask):
+    """Colocated on-policy distillation: the student samples, the teacher scores, the student
+    takes clipped policy-gradient (or supervised KL) steps."""
+
+    name, loss_key = "distill", "distill loss"
+
+    def __init__(self, cfg: Any, run: Run, hf_vocab: int | None) -> None:
+        super().__init__(cfg, run, hf_vocab)
+        self.dc = cfg.extra
+        self.metrics = (*self.metrics, *METRICS)
+
+    def frozen_models(self) -> dict[str, FrozenModel]:
+        return {**super().frozen_models(), **teacher.frozen(self.dc.teacher, self.dc.model)}
+
+    def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
+        """The teacher's log-probabilities; with policy-gradient, each token's advantage."""
+        lps = teacher.logprobs(trainer, micro, self.vocab, self.cfg.temperature)
+        if lps is None:  # not the last pipeline stage: no loss is computed here
+            return
+        for b, lp in zip(micro, lps, strict=True):
+            b["teacher_logp"] = lp
+            if self.dc.update == "policy-gradient":
+                kl = L.kl_penalty(b["old_logp"], lp, self.dc.estimator)
+                b["advantages"] = b["advantages"] - self.dc.coef * kl
+
+    def token_terms(self, logp: torch.Tensor, b: dict) -> torch.Tensor | None:
+        if self.dc.update != "supervised":
+            return None
+        return self.dc.coef * L.kl_penalty(logp, b["teacher_logp"], self.dc.estimator)
+
+    def step_metrics(self, b: dict, n: torch.Tensor) -> dict[str, torch.Tensor]:
+        mask = b["loss_mask"].double()
+        k1 = (b["old_logp"].double() - b["teacher_logp"].double()) * mask
+        return {"distill/reverse_kl": torch.stack([k1.sum(), n])}

@@ -1,0 +1,79 @@
+"""The teacher of ``--stage distill``: a frozen causal LM reading the student's tokens, checked
+before start (a Hugging Face directory converted once, as ``--load`` converts one), built at
+the training layout beside the student, and its log-probability of every sampled token."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from anyspeed.errors import UsageError
+from anyspeed.training.task import FrozenModel
+
+NAME = "teacher"  # the frozen model's name in the trainer
+FLAG = "--teacher-model"
+
+
+def check(args: argparse.Namespace) -> tuple[str, Any]:
+    """(checkpoint, architecture when not the student's) of ``--teacher-model``, checked: a
+    whole checkpoint of a model sharing the student's vocabulary whose heads and layers the
+    training layout splits."""
+    from anyspeed.checkpoint.reads import tracked_dir
+    from anyspeed.distributed.process import planned_world_size
+    from anyspeed.models.presets import model_from_args
+    from anyspeed.stages.common.rl.reward_layout import architecture, check_fits_layout
+    from anyspeed.stages.common.value_head import check_model_dir
+
+    path = args.teacher_model
+    if path is None:
+        raise UsageError(
+            f"--stage distill needs {FLAG}: a checkpoint or Hugging Face directory of the "
+            "model to distil from"
+        )
+    if not os.path.isdir(path):
+        raise UsageError(f"{FLAG} {path!r} is not a directory")
+    if tracked_dir(path) is None:
+        path = _from_hf(args, path)
+    student = model_from_args(args)
+    own = architecture(args, path, student, flag=FLAG)
+    if own is not None:
+        world = planned_world_size(args.nproc_per_node)
+        check_fits_layout(args, own, world, FLAG, "choose sizes that split both models")
+    return check_model_dir(args, path, FLAG, head=False, model=own or student), own
+
+
+def _from_hf(args: argparse.Namespace, path: str) -> str:
+    """A Hugging Face causal-LM directory converted once beside the run's conversions."""
+    from anyspeed.convert import hf_cache
+    from anyspeed.convert.reward import is_reward_config
+    from anyspeed.stages.common.rl.reward_layout import hf_config
+
+    cfg = hf_config(path, f"{FLAG} {path!r}")
+    if cfg is None:
+        raise UsageError(
+            f"{FLAG} {path!r} is neither a checkpoint (no tracker file) nor a Hugging Face "
+            "model directory (no config.json)"
+        )
+    if is_reward_config(cfg):
+        raise UsageError(
+            f"{FLAG} {path!r} is a reward model (*ForSequenceClassification); a teacher is a "
+            "causal LM (*ForCausalLM)"
+        )
+    return hf_cache.convert(args, path, "anyspeed posttrain --stage distill", flag=FLAG)
+
+
+def frozen(path: str, model: Any) -> dict[str, FrozenModel]:
+    """The frozen teacher the task asks the engine for."""
+    return {NAME: FrozenModel(load=path, model=model)}
+
+
+def logprobs(
+    trainer: Any, micro: list[dict[str, Any]], vocab: int, temperature: float
+) -> list[torch.Tensor] | None:
+    """The teacher's log-probability of each micro-batch's labels ([b, s] each) at the
+    sampling temperature, forward only, over the student's real vocabulary (the rows both
+    pad are never a choice); None off the last pipeline stage."""
+    return trainer.logprobs(micro, model=NAME, vocab_size=vocab, temperature=temperature)
