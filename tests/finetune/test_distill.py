@@ -138,7 +138,7 @@ def test_supervised_k2_steps_as_policy_gradient_k1(add_prompts, tiny_qwen, hf_to
     (["--distill-update", "supervised", "--distill-kl", "kl"], "zero in expectation"),
     (["--teacher-model", "/nonexistent"], "is not a directory"),
     (["--verifier-function", "gsm8k"], "sample 2 or more per prompt"),
-    (["--distill-coef", "0"], "must be above 0"),
+    (["--distill-coef", "0"], "--distill-coef must be > 0"),
 ], ids=["no-teacher", "supervised-k1", "no-dir", "rewards-of-one", "coef"])  # fmt: skip
 def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, teacher, extra, line):
     from anyspeed.commands.train import posttrain

@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="training iterations (default 400; 100 with --sft; 40 DPO iterations with --dpo; "
-        "80 GRPO steps with --tools)",
+        "80 GRPO steps with --tools; 50 distillation steps with --distill)",
     )
     p.add_argument(
         "--corpus-mb",
@@ -58,6 +58,37 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a Qwen3-MoE-style model, experts over the processes (EP=N)",
     )
+    _posttrain_demos(p)
+    p.add_argument(
+        "--mm",
+        action="store_true",
+        help="a vision-language model (LLaVA) captioning drawn shapes, trained on "
+        "the processes (data parallel)",
+    )
+    p.add_argument(
+        "--family",
+        choices=("llava", "qwen2_vl", "qwen2_5_vl"),
+        default="llava",
+        help="with --mm: the vision-language family (default llava)",
+    )
+    p.add_argument(
+        "--sft-iters",
+        type=int,
+        default=None,
+        help="with --dpo/--grpo/--ppo/--tools/--distill: SFT iterations first (default "
+        "100/300/300/300/300; --distill: the teacher's and the student's)",
+    )
+    p.add_argument(
+        "--sft-samples",
+        type=int,
+        default=32,
+        help="with --sft: how many instructions to train on and answer (default 32)",
+    )
+    return p
+
+
+def _posttrain_demos(p: argparse.ArgumentParser) -> None:
+    """The flags that pick a post-training demo (each starts from a short SFT)."""
     p.add_argument(
         "--sft",
         action="store_true",
@@ -83,36 +114,18 @@ def parser() -> argparse.ArgumentParser:
         "with a critic against it (reward and held-out accuracy before and after)",
     )
     p.add_argument(
+        "--distill",
+        action="store_true",
+        help="on-policy distillation on the --grpo task: a 6-layer teacher fine-tuned on the "
+        "credited answers, then the 4-layer student distilled from it with no reward "
+        "(its KL to the teacher and held-out accuracy before and after)",
+    )
+    p.add_argument(
         "--tools",
         action="store_true",
         help="multi-turn RL with a calculator: 3-digit x 2-digit products the model cannot do "
         "alone; a short SFT, then GRPO whose rollouts call the tool (reward before and after)",
     )
-    p.add_argument(
-        "--mm",
-        action="store_true",
-        help="a vision-language model (LLaVA) captioning drawn shapes, trained on "
-        "the processes (data parallel)",
-    )
-    p.add_argument(
-        "--family",
-        choices=("llava", "qwen2_vl", "qwen2_5_vl"),
-        default="llava",
-        help="with --mm: the vision-language family (default llava)",
-    )
-    p.add_argument(
-        "--sft-iters",
-        type=int,
-        default=None,
-        help="with --dpo/--grpo/--ppo/--tools: SFT iterations first (default 100/300/300/300)",
-    )
-    p.add_argument(
-        "--sft-samples",
-        type=int,
-        default=32,
-        help="with --sft: how many instructions to train on and answer (default 32)",
-    )
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
     from anyspeed.errors import UsageError, report
 
-    if (args.sft or args.dpo or args.grpo or args.ppo or args.tools) and args.moe:
+    if (args.sft or args.dpo or args.grpo or args.ppo or args.tools or args.distill) and args.moe:
         return report(
             "anyspeed demo", UsageError("--sft/--dpo fine-tune the dense demo model; drop --moe")
         )
@@ -148,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args, extra)
     if args.ppo:
         from anyspeed.demo.ppo import run
+
+        return run(args, extra)
+    if args.distill:
+        from anyspeed.demo.distill import run
 
         return run(args, extra)
     if args.tools:

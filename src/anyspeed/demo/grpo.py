@@ -126,17 +126,17 @@ def accuracy(answers: list[str], records: list[dict]) -> float:
 
 
 def task_data(
-    args: argparse.Namespace, tok_dir: str, steps: int = STEPS
+    args: argparse.Namespace, tok_dir: str, steps: int = STEPS, rl: str = "GRPO"
 ) -> tuple[int, str, str, list[dict]]:
-    """Steps 3 and 4 (of ``steps``): the addition task, SFT data and prompts, preprocessed;
-    (exit code, SFT prefix, prompt prefix, held-out records)."""
+    """Steps 3 and 4 (of ``steps``): the addition task, SFT data and prompts (for ``rl``),
+    preprocessed; (exit code, SFT prefix, prompt prefix, held-out records)."""
     train, held = task()
     sft = write_jsonl(os.path.join(args.workdir, "grpo-sft.jsonl"), sft_records(train))
     rl = write_jsonl(os.path.join(args.workdir, "grpo-prompts.jsonl"), train)
     write_jsonl(os.path.join(args.workdir, "grpo-heldout.jsonl"), held)
     print(
         f"[3/{steps}] task: 'What is a + b?' -> '#### a+b' for a, b < {TOP}: {len(train)} "
-        "questions for SFT (each answered '#### n' and 'n') and GRPO, "
+        f"questions for SFT (each answered '#### n' and 'n') and {rl}, "
         f"{len(held)} held out from both",
         flush=True,
     )

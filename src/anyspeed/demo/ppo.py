@@ -183,7 +183,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 1.0, STEPS)
     if rc:
         return rc
-    rc, sft_prefix, rl_prefix, held = grpo.task_data(args, tok_dir, STEPS)
+    rc, sft_prefix, rl_prefix, held = grpo.task_data(args, tok_dir, STEPS, "PPO")
     rc = rc or _pairs(args, tok_dir)[0]
     if rc:
         return rc

@@ -219,6 +219,8 @@ RANGES: dict[str, Range] = {
     "--clip-ratio-c": NONNEG,
     "--rollout-rs-threshold": STRICTLY_POSITIVE,
     "--rollout-rs-threshold-lower": STRICTLY_POSITIVE,
+    # on-policy distillation
+    "--distill-coef": STRICTLY_POSITIVE,
     # vision-language
     "--max-image-pixels": POSITIVE,
     "--image-min-pixels": POSITIVE,

@@ -79,8 +79,6 @@ def check_update(args: argparse.Namespace) -> tuple[str, str]:
             "token is zero in expectation; use mse (k2) or low_var_kl (k3), or "
             "--distill-update policy-gradient"
         )
-    if args.distill_coef <= 0:
-        raise UsageError(f"--distill-coef {args.distill_coef:g} must be above 0")
     rewarded = args.verifier_function or args.reward_model
     if rewarded and args.n_samples_per_prompt < 2:
         raise UsageError(
