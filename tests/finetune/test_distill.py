@@ -8,7 +8,9 @@ are one line."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -21,15 +23,16 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory) -> str:
+def teacher(tmp_path_factory, hf_tok) -> str:
     """A random Qwen2 of 4 layers of hidden 96 (the student: 2 of 64) made to prefer the same
     tokens in every context, so that a few steps can teach it: every embedding is 10 in its
     first channel, the final norm keeps only that channel, and the output layer reads a
     random preference from it (logits of std ~3, against the student's near-uniform ones)."""
-    return save_teacher(str(tmp_path_factory.mktemp("teacher")), layers=4)
+    return save_teacher(str(tmp_path_factory.mktemp("teacher")), layers=4, tok=hf_tok)
 
 
-def save_teacher(d: str, layers: int) -> str:
+def save_teacher(d: str, layers: int, tok: str | None = None) -> str:
+    """The teacher saved in ``d`` (with the tokenizer of directory ``tok``, when given)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1)
@@ -44,6 +47,9 @@ def save_teacher(d: str, layers: int) -> str:
         model.model.norm.weight[0] = 1.0
         model.lm_head.weight[:, 0] = 0.3 * torch.randn(VOCAB)
     model.save_pretrained(d)
+    if tok:  # as a Hugging Face model directory carries it (the student's: checked equal)
+        for name in os.listdir(tok):
+            shutil.copy(os.path.join(tok, name), d)
     return d
 
 
@@ -181,3 +187,26 @@ def test_the_launcher_checks_the_teacher_at_its_world(monkeypatch, add_prompts, 
                "--nproc-per-node", "2", "--save", str(tmp_path / "r"))  # fmt: skip
     run, _ = prepare(argv, "launcher", "posttrain")
     assert run.config.extra.model.num_layers == 4 and run.config.extra.update == "policy-gradient"
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(capsys, add_prompts, tiny_qwen, hf_tok,
+                                                     teacher, tmp_path):  # fmt: skip
+    """A vocabulary of the same size is not enough: two tokens swapped in the teacher's
+    tokenizer.json are refused before any conversion, naming how many tokens moved."""
+    from anyspeed.commands.train import posttrain
+
+    other = shutil.copytree(teacher, tmp_path / "t")
+    path = os.path.join(other, "tokenizer.json")
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    vocab = doc["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+    os.environ.pop("WORLD_SIZE", None)
+    argv = cli(tiny_qwen, add_prompts, hf_tok, str(other), "--save", str(tmp_path / "r"))
+    assert posttrain(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(err) == 1 and "its tokenizer differs" in err[0] and "(2 of" in err[0], err
+    assert not os.path.exists(tmp_path / "r")  # refused before converting anything

@@ -62,7 +62,26 @@ def _from_hf(args: argparse.Namespace, path: str) -> str:
             f"{FLAG} {path!r} is a reward model (*ForSequenceClassification); a teacher is a "
             "causal LM (*ForCausalLM)"
         )
+    _check_tokens(path, args.tokenizer_name_or_path)
     return hf_cache.convert(args, path, "anyspeed posttrain --stage distill", flag=FLAG)
+
+
+def _check_tokens(teacher: str, student: str | None) -> None:
+    """Where both directories hold a ``tokenizer.json``, the teacher's must give every token
+    the student's id: the two models' probabilities are compared token id by token id (a
+    vocabulary of the same size is not enough)."""
+    from anyspeed.data.tokenizer import tokenizer_json_vocab
+
+    theirs = tokenizer_json_vocab(teacher)
+    ours = tokenizer_json_vocab(student) if student else None
+    if theirs is None or ours is None or theirs == ours:
+        return
+    moved = sum(theirs.get(t) != i for t, i in ours.items())
+    raise UsageError(
+        f"{FLAG} {teacher!r}: its tokenizer differs from --tokenizer-name-or-path {student!r} "
+        f"({moved} of {len(ours)} tokens have another id or none); a teacher must share the "
+        "student's tokenizer"
+    )
 
 
 def frozen(path: str, model: Any) -> dict[str, FrozenModel]:
