@@ -1,0 +1,50 @@
+"""On-policy distillation at every layout against one process: the student's loss, grad norm
+and KL to the teacher (a model of another architecture, split by the same layout) over 4 steps
+(two passes over each rollout, so the second has ratios away from 1) equal within 1e-5 at
+TP2+SP, PP2 and DP2 (distributed optimizer, each replica rolling out half the prompts), for
+the policy-gradient update and the supervised one."""
+
+from __future__ import annotations
+
+import pytest
+from test_distill import cli, teacher  # noqa: F401 - the teacher fixture
+
+from anyspeed.testing import run_distributed
+from helpers import sft_ranks
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+LAYOUTS = {
+    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "dp2": ["--use-distributed-optimizer"],
+}
+RUN = ["--ppo-epochs", "2", "--lr-decay-style", "constant", "--lr", "1e-2"]
+UPDATES = ("policy-gradient", "supervised")
+
+
+@pytest.fixture(scope="module")
+def runs(add_prompts, tiny_qwen, hf_tok, teacher) -> dict[tuple[str, str], dict]:  # noqa: F811
+    def argv(update: str, flags: list[str]) -> list[str]:
+        return cli(tiny_qwen, add_prompts, hf_tok, teacher, *RUN, "--distill-update", update,
+                   *flags, iters=4)  # fmt: skip
+
+    ones = [argv(u, []) for u in UPDATES]
+    ref = run_distributed(sft_ranks.posttrain_many, 1, argv=ones[0], clis=ones, timeout=400)[0]
+    cases = [(u, name) for u in UPDATES for name in LAYOUTS]
+    argvs = [argv(u, LAYOUTS[name]) for u, name in cases]
+    out = run_distributed(sft_ranks.posttrain_many, 2, argv=argvs[0], clis=argvs, timeout=900)
+    got = {(u, "one"): r for u, r in zip(UPDATES, ref, strict=True)}
+    return got | {case: out[0][i] for i, case in enumerate(cases)}
+
+
+@pytest.mark.parametrize("update", UPDATES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_loss_grad_norm_and_kl_equal_one_process(runs, update, layout):
+    got, want = runs[(update, layout)], runs[(update, "one")]
+    assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+    kl = got["metrics"]["distill/reverse_kl"]
+    assert kl == pytest.approx(want["metrics"]["distill/reverse_kl"], rel=TOL)
+    assert max(got["metrics"]["actor/pg_clipfrac"]) > 0 or update == "supervised"  # ratios off 1
