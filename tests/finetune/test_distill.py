@@ -101,6 +101,28 @@ def test_rollout_logps_and_advantages_equal_transformers(add_prompts, tiny_qwen,
         assert torch.tensor(b["advantages"])[mask] == pytest.approx(want, abs=2 * TOL)
 
 
+def test_a_rule_rewards_group_advantage_adds_to_the_teachers(add_prompts, tiny_qwen, hf_tok,
+                                                             teacher, tmp_path):  # fmt: skip
+    """With a rule reward (groups of 4) each answer token's advantage is its sequence's
+    group-normalised reward, (r - mean) / (std + 1e-6) over its group, plus the distillation
+    term log teacher - log student."""
+    argv = cli(tiny_qwen, add_prompts, hf_tok, teacher, "--n-samples-per-prompt", "4",
+               "--verifier-function", "helpers.user_rewards:vowels", "--distill-coef", "0.5",
+               "--save", str(tmp_path / "r"))  # fmt: skip
+    (micro,) = run_distributed(sft_ranks.distill_rollout, 1, argv=argv, cli=argv,
+                               rows=[0, 1], timeout=300)  # fmt: skip
+    rewards = torch.tensor([s for b in micro for s in b["scores"]], dtype=torch.float64)
+    groups = rewards.view(-1, 4)
+    want_group = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)
+    assert want_group.abs().max() > 0.5  # the rewards differ within a group
+    rows = [(b, i) for b in micro for i in range(len(b["tokens"]))]
+    for (b, i), g in zip(rows, want_group.view(-1).tolist(), strict=True):
+        mask = torch.tensor(b["loss_mask"][i]) > 0
+        old, tea = torch.tensor(b["old_logp"][i])[mask], torch.tensor(b["teacher_logp"][i])[mask]
+        want = g + 0.5 * (tea - old)
+        assert torch.tensor(b["advantages"][i])[mask] == pytest.approx(want.tolist(), abs=1e-5)
+
+
 def test_a_teacher_that_is_the_student_gives_no_signal(add_prompts, tiny_qwen, hf_tok):
     """The student distilled from itself: KL 0 at every token (within the 1e-7 between a
     forward with autograd on and one without), every advantage 0, so the policy loss and its

@@ -141,5 +141,5 @@ def distill_rollout(cli: list[str], rows: list[int]) -> list[dict] | None:
                          torch_device())  # fmt: skip
     if "teacher_logp" not in micro[0]:
         return None
-    keys = ("tokens", "labels", "loss_mask", "old_logp", "teacher_logp", "advantages")
+    keys = ("tokens", "labels", "loss_mask", "old_logp", "teacher_logp", "advantages", "scores")
     return [{k: b[k].cpu().tolist() for k in keys} for b in micro]
