@@ -38,7 +38,14 @@ def test_sft_lora_at_tp2(sft_data, tiny_qwen):
            "--sequence-parallel")  # fmt: skip
 
 
-def _rows(sft_data, pair_data, add_prompts, tiny_qwen, hf_tok, teacher) -> dict[str, list[str]]:  # noqa: F811
+def _rows(
+    sft_data,
+    pair_data,
+    add_prompts,
+    tiny_qwen,
+    hf_tok,
+    teacher,  # noqa: F811 - a fixture's value
+) -> dict[str, list[str]]:
     grpo = grpo_cli(tiny_qwen, add_prompts, hf_tok, "--verifier-function",
                     "helpers.user_rewards:vowels", "--ppo-epochs", "2", "--rollout-batch-size",
                     "4")  # fmt: skip
