@@ -131,6 +131,7 @@ def test_a_teacher_that_is_the_student_gives_no_signal(add_prompts, tiny_qwen, h
     argv = cli(tiny_qwen, add_prompts, hf_tok, tiny_qwen, iters=1)
     (hist,) = run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)
     assert hist["metrics"]["distill/reverse_kl"] == pytest.approx([0.0], abs=1e-6)
+    assert hist["metrics"]["timing/teacher"][0] > 0  # the teacher's pass was timed
     assert hist["grad_norm"] == pytest.approx([0.0], abs=1e-6), hist["grad_norm"]
 
 

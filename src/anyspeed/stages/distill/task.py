@@ -7,11 +7,13 @@ its advantage is that reward alone (no discount: Thinking Machines' on-policy di
 plus the group advantage of any rule reward; the clipped policy loss does the rest. With
 ``supervised`` the estimate at the current log-probability is itself a per-token loss term
 (verl's supervised distillation). ``distill/reverse_kl`` is the k1 estimate of KL(student ||
-teacher) over each step's answer tokens, at the rollout.
+teacher) over each step's answer tokens, at the rollout; ``timing/teacher`` the seconds of the
+teacher's pass over the step's rollout (this replica's).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from anyspeed.training.run import Run
     from anyspeed.training.step import Trainer
 
-METRICS = ("distill/reverse_kl",)
+METRICS = ("distill/reverse_kl", "timing/teacher")
 
 
 class DistillTask(PolicyTask):
@@ -38,13 +40,16 @@ class DistillTask(PolicyTask):
         super().__init__(cfg, run, hf_vocab)
         self.dc = cfg.extra
         self.metrics = (*self.metrics, *METRICS)
+        self.teacher_s = 0.0  # the last rollout's teacher pass, seconds
 
     def frozen_models(self) -> dict[str, FrozenModel]:
         return {**super().frozen_models(), **teacher.frozen(self.dc.teacher, self.dc.model)}
 
     def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
         """The teacher's log-probabilities; with policy-gradient, each token's advantage."""
+        t0 = time.perf_counter()
         lps = teacher.logprobs(trainer, micro, self.vocab, self.cfg.temperature)
+        self.teacher_s = time.perf_counter() - t0
         if lps is None:  # not the last pipeline stage: no loss is computed here
             return
         for b, lp in zip(micro, lps, strict=True):
@@ -61,4 +66,8 @@ class DistillTask(PolicyTask):
     def step_metrics(self, b: dict, n: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = b["loss_mask"].double()
         k1 = (b["old_logp"].double() - b["teacher_logp"].double()) * mask
-        return {"distill/reverse_kl": torch.stack([k1.sum(), n])}
+        took = torch.tensor(self.teacher_s, dtype=torch.float64, device=n.device)
+        return {
+            "distill/reverse_kl": torch.stack([k1.sum(), n]),
+            "timing/teacher": torch.stack([took, torch.ones_like(n)]),
+        }
