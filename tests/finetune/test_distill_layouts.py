@@ -48,3 +48,19 @@ def test_loss_grad_norm_and_kl_equal_one_process(runs, update, layout):
     kl = got["metrics"]["distill/reverse_kl"]
     assert kl == pytest.approx(want["metrics"]["distill/reverse_kl"], rel=TOL)
     assert max(got["metrics"]["actor/pg_clipfrac"]) > 0 or update == "supervised"  # ratios off 1
+
+
+def test_lora_student_rolling_out_at_another_layout(add_prompts, tiny_qwen, hf_tok,
+                                                    teacher):  # noqa: F811 - the fixture  # fmt: skip
+    """A LoRA student at TP2 rolling out whole on each rank (TP1 x DP2, the adapters merged
+    into the moved weights): its rollout log-probs are the training forward's within 1e-5, the
+    teacher (a full copy, no adapters) scores them, and the student learns."""
+    lora = ["--lora-target-modules", "linear_qkv", "linear_fc2", "--lora-r", "4",
+            "--tensor-model-parallel-size", "2", "--infer-tensor-parallel-size", "1",
+            "--infer-pipeline-parallel-size", "1", "--infer-expert-parallel-size", "1"]  # fmt: skip
+    argv = cli(tiny_qwen, add_prompts, hf_tok, teacher, *RUN, *lora, iters=4)
+    got = run_distributed(sft_ranks.posttrain, 2, argv=argv, cli=argv, timeout=600)
+    for hist in got:
+        m = hist["metrics"]
+        assert max(m["rollout/logp_mismatch_max"]) <= TOL
+        assert min(hist["grad_norm"]) > 0.1 and len(m["distill/reverse_kl"]) == 4
