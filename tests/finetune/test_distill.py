@@ -132,6 +132,7 @@ def test_a_teacher_that_is_the_student_gives_no_signal(add_prompts, tiny_qwen, h
     (hist,) = run_distributed(sft_ranks.posttrain, 1, argv=argv, cli=argv, timeout=300)
     assert hist["metrics"]["distill/reverse_kl"] == pytest.approx([0.0], abs=1e-6)
     assert hist["metrics"]["timing/teacher"][0] > 0  # the teacher's pass was timed
+    assert "grpo/rewards/mean" not in hist["metrics"]  # no reward: no columns of zeros
     assert hist["grad_norm"] == pytest.approx([0.0], abs=1e-6), hist["grad_norm"]
 
 

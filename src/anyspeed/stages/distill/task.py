@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from anyspeed.training.step import Trainer
 
 METRICS = ("distill/reverse_kl", "timing/teacher")
+REWARD_STATS = (
+    "grpo/rewards/mean",
+    "grpo/rewards/min",
+    "grpo/rewards/max",
+    "grpo/zero_adv_groups",
+    "grpo/kept_groups",
+)
 
 
 class DistillTask(PolicyTask):
@@ -39,7 +46,10 @@ class DistillTask(PolicyTask):
     def __init__(self, cfg: Any, run: Run, hf_vocab: int | None) -> None:
         super().__init__(cfg, run, hf_vocab)
         self.dc = cfg.extra
-        self.metrics = (*self.metrics, *METRICS)
+        rewarded = self.reward_fn is not None or cfg.reward_model
+        # without rewards their statistics are zeros: left off the log line and the files
+        shown = [m for m in self.metrics if rewarded or m not in REWARD_STATS]
+        self.metrics = (*shown, *METRICS)
         self.teacher_s = 0.0  # the last rollout's teacher pass, seconds
 
     def frozen_models(self) -> dict[str, FrozenModel]:
