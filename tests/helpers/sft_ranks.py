@@ -141,5 +141,15 @@ def distill_rollout(cli: list[str], rows: list[int]) -> list[dict] | None:
                          torch_device())  # fmt: skip
     if "teacher_logp" not in micro[0]:
         return None
-    keys = ("tokens", "labels", "loss_mask", "old_logp", "teacher_logp", "advantages", "scores")
-    return [{k: b[k].cpu().tolist() for k in keys} for b in micro]
+    keys = (
+        "tokens",
+        "labels",
+        "loss_mask",
+        "old_logp",
+        "teacher_logp",
+        "advantages",
+        "scores",
+        "teacher_ids",
+        "teacher_top_logp",
+    )
+    return [{k: b[k].cpu().tolist() for k in keys if k in b} for b in micro]

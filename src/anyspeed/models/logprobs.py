@@ -26,6 +26,7 @@ def token_logprobs(
     temperature: float = 1.0,
     entropy: bool = False,
     entropy_grad: bool = False,
+    at: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """log p(labels[b, s] | tokens[b, :s+1]) as [b, s] (fp32) on a chunk that ends the
@@ -35,15 +36,42 @@ def token_logprobs(
     normaliser (as a Hugging Face model without them would), else all rows count, as in
     Megatron's training loss. ``temperature`` divides the logits first (a sampling policy's
     distribution). ``entropy``: [2, b, s], the log-probs and each position's entropy (a
-    metric, computed without a graph, unless ``entropy_grad``: a loss term).
+    metric, computed without a graph, unless ``entropy_grad``: a loss term). ``at`` (token ids
+    [b, s, k], with ``entropy``): [2 + k, b, s], then the log-probs of those ids too (with
+    gradients: a distillation loss over a teacher's top-k).
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     out = model(tokens, position_ids, attention_mask, packed_seq_params=packed_seq_params, **kwargs)
     if not _core(model).post_process:
         return out
-    logits = out.float()  # [b, s, vocab / TP]
+    logits = prepared_logits(out, vocab_size, temperature)
+    if not entropy:
+        return -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
+    # Megatron's cross-entropy works in place on its input: the entropy (and the log-probs at
+    # ``at``) are computed first, and when they take part in the loss their graph keeps its own
+    # copy of the logits.
+    if entropy_grad:
+        ent = vocab_parallel_entropy(logits)
+    else:
+        with torch.no_grad():
+            ent = vocab_parallel_entropy(logits)
+    picked = vocab_parallel_logprobs_at(logits, at) if at is not None else None
+    if entropy_grad or picked is not None:
+        logits = logits.clone()
+    logp = -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
+    both = torch.stack([logp, ent])
+    return both if picked is None else torch.cat([both, picked.permute(2, 0, 1)])
+
+
+def prepared_logits(
+    out: torch.Tensor, vocab_size: int | None = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """A last stage's output [b, s, vocab / TP] as fp32 logits of the sampling distribution:
+    divided by ``temperature``, the embedding's padded rows past ``vocab_size`` at -inf."""
+    from megatron.core import parallel_state as ps
+
+    logits = out.float()
     if temperature != 1.0:
         logits = logits / temperature
     local = logits.shape[-1]
@@ -51,18 +79,52 @@ def token_logprobs(
     if vocab_size is not None and start + local > vocab_size:
         cols = torch.arange(start, start + local, device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
-    if not entropy:
-        return -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
-    # Megatron's cross-entropy works in place on its input: the entropy is computed first, and
-    # when it takes part in the loss its graph keeps its own copy of the logits.
-    if entropy_grad:
-        ent = vocab_parallel_entropy(logits)
-        logits = logits.clone()
-    else:
-        with torch.no_grad():
-            ent = vocab_parallel_entropy(logits)
-    logp = -vocab_parallel_cross_entropy(logits, labels.to(logits.device))
-    return torch.stack([logp, ent])
+    return logits
+
+
+def vocab_parallel_logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) at token ids [..., k] (global ids) from this rank's vocabulary
+    shard [..., vocab / TP], with gradients: the normaliser's and the picked logits' shard
+    sums are all-reduced (identity backward: each rank's loss is the same total)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    part = logits.shape[-1]
+    top = logits.detach().amax(-1, keepdim=True)
+    if tp > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    local = ids.to(logits.device) - ps.get_tensor_model_parallel_rank() * part
+    inside = (local >= 0) & (local < part)
+    picked = logits.gather(-1, local.clamp(0, part - 1))
+    parts = torch.cat([torch.exp(logits - top).sum(-1, keepdim=True),
+                       torch.where(inside, picked - top, 0.0)], -1)  # fmt: skip
+    if tp > 1:
+        parts = reduce_from_tensor_model_parallel_region(parts)
+    return parts[..., 1:] - torch.log(parts[..., :1])
+
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The global ids [..., k] of the ``k`` largest logits over every rank's vocabulary shard
+    (in descending order), the same on every rank of the tensor-parallel group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp, part = ps.get_tensor_model_parallel_world_size(), logits.shape[-1]
+    vals, idx = logits.detach().topk(min(k, part), dim=-1)
+    idx = idx + ps.get_tensor_model_parallel_rank() * part
+    if tp > 1:
+        group = ps.get_tensor_model_parallel_group()
+        all_vals, all_idx = (
+            [torch.empty_like(vals) for _ in range(tp)],
+            [torch.empty_like(idx) for _ in range(tp)],
+        )
+        dist.all_gather(all_vals, vals.contiguous(), group=group)
+        dist.all_gather(all_idx, idx.contiguous(), group=group)
+        vals, idx = torch.cat(all_vals, -1), torch.cat(all_idx, -1)
+    best = vals.topk(min(k, vals.shape[-1]), dim=-1).indices
+    return idx.gather(-1, best)
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:

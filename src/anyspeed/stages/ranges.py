@@ -221,6 +221,7 @@ RANGES: dict[str, Range] = {
     "--rollout-rs-threshold-lower": STRICTLY_POSITIVE,
     # on-policy distillation
     "--distill-coef": STRICTLY_POSITIVE,
+    "--distill-topk": POSITIVE,
     # vision-language
     "--max-image-pixels": POSITIVE,
     "--image-min-pixels": POSITIVE,

@@ -11,7 +11,7 @@ from anyspeed.errors import UsageError
 from anyspeed.stages.common.rl import flags as rl_flags
 from anyspeed.stages.common.rl import objective as L
 
-UPDATES = ("policy-gradient", "supervised")
+UPDATES = ("policy-gradient", "supervised", "topk")
 # the KL estimator each update uses unless --distill-kl names one: the sampled token's k1 as a
 # reward (Thinking Machines' recipe); k2 as a loss, whose gradient on the student's own samples
 # is reverse KL's, the same as k1's as a reward (k1's own gradient is zero in expectation)
@@ -27,6 +27,7 @@ class DistillConfig:
     update: str
     estimator: str
     coef: float
+    topk: int = 64  # with the topk update: the teacher's tokens per position
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=UPDATES,
         default="policy-gradient",
         help="policy-gradient: each sampled token's reward is minus its KL estimate to the "
-        "teacher (the clipped policy loss on it); supervised: the KL estimate is the loss",
+        "teacher (the clipped policy loss on it); supervised: the KL estimate is the loss; "
+        "topk: KL(teacher || student) over the teacher's --distill-topk likeliest tokens at "
+        "each position is the loss",
+    )
+    a(
+        "--distill-topk",
+        type=int,
+        default=64,
+        help="with --distill-update topk: the teacher's tokens per position",
     )
     a(
         "--distill-kl",
@@ -72,6 +81,14 @@ expand_config = rl_flags.expand_config
 def check_update(args: argparse.Namespace) -> tuple[str, str]:
     """(update, estimator), checked before any file is read."""
     update = args.distill_update
+    if update == "topk":
+        if args.distill_kl is not None:
+            raise UsageError(
+                f"--distill-kl {args.distill_kl} with --distill-update topk: the topk update "
+                "compares whole distributions over the teacher's top tokens, not a sampled "
+                "token's estimate; drop --distill-kl"
+            )
+        return update, "topk"
     estimator = args.distill_kl or DEFAULT_KL[update]
     if update == "supervised" and estimator == "kl":
         raise UsageError(

@@ -26,7 +26,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
     update, estimator = flags.check_update(args)
     out = rl_plan(args, verifiers=())
     path, model = teacher.check(args)
-    cfg = flags.DistillConfig(path, model, update, estimator, args.distill_coef)
+    cfg = flags.DistillConfig(path, model, update, estimator, args.distill_coef, args.distill_topk)
     return dataclasses.replace(out, config=dataclasses.replace(out.config, extra=cfg))
 
 

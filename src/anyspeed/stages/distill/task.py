@@ -6,14 +6,16 @@ minus the estimate of KL(student || teacher) at it, from the old (rollout) log-p
 its advantage is that reward alone (no discount: Thinking Machines' on-policy distillation),
 plus the group advantage of any rule reward; the clipped policy loss does the rest. With
 ``supervised`` the estimate at the current log-probability is itself a per-token loss term
-(verl's supervised distillation). ``distill/reverse_kl`` is the k1 estimate of KL(student ||
-teacher) over each step's answer tokens, at the rollout; ``timing/teacher`` the seconds of the
-teacher's pass over the step's rollout (this replica's).
+(verl's supervised distillation); with ``topk``, KL(teacher || student) over the teacher's top
+tokens at each answer position is (verl's top-k forward KL). ``distill/reverse_kl`` is the k1
+estimate of KL(student || teacher) over each step's answer tokens, at the rollout;
+``timing/teacher`` the seconds of the teacher's pass over the step's rollout (this replica's).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from anyspeed.stages.common.rl import objective as L
 from anyspeed.stages.common.rl.task import PolicyTask
 from anyspeed.stages.distill import teacher
+from anyspeed.stages.distill.loss import topk_forward_kl
 from anyspeed.training.task import FrozenModel
 
 if TYPE_CHECKING:
@@ -56,19 +59,49 @@ class DistillTask(PolicyTask):
         return {**super().frozen_models(), **teacher.frozen(self.dc.teacher, self.dc.model)}
 
     def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
-        """The teacher's log-probabilities; with policy-gradient, each token's advantage."""
+        """The teacher's log-probabilities (and top-k); with policy-gradient, each token's
+        advantage."""
         t0 = time.perf_counter()
-        lps = teacher.logprobs(trainer, micro, self.vocab, self.cfg.temperature)
+        c, dc = self.cfg, self.dc
+        if dc.update == "topk":
+            top = teacher.topk(trainer, micro, self.vocab, c.temperature, dc.topk)
+            if top is not None:
+                for b, (lp, ids, top_lp) in zip(micro, top, strict=True):
+                    b["teacher_logp"], b["teacher_ids"], b["teacher_top_logp"] = lp, ids, top_lp
+            self.teacher_s = time.perf_counter() - t0
+            return
+        lps = teacher.logprobs(trainer, micro, self.vocab, c.temperature)
         self.teacher_s = time.perf_counter() - t0
         if lps is None:  # not the last pipeline stage: no loss is computed here
             return
         for b, lp in zip(micro, lps, strict=True):
             b["teacher_logp"] = lp
-            if self.dc.update == "policy-gradient":
-                kl = L.kl_penalty(b["old_logp"], lp, self.dc.estimator)
-                b["advantages"] = b["advantages"] - self.dc.coef * kl
+            if dc.update == "policy-gradient":
+                kl = L.kl_penalty(b["old_logp"], lp, dc.estimator)
+                b["advantages"] = b["advantages"] - dc.coef * kl
+
+    def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
+        """The policy task's forward; with topk, also the student's log-probabilities of the
+        teacher's top tokens (with gradients), for :meth:`token_terms`."""
+        if self.dc.update != "topk":
+            return super().forward_step(data_iterator, model)
+        from anyspeed.models.logprobs import token_logprobs
+
+        b = next(data_iterator)
+        out = token_logprobs(model, b["tokens"], b["position_ids"], b["labels"],
+                             vocab_size=self.vocab, temperature=self.cfg.temperature,
+                             entropy=True, entropy_grad=bool(self.cfg.entropy_coeff),
+                             at=b.get("teacher_ids"))  # fmt: skip
+
+        def loss_func(output: torch.Tensor):
+            b["student_top_logp"] = output[2:].permute(1, 2, 0)
+            return self.token_loss(output[0], output[1], b)
+
+        return out, loss_func
 
     def token_terms(self, logp: torch.Tensor, b: dict) -> torch.Tensor | None:
+        if self.dc.update == "topk":
+            return self.dc.coef * topk_forward_kl(b["student_top_logp"], b["teacher_top_logp"])
         if self.dc.update != "supervised":
             return None
         return self.dc.coef * L.kl_penalty(logp, b["teacher_logp"], self.dc.estimator)

@@ -89,6 +89,40 @@ def frozen(path: str, model: Any) -> dict[str, FrozenModel]:
     return {NAME: FrozenModel(load=path, model=model)}
 
 
+def topk(
+    trainer: Any, micro: list[dict[str, Any]], vocab: int, temperature: float, k: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """Per micro-batch, the teacher's log-probability of the labels [b, s], its ``k`` most
+    likely next tokens [b, s, k] and their log-probabilities [b, s, k], at the sampling
+    temperature over the student's real vocabulary, forward only; None off the last pipeline
+    stage."""
+    from anyspeed.models.logprobs import (
+        prepared_logits,
+        vocab_parallel_logprobs_at,
+        vocab_parallel_topk,
+    )
+    from anyspeed.training.logprob_pass import output_pass
+    from anyspeed.training.model_pipeline import unwrap
+
+    k = min(k, vocab)
+
+    def compute(chunk: torch.nn.Module, b: dict) -> torch.Tensor:
+        out = chunk(b["tokens"], b["position_ids"], None)
+        if not unwrap(chunk).post_process:
+            return out  # a stage before the last sends its hidden states on
+        logits = prepared_logits(out, vocab, temperature)
+        ids = vocab_parallel_topk(logits, k)
+        lp = vocab_parallel_logprobs_at(logits, torch.cat([b["labels"][..., None], ids], -1))
+        return torch.cat([lp, ids.to(lp.dtype)], -1)  # ids < 2**24: exact in fp32
+
+    frozen = trainer.frozen[NAME]
+    with torch.no_grad(), frozen.context():
+        out = output_pass(trainer, frozen.chunks, micro, compute)
+    if out is None:
+        return None
+    return [(o[..., 0], o[..., 1 + k :].long(), o[..., 1 : 1 + k]) for o in out]
+
+
 def logprobs(
     trainer: Any, micro: list[dict[str, Any]], vocab: int, temperature: float
 ) -> list[torch.Tensor] | None:
