@@ -15,7 +15,6 @@ estimate of KL(student || teacher) over each step's answer tokens, at the rollou
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,28 +79,13 @@ class DistillTask(PolicyTask):
                 kl = L.kl_penalty(b["old_logp"], lp, dc.estimator)
                 b["advantages"] = b["advantages"] - dc.coef * kl
 
-    def forward_step(self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module):
-        """The policy task's forward; with topk, also the student's log-probabilities of the
-        teacher's top tokens (with gradients), for :meth:`token_terms`."""
-        if self.dc.update != "topk":
-            return super().forward_step(data_iterator, model)
-        from anyspeed.models.logprobs import token_logprobs
-
-        b = next(data_iterator)
-        out = token_logprobs(model, b["tokens"], b["position_ids"], b["labels"],
-                             vocab_size=self.vocab, temperature=self.cfg.temperature,
-                             entropy=True, entropy_grad=bool(self.cfg.entropy_coeff),
-                             at=b.get("teacher_ids"))  # fmt: skip
-
-        def loss_func(output: torch.Tensor):
-            b["student_top_logp"] = output[2:].permute(1, 2, 0)
-            return self.token_loss(output[0], output[1], b)
-
-        return out, loss_func
+    def logprob_ids(self, b: dict) -> torch.Tensor | None:
+        """With topk: the teacher's top tokens (on the last pipeline stage, where they are)."""
+        return b.get("teacher_ids") if self.dc.update == "topk" else None
 
     def token_terms(self, logp: torch.Tensor, b: dict) -> torch.Tensor | None:
         if self.dc.update == "topk":
-            return self.dc.coef * topk_forward_kl(b["student_top_logp"], b["teacher_top_logp"])
+            return self.dc.coef * topk_forward_kl(b["logp_at"], b["teacher_top_logp"])
         if self.dc.update != "supervised":
             return None
         return self.dc.coef * L.kl_penalty(logp, b["teacher_logp"], self.dc.estimator)

@@ -138,12 +138,18 @@ class PolicyTask(Task):
             temperature=self.cfg.temperature,
             entropy=True,
             entropy_grad=bool(self.cfg.entropy_coeff),
+            at=self.logprob_ids(b),
         )
 
         def loss_func(output: torch.Tensor):
+            b["logp_at"] = output[2:].permute(1, 2, 0)  # at logprob_ids, [b, s, k] (or k = 0)
             return self.token_loss(output[0], output[1], b)
 
         return out, loss_func
+
+    def logprob_ids(self, b: dict) -> torch.Tensor | None:
+        """Token ids [b, s, k] whose log-probs :meth:`token_terms` reads (``b["logp_at"]``)."""
+        return None
 
     def token_loss(self, logp: torch.Tensor, entropy: torch.Tensor, b: dict) -> tuple:
         """(loss sum, count, metrics) of one micro-batch under the aggregation mode."""
@@ -186,8 +192,7 @@ class PolicyTask(Task):
         return total, count.round().to(torch.int), metrics
 
     def token_terms(self, logp: torch.Tensor, b: dict) -> torch.Tensor | None:
-        """A stage's own per-token loss terms [b, s] (distillation's KL to its teacher), added
-        before the aggregation; None: none."""
+        """A stage's own per-token loss terms [b, s] (distillation's), before aggregation."""
         return None
 
     def step_metrics(self, b: dict, n: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -202,8 +207,7 @@ class PolicyTask(Task):
         """After the ``done``-th warm-up rollout (PPO: one line of its critic's loss)."""
 
     def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
-        """A stage's work on a rollout's micro-batches once the old (and reference) log-probs
-        are in (PPO: values, advantages and the critic's update); GRPO's advantages are set."""
+        """A stage's work once a rollout's old (and reference) log-probs are in (PPO: critic)."""
 
     # ------------------------------------------------------------------------- rollouts
     def batches(
