@@ -31,12 +31,12 @@ def teacher(tmp_path_factory, hf_tok) -> str:
     return save_teacher(str(tmp_path_factory.mktemp("teacher")), layers=4, tok=hf_tok)
 
 
-def save_teacher(d: str, layers: int, tok: str | None = None) -> str:
+def save_teacher(d: str, layers: int, tok: str | None = None, vocab: int = VOCAB) -> str:
     """The teacher saved in ``d`` (with the tokenizer of directory ``tok``, when given)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=96, intermediate_size=192,
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=96, intermediate_size=192,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=256, tie_word_embeddings=False,
                       rope_theta=10000.0)  # fmt: skip
@@ -45,7 +45,7 @@ def save_teacher(d: str, layers: int, tok: str | None = None) -> str:
         model.model.embed_tokens.weight[:, 0] = 10.0
         model.model.norm.weight.zero_()
         model.model.norm.weight[0] = 1.0
-        model.lm_head.weight[:, 0] = 0.3 * torch.randn(VOCAB)
+        model.lm_head.weight[:, 0] = 0.3 * torch.randn(vocab)
     model.save_pretrained(d)
     if tok:  # as a Hugging Face model directory carries it (the student's: checked equal)
         for name in os.listdir(tok):
@@ -236,3 +236,16 @@ def test_a_teacher_with_another_tokenizer_is_refused(capsys, add_prompts, tiny_q
     err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
     assert len(err) == 1 and "its tokenizer differs" in err[0] and "(2 of" in err[0], err
     assert not os.path.exists(tmp_path / "r")  # refused before converting anything
+
+
+@pytest.mark.slow  # converts a third teacher
+def test_a_teacher_with_another_vocabulary_is_refused(capsys, add_prompts, tiny_qwen, hf_tok,
+                                                      tmp_path):  # fmt: skip
+    from anyspeed.commands.train import posttrain
+
+    os.environ.pop("WORLD_SIZE", None)
+    wider = save_teacher(str(tmp_path / "t"), layers=4, vocab=VOCAB + 128)
+    argv = cli(tiny_qwen, add_prompts, hf_tok, wider, "--save", str(tmp_path / "r"))
+    assert posttrain(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(err) == 1 and f"reads a vocabulary of {VOCAB + 128} tokens" in err[0], err
