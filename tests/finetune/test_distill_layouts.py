@@ -65,3 +65,23 @@ def test_lora_student_rolling_out_at_another_layout(add_prompts, tiny_qwen, hf_t
         m = hist["metrics"]
         assert max(m["rollout/logp_mismatch_max"]) <= TOL
         assert min(hist["grad_norm"]) > 0.1 and len(m["distill/reverse_kl"]) == 4
+
+
+def test_resume_is_exact(add_prompts, tiny_qwen, hf_tok, teacher, tmp_path):  # noqa: F811
+    """2 steps saved and 2 resumed (the teacher named again, read again) equal 4 straight,
+    bit for bit: losses, grad norms and the KL to the teacher."""
+    from anyspeed.convert import hf_cache
+
+    ck = str(tmp_path / "ck")
+    run = [*RUN, "--distill-update", "topk", "--distill-topk", "8"]
+    straight = cli(tiny_qwen, add_prompts, hf_tok, teacher, *run, iters=4)
+    first = cli(tiny_qwen, add_prompts, hf_tok, teacher, *run, "--save", ck, "--save-interval",
+                "2", iters=2)  # fmt: skip
+    resumed = hf_cache.expand(cli(ck, add_prompts, hf_tok, teacher, *run, iters=4), tiny_qwen)
+    resumed.remove("--finetune")
+    whole, a, b = run_distributed(sft_ranks.posttrain_many, 1, argv=straight,
+                                  clis=[straight, first, resumed], timeout=400)[0]  # fmt: skip
+    assert a["loss"] + b["loss"] == whole["loss"]
+    assert a["grad_norm"] + b["grad_norm"] == whole["grad_norm"]
+    kl = "distill/reverse_kl"
+    assert a["metrics"][kl] + b["metrics"][kl] == whole["metrics"][kl]
