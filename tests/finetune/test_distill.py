@@ -249,3 +249,31 @@ def test_a_teacher_with_another_vocabulary_is_refused(capsys, add_prompts, tiny_
     assert posttrain(argv) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
     assert len(err) == 1 and f"reads a vocabulary of {VOCAB + 128} tokens" in err[0], err
+
+
+@pytest.mark.parametrize("layout", [
+    [], pytest.param(["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
+], ids=["one", "pp2"])  # fmt: skip
+def test_memory_estimate_of_the_teacher(add_prompts, tiny_qwen, hf_tok, teacher, layout,
+                                        tmp_path):  # fmt: skip
+    """``anyspeed memory --teacher-model``'s bytes (the architecture read from the teacher's
+    directory as that command reads it) equal the parameters the run's teacher holds."""
+    argv = cli(tiny_qwen, add_prompts, hf_tok, teacher, *layout, "--save", str(tmp_path / "r"))
+    ranks = run_distributed(sft_ranks.teacher_held, 2 if layout else 1, argv=argv, cli=argv,
+                            teacher_dir=teacher, timeout=300)  # fmt: skip
+    for r in ranks:
+        assert r["held"] > 0 and r["estimate"] == r["held"], r
+
+
+def test_memory_command_names_the_teacher(teacher, tmp_path):
+    """``anyspeed memory`` with ``--teacher-model``: a line for the teacher and the peak with
+    it; a directory that is neither a checkpoint nor a model is one line."""
+    from anyspeed.commands.memory import run
+    from anyspeed.errors import UsageError
+
+    flags = ["--model", "tiny-qwen2.5", "--seq-length", "64", "--vocab-size", str(VOCAB)]
+    out = run([*flags, "--teacher-model", teacher])
+    line = next(x for x in out.splitlines() if "teacher (--teacher-model" in x)
+    assert float(line.split()[-2]) > 0 and "peak with them" in out
+    with pytest.raises(UsageError, match="neither a checkpoint"):
+        run([*flags, "--teacher-model", str(tmp_path)])

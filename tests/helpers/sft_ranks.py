@@ -153,3 +153,22 @@ def distill_rollout(cli: list[str], rows: list[int]) -> list[dict] | None:
         "teacher_top_logp",
     )
     return [{k: b[k].cpu().tolist() for k in keys if k in b} for b in micro]
+
+
+def teacher_held(cli: list[str], teacher_dir: str) -> dict:
+    """The bytes the run's frozen teacher holds on this rank, counted from its tensors, and
+    what ``anyspeed memory --teacher-model teacher_dir`` estimates for them."""
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.commands.memory import _teacher
+    from anyspeed.models.memory import frozen_bytes
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import _start
+
+    run, _ = prepare(cli, command="posttrain")
+    trainer, _, _ = _start(run, task_for(run))
+    chunks = trainer.frozen["teacher"].chunks
+    held = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    stage = ps.get_pipeline_model_parallel_rank()
+    return {"held": held, "estimate": frozen_bytes(_teacher(teacher_dir), run.layout, stage, 4)}

@@ -7,6 +7,9 @@ that needs the most. ``--fits GiB`` instead lists every layout of ``--world-size
 (TP x PP x DP, distributed optimizer, recompute) whose largest rank fits in that budget.
 ``--critic`` adds PPO's critic (``posttrain --stage ppo``): a second model of the architecture
 with its gradients and optimizer state on every rank, named when it is what does not fit.
+``--teacher-model DIR`` adds a distillation teacher (``posttrain --stage distill``; a
+checkpoint or a Hugging Face directory, its architecture read from it): its parameters, frozen
+at the same layout.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from anyspeed.models.memory import (
     critic_bytes,
     estimate,
     estimate_stage,
+    frozen_bytes,
     zero_stage,
 )
 from anyspeed.models.presets import model_from_args
@@ -64,6 +68,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | 
     try:
         world, argv = pop_flag(list(argv), "--world-size")
         fits, argv = pop_flag(argv, "--fits")
+        teacher, argv = pop_flag(argv, "--teacher-model")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     args = parse_pretrain_args(argv)
@@ -79,6 +84,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | 
             args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
     args.critic = critic
+    args.teacher = _teacher(teacher)
     return args, _number("--world-size", world, int), _number("--fits", fits, float)
 
 
@@ -145,6 +151,8 @@ def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
                 continue
             try:
                 lay.validate_for(world, model, args.seq_length)
+                if args.teacher:  # it runs at the same layout: it must split too
+                    lay.validate_for(world, args.teacher, args.seq_length)
             except ValueError:
                 continue
             if model.vocab_size % tp:
@@ -152,16 +160,44 @@ def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
             yield lay, rec
 
 
+def _teacher(path: str | None) -> ModelConfig | None:
+    """The architecture of ``--teacher-model``: a checkpoint's model record, or a Hugging
+    Face directory's config.json."""
+    if path is None:
+        return None
+    import json
+    import os
+
+    from anyspeed.checkpoint.errors import ModelRecordError
+    from anyspeed.checkpoint.reads import tracked_dir
+    from anyspeed.checkpoint.record import read_model
+    from anyspeed.models.hf import preset_from_hf
+
+    config = os.path.join(path, "config.json")
+    try:
+        if tracked_dir(path):
+            return read_model(tracked_dir(path))
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                return preset_from_hf(json.load(f))
+    except (ModelRecordError, OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"--teacher-model {path!r}: {exc}") from None
+    raise UsageError(
+        f"--teacher-model {path!r} is neither a checkpoint (no tracker file) nor a Hugging "
+        "Face model directory (no config.json)"
+    )
+
+
 def _with_critic(
     args: argparse.Namespace, model: ModelConfig, lay: Layout, world: int, o: Options
-) -> tuple[int, int]:
-    """(the largest rank's total, the critic's share of it: 0 without ``--critic``)."""
-    if not args.critic:
-        return estimate(model, lay, world, o).total, 0
-    stages = [
-        (mem.total + (c := critic_bytes(model, lay, world, o, mem.stage)), c)
-        for mem in (estimate_stage(model, lay, world, o, s) for s in range(lay.pp))
-    ]
+) -> tuple[int, int, int]:
+    """(the largest rank's total, the critic's share of it, the teacher's): 0 without
+    ``--critic`` / ``--teacher-model``."""
+    stages = []
+    for mem in (estimate_stage(model, lay, world, o, s) for s in range(lay.pp)):
+        c = critic_bytes(model, lay, world, o, mem.stage) if args.critic else 0
+        t = frozen_bytes(args.teacher, lay, mem.stage, o.dtype_bytes) if args.teacher else 0
+        stages.append((mem.total + c + t, c, t))
     return max(stages)
 
 
@@ -170,7 +206,8 @@ def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float
     the critic under ``--critic``; when it is the critic that does not fit, it is named)."""
     rows, without = [], 0
     for lay, rec in _layouts(args, model, world):
-        total, critic = _with_critic(args, model, lay, world, options(args, lay.dp(world), rec))
+        o = options(args, lay.dp(world), rec)
+        total, critic, _ = _with_critic(args, model, lay, world, o)
         if total <= budget * GIB:
             rows.append((total, lay, rec))
         elif total - critic <= budget * GIB:
@@ -208,18 +245,25 @@ def run(argv: Sequence[str]) -> str:
         Recompute.from_args(args).check(model.num_layers // lay.pp, lay.sequence_parallel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.teacher:
+        try:
+            lay.validate_for(world, args.teacher, args.seq_length)
+        except ValueError as exc:
+            raise UsageError(f"--teacher-model at this layout: {exc}") from None
     if budget is not None:
         return fits(args, model, world, budget)
     o = options(args, lay.dp(world))
     mem = estimate(model, lay, world, o)
     table = describe(mem)
-    if args.critic:
-        total, critic = _with_critic(args, model, lay, world, o)
-        table += (
-            f"\n  {'critic (--critic, PPO): parameters, gradients, optimizer state':<62} "
-            f"{_gib(critic)} GiB\n  {'peak with the critic (the largest rank)':<62} "
-            f"{_gib(total)} GiB"
-        )
+    if args.critic or args.teacher:
+        total, critic, teacher = _with_critic(args, model, lay, world, o)
+        if args.critic:
+            name = "critic (--critic, PPO): parameters, gradients, optimizer state"
+            table += f"\n  {name:<62} {_gib(critic)} GiB"
+        if args.teacher:
+            name = "teacher (--teacher-model, distillation): frozen parameters"
+            table += f"\n  {name:<62} {_gib(teacher)} GiB"
+        table += f"\n  {'peak with them (the largest rank)':<62} {_gib(total)} GiB"
     return (
         f"{model.name} ({model.num_parameters() / 1e6:,.1f}M params), {world} devices: "
         f"TP={lay.tp} PP={lay.pp} VPP={lay.chunks} CP={lay.cp} DP={lay.dp(world)} "

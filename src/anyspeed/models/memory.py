@@ -339,3 +339,10 @@ def estimate(m: ModelConfig, lay: Layout, world_size: int, o: Options) -> RankMe
     """The memory of the rank that needs the most (over pipeline stages)."""
     stages = [estimate_stage(m, lay, world_size, o, s) for s in range(lay.pp)]
     return max(stages, key=lambda r: r.total)
+
+
+def frozen_bytes(m: ModelConfig, lay: Layout, stage: int, dtype_bytes: int) -> int:
+    """What a frozen model of architecture ``m`` at the training layout (a distillation
+    teacher) holds on a rank of ``stage``: its parameters only. No gradients, no optimizer
+    state; the activations of its forward-only pass are freed layer by layer."""
+    return stage_parameters(m, lay, stage)[0] * dtype_bytes
