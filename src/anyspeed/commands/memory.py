@@ -188,7 +188,7 @@ def _teacher(path: str | None) -> ModelConfig | None:
     )
 
 
-def _with_critic(
+def _with_extras(
     args: argparse.Namespace, model: ModelConfig, lay: Layout, world: int, o: Options
 ) -> tuple[int, int, int]:
     """(the largest rank's total, the critic's share of it, the teacher's): 0 without
@@ -207,7 +207,7 @@ def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float
     rows, without = [], 0
     for lay, rec in _layouts(args, model, world):
         o = options(args, lay.dp(world), rec)
-        total, critic, _ = _with_critic(args, model, lay, world, o)
+        total, critic, _ = _with_extras(args, model, lay, world, o)
         if total <= budget * GIB:
             rows.append((total, lay, rec))
         elif total - critic <= budget * GIB:
@@ -256,7 +256,7 @@ def run(argv: Sequence[str]) -> str:
     mem = estimate(model, lay, world, o)
     table = describe(mem)
     if args.critic or args.teacher:
-        total, critic, teacher = _with_critic(args, model, lay, world, o)
+        total, critic, teacher = _with_extras(args, model, lay, world, o)
         if args.critic:
             name = "critic (--critic, PPO): parameters, gradients, optimizer state"
             table += f"\n  {name:<62} {_gib(critic)} GiB"
