@@ -162,25 +162,22 @@ def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
 
 def _teacher(path: str | None) -> ModelConfig | None:
     """The architecture of ``--teacher-model``: a checkpoint's model record, or a Hugging
-    Face directory's config.json."""
+    Face directory's config.json (a vision-language checkpoint's text model)."""
     if path is None:
         return None
-    import json
-    import os
-
     from anyspeed.checkpoint.errors import ModelRecordError
     from anyspeed.checkpoint.reads import tracked_dir
     from anyspeed.checkpoint.record import read_model
-    from anyspeed.models.hf import preset_from_hf
+    from anyspeed.convert import is_hf_dir
+    from anyspeed.convert.api import preset_of
+    from anyspeed.convert.hf_io import read_config
 
-    config = os.path.join(path, "config.json")
     try:
         if tracked_dir(path):
             return read_model(tracked_dir(path))
-        if os.path.isfile(config):
-            with open(config, encoding="utf-8") as f:
-                return preset_from_hf(json.load(f))
-    except (ModelRecordError, OSError, ValueError, KeyError) as exc:
+        if is_hf_dir(path):
+            return preset_of(read_config(path), None)
+    except (ModelRecordError, UsageError) as exc:
         raise UsageError(f"--teacher-model {path!r}: {exc}") from None
     raise UsageError(
         f"--teacher-model {path!r} is neither a checkpoint (no tracker file) nor a Hugging "

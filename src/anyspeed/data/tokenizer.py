@@ -196,19 +196,3 @@ def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
         except Exception as exc:  # a file that is not tokenizer.json
             raise UsageError(f"cannot load tokenizer file {path!r}: {exc}") from None
     return _HFTokenizer(path)
-
-
-def tokenizer_json_vocab(directory: str) -> dict[str, int] | None:
-    """Every token's id (added tokens included) in ``directory``'s ``tokenizer.json``; None
-    where it has no such file or it cannot be read (nothing to compare)."""
-    path = os.path.join(directory, "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        vocab = dict(doc["model"]["vocab"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    vocab.update({t["content"]: t["id"] for t in doc.get("added_tokens") or [] if "content" in t})
-    return vocab

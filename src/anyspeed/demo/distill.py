@@ -31,11 +31,11 @@ from anyspeed.demo.sft import preprocess
 STEPS = 9
 TEACHER_LAYERS = 6  # the student: the demo model's 4
 DISTILL_TRAIN = [
-    "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE,
-    "--log-interval", "5", "--n-samples-per-prompt", "1", "--rollout-batch-size", "64",
-    "--global-batch-size", "64", "--micro-batch-size", "32", "--max-response-length", "8",
-    "--temperature", "1.0",
-]  # fmt: skip
+    *("--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE),
+    *("--log-interval", "5", "--n-samples-per-prompt", "1", "--rollout-batch-size", "64"),
+    *("--global-batch-size", "64", "--micro-batch-size", "32", "--max-response-length", "8"),
+    *("--temperature", "1.0"),
+]
 
 
 def reverse_kl(metrics: str) -> list[float]:
@@ -55,8 +55,8 @@ def teacher(
     prefix = os.path.join(args.workdir, "distill-teacher-sft")
     if preprocess(path, prefix, tok_dir, "AlpacaStyleInstructionHandler"):
         return None
-    print(f"[5/{STEPS}] the teacher: {TEACHER_LAYERS} layers (the student's 4), fine-tuned on "
-          "every training question answered in the verifier's form only", flush=True)  # fmt: skip
+    what = f"{TEACHER_LAYERS} layers (the student's 4), fine-tuned on every training question"
+    print(f"[5/{STEPS}] the teacher: {what} answered in the verifier's form only", flush=True)
     wider = set_flag(common, "--num-layers", str(TEACHER_LAYERS))
     return grpo.sft(args, wider, prefix, f"[5/{STEPS}]", "distill-teacher")
 
@@ -78,17 +78,18 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     student = teacher_save and grpo.sft(args, common, sft_prefix, f"[6/{STEPS}]", "distill")
     if not teacher_save or not student:
         return 1
-    print(f"[7/{STEPS}] the teacher ({TEACHER_LAYERS} layers) and the student (4) on the "
-          "held-out questions", flush=True)  # fmt: skip
+    print(f"[7/{STEPS}] the teacher and the student on the held-out questions", flush=True)
     taught = grpo.heldout(args, teacher_save, tok_dir, held, f"[7/{STEPS}]")
     before = grpo.heldout(args, student, tok_dir, held, f"[7/{STEPS}]")
     save = os.path.join(args.workdir, "distill-checkpoints")
     metrics = fresh_metrics(os.path.join(args.workdir, "distill-metrics.jsonl"))
     steps = args.train_iters or 50
-    cmd = ["--stage", "distill", *common, "--load", student, "--finetune", "--teacher-model",
-           teacher_save, *DISTILL_TRAIN, "--train-iters", str(steps), "--data-path", rl_prefix,
-           "--save", save, "--save-interval", str(steps), "--metrics-file", metrics,
-           *extra]  # fmt: skip
+    cmd = [
+        *("--stage", "distill", *common, "--load", student, "--finetune"),
+        *("--teacher-model", teacher_save, *DISTILL_TRAIN, "--train-iters", str(steps)),
+        *("--data-path", rl_prefix, "--save", save, "--save-interval", str(steps)),
+        *("--metrics-file", metrics, *extra),
+    ]
     print(f"[8/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
     if posttrain_main(cmd):
         return 1

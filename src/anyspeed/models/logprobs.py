@@ -98,8 +98,8 @@ def vocab_parallel_logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch
     local = ids.to(logits.device) - ps.get_tensor_model_parallel_rank() * part
     inside = (local >= 0) & (local < part)
     picked = logits.gather(-1, local.clamp(0, part - 1))
-    parts = torch.cat([torch.exp(logits - top).sum(-1, keepdim=True),
-                       torch.where(inside, picked - top, 0.0)], -1)  # fmt: skip
+    sumexp = torch.exp(logits - top).sum(-1, keepdim=True)
+    parts = torch.cat([sumexp, torch.where(inside, picked - top, 0.0)], -1)
     if tp > 1:
         parts = reduce_from_tensor_model_parallel_region(parts)
     return parts[..., 1:] - torch.log(parts[..., :1])

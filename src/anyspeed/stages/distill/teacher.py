@@ -48,15 +48,18 @@ def check(args: argparse.Namespace) -> tuple[str, Any]:
 def _from_hf(args: argparse.Namespace, path: str) -> str:
     """A Hugging Face causal-LM directory converted once beside the run's conversions."""
     from anyspeed.convert import hf_cache
+    from anyspeed.convert.hf_io import read_config
     from anyspeed.convert.reward import is_reward_config
-    from anyspeed.stages.common.rl.reward_layout import hf_config
 
-    cfg = hf_config(path, f"{FLAG} {path!r}")
-    if cfg is None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(
             f"{FLAG} {path!r} is neither a checkpoint (no tracker file) nor a Hugging Face "
             "model directory (no config.json)"
         )
+    try:
+        cfg = read_config(path, raw=True)
+    except UsageError as exc:
+        raise UsageError(f"{FLAG}: {exc}") from None
     if is_reward_config(cfg):
         raise UsageError(
             f"{FLAG} {path!r} is a reward model (*ForSequenceClassification); a teacher is a "
@@ -70,10 +73,8 @@ def _check_tokens(teacher: str, student: str | None) -> None:
     """Where both directories hold a ``tokenizer.json``, the teacher's must give every token
     the student's id: the two models' probabilities are compared token id by token id (a
     vocabulary of the same size is not enough)."""
-    from anyspeed.data.tokenizer import tokenizer_json_vocab
-
-    theirs = tokenizer_json_vocab(teacher)
-    ours = tokenizer_json_vocab(student) if student else None
+    theirs = _vocab(teacher)
+    ours = _vocab(student) if student else None
     if theirs is None or ours is None or theirs == ours:
         return
     moved = sum(theirs.get(t) != i for t, i in ours.items())
@@ -82,6 +83,25 @@ def _check_tokens(teacher: str, student: str | None) -> None:
         f"({moved} of {len(ours)} tokens have another id or none); a teacher must share the "
         "student's tokenizer"
     )
+
+
+def _vocab(directory: str) -> dict[str, int] | None:
+    """Every token's id (added tokens included) in ``directory``'s ``tokenizer.json``; None
+    where it has none or it cannot be read (nothing to compare)."""
+    from pathlib import Path
+
+    from anyspeed.convert.hf_io import read_json
+
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        doc = read_json(path)
+        vocab = dict(doc["model"]["vocab"])
+    except (UsageError, KeyError, TypeError, ValueError):
+        return None
+    vocab.update({t["content"]: t["id"] for t in doc.get("added_tokens") or [] if "content" in t})
+    return vocab
 
 
 def frozen(path: str, model: Any) -> dict[str, FrozenModel]:

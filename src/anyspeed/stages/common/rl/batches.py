@@ -10,6 +10,26 @@ from typing import Any
 
 import torch
 
+# the rollout's statistics, in the order global_stats gives them (then TOOL_STATS with tools)
+STATS = (
+    "grpo/rewards/mean",
+    "grpo/rewards/min",
+    "grpo/rewards/max",
+    "response_length/mean",
+    "response_length/min",
+    "response_length/max",
+    "grpo/zero_adv_groups",
+    "grpo/kept_groups",
+    "rollout/logp_mismatch",
+    "rollout/logp_mismatch_max",
+    "timing/rollout",
+    "timing/old_log_p",
+    "timing/reference_model",
+    "rollout_tps",
+    "timing/reshard",
+)
+TOOL_STATS = ("tools/calls_per_sample", "tools/errors", "tools/timeouts", "tools/time")
+
 
 @dataclass
 class Group:
@@ -145,8 +165,8 @@ def global_stats(
     device: torch.device,
     tools: Any = None,
 ) -> torch.Tensor:
-    """The rollout's statistics over every replica, in ``task.STATS`` order, then with
-    ``tools`` (this replica's :class:`~.multiturn.ToolStats`) ``task.TOOL_STATS``."""
+    """The rollout's statistics over every replica, in :data:`STATS` order, then with
+    ``tools`` (this replica's :class:`~.multiturn.ToolStats`) :data:`TOOL_STATS`."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 

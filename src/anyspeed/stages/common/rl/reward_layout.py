@@ -105,23 +105,6 @@ def check_fits_layout(
         raise UsageError(f"{flag} at the training layout: {exc}; {fix}") from None
 
 
-def hf_config(path: str, flag: str) -> dict | None:
-    """The parsed ``config.json`` of a Hugging Face directory ``path`` (None: it has none);
-    one line naming ``flag`` when it cannot be read."""
-    import json
-    import os
-
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return None
-    try:
-        with open(config, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{flag}: cannot read config.json ({exc})") from None
-    return cfg if isinstance(cfg, dict) else {}
-
-
 class WholeRewardModel:
     """The reward model whole (TP 1, PP 1) on every rank, in its own process groups."""
 

@@ -54,12 +54,15 @@ def _from_hf(args: argparse.Namespace, path: str, flag: str, whole: bool) -> str
     into a reward-model checkpoint beside the run's conversions (at TP 1 for a reward model
     run whole); other directories as given."""
     from anyspeed.convert import hf_cache
+    from anyspeed.convert.hf_io import read_config
     from anyspeed.convert.reward import is_reward_config
-    from anyspeed.stages.common.rl.reward_layout import hf_config
 
-    cfg = hf_config(path, flag)
-    if cfg is None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
         return path
+    try:
+        cfg = read_config(path, raw=True)
+    except UsageError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
     if not is_reward_config(cfg):
         raise UsageError(
             f"{flag} is a Hugging Face model but not a one-label *ForSequenceClassification "

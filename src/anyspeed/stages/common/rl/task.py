@@ -23,7 +23,14 @@ from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import per_token_loss
 from anyspeed.stages.common.rl import correction, multiturn, reward_model
 from anyspeed.stages.common.rl import objective as L
-from anyspeed.stages.common.rl.batches import Rollout, global_stats, micro_batches, mismatch
+from anyspeed.stages.common.rl.batches import (
+    STATS,
+    TOOL_STATS,
+    Rollout,
+    global_stats,
+    micro_batches,
+    mismatch,
+)
 from anyspeed.training.task import FrozenModel, LossFunc, Task
 
 if TYPE_CHECKING:
@@ -32,24 +39,6 @@ if TYPE_CHECKING:
     from anyspeed.training.step import Trainer
 
 ACTOR = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy")
-STATS = (
-    "grpo/rewards/mean",
-    "grpo/rewards/min",
-    "grpo/rewards/max",
-    "response_length/mean",
-    "response_length/min",
-    "response_length/max",
-    "grpo/zero_adv_groups",
-    "grpo/kept_groups",
-    "rollout/logp_mismatch",
-    "rollout/logp_mismatch_max",
-    "timing/rollout",
-    "timing/old_log_p",
-    "timing/reference_model",
-    "rollout_tps",
-    "timing/reshard",
-)
-TOOL_STATS = ("tools/calls_per_sample", "tools/errors", "tools/timeouts", "tools/time")
 
 
 @dataclass
@@ -142,7 +131,8 @@ class PolicyTask(Task):
         )
 
         def loss_func(output: torch.Tensor):
-            b["logp_at"] = output[2:].permute(1, 2, 0)  # at logprob_ids, [b, s, k] (or k = 0)
+            if output.shape[0] > 2:  # the log-probs at logprob_ids, [b, s, k]
+                b["logp_at"] = output[2:].permute(1, 2, 0)
             return self.token_loss(output[0], output[1], b)
 
         return out, loss_func
@@ -192,7 +182,8 @@ class PolicyTask(Task):
         return total, count.round().to(torch.int), metrics
 
     def token_terms(self, logp: torch.Tensor, b: dict) -> torch.Tensor | None:
-        """A stage's own per-token loss terms [b, s] (distillation's), before aggregation."""
+        """A stage's own per-token loss terms [b, s] (distillation's KL to its teacher), added
+        before the aggregation; None: none."""
         return None
 
     def step_metrics(self, b: dict, n: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -207,7 +198,8 @@ class PolicyTask(Task):
         """After the ``done``-th warm-up rollout (PPO: one line of its critic's loss)."""
 
     def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
-        """A stage's work once a rollout's old (and reference) log-probs are in (PPO: critic)."""
+        """A stage's work on a rollout's micro-batches once the old (and reference) log-probs
+        are in (PPO: values, advantages and the critic's update); GRPO's advantages are set."""
 
     # ------------------------------------------------------------------------- rollouts
     def batches(
