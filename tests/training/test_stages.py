@@ -30,10 +30,10 @@ def test_every_posttrain_stage_is_a_row():
 def test_unknown_stage_lists_the_known_ones(capsys):
     from anyspeed.commands.train import posttrain
 
-    assert posttrain([*MOCK, "--stage", "prm"]) == 2
+    assert posttrain([*MOCK, "--stage", "kto"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert "--stage 'prm' is unknown; choose one of sft" in err and "ppo" in err
+    assert "--stage 'kto' is unknown; choose one of sft" in err and "ppo" in err
 
 
 def test_posttrain_help_lists_the_stages(capsys):

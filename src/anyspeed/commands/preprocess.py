@@ -44,6 +44,12 @@ def _preprocess_parser() -> argparse.ArgumentParser:
     h.add_argument("--pack", action="store_true", help="pack instruction samples to --seq-length")
     h.add_argument("--neat-pack", action="store_true", help="attention_mask holds segment ids")
     h.add_argument("--pack-window", type=int, default=10000, help="samples packed together")
+    h.add_argument(
+        "--placeholder-token", help="step-labelled data: the token ending each step (ки)"
+    )
+    h.add_argument(
+        "--reward-tokens", nargs="+", help="step-labelled data: the label tokens, good first"
+    )
     r = p.add_argument_group("run")
     r.add_argument("--workers", type=int, default=1)
     r.add_argument("--partitions", type=int, default=1, help="file groups merged at the end")
@@ -103,6 +109,8 @@ def _preprocess(argv: list[str]) -> int:
         overwrite=a.overwrite,
         progress=not a.quiet,
         chunk_docs=a.chunk_docs,
+        placeholder_token=a.placeholder_token,
+        reward_tokens=a.reward_tokens,
     )
     preprocess(cfg)
     return 0

@@ -55,6 +55,8 @@ class Config:
     progress: bool = True
     chunk_docs: int = 512
     chunk_bytes: int = 4 << 20
+    placeholder_token: str | None = None
+    reward_tokens: list[str] | None = None
 
 
 @dataclass
@@ -179,6 +181,8 @@ def prepare(cfg: Config) -> tuple[Job, Tokenizer]:
         cfg.map_keys,
         cfg.prompt_type,
         cfg.seq_length,
+        cfg.placeholder_token,
+        cfg.reward_tokens,
     )
     if cfg.pack and not handler.instruction:
         raise UsageError("--pack applies to instruction handlers; pretraining data is not packed")

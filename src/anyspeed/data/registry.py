@@ -1,5 +1,6 @@
 """The preprocessing handlers by ``--handler-name`` (MindSpeed-LLM's names): pretraining,
-instruction, preference (pairwise) and RL-prompt handlers, and the checks of their flags."""
+instruction, preference (pairwise), step-labelled (process reward) and RL-prompt handlers, and
+the checks of their flags."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ HANDLERS: dict[str, type[Handler]] = {
 PAIRWISE_HANDLERS = ("AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler")
 # Prompts for reinforcement learning (GRPO) likewise live in anyspeed.data.rl.
 RL_HANDLERS = ("R1AlpacaStyleInstructionHandler",)
-HANDLER_NAMES = (*HANDLERS, *PAIRWISE_HANDLERS, *RL_HANDLERS)
+# Step-labelled data for a process reward model: anyspeed.data.process_reward.
+PRM_HANDLERS = ("AlpacaStyleProcessRewardHandler",)
+HANDLER_NAMES = (*HANDLERS, *PAIRWISE_HANDLERS, *RL_HANDLERS, *PRM_HANDLERS)
 
 
 def handler_class(name: str) -> type[Handler]:
@@ -39,6 +42,10 @@ def handler_class(name: str) -> type[Handler]:
         from anyspeed.data.rl import RL
 
         return RL[name]
+    if name in PRM_HANDLERS:
+        from anyspeed.data.process_reward import PRM
+
+        return PRM[name]
     cls = HANDLERS.get(name)
     if cls is None:
         raise UsageError(f"unknown --handler-name {name!r}; choose from {', '.join(HANDLER_NAMES)}")
@@ -53,9 +60,16 @@ def build_handler(
     map_keys: str | None = None,
     prompt_type: str | None = None,
     seq_length: int | None = None,
+    placeholder_token: str | None = None,
+    reward_tokens: list[str] | None = None,
 ) -> Handler:
     """Construct the handler ``--handler-name`` names, validating its flags (UsageError)."""
     cls = handler_class(name)
+    step_labelled = name in PRM_HANDLERS
+    if not step_labelled and (placeholder_token is not None or reward_tokens):
+        raise UsageError(
+            f"--placeholder-token/--reward-tokens apply to {PRM_HANDLERS[0]}, not {name}"
+        )
     if cls is PretrainHandler:
         if append_eod and tok.eod_id is None:
             raise UsageError("--append-eod: the tokenizer has no end-of-document token")
@@ -68,4 +82,12 @@ def build_handler(
         raise UsageError(f"--map-keys is not valid JSON: {exc.msg}") from None
     if mapping is not None and not isinstance(mapping, dict):
         raise UsageError("--map-keys must be a JSON object")
+    if step_labelled:
+        from anyspeed.data.process_reward import ProcessRewardHandler
+
+        if prompt_type is not None or append_eod:
+            raise UsageError(
+                f"--prompt-type/--append-eod do not apply to {name}: the text is scored as written"
+            )
+        return ProcessRewardHandler(tok, mapping, placeholder_token, reward_tokens, seq_length)
     return cls(tok, mapping, prompt_type, append_eod, seq_length)  # type: ignore[call-arg]

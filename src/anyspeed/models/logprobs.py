@@ -105,6 +105,22 @@ def vocab_parallel_logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch
     return parts[..., 1:] - torch.log(parts[..., :1])
 
 
+def vocab_parallel_logits_at(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """The logits [..., k] of global token ids ``ids`` from this rank's vocabulary shard
+    [..., vocab / TP], with gradients: each id's column comes from the rank that holds it
+    (all-reduced; identity backward, each rank's loss is the same total)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    part = logits.shape[-1]
+    local = torch.tensor(ids, device=logits.device) - ps.get_tensor_model_parallel_rank() * part
+    inside = (local >= 0) & (local < part)
+    picked = torch.where(inside, logits[..., local.clamp(0, part - 1)], 0.0)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        picked = reduce_from_tensor_model_parallel_region(picked)
+    return picked
+
+
 def vocab_parallel_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The global ids [..., k] of the ``k`` largest logits over every rank's vocabulary shard
     (in descending order), the same on every rank of the tensor-parallel group."""

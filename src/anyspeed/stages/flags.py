@@ -8,7 +8,18 @@ import argparse
 from anyspeed.models.lora import TARGETS as LORA_TARGETS
 
 # the stages of ``anyspeed posttrain`` (the table, anyspeed.stages.table, has a row for each)
-POSTTRAIN_STAGES = ("sft", "dpo", "simpo", "orm", "grpo", "ppo", "distill", "vlm", "vlm_grpo")
+POSTTRAIN_STAGES = (
+    "sft",
+    "dpo",
+    "simpo",
+    "orm",
+    "prm",
+    "grpo",
+    "ppo",
+    "distill",
+    "vlm",
+    "vlm_grpo",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -89,6 +89,21 @@ def _orm() -> Stage:
     )
 
 
+def _prm() -> Stage:
+    from anyspeed.stages import flags as posttrain_flags
+    from anyspeed.stages.prm import task as prm
+    from anyspeed.stages.sft import task as sft
+
+    return Stage(
+        "prm",
+        "posttrain",
+        "a process reward model: each step's label token at its placeholder, on step-labelled data",
+        (posttrain_flags.add_arguments, sft.add_arguments, prm.add_arguments),
+        prm.plan,
+        prm.make_task,
+    )
+
+
 def _grpo() -> Stage:
     from anyspeed.stages import flags as posttrain_flags
     from anyspeed.stages.grpo import stage as grpo
@@ -175,6 +190,7 @@ STAGES: dict[str, Callable[[], Stage]] = {
     "dpo": _preference("dpo"),
     "simpo": _preference("simpo"),
     "orm": _orm,
+    "prm": _prm,
     "grpo": _grpo,
     "ppo": _ppo,
     "distill": _distill,

@@ -179,9 +179,12 @@ def shifted(ids: np.ndarray, labels: np.ndarray, seg: np.ndarray) -> np.ndarray:
     return out
 
 
-def padded_batch(data: InstructionData, rows: list[int], length: int, pad_id: int) -> dict:
+def padded_batch(
+    data: InstructionData, rows: list[int], length: int, pad_id: int, aligned: bool = False
+) -> dict:
     """Samples padded at the end to ``length`` (cut to it when longer): causal attention needs
-    no mask, since no real token sees a later pad."""
+    no mask, since no real token sees a later pad. ``aligned``: the labels stay at their
+    tokens (a process reward model's step labels), not shifted to next-token targets."""
     n = len(rows)
     tokens = np.full((n, length), pad_id, dtype=np.int64)
     labels = np.full((n, length), IGNORE, dtype=np.int64)
@@ -189,15 +192,15 @@ def padded_batch(data: InstructionData, rows: list[int], length: int, pad_id: in
         ids = np.asarray(data.input_ids[r], dtype=np.int64)[:length]
         lab = np.asarray(data.labels[r], dtype=np.int64)[: len(ids)]
         tokens[i, : len(ids)] = ids
-        labels[i, : len(ids)] = shifted(ids, lab, np.zeros(len(ids), np.int64))
+        labels[i, : len(ids)] = lab if aligned else shifted(ids, lab, np.zeros(len(ids), np.int64))
     pos = np.tile(np.arange(length), (n, 1))
     return _tensors(tokens, labels, pos)
 
 
-def packed_batch(data: InstructionData, rows: list[int]) -> dict:
+def packed_batch(data: InstructionData, rows: list[int], aligned: bool = False) -> dict:
     """Packed rows as one ``thd`` sequence [1, rows x seq]: each run of one segment id (a
     sample under ``--neat-pack``, else a row's samples together) and each row's padding is its
-    own attention segment."""
+    own attention segment. ``aligned``: as :func:`padded_batch`."""
     ids_l, lab_l, pos_l, bounds = [], [], [], [0]
     offset = 0
     for r in rows:
@@ -206,7 +209,8 @@ def packed_batch(data: InstructionData, rows: list[int]) -> dict:
         starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
         lens = np.diff(np.r_[starts, len(ids)])
         ids_l.append(ids)
-        lab_l.append(shifted(ids, np.asarray(data.labels[r], dtype=np.int64), seg))
+        lab = np.asarray(data.labels[r], dtype=np.int64)
+        lab_l.append(lab if aligned else shifted(ids, lab, seg))
         pos_l.append(np.arange(len(ids)) - np.repeat(starts, lens))
         bounds += list(offset + starts[1:]) + [offset + len(ids)]
         offset += len(ids)
@@ -244,16 +248,18 @@ def batches(
     consumed: int,
     device: torch.device,
     pad_id: int = 0,
+    aligned: bool = False,
 ) -> Iterator[list[dict[str, Any]]]:
-    """Per iteration, this rank's micro-batches of the next global batch (padded or packed)."""
+    """Per iteration, this rank's micro-batches of the next global batch (padded or packed;
+    ``aligned``: labels at their own tokens, see :func:`padded_batch`)."""
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
     multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
 
     def make(idx: list[int]) -> dict[str, torch.Tensor]:
         if data.packed:
-            return packed_batch(data, idx)
+            return packed_batch(data, idx, aligned)
         n = pad_length([len(data.input_ids[i]) for i in idx], args.seq_length, multiple, variable)
-        return padded_batch(data, idx, n, pad_id)
+        return padded_batch(data, idx, n, pad_id, aligned)
 
     return global_batches(args, rows, consumed, device, make)
 
@@ -309,3 +315,10 @@ def split_datasets(data: Any, split: str) -> list[tuple[Any, tuple[int, int]] | 
     """(train, valid, test): ``data`` with each ``--split`` part's row range, or None for an
     empty part (what a stage's ``Task.datasets`` returns for row data)."""
     return [None if r is None else (data, r) for r in split_rows(len(data), split)]
+
+
+def unfused_rope(chunk: torch.nn.Module, model: Any) -> torch.nn.Module:
+    """A model transform for packed rows: Megatron's fused RoPE seam has no ``thd`` form on
+    this device; its unfused path restarts the rotary positions at every cu_seqlens boundary."""
+    chunk.config.apply_rope_fusion = False
+    return chunk

@@ -1,0 +1,1 @@
+"""The process reward model stage (``anyspeed posttrain --stage prm``)."""
