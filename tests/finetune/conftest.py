@@ -10,6 +10,7 @@ import torch
 
 from helpers.corpora import write_jsonl
 from helpers.instruction import VOCAB, alpaca_records, pairwise_records, preprocess
+from helpers.prm import preprocess_steps, step_records
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +69,9 @@ def add_prompts(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     d = tmp_path_factory.mktemp("grpo")
     src = write_jsonl(str(d / "add.jsonl"), recs)
     return preprocess(src, str(d / "add"), hf_tok, handler="R1AlpacaStyleInstructionHandler")
+
+
+@pytest.fixture(scope="session")
+def step_data(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Sixteen 3-step addition chains, preprocessed with ``@`` and ``+``/``-``."""
+    return preprocess_steps(step_records(16), str(tmp_path_factory.mktemp("prm") / "steps"), hf_tok)

@@ -12,22 +12,12 @@ import torch
 
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
-from helpers.corpora import read_back, write_jsonl
-from helpers.instruction import preprocess
-from helpers.prm import PLACEHOLDER, REWARDS, step_records
+from helpers.corpora import read_back
+from helpers.prm import PLACEHOLDER, REWARDS
 
 TOL = 1e-5
-ROWS = 16  # one global batch is the whole set: its mean does not depend on the sample order
-
-
-@pytest.fixture(scope="session")
-def step_data(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Sixteen 3-step addition chains, preprocessed with ``@`` and ``+``/``-``."""
-    d = tmp_path_factory.mktemp("prm")
-    src = write_jsonl(str(d / "s.jsonl"), step_records(ROWS))
-    return preprocess(src, str(d / "steps"), hf_tok, "--prompt-type", "hf",
-                      "--placeholder-token", PLACEHOLDER, "--reward-tokens", *REWARDS,
-                      handler="AlpacaStyleProcessRewardHandler")  # fmt: skip
+ROWS = 16  # step_data's rows: one global batch of them all has a mean that does not
+# depend on the sample order
 
 
 def cli(hf: str, prefix: str, tok: str, *extra: str, iters: int = 2, gbs: int = ROWS,
