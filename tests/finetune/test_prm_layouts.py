@@ -59,8 +59,8 @@ def test_packed_rows_give_transformers_loss(step_data, tiny_qwen, hf_tok, tmp_pa
 
 @pytest.mark.slow
 def test_learns_and_exports(tiny_qwen, hf_tok, tmp_path):
-    """300 steps on successor chains (each step adds 1, a third of them written wrong): the
-    held-out step accuracy beats a constant "+" (about 0.65) by 0.1 or more; the HF export's
+    """500 steps on successor chains (each step adds 1, a third of them written wrong): the
+    held-out step accuracy beats a constant "+" (0.67) by more than 0.2; the HF export's
     own logits give the saved model's held-out loss and accuracy."""
     from anyspeed.convert import hf_cache, megatron_to_hf
 
@@ -70,12 +70,12 @@ def test_learns_and_exports(tiny_qwen, hf_tok, tmp_path):
     labels = [v for r in held_records for v in r["value"]]
     constant = labels.count("+") / len(labels)
     fit = cli(tiny_qwen, train, hf_tok, "--lr", "3e-3", "--lr-decay-style", "constant",
-              "--save", str(tmp_path / "ck"), "--save-interval", "300", iters=300)  # fmt: skip
+              "--save", str(tmp_path / "ck"), "--save-interval", "500", iters=500)  # fmt: skip
     score = cli(str(tmp_path / "ck"), held, hf_tok, "--lr", "0", iters=1, gbs=64)
     score = hf_cache.expand(score, tiny_qwen)  # the saved model's architecture flags
     out = run_distributed(sft_ranks.posttrain_many, 1, argv=fit, clis=[fit, score],
                           timeout=600)[0]  # fmt: skip
-    assert out[1]["metrics"]["acc"][0] > constant + 0.1
+    assert out[1]["metrics"]["acc"][0] > constant + 0.2
     assert sum(out[0]["loss"][-20:]) < 0.6 * sum(out[0]["loss"][:20])
     hf = megatron_to_hf(tmp_path / "ck", tmp_path / "hf", tiny_qwen)
     loss, acc = hf_steps(str(hf), held, hf_tok, True)
