@@ -73,7 +73,7 @@ def reference_costs(cli: list[str]) -> dict:
 
 def reward_model_scores(cli: list[str], prompts: list[list[int]], answers: list[list[int]]):
     """The run's frozen ``--reward-model`` scores of (prompt, answer) token sequences, through
-    the rollout's own path (the task's ``reward_model_scores``, which closes each answer as
+    the rollout's own path (the task scorer's ``reward_model_scores``, which closes each answer as
     the template closes a turn: here no template, so as given)."""
     from anyspeed.stages.prepare import prepare
     from anyspeed.stages.table import task_for
@@ -82,7 +82,7 @@ def reward_model_scores(cli: list[str], prompts: list[list[int]], answers: list[
     run, _ = prepare(cli, command="posttrain")
     task = task_for(run)
     trainer, _, _ = _start(run, task)
-    return task.reward_model_scores(trainer, prompts, answers, run.args)
+    return task.scorer.reward_model_scores(trainer, prompts, answers, run.args)
 
 
 def critic_held(cli: list[str]) -> dict:
@@ -172,3 +172,32 @@ def teacher_held(cli: list[str], teacher_dir: str) -> dict:
     held = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     stage = ps.get_pipeline_model_parallel_rank()
     return {"held": held, "estimate": frozen_bytes(_teacher(teacher_dir), run.layout, stage, 4)}
+
+
+def process_reward_scores(cli: list[str], prompts: list[list[int]], answers: list[list[int]]):
+    """The run's frozen ``--process-reward-model`` step scores of (prompt, sampled answer)
+    token sequences, combined per sample each way, through the rollout's own path."""
+    from dataclasses import replace
+
+    from anyspeed.stages.common.rl import process_reward
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import _start
+
+    run, _ = prepare(cli, command="posttrain")
+    task = task_for(run)
+    trainer, _, _ = _start(run, task)
+    src = run.config.process_reward
+    return {
+        how: process_reward.score_sequences(
+            trainer,
+            prompts,
+            answers,
+            run.args,
+            task.pad,
+            task.tok,
+            task.eos,
+            replace(src, aggregate=how),
+        )  # fmt: skip
+        for how in process_reward.AGGREGATES
+    }

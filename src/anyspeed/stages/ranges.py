@@ -201,6 +201,7 @@ RANGES: dict[str, Range] = {
     "--max-num-gen-batches": POSITIVE,
     "--verifier-weight": Range(),  # any finite weight (a penalty may be negative)
     "--reward-model-weight": Range(),
+    "--prm-weight": Range(),
     "--infer-tensor-parallel-size": POSITIVE,
     "--infer-pipeline-parallel-size": POSITIVE,
     "--infer-expert-parallel-size": POSITIVE,

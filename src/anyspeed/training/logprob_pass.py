@@ -91,3 +91,28 @@ def _filled(b: dict, mbs: int) -> dict:
         return torch.cat([v, v[-1:].expand(mbs - n, *v.shape[1:])])
 
     return {k: fill(v) for k, v in b.items()}
+
+
+def row_values(
+    trainer: Any,
+    chunks: list[torch.nn.Module],
+    microbatches: list[dict],
+    compute: Callable[[torch.nn.Module, dict], torch.Tensor],
+) -> torch.Tensor:
+    """:func:`output_pass` of a ``compute`` that gives one value per row (a score): every
+    micro-batch's rows in order [n], fp64 on the host, on every pipeline stage (the last
+    stage's, broadcast)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out = output_pass(trainer, chunks, microbatches, compute)
+    n = sum(int(b["tokens"].shape[0]) for b in microbatches)
+    device = microbatches[0]["tokens"].device
+    got = torch.cat(out) if out is not None else torch.zeros(n, device=device)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            got,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+    return got.double().cpu()

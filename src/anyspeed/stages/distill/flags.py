@@ -96,7 +96,7 @@ def check_update(args: argparse.Namespace) -> tuple[str, str]:
             "token is zero in expectation; use mse (k2) or low_var_kl (k3), or "
             "--distill-update policy-gradient"
         )
-    rewarded = args.verifier_function or args.reward_model
+    rewarded = args.verifier_function or args.reward_model or args.process_reward_model
     if rewarded and args.n_samples_per_prompt < 2:
         raise UsageError(
             f"--stage distill with rewards and --n-samples-per-prompt "

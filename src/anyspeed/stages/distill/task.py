@@ -48,7 +48,7 @@ class DistillTask(PolicyTask):
     def __init__(self, cfg: Any, run: Run, hf_vocab: int | None) -> None:
         super().__init__(cfg, run, hf_vocab)
         self.dc = cfg.extra
-        rewarded = self.reward_fn is not None or cfg.reward_model
+        rewarded = self.scorer.rewarded
         # without rewards their statistics are zeros: left off the log line and the files
         shown = [m for m in self.metrics if rewarded or m not in REWARD_STATS]
         self.metrics = (*shown, *METRICS)

@@ -5,7 +5,6 @@ the training layout beside the student, and its log-probability of every sampled
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import torch
@@ -18,90 +17,16 @@ FLAG = "--teacher-model"
 
 
 def check(args: argparse.Namespace) -> tuple[str, Any]:
-    """(checkpoint, architecture when not the student's) of ``--teacher-model``, checked: a
-    whole checkpoint of a model sharing the student's vocabulary whose heads and layers the
-    training layout splits."""
-    from anyspeed.checkpoint.reads import tracked_dir
-    from anyspeed.distributed.process import planned_world_size
-    from anyspeed.models.presets import model_from_args
-    from anyspeed.stages.common.rl.reward_layout import architecture, check_fits_layout
-    from anyspeed.stages.common.value_head import check_model_dir
+    """(checkpoint, architecture when not the student's) of ``--teacher-model``, checked
+    (:func:`anyspeed.stages.common.rl.frozen_lm.check_causal_lm`)."""
+    from anyspeed.stages.common.rl.frozen_lm import check_causal_lm
 
-    path = args.teacher_model
-    if path is None:
+    if args.teacher_model is None:
         raise UsageError(
             f"--stage distill needs {FLAG}: a checkpoint or Hugging Face directory of the "
             "model to distil from"
         )
-    if not os.path.isdir(path):
-        raise UsageError(f"{FLAG} {path!r} is not a directory")
-    if tracked_dir(path) is None:
-        path = _from_hf(args, path)
-    student = model_from_args(args)
-    own = architecture(args, path, student, flag=FLAG)
-    if own is not None:
-        world = planned_world_size(args.nproc_per_node)
-        check_fits_layout(args, own, world, FLAG, "choose sizes that split both models")
-    return check_model_dir(args, path, FLAG, head=False, model=own or student), own
-
-
-def _from_hf(args: argparse.Namespace, path: str) -> str:
-    """A Hugging Face causal-LM directory converted once beside the run's conversions."""
-    from anyspeed.convert import hf_cache
-    from anyspeed.convert.hf_io import read_config
-    from anyspeed.convert.reward import is_reward_config
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(
-            f"{FLAG} {path!r} is neither a checkpoint (no tracker file) nor a Hugging Face "
-            "model directory (no config.json)"
-        )
-    try:
-        cfg = read_config(path, raw=True)
-    except UsageError as exc:
-        raise UsageError(f"{FLAG}: {exc}") from None
-    if is_reward_config(cfg):
-        raise UsageError(
-            f"{FLAG} {path!r} is a reward model (*ForSequenceClassification); a teacher is a "
-            "causal LM (*ForCausalLM)"
-        )
-    _check_tokens(path, args.tokenizer_name_or_path)
-    return hf_cache.convert(args, path, "anyspeed posttrain --stage distill", flag=FLAG)
-
-
-def _check_tokens(teacher: str, student: str | None) -> None:
-    """Where both directories hold a ``tokenizer.json``, the teacher's must give every token
-    the student's id: the two models' probabilities are compared token id by token id (a
-    vocabulary of the same size is not enough)."""
-    theirs = _vocab(teacher)
-    ours = _vocab(student) if student else None
-    if theirs is None or ours is None or theirs == ours:
-        return
-    moved = sum(theirs.get(t) != i for t, i in ours.items())
-    raise UsageError(
-        f"{FLAG} {teacher!r}: its tokenizer differs from --tokenizer-name-or-path {student!r} "
-        f"({moved} of {len(ours)} tokens have another id or none); a teacher must share the "
-        "student's tokenizer"
-    )
-
-
-def _vocab(directory: str) -> dict[str, int] | None:
-    """Every token's id (added tokens included) in ``directory``'s ``tokenizer.json``; None
-    where it has none or it cannot be read (nothing to compare)."""
-    from pathlib import Path
-
-    from anyspeed.convert.hf_io import read_json
-
-    path = Path(directory) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    try:
-        doc = read_json(path)
-        vocab = dict(doc["model"]["vocab"])
-    except (UsageError, KeyError, TypeError, ValueError):
-        return None
-    vocab.update({t["content"]: t["id"] for t in doc.get("added_tokens") or [] if "content" in t})
-    return vocab
+    return check_causal_lm(args, args.teacher_model, FLAG)
 
 
 def frozen(path: str, model: Any) -> dict[str, FrozenModel]:

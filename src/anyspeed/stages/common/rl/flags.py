@@ -40,6 +40,9 @@ YAML_KEYS = {
     "reward_model_weight": "--reward-model-weight",
     "reward_tensor_parallel_size": "--reward-tensor-parallel-size",
     "reward_pipeline_parallel_size": "--reward-pipeline-parallel-size",
+    "process_reward_model": "--process-reward-model",
+    "prm_weight": "--prm-weight",
+    "prm_aggregate": "--prm-aggregate",
     "epochs": "--ppo-epochs",
     "loss_agg_mode": "--loss-agg-mode",
     "importance_sampling_level": "--importance-sampling-level",
@@ -222,6 +225,38 @@ def _add_rewards(a: Any) -> None:
         type=int,
         default=None,
         help="the reward model's PP size (default: training's; see --reward-tensor-parallel-size)",
+    )
+    _add_process_reward(a)
+
+
+def _add_process_reward(a: Any) -> None:
+    """A process reward model's flags (:mod:`.process_reward`)."""
+    from anyspeed.stages.common.rl.process_reward import AGGREGATES
+
+    a(
+        "--process-reward-model",
+        default=None,
+        help="an --stage prm checkpoint (or an HF *ForCausalLM PRM) reading the policy's "
+        "tokens: it scores each step of a sample; the steps' score is a reward",
+    )
+    a("--prm-weight", type=float, default=1.0, help="the process reward's weight")
+    a(
+        "--prm-aggregate",
+        choices=AGGREGATES,
+        default="min",
+        help="a sample's score from its steps' (default: min, the weakest step)",
+    )
+    a("--prm-step-separator", default="\n", help="where an answer's steps end (default: \\n)")
+    a(
+        "--prm-placeholder-token",
+        default=None,
+        help="the token after each step (default: the PRM checkpoint's, else ки)",
+    )
+    a(
+        "--prm-reward-tokens",
+        nargs="+",
+        default=None,
+        help="the label tokens, the good one first (default: the PRM checkpoint's, else + -)",
     )
 
 

@@ -56,6 +56,7 @@ class RLConfig:
     kl_in_reward: bool = False  # the KL penalty in the reward (PPO), not in the loss
     reward_model: str | None = None  # an --stage orm checkpoint scoring each sample
     reward_model_weight: float = 1.0
+    process_reward: Any = None  # process_reward.PRMSource: a PRM scoring each sample's steps
     tools: Any = None  # multi-turn rollouts with tool calls (multiturn.ToolConfig), None: off
 
 
@@ -118,7 +119,7 @@ def rl_plan(
     named and no reward model scores; ``fields``: :class:`RLConfig` fields the stage sets."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
-    from anyspeed.stages.common.rl import correction, multiturn, reward_model, rewards
+    from anyspeed.stages.common.rl import correction, multiturn
     from anyspeed.stages.common.rl import prompts as prompt_data
     from anyspeed.training import lora
 
@@ -136,10 +137,7 @@ def rl_plan(
     rbs, steps, prompt = _check_sizes(args)
     reshard = _rollout_layout(args)
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
-    rm = reward_model.check(args)
-    named = args.verifier_function or ([] if rm else list(verifiers))
-    if named:
-        rewards.resolve(named, args.verifier_weight)  # imports user functions now
+    rm, prm, named = _rewards(args, verifiers)
     _warn_dropout(args)
     lora_cfg = lora.from_args(args)
     prompt_data.check_files(prefix)
@@ -182,11 +180,25 @@ def rl_plan(
         extra=extra,
         reward_model=rm,
         reward_model_weight=args.reward_model_weight,
+        process_reward=prm,
         tools=multiturn.from_args(args),
         **fields,
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([prompt_data.file_prefix(prefix, "input_ids")], cfg, data, records)
+
+
+def _rewards(args: argparse.Namespace, verifiers: tuple[str, ...]) -> tuple[Any, Any, list[str]]:
+    """(reward model, process reward model, rule rewards), checked; the rule rewards default
+    to ``verifiers`` when no model scores (user functions are imported now)."""
+    from anyspeed.stages.common.rl import process_reward, reward_model, rewards
+
+    rm = reward_model.check(args)
+    prm = process_reward.check(args)
+    named = args.verifier_function or ([] if rm or prm else list(verifiers))
+    if named:
+        rewards.resolve(named, args.verifier_weight)
+    return rm, prm, named
 
 
 def _is_level(args: argparse.Namespace) -> str:

@@ -130,11 +130,9 @@ def score_sequences(
 def scores(trainer: Any, micro: list[dict[str, Any]]) -> torch.Tensor:
     """Each sequence's score [n] (every rank of the replica): the frozen reward model's head at
     the last token of prompt and answer, forward only through the pipeline schedule."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from anyspeed.stages.common.value_head import last_token
-    from anyspeed.training.logprob_pass import output_pass
+    from anyspeed.training.logprob_pass import row_values
     from anyspeed.training.model_pipeline import unwrap
 
     model = trainer.frozen[NAME]
@@ -147,14 +145,4 @@ def scores(trainer: Any, micro: list[dict[str, Any]]) -> torch.Tensor:
         return out[..., 0].float().gather(1, at[:, None])[:, 0]
 
     with torch.no_grad(), model.context():
-        out = output_pass(trainer, model.chunks, micro, compute)
-    n = sum(int(b["tokens"].shape[0]) for b in micro)
-    device = micro[0]["tokens"].device
-    got = torch.cat(out) if out is not None else torch.zeros(n, device=device)
-    if ps.get_pipeline_model_parallel_world_size() > 1:  # the last stage's scores to all
-        dist.broadcast(
-            got,
-            src=ps.get_pipeline_model_parallel_last_rank(),
-            group=ps.get_pipeline_model_parallel_group(),
-        )
-    return got.double().cpu()
+        return row_values(trainer, model.chunks, micro, compute)

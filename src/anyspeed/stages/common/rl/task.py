@@ -21,7 +21,7 @@ import torch
 
 from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import per_token_loss
-from anyspeed.stages.common.rl import correction, multiturn, reward_model
+from anyspeed.stages.common.rl import correction, multiturn, process_reward, reward_model
 from anyspeed.stages.common.rl import objective as L
 from anyspeed.stages.common.rl.batches import (
     STATS,
@@ -58,16 +58,15 @@ class PolicyTask(Task):
 
     def __init__(self, cfg: Any, run: Run, hf_vocab: int | None) -> None:
         from anyspeed.data.tokenizer import end_ids
-        from anyspeed.stages.common.rl import rewards
+        from anyspeed.stages.common.rl.scoring import Scorer
 
         self.cfg, self.tok = cfg, run.tokenizer
         self.vocab = hf_vocab or self.tok.vocab_size  # rollout and training: the same rows
-        self.reward_fn = rewards.resolve(cfg.verifiers, cfg.weights) if cfg.verifiers else None
         self.eos = end_ids(self.tok)
         self.pad = self.tok.pad_id if self.tok.pad_id is not None else 0
+        self.scorer = Scorer(cfg, self.tok, self.eos, self.pad)  # the rollout's rewards
         self.reference = cfg.reference or run.load
         self.roller: Any = None  # the rollout model at TP 1 x DP world (--infer-* 1 1)
-        self.rm_whole: Any = None  # the reward model whole on every rank (--reward-*-size 1)
         self.stat_names = STATS + (TOOL_STATS if cfg.tools else ())
         self.metrics = ACTOR + self.stat_names + (correction.METRICS if cfg.correction else ())
         self.turns = multiturn.tool_turns(cfg, run, self.eos)  # multi-turn rollouts (--tools)
@@ -85,6 +84,8 @@ class PolicyTask(Task):
             out = reference_model(self.cfg.lora, self.reference, self.cfg.reference_iteration)
         if self.cfg.reward_model:
             out.update(reward_model.frozen(self.cfg.reward_model))
+        if self.cfg.process_reward:
+            out.update(process_reward.frozen(self.cfg.process_reward))
         return out
 
     def records(self) -> dict[str, Any]:
@@ -98,18 +99,6 @@ class PolicyTask(Task):
         from anyspeed.stages.common.lora_start import lora_start
 
         return lora_start(self.cfg.lora, run, trainer, scheduler, state)
-
-    def reward_model_scores(
-        self, trainer: Trainer, prompts: list[list[int]], answers: list[list[int]], args: Any
-    ) -> list[float]:
-        """``--reward-model``'s score of each (prompt, sampled answer), on every rank of the
-        replica: the answer closed as the template closes a turn, the model at its layout."""
-        src = self.cfg.reward_model
-        end = reward_model.turn_end(self.tok, args.prompt_type)
-        scored = [reward_model.closed(t, self.eos, end) for t in answers]
-        if src.whole and self.rm_whole is None:
-            self.rm_whole = reward_model.WholeRewardModel(trainer, src)
-        return reward_model.score_sequences(trainer, prompts, scored, args, self.pad, self.rm_whole)
 
     def datasets(self, run: Run) -> list[Any]:
         return [(run.data, self.cfg.rows), None, None]
@@ -331,7 +320,6 @@ class PolicyTask(Task):
         from anyspeed.inference.decode import Kept, Request
         from anyspeed.inference.generate import decode
         from anyspeed.inference.sampling import SamplingParams
-        from anyspeed.stages.common.rl import rewards
 
         c = self.cfg
         prompts = [[int(t) for t in data.input_ids[i]] for i in rows]
@@ -362,28 +350,8 @@ class PolicyTask(Task):
             tokens, lps, masks = traj.tokens, traj.logps, traj.masks
             self.tool_stats.merge(traj.stats)
             finals = [t[at:] for t, at in zip(tokens, traj.last, strict=True)]  # the last turn
-        texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in finals]
-        prompt_texts = [decode(self.tok, p) for p in rep]
         labels = [a for a in answers for _ in range(c.group)]
-        error, scores = None, [0.0] * len(tokens)
-        try:
-            if self.reward_fn is not None:
-                scores = rewards.score(self.reward_fn, prompt_texts, texts, labels)
-        except rewards.RewardError as exc:
-            error = str(exc)
-        from anyspeed.distributed.process import agree
-
-        error = agree(error)  # every rank stops, with the first rank's reason
-        if error is not None:
-            raise rewards.RewardError(error)
-        if c.reward_model:
-            rm = self.reward_model_scores(trainer, rep, tokens, args)
-            scores = [s + c.reward_model_weight * r for s, r in zip(scores, rm, strict=True)]
-        if c.overlong_buffer > 0:
-            pen = rewards.overlong_penalty(
-                [len(t) for t in tokens], c.max_response, c.overlong_buffer, c.overlong_factor
-            )
-            scores = [s + p for s, p in zip(scores, pen, strict=True)]
+        scores = self.scorer.scores(trainer, rep, tokens, finals, labels, args)
         rew = torch.tensor(scores, dtype=torch.float64)
         if c.adv_estimator in L.GROUP_ADVANTAGES:
             adv = L.group_advantages(rew, c.group, c.adv_estimator)

@@ -1,0 +1,123 @@
+"""Rewards from a process reward model (``--process-reward-model``): each sampled answer cut
+into steps at the separator, a placeholder after each, scored by the frozen PRM through the
+rollout's own path as transformers scores the same sequences (step probabilities of ``+``
+among ``+ -`` at the placeholders, combined by min, mean, last and product) within 1e-5 at
+TP2 (and PP2, slow); a PRM trained by ``--stage prm`` gives its tokens to GRPO from its
+record (slow); bad flags are one line."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from test_grpo import cli
+
+from anyspeed.testing import run_distributed
+from helpers import sft_ranks
+from helpers.corpora import read_back
+from helpers.prm import PLACEHOLDER, REWARDS
+
+TOL = 1e-5
+STEPS = ["--prm-placeholder-token", PLACEHOLDER, "--prm-reward-tokens", *REWARDS]
+ANSWERS = ["3 + 1 = 4\n4 + 1 = 6\n6 + 1 = 7", "5 + 1 = 6", "\n\n2 + 1 = 3\n\n", "", "9 + 1 = 10\n"]
+
+
+def hf_step_scores(hf_dir: str, tok: str, prompts, answers, eos: int) -> dict[str, list[float]]:
+    """transformers: the documented layout built here (the answer's text cut at newlines,
+    each non-empty step followed by " @", joined by newlines, after the prompt's tokens), the
+    PRM's probability of "+" among "+ -" at each placeholder, combined four ways."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(tok)
+    tag = t(PLACEHOLDER, add_special_tokens=False)["input_ids"][0]
+    cand = [t(r, add_special_tokens=False)["input_ids"][0] for r in REWARDS]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    out: dict[str, list[float]] = {"min": [], "mean": [], "last": [], "prod": []}
+    for p, a in zip(prompts, answers, strict=True):
+        text = t.decode(a[:-1] if a and a[-1] == eos else a)
+        steps = [s.strip() for s in text.split("\n") if s.strip()]
+        ids = t("\n".join(f"{s} {PLACEHOLDER}" for s in steps), add_special_tokens=False)
+        ids = ids["input_ids"] if steps else []
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + ids])).logits[0, len(p) :].double()
+        at = torch.tensor(ids) == tag if ids else torch.zeros(0, dtype=torch.bool)
+        q = torch.softmax(logits[at][:, cand], -1)[:, 0].tolist() if ids else []
+        out["min"].append(min(q) if q else 0.0)
+        out["mean"].append(sum(q) / len(q) if q else 0.0)
+        out["last"].append(q[-1] if q else 0.0)
+        out["prod"].append(math.prod(q) if q else 0.0)
+    return out
+
+
+def _sequences(prefix: str, tok: str) -> tuple[list[list[int]], list[list[int]], int]:
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(tok)
+    prompts = [list(map(int, p)) for p in read_back(f"{prefix}_packed_input_ids_document")]
+    answers = [t(a, add_special_tokens=False)["input_ids"] for a in ANSWERS]
+    answers[1] = answers[1] + [t.eos_token_id]  # a sampled end token is not a step's
+    return prompts[: len(answers)], answers, t.eos_token_id
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    pytest.param(["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
+], ids=["tp2-sp", "pp2"])  # fmt: skip
+def test_step_scores_equal_transformers(add_prompts, tiny_qwen, hf_tok, layout, tmp_path):
+    """An HF *ForCausalLM directory as the PRM (converted once), 5 answers in micro-batches
+    of 4: several steps, a sampled end token, blank lines, an empty answer (0), one step."""
+    prompts, answers, eos = _sequences(add_prompts, hf_tok)
+    argv = cli(tiny_qwen, add_prompts, hf_tok, "--process-reward-model", tiny_qwen, *STEPS,
+               *layout, "--seq-length", "128", "--save", str(tmp_path / "run"))  # fmt: skip
+    got = run_distributed(sft_ranks.process_reward_scores, 2, argv=argv, cli=argv,
+                          prompts=prompts, answers=answers, timeout=300)  # fmt: skip
+    want = hf_step_scores(tiny_qwen, hf_tok, prompts, answers, eos)
+    assert want["min"][3] == 0.0 and 0.0 < want["prod"][0] < want["min"][0] < 1.0
+    for rank in got:  # every rank has the scores
+        for how, scores in rank.items():
+            assert scores == pytest.approx(want[how], abs=TOL), how
+
+
+def _error(capsys, argv: list[str]) -> str:
+    from anyspeed.commands.train import posttrain
+
+    os.environ.pop("WORLD_SIZE", None)
+    assert posttrain(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("anyspeed posttrain")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, tmp_path):
+    base = cli(tiny_qwen, add_prompts, hf_tok, "--process-reward-model")
+    err = _error(capsys, [*base, str(tmp_path / "none"), *STEPS])
+    assert "--process-reward-model" in err and "is not a directory" in err
+    err = _error(capsys, [*base, tiny_qwen, "--prm-placeholder-token", "ки"])
+    assert "--prm-placeholder-token 'ки' is 4 tokens" in err
+    err = _error(capsys, [*base, tiny_qwen, "--prm-placeholder-token", "@",
+                          "--prm-reward-tokens", "+"])  # fmt: skip
+    assert "--prm-reward-tokens: give two or more distinct tokens" in err
+    err = _error(capsys, [*base, tiny_qwen, *STEPS, "--prm-weight", "nan"])
+    assert "--prm-weight" in err
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_a_trained_prm(add_prompts, step_data, tiny_qwen, hf_tok, tmp_path):
+    """A PRM trained by ``--stage prm`` (saved) scores GRPO's samples with the tokens its
+    checkpoint records (no step flags given): the reward is the PRM's alone (no rule reward by
+    default), a probability, and differs between samples; PPO takes it too."""
+    from test_prm import cli as prm_cli
+
+    train = prm_cli(tiny_qwen, step_data, hf_tok, "--save", str(tmp_path / "prm"), iters=2)
+    run_distributed(sft_ranks.posttrain, 1, argv=train, cli=train, timeout=300)
+    flags = ["--process-reward-model", str(tmp_path / "prm"), "--seq-length", "128"]
+    grpo = cli(tiny_qwen, add_prompts, hf_tok, *flags)
+    ppo = cli(tiny_qwen, add_prompts, hf_tok, *flags)
+    ppo[ppo.index("--stage") + 1] = "ppo"
+    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=grpo, clis=[grpo, ppo],
+                           timeout=400)[0]  # fmt: skip
+    for run in runs:
+        m = run["metrics"]
+        assert 0.0 <= m["grpo/rewards/min"][0] < m["grpo/rewards/max"][0] <= 1.0
