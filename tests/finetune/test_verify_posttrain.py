@@ -1,6 +1,7 @@
 """``anyspeed verify`` on ``anyspeed posttrain`` command lines: SFT with LoRA at TP2 (fast),
 and (slow) full SFT at PP2 and CP2, DPO, DPO-LoRA, ORM, GRPO and distillation at other
-layouts, each against one process from the same weights and batches."""
+layouts, the process reward model and GRPO on its step scores, each against one process from
+the same weights and batches."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from test_distill import cli as distill_cli
 from test_distill import teacher  # noqa: F401 - the teacher fixture
 from test_dpo import cli as dpo_cli
 from test_grpo import cli as grpo_cli
+from test_prm import cli as prm_cli
 from test_sft_loss import cli as sft_cli
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +47,7 @@ def _rows(
     tiny_qwen,
     hf_tok,
     teacher,  # noqa: F811 - a fixture's value
+    step_data,
 ) -> dict[str, list[str]]:
     grpo = grpo_cli(tiny_qwen, add_prompts, hf_tok, "--verifier-function",
                     "helpers.user_rewards:vowels", "--ppo-epochs", "2", "--rollout-batch-size",
@@ -78,15 +81,39 @@ def _rows(
             *TP2,
             "--sequence-parallel",
         ],
+        "prm-tp2-sp": [*prm_cli(tiny_qwen, step_data, hf_tok), *TP2, "--sequence-parallel"],
+        "grpo-prm-pp2": [
+            *grpo_cli(
+                tiny_qwen,
+                add_prompts,
+                hf_tok,
+                "--process-reward-model",
+                tiny_qwen,
+                "--prm-placeholder-token",
+                "@",
+                "--prm-reward-tokens",
+                "+",
+                "-",
+                "--seq-length",
+                "128",
+                "--lr",
+                "1e-4",
+            ),
+            "--nproc-per-node",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],  # fmt: skip
     }
 
 
 ROWS = ["sft-pp2", "sft-cp2", "dpo-tp2-sp", "dpo-lora-dp2", "orm-tp2", "grpo-dp2",
-        "grpo-lora-tp2-sp", "distill-tp2-sp"]  # fmt: skip
+        "grpo-lora-tp2-sp", "distill-tp2-sp", "prm-tp2-sp", "grpo-prm-pp2"]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS)
 def test_posttrain_layouts_pass(row, sft_data, pair_data, add_prompts, tiny_qwen, hf_tok,
-                               teacher):  # noqa: F811 - the fixture  # fmt: skip
-    verify(*_rows(sft_data, pair_data, add_prompts, tiny_qwen, hf_tok, teacher)[row])
+                               teacher, step_data):  # noqa: F811 - the fixture  # fmt: skip
+    rows = _rows(sft_data, pair_data, add_prompts, tiny_qwen, hf_tok, teacher, step_data)
+    verify(*rows[row])
