@@ -2,9 +2,11 @@
 and grad norm of 3 steps at TP2+SP, PP2, DP2 (distributed optimizer) and CP2 equal one
 process's within 1e-5; packed rows give transformers' loss; a model trained on one-digit
 successor steps scores held-out steps well, and its Hugging Face export scores them as the
-saved checkpoint does."""
+saved checkpoint does (its config.json carries the step tokens)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from test_prm import TOL, cli, hf_steps
@@ -78,6 +80,8 @@ def test_learns_and_exports(tiny_qwen, hf_tok, tmp_path):
     assert out[1]["metrics"]["acc"][0] > constant + 0.2
     assert sum(out[0]["loss"][-20:]) < 0.6 * sum(out[0]["loss"][:20])
     hf = megatron_to_hf(tmp_path / "ck", tmp_path / "hf", tiny_qwen)
+    config = json.loads((hf / "config.json").read_text())
+    assert config["anyspeed_prm"] == {"placeholder_token": "@", "reward_tokens": ["+", "-"]}
     loss, acc = hf_steps(str(hf), held, hf_tok, True)
     assert out[1]["loss"][0] == pytest.approx(loss, abs=TOL)
     assert out[1]["metrics"]["acc"][0] == pytest.approx(acc, abs=1e-9)

@@ -107,17 +107,24 @@ def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, tmp_path
 def test_grpo_trains_on_a_trained_prm(add_prompts, step_data, tiny_qwen, hf_tok, tmp_path):
     """A PRM trained by ``--stage prm`` (saved) scores GRPO's samples with the tokens its
     checkpoint records (no step flags given): the reward is the PRM's alone (no rule reward by
-    default), a probability, and differs between samples; PPO takes it too."""
+    default), a probability, and differs between samples; PPO takes it too, and GRPO takes its
+    Hugging Face export, whose config.json carries the tokens, with the same rewards."""
     from test_prm import cli as prm_cli
+
+    from anyspeed.convert import megatron_to_hf
 
     train = prm_cli(tiny_qwen, step_data, hf_tok, "--save", str(tmp_path / "prm"), iters=2)
     run_distributed(sft_ranks.posttrain, 1, argv=train, cli=train, timeout=300)
-    flags = ["--process-reward-model", str(tmp_path / "prm"), "--seq-length", "128"]
-    grpo = cli(tiny_qwen, add_prompts, hf_tok, *flags)
-    ppo = cli(tiny_qwen, add_prompts, hf_tok, *flags)
+    hf = str(megatron_to_hf(tmp_path / "prm", tmp_path / "prm-hf", tiny_qwen))
+    flags = ["--seq-length", "128", "--process-reward-model"]
+    grpo = cli(tiny_qwen, add_prompts, hf_tok, *flags, str(tmp_path / "prm"))
+    ppo = cli(tiny_qwen, add_prompts, hf_tok, *flags, str(tmp_path / "prm"))
     ppo[ppo.index("--stage") + 1] = "ppo"
-    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=grpo, clis=[grpo, ppo],
+    from_hf = cli(tiny_qwen, add_prompts, hf_tok, *flags, hf)
+    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=grpo, clis=[grpo, ppo, from_hf],
                            timeout=400)[0]  # fmt: skip
     for run in runs:
         m = run["metrics"]
         assert 0.0 <= m["grpo/rewards/min"][0] < m["grpo/rewards/max"][0] <= 1.0
+    got, want = runs[2]["metrics"], runs[0]["metrics"]
+    assert got["grpo/rewards/mean"] == pytest.approx(want["grpo/rewards/mean"], abs=TOL)

@@ -33,6 +33,8 @@ from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import FamilyMapping, mapping_for
 from anyspeed.models.hf import HF_ARCHITECTURES, hf_config
 
+PRM_RECORD = "anyspeed_prm"  # a process reward model's placeholder and reward tokens
+
 
 def _output_config(common: dict, preset: ModelConfig, hf_cfg_dir: str | Path | None) -> dict:
     """config.json of the output: ``hf_cfg_dir``'s (checked against the checkpoint's model), the
@@ -136,6 +138,8 @@ def megatron_to_hf(
                 "checkpoint, without --lora-load"
             )
         m, cfg = reward_mapping(m), reward_config(cfg)
+    if PRM_RECORD in common:  # --stage prm: its step tokens travel with the export
+        cfg[PRM_RECORD] = dict(common[PRM_RECORD])
     want = engine.hf_shapes(m, dataclasses.replace(preset, vocab_size=hf_vocab))
     # each MTP layer's copies of the embedding and output layer, written after the head
     want.update((n, (hf_vocab, preset.hidden_size)) for n in engine.mtp_copies(m, preset))

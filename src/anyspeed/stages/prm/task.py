@@ -60,6 +60,7 @@ class PRMConfig:
 
 def plan(args: argparse.Namespace) -> StagePlan:
     """The PRM checks (before the generic ones); the step-labelled data, opened once."""
+    from anyspeed.convert.to_hf import PRM_RECORD
     from anyspeed.stages.common import instruction_data as sft_data
     from anyspeed.stages.prm.data import check_steps, step_tokens
     from anyspeed.training import lora
@@ -76,7 +77,7 @@ def plan(args: argparse.Namespace) -> StagePlan:
     cfg = PRMConfig(prefix, data.packed, variable, steps, lora=lora_cfg)
     check_layout(args, prefix, variable, data, seen)
     records = lora_cfg.record().to_common() if lora_cfg else {}
-    records["anyspeed_prm"] = {
+    records[PRM_RECORD] = {
         "placeholder_token": args.placeholder_token,
         "reward_tokens": list(args.reward_tokens or []),
     }

@@ -73,11 +73,16 @@ def check(args: argparse.Namespace) -> PRMSource | None:
 
 
 def _step_tokens(args: argparse.Namespace, path: str) -> tuple[str, list[str]]:
-    """The placeholder and reward tokens: the flags, the checkpoint's PRM record, or
-    Math-Shepherd's ``ки`` and ``+ -``."""
-    from anyspeed.checkpoint.reads import read_common
+    """The placeholder and reward tokens: the flags, the PRM record of the checkpoint (or of
+    the Hugging Face export it was converted from), or Math-Shepherd's ``ки`` and ``+ -``."""
+    import json
 
-    record = read_common(path).get("anyspeed_prm") or {}
+    from anyspeed.checkpoint.reads import read_common
+    from anyspeed.convert.to_hf import PRM_RECORD
+
+    common = read_common(path)
+    hf = common.get("anyspeed_convert", {}).get("hf_config_json")  # converted from HF
+    record = common.get(PRM_RECORD) or (json.loads(hf).get(PRM_RECORD) if hf else None) or {}
     placeholder = args.prm_placeholder_token or record.get("placeholder_token") or "ки"
     rewards = args.prm_reward_tokens or record.get("reward_tokens") or ["+", "-"]
     return placeholder, list(rewards)
