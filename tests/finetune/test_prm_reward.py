@@ -24,26 +24,45 @@ STEPS = ["--prm-placeholder-token", PLACEHOLDER, "--prm-reward-tokens", *REWARDS
 ANSWERS = ["3 + 1 = 4\n4 + 1 = 6\n6 + 1 = 7", "5 + 1 = 6", "\n\n2 + 1 = 3\n\n", "", "9 + 1 = 10\n"]
 
 
-def hf_step_scores(hf_dir: str, tok: str, prompts, answers, eos: int) -> dict[str, list[float]]:
-    """transformers: the documented layout built here (the answer's text cut at newlines,
-    each non-empty step followed by " @", joined by newlines, after the prompt's tokens), the
-    PRM's probability of "+" among "+ -" at each placeholder, combined four ways."""
+def hf_steps(hf_dir: str, tok: str, prompts, answers, eos: set, sep: str = "\n") -> list:
+    """transformers: the documented layout built here (the answer's text cut at ``sep``,
+    each non-empty step followed by " @", joined by ``sep``, after the prompt's tokens); per
+    answer, (the first answer token whose prefix text holds the step, found by a linear scan;
+    the PRM's probability of "+" among "+ -" at the step's placeholder) for each step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t = AutoTokenizer.from_pretrained(tok)
     tag = t(PLACEHOLDER, add_special_tokens=False)["input_ids"][0]
     cand = [t(r, add_special_tokens=False)["input_ids"][0] for r in REWARDS]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    out: dict[str, list[float]] = {"min": [], "mean": [], "last": [], "prod": []}
+    out = []
     for p, a in zip(prompts, answers, strict=True):
-        text = t.decode(a[:-1] if a and a[-1] == eos else a)
-        steps = [s.strip() for s in text.split("\n") if s.strip()]
-        ids = t("\n".join(f"{s} {PLACEHOLDER}" for s in steps), add_special_tokens=False)
+        body = a[:-1] if a and a[-1] in eos else a
+        text = t.decode(body)
+        ends, at = [], 0
+        for part in text.split(sep):
+            if part.strip():
+                end = at + len(part.rstrip())
+                ends.append(
+                    next(i for i in range(len(body)) if len(t.decode(body[: i + 1])) >= end)
+                )
+            at += len(part) + len(sep)
+        steps = [x.strip() for x in text.split(sep) if x.strip()]
+        ids = t(sep.join(f"{x} {PLACEHOLDER}" for x in steps), add_special_tokens=False)
         ids = ids["input_ids"] if steps else []
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([p + ids])).logits[0, len(p) :].double()
-        at = torch.tensor(ids) == tag if ids else torch.zeros(0, dtype=torch.bool)
-        q = torch.softmax(logits[at][:, cand], -1)[:, 0].tolist() if ids else []
+        at_tag = torch.tensor(ids) == tag if ids else torch.zeros(0, dtype=torch.bool)
+        q = torch.softmax(logits[at_tag][:, cand], -1)[:, 0].tolist() if ids else []
+        out.append(list(zip(ends, q, strict=True)))
+    return out
+
+
+def combined(steps: list) -> dict[str, list[float]]:
+    """Each answer's step scores combined four ways (0 without a step)."""
+    out: dict[str, list[float]] = {"min": [], "mean": [], "last": [], "prod": []}
+    for s in steps:
+        q = [v for _, v in s]
         out["min"].append(min(q) if q else 0.0)
         out["mean"].append(sum(q) / len(q) if q else 0.0)
         out["last"].append(q[-1] if q else 0.0)
@@ -51,14 +70,14 @@ def hf_step_scores(hf_dir: str, tok: str, prompts, answers, eos: int) -> dict[st
     return out
 
 
-def _sequences(prefix: str, tok: str) -> tuple[list[list[int]], list[list[int]], int]:
+def _sequences(prefix: str, tok: str) -> tuple[list[list[int]], list[list[int]], set]:
     from transformers import AutoTokenizer
 
     t = AutoTokenizer.from_pretrained(tok)
     prompts = [list(map(int, p)) for p in read_back(f"{prefix}_packed_input_ids_document")]
     answers = [t(a, add_special_tokens=False)["input_ids"] for a in ANSWERS]
     answers[1] = answers[1] + [t.eos_token_id]  # a sampled end token is not a step's
-    return prompts[: len(answers)], answers, t.eos_token_id
+    return prompts[: len(answers)], answers, {t.eos_token_id}
 
 
 @pytest.mark.parametrize("layout", [
@@ -73,11 +92,46 @@ def test_step_scores_equal_transformers(add_prompts, tiny_qwen, hf_tok, layout, 
                *layout, "--seq-length", "128", "--save", str(tmp_path / "run"))  # fmt: skip
     got = run_distributed(sft_ranks.process_reward_scores, 2, argv=argv, cli=argv,
                           prompts=prompts, answers=answers, timeout=300)  # fmt: skip
-    want = hf_step_scores(tiny_qwen, hf_tok, prompts, answers, eos)
+    steps = hf_steps(tiny_qwen, hf_tok, prompts, answers, eos)
+    want = combined(steps)
     assert want["min"][3] == 0.0 and 0.0 < want["prod"][0] < want["min"][0] < 1.0
+    assert [len(s) for s in steps] == [3, 1, 1, 0, 1]
     for rank in got:  # every rank has the scores
-        for how, scores in rank.items():
-            assert scores == pytest.approx(want[how], abs=TOL), how
+        for how in want:
+            assert rank[how] == pytest.approx(want[how], abs=TOL), how
+        for s, w in zip(rank["steps"], steps, strict=True):
+            assert [e for e, _ in s] == [e for e, _ in w]
+            assert [v for _, v in s] == pytest.approx([v for _, v in w], abs=TOL)
+
+
+def test_ppo_step_rewards_sit_where_the_steps_end(add_prompts, tiny_qwen, hf_tok, tmp_path):
+    """PPO with ``--prm-step-rewards`` (steps cut at spaces, so sampled answers have several):
+    each answer token's reward is --prm-weight x the score of each step ending there, as
+    transformers scores it, 0 elsewhere; the sequence reward holds no PRM score."""
+    from transformers import AutoTokenizer
+
+    ppo = cli(tiny_qwen, add_prompts, hf_tok, "--process-reward-model", tiny_qwen, *STEPS,
+              "--prm-step-rewards", "--prm-weight", "2", "--prm-step-separator", " ",
+              "--seq-length", "128", "--save", str(tmp_path / "run"))  # fmt: skip
+    ppo[ppo.index("--stage") + 1] = "ppo"
+    keys = ("tokens", "labels", "loss_mask", "token_rewards", "scores")
+    micro = run_distributed(sft_ranks.rollout_batches, 1, argv=ppo, cli=ppo, rows=[0, 1],
+                            keys=keys, timeout=300)[0]  # fmt: skip
+    eos = set(AutoTokenizer.from_pretrained(hf_tok).all_special_ids)  # sampling stops at any
+    steps_seen = 0
+    for b in micro:
+        assert b["scores"] == [0.0] * len(b["scores"])
+        for tokens, labels, mask, got in zip(b["tokens"], b["labels"], b["loss_mask"],
+                                             b["token_rewards"], strict=True):  # fmt: skip
+            at = [i for i, m in enumerate(mask) if m > 0]
+            answer = [labels[i] for i in at]
+            (steps,) = hf_steps(tiny_qwen, hf_tok, [tokens[: at[0] + 1]], [answer], eos, " ")
+            want = [0.0] * len(got)
+            for end, score in steps:
+                want[at[0] + end] += 2 * score
+            assert got == pytest.approx(want, abs=TOL)
+            steps_seen += len(steps)
+    assert steps_seen > len(micro) * len(micro[0]["tokens"])  # several steps an answer
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -101,14 +155,17 @@ def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, tmp_path
     assert "--prm-reward-tokens: give two or more distinct tokens" in err
     err = _error(capsys, [*base, tiny_qwen, *STEPS, "--prm-weight", "nan"])
     assert "--prm-weight" in err
+    err = _error(capsys, [*base, tiny_qwen, *STEPS, "--prm-step-rewards"])
+    assert "--prm-step-rewards with --stage grpo" in err and "use --stage ppo" in err
 
 
 @pytest.mark.slow
 def test_grpo_trains_on_a_trained_prm(add_prompts, step_data, tiny_qwen, hf_tok, tmp_path):
     """A PRM trained by ``--stage prm`` (saved) scores GRPO's samples with the tokens its
     checkpoint records (no step flags given): the reward is the PRM's alone (no rule reward by
-    default), a probability, and differs between samples; PPO takes it too, and GRPO takes its
-    Hugging Face export, whose config.json carries the tokens, with the same rewards."""
+    default), a probability, and differs between samples; PPO takes it too (and as step
+    rewards), and GRPO takes its Hugging Face export, whose config.json carries the tokens,
+    with the same rewards."""
     from test_prm import cli as prm_cli
 
     from anyspeed.convert import megatron_to_hf
@@ -121,10 +178,13 @@ def test_grpo_trains_on_a_trained_prm(add_prompts, step_data, tiny_qwen, hf_tok,
     ppo = cli(tiny_qwen, add_prompts, hf_tok, *flags, str(tmp_path / "prm"))
     ppo[ppo.index("--stage") + 1] = "ppo"
     from_hf = cli(tiny_qwen, add_prompts, hf_tok, *flags, hf)
-    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=grpo, clis=[grpo, ppo, from_hf],
-                           timeout=400)[0]  # fmt: skip
-    for run in runs:
+    dense = [*ppo, "--prm-step-rewards"]
+    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=grpo,
+                           clis=[grpo, ppo, from_hf, dense], timeout=400)[0]  # fmt: skip
+    for run in runs[:3]:
         m = run["metrics"]
         assert 0.0 <= m["grpo/rewards/min"][0] < m["grpo/rewards/max"][0] <= 1.0
+    assert runs[3]["metrics"]["grpo/rewards/max"] == [0.0, 0.0]  # the steps' are token rewards
+    assert runs[3]["grad_norm"][0] > 0
     got, want = runs[2]["metrics"], runs[0]["metrics"]
     assert got["grpo/rewards/mean"] == pytest.approx(want["grpo/rewards/mean"], abs=TOL)

@@ -176,10 +176,10 @@ def teacher_held(cli: list[str], teacher_dir: str) -> dict:
 
 def process_reward_scores(cli: list[str], prompts: list[list[int]], answers: list[list[int]]):
     """The run's frozen ``--process-reward-model`` step scores of (prompt, sampled answer)
-    token sequences, combined per sample each way, through the rollout's own path."""
-    from dataclasses import replace
-
+    token sequences through the rollout's own path: per aggregate, each answer's combined
+    score, and under ``"steps"`` each answer's (end token, score) pairs."""
     from anyspeed.stages.common.rl import process_reward
+    from anyspeed.stages.common.rl.step_scores import step_scores
     from anyspeed.stages.prepare import prepare
     from anyspeed.stages.table import task_for
     from anyspeed.training.engine import _start
@@ -188,16 +188,26 @@ def process_reward_scores(cli: list[str], prompts: list[list[int]], answers: lis
     task = task_for(run)
     trainer, _, _ = _start(run, task)
     src = run.config.process_reward
-    return {
-        how: process_reward.score_sequences(
-            trainer,
-            prompts,
-            answers,
-            run.args,
-            task.pad,
-            task.tok,
-            task.eos,
-            replace(src, aggregate=how),
-        )  # fmt: skip
-        for how in process_reward.AGGREGATES
-    }
+    steps = step_scores(trainer, prompts, answers, run.args, task.pad, task.tok, task.eos, src)
+    out: dict = {"steps": steps}
+    for how in process_reward.AGGREGATES:
+        out[how] = [process_reward.aggregate([v for _, v in s], how) for s in steps]
+    return out
+
+
+def rollout_batches(cli: list[str], rows: list[int], keys: tuple[str, ...]) -> list[dict]:
+    """The run's rollout of prompt ``rows`` through the task's own ``rollout``: per
+    micro-batch the tensors ``keys`` (those it has), as lists."""
+    import numpy as np
+
+    from anyspeed.device import torch_device
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import _start
+
+    run, _ = prepare(cli, command="posttrain")
+    task = task_for(run)
+    trainer, _, _ = _start(run, task)
+    micro = task.rollout(trainer, run.data, np.asarray(rows), range(len(rows)), run.args,
+                         torch_device())  # fmt: skip
+    return [{k: b[k].cpu().tolist() for k in keys if k in b} for b in micro]

@@ -98,17 +98,18 @@ def row_values(
     chunks: list[torch.nn.Module],
     microbatches: list[dict],
     compute: Callable[[torch.nn.Module, dict], torch.Tensor],
+    tail: tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """:func:`output_pass` of a ``compute`` that gives one value per row (a score): every
-    micro-batch's rows in order [n], fp64 on the host, on every pipeline stage (the last
-    stage's, broadcast)."""
+    """:func:`output_pass` of a ``compute`` that gives one value (or a ``tail``-shaped tensor)
+    per row (a score): every micro-batch's rows in order [n, *tail], fp64 on the host, on every
+    pipeline stage (the last stage's, broadcast)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     out = output_pass(trainer, chunks, microbatches, compute)
     n = sum(int(b["tokens"].shape[0]) for b in microbatches)
     device = microbatches[0]["tokens"].device
-    got = torch.cat(out) if out is not None else torch.zeros(n, device=device)
+    got = torch.cat(out) if out is not None else torch.zeros((n, *tail), device=device)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(
             got,

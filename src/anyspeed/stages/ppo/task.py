@@ -109,6 +109,8 @@ def advantages(micro: list[dict[str, Any]], values: list[torch.Tensor], cfg: Any
         if cfg.kl_in_reward and cfg.beta:
             kl = L.kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_penalty)
         rewards = P.token_rewards(b["scores"], mask, kl, cfg.beta)
+        if "token_rewards" in b:  # a process reward model's step rewards at the steps' ends
+            rewards = rewards + b["token_rewards"] * mask
         adv, ret = P.gae(rewards, v, mask, x.gamma, x.lam)
         b["values"], b["returns"], b["advantages"] = v, ret, adv
         m, a, g, d = mask.double(), adv.double(), ret.double(), (ret - v).double()

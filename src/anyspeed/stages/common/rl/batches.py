@@ -41,6 +41,7 @@ class Group:
     rewards: torch.Tensor
     advantages: torch.Tensor
     masks: list[list[int]] | None = None  # 1: the model's token, 0: a tool turn's
+    token_rewards: list[list[float]] | None = None  # per answer token (a PRM's step rewards)
 
     def has_signal(self) -> bool:
         """Whether the rewards differ (equal rewards: zero advantage, no gradient)."""
@@ -59,6 +60,7 @@ class Rollout:
     group: int
     kept: int  # groups with a reward signal (--filter-groups), else all
     masks: list[list[int]] | None = None  # per answer token, 1: the model's, 0: a tool turn's
+    token_rewards: list[list[float]] | None = None  # per answer token (a PRM's step rewards)
 
     def groups(self) -> list[Group]:
         g = self.group
@@ -70,6 +72,7 @@ class Rollout:
                 self.rewards[i : i + g],
                 self.advantages[i : i + g],
                 self.masks[i : i + g] if self.masks is not None else None,
+                self.token_rewards[i : i + g] if self.token_rewards is not None else None,
             )
             for i in range(0, len(self.tokens), g)
         ]
@@ -92,6 +95,9 @@ class Rollout:
             len(groups[0].tokens),
             min(kept, want),
             None if groups[0].masks is None else [m for x in groups for m in x.masks or []],
+            None
+            if groups[0].token_rewards is None
+            else [r for x in groups for r in x.token_rewards or []],
         )
 
 
@@ -115,6 +121,7 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
     labels = torch.zeros((n, length), dtype=torch.int64)
     mask = torch.zeros((n, length))
     old = torch.zeros((n, length))
+    step = torch.zeros((n, length)) if roll.token_rewards is not None else None
     for i, (p, t, lp) in enumerate(zip(roll.prompts, roll.tokens, roll.logps, strict=True)):
         seq = torch.tensor((p + t)[:length])
         tokens[i, : len(seq)] = seq
@@ -124,10 +131,12 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
             1 if roll.masks is None else torch.tensor(roll.masks[i][: last - first])
         )
         old[i, first:last] = torch.tensor(lp[: last - first])
+        if step is not None and roll.token_rewards is not None:
+            step[i, first:last] = torch.tensor(roll.token_rewards[i][: last - first])
     adv = roll.advantages.float()[:, None].expand(n, length)
     pos = torch.arange(length).expand(n, length)
     mbs = args.micro_batch_size
-    return [
+    out = [
         {
             "tokens": tokens[i : i + mbs].to(device),
             "labels": labels[i : i + mbs].to(device),
@@ -139,6 +148,10 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
         }
         for i in range(0, n, mbs)
     ]
+    if step is not None:  # each answer token's own reward, beside its sequence's score
+        for b, i in zip(out, range(0, n, mbs), strict=True):
+            b["token_rewards"] = step[i : i + mbs].to(device)
+    return out
 
 
 def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:

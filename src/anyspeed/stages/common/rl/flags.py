@@ -248,6 +248,12 @@ def _add_process_reward(a: Any) -> None:
     )
     a("--prm-step-separator", default="\n", help="where an answer's steps end (default: \\n)")
     a(
+        "--prm-step-rewards",
+        action="store_true",
+        help="PPO: each step's score (times --prm-weight) is a token reward at the step's last "
+        "token, for GAE, instead of the steps' combined score as the answer's reward",
+    )
+    a(
         "--prm-placeholder-token",
         default=None,
         help="the token after each step (default: the PRM checkpoint's, else ки)",

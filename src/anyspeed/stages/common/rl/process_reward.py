@@ -1,25 +1,20 @@
 """Rewards from a process reward model (``--process-reward-model``): an ``--stage prm``
 checkpoint, or a Hugging Face ``*ForCausalLM`` PRM directory converted once, built frozen at the
-training layout beside the policy. Each sampled answer is cut into steps at
-``--prm-step-separator``; every step is followed by a space and the placeholder token, and
-rejoined (``step ки\\nstep ки``: Math-Shepherd's layout, as the PRM was trained on), after the
-prompt's own tokens. At each placeholder the PRM's probability of the first reward token among
-the reward tokens (``+`` of ``+ -``) is the step's score; ``--prm-aggregate`` (min, the weakest
-step, by default) makes it the answer's, which, times ``--prm-weight``, adds to the rewards."""
+training layout beside the policy, checked before start. Each step of a sampled answer gets
+the PRM's score (:mod:`.step_scores`); ``--prm-aggregate`` (min, the weakest step, by default)
+makes them the answer's, which, times ``--prm-weight``, adds to the rewards; with
+``--prm-step-rewards`` (PPO) each step's score is instead a token reward where the step ends."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import math
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from anyspeed.errors import UsageError
 from anyspeed.training.task import FrozenModel
 
-_warned = False  # the cut warning, once per process
 NAME = "process_reward_model"  # the frozen model's name in the trainer
 FLAG = "--process-reward-model"
 AGGREGATES = ("min", "mean", "last", "prod")
@@ -38,6 +33,7 @@ class PRMSource:
     separator: str
     aggregate: str
     weight: float
+    dense: bool = False  # each step's score a token reward at its end (PPO), not aggregated
 
 
 def check(args: argparse.Namespace) -> PRMSource | None:
@@ -50,6 +46,8 @@ def check(args: argparse.Namespace) -> PRMSource | None:
     from anyspeed.stages.common.rl.frozen_lm import check_causal_lm
 
     if args.process_reward_model is None:
+        if args.prm_step_rewards:
+            raise UsageError("--prm-step-rewards needs --process-reward-model")
         return None
     tok = load_tokenizer(TokenizerSpec(name_or_path=args.tokenizer_name_or_path))
     path, own = check_causal_lm(args, args.process_reward_model, FLAG)
@@ -68,7 +66,7 @@ def check(args: argparse.Namespace) -> PRMSource | None:
         raise UsageError("--prm-step-separator must not be empty (the steps' boundary, e.g. \\n)")
     return PRMSource(
         path, own, placeholder, ph, ids, args.prm_step_separator, args.prm_aggregate,
-        args.prm_weight,
+        args.prm_weight, _dense(args),
     )  # fmt: skip
 
 
@@ -93,90 +91,40 @@ def frozen(src: PRMSource) -> dict[str, FrozenModel]:
     return {NAME: FrozenModel(load=src.path, model=src.model)}
 
 
-def with_steps(tok: Any, answer: list[int], eos: Any, src: PRMSource) -> list[int]:
-    """``answer`` (its sampled end token dropped) as the PRM reads it: its text cut at the
-    separator, each non-empty step followed by `` <placeholder>``, rejoined and encoded."""
-    from anyspeed.inference.generate import decode
-
-    body = answer[:-1] if answer and answer[-1] in eos else answer
-    steps = [s.strip() for s in decode(tok, body).split(src.separator)]
-    text = src.separator.join(f"{s} {src.placeholder}" for s in steps if s)
-    return [int(i) for i in tok.encode([text], special=False)[0]] if text else []
-
-
-def step_scores(logits: torch.Tensor, reward_ids: tuple[int, ...]) -> torch.Tensor:
-    """Each position's probability of the first reward token among the reward tokens [b, s],
-    from a last stage's fp32 logits [b, s, vocab / TP]."""
-    from anyspeed.models.logprobs import vocab_parallel_logits_at
-
-    return torch.softmax(vocab_parallel_logits_at(logits, list(reward_ids)), -1)[..., 0]
-
-
-def combine(p: torch.Tensor, steps: torch.Tensor, how: str) -> torch.Tensor:
-    """Per row, the step scores ``p`` [b, s] at ``steps`` (bool [b, s]) combined ``how``; 0
-    for a row without a step."""
-    n = steps.sum(-1)
-    if how == "min":
-        out = p.masked_fill(~steps, float("inf")).amin(-1)
-    elif how == "mean":
-        out = (p * steps).sum(-1) / n.clamp(min=1)
-    elif how == "prod":
-        out = torch.where(steps, p, 1.0).prod(-1)
-    else:  # last
-        pos = torch.arange(p.shape[-1], device=p.device)
-        out = p.gather(-1, (steps * pos).amax(-1, keepdim=True))[..., 0]
-    return torch.where(n > 0, out, 0.0)
-
-
-def scores(trainer: Any, micro: list[dict[str, Any]], src: PRMSource) -> torch.Tensor:
-    """Each sequence's combined step score [n] on every rank of the replica, forward only
-    through the pipeline schedule; steps are the placeholders inside the answer."""
-    from anyspeed.models.logprobs import prepared_logits
-    from anyspeed.training.logprob_pass import row_values
-    from anyspeed.training.model_pipeline import unwrap
-
-    def compute(chunk: torch.nn.Module, b: dict) -> torch.Tensor:
-        out = chunk(b["tokens"], b["position_ids"], None)
-        if not unwrap(chunk).post_process:
-            return out  # a stage before the last sends its hidden states on
-        answer = torch.zeros_like(b["loss_mask"], dtype=torch.bool)
-        answer[:, 1:] = b["loss_mask"][:, :-1] > 0  # labels are shifted: tokens one on
-        steps = answer & (b["tokens"] == src.placeholder_id)
-        return combine(step_scores(prepared_logits(out), src.reward_ids), steps, src.aggregate)
-
-    model = trainer.frozen[NAME]
-    with torch.no_grad(), model.context():
-        return row_values(trainer, model.chunks, micro, compute)
-
-
-def score_sequences(
-    trainer: Any, prompts: list[list[int]], answers: list[list[int]], args: Any, pad: int,
-    tok: Any, eos: Any, src: PRMSource,
-) -> list[float]:  # fmt: skip
-    """The PRM's combined step score of each (prompt, sampled answer), every rank of the
-    replica: the answers with their placeholders, in micro-batches made as the rollout's are."""
-    from anyspeed.device import torch_device
-    from anyspeed.stages.common.rl.batches import Rollout, micro_batches
-
-    scored = [with_steps(tok, a, eos, src) for a in answers]
-    _warn_cut(prompts, scored, args.seq_length)
-    zero = torch.zeros(len(scored), dtype=torch.float64)
-    roll = Rollout(prompts, scored, [[0.0] * len(a) for a in scored], zero, zero, 1, 0)
-    return scores(trainer, micro_batches(roll, args, pad, torch_device()), src).tolist()
-
-
-def _warn_cut(prompts: list[list[int]], scored: list[list[int]], seq_length: int) -> None:
-    """Once: samples whose steps (with their placeholders) run past --seq-length lose their
-    last steps' scores."""
-    global _warned
-    from anyspeed.launch import reports_here
-
-    cut = sum(len(p) + len(a) > seq_length for p, a in zip(prompts, scored, strict=True))
-    if cut and not _warned and reports_here():
-        _warned = True
-        print(
-            f"anyspeed posttrain: warning: {cut} of {len(scored)} samples with their step "
-            f"placeholders are longer than --seq-length {seq_length}: their last steps are "
-            "not scored; raise --seq-length (a placeholder adds about two tokens a step)",
-            file=sys.stderr,
+def _dense(args: argparse.Namespace) -> bool:
+    """``--prm-step-rewards``, checked: token rewards need a critic's per-token values (GAE)
+    and answers the model wrote alone."""
+    if not args.prm_step_rewards:
+        return False
+    if args.stage != "ppo":
+        raise UsageError(
+            f"--prm-step-rewards with --stage {args.stage}: step rewards at the steps' ends "
+            "need per-token values (GAE); use --stage ppo, or drop the flag (the steps' "
+            "scores then combine by --prm-aggregate)"
         )
+    if args.tools:
+        raise UsageError(
+            "--prm-step-rewards with --tools: a step may end inside a tool's output; drop one"
+        )
+    return True
+
+
+def aggregate(scores: list[float], how: str) -> float:
+    """An answer's score from its steps' (0 for an answer without a step)."""
+    if not scores:
+        return 0.0
+    if how == "min":
+        return min(scores)
+    if how == "mean":
+        return sum(scores) / len(scores)
+    if how == "prod":
+        return math.prod(scores)
+    return scores[-1]
+
+
+def dense(steps: list[tuple[int, float]], length: int, weight: float) -> list[float]:
+    """Per answer token, ``weight`` x the score of each step ending there (0 elsewhere)."""
+    out = [0.0] * length
+    for at, score in steps:
+        out[at] += weight * score
+    return out

@@ -18,6 +18,7 @@ class Scorer:
         self.cfg, self.tok, self.eos, self.pad = cfg, tok, eos, pad
         self.reward_fn = rewards.resolve(cfg.verifiers, cfg.weights) if cfg.verifiers else None
         self.rm_whole: Any = None  # the reward model whole on every rank (--reward-*-size 1)
+        self.token_rewards: list[list[float]] | None = None  # the last scores' step rewards
 
     @property
     def rewarded(self) -> bool:
@@ -35,6 +36,7 @@ class Scorer:
         from anyspeed.inference.generate import decode
 
         c = self.cfg
+        self.token_rewards = None
         texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in finals]
         error, out = None, [0.0] * len(answers)
         try:
@@ -50,17 +52,32 @@ class Scorer:
             rm = self.reward_model_scores(trainer, prompts, answers, args)
             out = [s + c.reward_model_weight * r for s, r in zip(out, rm, strict=True)]
         if c.process_reward:
-            src = c.process_reward
-            pr = process_reward.score_sequences(
-                trainer, prompts, answers, args, self.pad, self.tok, self.eos, src
-            )
-            out = [s + src.weight * r for s, r in zip(out, pr, strict=True)]
+            out = self._process_rewards(trainer, prompts, answers, args, out)
         if c.overlong_buffer > 0:
             pen = rewards.overlong_penalty(
                 [len(t) for t in answers], c.max_response, c.overlong_buffer, c.overlong_factor
             )
             out = [s + p for s, p in zip(out, pen, strict=True)]
         return out
+
+    def _process_rewards(
+        self, trainer: Any, prompts: list[list[int]], answers: list[list[int]], args: Any,
+        out: list[float],
+    ) -> list[float]:  # fmt: skip
+        """The PRM's steps: their combined score added to each reward, or (``dense``) kept as
+        token rewards at the steps' ends in :attr:`token_rewards`."""
+        from anyspeed.stages.common.rl.step_scores import step_scores
+
+        src = self.cfg.process_reward
+        steps = step_scores(trainer, prompts, answers, args, self.pad, self.tok, self.eos, src)
+        if src.dense:
+            self.token_rewards = [
+                process_reward.dense(s, len(a), src.weight)
+                for s, a in zip(steps, answers, strict=True)
+            ]
+            return out
+        combined = [process_reward.aggregate([v for _, v in s], src.aggregate) for s in steps]
+        return [r + src.weight * p for r, p in zip(out, combined, strict=True)]
 
     def reward_model_scores(
         self, trainer: Any, prompts: list[list[int]], answers: list[list[int]], args: Any

@@ -357,4 +357,5 @@ class PolicyTask(Task):
             adv = L.group_advantages(rew, c.group, c.adv_estimator)
         else:  # a critic's (set per token by the stage's prepare)
             adv = torch.zeros_like(rew)
-        return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows), masks)
+        steps = self.scorer.token_rewards  # a PRM's step rewards (PPO), else None
+        return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows), masks, steps)
