@@ -118,20 +118,81 @@ def test_ppo_step_rewards_sit_where_the_steps_end(add_prompts, tiny_qwen, hf_tok
     micro = run_distributed(sft_ranks.rollout_batches, 1, argv=ppo, cli=ppo, rows=[0, 1],
                             keys=keys, timeout=300)[0]  # fmt: skip
     eos = set(AutoTokenizer.from_pretrained(hf_tok).all_special_ids)  # sampling stops at any
+    assert all(b["scores"] == [0.0] * len(b["scores"]) for b in micro)
+    got = [r for b in micro for r in b["token_rewards"]]
     steps_seen = 0
+    for (prompt, answer, first), row in zip(_answers(micro), got, strict=True):
+        (steps,) = hf_steps(tiny_qwen, hf_tok, [prompt], [answer], eos, " ")
+        want = [0.0] * len(row)
+        for end, score in steps:
+            want[first + end] += 2 * score
+        assert row == pytest.approx(want, abs=TOL)
+        steps_seen += len(steps)
+    assert steps_seen > len(got)  # several steps an answer
+
+
+def _answers(micro: list[dict]) -> list[tuple[list[int], list[int], int]]:
+    """Each rollout row's (prompt, answer, first label position), in rollout order."""
+    out = []
     for b in micro:
-        assert b["scores"] == [0.0] * len(b["scores"])
-        for tokens, labels, mask, got in zip(b["tokens"], b["labels"], b["loss_mask"],
-                                             b["token_rewards"], strict=True):  # fmt: skip
+        for tokens, labels, mask in zip(b["tokens"], b["labels"], b["loss_mask"], strict=True):
             at = [i for i, m in enumerate(mask) if m > 0]
-            answer = [labels[i] for i in at]
-            (steps,) = hf_steps(tiny_qwen, hf_tok, [tokens[: at[0] + 1]], [answer], eos, " ")
-            want = [0.0] * len(got)
-            for end, score in steps:
-                want[at[0] + end] += 2 * score
-            assert got == pytest.approx(want, abs=TOL)
-            steps_seen += len(steps)
-    assert steps_seen > len(micro) * len(micro[0]["tokens"])  # several steps an answer
+            out.append((tokens[: at[0] + 1], [labels[i] for i in at], at[0]))
+    return out
+
+
+def test_step_advantages_are_deepseekmath_process_supervision():
+    """Two groups of two: the steps' scores (x weight) normalised over the group's steps with
+    the unbiased std, each token's advantage the sum over the steps ending at or after it,
+    plus the outcome advantage; written out token by token."""
+    from anyspeed.stages.common.rl.process_reward import step_advantages
+
+    steps = [[(1, 0.9), (4, 0.2)], [(2, 0.6)], [], [(0, 0.3), (1, 0.3), (3, 0.8)]]
+    lengths, outcome, w = [6, 3, 2, 5], torch.tensor([0.5, -0.5, 0.0, 0.25]), 2.0
+    got = step_advantages(steps, lengths, 2, outcome, w, "group_norm")
+    for g in (0, 2):
+        r = torch.tensor([w * v for s in steps[g : g + 2] for _, v in s], dtype=torch.float64)
+        norm = iter(((r - r.mean()) / (r.std() + 1e-6)).tolist())
+        for i in (g, g + 1):
+            want = [float(outcome[i])] * lengths[i]
+            for end, _ in steps[i]:
+                n = next(norm)
+                want = [a + (n if t <= end else 0.0) for t, a in enumerate(want)]
+            assert got[i] == pytest.approx(want, abs=1e-12)
+    assert got[2] == [0.0, 0.0]  # no step, outcome 0
+    mean = step_advantages(steps, lengths, 2, torch.zeros(4), 1.0, "group_mean")
+    assert mean[1] == pytest.approx([0.6 - (0.9 + 0.2 + 0.6) / 3] * 3)
+
+
+def test_grpo_process_supervision_advantages(add_prompts, tiny_qwen, hf_tok, tmp_path):
+    """GRPO with ``--prm-step-rewards`` (steps cut at spaces) and no rule reward: every answer
+    token's advantage in the rollout's micro-batches is the process-supervision sum built here
+    from transformers' step scores, normalised per group of 4, within 1e-4."""
+    from transformers import AutoTokenizer
+
+    grpo = cli(tiny_qwen, add_prompts, hf_tok, "--process-reward-model", tiny_qwen, *STEPS,
+               "--prm-step-rewards", "--prm-step-separator", " ", "--seq-length", "128",
+               "--save", str(tmp_path / "run"))  # fmt: skip
+    keys = ("tokens", "labels", "loss_mask", "advantages")
+    micro = run_distributed(sft_ranks.rollout_batches, 1, argv=grpo, cli=grpo, rows=[0, 1],
+                            keys=keys, timeout=300)[0]  # fmt: skip
+    eos = set(AutoTokenizer.from_pretrained(hf_tok).all_special_ids)
+    rows = _answers(micro)
+    steps = [hf_steps(tiny_qwen, hf_tok, [p], [a], eos, " ")[0] for p, a, _ in rows]
+    got = [adv for b in micro for adv in b["advantages"]]
+    for g in range(0, len(rows), 4):
+        r = torch.tensor([v for s in steps[g : g + 4] for _, v in s], dtype=torch.float64)
+        norm = iter(((r - r.mean()) / (r.std() + 1e-6)).tolist())
+        for i in range(g, g + 4):
+            first, want = rows[i][2], [0.0] * len(got[i])
+            for end, _ in steps[i]:
+                n = next(norm)
+                for t in range(end + 1):
+                    want[first + t] += n
+            mask = [m for b in micro for m in b["loss_mask"]][i]
+            assert [a * m for a, m in zip(got[i], mask, strict=True)] == pytest.approx(
+                want, abs=1e-4
+            )
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -155,16 +216,19 @@ def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, tmp_path
     assert "--prm-reward-tokens: give two or more distinct tokens" in err
     err = _error(capsys, [*base, tiny_qwen, *STEPS, "--prm-weight", "nan"])
     assert "--prm-weight" in err
-    err = _error(capsys, [*base, tiny_qwen, *STEPS, "--prm-step-rewards"])
-    assert "--prm-step-rewards with --stage grpo" in err and "use --stage ppo" in err
+    err = _error(capsys, [*base, tiny_qwen, *STEPS, "--prm-step-rewards",
+                          "--importance-sampling-level", "sequence"])  # fmt: skip
+    assert "GSPO's sequence ratio takes one advantage per sequence" in err
+    err = _error(capsys, [*base[:-1], "--prm-step-rewards"])
+    assert "--prm-step-rewards needs --process-reward-model" in err
 
 
 @pytest.mark.slow
 def test_grpo_trains_on_a_trained_prm(add_prompts, step_data, tiny_qwen, hf_tok, tmp_path):
     """A PRM trained by ``--stage prm`` (saved) scores GRPO's samples with the tokens its
     checkpoint records (no step flags given): the reward is the PRM's alone (no rule reward by
-    default), a probability, and differs between samples; PPO takes it too (and as step
-    rewards), and GRPO takes its Hugging Face export, whose config.json carries the tokens,
+    default), a probability, and differs between samples; PPO takes it too, both take it as
+    step credit, and GRPO takes its Hugging Face export, whose config.json carries the tokens,
     with the same rewards."""
     from test_prm import cli as prm_cli
 
@@ -178,13 +242,15 @@ def test_grpo_trains_on_a_trained_prm(add_prompts, step_data, tiny_qwen, hf_tok,
     ppo = cli(tiny_qwen, add_prompts, hf_tok, *flags, str(tmp_path / "prm"))
     ppo[ppo.index("--stage") + 1] = "ppo"
     from_hf = cli(tiny_qwen, add_prompts, hf_tok, *flags, hf)
-    dense = [*ppo, "--prm-step-rewards"]
+    dense = [[*ppo, "--prm-step-rewards"], [*grpo, "--prm-step-rewards"]]
     runs = run_distributed(sft_ranks.posttrain_many, 1, argv=grpo,
-                           clis=[grpo, ppo, from_hf, dense], timeout=400)[0]  # fmt: skip
+                           clis=[grpo, ppo, from_hf, *dense], timeout=400)[0]  # fmt: skip
     for run in runs[:3]:
         m = run["metrics"]
         assert 0.0 <= m["grpo/rewards/min"][0] < m["grpo/rewards/max"][0] <= 1.0
-    assert runs[3]["metrics"]["grpo/rewards/max"] == [0.0, 0.0]  # the steps' are token rewards
-    assert runs[3]["grad_norm"][0] > 0
+    for run in runs[3:]:  # the steps' scores are token rewards or advantages, not the reward's
+        assert run["metrics"]["grpo/rewards/max"] == [0.0, 0.0]
+        assert run["metrics"]["grpo/zero_adv_groups"] == [0.0, 0.0]
+        assert run["grad_norm"][0] > 0
     got, want = runs[2]["metrics"], runs[0]["metrics"]
     assert got["grpo/rewards/mean"] == pytest.approx(want["grpo/rewards/mean"], abs=TOL)

@@ -42,9 +42,16 @@ class Group:
     advantages: torch.Tensor
     masks: list[list[int]] | None = None  # 1: the model's token, 0: a tool turn's
     token_rewards: list[list[float]] | None = None  # per answer token (a PRM's step rewards)
+    token_advantages: list[list[float]] | None = None  # per answer token (GRPO's steps)
 
     def has_signal(self) -> bool:
-        """Whether the rewards differ (equal rewards: zero advantage, no gradient)."""
+        """Whether the rewards (or the steps' token rewards or advantages) differ: else zero
+        advantage, no gradient."""
+        if self.token_advantages is not None and any(any(a) for a in self.token_advantages):
+            return True
+        steps = self.token_rewards
+        if steps is not None and any(r != steps[0] for r in steps):
+            return True
         return bool((self.rewards != self.rewards[0]).any())
 
 
@@ -61,6 +68,7 @@ class Rollout:
     kept: int  # groups with a reward signal (--filter-groups), else all
     masks: list[list[int]] | None = None  # per answer token, 1: the model's, 0: a tool turn's
     token_rewards: list[list[float]] | None = None  # per answer token (a PRM's step rewards)
+    token_advantages: list[list[float]] | None = None  # per answer token, in place of one each
 
     def groups(self) -> list[Group]:
         g = self.group
@@ -72,7 +80,8 @@ class Rollout:
                 self.rewards[i : i + g],
                 self.advantages[i : i + g],
                 self.masks[i : i + g] if self.masks is not None else None,
-                self.token_rewards[i : i + g] if self.token_rewards is not None else None,
+                _part(self.token_rewards, i, g),
+                _part(self.token_advantages, i, g),
             )
             for i in range(0, len(self.tokens), g)
         ]
@@ -95,10 +104,17 @@ class Rollout:
             len(groups[0].tokens),
             min(kept, want),
             None if groups[0].masks is None else [m for x in groups for m in x.masks or []],
-            None
-            if groups[0].token_rewards is None
-            else [r for x in groups for r in x.token_rewards or []],
+            _joined([x.token_rewards for x in groups]),
+            _joined([x.token_advantages for x in groups]),
         )
+
+
+def _part(rows: list | None, i: int, g: int) -> list | None:
+    return rows[i : i + g] if rows is not None else None
+
+
+def _joined(parts: list[list | None]) -> list | None:
+    return None if parts[0] is None else [r for p in parts for r in p or []]
 
 
 def _length(longest: int, args: Any) -> int:
@@ -122,6 +138,7 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
     mask = torch.zeros((n, length))
     old = torch.zeros((n, length))
     step = torch.zeros((n, length)) if roll.token_rewards is not None else None
+    adv = roll.advantages.float()[:, None].expand(n, length).clone()
     for i, (p, t, lp) in enumerate(zip(roll.prompts, roll.tokens, roll.logps, strict=True)):
         seq = torch.tensor((p + t)[:length])
         tokens[i, : len(seq)] = seq
@@ -133,7 +150,8 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
         old[i, first:last] = torch.tensor(lp[: last - first])
         if step is not None and roll.token_rewards is not None:
             step[i, first:last] = torch.tensor(roll.token_rewards[i][: last - first])
-    adv = roll.advantages.float()[:, None].expand(n, length)
+        if roll.token_advantages is not None:
+            adv[i, first:last] = torch.tensor(roll.token_advantages[i][: last - first])
     pos = torch.arange(length).expand(n, length)
     mbs = args.micro_batch_size
     out = [

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from anyspeed.errors import UsageError
 from anyspeed.training.task import FrozenModel
 
@@ -33,7 +35,7 @@ class PRMSource:
     separator: str
     aggregate: str
     weight: float
-    dense: bool = False  # each step's score a token reward at its end (PPO), not aggregated
+    dense: bool = False  # step credit per token (PPO: token rewards, GRPO: process supervision)
 
 
 def check(args: argparse.Namespace) -> PRMSource | None:
@@ -92,19 +94,24 @@ def frozen(src: PRMSource) -> dict[str, FrozenModel]:
 
 
 def _dense(args: argparse.Namespace) -> bool:
-    """``--prm-step-rewards``, checked: token rewards need a critic's per-token values (GAE)
-    and answers the model wrote alone."""
+    """``--prm-step-rewards``, checked: step credit needs per-token advantages (PPO's GAE,
+    GRPO's process supervision) and answers the model wrote alone."""
     if not args.prm_step_rewards:
         return False
-    if args.stage != "ppo":
+    if args.stage not in ("ppo", "grpo"):
         raise UsageError(
-            f"--prm-step-rewards with --stage {args.stage}: step rewards at the steps' ends "
-            "need per-token values (GAE); use --stage ppo, or drop the flag (the steps' "
-            "scores then combine by --prm-aggregate)"
+            f"--prm-step-rewards with --stage {args.stage}: step rewards need per-token "
+            "advantages (--stage ppo or grpo); drop the flag (the steps' scores then combine "
+            "by --prm-aggregate)"
         )
     if args.tools:
         raise UsageError(
             "--prm-step-rewards with --tools: a step may end inside a tool's output; drop one"
+        )
+    if args.stage == "grpo" and args.importance_sampling_level == "sequence":
+        raise UsageError(
+            "--prm-step-rewards with --importance-sampling-level sequence: GSPO's sequence "
+            "ratio takes one advantage per sequence; use sequence_token or token"
         )
     return True
 
@@ -128,3 +135,45 @@ def dense(steps: list[tuple[int, float]], length: int, weight: float) -> list[fl
     for at, score in steps:
         out[at] += weight * score
     return out
+
+
+def step_advantages(
+    steps: list[list[tuple[int, float]]], lengths: list[int], group: int,
+    outcome: torch.Tensor, weight: float, estimator: str,
+) -> list[list[float]]:  # fmt: skip
+    """GRPO's process supervision (DeepSeekMath, 4.1.3): each group's step scores (times
+    ``weight``) normalised over all its samples' steps as the outcome rewards are
+    (``estimator``), and each answer token's advantage the sum of the normalised scores of
+    the steps ending at or after it, plus its sequence's ``outcome`` advantage."""
+    from anyspeed.stages.common.rl.objective import group_advantages
+
+    out = []
+    for g in range(0, len(steps), group):
+        flat = [weight * v for s in steps[g : g + group] for _, v in s]
+        scores = torch.tensor(flat, dtype=torch.float64)
+        norm = iter(group_advantages(scores, len(flat), estimator).tolist())
+        for i in range(g, g + group):
+            adv = [float(outcome[i])] * lengths[i]
+            for end, _ in steps[i]:
+                r = next(norm)
+                for t in range(end + 1):
+                    adv[t] += r
+            out.append(adv)
+    return out
+
+
+def token_terms(
+    steps: list[list[tuple[int, float]]] | None, answers: list[list[int]], cfg: Any,
+    outcome: torch.Tensor,
+) -> tuple[list[list[float]] | None, list[list[float]] | None]:  # fmt: skip
+    """(token rewards, token advantages) of a rollout's step scores: PPO's rewards where the
+    steps end, or GRPO's process-supervision advantages; (None, None) without step credit."""
+    from anyspeed.stages.common.rl.objective import GROUP_ADVANTAGES
+
+    if steps is None:
+        return None, None
+    src, lengths = cfg.process_reward, [len(a) for a in answers]
+    if cfg.adv_estimator in GROUP_ADVANTAGES:
+        est = cfg.adv_estimator
+        return None, step_advantages(steps, lengths, cfg.group, outcome, src.weight, est)
+    return [dense(s, n, src.weight) for s, n in zip(steps, lengths, strict=True)], None

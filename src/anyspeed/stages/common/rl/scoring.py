@@ -18,7 +18,7 @@ class Scorer:
         self.cfg, self.tok, self.eos, self.pad = cfg, tok, eos, pad
         self.reward_fn = rewards.resolve(cfg.verifiers, cfg.weights) if cfg.verifiers else None
         self.rm_whole: Any = None  # the reward model whole on every rank (--reward-*-size 1)
-        self.token_rewards: list[list[float]] | None = None  # the last scores' step rewards
+        self.steps: list[list[tuple[int, float]]] | None = None  # the last scores' steps
 
     @property
     def rewarded(self) -> bool:
@@ -36,7 +36,7 @@ class Scorer:
         from anyspeed.inference.generate import decode
 
         c = self.cfg
-        self.token_rewards = None
+        self.steps = None
         texts = [decode(self.tok, t[:-1] if t and t[-1] in self.eos else t) for t in finals]
         error, out = None, [0.0] * len(answers)
         try:
@@ -64,17 +64,14 @@ class Scorer:
         self, trainer: Any, prompts: list[list[int]], answers: list[list[int]], args: Any,
         out: list[float],
     ) -> list[float]:  # fmt: skip
-        """The PRM's steps: their combined score added to each reward, or (``dense``) kept as
-        token rewards at the steps' ends in :attr:`token_rewards`."""
+        """The PRM's steps: their combined score added to each reward, or (``dense``) kept, as
+        (end token, score) per answer, in :attr:`steps` for per-token credit."""
         from anyspeed.stages.common.rl.step_scores import step_scores
 
         src = self.cfg.process_reward
         steps = step_scores(trainer, prompts, answers, args, self.pad, self.tok, self.eos, src)
         if src.dense:
-            self.token_rewards = [
-                process_reward.dense(s, len(a), src.weight)
-                for s, a in zip(steps, answers, strict=True)
-            ]
+            self.steps = steps
             return out
         combined = [process_reward.aggregate([v for _, v in s], src.aggregate) for s in steps]
         return [r + src.weight * p for r, p in zip(out, combined, strict=True)]

@@ -357,5 +357,5 @@ class PolicyTask(Task):
             adv = L.group_advantages(rew, c.group, c.adv_estimator)
         else:  # a critic's (set per token by the stage's prepare)
             adv = torch.zeros_like(rew)
-        steps = self.scorer.token_rewards  # a PRM's step rewards (PPO), else None
-        return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows), masks, steps)
+        step_r, step_a = process_reward.token_terms(self.scorer.steps, tokens, c, adv)
+        return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows), masks, step_r, step_a)
