@@ -55,6 +55,26 @@ def test_labels_sit_on_the_placeholders(tmp_path, capsys, hf_tok, auto_tok):
     assert read_back(f"{prefix}_packed_labels_document")[0][-1] == minus
 
 
+def test_trl_stepwise_records(tmp_path, capsys, hf_tok, auto_tok):
+    """TRL's ``{prompt, completions, labels}`` read as ``prompt\nstep @\nstep @``, booleans
+    to the reward tokens; a placeholder inside a step is taken out of it."""
+    recs = [
+        {"prompt": "Add to 3.", "completions": ["3 + 1 = 4", "4 + 1 = 6"], "labels": [True, False]},
+        {"prompt": "Add to 5.", "completions": ["5 + 1 = 6 @ ok"], "labels": [True]},
+    ]
+    src = write_jsonl(str(tmp_path / "trl.jsonl"), recs)
+    prefix, err = _run(capsys, tmp_path, hf_tok, src, "--placeholder-token", PLACEHOLDER,
+                       "--reward-tokens", "+", "-")  # fmt: skip
+    assert "2 documents read, 2 written" in err
+    ids = read_back(f"{prefix}_packed_input_ids_document")
+    labels = read_back(f"{prefix}_packed_labels_document")
+    plus, minus = _enc(auto_tok, "+")[0], _enc(auto_tok, "-")[0]
+    texts = ["Add to 3.\n3 + 1 = 4 @\n4 + 1 = 6 @", "Add to 5.\n5 + 1 = 6  ok @"]
+    for n, (text, want) in enumerate(zip(texts, ([plus, minus], [plus]), strict=True)):
+        assert ids[n] == _enc(auto_tok, text)
+        assert [x for x in labels[n] if x != IGNORE] == want
+
+
 def test_bad_records_are_skipped_and_counted(tmp_path, capsys, hf_tok):
     ok = {"input": "1 + 1 = 2 @", "value": ["+"]}
     recs = [

@@ -4,8 +4,10 @@
 A record is ``{"input": text, "value": [label, ...]}``: the text marks the end of each reasoning
 step with ``--placeholder-token`` (default ``ки``), and ``value`` holds one label per step, a
 ``--reward-tokens`` string (``"+"``/``"-"``) or a boolean (true: the first reward token, false:
-the second). The whole text is tokenized as it is (no chat template, no special tokens), so a
-model scores it the way the same tokenizer reads it anywhere. The files are the instruction
+the second). TRL's stepwise-supervision records, ``{"prompt", "completions": [step, ...],
+"labels": [bool, ...]}``, read as ``prompt\nstep ки\nstep ки``. The whole text is tokenized as
+it is (no chat template, no special tokens), so a model scores it the way the same tokenizer
+reads it anywhere. The files are the instruction
 data's (``<prefix>_packed_{input_ids,attention_mask,labels}_document``): ``labels`` is -100
 except at each placeholder, where it holds that step's label token.
 """
@@ -45,7 +47,13 @@ class ProcessRewardHandler(InstructionHandler):
     """Texts with a placeholder token after every step, and one label per placeholder."""
 
     name = "AlpacaStyleProcessRewardHandler"
-    default_map = {"input": "input", "value": "value"}
+    default_map = {
+        "input": "input",
+        "value": "value",
+        "prompt": "prompt",  # TRL's stepwise supervision
+        "completions": "completions",
+        "labels": "labels",
+    }
 
     def __init__(
         self,
@@ -91,6 +99,8 @@ class ProcessRewardHandler(InstructionHandler):
 
     def _text(self, rec: dict) -> str:
         key = self.map["input"]
+        if key not in rec and self.map["completions"] in rec:
+            return self._stepwise(rec)
         text = get_field(rec, key)
         if not isinstance(text, str):
             raise RecordError("not a string", f"{key!r} is {type(text).__name__}")
@@ -99,6 +109,18 @@ class ProcessRewardHandler(InstructionHandler):
                 "no step", f"{key!r} holds no --placeholder-token {self.placeholder!r}"
             )
         return text
+
+    def _stepwise(self, rec: dict) -> str:
+        """TRL's record as one text: the prompt, then each step (the placeholder's own text
+        taken out) followed by a space and the placeholder, a newline before each."""
+        prompt, key = get_field(rec, self.map["prompt"]), self.map["completions"]
+        steps = get_field(rec, key)
+        if not isinstance(prompt, str) or not isinstance(steps, list):
+            raise RecordError("not a stepwise record", f"{key!r} must be a list of strings")
+        if not steps or not all(isinstance(x, str) for x in steps):
+            raise RecordError("no step", f"{key!r} holds no list of strings")
+        ph = self.placeholder
+        return "\n".join([prompt, *(f"{x.replace(ph, '')} {ph}" for x in steps)])
 
     def _sample(self, ids: list[int], text: str, rec: dict, tok: Tokenizer) -> Sample:
         if self.seq_length is not None and len(ids) > self.seq_length:
@@ -127,7 +149,7 @@ class ProcessRewardHandler(InstructionHandler):
 
     def _labels(self, rec: dict, tok: Tokenizer) -> list[int]:
         """The record's step labels as token ids (a RecordError names a bad one)."""
-        key = self.map["value"]
+        key = self.map["value"] if self.map["value"] in rec else self.map["labels"]
         values = get_field(rec, key)
         if not isinstance(values, list):
             raise RecordError("labels not a list", f"{key!r} is {type(values).__name__}")
