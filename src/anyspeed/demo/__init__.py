@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="training iterations (default 400; 100 with --sft; 40 DPO iterations with --dpo; "
-        "80 GRPO steps with --tools; 50 distillation steps with --distill)",
+        "80 GRPO steps with --tools; 50 distillation steps with --distill; 40 GRPO steps "
+        "with --prm)",
     )
     p.add_argument(
         "--corpus-mb",
@@ -75,8 +76,8 @@ def parser() -> argparse.ArgumentParser:
         "--sft-iters",
         type=int,
         default=None,
-        help="with --dpo/--grpo/--ppo/--tools/--distill: SFT iterations first (default "
-        "100/300/300/300/300; --distill: the teacher's and the student's)",
+        help="with --dpo/--grpo/--ppo/--tools/--distill/--prm: SFT iterations first (default "
+        "100/300/300/300/300/300; --distill: the teacher's and the student's)",
     )
     p.add_argument(
         "--sft-samples",
@@ -121,6 +122,12 @@ def _posttrain_demos(p: argparse.ArgumentParser) -> None:
         "(its KL to the teacher and held-out accuracy before and after)",
     )
     p.add_argument(
+        "--prm",
+        action="store_true",
+        help="a process reward model trained on step-labelled counting solutions, then GRPO "
+        "with its step scores as the only reward (the policy's right steps before and after)",
+    )
+    p.add_argument(
         "--tools",
         action="store_true",
         help="multi-turn RL with a calculator: 3-digit x 2-digit products the model cannot do "
@@ -134,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
     from anyspeed.errors import UsageError, report
 
-    if (args.sft or args.dpo or args.grpo or args.ppo or args.tools or args.distill) and args.moe:
+    tuned = (args.sft, args.dpo, args.grpo, args.ppo, args.tools, args.distill, args.prm)
+    if any(tuned) and args.moe:
         return report(
             "anyspeed demo", UsageError("--sft/--dpo fine-tune the dense demo model; drop --moe")
         )
@@ -165,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args, extra)
     if args.distill:
         from anyspeed.demo.distill import run
+
+        return run(args, extra)
+    if args.prm:
+        from anyspeed.demo.prm import run
 
         return run(args, extra)
     if args.tools:

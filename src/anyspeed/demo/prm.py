@@ -1,0 +1,292 @@
+"""``anyspeed demo --prm``: a process reward model, then GRPO on its step scores alone, offline.
+
+1-2. the demo corpus and tokenizer;
+3. a counting task generated here: ``Count on from n.`` answered in 3 steps ``a + 1 = b``, one a
+   line; in the written data a step is wrong (b off by one or two) a third of the time, and the
+   chain goes on from the written b. Step labels: ``+`` right, ``-`` wrong;
+4. ``anyspeed preprocess``: the step-labelled solutions (the prompt as the chat template renders
+   it, then each step followed by ``@``: the layout GRPO's PRM scores answers in), the policy's
+   SFT data (the same noisy solutions) and the prompts;
+5. ``anyspeed posttrain --stage prm``: the PRM, the demo model from scratch;
+6. its held-out step accuracy against always answering ``+``;
+7. ``anyspeed posttrain --stage sft``: the policy learns to count, mistakes included;
+8. ``anyspeed posttrain --stage grpo --process-reward-model``: the PRM's weakest step is the
+   only reward (no verifier);
+9. the policy's right steps on held-out prompts (sampled at temperature 1, checked by the exact
+   rule) before and after.
+
+It fails (exit 1) unless the PRM beat the constant answer and the policy's right steps rose.
+Extra flags go to the GRPO run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import time
+
+from anyspeed.demo import grpo
+from anyspeed.demo.common import FINETUNE, fresh_metrics, tokenizer_steps
+from anyspeed.demo.instructions import write_jsonl
+from anyspeed.demo.sft import PROMPT_TYPE, generated_answers, preprocess
+
+STEPS = 9
+CHAIN = 3  # steps an answer
+WRONG = 1 / 3  # the share of wrong steps in the written data
+HELD_OUT = 64  # prompts (starting numbers) never trained on
+PRM_ITERS = 400
+PLACEHOLDER, REWARDS = "@", ("+", "-")
+PRM_TRAIN = [
+    *("--lr", "2e-3", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE),
+    *("--log-interval", "50", "--micro-batch-size", "16", "--global-batch-size", "32"),
+    *("--placeholder-token", PLACEHOLDER, "--reward-tokens", *REWARDS, "--seq-length", "64"),
+]
+GRPO_TRAIN = [
+    *("--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE),
+    *("--log-interval", "1", "--n-samples-per-prompt", "8", "--global-batch-size", "128"),
+    *("--micro-batch-size", "32", "--max-response-length", "32", "--rollout-batch-size", "16"),
+    *("--temperature", "1.0", "--init-kl-coef", "0", "--seq-length", "128"),
+]
+
+
+def chain(rng: random.Random, start: int) -> tuple[list[str], list[str]]:
+    """A written solution from ``start``: its steps and their labels."""
+    total, steps, labels = start, [], []
+    for _ in range(CHAIN):
+        right = rng.random() >= WRONG
+        written = total + 1 if right else total + 1 + rng.choice((-2, -1, 1, 2))
+        steps.append(f"{total} + 1 = {written}")
+        labels.append(REWARDS[0] if right else REWARDS[1])
+        total = written
+    return steps, labels
+
+
+def right_steps(prompt: str, answer: str) -> tuple[int, int]:
+    """(right steps, steps) of an answer by the exact rule: each line ``a + 1 = b`` is right
+    when a is the last number written (the start, first) and b = a + 1; up to 3 lines count."""
+    total = int(re.findall(r"-?\d+", prompt)[0])
+    right = 0
+    for line in answer.strip().splitlines()[:CHAIN]:
+        got = re.fullmatch(r"\s*(-?\d+) \+ 1 = (-?\d+)\s*", line)
+        if got and int(got[1]) == total and int(got[2]) == total + 1:
+            right += 1
+        if got:
+            total = int(got[2])
+    return right, CHAIN
+
+
+def prompt_text(question: str) -> str:
+    """The prompt as the chat template renders it, up to the open answer."""
+    from anyspeed.data.templates import TEMPLATES
+
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
+    return TEMPLATES[PROMPT_TYPE].segments(messages)[0][0]
+
+
+def records(n: int, starts: list[int], seed: int) -> tuple[list[dict], list[dict]]:
+    """``n`` (step-labelled record, SFT record) pairs from ``starts``."""
+    rng = random.Random(seed)
+    prm, sft = [], []
+    for _ in range(n):
+        start = rng.choice(starts)
+        steps, labels = chain(rng, start)
+        question = f"Count on from {start}."
+        marked = "\n".join(f"{s} {PLACEHOLDER}" for s in steps)
+        prm.append({"input": prompt_text(question) + marked, "value": labels})
+        sft.append({"instruction": question, "input": "", "output": "\n".join(steps)})
+    return prm, sft
+
+
+def _preprocess_steps(src: str, prefix: str, tok_dir: str) -> int:
+    """``anyspeed preprocess`` of step-labelled records (the text as written: no template)."""
+    from anyspeed.commands.preprocess import main as data_main
+
+    return data_main(
+        [
+            "preprocess",
+            "--input",
+            src,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-name-or-path",
+            tok_dir,
+            "--handler-name",
+            "AlpacaStyleProcessRewardHandler",
+            "--placeholder-token",
+            PLACEHOLDER,
+            "--reward-tokens",
+            *REWARDS,
+            "--overwrite",
+            "--quiet",
+        ]
+    )
+
+
+def task_data(args: argparse.Namespace, tok_dir: str) -> tuple[int, dict[str, str], dict]:
+    """Steps 3-4: the data, preprocessed; (exit code, prefixes, held-out facts: the prompts
+    and the share of ``+`` labels in the held-out steps)."""
+    starts = list(range(100))
+    random.Random(0).shuffle(starts)
+    held, train = starts[:HELD_OUT], starts[HELD_OUT:]
+    prm, sft = records(4096, train, 1)
+    prm_held, _ = records(256, held, 2)
+    prompts = [
+        {
+            "instruction": f"Count on from {s}.",
+            "input": "",
+            "output": "\n".join(f"{a} + 1 = {a + 1}" for a in range(s, s + CHAIN)),
+        }
+        for s in train
+    ]  # the verifier's answer: unused, the PRM is the only reward
+    print(
+        f"[3/{STEPS}] task: 'Count on from n.' in {CHAIN} steps 'a + 1 = b', a third of the "
+        f"written steps wrong; {len(train)} starts for training, {len(held)} held out",
+        flush=True,
+    )
+    w, out = args.workdir, {}
+    for name, recs in (("prm", prm), ("prm-held", prm_held), ("sft", sft), ("prompts", prompts)):
+        path = write_jsonl(os.path.join(w, f"prm-{name}.jsonl"), recs)
+        out[name] = os.path.join(w, f"prm-{name}")
+        if name.startswith("prm"):
+            rc = _preprocess_steps(path, out[name], tok_dir)
+        else:
+            handler = (
+                "AlpacaStyleInstructionHandler"
+                if name == "sft"
+                else "R1AlpacaStyleInstructionHandler"
+            )
+            rc = preprocess(path, out[name], tok_dir, handler)
+        if rc:
+            return rc, out, {}
+    print(f"[4/{STEPS}] preprocess: {', '.join(out.values())} (_packed_*)", flush=True)
+    plus = sum(v == REWARDS[0] for r in prm_held for v in r["value"]) / (CHAIN * len(prm_held))
+    return 0, out, {"prompts": [{"instruction": f"Count on from {s}."} for s in held], "plus": plus}
+
+
+def prm_accuracy(args: argparse.Namespace, common: list[str], save: str, held: str) -> float | None:
+    """Step 6: the PRM's step accuracy on the held-out solutions (one step at learning rate 0
+    over all of them, as ``anyspeed posttrain --stage prm`` reports it)."""
+    from anyspeed.commands.train import posttrain as posttrain_main
+
+    metrics = fresh_metrics(os.path.join(args.workdir, "prm-held-metrics.jsonl"))
+    cmd = [
+        "--stage",
+        "prm",
+        *common,
+        "--load",
+        save,
+        *PRM_TRAIN,
+        "--lr",
+        "0",
+        "--train-iters",
+        "1",
+        "--global-batch-size",
+        "256",
+        "--data-path",
+        held,
+        "--metrics-file",
+        metrics,
+    ]
+    print(f"[6/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return None
+    with open(metrics, encoding="utf-8") as f:
+        return [r["acc"] for r in map(json.loads, f) if "acc" in r][0]
+
+
+def step_accuracy(args: argparse.Namespace, save: str, tok_dir: str, held: dict, step: str):
+    """The policy's share of right steps on the held-out prompts, sampled at temperature 1
+    (None when generation failed)."""
+    answers = generated_answers(args, save, tok_dir, held["prompts"], step, sample=True)
+    if not answers:
+        return None
+    counts = [
+        right_steps(p["instruction"], a) for p, a in zip(held["prompts"], answers, strict=True)
+    ]
+    acc = sum(r for r, _ in counts) / sum(n for _, n in counts)
+    print(f"demo: held-out right steps {acc:.2f} (sampled at temperature 1); e.g. {answers[0]!r}")
+    return acc
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    """The whole PRM demo; ``extra`` goes to ``anyspeed posttrain --stage grpo``."""
+    from anyspeed.commands.train import posttrain as posttrain_main
+
+    t0 = time.perf_counter()
+    rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 1.0, STEPS)
+    if rc:
+        return rc
+    rc, data, held = task_data(args, tok_dir)
+    if rc:
+        return rc
+    common = grpo.common_flags(args, tok_dir)
+    prm_save = os.path.join(args.workdir, "prm-checkpoints")
+    iters = PRM_ITERS
+    cmd = [
+        "--stage",
+        "prm",
+        *common,
+        *PRM_TRAIN,
+        "--train-iters",
+        str(iters),
+        "--data-path",
+        data["prm"],
+        "--save",
+        prm_save,
+        "--save-interval",
+        str(iters),
+    ]
+    print(f"[5/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return 1
+    prm_acc = prm_accuracy(args, common, prm_save, data["prm-held"])
+    if prm_acc is None:
+        return 1
+    print(f"demo: the PRM's held-out step accuracy {prm_acc:.2f} (always '+': {held['plus']:.2f})")
+    policy = grpo.sft(args, common, data["sft"], f"[7/{STEPS}]", "prm")
+    if policy is None:
+        return 1
+    before = step_accuracy(args, policy, tok_dir, held, f"[7/{STEPS}]")
+    save = os.path.join(args.workdir, "prm-grpo-checkpoints")
+    metrics = fresh_metrics(os.path.join(args.workdir, "prm-grpo-metrics.jsonl"))
+    steps = args.train_iters or 40
+    cmd = [
+        "--stage",
+        "grpo",
+        *common,
+        "--load",
+        policy,
+        "--finetune",
+        *GRPO_TRAIN,
+        "--process-reward-model",
+        prm_save,
+        "--train-iters",
+        str(steps),
+        "--data-path",
+        data["prompts"],
+        "--save",
+        save,
+        "--save-interval",
+        str(steps),
+        "--metrics-file",
+        metrics,
+        *extra,
+    ]
+    print(f"[8/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return 1
+    after = step_accuracy(args, save, tok_dir, held, f"[9/{STEPS}]")
+    r = grpo.rewards(metrics)
+    if not r or before is None or after is None:
+        return 1
+    last = sum(r[-5:]) / len(r[-5:])
+    print(
+        f"demo: the PRM's reward {r[0]:.2f} (step 1) -> {last:.2f} (the last 5 steps); "
+        f"held-out right steps {before:.2f} -> {after:.2f}"
+    )
+    rc = 0 if prm_acc > held["plus"] + 0.1 and after > before else 1
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s (exit {rc}); checkpoint in {save}")
+    return rc
