@@ -3,7 +3,8 @@ checkpoint, or a Hugging Face ``*ForCausalLM`` PRM directory converted once, bui
 training layout beside the policy, checked before start. Each step of a sampled answer gets
 the PRM's score (:mod:`.step_scores`); ``--prm-aggregate`` (min, the weakest step, by default)
 makes them the answer's, which, times ``--prm-weight``, adds to the rewards; with
-``--prm-step-rewards`` (PPO) each step's score is instead a token reward where the step ends."""
+``--prm-step-rewards`` each step instead credits the tokens up to its end (PPO: a token reward
+there; GRPO: DeepSeekMath's process-supervision advantages)."""
 
 from __future__ import annotations
 
@@ -67,9 +68,16 @@ def check(args: argparse.Namespace) -> PRMSource | None:
     if not args.prm_step_separator:
         raise UsageError("--prm-step-separator must not be empty (the steps' boundary, e.g. \\n)")
     return PRMSource(
-        path, own, placeholder, ph, ids, args.prm_step_separator, args.prm_aggregate,
-        args.prm_weight, _dense(args),
-    )  # fmt: skip
+        path,
+        own,
+        placeholder,
+        ph,
+        ids,
+        args.prm_step_separator,
+        args.prm_aggregate,
+        args.prm_weight,
+        _dense(args),
+    )
 
 
 def _step_tokens(args: argparse.Namespace, path: str) -> tuple[str, list[str]]:
@@ -138,9 +146,13 @@ def dense(steps: list[tuple[int, float]], length: int, weight: float) -> list[fl
 
 
 def step_advantages(
-    steps: list[list[tuple[int, float]]], lengths: list[int], group: int,
-    outcome: torch.Tensor, weight: float, estimator: str,
-) -> list[list[float]]:  # fmt: skip
+    steps: list[list[tuple[int, float]]],
+    lengths: list[int],
+    group: int,
+    outcome: torch.Tensor,
+    weight: float,
+    estimator: str,
+) -> list[list[float]]:
     """GRPO's process supervision (DeepSeekMath, 4.1.3): each group's step scores (times
     ``weight``) normalised over all its samples' steps as the outcome rewards are
     (``estimator``), and each answer token's advantage the sum of the normalised scores of
@@ -163,9 +175,11 @@ def step_advantages(
 
 
 def token_terms(
-    steps: list[list[tuple[int, float]]] | None, answers: list[list[int]], cfg: Any,
+    steps: list[list[tuple[int, float]]] | None,
+    answers: list[list[int]],
+    cfg: Any,
     outcome: torch.Tensor,
-) -> tuple[list[list[float]] | None, list[list[float]] | None]:  # fmt: skip
+) -> tuple[list[list[float]] | None, list[list[float]] | None]:
     """(token rewards, token advantages) of a rollout's step scores: PPO's rewards where the
     steps end, or GRPO's process-supervision advantages; (None, None) without step credit."""
     from anyspeed.stages.common.rl.objective import GROUP_ADVANTAGES

@@ -27,9 +27,14 @@ class Scorer:
         return self.reward_fn is not None or bool(c.reward_model or c.process_reward)
 
     def scores(
-        self, trainer: Any, prompts: list[list[int]], answers: list[list[int]],
-        finals: list[list[int]], labels: list[str], args: Any,
-    ) -> list[float]:  # fmt: skip
+        self,
+        trainer: Any,
+        prompts: list[list[int]],
+        answers: list[list[int]],
+        finals: list[list[int]],
+        labels: list[str],
+        args: Any,
+    ) -> list[float]:
         """Each sample's reward: ``answers`` whole (tool turns included) for the models and the
         length penalty, ``finals`` (the last turn) for the rule functions."""
         from anyspeed.distributed.process import agree
@@ -61,9 +66,13 @@ class Scorer:
         return out
 
     def _process_rewards(
-        self, trainer: Any, prompts: list[list[int]], answers: list[list[int]], args: Any,
+        self,
+        trainer: Any,
+        prompts: list[list[int]],
+        answers: list[list[int]],
+        args: Any,
         out: list[float],
-    ) -> list[float]:  # fmt: skip
+    ) -> list[float]:
         """The PRM's steps: their combined score added to each reward, or (``dense``) kept, as
         (end token, score) per answer, in :attr:`steps` for per-token credit."""
         from anyspeed.stages.common.rl.step_scores import step_scores

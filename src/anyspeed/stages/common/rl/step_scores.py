@@ -93,9 +93,15 @@ def scores(trainer: Any, micro: list[dict[str, Any]], src: PRMSource) -> torch.T
 
 
 def step_scores(
-    trainer: Any, prompts: list[list[int]], answers: list[list[int]], args: Any, pad: int,
-    tok: Any, eos: Any, src: PRMSource,
-) -> list[list[tuple[int, float]]]:  # fmt: skip
+    trainer: Any,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    args: Any,
+    pad: int,
+    tok: Any,
+    eos: Any,
+    src: PRMSource,
+) -> list[list[tuple[int, float]]]:
     """Per (prompt, sampled answer), every rank of the replica: (the answer token where the
     step ends, its score) for each step the PRM read (steps past --seq-length are not)."""
     from anyspeed.device import torch_device
