@@ -195,6 +195,25 @@ def test_grpo_process_supervision_advantages(add_prompts, tiny_qwen, hf_tok, tmp
             )
 
 
+def test_memory_counts_the_process_reward_model(tiny_qwen, tmp_path):
+    """``anyspeed memory --process-reward-model``: the PRM's frozen bytes at one process are
+    the HF model's own parameters in fp32, and the report has its line beside a teacher's."""
+    from transformers import AutoModelForCausalLM
+
+    from anyspeed.commands.memory import _frozen_model, run
+    from anyspeed.layout import Layout
+    from anyspeed.models.memory import frozen_bytes
+    from helpers.instruction import VOCAB
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32)
+    model = _frozen_model("--process-reward-model", tiny_qwen)
+    assert frozen_bytes(model, Layout(), 0, 4) == 4 * sum(p.numel() for p in hf.parameters())
+    flags = ["--model", "tiny-qwen2.5", "--seq-length", "64", "--vocab-size", str(VOCAB)]
+    out = run([*flags, "--process-reward-model", tiny_qwen, "--teacher-model", tiny_qwen])
+    assert "PRM (--process-reward-model): frozen parameters" in out
+    assert "teacher (--teacher-model" in out and "peak with them" in out
+
+
 def _error(capsys, argv: list[str]) -> str:
     from anyspeed.commands.train import posttrain
 

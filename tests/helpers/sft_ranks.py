@@ -160,7 +160,7 @@ def teacher_held(cli: list[str], teacher_dir: str) -> dict:
     what ``anyspeed memory --teacher-model teacher_dir`` estimates for them."""
     from megatron.core import parallel_state as ps
 
-    from anyspeed.commands.memory import _teacher
+    from anyspeed.commands.memory import _frozen_model
     from anyspeed.models.memory import frozen_bytes
     from anyspeed.stages.prepare import prepare
     from anyspeed.stages.table import task_for
@@ -171,7 +171,12 @@ def teacher_held(cli: list[str], teacher_dir: str) -> dict:
     chunks = trainer.frozen["teacher"].chunks
     held = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     stage = ps.get_pipeline_model_parallel_rank()
-    return {"held": held, "estimate": frozen_bytes(_teacher(teacher_dir), run.layout, stage, 4)}
+    return {
+        "held": held,
+        "estimate": frozen_bytes(
+            _frozen_model("--teacher-model", teacher_dir), run.layout, stage, 4
+        ),
+    }
 
 
 def process_reward_scores(cli: list[str], prompts: list[list[int]], answers: list[list[int]]):

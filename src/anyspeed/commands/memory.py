@@ -7,8 +7,9 @@ that needs the most. ``--fits GiB`` instead lists every layout of ``--world-size
 (TP x PP x DP, distributed optimizer, recompute) whose largest rank fits in that budget.
 ``--critic`` adds PPO's critic (``posttrain --stage ppo``): a second model of the architecture
 with its gradients and optimizer state on every rank, named when it is what does not fit.
-``--teacher-model DIR`` adds a distillation teacher (``posttrain --stage distill``; a
-checkpoint or a Hugging Face directory, its architecture read from it): its parameters, frozen
+``--teacher-model DIR`` adds a distillation teacher (``posttrain --stage distill``) and
+``--process-reward-model DIR`` a process reward model (``posttrain --stage grpo/ppo``): each a
+checkpoint or a Hugging Face directory, its architecture read from it; its parameters, frozen
 at the same layout.
 """
 
@@ -44,6 +45,11 @@ RECOMPUTE_CHOICES = {
     "act+norm": Recompute(),  # anyspeed's activation-function and norm recompute
     "full": Recompute(granularity="full", method="uniform", num_layers=1),
 }
+# the frozen models beside the trained one, by flag: their line in the report
+FROZEN = {
+    "--teacher-model": "teacher (--teacher-model, distillation): frozen parameters",
+    "--process-reward-model": "PRM (--process-reward-model): frozen parameters",
+}
 
 
 def _number(flag: str, value: str | None, kind: type) -> float | None:
@@ -68,7 +74,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | 
     try:
         world, argv = pop_flag(list(argv), "--world-size")
         fits, argv = pop_flag(argv, "--fits")
-        teacher, argv = pop_flag(argv, "--teacher-model")
+        paths = {}
+        for flag in FROZEN:
+            paths[flag], argv = pop_flag(argv, flag)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     args = parse_pretrain_args(argv)
@@ -84,7 +92,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | 
             args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
     args.critic = critic
-    args.teacher = _teacher(teacher)
+    args.frozen = {f: _frozen_model(f, p) for f, p in paths.items() if p is not None}
     return args, _number("--world-size", world, int), _number("--fits", fits, float)
 
 
@@ -151,8 +159,8 @@ def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
                 continue
             try:
                 lay.validate_for(world, model, args.seq_length)
-                if args.teacher:  # it runs at the same layout: it must split too
-                    lay.validate_for(world, args.teacher, args.seq_length)
+                for frozen in args.frozen.values():  # at the same layout: it must split too
+                    lay.validate_for(world, frozen, args.seq_length)
             except ValueError:
                 continue
             if model.vocab_size % tp:
@@ -160,11 +168,10 @@ def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
             yield lay, rec
 
 
-def _teacher(path: str | None) -> ModelConfig | None:
-    """The architecture of ``--teacher-model``: a checkpoint's model record, or a Hugging
-    Face directory's config.json (a vision-language checkpoint's text model)."""
-    if path is None:
-        return None
+def _frozen_model(flag: str, path: str) -> ModelConfig:
+    """The architecture of a frozen model's directory (``flag``): a checkpoint's model
+    record, or a Hugging Face directory's config.json (a vision-language checkpoint's text
+    model)."""
     from anyspeed.checkpoint.errors import ModelRecordError
     from anyspeed.checkpoint.reads import tracked_dir
     from anyspeed.checkpoint.record import read_model
@@ -178,24 +185,24 @@ def _teacher(path: str | None) -> ModelConfig | None:
         if is_hf_dir(path):
             return preset_of(read_config(path), None)
     except (ModelRecordError, UsageError) as exc:
-        raise UsageError(f"--teacher-model {path!r}: {exc}") from None
+        raise UsageError(f"{flag} {path!r}: {exc}") from None
     raise UsageError(
-        f"--teacher-model {path!r} is neither a checkpoint (no tracker file) nor a Hugging "
+        f"{flag} {path!r} is neither a checkpoint (no tracker file) nor a Hugging "
         "Face model directory (no config.json)"
     )
 
 
 def _with_extras(
     args: argparse.Namespace, model: ModelConfig, lay: Layout, world: int, o: Options
-) -> tuple[int, int, int]:
-    """(the largest rank's total, the critic's share of it, the teacher's): 0 without
-    ``--critic`` / ``--teacher-model``."""
+) -> tuple[int, int, dict[str, int]]:
+    """(the largest rank's total, the critic's share of it, each frozen model's by its flag):
+    0 and {} without ``--critic`` and frozen models."""
     stages = []
     for mem in (estimate_stage(model, lay, world, o, s) for s in range(lay.pp)):
         c = critic_bytes(model, lay, world, o, mem.stage) if args.critic else 0
-        t = frozen_bytes(args.teacher, lay, mem.stage, o.dtype_bytes) if args.teacher else 0
-        stages.append((mem.total + c + t, c, t))
-    return max(stages)
+        held = {f: frozen_bytes(m, lay, mem.stage, o.dtype_bytes) for f, m in args.frozen.items()}
+        stages.append((mem.total + c + sum(held.values()), c, held))
+    return max(stages, key=lambda x: x[0])
 
 
 def fits(args: argparse.Namespace, model: ModelConfig, world: int, budget: float) -> str:
@@ -242,24 +249,23 @@ def run(argv: Sequence[str]) -> str:
         Recompute.from_args(args).check(model.num_layers // lay.pp, lay.sequence_parallel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.teacher:
+    for flag, frozen in args.frozen.items():
         try:
-            lay.validate_for(world, args.teacher, args.seq_length)
+            lay.validate_for(world, frozen, args.seq_length)
         except ValueError as exc:
-            raise UsageError(f"--teacher-model at this layout: {exc}") from None
+            raise UsageError(f"{flag} at this layout: {exc}") from None
     if budget is not None:
         return fits(args, model, world, budget)
     o = options(args, lay.dp(world))
     mem = estimate(model, lay, world, o)
     table = describe(mem)
-    if args.critic or args.teacher:
-        total, critic, teacher = _with_extras(args, model, lay, world, o)
+    if args.critic or args.frozen:
+        total, critic, held = _with_extras(args, model, lay, world, o)
         if args.critic:
             name = "critic (--critic, PPO): parameters, gradients, optimizer state"
             table += f"\n  {name:<62} {_gib(critic)} GiB"
-        if args.teacher:
-            name = "teacher (--teacher-model, distillation): frozen parameters"
-            table += f"\n  {name:<62} {_gib(teacher)} GiB"
+        for flag, n in held.items():
+            table += f"\n  {FROZEN[flag]:<62} {_gib(n)} GiB"
         table += f"\n  {'peak with them (the largest rank)':<62} {_gib(total)} GiB"
     return (
         f"{model.name} ({model.num_parameters() / 1e6:,.1f}M params), {world} devices: "
