@@ -5,15 +5,15 @@
    line; in the written data a step is wrong (b off by one or two) a third of the time, and the
    chain goes on from the written b. Step labels: ``+`` right, ``-`` wrong;
 4. ``anyspeed preprocess``: the step-labelled solutions (the prompt as the chat template renders
-   it, then each step followed by ``@``: the layout GRPO's PRM scores answers in), the policy's
+   it, then each step followed by ``$``: the layout GRPO's PRM scores answers in), the policy's
    SFT data (the same noisy solutions) and the prompts;
-5. ``anyspeed posttrain --stage prm``: the PRM, the demo model from scratch;
-6. its held-out step accuracy against always answering ``+``;
-7. ``anyspeed posttrain --stage sft``: the policy learns to count, mistakes included;
-8. ``anyspeed posttrain --stage grpo --process-reward-model``: the PRM's weakest step is the
+5. ``anyspeed posttrain --stage sft``: the policy learns to count, mistakes included;
+6. its right steps on held-out prompts (sampled at temperature 1, checked by the exact rule);
+7. ``anyspeed posttrain --stage prm``: the PRM, fine-tuned from the SFT policy;
+8. its held-out step accuracy against always answering ``+``;
+9. ``anyspeed posttrain --stage grpo --process-reward-model``: the PRM's weakest step is the
    only reward (no verifier);
-9. the policy's right steps on held-out prompts (sampled at temperature 1, checked by the exact
-   rule) before and after.
+10. the policy's held-out right steps after.
 
 It fails (exit 1) unless the PRM beat the constant answer and the policy's right steps rose.
 Extra flags go to the GRPO run.
@@ -33,14 +33,14 @@ from anyspeed.demo.common import FINETUNE, fresh_metrics, tokenizer_steps
 from anyspeed.demo.instructions import write_jsonl
 from anyspeed.demo.sft import PROMPT_TYPE, generated_answers, preprocess
 
-STEPS = 9
+STEPS = 10
 CHAIN = 3  # steps an answer
 WRONG = 1 / 3  # the share of wrong steps in the written data
 HELD_OUT = 64  # prompts (starting numbers) never trained on
-PRM_ITERS = 400
-PLACEHOLDER, REWARDS = "@", ("+", "-")
+PRM_ITERS = 250  # from the SFT policy at 5e-4: 0.95 right on its batches at 200, 0.99 at 300
+PLACEHOLDER, REWARDS = "$", ("+", "-")  # "$": one token, also after a space, in this tokenizer
 PRM_TRAIN = [
-    *("--lr", "2e-3", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE),
+    *("--lr", "5e-4", "--lr-decay-style", "constant", "--weight-decay", "0", *FINETUNE),
     *("--log-interval", "50", "--micro-batch-size", "16", "--global-batch-size", "32"),
     *("--placeholder-token", PLACEHOLDER, "--reward-tokens", *REWARDS, "--seq-length", "64"),
 ]
@@ -167,7 +167,7 @@ def task_data(args: argparse.Namespace, tok_dir: str) -> tuple[int, dict[str, st
 
 
 def prm_accuracy(args: argparse.Namespace, common: list[str], save: str, held: str) -> float | None:
-    """Step 6: the PRM's step accuracy on the held-out solutions (one step at learning rate 0
+    """Step 8: the PRM's step accuracy on the held-out solutions (one step at learning rate 0
     over all of them, as ``anyspeed posttrain --stage prm`` reports it)."""
     from anyspeed.commands.train import posttrain as posttrain_main
 
@@ -178,6 +178,7 @@ def prm_accuracy(args: argparse.Namespace, common: list[str], save: str, held: s
         *common,
         "--load",
         save,
+        "--finetune",
         *PRM_TRAIN,
         "--lr",
         "0",
@@ -190,7 +191,7 @@ def prm_accuracy(args: argparse.Namespace, common: list[str], save: str, held: s
         "--metrics-file",
         metrics,
     ]
-    print(f"[6/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    print(f"[8/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
     if posttrain_main(cmd):
         return None
     with open(metrics, encoding="utf-8") as f:
@@ -211,10 +212,50 @@ def step_accuracy(args: argparse.Namespace, save: str, tok_dir: str, held: dict,
     return acc
 
 
-def run(args: argparse.Namespace, extra: list[str]) -> int:
-    """The whole PRM demo; ``extra`` goes to ``anyspeed posttrain --stage grpo``."""
+def train_prm(
+    args: argparse.Namespace, common: list[str], policy: str, data: dict[str, str]
+) -> tuple[str, float] | None:
+    """Steps 7-8: the PRM, fine-tuned from the SFT policy on the step-labelled solutions (a
+    PRM starts from a model that reads the task), and its held-out step accuracy; (its
+    checkpoint, the accuracy), None when a step failed."""
     from anyspeed.commands.train import posttrain as posttrain_main
 
+    save = os.path.join(args.workdir, "prm-checkpoints")
+    cmd = ["--stage", "prm", *common, "--load", policy, "--finetune", *PRM_TRAIN]
+    cmd += ["--train-iters", str(PRM_ITERS), "--data-path", data["prm"], "--save", save]
+    cmd += ["--save-interval", str(PRM_ITERS)]
+    print(f"[7/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    if posttrain_main(cmd):
+        return None
+    acc = prm_accuracy(args, common, save, data["prm-held"])
+    return None if acc is None else (save, acc)
+
+
+def grpo_on_prm(
+    args: argparse.Namespace,
+    common: list[str],
+    policy: str,
+    prm: str,
+    data: dict[str, str],
+    extra: list[str],
+) -> tuple[str, str] | None:
+    """Step 9: GRPO from the policy with the PRM's weakest step as the only reward; (its
+    checkpoint, its metrics file), None when it failed."""
+    from anyspeed.commands.train import posttrain as posttrain_main
+
+    save = os.path.join(args.workdir, "prm-grpo-checkpoints")
+    metrics = fresh_metrics(os.path.join(args.workdir, "prm-grpo-metrics.jsonl"))
+    steps = args.train_iters or 40
+    cmd = ["--stage", "grpo", *common, "--load", policy, "--finetune", *GRPO_TRAIN]
+    cmd += ["--process-reward-model", prm, "--train-iters", str(steps), "--data-path"]
+    cmd += [data["prompts"], "--save", save, "--save-interval", str(steps), "--metrics-file"]
+    cmd += [metrics, *extra]
+    print(f"[9/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
+    return None if posttrain_main(cmd) else (save, metrics)
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    """The whole PRM demo; ``extra`` goes to ``anyspeed posttrain --stage grpo``."""
     t0 = time.perf_counter()
     rc, tok_dir = tokenizer_steps(args.workdir, args.corpus_mb or 1.0, STEPS)
     if rc:
@@ -223,62 +264,20 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if rc:
         return rc
     common = grpo.common_flags(args, tok_dir)
-    prm_save = os.path.join(args.workdir, "prm-checkpoints")
-    iters = PRM_ITERS
-    cmd = [
-        "--stage",
-        "prm",
-        *common,
-        *PRM_TRAIN,
-        "--train-iters",
-        str(iters),
-        "--data-path",
-        data["prm"],
-        "--save",
-        prm_save,
-        "--save-interval",
-        str(iters),
-    ]
-    print(f"[5/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
-    if posttrain_main(cmd):
-        return 1
-    prm_acc = prm_accuracy(args, common, prm_save, data["prm-held"])
-    if prm_acc is None:
-        return 1
-    print(f"demo: the PRM's held-out step accuracy {prm_acc:.2f} (always '+': {held['plus']:.2f})")
-    policy = grpo.sft(args, common, data["sft"], f"[7/{STEPS}]", "prm")
+    policy = grpo.sft(args, common, data["sft"], f"[5/{STEPS}]", "prm")
     if policy is None:
         return 1
-    before = step_accuracy(args, policy, tok_dir, held, f"[7/{STEPS}]")
-    save = os.path.join(args.workdir, "prm-grpo-checkpoints")
-    metrics = fresh_metrics(os.path.join(args.workdir, "prm-grpo-metrics.jsonl"))
-    steps = args.train_iters or 40
-    cmd = [
-        "--stage",
-        "grpo",
-        *common,
-        "--load",
-        policy,
-        "--finetune",
-        *GRPO_TRAIN,
-        "--process-reward-model",
-        prm_save,
-        "--train-iters",
-        str(steps),
-        "--data-path",
-        data["prompts"],
-        "--save",
-        save,
-        "--save-interval",
-        str(steps),
-        "--metrics-file",
-        metrics,
-        *extra,
-    ]
-    print(f"[8/{STEPS}] anyspeed posttrain {' '.join(cmd)}", flush=True)
-    if posttrain_main(cmd):
+    before = step_accuracy(args, policy, tok_dir, held, f"[6/{STEPS}]")
+    trained = train_prm(args, common, policy, data)
+    if trained is None:
         return 1
-    after = step_accuracy(args, save, tok_dir, held, f"[9/{STEPS}]")
+    prm_save, prm_acc = trained
+    print(f"demo: the PRM's held-out step accuracy {prm_acc:.2f} (always '+': {held['plus']:.2f})")
+    ran = grpo_on_prm(args, common, policy, prm_save, data, extra)
+    if ran is None:
+        return 1
+    save, metrics = ran
+    after = step_accuracy(args, save, tok_dir, held, f"[10/{STEPS}]")
     r = grpo.rewards(metrics)
     if not r or before is None or after is None:
         return 1
