@@ -64,7 +64,7 @@ def test_prm_demo_trains_a_prm_and_grpo_on_it(tmp_path):
     line = next(x for x in out.stdout.splitlines() if x.startswith("demo: the PRM's held-out"))
     acc, plus = map(float, re.findall(r"\d\.\d+", line))
     assert acc > plus + 0.1, line
-    line = next(x for x in out.stdout.splitlines() if x.startswith("demo: the PRM's reward"))
+    line = next(x for x in out.stdout.splitlines() if x.startswith("demo: the PRM's mean step"))
     r0, r1, before, after = map(float, re.findall(r"\d\.\d+", line.replace("5 steps", "")))
     assert r1 > r0 and after > before, line
     assert all(x.startswith("anyspeed") for x in out.stderr.splitlines()), out.stderr

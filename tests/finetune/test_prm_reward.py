@@ -271,5 +271,8 @@ def test_grpo_trains_on_a_trained_prm(add_prompts, step_data, tiny_qwen, hf_tok,
         assert run["metrics"]["grpo/rewards/max"] == [0.0, 0.0]
         assert run["metrics"]["grpo/zero_adv_groups"] == [0.0, 0.0]
         assert run["grad_norm"][0] > 0
+    for run in runs:  # the rollout's PRM statistics
+        m = run["metrics"]
+        assert all(0.0 < x < 1.0 for x in m["prm/step_score"]) and min(m["prm/steps"]) > 0.5
     got, want = runs[2]["metrics"], runs[0]["metrics"]
     assert got["grpo/rewards/mean"] == pytest.approx(want["grpo/rewards/mean"], abs=TOL)

@@ -184,7 +184,7 @@ def token_terms(
     steps end, or GRPO's process-supervision advantages; (None, None) without step credit."""
     from anyspeed.stages.common.rl.objective import GROUP_ADVANTAGES
 
-    if steps is None:
+    if steps is None or not cfg.process_reward.dense:
         return None, None
     src, lengths = cfg.process_reward, [len(a) for a in answers]
     if cfg.adv_estimator in GROUP_ADVANTAGES:

@@ -9,6 +9,9 @@ from typing import Any
 
 from anyspeed.stages.common.rl import process_reward, reward_model, rewards
 
+# a process reward model's rollout statistics: its mean step score, and steps per sample
+PRM_STATS = ("prm/step_score", "prm/steps")
+
 
 class Scorer:
     """The policy task's rewards: its rule functions, and the reward models at their layout
@@ -19,6 +22,7 @@ class Scorer:
         self.reward_fn = rewards.resolve(cfg.verifiers, cfg.weights) if cfg.verifiers else None
         self.rm_whole: Any = None  # the reward model whole on every rank (--reward-*-size 1)
         self.steps: list[list[tuple[int, float]]] | None = None  # the last scores' steps
+        self.totals = [0.0, 0.0, 0.0]  # the PRM's step scores, steps, samples since last stats
 
     @property
     def rewarded(self) -> bool:
@@ -73,14 +77,17 @@ class Scorer:
         args: Any,
         out: list[float],
     ) -> list[float]:
-        """The PRM's steps: their combined score added to each reward, or (``dense``) kept, as
-        (end token, score) per answer, in :attr:`steps` for per-token credit."""
+        """The PRM's steps, kept as (end token, score) per answer in :attr:`steps`: their
+        combined score added to each reward, or (``dense``) left for per-token credit."""
         from anyspeed.stages.common.rl.step_scores import step_scores
 
         src = self.cfg.process_reward
         steps = step_scores(trainer, prompts, answers, args, self.pad, self.tok, self.eos, src)
+        self.totals[0] += sum(v for s in steps for _, v in s)
+        self.totals[1] += sum(len(s) for s in steps)
+        self.totals[2] += len(steps)
+        self.steps = steps
         if src.dense:
-            self.steps = steps
             return out
         combined = [process_reward.aggregate([v for _, v in s], src.aggregate) for s in steps]
         return [r + src.weight * p for r, p in zip(out, combined, strict=True)]
@@ -96,3 +103,15 @@ class Scorer:
         if src.whole and self.rm_whole is None:
             self.rm_whole = reward_model.WholeRewardModel(trainer, src)
         return reward_model.score_sequences(trainer, prompts, scored, args, self.pad, self.rm_whole)
+
+    def prm_stats(self, device: Any) -> Any:
+        """:data:`PRM_STATS` of the samples scored since the last call, over every replica
+        (each replica's ranks hold the same scores: summed over data parallelism)."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        t = torch.tensor(self.totals, dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        self.totals = [0.0, 0.0, 0.0]
+        return torch.stack([t[0] / t[1].clamp(min=1), t[1] / t[2].clamp(min=1)]).float()

@@ -58,7 +58,7 @@ class PolicyTask(Task):
 
     def __init__(self, cfg: Any, run: Run, hf_vocab: int | None) -> None:
         from anyspeed.data.tokenizer import end_ids
-        from anyspeed.stages.common.rl.scoring import Scorer
+        from anyspeed.stages.common.rl.scoring import PRM_STATS, Scorer
 
         self.cfg, self.tok = cfg, run.tokenizer
         self.vocab = hf_vocab or self.tok.vocab_size  # rollout and training: the same rows
@@ -68,6 +68,7 @@ class PolicyTask(Task):
         self.reference = cfg.reference or run.load
         self.roller: Any = None  # the rollout model at TP 1 x DP world (--infer-* 1 1)
         self.stat_names = STATS + (TOOL_STATS if cfg.tools else ())
+        self.stat_names += PRM_STATS if cfg.process_reward else ()
         self.metrics = ACTOR + self.stat_names + (correction.METRICS if cfg.correction else ())
         self.turns = multiturn.tool_turns(cfg, run, self.eos)  # multi-turn rollouts (--tools)
         self.tool_stats: Any = None  # this rollout's (multiturn.ToolStats)
@@ -283,6 +284,8 @@ class PolicyTask(Task):
                     b["ref_logp"] = lp
         self.prepare(trainer, micro)
         stats = global_stats(roll, mismatch(micro), clock, device, self.tool_stats)
+        if self.cfg.process_reward:
+            stats = torch.cat([stats, self.scorer.prm_stats(device).to(stats.dtype)])
         for b in micro:
             b["stats"] = stats
         return micro
