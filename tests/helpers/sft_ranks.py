@@ -183,6 +183,8 @@ def process_reward_scores(cli: list[str], prompts: list[list[int]], answers: lis
     """The run's frozen ``--process-reward-model`` step scores of (prompt, sampled answer)
     token sequences through the rollout's own path: per aggregate, each answer's combined
     score, and under ``"steps"`` each answer's (end token, score) pairs."""
+    from dataclasses import replace
+
     from anyspeed.stages.common.rl import process_reward
     from anyspeed.stages.common.rl.step_scores import step_scores
     from anyspeed.stages.prepare import prepare
@@ -192,7 +194,7 @@ def process_reward_scores(cli: list[str], prompts: list[list[int]], answers: lis
     run, _ = prepare(cli, command="posttrain")
     task = task_for(run)
     trainer, _, _ = _start(run, task)
-    src = run.config.process_reward
+    src = replace(run.config.process_reward, dense=True)  # the steps' end tokens too
     steps = step_scores(trainer, prompts, answers, run.args, task.pad, task.tok, task.eos, src)
     out: dict = {"steps": steps}
     for how in process_reward.AGGREGATES:

@@ -20,7 +20,8 @@ _warned = False  # the cut warning, once per process
 
 def steps_of(tok: Any, answer: list[int], eos: Any, src: PRMSource) -> tuple[list[str], list[int]]:
     """The non-empty steps of ``answer`` (stripped) and, for each, the index of the answer
-    token whose text completes it."""
+    token whose text completes it (found only for step credit, ``src.dense``: it costs prefix
+    decodes; else 0)."""
     from anyspeed.inference.generate import decode
 
     body = answer[:-1] if answer and answer[-1] in eos else answer
@@ -31,7 +32,7 @@ def steps_of(tok: Any, answer: list[int], eos: Any, src: PRMSource) -> tuple[lis
             steps.append(part.strip())
             ends.append(at + len(part.rstrip()))
         at += len(part) + len(src.separator)
-    return steps, _tokens_at(tok, body, ends)
+    return steps, _tokens_at(tok, body, ends) if src.dense else [0] * len(steps)
 
 
 def _tokens_at(tok: Any, body: list[int], ends: list[int]) -> list[int]:
@@ -103,7 +104,8 @@ def step_scores(
     src: PRMSource,
 ) -> list[list[tuple[int, float]]]:
     """Per (prompt, sampled answer), every rank of the replica: (the answer token where the
-    step ends, its score) for each step the PRM read (steps past --seq-length are not)."""
+    step ends, 0 unless ``src.dense``; its score) for each step the PRM read (steps past
+    --seq-length are not)."""
     from anyspeed.device import torch_device
     from anyspeed.stages.common.rl.batches import Rollout, micro_batches
 
