@@ -107,7 +107,10 @@ def test_bad_records_are_skipped_and_counted(tmp_path, capsys, hf_tok):
     [
         (("--placeholder-token", "ки"), "--placeholder-token 'ки' is 4 tokens"),
         (("--reward-tokens", "good", "-", "--placeholder-token", "@"), "--reward-tokens 'good'"),
-        (("--placeholder-token", "+", "--reward-tokens", "+", "-"), "must differ"),
+        (
+            ("--placeholder-token", "+", "--reward-tokens", "+", "-"),
+            "--reward-tokens must be distinct, and differ from --placeholder-token",
+        ),
         (("--prompt-type", "qwen", "--placeholder-token", "@"), "do not apply"),
     ],
 )

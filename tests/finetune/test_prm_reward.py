@@ -8,11 +8,11 @@ record (slow); bad flags are one line."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 from test_grpo import cli
+from test_prm import _error
 
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
@@ -214,16 +214,6 @@ def test_memory_counts_the_process_reward_model(tiny_qwen, tmp_path):
     assert "teacher (--teacher-model" in out and "peak with them" in out
 
 
-def _error(capsys, argv: list[str]) -> str:
-    from anyspeed.commands.train import posttrain
-
-    os.environ.pop("WORLD_SIZE", None)
-    assert posttrain(argv) == 2
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("anyspeed posttrain")]
-    assert len(err) == 1, err
-    return err[0]
-
-
 def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, tmp_path):
     base = cli(tiny_qwen, add_prompts, hf_tok, "--process-reward-model")
     err = _error(capsys, [*base, str(tmp_path / "none"), *STEPS])
@@ -232,7 +222,7 @@ def test_bad_flags_are_one_line(capsys, add_prompts, tiny_qwen, hf_tok, tmp_path
     assert "--prm-placeholder-token 'ки' is 4 tokens" in err
     err = _error(capsys, [*base, tiny_qwen, "--prm-placeholder-token", "@",
                           "--prm-reward-tokens", "+"])  # fmt: skip
-    assert "--prm-reward-tokens: give two or more distinct tokens" in err
+    assert "--prm-reward-tokens: give two or more" in err
     err = _error(capsys, [*base, tiny_qwen, *STEPS, "--prm-weight", "nan"])
     assert "--prm-weight" in err
     err = _error(capsys, [*base, tiny_qwen, *STEPS, "--prm-step-rewards",

@@ -43,6 +43,20 @@ def single_token(tok: Tokenizer, text: str, flag: str) -> int:
     return ids[0]
 
 
+def step_token_ids(
+    tok: Tokenizer, placeholder: str, rewards: list[str], prefix: str = ""
+) -> tuple[int, tuple[int, ...]]:
+    """(the placeholder's id, each reward token's id): one token each, the reward tokens
+    distinct and none the placeholder; a UsageError naming ``--{prefix}placeholder-token`` or
+    ``--{prefix}reward-tokens`` otherwise."""
+    ph_flag, rw_flag = f"--{prefix}placeholder-token", f"--{prefix}reward-tokens"
+    ph = single_token(tok, placeholder, ph_flag)
+    ids = tuple(single_token(tok, t, rw_flag) for t in rewards)
+    if len(set(ids)) != len(ids) or ph in ids:
+        raise UsageError(f"{rw_flag} must be distinct, and differ from {ph_flag}")
+    return ph, ids
+
+
 class ProcessRewardHandler(InstructionHandler):
     """Texts with a placeholder token after every step, and one label per placeholder."""
 
@@ -66,11 +80,9 @@ class ProcessRewardHandler(InstructionHandler):
         check_map_keys(map_keys or {}, self.default_map, self.name)
         self.map = {**self.default_map, **(map_keys or {})}
         self.placeholder = PLACEHOLDER if placeholder is None else placeholder
-        self.placeholder_id = single_token(tok, self.placeholder, "--placeholder-token")
         self.reward_tokens = list(reward_tokens or [])
-        self.reward_ids = {t: single_token(tok, t, "--reward-tokens") for t in self.reward_tokens}
-        if self.placeholder_id in self.reward_ids.values():
-            raise UsageError("--placeholder-token must differ from every --reward-tokens token")
+        self.placeholder_id, ids = step_token_ids(tok, self.placeholder, self.reward_tokens)
+        self.reward_ids = dict(zip(self.reward_tokens, ids, strict=True))
         self.seq_length = seq_length
         self.append_eod = False
         self.prompt_type = None

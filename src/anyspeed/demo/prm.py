@@ -104,31 +104,6 @@ def records(n: int, starts: list[int], seed: int) -> tuple[list[dict], list[dict
     return prm, sft
 
 
-def _preprocess_steps(src: str, prefix: str, tok_dir: str) -> int:
-    """``anyspeed preprocess`` of step-labelled records (the text as written: no template)."""
-    from anyspeed.commands.preprocess import main as data_main
-
-    return data_main(
-        [
-            "preprocess",
-            "--input",
-            src,
-            "--output-prefix",
-            prefix,
-            "--tokenizer-name-or-path",
-            tok_dir,
-            "--handler-name",
-            "AlpacaStyleProcessRewardHandler",
-            "--placeholder-token",
-            PLACEHOLDER,
-            "--reward-tokens",
-            *REWARDS,
-            "--overwrite",
-            "--quiet",
-        ]
-    )
-
-
 def task_data(args: argparse.Namespace, tok_dir: str) -> tuple[int, dict[str, str], dict]:
     """Steps 3-4: the data, preprocessed; (exit code, prefixes, held-out facts: the prompts
     and the share of ``+`` labels in the held-out steps)."""
@@ -154,8 +129,11 @@ def task_data(args: argparse.Namespace, tok_dir: str) -> tuple[int, dict[str, st
     for name, recs in (("prm", prm), ("prm-held", prm_held), ("sft", sft), ("prompts", prompts)):
         path = write_jsonl(os.path.join(w, f"prm-{name}.jsonl"), recs)
         out[name] = os.path.join(w, f"prm-{name}")
-        if name.startswith("prm"):
-            rc = _preprocess_steps(path, out[name], tok_dir)
+        if name.startswith("prm"):  # the text as written: no template
+            steps = ("--placeholder-token", PLACEHOLDER, "--reward-tokens", *REWARDS)
+            rc = preprocess(
+                path, out[name], tok_dir, "AlpacaStyleProcessRewardHandler", None, *steps
+            )
         else:
             handler = (
                 "AlpacaStyleInstructionHandler"

@@ -79,10 +79,16 @@ def _data(args: argparse.Namespace, tok_dir: str, steps: int) -> tuple[int, str,
 
 
 def preprocess(
-    src: str, prefix: str, tok_dir: str, handler: str, prompt_type: str | None = PROMPT_TYPE
+    src: str,
+    prefix: str,
+    tok_dir: str,
+    handler: str,
+    prompt_type: str | None = PROMPT_TYPE,
+    *flags: str,
 ) -> int:
     """``anyspeed preprocess`` of a demo jsonl with the demo's template (``prompt_type`` None:
-    the tokenizer's own chat template, which renders tools); its exit code."""
+    the tokenizer's own chat template, which renders tools, or no template for step-labelled
+    text) and the handler's own ``flags``; its exit code."""
     from anyspeed.commands.preprocess import main as data_main
 
     template = ["--prompt-type", prompt_type] if prompt_type else []
@@ -98,6 +104,7 @@ def preprocess(
             "--handler-name",
             handler,
             *template,
+            *flags,
             "--workers",
             "1",
             "--overwrite",

@@ -28,8 +28,7 @@ class StepTokens:
 
 def step_tokens(args: argparse.Namespace) -> StepTokens:
     """The flags' token ids by the run's tokenizer (one token each, else one line)."""
-    from anyspeed.data.errors import UsageError as DataUsageError
-    from anyspeed.data.process_reward import single_token
+    from anyspeed.data.process_reward import step_token_ids
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
 
     if not args.tokenizer_name_or_path:
@@ -38,13 +37,7 @@ def step_tokens(args: argparse.Namespace) -> StepTokens:
             "PretrainedFromHF --tokenizer-name-or-path DIR (or --load an HF directory)"
         )
     tok = load_tokenizer(TokenizerSpec(name_or_path=args.tokenizer_name_or_path))
-    try:
-        placeholder = single_token(tok, args.placeholder_token, "--placeholder-token")
-        rewards = tuple(single_token(tok, t, "--reward-tokens") for t in args.reward_tokens or ())
-    except DataUsageError as exc:
-        raise UsageError(str(exc)) from None
-    if len(set(rewards)) != len(rewards) or placeholder in rewards:
-        raise UsageError("--reward-tokens must be distinct, and differ from --placeholder-token")
+    placeholder, rewards = step_token_ids(tok, args.placeholder_token, args.reward_tokens or [])
     return StepTokens(placeholder, rewards)
 
 

@@ -172,6 +172,18 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
     return out
 
 
+def scoring_batches(
+    prompts: list[list[int]], answers: list[list[int]], args: Any, pad: int
+) -> list[dict[str, Any]]:
+    """(prompt, answer) sequences as a reward model reads them: micro-batches made as the
+    rollout's are (no log-probs, rewards or advantages), on this process's device."""
+    from anyspeed.device import torch_device
+
+    zero = torch.zeros(len(answers), dtype=torch.float64)
+    roll = Rollout(prompts, answers, [[0.0] * len(a) for a in answers], zero, zero, 1, 0)
+    return micro_batches(roll, args, pad, torch_device())
+
+
 def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:
     """(sum, count, max) of |recomputed - rollout| log-prob over this replica's answer tokens,
     counted once per replica (the last stage's first tensor-parallel rank); zeros elsewhere."""

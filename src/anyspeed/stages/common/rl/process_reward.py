@@ -43,8 +43,7 @@ def check(args: argparse.Namespace) -> PRMSource | None:
     """``--process-reward-model``, checked before start (None: not given): a causal LM
     reading the policy's tokens whose step tokens are one token each; the tokens come from
     the flags, else from an ``--stage prm`` checkpoint's record, else Math-Shepherd's."""
-    from anyspeed.data.errors import UsageError as DataUsageError
-    from anyspeed.data.process_reward import single_token
+    from anyspeed.data.process_reward import step_token_ids
     from anyspeed.data.tokenizer import TokenizerSpec, load_tokenizer
     from anyspeed.stages.common.rl.frozen_lm import check_causal_lm
 
@@ -55,16 +54,9 @@ def check(args: argparse.Namespace) -> PRMSource | None:
     tok = load_tokenizer(TokenizerSpec(name_or_path=args.tokenizer_name_or_path))
     path, own = check_causal_lm(args, args.process_reward_model, FLAG)
     placeholder, rewards = _step_tokens(args, path)
-    try:
-        ph = single_token(tok, placeholder, "--prm-placeholder-token")
-        ids = tuple(single_token(tok, t, "--prm-reward-tokens") for t in rewards)
-    except DataUsageError as exc:
-        raise UsageError(str(exc)) from None
-    if len(set(ids)) != len(ids) or ph in ids or len(ids) < 2:
-        raise UsageError(
-            "--prm-reward-tokens: give two or more distinct tokens (the good one first), none "
-            "of them --prm-placeholder-token"
-        )
+    ph, ids = step_token_ids(tok, placeholder, rewards, prefix="prm-")
+    if len(ids) < 2:
+        raise UsageError("--prm-reward-tokens: give two or more (the good one first)")
     if not args.prm_step_separator:
         raise UsageError("--prm-step-separator must not be empty (the steps' boundary, e.g. \\n)")
     return PRMSource(

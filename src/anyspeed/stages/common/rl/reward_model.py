@@ -118,12 +118,9 @@ def score_sequences(
 ) -> list[float]:
     """The reward model's score of each (prompt, answer), every rank of the replica: in
     micro-batches of ``--micro-batch-size`` made as the rollout's are."""
-    from anyspeed.device import torch_device
-    from anyspeed.stages.common.rl.batches import Rollout, micro_batches
+    from anyspeed.stages.common.rl.batches import scoring_batches
 
-    zero = torch.zeros(len(answers), dtype=torch.float64)
-    roll = Rollout(prompts, answers, [[0.0] * len(a) for a in answers], zero, zero, 1, 0)
-    micro = micro_batches(roll, args, pad, torch_device())
+    micro = scoring_batches(prompts, answers, args, pad)
     return (whole.scores(micro) if whole else scores(trainer, micro)).tolist()
 
 

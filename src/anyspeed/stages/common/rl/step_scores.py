@@ -106,15 +106,12 @@ def step_scores(
     """Per (prompt, sampled answer), every rank of the replica: (the answer token where the
     step ends, 0 unless ``src.dense``; its score) for each step the PRM read (steps past
     --seq-length are not)."""
-    from anyspeed.device import torch_device
-    from anyspeed.stages.common.rl.batches import Rollout, micro_batches
+    from anyspeed.stages.common.rl.batches import scoring_batches
 
     split = [steps_of(tok, a, eos, src) for a in answers]
     scored = [with_steps(tok, steps, src) for steps, _ in split]
     _warn_cut(prompts, scored, args.seq_length)
-    zero = torch.zeros(len(scored), dtype=torch.float64)
-    roll = Rollout(prompts, scored, [[0.0] * len(a) for a in scored], zero, zero, 1, 0)
-    got = scores(trainer, micro_batches(roll, args, pad, torch_device()), src)
+    got = scores(trainer, scoring_batches(prompts, scored, args, pad), src)
     out = []
     for row, (_, ends) in zip(got, split, strict=True):
         values = row[~torch.isnan(row)].tolist()
