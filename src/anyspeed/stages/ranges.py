@@ -216,6 +216,7 @@ RANGES: dict[str, Range] = {
     "--lam": FRACTION,
     "--critic-lr": NONNEG,
     "--cliprange-value": NONNEG,
+    "--max-packing-token-size": POSITIVE,
     "--critic-warmup": COUNT,
     "--clip-ratio-c": NONNEG,
     "--rollout-rs-threshold": STRICTLY_POSITIVE,

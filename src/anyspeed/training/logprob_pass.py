@@ -18,19 +18,16 @@ def logprob_pass(
 ) -> list[torch.Tensor] | None:
     """[b, s] log-probabilities per micro-batch on the last pipeline stage (None elsewhere),
     through :func:`anyspeed.models.logprobs.token_logprobs` (vocab-parallel, any TP/PP/CP)."""
-    from anyspeed.models.logprobs import packed_params, token_logprobs
+    from anyspeed.models.logprobs import token_logprobs
+    from anyspeed.training.model_pipeline import unwrap
+    from anyspeed.training.packed_rows import model_inputs, to_rows
 
     def compute(model: torch.nn.Module, b: dict) -> torch.Tensor:
-        return token_logprobs(
-            model,
-            b["tokens"],
-            b["position_ids"],
-            b["labels"],
-            b.get("attention_mask"),
-            packed_params(b),
-            vocab_size,
-            temperature,
+        tokens, pos, labels, packed = model_inputs(b)
+        out = token_logprobs(
+            model, tokens, pos, labels, b.get("attention_mask"), packed, vocab_size, temperature
         )
+        return to_rows(out, b) if unwrap(model).post_process else out
 
     return output_pass(trainer, chunks, microbatches, compute)
 
@@ -58,11 +55,14 @@ def output_pass(
         # at once, tests/training/test_logprob_pass_memory.py).
         return out.detach(), collect
 
+    from anyspeed.training.packed_rows import is_packed, schedule_shape
+
     rows = [int(b["tokens"].shape[0]) for b in microbatches]
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        microbatches = [_filled(b, trainer.cfg.micro_batch_size) for b in microbatches]
+    seq, mbs = schedule_shape(trainer.task, trainer.cfg, microbatches)
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # (a packed one is one sequence)
+        full = trainer.cfg.micro_batch_size
+        microbatches = [b if is_packed(b) else _filled(b, full) for b in microbatches]
     data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
-    seq, mbs = trainer.task.schedule_shape(trainer.cfg.seq_length, trainer.cfg.micro_batch_size)
     out = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data,

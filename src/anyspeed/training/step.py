@@ -80,10 +80,11 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from anyspeed.device import torch_device
+        from anyspeed.training.packed_rows import schedule_shape
 
         task, model = task or self.task, model or self.model
         data = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
-        seq, mbs_size = task.schedule_shape(self.cfg.seq_length, self.cfg.micro_batch_size)
+        seq, mbs_size = schedule_shape(task, self.cfg, mbs)
         losses = get_forward_backward_func()(
             forward_step_func=task.forward_step,
             data_iterator=data,
@@ -157,7 +158,9 @@ class Trainer:
         ``tokens`` tensor."""
         if not microbatches or any("tokens" not in b for b in microbatches):
             return None
-        local = sum(int(b["tokens"].numel()) for b in microbatches)
+        from anyspeed.training.packed_rows import token_count
+
+        local = sum(token_count(b) for b in microbatches)
         return local * self.dp * self.layout.cp
 
     @torch.no_grad()

@@ -81,12 +81,23 @@ def _check_reference(args: argparse.Namespace, ref: str, it: int | None) -> None
     check_fits(ref, model_from_args(args))
 
 
-def reference_model(lora_cfg: Any, ref: str | None, it: int | None) -> dict[str, FrozenModel]:
+def reference_model(
+    lora_cfg: Any, ref: str | None, it: int | None, packed: Any = None
+) -> dict[str, FrozenModel]:
     """The frozen reference a task asks for: the base with adapters off under LoRA (no second
-    copy), else a copy with checkpoint ``ref``'s weights."""
+    copy), else a copy with checkpoint ``ref``'s weights (``packed``: it reads packed
+    sequences, its RoPE unfused)."""
     if lora_cfg is not None:
         return {"reference": FrozenModel(adapters_off=True)}
-    return {"reference": FrozenModel(load=ref, iteration=it)}
+    return {"reference": FrozenModel(load=ref, iteration=it, transforms=packed_transforms(packed))}
+
+
+def packed_transforms(packed: Any) -> tuple[Any, ...]:
+    """The model transforms of a copy that reads packed (``thd``) sequences: RoPE restarting
+    at each sequence (none when ``packed`` is falsy)."""
+    from anyspeed.stages.common.instruction_data import unfused_rope
+
+    return (unfused_rope,) if packed else ()
 
 
 def reference_record(lora_cfg: Any, ref: str | None, it: int | None) -> dict[str, Any]:

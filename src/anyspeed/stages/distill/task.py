@@ -55,7 +55,10 @@ class DistillTask(PolicyTask):
         self.teacher_s = 0.0  # the last rollout's teacher pass, seconds
 
     def frozen_models(self) -> dict[str, FrozenModel]:
-        return {**super().frozen_models(), **teacher.frozen(self.dc.teacher, self.dc.model)}
+        return {
+            **super().frozen_models(),
+            **teacher.frozen(self.dc.teacher, self.dc.model, self.cfg.packing),
+        }
 
     def prepare(self, trainer: Trainer, micro: list[dict[str, Any]]) -> None:
         """The teacher's log-probabilities (and top-k); with policy-gradient, each token's

@@ -29,9 +29,12 @@ def check(args: argparse.Namespace) -> tuple[str, Any]:
     return check_causal_lm(args, args.teacher_model, FLAG)
 
 
-def frozen(path: str, model: Any) -> dict[str, FrozenModel]:
-    """The frozen teacher the task asks the engine for."""
-    return {NAME: FrozenModel(load=path, model=model)}
+def frozen(path: str, model: Any, packed: Any = None) -> dict[str, FrozenModel]:
+    """The frozen teacher the task asks the engine for (``packed``: it reads packed
+    sequences)."""
+    from anyspeed.stages.common.reference import packed_transforms
+
+    return {NAME: FrozenModel(load=path, model=model, transforms=packed_transforms(packed))}
 
 
 def topk(
@@ -48,17 +51,19 @@ def topk(
     )
     from anyspeed.training.logprob_pass import output_pass
     from anyspeed.training.model_pipeline import unwrap
+    from anyspeed.training.packed_rows import model_inputs, to_rows
 
     k = min(k, vocab)
 
     def compute(chunk: torch.nn.Module, b: dict) -> torch.Tensor:
-        out = chunk(b["tokens"], b["position_ids"], None)
+        tokens, pos, labels, packed = model_inputs(b)
+        out = chunk(tokens, pos, None, packed_seq_params=packed)
         if not unwrap(chunk).post_process:
             return out  # a stage before the last sends its hidden states on
         logits = prepared_logits(out, vocab, temperature)
         ids = vocab_parallel_topk(logits, k)
-        lp = vocab_parallel_logprobs_at(logits, torch.cat([b["labels"][..., None], ids], -1))
-        return torch.cat([lp, ids.to(lp.dtype)], -1)  # ids < 2**24: exact in fp32
+        lp = vocab_parallel_logprobs_at(logits, torch.cat([labels[..., None], ids], -1))
+        return to_rows(torch.cat([lp, ids.to(lp.dtype)], -1), b, 1)  # ids < 2**24: exact
 
     frozen = trainer.frozen[NAME]
     with torch.no_grad(), frozen.context():

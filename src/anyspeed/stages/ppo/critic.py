@@ -27,6 +27,7 @@ from anyspeed.stages.common.losses import cp_sum, per_token_loss
 from anyspeed.stages.common.rl import objective as L
 from anyspeed.stages.ppo import loss as P
 from anyspeed.training.loop import Hook
+from anyspeed.training.packed_rows import model_inputs, to_rows
 from anyspeed.training.task import LossFunc, Task
 
 if TYPE_CHECKING:
@@ -43,25 +44,29 @@ class CriticTask(Task):
     name, loss_key = "critic", "critic/vf_loss"
     metrics = METRICS
 
-    def __init__(self, clip: float, agg: str, max_response: int, lora: Any = None) -> None:
-        self.clip, self.agg, self.max_response = clip, agg, max_response
+    def __init__(
+        self, clip: float, agg: str, max_response: int, lora: Any = None, packed: Any = None
+    ) -> None:
+        self.clip, self.agg, self.max_response, self.packed = clip, agg, max_response, packed
         self.lora = critic_lora(lora)
         self.lora_load = lora.load if lora else None  # where a LoRA run resumes from
 
     def transforms(self) -> list[Any]:
         from anyspeed.models.reward_head import reward_head
+        from anyspeed.stages.common.reference import packed_transforms
 
         # the head first: LoRA then freezes all but its adapters and the head
-        return [per_token_loss, reward_head] + ([self.lora.transform()] if self.lora else [])
+        lora = [self.lora.transform()] if self.lora else []
+        return [per_token_loss, reward_head, *packed_transforms(self.packed), *lora]
 
     def forward_step(
         self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, LossFunc]:
         b = next(data_iterator)
-        out = model(b["tokens"], b["position_ids"], None)
+        out = _values(model, b)
 
         def loss_func(output: torch.Tensor) -> tuple:
-            return self.value_loss(output[..., 0].float(), b)
+            return self.value_loss(to_rows(output[..., 0].float(), b), b)
 
         return out, loss_func
 
@@ -84,6 +89,12 @@ class CriticTask(Task):
         return total, count.round().to(torch.int), metrics
 
 
+def _values(model: torch.nn.Module, b: dict) -> torch.Tensor:
+    """The critic's output for micro-batch ``b`` (its packed sequence when it has one)."""
+    tokens, pos, _, packed = model_inputs(b)
+    return model(tokens, pos, None, packed_seq_params=packed)
+
+
 def critic_lora(lora: Any) -> Any:
     """The critic's LoRA: the policy's adapters on its own model, its head trained and saved
     with them (None without LoRA)."""
@@ -100,7 +111,8 @@ class Critic:
         from anyspeed.training.step import Trainer
 
         cfg = dataclasses.replace(run.train, lr=lr, min_lr=min(run.train.min_lr, lr))
-        self.task = CriticTask(rl.extra.cliprange_value, rl.agg, rl.max_response, rl.lora)
+        x = rl.extra
+        self.task = CriticTask(x.cliprange_value, rl.agg, rl.max_response, rl.lora, rl.packing)
         self.trainer = Trainer(run.model, run.layout, cfg, self.task, start_groups=False)
         args = argparse.Namespace(**{**vars(run.args), "lr": lr, "min_lr": cfg.min_lr})
         self.scheduler = build_scheduler(self.trainer.optimizer, types.SimpleNamespace(args=args))
@@ -147,9 +159,9 @@ class Critic:
         from anyspeed.training.model_pipeline import eval_mode, unwrap
 
         def compute(model: torch.nn.Module, b: dict) -> torch.Tensor:
-            out = model(b["tokens"], b["position_ids"], None)
+            out = _values(model, b)
             # the last stage's [b, s, 1] values; a stage before it sends on its hidden states
-            return out[..., 0].float() if unwrap(model).post_process else out
+            return to_rows(out[..., 0].float(), b) if unwrap(model).post_process else out
 
         with torch.no_grad(), eval_mode(self.trainer.model):
             return output_pass(self.trainer, self.trainer.model, micro, compute)

@@ -13,6 +13,7 @@ import torch
 
 from anyspeed.distributed.process import print0
 from anyspeed.stages.common.rl import objective as L
+from anyspeed.stages.common.rl.batches import steps_of
 from anyspeed.stages.common.rl.task import PolicyTask
 from anyspeed.stages.ppo import loss as P
 from anyspeed.stages.ppo.critic import Critic, SaveCritic
@@ -60,8 +61,7 @@ class PPOTask(PolicyTask):
         passes over the rollout's mini-batches), its metrics on each mini-batch."""
         values = self.critic.values(micro)
         explained = last_stage_value(advantages(micro, values, self.cfg) if values else 0.0)
-        per_step = self.run.args.global_batch_size // trainer.dp // self.run.args.micro_batch_size
-        steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
+        steps = steps_of(micro)
         stats = torch.zeros(self.cfg.epochs, len(steps), len(CRITIC), dtype=torch.float64)
         stats[..., -1] = explained
         for e in range(self.cfg.epochs):

@@ -117,22 +117,63 @@ def _joined(parts: list[list | None]) -> list | None:
     return None if parts[0] is None else [r for p in parts for r in p or []]
 
 
-def _length(longest: int, args: Any) -> int:
+def _length(longest: int, args: Any, packing: Any = None) -> int:
     """The micro-batches' sequence length: --seq-length under pipeline parallelism (fixed
     shapes) and expert parallelism (replicas exchange tokens: the same shapes), else the
-    rollout's longest rounded up for TP/SP."""
+    rollout's longest rounded up for TP/SP. Packed, the model never reads these rows: the
+    longest."""
+    if packing is not None:
+        return longest
     if args.pipeline_model_parallel_size > 1 or args.expert_model_parallel_size > 1:
         return args.seq_length
     multiple = 8 * args.tensor_model_parallel_size
     return min(args.seq_length, -(-longest // multiple) * multiple)
 
 
-def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> list[dict[str, Any]]:
-    """The rollout's sequences in order, ``--micro-batch-size`` per micro-batch, on ``device``."""
+def micro_batches(
+    roll: Rollout, args: Any, pad: int, device: torch.device, packing: Any = None
+) -> list[dict[str, Any]]:
+    """The rollout's sequences in order, on ``device``: ``--micro-batch-size`` per
+    micro-batch, or split by tokens under a dynamic batch size (``packing``, a
+    :class:`~.packing.Packing`: each micro-batch also packed for the model). Each carries
+    ``step``, the optimizer step of the rollout it belongs to."""
+    from anyspeed.stages.common.rl import packing as P
+    from anyspeed.training.packed_rows import pack
+
     n = len(roll.tokens)
-    length = _length(
-        max(len(p) + len(t) for p, t in zip(roll.prompts, roll.tokens, strict=True)), args
-    )
+    sizes = [len(p) + len(t) for p, t in zip(roll.prompts, roll.tokens, strict=True)]
+    rows = _rows(roll, _length(max(sizes), args, packing), pad)
+    per_step = _per_step(args, n)
+    parts = P.groups(sizes, per_step, args.micro_batch_size, packing)
+    if packing is not None:
+        limit = packing.budget or args.micro_batch_size * args.seq_length
+        lengths = P.packed_length([[sizes[i] for i in g] for g in parts], packing, limit)
+    out = []
+    for k, idx in enumerate(parts):
+        at = torch.tensor(idx)
+        span = max(sizes[i] for i in idx) if packing is not None else rows["tokens"].shape[1]
+        b = {key: v[at, :span] if v.dim() > 1 else v[at] for key, v in rows.items()}
+        b = {key: v.contiguous().to(device) for key, v in b.items()}
+        if packing is not None:
+            pack(b, [sizes[i] for i in idx], lengths[k])
+        b["step"] = idx[0] // per_step
+        out.append(b)
+    return out
+
+
+def _per_step(args: Any, n: int) -> int:
+    """Sequences per optimizer step on this replica (all ``n`` outside a training run)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return n
+    return max(1, min(n, args.global_batch_size // ps.get_data_parallel_world_size()))
+
+
+def _rows(roll: Rollout, length: int, pad: int) -> dict[str, torch.Tensor]:
+    """Every sequence of the rollout as one padded row of ``length``: tokens, next-token
+    labels, the answer mask, advantages, the rollout's log-probs (and step rewards)."""
+    n = len(roll.tokens)
     tokens = torch.full((n, length), pad, dtype=torch.int64)
     labels = torch.zeros((n, length), dtype=torch.int64)
     mask = torch.zeros((n, length))
@@ -152,23 +193,27 @@ def micro_batches(roll: Rollout, args: Any, pad: int, device: torch.device) -> l
             step[i, first:last] = torch.tensor(roll.token_rewards[i][: last - first])
         if roll.token_advantages is not None:
             adv[i, first:last] = torch.tensor(roll.token_advantages[i][: last - first])
-    pos = torch.arange(length).expand(n, length)
-    mbs = args.micro_batch_size
-    out = [
-        {
-            "tokens": tokens[i : i + mbs].to(device),
-            "labels": labels[i : i + mbs].to(device),
-            "loss_mask": mask[i : i + mbs].to(device),
-            "position_ids": pos[i : i + mbs].contiguous().to(device),
-            "advantages": adv[i : i + mbs].contiguous().to(device),
-            "scores": roll.rewards[i : i + mbs].float().to(device),  # each sequence's reward
-            "rollout_logp": old[i : i + mbs].to(device),
-        }
-        for i in range(0, n, mbs)
-    ]
+    out = {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": mask,
+        "position_ids": torch.arange(length).expand(n, length),
+        "advantages": adv,
+        "scores": roll.rewards.float(),  # each sequence's reward
+        "rollout_logp": old,
+    }
     if step is not None:  # each answer token's own reward, beside its sequence's score
-        for b, i in zip(out, range(0, n, mbs), strict=True):
-            b["token_rewards"] = step[i : i + mbs].to(device)
+        out["token_rewards"] = step
+    return out
+
+
+def steps_of(micro: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A rollout's micro-batches grouped by the optimizer step they belong to."""
+    out: list[list[dict[str, Any]]] = []
+    for b in micro:
+        if not out or out[-1][0]["step"] != b["step"]:
+            out.append([])
+        out[-1].append(b)
     return out
 
 

@@ -15,7 +15,7 @@ import argparse
 from typing import Any
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.common.rl import correction, multiturn
+from anyspeed.stages.common.rl import correction, multiturn, packing
 from anyspeed.stages.common.rl import objective as L
 
 # --rl-config keys (MindSpeed-RL's rl_config / generate_config names) -> flags
@@ -63,6 +63,9 @@ YAML_KEYS = {
     "tool_response_truncate_side": "--tool-response-truncate-side",
     "tool_timeout": "--tool-timeout",
     "tool_parser_format": "--tool-parser-format",
+    "use_remove_padding": "--use-remove-padding",
+    "use_dynamic_bsz": "--use-dynamic-bsz",
+    "max_packing_token_size": "--max-packing-token-size",
 }
 
 
@@ -127,6 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the rollout's EP size (default: training's; see --infer-tensor-parallel-size)",
     )
+    packing.add_arguments(g)
     _add_objective(g)
 
 

@@ -58,6 +58,7 @@ class RLConfig:
     reward_model_weight: float = 1.0
     process_reward: Any = None  # process_reward.PRMSource: a PRM scoring each sample's steps
     tools: Any = None  # multi-turn rollouts with tool calls (multiturn.ToolConfig), None: off
+    packing: Any = None  # remove-padding / dynamic batch size (packing.Packing), None: padded
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -119,7 +120,7 @@ def rl_plan(
     named and no reward model scores; ``fields``: :class:`RLConfig` fields the stage sets."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
-    from anyspeed.stages.common.rl import correction, multiturn
+    from anyspeed.stages.common.rl import correction, multiturn, packing
     from anyspeed.stages.common.rl import prompts as prompt_data
     from anyspeed.training import lora
 
@@ -135,6 +136,7 @@ def rl_plan(
             "--tokenizer-name-or-path (or --load an HF directory)"
         )
     rbs, steps, prompt = _check_sizes(args)
+    packed = packing.from_args(args)
     reshard = _rollout_layout(args)
     high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
     rm, prm, named = _rewards(args, verifiers)
@@ -182,6 +184,7 @@ def rl_plan(
         reward_model_weight=args.reward_model_weight,
         process_reward=prm,
         tools=multiturn.from_args(args),
+        packing=packed,
         **fields,
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}

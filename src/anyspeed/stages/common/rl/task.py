@@ -30,7 +30,9 @@ from anyspeed.stages.common.rl.batches import (
     global_stats,
     micro_batches,
     mismatch,
+    steps_of,
 )
+from anyspeed.training.packed_rows import model_inputs, to_packed, to_rows
 from anyspeed.training.task import FrozenModel, LossFunc, Task
 
 if TYPE_CHECKING:
@@ -75,14 +77,19 @@ class PolicyTask(Task):
 
     # ---------------------------------------------------------------- the task interface
     def transforms(self) -> list[Any]:
-        return [per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
+        from anyspeed.stages.common.reference import packed_transforms
+
+        lora = [self.cfg.lora.transform()] if self.cfg.lora else []
+        return [per_token_loss, *packed_transforms(self.cfg.packing), *lora]
 
     def frozen_models(self) -> dict[str, FrozenModel]:
         from anyspeed.stages.common.reference import reference_model
 
         out = {}
         if self.cfg.beta:  # no KL term: no reference is built
-            out = reference_model(self.cfg.lora, self.reference, self.cfg.reference_iteration)
+            out = reference_model(
+                self.cfg.lora, self.reference, self.cfg.reference_iteration, self.cfg.packing
+            )
         if self.cfg.reward_model:
             out.update(reward_model.frozen(self.cfg.reward_model))
         if self.cfg.process_reward:
@@ -108,19 +115,23 @@ class PolicyTask(Task):
         self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, LossFunc]:
         b = next(data_iterator)
+        tokens, pos, labels, packed = model_inputs(b)
+        at = self.logprob_ids(b)
         out = token_logprobs(
             model,
-            b["tokens"],
-            b["position_ids"],
-            b["labels"],
+            tokens,
+            pos,
+            labels,
+            packed_seq_params=packed,
             vocab_size=self.vocab,
             temperature=self.cfg.temperature,
             entropy=True,
             entropy_grad=bool(self.cfg.entropy_coeff),
-            at=self.logprob_ids(b),
+            at=None if at is None else to_packed(at, b),
         )
 
         def loss_func(output: torch.Tensor):
+            output = to_rows(output, b)  # a packed sequence's outputs back in their rows
             if output.shape[0] > 2:  # the log-probs at logprob_ids, [b, s, k]
                 b["logp_at"] = output[2:].permute(1, 2, 0)
             return self.token_loss(output[0], output[1], b)
@@ -215,7 +226,6 @@ class PolicyTask(Task):
         skip = (consumed // gbs) % c.steps_per_rollout
         n = (args.train_iters // c.steps_per_rollout + 2 + warm) * c.rollout_batch
         order = rows[sample_order((0, len(rows)), n, args.seed)]
-        per_step = gbs // dp // args.micro_batch_size
 
         def rollout(at: int) -> list[dict[str, Any]]:
             start = at * c.rollout_batch + rank * per_rank
@@ -226,8 +236,7 @@ class PolicyTask(Task):
             rollout(w)
             self.warmed_up(w + 1)
         while True:
-            micro = rollout(r)
-            steps = [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
+            steps = steps_of(rollout(r))
             for epoch in range(c.epochs):
                 for step in steps:
                     if skip:
@@ -262,7 +271,7 @@ class PolicyTask(Task):
             self.tool_stats = ToolStats()
         roll = self.sample(trainer, data, prompt_rows, positions, args)
         clock.rollout = time.perf_counter() - t0
-        micro = micro_batches(roll, args, self.pad, device)
+        micro = micro_batches(roll, args, self.pad, device, self.cfg.packing)
         t0 = time.perf_counter()
         old = trainer.logprobs(
             micro, vocab_size=self.vocab, temperature=self.cfg.temperature, exact=True
