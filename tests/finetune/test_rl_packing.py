@@ -166,3 +166,15 @@ def test_packed_moe_at_ep2_equals_one_padded_process(add_prompts, hf_tok, tiny_m
     two = run_distributed(sft_ranks.posttrain, 2, argv=flags, cli=ep, timeout=300)[0]
     assert two["metrics"]["grpo/rewards/mean"] == ref["metrics"]["grpo/rewards/mean"]
     _same(two, ref)
+
+
+def test_mindspeed_rl_config_keys(tmp_path):
+    """MindSpeed-RL's rl_config keys stand in for the flags."""
+    from anyspeed.stages.common.rl.flags import expand_config
+
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text("rl_config:\n  use_remove_padding: true\n  use_dynamic_bsz: true\n"
+                   "  max_packing_token_size: 4096\n")  # fmt: skip
+    got = expand_config(["--rl-config", str(cfg)])
+    at = got.index("--max-packing-token-size")
+    assert "--use-remove-padding" in got and "--use-dynamic-bsz" in got and got[at + 1] == "4096"
