@@ -1,5 +1,6 @@
 """GRPO padded against ``--use-remove-padding`` and ``--use-dynamic-bsz``, side by side in one
-run (each run in its own process, the same prompts, seeds and sampled tokens), LoRA r 16 (the reference: adapters off).
+run (each run in its own process, the same prompts, seeds and sampled tokens), LoRA r 16 (the
+reference: its base with the adapters off).
 
 Prompts of random lengths (``--min-prompt`` to ``--prompt`` tokens) make the padding a
 padded run computes: each micro-batch is padded to the rollout's longest sequence. The
@@ -19,11 +20,11 @@ import tempfile
 
 import numpy as np
 import torch
+
+from anyspeed.testing import run_distributed
 from dpo import LORA
 from grpo import parser, tokenizer, traced_run
 from sft import VOCAB, base_cli, posttrain_run
-
-from anyspeed.testing import run_distributed
 
 RUNS = {
     "padded": [],
@@ -94,12 +95,13 @@ def main() -> None:
                 if i == 0:
                     tensors[name] = out["tensors"]
                 print(f"  {name:15s} run {i}: step {np.median(steps):.2f} s, of which rollout "
-                      f"{np.median(rollout):.2f} s; loss {out['loss'][-1]:.6f}")  # fmt: skip
+                      f"{np.median(rollout):.2f} s")  # fmt: skip
     base = float(np.median(train["padded"]))
     for name in RUNS:
         t = float(np.median(train[name]))
-        print(f"  {name:15s} training side {t:.2f} s/step ({base / t:.2f}x padded) | tensor peak "
-              f"{tensors[name] / 2**20:.0f} MiB ({tensors[name] / tensors['padded']:.2f}x)")  # fmt: skip
+        peak = tensors[name] / 2**20
+        print(f"  {name:15s} training side {t:.2f} s/step ({base / t:.2f}x padded) | "
+              f"tensor peak {peak:.0f} MiB ({tensors[name] / tensors['padded']:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":
