@@ -72,6 +72,20 @@ def _rows(
         # lr 1e-4: at 1e-3 Adam makes the grad norm drift 1.8e-5 by step 2 (step 1: 3e-8)
         "orm-tp2": [*dpo_cli(tiny_qwen, pair_data, "--lr", "1e-4", stage="orm"), *TP2],
         "grpo-dp2": [*grpo, *DP2],
+        # remove-padding by a token budget: PP2's packed sequences of one length
+        "grpo-packed-pp2": [
+            *grpo,
+            "--optimization-level",
+            "1",
+            "--use-remove-padding",
+            "--use-dynamic-bsz",
+            "--max-packing-token-size",
+            "120",
+            "--nproc-per-node",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],  # fmt: skip
         "grpo-lora-tp2-sp": [*grpo, *LORA, *TP2, "--sequence-parallel"],
         # lr 1e-4: at 1e-2 Adam makes a gradient tensor drift 1.6e-4 of its norm by step 2
         "distill-tp2-sp": [
@@ -108,7 +122,7 @@ def _rows(
 
 
 ROWS = ["sft-pp2", "sft-cp2", "dpo-tp2-sp", "dpo-lora-dp2", "orm-tp2", "grpo-dp2",
-        "grpo-lora-tp2-sp", "distill-tp2-sp", "prm-tp2-sp", "grpo-prm-pp2"]  # fmt: skip
+        "grpo-packed-pp2", "grpo-lora-tp2-sp", "distill-tp2-sp", "prm-tp2-sp", "grpo-prm-pp2"]  # fmt: skip
 
 
 @pytest.mark.slow
