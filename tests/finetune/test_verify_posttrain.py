@@ -122,7 +122,8 @@ def _rows(
 
 
 ROWS = ["sft-pp2", "sft-cp2", "dpo-tp2-sp", "dpo-lora-dp2", "orm-tp2", "grpo-dp2",
-        "grpo-packed-pp2", "grpo-lora-tp2-sp", "distill-tp2-sp", "prm-tp2-sp", "grpo-prm-pp2"]  # fmt: skip
+        "grpo-packed-pp2", "grpo-lora-tp2-sp", "distill-tp2-sp", "prm-tp2-sp",
+        "grpo-prm-pp2"]  # fmt: skip
 
 
 @pytest.mark.slow
