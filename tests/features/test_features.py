@@ -117,7 +117,6 @@ def test_unknown_optimization_level():
     "argv,flag",
     [
         (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
-        (["--fp8-format", "hybrid"], "--fp8-format"),
         (["--enable-cuda-graph"], "--enable-cuda-graph"),
     ],
 )

@@ -60,8 +60,8 @@ def test_global_batch_not_divisible(capsys, corpus):
 
 
 def test_unsupported_flag(capsys, corpus):
-    err = _error(capsys, base_args(corpus, 2) + ["--fp8-format", "hybrid"])
-    assert "unsupported flag --fp8-format" in err
+    err = _error(capsys, base_args(corpus, 2) + ["--fp4-format", "nvfp4"])
+    assert "unsupported flag --fp4-format" in err
 
 
 def test_layout_that_cannot_shard(capsys, corpus):

@@ -46,7 +46,6 @@ MEGATRON_FLAGS: tuple[tuple[str, type], ...] = (
     ("--expert-model-parallel-size", int),
     ("--expert-tensor-parallel-size", int),
     ("--moe-token-dispatcher-type", str),
-    ("--fp8-format", str),
     ("--cuda-graph-impl", str),
     ("--enable-cuda-graph", bool),
     ("--tp-comm-overlap", bool),

@@ -29,6 +29,7 @@ from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.compat.vision import VisionCompat
 from anyspeed.features.context_parallel.feature import ContextParallel
+from anyspeed.features.fp8.feature import Fp8
 from anyspeed.features.inference.feature import NoGradFastPath
 from anyspeed.features.memory.feature import (
     RecomputeActivation,
@@ -74,6 +75,7 @@ def build() -> list[Feature]:
         VisionCompat(),
         RecomputeCompat(),
         *kernels,
+        Fp8(),
         GlooCollectives(),
         NoGradFastPath(),
         ReuseFP32Param(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from anyspeed.features.fp8.settings import Fp8Settings
 from anyspeed.models.recompute import Recompute
 from anyspeed.training.muon import MuonConfig
 
@@ -39,10 +40,19 @@ class TrainConfig:
     grad_reduce_in_fp32: bool = False
     # Megatron's activation recompute (a Recompute or its fields as a dict)
     recompute: Recompute = field(default_factory=Recompute)
+    # --fp8-format and its flags (None: the GEMMs run in the run's precision)
+    fp8: Fp8Settings | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, dict):
             self.recompute = Recompute(**self.recompute)
+        if isinstance(self.fp8, dict):
+            self.fp8 = Fp8Settings(**self.fp8)
+
+    def config_fields(self) -> dict:
+        """The ``TransformerConfig`` fields these settings set (recompute, fp8)."""
+        fp8 = self.fp8.config_fields() if self.fp8 else {}
+        return {**self.recompute.config_fields(), **fp8}
 
     @property
     def precision(self) -> str:
@@ -85,5 +95,6 @@ class TrainConfig:
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             muon=MuonConfig.from_args(args) if hasattr(args, "muon_momentum") else MuonConfig(),
             recompute=Recompute.from_args(args),
+            fp8=Fp8Settings.from_args(args),
             **values,
         )

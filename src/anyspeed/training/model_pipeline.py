@@ -36,7 +36,7 @@ def build_chunks(
     from anyspeed.device import torch_device
 
     config = gpt.transformer_config(
-        model, layout, bf16=cfg.bf16, fp16=cfg.fp16, **cfg.recompute.config_fields()
+        model, layout, bf16=cfg.bf16, fp16=cfg.fp16, **cfg.config_fields()
     )
     chunks = (builder and builder(model, config, layout)) or gpt.build_chunks(model, config, layout)
     for transform in transforms:

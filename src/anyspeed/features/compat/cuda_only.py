@@ -14,7 +14,7 @@ class CudaOnlyOptions(Feature):
     name = "cuda-only-options"
     level = 0
     description = "refuses Megatron options that need CUDA-only libraries when not on CUDA"
-    flags = ("--transformer-impl", "--fp8-format", "--enable-cuda-graph", "--tp-comm-overlap")
+    flags = ("--transformer-impl", "--enable-cuda-graph", "--tp-comm-overlap")
 
     def is_enabled(self, args: argparse.Namespace, device: DeviceInfo) -> bool:
         return not device.is_cuda
@@ -29,8 +29,6 @@ class CudaOnlyOptions(Feature):
                 f"--transformer-impl transformer_engine needs NVIDIA Transformer Engine; {on}: "
                 "use --transformer-impl local"
             )
-        if getattr(args, "fp8_format", None):
-            raise FeatureError(f"--fp8-format needs CUDA with Transformer Engine; {on}: remove it")
         graph_impl = getattr(args, "cuda_graph_impl", None)
         if getattr(args, "enable_cuda_graph", False) or graph_impl not in (None, "none"):
             raise FeatureError(f"--enable-cuda-graph/--cuda-graph-impl need CUDA; {on}: remove it")
