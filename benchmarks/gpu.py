@@ -12,7 +12,11 @@ share and the top operators, side by side for plain Megatron-Core and anyspeed's
 ``--dry`` runs the same rows on a tiny model (bf16 too) on the CPU, so the script cannot rot (a
 fast test runs it).
 
+``--fp8-recipe tensorwise`` adds, after each level's row, the same level with
+``--fp8-format hybrid`` (anyspeed's FP8 GEMMs: ``torch._scaled_mm`` on an FP8 GPU).
+
     python benchmarks/gpu.py [--dry] [--iters 10] [--levels 0 1 2] [--profile-levels 0 2]
+        [--fp8-recipe tensorwise] [--no-megatron]
 """
 
 from __future__ import annotations
@@ -114,8 +118,15 @@ def profile_window(iters: int) -> list[str]:
 
 
 def anyspeed_row(
-    level: int, iters: int, dry: bool, vocab: str, timeout: int = 1200, profile: bool = False
+    level: int,
+    iters: int,
+    dry: bool,
+    vocab: str,
+    timeout: int = 1200,
+    profile: bool = False,
+    fp8: str | None = None,
 ) -> dict:
+    fp8_flags = ["--fp8-format", "hybrid", "--fp8-recipe", fp8] if fp8 else []
     cmd = [
         sys.executable,
         "-m",
@@ -130,6 +141,7 @@ def anyspeed_row(
         "--optimization-level",
         str(level),
         "--no-progress-bar",
+        *fp8_flags,
         *(profile_window(iters) if profile else []),
     ]
     return _run(f"level {level}", cmd, timeout, skip=iters // 2)
@@ -241,20 +253,33 @@ def main(argv: list[str] | None = None) -> list[str]:
         help="the levels whose rows also run torch.profiler over two untimed steps and print "
         "where a step's time goes (none: no profile)",
     )
+    p.add_argument(
+        "--fp8-recipe",
+        choices=("tensorwise", "delayed"),
+        help="after each level's row, the same level with --fp8-format hybrid and this recipe "
+        "(MFU against the device's bf16 peak)",
+    )
+    p.add_argument("--no-megatron", action="store_true", help="skip pretrain_gpt.py's row")
     args = p.parse_args(argv)
     vocab = "512" if args.dry else "151936"
-    ref = megatron_row(args.iters, args.dry, vocab, args.megatron_timeout or args.row_timeout)
+    ref = None
+    if not args.no_megatron:
+        ref = megatron_row(args.iters, args.dry, vocab, args.megatron_timeout or args.row_timeout)
     flops = _megatron_flops(ref)
     lines, peaks = [], []
     for level in args.levels:
-        profile = level in args.profile_levels
-        r = anyspeed_row(level, args.iters, args.dry, vocab, args.row_timeout, profile)
-        if r.get("mfu"):  # the device's peak TFLOP/s that anyspeed's MFU line used
-            peaks.append(r["tflops"] / (r["mfu"] / 100))
-        lines.append(line(f"anyspeed level {level}", r, flops))
-        print(lines[-1], flush=True)
-        if "profile" in r:  # not a row of the table: printed, not returned
-            print(f"  level {level} {r['profile']}", flush=True)
+        for fp8 in (None, args.fp8_recipe) if args.fp8_recipe else (None,):
+            profile = level in args.profile_levels
+            r = anyspeed_row(level, args.iters, args.dry, vocab, args.row_timeout, profile, fp8)
+            if r.get("mfu") and not fp8:  # the device's peak TFLOP/s anyspeed's MFU line used
+                peaks.append(r["tflops"] / (r["mfu"] / 100))
+            name = f"anyspeed level {level}" + (" fp8" if fp8 else "")
+            lines.append(line(name, r, flops))
+            print(lines[-1], flush=True)
+            if "profile" in r:  # not a row of the table: printed, not returned
+                print(f"  {name[9:]} {r['profile']}", flush=True)
+    if args.no_megatron:
+        return lines
     if flops and peaks and "mfu" not in ref:  # Megatron prints TFLOP/s, not MFU
         ref = dict(ref, tflops=ref["megatron_tflops"], mfu=ref["megatron_tflops"] / peaks[0] * 100)
     lines.append(line("megatron local", ref, flops))

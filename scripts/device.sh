@@ -2,7 +2,7 @@
 # The GPU checks of issue 49 on a lent CUDA machine (no network there; CI never runs this).
 #
 #   scripts/device.sh prepare <Megatron-LM git dir>   here, once: what the device lacks
-#   scripts/device.sh run [gpu|kernels|generate|check|all]   there, from the checkout's root
+#   scripts/device.sh run [gpu|kernels|fp8|generate|check|all]   there, from the checkout's root
 #
 # prepare: downloads the wheels the device image lacks (megatron-core at pyproject's pin and
 # zstandard, for its Python 3.12) into .whl/, and Megatron-LM's pretrain_gpt.py with its
@@ -11,12 +11,14 @@
 # both are ignored by git here and travel when the device call names them in `carry`.
 # run: installs the wheels into /tmp/site, then runs, each under its own time limit and logged
 # to $OUT/<name>.log: gpu (benchmarks/gpu.py, training MFU), kernels (benchmarks/ops.py: each
-# level-1 kernel against Megatron's at the 1.5B shape), generate (benchmarks/generate.py at
-# batch 64, decode against transformers) and check (scripts/gpu_check.py, CUDA parity).
+# level-1 kernel against Megatron's at the 1.5B shape), fp8 (benchmarks/gpu.py: level 2 with
+# and without --fp8-format, anyspeed's FP8 GEMMs on torch._scaled_mm), generate
+# (benchmarks/generate.py at batch 64, decode against transformers) and check
+# (scripts/gpu_check.py, CUDA parity).
 # GPU_ARGS adds arguments to benchmarks/gpu.py (--dry: the tiny model, to try this script).
 # A device call: command "bash scripts/device.sh run gpu", carry [".whl", "mlm"]. A session's
 # 15 device minutes fit a machine's start, `run gpu` (560 s at most) and `run kernels` (150 s);
-# `run generate` (180 s) when `run gpu` ended early.
+# `run generate` (180 s) when `run gpu` ended early; `run fp8` (280 s) in a second session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,12 +74,14 @@ run() {
       --megatron-timeout 200 ${GPU_ARGS:-} ;;
     kernels) step kernels "${KERNELS_LIMIT:-150}" python3 benchmarks/ops.py --skip-e2e \
       --shape qwen2.5-1.5b --dtype bf16 --seq-length 4096 --reps 5 ;;
+    fp8) step fp8 "${FP8_LIMIT:-280}" python3 benchmarks/gpu.py --levels 2 --fp8-recipe \
+      tensorwise --no-megatron --profile-levels --row-timeout 130 ${GPU_ARGS:-} ;;
     generate) step generate "${GEN_LIMIT:-180}" python3 benchmarks/generate.py --batch 64 \
       --new-tokens 64 --repeats 3 --no-nocache ;;
     check) step check "${CHECK_LIMIT:-400}" python3 scripts/gpu_check.py ;;
-    all) run gpu && run kernels && run generate && run check ;;
+    all) run gpu && run kernels && run fp8 && run generate && run check ;;
     *) echo "scripts/device.sh run: unknown check '$what'" \
-         "(gpu, kernels, generate, check or all)" >&2
+         "(gpu, kernels, fp8, generate, check or all)" >&2
        exit 2 ;;
   esac
 }
@@ -86,6 +90,6 @@ case "${1:-}" in
   prepare) shift; prepare "$@" ;;
   run) shift; run "$@" ;;
   *) echo "usage: scripts/device.sh prepare <Megatron-LM git dir>" \
-          "| run [gpu|kernels|generate|check|all]" >&2
+          "| run [gpu|kernels|fp8|generate|check|all]" >&2
      exit 2 ;;
 esac

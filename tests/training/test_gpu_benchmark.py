@@ -127,3 +127,12 @@ def test_megatron_wrapper_runs_the_script_as_python_does(tmp_path) -> None:  # n
     direct, wrapped = (o.stdout.strip().rsplit(" ", 1) for o in outs)
     assert direct[0] == wrapped[0] == "['--num-layers', '2', '--mock-data'] beside"
     assert (direct[1], wrapped[1]) == ("compile_helpers", "<lambda>")
+
+
+def test_dry_run_fp8_row_follows_its_level():
+    lines = _load().main(
+        ["--dry", "--iters", "3", "--levels", "2", "--fp8-recipe", "tensorwise",
+         "--no-megatron", "--profile-levels"]
+    )  # fmt: skip
+    assert [ln.split()[:4] for ln in lines][1] == ["anyspeed", "level", "2", "fp8"]
+    assert len(lines) == 2 and float(lines[1].split()[4]) > 0, lines
