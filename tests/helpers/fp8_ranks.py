@@ -48,11 +48,12 @@ def runs(cases: list[dict], steps: int, init: str) -> dict[str, dict]:
         fp8 = case.get("fp8")
         adaptor.undo()
         adaptor.apply(argv=argv_of(fp8))
-        cfg = TrainConfig(lr=3e-3, bf16=case.get("bf16", False),
-                          fp8=None if fp8 is None else Fp8Settings(**fp8))  # fmt: skip
+        cfg = TrainConfig(lr=3e-3, bf16=case.get("bf16", False), recompute=case.get("recompute",
+                          {}), fp8=None if fp8 is None else Fp8Settings(**fp8))  # fmt: skip
         model = ModelConfig(**case.get("model", {}))
         t = Trainer(model, Layout(**case.get("layout", {})), cfg, PretrainTask())
-        (load_weights if out else save_weights)(t, init)
+        if case.get("init", True):  # the same weights as the first case's
+            (load_weights if out else save_weights)(t, init)
         fp8_layers = sorted(
             {
                 n.split(".layers.")[1].split(".")[0]

@@ -13,6 +13,7 @@ from helpers import fp8_ranks
 STEPS = 4
 TW = {"recipe": "tensorwise"}
 DELAYED = {"recipe": "delayed"}
+MOE = dict(num_experts=4, moe_router_topk=2)
 CASES = [
     dict(name="ref", meter=True),
     dict(name="dp", fp8=TW, meter=True),
@@ -22,6 +23,13 @@ CASES = [
     dict(name="tp-delayed", fp8=DELAYED, layout=dict(tp=2)),
     dict(name="pp-delayed", fp8=DELAYED, layout=dict(pp=2)),
     dict(name="ends", fp8={"recipe": "tensorwise", "bf16_start": 1, "bf16_end": 1}),
+    dict(
+        name="recompute", fp8=TW, recompute=dict(granularity="full", method="uniform", num_layers=1)
+    ),  # fmt: skip
+    dict(name="bf16-ref", bf16=True),
+    dict(name="bf16", fp8=TW, bf16=True),
+    dict(name="moe-ref", model=MOE, layout=dict(ep=2), init=False),
+    dict(name="moe", fp8=TW, model=MOE, layout=dict(ep=2), init=False),
 ]
 
 
@@ -67,3 +75,21 @@ def test_fp8_saves_its_linear_inputs_in_one_byte(fp8_runs):
     """Each of the 16 linears keeps its input in FP8 instead of fp32: the forward saves less."""
     ref, dp = fp8_runs["ref"]["saved"], fp8_runs["dp"]["saved"]
     assert dp < ref * 0.9, (dp, ref)
+
+
+def test_recompute_reproduces_the_quantization_exactly(fp8_runs):
+    """Tensorwise scales come from the tensors themselves: the recomputed forward quantizes
+    what the first one did, so full recompute changes nothing."""
+    assert fp8_runs["recompute"]["loss"] == fp8_runs["dp"]["loss"]
+    assert fp8_runs["recompute"]["grad_norm"] == fp8_runs["dp"]["grad_norm"]
+
+
+@pytest.mark.parametrize("ours,base", [("bf16", "bf16-ref"), ("moe", "moe-ref")])
+def test_bf16_and_moe_train_near_their_unquantized_runs(fp8_runs, ours, base):
+    got, want = fp8_runs[ours], fp8_runs[base]
+    assert _close(got["loss"], want["loss"], 2e-3) and got["loss"] != want["loss"]
+
+
+def test_moe_experts_run_fp8(fp8_runs):
+    """Per layer: attention's 2 linears and FC1/FC2 of each of the 2 local experts (EP2 of 4)."""
+    assert fp8_runs["moe"]["fp8_linears"] == 4 * (2 + 2 * 2)

@@ -123,6 +123,11 @@ class Fp8(Feature):
                 "--fp8-recipe delayed with activation recompute would update the amax history "
                 "twice a step: use --fp8-recipe tensorwise"
             )
+        if getattr(args, "moe_grouped_gemm", False):
+            raise FeatureError(
+                "--fp8-format with --moe-grouped-gemm: anyspeed's FP8 covers the experts' own "
+                "linears; remove --moe-grouped-gemm (each expert then runs FP8 GEMMs)"
+            )
         for flag in ("--fp8-margin", "--fp8-amax-history-len"):
             value = getattr(args, flag[2:].replace("-", "_"), 0)
             if value is not None and value < (1 if "history" in flag else 0):
