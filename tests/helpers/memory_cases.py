@@ -46,6 +46,16 @@ EXTRA_CASES = {  # run with CASES in the same process group (CI time), not recom
     "dsa-kl": dict(model=_dense("tiny-deepseek-v3.2", dsa_indexer_loss_coeff=0.5)),
     "delta": dict(model=dataclasses.asdict(get_preset("tiny-qwen3.5")), seq_length=128),
 }
+FP8 = dict(argv=["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+           fp8=dict(recipe="tensorwise"))  # fmt: skip
+FP8_CASES = {  # --fp8-format: the linears keep one-byte inputs
+    "fp8": FP8,
+    "fp8-act-norm": dict(FP8, argv=FP8["argv"] + ACT + NORM),
+    "fp8-selective": dict(FP8, recompute=SELECTIVE),
+    "fp8-core-attn": dict(FP8, recompute=dict(granularity="selective", modules=["core_attn"])),
+    "fp8-bf16": dict(FP8, bf16=True),
+    "fp8-moe": dict(FP8, model=MOE_MODEL),
+}
 GELU_CASES = {  # -m slow (CI time)
     "gelu-act": dict(argv=ACT, model=dict(MODEL, swiglu=False)),
     "gelu-none": dict(model=dict(MODEL, swiglu=False)),

@@ -13,7 +13,7 @@ from anyspeed.models import ModelConfig
 from anyspeed.models.memory import Options, estimate_stage
 from anyspeed.models.presets import get_preset
 from anyspeed.models.recompute import Recompute
-from helpers.memory_cases import CASES, CFG, EXTRA_CASES, MODEL, MOE_MODEL, run_cases
+from helpers.memory_cases import CASES, CFG, EXTRA_CASES, FP8_CASES, MODEL, MOE_MODEL, run_cases
 
 REL = 0.10  # the acceptance bound; at one process activations agree within 0.1%
 # What autograd keeps for the MoE and Gated DeltaNet layers changed after torch 2.8: there the
@@ -32,6 +32,7 @@ def _options(case: dict, cfg: dict) -> Options:
         recompute=Recompute(**case.get("recompute", {})),
         recompute_activation=None if "--recompute-activation-function" in argv else 0,
         recompute_norm=None if "--recompute-norm" in argv else 0,
+        fp8=bool(case.get("fp8")),
     )  # fmt: skip
 
 
@@ -138,3 +139,13 @@ def test_latent_attention_and_delta_nets(one_process, name):
 @pytest.mark.parametrize("name", ["moe", "moe-act"])
 def test_moe_at_one_process_tensor_by_tensor(one_process, name):
     _check(one_process[name][0], MOE_MODEL, {}, 1, EXTRA_CASES[name], CFG)
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_linears_keep_one_byte_inputs(one_process, name):
+    """``--fp8-format``: the estimate follows the one-byte inputs the linears keep (and the
+    MoE experts' permuted tokens they no longer keep), with recompute and in bf16 too, tensor
+    by tensor."""
+    case = FP8_CASES[name]
+    cfg = dict(CFG, bf16=case.get("bf16", False))
+    _check(one_process[name][0], case.get("model", MODEL), {}, 1, case, cfg)

@@ -116,6 +116,7 @@ def options(args: argparse.Namespace, dp: int, recompute: str | None = None) -> 
         recompute_activation=act,
         recompute_norm=norm,
         math_attention=not detect().is_cuda,  # MLA's attention: fused on CUDA only
+        fp8=bool(getattr(args, "fp8", None)),
     )
 
 

@@ -45,6 +45,8 @@ class Options:
     # attention with query/key heads unlike the value heads (MLA) on PyTorch's math path (the
     # CPU's), which keeps the probabilities; CUDA's memory-efficient kernel takes them fused
     math_attention: bool = True
+    # --fp8-format: the transformer layers' linears keep their inputs in one byte (fp8.md)
+    fp8: bool = False
 
     @property
     def dtype_bytes(self) -> int:
@@ -149,31 +151,35 @@ def layer_activations(
     normed = tokens // tp if lay.sequence_parallel else tokens  # sequence-parallel regions
     modules = o.recompute.modules if o.recompute.granularity == "selective" else []
     norm = norm or "layernorm" in modules
-    total = 2 * norm_bytes(normed, h, e, norm)
+    # an FP8 linear after the norm keeps its own copy; a MoE layer's router keeps the norm's
+    mlp_fp8 = o.fp8 and not moe and "mlp" not in modules
+    total = norm_bytes(normed, h, e, norm, o.fp8) + norm_bytes(normed, h, e, norm, mlp_fp8)
     if m.multi_latent_attention:
         total += mla_activations(m, lay, s, b, e, o.math_attention)
     elif linear:
         total += delta_activations(m, lay, s, b, e)
     else:
-        total += _attention_activations(m, lay, modules, s, b, e)
+        total += _attention_activations(m, lay, modules, s, b, e, o.fp8)
     if "mlp" in modules:
         return total
     if not moe:
-        return total + _mlp(m, tokens, m.ffn_hidden_size // tp, e, act)
+        return total + _mlp(m, tokens, m.ffn_hidden_size // tp, e, act, o.fp8)
     return total + moe_activations(m, lay, o, normed, act)
 
 
 def _attention_activations(
-    m: ModelConfig, lay: Layout, modules: list[str], s: int, b: int, e: int
+    m: ModelConfig, lay: Layout, modules: list[str], s: int, b: int, e: int, fp8: bool = False
 ) -> int:
     """What grouped-query attention keeps (the rotary tables, the rotated and projected
-    queries, keys and values, the attention's output and log-sum-exp, the QK norms')."""
+    queries, keys and values, the attention's output and log-sum-exp, the QK norms'). An FP8
+    output projection keeps a one-byte copy of its input, besides the fused attention's."""
     tokens, d = s * b, m.head_dim
     heads, groups = m.num_attention_heads // lay.tp, m.num_query_groups // lay.tp
     total = 4 * s * int(d * m.rotary_percent) * e  # RoPE: cos and sin, for q and for k
     total += tokens * d * (heads + groups) * e  # rotated q and k
     total += tokens * d * (heads + 2 * groups) * e  # the QKV output (v is a view of it)
-    total += tokens * d * heads * e  # attention output (linear_proj's input)
+    out = tokens * d * heads  # attention output (linear_proj's input)
+    total += out * e if not fp8 else out * (1 if "core_attn" in modules else 1 + e)
     if m.attention_output_gate:  # its rows of the QKV output, sigmoid(gate), the gated output
         total += 3 * tokens * d * heads * e
     if m.qk_layernorm:  # q copied out of the QKV output; both norms' fp32 x * rstd and rstd
@@ -183,9 +189,11 @@ def _attention_activations(
     return total
 
 
-def _mlp(m: ModelConfig, tokens: int, ffn: int, e: int, act: bool) -> int:
-    """A dense MLP's fc1 output (the activation's input) and activation output (fc2's)."""
-    return tokens * ffn * (2 if m.gated else 1) * e + (0 if act else tokens * ffn * e)
+def _mlp(m: ModelConfig, tokens: int, ffn: int, e: int, act: bool, fp8: bool = False) -> int:
+    """A dense MLP's fc1 output (the activation's input) and activation output (fc2's input;
+    an FP8 fc2 keeps its own one-byte copy, recomputed or not)."""
+    fc2_input = tokens * ffn if fp8 else (0 if act else tokens * ffn * e)
+    return tokens * ffn * (2 if m.gated else 1) * e + fc2_input
 
 
 def moe_activations(m: ModelConfig, lay: Layout, o: Options, tokens: int, act: bool) -> int:
@@ -200,11 +208,18 @@ def moe_activations(m: ModelConfig, lay: Layout, o: Options, tokens: int, act: b
     routed = gathered * k // lay.ep  # expected tokens for this rank's experts
     total = tokens * k * (2 * 8 + F32) + tokens * experts * F32 + experts * 8 + F32
     total += experts // lay.ep * gathered * (1 + F32)  # routing map (bool) and probabilities
-    total += routed * (8 + m.hidden_size * e + F32)  # order, permuted tokens, probabilities
     ffn = m.expert_ffn_size // lay.expert_tp
-    total += routed * ffn * e * ((2 if m.gated else 1) + (0 if act else 2))  # act: fc1 only
+    fc1 = (2 if m.gated else 1) * e
+    if not o.fp8:
+        total += routed * (8 + m.hidden_size * e + F32)  # order, permuted tokens, probabilities
+        total += routed * ffn * (fc1 + (0 if act else 2 * e))  # act: fc1's output only
+    else:  # FP8 experts keep 1-byte copies of their inputs, not the permuted tokens themselves
+        total += routed * (8 + m.hidden_size + F32)
+        total += routed * ffn * (fc1 + (0 if act else e) + 1)
     shared = (m.moe_shared_expert_intermediate_size or 0) // lay.tp
-    return total + (_mlp(m, tokens, shared, e, act) if shared else 0)
+    if not shared:
+        return total
+    return total + _mlp(m, tokens, shared, e, act, o.fp8) + (tokens * m.hidden_size if o.fp8 else 0)
 
 
 def _full_recompute_units(o: Options, layers: int) -> int:

@@ -17,13 +17,15 @@ F32 = 4
 _CHUNK = 64  # the chunked delta rule's block of tokens
 
 
-def norm_bytes(tokens: int, width: int, e: int, recomputed: bool = False) -> int:
+def norm_bytes(tokens: int, width: int, e: int, recomputed: bool = False, fp8: bool = False) -> int:
     """A norm and the output the next linear keeps: torch's composite RMSNorm/LayerNorm keeps
     its (fp32) input, the normalised input (fp32) and 1/rms per token; recomputed, only the
-    input (in the activations' dtype) stays."""
+    input (in the activations' dtype) stays. An FP8 linear keeps its own one-byte copy of the
+    output instead (which recompute does not discard)."""
+    kept = tokens * width * (1 if fp8 else e)
     if recomputed:
-        return tokens * width * e
-    return 2 * tokens * width * F32 + tokens * F32 + tokens * width * e
+        return tokens * width * e + (kept if fp8 else 0)
+    return 2 * tokens * width * F32 + tokens * F32 + kept
 
 
 def mla_params(m: ModelConfig, tp: int) -> int:
