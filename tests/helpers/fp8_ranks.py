@@ -47,7 +47,7 @@ def runs(cases: list[dict], steps: int, init: str) -> dict[str, dict]:
     for case in cases:
         fp8 = case.get("fp8")
         adaptor.undo()
-        adaptor.apply(argv=argv_of(fp8))
+        adaptor.apply(argv=argv_of(fp8) + case.get("argv", []))
         cfg = TrainConfig(lr=3e-3, bf16=case.get("bf16", False), recompute=case.get("recompute",
                           {}), fp8=None if fp8 is None else Fp8Settings(**fp8))  # fmt: skip
         model = ModelConfig(**case.get("model", {}))

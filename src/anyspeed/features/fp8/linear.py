@@ -4,7 +4,8 @@
 (``ColumnParallelLinear`` / ``RowParallelLinear``'s ``_forward_impl``) and keeps its contract:
 sequence-parallel inputs are gathered in the forward and their gradient reduce-scattered, a
 column-parallel layer's input gradient is all-reduced. Operands are quantized with one scale per
-tensor whose amax is the maximum over the layer's tensor-parallel group, so every TP layout
+tensor whose amax is the maximum over the ranks that hold parts of it (the weight's over the
+tensor-parallel group, the input's and its gradient's over TP x CP), so every TP and CP layout
 quantizes the same numbers (Transformer Engine reduces amaxes over its group likewise). The input
 is saved for the backward in FP8 (one byte per element), the weight is quantized again there
 (no FP8 copy is held between the passes), and sequence-parallel shards are gathered in FP8.
@@ -49,9 +50,10 @@ class Fp8Linear(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         sequence_parallel: bool,
         allreduce_dgrad: bool,
+        tokens_group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
-        settings = scales.settings
-        s_x, s_w = scales("input", x, group), scales("weight", weight, group)
+        settings, tokens_group = scales.settings, tokens_group or group
+        s_x, s_w = scales("input", x, tokens_group), scales("weight", weight, group)
         x_q = quantize(x, dtype_of(settings, "input"), s_x)
         w_q = quantize(weight, dtype_of(settings, "weight"), s_w)
         total = _gather(x_q, group) if sequence_parallel else x_q
@@ -63,6 +65,7 @@ class Fp8Linear(torch.autograd.Function):
         # the weight itself (no extra bytes): quantized again in the backward, with its scale
         ctx.save_for_backward(keep, weight, s_x, s_w)
         ctx.scales, ctx.group, ctx.has_bias = scales, group, bias is not None
+        ctx.tokens_group = tokens_group
         ctx.sequence_parallel, ctx.allreduce_dgrad = sequence_parallel, allreduce_dgrad
         return out
 
@@ -72,7 +75,7 @@ class Fp8Linear(torch.autograd.Function):
         settings, group = ctx.scales.settings, ctx.group
         n, k = weight.shape
         w_q = quantize(weight, dtype_of(settings, "weight"), s_w)
-        s_g = ctx.scales("grad", grad, group)
+        s_g = ctx.scales("grad", grad, ctx.tokens_group)
         g_q = quantize(grad, dtype_of(settings, "grad"), s_g).reshape(-1, n)
         dx = mm(g_q, s_g, w_q.t(), s_w, grad.dtype).view(*grad.shape[:-1], k)
         if ctx.sequence_parallel:
@@ -88,12 +91,22 @@ class Fp8Linear(torch.autograd.Function):
                 dw = grad.reshape(-1, n).t() @ total.reshape(-1, k).to(grad.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad.reshape(-1, n).sum(0)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def _tokens_group(linear: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The group whose ranks hold parts of one micro-batch's tokens for ``linear``: TP x CP
+    (context parallelism splits the sequence), the expert-TP group for an expert's linear."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(linear, "is_expert", False) or ps.get_context_parallel_world_size() == 1:
+        return linear.tp_group
+    return ps.get_tensor_and_context_parallel_group()
 
 
 def install(linear: torch.nn.Module, settings: Fp8Settings) -> None:
     """Run ``linear``'s (a Column/RowParallelLinear) GEMMs in FP8 with scales of its own."""
-    scales, group = Scales(settings), linear.tp_group
+    scales, group, tokens = Scales(settings), linear.tp_group, _tokens_group(linear)
 
     def fp8_forward_impl(
         input: torch.Tensor,
@@ -107,7 +120,7 @@ def install(linear: torch.nn.Module, settings: Fp8Settings) -> None:
     ) -> torch.Tensor:
         # the weight's gradient goes back as .grad; Megatron's DDP hook adds it to main_grad
         return Fp8Linear.apply(
-            input, weight, bias, scales, group, sequence_parallel, allreduce_dgrad
+            input, weight, bias, scales, group, sequence_parallel, allreduce_dgrad, tokens
         )
 
     linear._forward_impl = fp8_forward_impl
