@@ -41,6 +41,7 @@ def runs(cases: list[dict], steps: int, init: str) -> dict[str, dict]:
     the same weights (the first case saves them to ``init``, the others load them): its losses,
     grad norms, FP8 linears and the activation bytes of one forward."""
     from anyspeed import adaptor
+    from anyspeed.features.fp8.linear import describe
     from helpers.trainer_ranks import load_weights, save_weights
 
     out = {}
@@ -69,6 +70,7 @@ def runs(cases: list[dict], steps: int, init: str) -> dict[str, dict]:
             "fp8_linears": sum(hasattr(m, "fp8_scales") for m in t.model[0].modules()),
             "fp8_layers": fp8_layers,
             "saved": saved,
+            "line": describe("anyspeed pretrain", t.model, cfg.fp8) if cfg.fp8 else None,
         }
     torch.distributed.barrier()
     return out

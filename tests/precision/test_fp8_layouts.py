@@ -69,6 +69,12 @@ def test_delayed_scaling_differs_from_tensorwise(fp8_runs):
     assert fp8_runs["dp-delayed"]["loss"][1:] != fp8_runs["dp"]["loss"][1:]
 
 
+def test_the_start_up_line_says_what_runs_in_fp8(fp8_runs):
+    line = fp8_runs["dp"]["line"]
+    assert line.startswith("anyspeed pretrain: FP8 GEMMs (hybrid, tensorwise scaling) in 16 ")
+    assert "emulated on cpu" in line or "torch._scaled_mm" in line, line
+
+
 def test_first_and_last_layers_stay_in_high_precision(fp8_runs):
     assert fp8_runs["ends"]["fp8_layers"] == ["1", "2"]
     assert fp8_runs["dp"]["fp8_layers"] == ["0", "1", "2", "3"]

@@ -180,6 +180,10 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
     slow = slow_precision_warning(dtype)  # e.g. bf16 on a CPU without bf16 matmul kernels
     if slow:
         print0(f"{run.prog}: warning: {slow}")
+    if run.train.fp8:
+        from anyspeed.features.fp8.linear import describe
+
+        print0(describe(run.prog, trainer.model, run.train.fp8))
     reporter = H.Reporter(run.args, state.iteration)
     hooks = [
         SavedBytesHook(run.prog),  # first: it prints before the progress bar is drawn

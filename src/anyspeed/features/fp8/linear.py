@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from anyspeed.features.fp8.numerics import Scales, dtype_of, mm, quantize
+from anyspeed.features.fp8.numerics import Scales, dtype_of, fp8_tensor_cores, mm, quantize
 from anyspeed.features.fp8.settings import Fp8Settings
 
 
@@ -141,3 +141,19 @@ def install_block(block: torch.nn.Module, settings: Fp8Settings) -> int:
                 install(module, settings)
         changed += 1
     return changed
+
+
+def describe(prog: str, chunks: list[torch.nn.Module], settings: Fp8Settings) -> str:
+    """The start-up line of an FP8 run: its format and recipe, how many of this rank's linear
+    layers run FP8 GEMMs, and whether they are tensor-core GEMMs or an emulation."""
+    linears = [m for c in chunks for m in c.modules() if hasattr(m, "fp8_scales")]
+    weight = next((m.weight for m in linears if getattr(m, "weight", None) is not None), None)
+    device = weight.device if weight is not None else torch.device("cpu")
+    if device.type == "cuda" and fp8_tensor_cores(device.index or 0):
+        how = "torch._scaled_mm on FP8 tensor cores"
+    else:
+        how = f"emulated on {device.type} (exact FP8 numerics, not FP8 speed)"
+    return (
+        f"{prog}: FP8 GEMMs ({settings.format}, {settings.recipe} scaling) in "
+        f"{len(linears)} linear layers on rank 0: {how}"
+    )

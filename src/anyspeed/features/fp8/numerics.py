@@ -52,13 +52,14 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.
 
 
 @functools.cache
-def _fp8_tensor_cores(index: int) -> bool:
+def fp8_tensor_cores(index: int) -> bool:
+    """Whether CUDA device ``index`` has FP8 tensor cores (compute capability 8.9 and up)."""
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def _scaled_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``torch._scaled_mm`` runs ``a @ b^T`` in FP8 tensor cores on this device."""
-    if a.device.type != "cuda" or not _fp8_tensor_cores(a.device.index or 0):
+    if a.device.type != "cuda" or not fp8_tensor_cores(a.device.index or 0):
         return False
     both_e5m2 = a.dtype == E5M2 and b.dtype == E5M2
     return not both_e5m2 and a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0
