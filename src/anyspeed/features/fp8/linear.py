@@ -18,7 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from anyspeed.features.fp8.numerics import Scales, dtype_of, fp8_tensor_cores, mm, quantize
+from anyspeed.features.fp8.numerics import (
+    Scales,
+    dtype_of,
+    fp8_tensor_cores,
+    mm,
+    operand,
+    quantize,
+)
 from anyspeed.features.fp8.settings import Fp8Settings
 
 
@@ -76,7 +83,7 @@ class Fp8Linear(torch.autograd.Function):
         n, k = weight.shape
         w_q = quantize(weight, dtype_of(settings, "weight"), s_w)
         s_g = ctx.scales("grad", grad, ctx.tokens_group)
-        g_q = quantize(grad, dtype_of(settings, "grad"), s_g).reshape(-1, n)
+        g_q = operand(quantize(grad, dtype_of(settings, "grad"), s_g).reshape(-1, n), grad.dtype)
         dx = mm(g_q, s_g, w_q.t(), s_w, grad.dtype).view(*grad.shape[:-1], k)
         if ctx.sequence_parallel:
             dx = _reduce_scatter(dx, group)

@@ -65,6 +65,24 @@ def _scaled_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not both_e5m2 and a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0
 
 
+def compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The precision an emulated GEMM multiplies FP8 values in (exact for both formats)."""
+    return torch.bfloat16 if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q``'s FP8 values in ``dtype`` (exact); other tensors as they are."""
+    return q.to(dtype) if q.dtype in (E4M3, E5M2) else q
+
+
+def operand(q: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``q`` ready for several :func:`mm` calls: as is where FP8 tensor cores take it, else
+    widened once (the backward's output gradient feeds two GEMMs)."""
+    if q.device.type == "cuda" and fp8_tensor_cores(q.device.index or 0):
+        return q
+    return widen(q, compute_dtype(out_dtype))
+
+
 def mm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -72,8 +90,9 @@ def mm(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``a @ b^T`` of two quantized 2-D operands (``a`` [m, k], ``b`` [n, k]) in ``out_dtype``."""
-    if _scaled_mm_fits(a, b):
+    """``a @ b^T`` of two quantized 2-D operands (``a`` [m, k], ``b`` [n, k]; FP8 or already
+    :func:`widen`'d) in ``out_dtype``."""
+    if a.dtype in (E4M3, E5M2) and b.dtype in (E4M3, E5M2) and _scaled_mm_fits(a, b):
         return torch._scaled_mm(
             a.contiguous(),
             b.contiguous().t(),
@@ -82,9 +101,11 @@ def mm(
             out_dtype=out_dtype,
         )
     inv = (a_scale * b_scale).reciprocal()
-    compute = torch.bfloat16 if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    out = a.to(compute) @ b.to(compute).t()
-    return (out.float() * inv).to(out_dtype)
+    compute = compute_dtype(out_dtype)
+    out = widen(a, compute) @ widen(b, compute).t()
+    if out.dtype == torch.float32:
+        return out.mul_(inv).to(out_dtype)
+    return (out.float() * inv).to(out_dtype)  # bf16 x an fp32 tensor would round the scale
 
 
 class Scales:
