@@ -15,17 +15,23 @@ from anyspeed.features.fp8.settings import Fp8Settings
 TOP = {E4M3: 448.0, E5M2: 57344.0}
 
 
-def _table(dtype: torch.dtype) -> torch.Tensor:
-    """Every finite value of ``dtype``, sorted (from its 256 bit patterns)."""
-    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
-    return values[torch.isfinite(values)].unique()
+def _table(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite value of ``dtype`` and whether its mantissa is even (its bit 0 is 0)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(dtype).float()
+    keep = torch.isfinite(values)
+    return values[keep], (codes[keep] & 1) == 0
 
 
 def _nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round to the nearest representable value (saturating), by search in the table."""
-    table = _table(dtype)
+    """Round to the nearest representable value (saturating), by search in the table; a tie
+    goes to the even mantissa (IEEE round-half-to-even)."""
+    table, even = _table(dtype)
     x = x.clamp(-TOP[dtype], TOP[dtype])
-    return table[(x[..., None] - table).abs().argmin(-1)]
+    dist = (x[..., None] - table).abs()
+    nearest = dist == dist.min(-1, keepdim=True).values
+    pick = torch.where((nearest & even).any(-1, keepdim=True), nearest & even, nearest)
+    return table[pick.int().argmax(-1)]
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -33,12 +39,20 @@ def test_quantize_rounds_to_the_nearest_fp8_value_and_saturates(dtype):
     torch.manual_seed(0)
     x = torch.randn(4000) * 3
     x[:3] = torch.tensor([1e6, -1e6, 0.0])
+    x[3:] = x[3:].bfloat16().float()  # bf16 inputs: exact ties between FP8 values occur
     scale = scale_for(x.abs().amax() / 10, dtype, margin=0)  # the top 10x saturates
     got = quantize(x, dtype, scale).float()
     want = _nearest(x * scale, dtype)
-    # ties (exactly between two values) may round either way: none with random inputs
     assert torch.equal(got, want)
     assert got.abs().max() == TOP[dtype]
+
+
+def test_ties_round_to_the_even_mantissa():
+    one = torch.tensor(1.0)
+    ties = torch.tensor([1.0625, 1.1875, -1.0625, 36864.0])  # halfway between two values
+    assert quantize(ties[:3], E4M3, one).float().tolist() == [1.0, 1.25, -1.0]
+    assert quantize(ties[3:], E5M2, one).float().tolist() == [32768.0]
+    assert torch.equal(_nearest(ties[:3], E4M3), torch.tensor([1.0, 1.25, -1.0]))
 
 
 def test_scale_rule():
@@ -105,3 +119,19 @@ def test_delayed_scaling_uses_the_amax_history():
     with torch.no_grad():  # an evaluation pass reads the scale and leaves the history
         scales("input", torch.full((8,), 100.0), None)
     assert float(scales("input", torch.ones(8), None)) == pytest.approx(448 / 2.0)
+
+
+def test_bf16_linear_rounds_only_its_output():
+    """In bf16 the emulated GEMMs multiply the FP8 values exactly and round the product: the
+    result is the fp32 fake-quantized math within bf16's rounding (two roundings, 2**-7)."""
+    torch.manual_seed(2)
+    x = torch.randn(64, 32).bfloat16().requires_grad_()
+    w = (torch.randn(48, 32) * 0.05).bfloat16().requires_grad_()
+    dy = (torch.randn(64, 48) * 1e-3).bfloat16()
+    y = Fp8Linear.apply(x, w, None, Scales(Fp8Settings(recipe="tensorwise")), None, False, False)
+    y.backward(dy)
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    xq, wq = _fake(x.detach().float(), E4M3), _fake(w.detach().float(), E4M3)
+    gq = _fake(dy.float(), E5M2)
+    for got, want in ((y, xq @ wq.t()), (x.grad, gq @ wq), (w.grad, gq.t() @ xq)):
+        torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=want.abs().max() * 2**-8)
