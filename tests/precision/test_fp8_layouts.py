@@ -1,7 +1,8 @@
 """``--fp8-format`` in training: every layout quantizes the same numbers (amaxes reduced over
-the ranks holding parts of a tensor), so TP2 + SP, PP2 and CP2 train as data parallelism does
-within FP8's own rounding noise; the run stays within 1% of the unquantized one but is not it;
-only the chosen layers are FP8; the input saved for backward is one byte an element."""
+the ranks holding parts of a tensor), so TP2 + SP, PP2, VPP, CP2 and the distributed optimizer
+train as data parallelism does within FP8's own rounding noise; the run stays within 1% of the
+unquantized one but is not it; only the chosen layers are FP8; the input saved for backward is
+one byte an element."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ CASES = [
     dict(name="dp-delayed", fp8=DELAYED),
     dict(name="pp", fp8=TW, layout=dict(pp=2)),
     dict(name="cp", fp8=TW, layout=dict(cp=2), argv=["--context-parallel-size", "2"]),
+    dict(name="vpp", fp8=TW, layout=dict(pp=2, vpp=2)),
+    dict(name="distopt", fp8=TW, layout=dict(distributed_optimizer=True, overlap_grad_reduce=True,
+                                             bucket_size=4000)),  # fmt: skip
     dict(name="tp-delayed", fp8=DELAYED, layout=dict(tp=2)),
     dict(name="pp-delayed", fp8=DELAYED, layout=dict(pp=2)),
     dict(name="ends", fp8={"recipe": "tensorwise", "bf16_start": 1, "bf16_end": 1}),
@@ -53,7 +57,9 @@ def test_fp8_trains_near_the_unquantized_run_but_is_not_it(fp8_runs):
 
 
 @pytest.mark.parametrize(
-    "ours,base", [("tp", "dp"), ("pp", "dp"), ("cp", "dp"), ("tp-delayed", "pp-delayed")]
+    "ours,base",
+    [("tp", "dp"), ("pp", "dp"), ("cp", "dp"), ("vpp", "dp"), ("distopt", "dp"),
+     ("tp-delayed", "pp-delayed")],  # fmt: skip
 )
 def test_model_parallel_fp8_equals_data_parallel_fp8(fp8_runs, ours, base):
     """The first step's loss is the same to 2e-6 (the same quantized operands; only the sums'

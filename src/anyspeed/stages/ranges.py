@@ -135,6 +135,11 @@ RANGES: dict[str, Range] = {
     "--recompute-activation-function-num-layers": POSITIVE,
     "--recompute-norm-num-layers": POSITIVE,
     "--swap-optimizer-times": POSITIVE,
+    # FP8 GEMMs (features/fp8)
+    "--fp8-margin": COUNT,
+    "--fp8-amax-history-len": POSITIVE,
+    "--num-layers-at-start-in-bf16": COUNT,
+    "--num-layers-at-end-in-bf16": COUNT,
     # training
     "--micro-batch-size": POSITIVE,
     "--global-batch-size": POSITIVE,
