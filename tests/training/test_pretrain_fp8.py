@@ -56,3 +56,17 @@ def test_pretrain_trains_in_fp8(corpus, tmp_path):
 def test_bad_fp8_requests_are_one_line(capsys, corpus, extra, needle):
     argv = base_args(corpus, 2) + ["--fp8-format", "hybrid"] + extra
     assert needle in _error(capsys, argv)
+
+
+def test_delayed_scaling_with_recompute_that_spares_linears_is_accepted():
+    """Selective recompute of the attention core or the norms re-runs no linear layer."""
+    from argparse import Namespace
+
+    from anyspeed.device import detect
+    from anyspeed.features import registry
+
+    fp8 = registry.get("fp8")
+    for modules in (None, ["core_attn", "layernorm", "moe_act"]):
+        args = Namespace(fp8="hybrid", fp8_recipe="delayed", recompute_granularity="selective",
+                         recompute_modules=modules, optimization_level=2)  # fmt: skip
+        fp8.validate(args, detect())

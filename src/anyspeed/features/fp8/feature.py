@@ -29,7 +29,15 @@ from anyspeed.patching import PatchManager
 
 _CONFIG = "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__"
 _BLOCK = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
-_RECOMPUTE = ("recompute_granularity", "recompute_activations", "recompute_norm")
+_LINEAR_MODULES = {"mlp", "moe", "shared_experts", "mla_up_proj"}  # selective recompute
+
+
+def _recomputes_linears(args: argparse.Namespace) -> bool:
+    """Whether Megatron's recompute re-runs linear layers (full, or a selective module with
+    linears; ``core_attn``, ``layernorm`` and ``moe_act`` have none)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    modules = set(getattr(args, "recompute_modules", None) or ["core_attn"])
+    return granularity == "full" or (granularity == "selective" and bool(modules & _LINEAR_MODULES))
 
 
 def _te_owns(args: argparse.Namespace) -> bool:
@@ -118,10 +126,10 @@ class Fp8(Feature):
                 "--fp8-param-gather needs Transformer Engine's FP8 parameters: remove it "
                 "(anyspeed's FP8 keeps the weights in the run's precision)"
             )
-        if recipe == "delayed" and any(getattr(args, n, None) for n in _RECOMPUTE):
+        if recipe == "delayed" and _recomputes_linears(args):
             raise FeatureError(
-                "--fp8-recipe delayed with activation recompute would update the amax history "
-                "twice a step: use --fp8-recipe tensorwise"
+                "--fp8-recipe delayed with recompute of linear layers would update the amax "
+                "history twice a step: use --fp8-recipe tensorwise"
             )
         if getattr(args, "moe_grouped_gemm", False):
             raise FeatureError(
@@ -129,7 +137,7 @@ class Fp8(Feature):
                 "linears; remove --moe-grouped-gemm (each expert then runs FP8 GEMMs)"
             )
         for flag in ("--fp8-margin", "--fp8-amax-history-len"):
-            value = getattr(args, flag[2:].replace("-", "_"), 0)
+            value = getattr(args, flag[2:].replace("-", "_"), None)  # absent: its default
             if value is not None and value < (1 if "history" in flag else 0):
                 raise FeatureError(f"{flag} must be >= {1 if 'history' in flag else 0}")
 
