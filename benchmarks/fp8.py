@@ -19,17 +19,9 @@ import statistics
 import time
 
 from anyspeed.testing import run_distributed
+from reuse_fp32 import MODELS
 
-MODEL = dict(
-    family="qwen2",
-    num_layers=8,
-    hidden_size=512,
-    ffn_hidden_size=1408,
-    num_attention_heads=8,
-    num_query_groups=2,
-    vocab_size=32000,
-    add_qkv_bias=True,
-)
+MODEL = MODELS["55m"]  # the 55M Qwen2.5-shaped benchmark model
 
 
 def _saved_bytes(t) -> int:  # noqa: ANN001 - anyspeed's Trainer
