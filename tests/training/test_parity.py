@@ -43,6 +43,7 @@ LAYOUTS = {
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
     "pp2-1f1b": (2, dict(pp=2)),
     "pp2-vpp2": (2, dict(pp=2, vpp=2)),
+    "pp2-dualpipev": (2, dict(pp=2, dualpipev=True)),
     # Small gradient buckets, so that overlapping has several buckets to pipeline.
     "dp2-distopt-overlap": (
         2,
@@ -70,6 +71,8 @@ LAYOUTS = {
 
 def _feature_argv(layout: dict) -> list[str]:
     """The command line that switches the layout's level-2 features on, as a user would."""
+    if layout.get("dualpipev"):
+        return ["--schedules-method", "dualpipev", "--pipeline-model-parallel-size", "2"]
     if layout.get("cp", 1) == 1:
         return []
     argv = ["--context-parallel-size", str(layout["cp"]),

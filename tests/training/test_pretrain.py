@@ -73,6 +73,8 @@ def _close(got: list[float], want: list[float], rtol: float = RTOL) -> None:
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
+    # Tied embedding and output weights, both on rank 0 in the V.
+    "pp2-dualpipev": ["--pipeline-model-parallel-size", "2", "--schedules-method", "dualpipev"],
     "dp2-distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
 }
 
@@ -133,6 +135,8 @@ def test_resume_is_exact(setup):
 RESUMES = {  # checkpoint written at one layout -> resumed at another (model, optimizer, data)
     "tp2-sp->pp2": ("tp2-sp", LAYOUTS["pp2"]),
     "pp2->dp2": ("pp2", []),
+    # Global layer numbers: the V's checkpoint (model, optimizer) resumes without it.
+    "pp2-dualpipev->pp2": ("pp2-dualpipev", LAYOUTS["pp2"]),
     "dp2-distopt->tp2-sp-distopt": (
         "dp2-distopt",
         LAYOUTS["tp2-sp"] + ["--use-distributed-optimizer"],

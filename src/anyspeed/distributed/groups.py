@@ -31,6 +31,10 @@ def set_timeout(minutes: float) -> None:
     _timeout["minutes"] = float(minutes)
 
 
+def _first_only(pp_ranks: list[int], *_: object) -> list[int]:
+    return [pp_ranks[0]]
+
+
 def init_distributed(layout: Layout, seed: int) -> None:
     """Start the process group (the device's backend) and Megatron's parallel state, every
     group with the timeout :func:`set_timeout` gave.
@@ -65,7 +69,15 @@ def init_distributed(layout: Layout, seed: int) -> None:
         distributed_timeout_minutes=minutes,  # a float works: Megatron builds a timedelta
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        # DualPipeV: the embedding and the output layer are both on pipeline rank 0
+        get_embedding_ranks=_first_only if layout.dualpipev else None,
     )
+    from anyspeed.distributed.dualpipev import channels
+
+    if layout.dualpipev:
+        channels.create(minutes)
+    else:
+        channels.deactivate()
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
     np.random.seed(stage_seed)

@@ -47,6 +47,7 @@ from anyspeed.features.ops.feature import (
     FusedRoPE,
     FusedSwiGLU,
 )
+from anyspeed.features.pipeline.feature import ChunkPlacement, DualPipeV
 from anyspeed.features.precision.feature import ReuseFP32Param
 
 
@@ -61,6 +62,7 @@ def build() -> list[Feature]:
         NumLayerList(),  # rewrites the namespace the layout check reads
         MindSpeedRopeFlags(),
         LayoutCheck(),
+        ChunkPlacement(),
         AcceptedFlags(kernels=kernels),
         MegatronLMArgs(add_flags=add_arguments),
         MegatronLMCompat(),
@@ -79,6 +81,7 @@ def build() -> list[Feature]:
         GlooCollectives(),
         NoGradFastPath(),
         ReuseFP32Param(),
+        DualPipeV(),
         cp,
         RecomputeActivation(),
         RecomputeNorm(),

@@ -77,11 +77,31 @@ class Layout:
     # Uneven pipeline stages: layers of the first / last stage (None: an even share).
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    # --schedules-method dualpipev: two chunks per rank in a V (rank r: stages r and 2PP-1-r)
+    dualpipev: bool = False
 
     def __post_init__(self) -> None:
         self.cp_algo = CPAlgo.parse(self.cp_algo)
         if self.vpp is not None and self.vpp <= 1:
             self.vpp = None
+        if self.dualpipev:
+            if self.vpp not in (None, 2):
+                raise ValueError(
+                    "--schedules-method dualpipev places two chunks on each rank itself: "
+                    "remove --num-layers-per-virtual-pipeline-stage"
+                )
+            self.vpp = 2
+
+    def stage_of(self, pp_rank: int, chunk: int) -> int:
+        """The pipeline stage (0 holds the embedding) of chunk ``chunk`` on ``pp_rank``."""
+        if self.dualpipev and chunk == 1:
+            return 2 * self.pp - 1 - pp_rank
+        return chunk * self.pp + pp_rank
+
+    @property
+    def output_pp_rank(self) -> int:
+        """The pipeline rank holding the loss and logits (rank 0 under DualPipeV)."""
+        return 0 if self.dualpipev else self.pp - 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -107,6 +127,12 @@ class Layout:
         stage as given (uneven stages), the others an even share of the rest."""
         pp, first, last = self.pp, self.first_stage_layers, self.last_stage_layers
         if not self.uneven:
+            if self.dualpipev and num_layers % (2 * pp):
+                raise ValueError(
+                    f"--num-layers {num_layers} is not divisible by 2 x "
+                    f"--pipeline-model-parallel-size {pp} = {2 * pp} (--schedules-method "
+                    "dualpipev gives each rank two equal chunks)"
+                )
             if num_layers % (pp * self.chunks):
                 raise ValueError(
                     f"--num-layers {num_layers} is not divisible by pipeline stages x virtual "
@@ -157,6 +183,15 @@ class Layout:
             return default if value is None else value
 
         pp = _int(get("pipeline_model_parallel_size", 1), "--pipeline-model-parallel-size")
+        dualpipev = get("schedules_method") == "dualpipev"
+        if dualpipev and (
+            get("num_layers_per_virtual_pipeline_stage")
+            or get("virtual_pipeline_model_parallel_size")
+        ):
+            raise ValueError(
+                "--schedules-method dualpipev places two chunks on each rank itself: remove "
+                "--num-layers-per-virtual-pipeline-stage"
+            )
         return cls(
             tp=_int(get("tensor_model_parallel_size", 1), "--tensor-model-parallel-size"),
             pp=pp,
@@ -194,6 +229,7 @@ class Layout:
                 get("num_layer_list"),
             ),
             ep=_int(get("expert_model_parallel_size", 1), "--expert-model-parallel-size"),
+            dualpipev=dualpipev,
             etp=1  # MindSpeed's --moe-tp-extend-ep: the TP ranks widen EP instead
             if get("moe_tp_extend_ep", False)
             else _opt_int(get("expert_tensor_parallel_size"), "--expert-tensor-parallel-size"),

@@ -33,6 +33,8 @@ def validate(
             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = "
             f"{layout.model_parallel_size}: change the sizes or the number of processes"
         )
+    if layout.dualpipev:
+        _dualpipev(layout)
     _cp(layout, tp, num_attention_heads, seq_length)
     if num_attention_heads is not None and num_attention_heads % tp:
         raise ValueError(
@@ -81,6 +83,18 @@ def _megatron_fsdp(layout: Layout, dp: int) -> None:
     ):
         if bad:
             raise ValueError(f"--use-megatron-fsdp is not checked with {why} here")
+
+
+def _dualpipev(layout: Layout) -> None:
+    """What ``--schedules-method dualpipev`` runs with here (MindSpeed refuses the same)."""
+    for bad, why in (
+        (layout.pp < 2, "--pipeline-model-parallel-size 2 or more"),
+        (layout.uneven, "equal stages (no --decoder-first/last-pipeline-num-layers)"),
+        (layout.overlap_grad_reduce, "no --overlap-grad-reduce (its gradients sync at the end)"),
+        (layout.torch_fsdp2 or layout.megatron_fsdp, "DDP, not FSDP"),
+    ):
+        if bad:
+            raise ValueError(f"--schedules-method dualpipev needs {why}")
 
 
 def _torch_fsdp2(layout: Layout) -> None:

@@ -105,18 +105,25 @@ def transformer_config(
     kw.update(overrides)
     if model.multi_latent_attention:
         kw.update(mla_config(model), **dsa_config(model))
-        return MLATransformerConfig(**kw)
+        mla_cfg = MLATransformerConfig(**kw)
+        mla_cfg.anyspeed_dualpipev = layout.dualpipev  # read by the layer-offset patch
+        return mla_cfg
     config = TransformerConfig(**kw)
+    config.anyspeed_dualpipev = layout.dualpipev  # read by the layer-offset patch
     if model.position_embedding_type == "yarn":
-        # GPTModel and the attention read these by getattr (no TransformerConfig fields)
-        config.yarn_rotary_scaling_factor = model.rotary_scaling_factor
-        config.yarn_original_max_position_embeddings = model.yarn_original_max_position_embeddings
-        config.yarn_beta_fast = model.yarn_beta_fast
-        config.yarn_beta_slow = model.yarn_beta_slow
-        config.yarn_mscale = model.mscale
-        config.yarn_mscale_all_dim = model.mscale_all_dim
-        config.yarn_correction_range_round_to_int = model.yarn_correction_range_round_to_int
+        _set_yarn(config, model)
     return config
+
+
+def _set_yarn(config: Any, model: ModelConfig) -> None:
+    """GPTModel and the attention read these by getattr (no TransformerConfig fields)."""
+    config.yarn_rotary_scaling_factor = model.rotary_scaling_factor
+    config.yarn_original_max_position_embeddings = model.yarn_original_max_position_embeddings
+    config.yarn_beta_fast = model.yarn_beta_fast
+    config.yarn_beta_slow = model.yarn_beta_slow
+    config.yarn_mscale = model.mscale
+    config.yarn_mscale_all_dim = model.mscale_all_dim
+    config.yarn_correction_range_round_to_int = model.yarn_correction_range_round_to_int
 
 
 def _activation(model: ModelConfig):
@@ -238,21 +245,42 @@ def _mtp_spec(model: ModelConfig, config, spec, vp_stage: int | None):
     return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
 
 
+def _check_v_offsets(config, layout: Layout, rank: int) -> None:
+    """RuntimeError unless Megatron's layer offsets follow the V (the ``chunk-placement``
+    patch): without it a rank's second chunk would silently hold another stage's layers."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    per_chunk = config.num_layers // (2 * layout.pp)
+    want = layout.stage_of(rank, 1) * per_chunk
+    got = get_transformer_layer_offset(config, vp_stage=1, pp_rank=rank)
+    if got != want:
+        raise RuntimeError(
+            f"DualPipeV: chunk 1 of pipeline rank {rank} would start at layer {got}, not "
+            f"{want}: apply anyspeed's adaptor (anyspeed.adaptor.apply) before building"
+        )
+
+
 def build_chunks(model: ModelConfig, config, layout: Layout) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), from Megatron's parallel
     state; un-wrapped, on the CPU."""
     from megatron.core import parallel_state as ps
 
     chunks = []
+    rank, last = ps.get_pipeline_model_parallel_rank(), 2 * layout.pp - 1
     for i in range(layout.chunks):
         vp = i if layout.vpp else None
-        chunks.append(
-            build(
-                model,
-                config,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                vp_stage=vp,
-            )
-        )
+        if layout.dualpipev:  # a V: stage 0 (embedding) and the last stage both on rank 0
+            stage = layout.stage_of(rank, i)
+            first, final = stage == 0, stage == last
+        else:
+            first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+            final = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        chunks.append(build(model, config, pre_process=first, post_process=final, vp_stage=vp))
+    if layout.dualpipev:
+        _check_v_offsets(config, layout, rank)
+    if layout.dualpipev and rank == 0 and model.tie_embeddings:
+        # Megatron zeroes a tied output layer off the first stage and fills it by an
+        # all-reduce with the first stage; here both are on this rank.
+        out = chunks[1].shared_embedding_or_output_weight()
+        out.data.copy_(chunks[0].shared_embedding_or_output_weight().data)
     return chunks

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from anyspeed.distributed.dualpipev.plan import check_microbatches
 from anyspeed.errors import UsageError
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
@@ -81,6 +82,9 @@ def check(
     train = TrainConfig.from_args(args)
     try:
         train.check(layout.dp(world_size))
+        if layout.dualpipev:
+            per_step = train.global_batch_size // (train.micro_batch_size * layout.dp(world_size))
+            check_microbatches(layout.pp, per_step)
         train.recompute.check(args.num_layers // layout.pp, layout.sequence_parallel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -15,6 +15,9 @@ from anyspeed.stages.table import STAGES, build_stage_parser, get_stage
 from anyspeed.training.run import Run, freeze
 from anyspeed.training.task import Stage
 
+# The stages whose every pipeline pass runs through the DualPipeV schedule (checked there).
+DUALPIPEV_STAGES = ("pretrain", "sft")
+
 
 def stage_of(argv: list[str], command: str) -> Stage:
     """The stage a command line names: ``pretrain`` for ``anyspeed pretrain``, ``--stage``'s
@@ -50,6 +53,11 @@ def prepare(
     freeze(args)
     plan = stage.plan(args)
     checked = checks.check(args, world, plan.data_prefixes, tokenizer)
+    if checked.layout.dualpipev and stage.name not in DUALPIPEV_STAGES:
+        raise UsageError(
+            f"--schedules-method dualpipev: not supported in --stage {stage.name} yet (it runs "
+            "in anyspeed pretrain and posttrain --stage sft); use Megatron's 1F1B here"
+        )
     load = checked.load
     if hf_dir:
         load = hf_load.convert(args, hf_dir, prog)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from anyspeed.distributed import pipeline
+from anyspeed.distributed.dualpipev.plan import check_microbatches
 from anyspeed.distributed.groups import init_distributed
 from anyspeed.distributed.process import world_size
 from anyspeed.layout import Layout
@@ -48,6 +50,8 @@ class Trainer:
         layout.validate_for(world, model, cfg.seq_length)
         self.dp = layout.dp(world)
         cfg.check(self.dp)
+        if layout.dualpipev:
+            check_microbatches(layout.pp, cfg.global_batch_size // (cfg.micro_batch_size * self.dp))
         self.model_config, self.layout, self.cfg = model, layout, cfg
         self.task = task
         if start_groups:  # False: a second model of the run (a critic) in the groups in place
@@ -77,7 +81,6 @@ class Trainer:
         """Run the pipeline schedule over ``mbs``; the loss and every named metric, each
         averaged over DP replicas (a ``[sum, count]`` metric: one global ratio)."""
         from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from anyspeed.device import torch_device
         from anyspeed.training.packed_rows import schedule_shape
@@ -85,7 +88,7 @@ class Trainer:
         task, model = task or self.task, model or self.model
         data = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
         seq, mbs_size = schedule_shape(task, self.cfg, mbs)
-        losses = get_forward_backward_func()(
+        losses = pipeline.forward_backward_func()(
             forward_step_func=task.forward_step,
             data_iterator=data,
             model=model if len(model) > 1 else model[0],
@@ -95,11 +98,8 @@ class Trainer:
             forward_only=forward_only,
         )
         keys = [task.loss_key, *task.metrics]
-        # Every rank takes part in the reduction; the last stage's TP rank 0 contributes.
-        last = (
-            ps.is_pipeline_last_stage(ignore_virtual=True)
-            and ps.get_tensor_model_parallel_rank() == 0
-        )
+        # Every rank takes part in the reduction; the output stage's TP rank 0 contributes.
+        last = pipeline.is_output_stage() and ps.get_tensor_model_parallel_rank() == 0
         total = torch.zeros(len(keys), 3, dtype=torch.float64, device=torch_device())
         if last and losses:
             for i, key in enumerate(keys):

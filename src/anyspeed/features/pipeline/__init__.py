@@ -1,0 +1,1 @@
+"""Pipeline schedules beyond Megatron-Core's own: DualPipeV (``--schedules-method``)."""

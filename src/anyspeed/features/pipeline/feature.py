@@ -1,0 +1,99 @@
+"""Level-2 feature ``dualpipev`` (MindSpeed's ``--schedules-method dualpipev``).
+
+Each pipeline rank holds two chunks in a V (rank ``r``: stages ``r`` and ``2PP - 1 - r``) and
+runs DeepSeek-V3's DualPipeV order (:mod:`anyspeed.distributed.dualpipev`). Megatron-Core 0.16.1
+places a rank's second chunk at stage ``PP + r`` (interleaving); the one patch here moves its
+layers to stage ``2PP - 1 - r``, so layer numbers, and with them checkpoints, stay global: a
+DualPipeV checkpoint loads at any other layout. That patch belongs to ``chunk-placement``
+(level 0, always on, inert without a V) so no process can build a V with Megatron's offsets.
+The engine builds the chunks, picks the
+schedule and finds the loss on pipeline rank 0 (``anyspeed.distributed.pipeline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from anyspeed.device import DeviceInfo
+from anyspeed.features.base import Feature, FeatureError, add_flag
+from anyspeed.patching import PatchManager
+
+METHODS = ("1f1b", "dualpipev")
+
+
+def _wrap_offset(offset):
+    @functools.wraps(offset)
+    def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
+        if getattr(config, "anyspeed_dualpipev", False) and vp_stage == 1:
+            from megatron.core import parallel_state as ps
+
+            rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+            pp_rank = config.pipeline_model_parallel_size - 1 - rank
+        return offset(config, vp_stage, pp_rank)
+
+    return get_transformer_layer_offset
+
+
+def refuse_in_megatron_lm(args: argparse.Namespace) -> None:
+    """FeatureError when Megatron-LM's own training loop is asked for DualPipeV."""
+    if getattr(args, "schedules_method", None) == "dualpipev":
+        raise FeatureError(
+            "--schedules-method dualpipev runs in `anyspeed pretrain` / `anyspeed posttrain "
+            "--stage sft` (Megatron-LM's training loop builds and schedules its own chunks): "
+            "run it there, or leave the flag out"
+        )
+
+
+class DualPipeV(Feature):
+    name = "dualpipev"
+    level = 2
+    description = (
+        "DualPipeV pipeline schedule: two chunks per rank in a V, the loss beside the "
+        "embedding on rank 0, forwards and backwards of both chunks interleaved"
+    )
+    flags = ("--schedules-method",)
+
+    def add_arguments(self, parser: argparse._ActionsContainer) -> None:
+        add_flag(
+            parser,
+            "--schedules-method",
+            choices=METHODS,
+            default=None,
+            help="pipeline schedule: dualpipev (two chunks per rank in a V, DeepSeek-V3's) or "
+            "Megatron's 1F1B (default; interleaved with "
+            "--num-layers-per-virtual-pipeline-stage)",
+        )
+
+    def requested(self, args: argparse.Namespace) -> bool:
+        return getattr(args, "schedules_method", None) == "dualpipev"
+
+    def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
+        super().validate(args, device)
+        if not self.requested(args):
+            return
+        if getattr(args, "mtp_num_layers", None):
+            raise FeatureError(
+                "--schedules-method dualpipev does not run with --mtp-num-layers here yet "
+                "(the MTP block would sit beside the loss on rank 0): leave one out"
+            )
+
+
+class ChunkPlacement(Feature):
+    """Level 0, always on: the layer offset patch is inert unless a model's config says V, so
+    a process that applied the adaptor without the flag still places a V's layers right."""
+
+    name = "chunk-placement"
+    level = 0
+    description = "a chunk's layers at the stage anyspeed's layout gives it (DualPipeV's V)"
+
+    def register_patches(
+        self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
+    ) -> None:
+        pm.register_wrap(
+            "megatron.core.transformer.transformer_layer.get_transformer_layer_offset",
+            _wrap_offset,
+            feature=self.name,
+            reason="under DualPipeV a rank's second chunk holds stage 2PP-1-r (the V), not "
+            "PP+r; a no-op for configs without anyspeed_dualpipev",
+        )
