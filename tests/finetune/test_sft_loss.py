@@ -12,6 +12,7 @@ import torch
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
 from helpers.corpora import read_back
+from helpers.instruction import VOCAB
 
 TOL = 1e-5
 
@@ -112,6 +113,30 @@ def layout_losses(sft_data, tiny_qwen) -> dict[str, float]:
 def test_padded_loss_at_every_layout(layout, layout_losses, sft_data, tiny_qwen):
     want = hf_token_mean(tiny_qwen, sft_data["padded"])
     assert layout_losses[layout] == pytest.approx(want, rel=TOL)
+
+
+@pytest.fixture(scope="module")
+def tied_qwen4(tmp_path_factory) -> str:
+    """A random 4-layer Qwen2 with tied embeddings: two layers per DualPipeV chunk at PP2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = str(tmp_path_factory.mktemp("hf4"))
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True)  # fmt: skip
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def test_dualpipev_equals_transformers(sft_data, tied_qwen4):
+    """SFT under DualPipeV at PP2 (tied embedding and output layer both on rank 0, the loss
+    masked to the responses there): transformers' token mean."""
+    dualpipev = ["--pipeline-model-parallel-size", "2", "--schedules-method", "dualpipev"]
+    argv = cli(tied_qwen4, sft_data["padded"], *dualpipev)
+    hist = run_distributed(sft_ranks.posttrain, 2, argv=argv, cli=argv, timeout=300)[0]
+    want = hf_token_mean(tied_qwen4, sft_data["padded"])
+    assert hist["loss"][0] == pytest.approx(want, rel=TOL)
 
 
 def test_tokens_per_second_counts_the_tokens_a_step_processed(sft_data, tiny_qwen, tmp_path):

@@ -167,3 +167,18 @@ def megatron_preset_parameters(names: list[str]) -> dict[str, int]:
 def load_logits_cases(cases: list[dict], load: str, tokens) -> list:
     """:func:`load_logits` for each case (``layout``, ``spec``) in one process group."""
     return [load_logits(c["layout"], load, tokens, c.get("spec")) for c in cases]
+
+
+def train_eval_save_logits(
+    layout: dict, load: str, save: str, tokens, spec: dict | None = None, steps: int = 3, **cfg
+) -> dict:
+    """Load weights, train ``steps`` steps, evaluate one synthetic batch (forward only), save
+    with dist_checkpointing, and return the steps, the eval loss and the logits of ``tokens``
+    (None: no logits, e.g. under CP, where the logits pass does not split the sequence)."""
+    t = _trainer(layout, spec, **cfg)
+    load_weights(t, load)
+    history = _steps(t, steps)
+    evaluated = t.evaluate(synthetic.microbatches(t.model_config.vocab_size, t.cfg, 99))
+    save_weights(t, save)
+    out = None if tokens is None else logits(t, tokens)
+    return {"steps": history, "eval": evaluated, "logits": out}

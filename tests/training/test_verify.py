@@ -31,6 +31,7 @@ def verify(*argv: str, env: dict | None = None, timeout: int = 300) -> subproces
 def test_reference_drops_the_layout_and_both_drop_saving():
     user = ["--nproc-per-node", "4", "--tensor-model-parallel-size=2", "--sequence-parallel",
             "--pipeline-model-parallel-size", "2", "--num-layer-list", "3,1",
+            "--schedules-method", "dualpipev",
             "--use-distributed-optimizer", "--save",
             "/x", "--save-interval", "5", "--train-iters", "100", "--lr", "1e-3"]  # fmt: skip
     layout, ref = command_lines(user, 2, ["--seed", "3"])
@@ -40,7 +41,7 @@ def test_reference_drops_the_layout_and_both_drop_saving():
         assert argv[argv.index("--hidden-dropout") + 1] == "0"
     assert "--tensor-model-parallel-size=2" in layout and "--sequence-parallel" in layout
     dropped = ("--tensor", "--pipeline", "--nproc", "--sequence", "--use-distributed",
-               "--num-layer-list")  # fmt: skip
+               "--num-layer-list", "--schedules-method")  # fmt: skip
     assert not any(a.startswith(dropped) for a in ref)
     assert ref[-2:] == ["--seed", "3"] and ref.count("--lr") == 1
 
@@ -155,6 +156,8 @@ MATRIX = {
     "pp2-cp2-ulysses": "--nproc-per-node 4 --pipeline-model-parallel-size 2 "
     "--context-parallel-size 2 --context-parallel-algo ulysses_cp_algo",
     "cp2-dp2-distopt": "--nproc-per-node 4 --context-parallel-size 2 --use-distributed-optimizer",
+    "pp2-dualpipev": "--nproc-per-node 2 --pipeline-model-parallel-size 2 --schedules-method "
+    "dualpipev",
 }
 MOE = ("--model tiny-qwen3-moe --mock-data --vocab-size 512 --seq-length 64 --micro-batch-size 2 "
        "--global-batch-size 8 --lr 1e-3").split()  # fmt: skip
@@ -163,6 +166,9 @@ MOE_LAYOUTS = {
     "ep2-tp2-etp1": "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel "
     "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1",
     "ep2-pp2": "--nproc-per-node 4 --expert-model-parallel-size 2 --pipeline-model-parallel-size 2",
+    "ep2-pp2-dualpipev": "--nproc-per-node 4 --expert-model-parallel-size 2 "
+    "--pipeline-model-parallel-size 2 --schedules-method dualpipev --micro-batch-size 1 "
+    "--num-layers 4",
     # expert TP below TP without EP: Megatron-Core 0.16.1 never summed the experts' per-rank
     # partial gradients (found by verify: step-2 loss 2.7e-5 off); fixed in moe-compat
     "tp2-etp1": "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel "

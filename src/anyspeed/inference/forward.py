@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from anyspeed.distributed import pipeline
+
 
 @torch.no_grad()
 def pipeline_forward(
@@ -74,8 +76,6 @@ def pipeline_logprobs(
 def scheduled(model: list[torch.nn.Module], tokens: torch.Tensor, call: Any) -> Any:
     """``call(chunk)`` on every chunk through Megatron's forward-only schedule, in eval mode;
     the last stage's output (None on the other stages)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
         next(data_iterator)
@@ -92,7 +92,7 @@ def scheduled(model: list[torch.nn.Module], tokens: torch.Tensor, call: Any) -> 
     n_chunks = len(model)
     data = [iter([0]) for _ in range(n_chunks)] if n_chunks > 1 else iter([0])
     try:
-        out = get_forward_backward_func()(
+        out = pipeline.forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=data,
             model=model if n_chunks > 1 else model[0],
@@ -105,7 +105,7 @@ def scheduled(model: list[torch.nn.Module], tokens: torch.Tensor, call: Any) -> 
     finally:
         for m in training:
             m.train()
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+    if not pipeline.is_output_stage():
         return None
     return out[0]
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from anyspeed.distributed import pipeline
+
 
 @dataclass
 class Batch:
@@ -64,7 +66,7 @@ def share(t: torch.Tensor) -> torch.Tensor:
     buf = t.to(torch_device())
     dist.broadcast(
         buf,
-        src=ps.get_pipeline_model_parallel_last_rank(),
+        src=pipeline.output_rank(),
         group=ps.get_pipeline_model_parallel_group(),
     )
     return buf.cpu()

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from anyspeed.distributed import pipeline
+
 
 def logprob_pass(
     trainer: Any,
@@ -42,7 +44,6 @@ def output_pass(
     forward only: its outputs on the last pipeline stage (None elsewhere); e.g. a critic's
     per-token values."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
         out = compute(model, next(data_iterator))
@@ -63,7 +64,7 @@ def output_pass(
         full = trainer.cfg.micro_batch_size
         microbatches = [b if is_packed(b) else _filled(b, full) for b in microbatches]
     data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
-    out = get_forward_backward_func()(
+    out = pipeline.forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data,
         model=chunks if len(chunks) > 1 else chunks[0],
@@ -73,7 +74,7 @@ def output_pass(
         forward_only=True,
         collect_non_loss_data=True,
     )
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+    if not pipeline.is_output_stage():
         return None
     return [o[:n] for o, n in zip(out, rows, strict=True)]
 
@@ -113,7 +114,7 @@ def row_values(
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(
             got,
-            src=ps.get_pipeline_model_parallel_last_rank(),
+            src=pipeline.output_rank(),
             group=ps.get_pipeline_model_parallel_group(),
         )
     return got.double().cpu()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from anyspeed.distributed import pipeline
+
 
 def mtp_losses(num_layers: int, num_microbatches: int, dp: int) -> dict[str, float]:
     """Each MTP depth's loss of the step just run (a collective: every rank calls it); the
@@ -23,9 +25,7 @@ def mtp_losses(num_layers: int, num_microbatches: int, dp: int) -> dict[str, flo
     tracker = MTPLossLoggingHelper.tracker
     values = torch.zeros(num_layers, dtype=torch.float64, device=torch_device())
     # TP ranks hold the same value; the last stage's TP rank 0 of each replica contributes
-    last = (
-        ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-    )
+    last = pipeline.is_output_stage() and ps.get_tensor_model_parallel_rank() == 0
     if "values" in tracker:
         if last:
             values += tracker["values"].detach().to(values.device, torch.float64)

@@ -20,6 +20,7 @@ LAYOUT_FLAGS = {
     "--decoder-first-pipeline-num-layers": True,
     "--decoder-last-pipeline-num-layers": True,
     "--num-layer-list": True,  # MindSpeed-LLM's uneven stages
+    "--schedules-method": True,  # DualPipeV
     "--expert-model-parallel-size": True,
     "--expert-tensor-parallel-size": True,
     "--context-parallel-size": True,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from anyspeed.distributed import pipeline
 from anyspeed.distributed.process import print0
 from anyspeed.stages.common.rl import objective as L
 from anyspeed.stages.common.rl.batches import steps_of
@@ -90,7 +91,7 @@ def last_stage_value(x: float) -> float:
     from anyspeed.device import torch_device
 
     t = torch.tensor([x], dtype=torch.float64, device=torch_device())
-    src = ps.get_pipeline_model_parallel_last_rank()
+    src = pipeline.output_rank()
     dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
     return float(t.item())
 

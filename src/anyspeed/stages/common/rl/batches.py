@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from anyspeed.distributed import pipeline
+
 # the rollout's statistics, in the order global_stats gives them (then TOOL_STATS with tools)
 STATS = (
     "grpo/rewards/mean",
@@ -234,7 +236,7 @@ def mismatch(micro: list[dict[str, Any]]) -> tuple[float, float, float]:
     counted once per replica (the last stage's first tensor-parallel rank); zeros elsewhere."""
     from megatron.core import parallel_state as ps
 
-    if not ps.is_pipeline_last_stage(ignore_virtual=True) or ps.get_tensor_model_parallel_rank():
+    if not pipeline.is_output_stage() or ps.get_tensor_model_parallel_rank():
         return 0.0, 0.0, 0.0
     total, count, most = 0.0, 0.0, 0.0
     for b in micro:
@@ -260,9 +262,7 @@ def global_stats(
 
     lengths = torch.tensor([float(n) for n in roll.model_tokens()], dtype=torch.float64)
     zero = sum(not g.has_signal() for g in roll.groups())
-    first = ps.is_pipeline_last_stage(ignore_virtual=True) and not (
-        ps.get_tensor_model_parallel_rank()
-    )
+    first = pipeline.is_output_stage() and not (ps.get_tensor_model_parallel_rank())
     k = float(first)  # each replica's counts once
     tool_sums = [tools.calls, tools.samples, tools.errors, tools.timeouts] if tools else []
     sums = torch.tensor(
