@@ -101,6 +101,19 @@ def test_layouts_of_two_presets(preset):
                     )
 
 
+@pytest.mark.slow
+def test_dualpipev_ranks():
+    """The V: embedding, output layer (a second copy of the tied embedding) and logits all on
+    pipeline rank 0; each rank's parameters, gradients, optimizer state and activations per
+    micro-batch (both chunks) as measured."""
+    model = _preset("tiny-qwen2.5", num_layers=4, hidden_size=128, ffn_hidden_size=352)
+    cfg = dict(CFG, global_batch_size=8)  # 2 x PP micro-batches
+    layout = dict(pp=2, dualpipev=True)
+    runs = run_cases(2, {}, {"v": dict(layout=layout)}, model=model, steps=2, **cfg)
+    for measured in runs["v"]:
+        _check(measured, model, layout, 2, {}, cfg, exact_activations=False)
+
+
 MOE_LAYOUTS = {  # name: (world, layout); the all-gather dispatcher, fp32
     "ep1": (1, {}),
     "ep2-distopt": (2, dict(ep=2, distributed_optimizer=True)),

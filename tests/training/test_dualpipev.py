@@ -84,6 +84,9 @@ SLOW_LAYOUTS = {  # layout, TrainConfig changes (DP2 needs 4 micro-batches per r
     "pp2-dp2-distopt": (dict(pp=2, dualpipev=True, distributed_optimizer=True),
                         dict(micro_batch_size=1)),
     "tp2-sp-pp2": (dict(tp=2, sequence_parallel=True, pp=2, dualpipev=True), {}),
+    # deferred weight gradients gather their SP inputs again over TP in the W steps
+    "tp2-sp-pp2-dw-detach": (dict(tp=2, sequence_parallel=True, pp=2, dualpipev=True,
+                                  dualpipev_dw_detach=True), {}),
     "pp2-cp2-ring": (dict(pp=2, dualpipev=True, cp=2, cp_algo="p2p"), {}),
 }  # fmt: skip
 

@@ -38,6 +38,7 @@ CASES = {
     ),
     "mtp": ([*PP2, *V, "--mtp-num-layers", "1"], "does not run with --mtp-num-layers"),
     "level": ([*PP2, *V, "--optimization-level", "1"], "needs --optimization-level 2"),
+    "dw-detach alone": ([*PP2, "--dualpipev-dw-detach"], "needs --schedules-method dualpipev"),
 }
 
 

@@ -12,14 +12,19 @@ from anyspeed.distributed.dualpipev import plan
 CASES = [(p, m) for p in (2, 3, 4, 8) for m in range(2 * p, 2 * p + 6)]
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize(("pp", "mbs"), CASES)
-def test_every_microbatch_runs_once_per_chunk_in_order(pp, mbs):
+def test_every_microbatch_runs_once_per_chunk_in_order(pp, mbs, split):
     for rank in range(pp):
-        ops = plan.training_plan(pp, rank, mbs)
-        for kind in "FB":
+        ops = plan.training_plan(pp, rank, mbs, split)
+        for kinds in ("F", "BI"):
             for chunk in (0, 1):
-                got = [o.microbatch for o in ops if o.kind == kind and o.chunk == chunk]
-                assert got == list(range(mbs)), (rank, kind, chunk)
+                got = [o.microbatch for o in ops if o.kind in kinds and o.chunk == chunk]
+                assert got == list(range(mbs)), (rank, kinds, chunk)
+        # each deferred weight gradient runs once, after its input gradients, in order
+        deferred = [(o.chunk, o.microbatch) for o in ops if o.kind == "I"]
+        assert [(o.chunk, o.microbatch) for o in ops if o.kind == "W"] == deferred
+        assert bool(deferred) == split
 
 
 @pytest.mark.parametrize(("pp", "mbs"), CASES)
@@ -33,6 +38,16 @@ def test_plans_run_to_the_end_with_less_bubble_than_1f1b(pp, mbs):
     # At most 2P + 1 chunk activations alive (P + 1/2 of a rank's layers), as DualPipeV's
     # paper states; 1F1B keeps P whole micro-batches on its first rank.
     assert max(timeline.peak_alive) <= 2 * pp + 1
+
+
+@pytest.mark.parametrize(("pp", "mbs"), CASES)
+def test_deferred_weight_gradients_shrink_the_bubble(pp, mbs):
+    """--dualpipev-dw-detach: the same work, a bubble at most a third of the plain V's."""
+    plain = plan.simulate([plan.training_plan(pp, r, mbs) for r in range(pp)])
+    split = plan.simulate([plan.training_plan(pp, r, mbs, True) for r in range(pp)])
+    assert split.busy == plain.busy
+    work = plain.busy[0]
+    assert split.length - work <= (plain.length - work) / 3 + 1e-9
 
 
 @pytest.mark.parametrize(("pp", "mbs"), [(2, 1), (4, 3), (3, 7)])

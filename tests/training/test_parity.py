@@ -44,6 +44,7 @@ LAYOUTS = {
     "pp2-1f1b": (2, dict(pp=2)),
     "pp2-vpp2": (2, dict(pp=2, vpp=2)),
     "pp2-dualpipev": (2, dict(pp=2, dualpipev=True)),
+    "pp2-dualpipev-dw-detach": (2, dict(pp=2, dualpipev=True, dualpipev_dw_detach=True)),
     # Small gradient buckets, so that overlapping has several buckets to pipeline.
     "dp2-distopt-overlap": (
         2,

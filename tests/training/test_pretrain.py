@@ -73,8 +73,14 @@ def _close(got: list[float], want: list[float], rtol: float = RTOL) -> None:
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
-    # Tied embedding and output weights, both on rank 0 in the V.
-    "pp2-dualpipev": ["--pipeline-model-parallel-size", "2", "--schedules-method", "dualpipev"],
+    # Tied embedding and output weights, both on rank 0 in the V; weight gradients deferred.
+    "pp2-dualpipev": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--schedules-method",
+        "dualpipev",
+        "--dualpipev-dw-detach",
+    ],
     "dp2-distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
 }
 

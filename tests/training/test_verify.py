@@ -158,6 +158,11 @@ MATRIX = {
     "cp2-dp2-distopt": "--nproc-per-node 4 --context-parallel-size 2 --use-distributed-optimizer",
     "pp2-dualpipev": "--nproc-per-node 2 --pipeline-model-parallel-size 2 --schedules-method "
     "dualpipev",
+    # found by verify: deferred weight gradients went to .grad, not main_grad, while the
+    # first step's bytes meter hooked the saved tensors (the output chunk's linears lost one
+    # micro-batch)
+    "pp2-dualpipev-dw-detach": "--nproc-per-node 2 --pipeline-model-parallel-size 2 "
+    "--schedules-method dualpipev --dualpipev-dw-detach",
 }
 MOE = ("--model tiny-qwen3-moe --mock-data --vocab-size 512 --seq-length 64 --micro-batch-size 2 "
        "--global-batch-size 8 --lr 1e-3").split()  # fmt: skip

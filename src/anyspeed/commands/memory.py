@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from anyspeed.argv import pop_flag
 from anyspeed.device import detect
+from anyspeed.distributed.dualpipev.plan import check_microbatches
 from anyspeed.errors import UsageError, report
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
@@ -248,6 +249,8 @@ def run(argv: Sequence[str]) -> str:
         world = world or lay.tp * lay.pp * lay.cp
         lay.validate_for(world, model, args.seq_length)
         Recompute.from_args(args).check(model.num_layers // lay.pp, lay.sequence_parallel)
+        if lay.dualpipev:
+            check_microbatches(lay.pp, options(args, lay.dp(world)).num_microbatches)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     for flag, frozen in args.frozen.items():
@@ -270,7 +273,7 @@ def run(argv: Sequence[str]) -> str:
         table += f"\n  {'peak with them (the largest rank)':<62} {_gib(total)} GiB"
     return (
         f"{model.name} ({model.num_parameters() / 1e6:,.1f}M params), {world} devices: "
-        f"TP={lay.tp} PP={lay.pp} VPP={lay.chunks} CP={lay.cp} DP={lay.dp(world)} "
+        f"TP={lay.tp} PP={lay.pp} {lay.schedule} CP={lay.cp} DP={lay.dp(world)} "
         f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer}{_fsdp(lay)}, seq "
         f"{args.seq_length}, micro-batch {args.micro_batch_size}; the largest rank "
         f"(pipeline stage {mem.stage}):\n" + table

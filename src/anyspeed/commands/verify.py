@@ -143,7 +143,7 @@ def _describe(run: Any) -> str:
     lay, n = run.layout, run.world
     moe = f" EP={lay.ep} ETP={lay.expert_tp}" if run.model.is_moe else ""
     return (
-        f"TP={lay.tp} PP={lay.pp} VPP={lay.chunks} CP={lay.cp} DP={lay.dp(n)}{moe} "
+        f"TP={lay.tp} PP={lay.pp} {lay.schedule} CP={lay.cp} DP={lay.dp(n)}{moe} "
         f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer} ({n} "
         f"process{'es' if n > 1 else ''})"
     )

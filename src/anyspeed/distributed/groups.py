@@ -75,7 +75,7 @@ def init_distributed(layout: Layout, seed: int) -> None:
     from anyspeed.distributed.dualpipev import channels
 
     if layout.dualpipev:
-        channels.create(minutes)
+        channels.create(minutes, split=layout.dualpipev_dw_detach)
     else:
         channels.deactivate()
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()

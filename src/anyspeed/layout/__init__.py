@@ -79,6 +79,7 @@ class Layout:
     last_stage_layers: int | None = None
     # --schedules-method dualpipev: two chunks per rank in a V (rank r: stages r and 2PP-1-r)
     dualpipev: bool = False
+    dualpipev_dw_detach: bool = False  # weight gradients where the V would idle (zero bubble)
 
     def __post_init__(self) -> None:
         self.cp_algo = CPAlgo.parse(self.cp_algo)
@@ -97,6 +98,11 @@ class Layout:
         if self.dualpipev and chunk == 1:
             return 2 * self.pp - 1 - pp_rank
         return chunk * self.pp + pp_rank
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule for start-up lines: ``VPP=<chunks>`` or ``DualPipeV``."""
+        return "DualPipeV" if self.dualpipev else f"VPP={self.chunks}"
 
     @property
     def output_pp_rank(self) -> int:
@@ -230,6 +236,7 @@ class Layout:
             ),
             ep=_int(get("expert_model_parallel_size", 1), "--expert-model-parallel-size"),
             dualpipev=dualpipev,
+            dualpipev_dw_detach=dualpipev and bool(get("dualpipev_dw_detach", False)),
             etp=1  # MindSpeed's --moe-tp-extend-ep: the TP ranks widen EP instead
             if get("moe_tp_extend_ep", False)
             else _opt_int(get("expert_tensor_parallel_size"), "--expert-tensor-parallel-size"),

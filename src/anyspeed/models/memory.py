@@ -113,7 +113,7 @@ def _mlp_params(m: ModelConfig, lay: Layout, moe: bool) -> int:
 def _stage_layers(m: ModelConfig, lay: Layout, stage: int) -> list[range]:
     """The decoder layers (global indices) of each model chunk of pipeline stage ``stage``."""
     per_chunk = m.num_layers // (lay.pp * lay.chunks)
-    starts = [(chunk * lay.pp + stage) * per_chunk for chunk in range(lay.chunks)]
+    starts = [lay.stage_of(stage, chunk) * per_chunk for chunk in range(lay.chunks)]
     return [range(first, first + per_chunk) for first in starts]
 
 
@@ -129,7 +129,7 @@ def stage_parameters(m: ModelConfig, lay: Layout, stage: int) -> tuple[int, int]
     emb = m.vocab_size * m.hidden_size // lay.tp
     if stage == 0:
         n += emb
-    if stage == lay.pp - 1:
+    if stage == lay.output_pp_rank:  # the final norm and the output layer (DualPipeV: rank 0)
         n += m.hidden_size + (0 if m.tie_embeddings and lay.pp == 1 else emb)
     return n, experts
 
@@ -280,6 +280,12 @@ def in_flight(lay: Layout, stage: int, microbatches: int) -> float:
         return 1.0
     if lay.chunks == 1:
         return float(min(lay.pp - stage, microbatches))
+    if lay.dualpipev:  # the most chunk activations the rank's plan holds at once
+        from anyspeed.distributed.dualpipev import plan
+
+        m = max(microbatches, 2 * lay.pp)  # fewer are refused before a run starts
+        plans = [plan.training_plan(lay.pp, r, m) for r in range(lay.pp)]
+        return plan.simulate(plans).peak_alive[stage] / lay.chunks
     warmup = (lay.pp - stage - 1) * 2 + (lay.chunks - 1) * lay.pp + 1
     return min(warmup, microbatches * lay.chunks) / lay.chunks
 
@@ -327,7 +333,8 @@ def estimate_stage(
     grads, opt, main = (a + b for a, b in zip(dense, expert, strict=True))
     acts = 0
     for chunk, layers in enumerate(_stage_layers(m, lay, stage)):
-        first, last = stage == 0 and chunk == 0, stage == lay.pp - 1 and chunk == lay.chunks - 1
+        first = stage == 0 and chunk == 0
+        last = lay.stage_of(stage, chunk) == lay.pp * lay.chunks - 1
         acts += chunk_activations(m, lay, o, first, last, layers)
     flight = in_flight(lay, stage, o.num_microbatches)
     held = params if zero < 3 else math.ceil(params / lay.dp(world_size))  # FSDP's own shard

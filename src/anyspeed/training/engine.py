@@ -55,7 +55,7 @@ def banner(run: Run, start: int, dp: int) -> str:
     stage = "" if run.stage == "pretrain" else f" --stage {run.stage}"
     return (
         f"{run.prog}{stage}: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
-        f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} {moe}VPP={lay.chunks} "
+        f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} {moe}{lay.schedule} "
         f"SP={lay.sequence_parallel} distopt={lay.distributed_optimizer} | {m.num_layers} "
         f"layers{experts}, hidden {m.hidden_size}, vocab {m.vocab_size}, seq {run.seq_length} | "
         f"{run.train.precision} | iterations {start}->{run.args.train_iters}"

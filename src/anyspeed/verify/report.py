@@ -21,6 +21,7 @@ LAYOUT_FLAGS = {
     "--decoder-last-pipeline-num-layers": True,
     "--num-layer-list": True,  # MindSpeed-LLM's uneven stages
     "--schedules-method": True,  # DualPipeV
+    "--dualpipev-dw-detach": False,
     "--expert-model-parallel-size": True,
     "--expert-tensor-parallel-size": True,
     "--context-parallel-size": True,

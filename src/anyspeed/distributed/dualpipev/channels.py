@@ -27,12 +27,13 @@ class Link(IntEnum):
 
 
 _LINKS: dict[tuple[int, ...], dict[Link, Any]] = {}
-_ACTIVE: dict[str, Any] = {"pp_group": None}
+_ACTIVE: dict[str, Any] = {"pp_group": None, "split": False}
 
 
-def create(timeout_minutes: float) -> None:
+def create(timeout_minutes: float, split: bool = False) -> None:
     """Make the links of every pipeline group (every rank calls this, after Megatron's
-    parallel state exists) and mark the pipeline of this parallel state as a V."""
+    parallel state exists) and mark the pipeline of this parallel state as a V (``split``:
+    weight gradients deferred where the pipeline would idle, ``--dualpipev-dw-detach``)."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
@@ -46,6 +47,12 @@ def create(timeout_minutes: float) -> None:
             if ranks == mine:
                 _LINKS.setdefault(mine, {})[link] = made
     _ACTIVE["pp_group"] = group
+    _ACTIVE["split"] = split
+
+
+def weight_split() -> bool:
+    """Whether the V defers weight gradients (``--dualpipev-dw-detach``)."""
+    return active() and bool(_ACTIVE["split"])
 
 
 def active() -> bool:

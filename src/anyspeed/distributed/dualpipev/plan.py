@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Op:
-    """One unit of work: ``kind`` "F" (forward) or "B" (backward, input and weight
-    gradients) of ``chunk`` (0 or 1) on micro-batch ``microbatch``."""
+    """One unit of work on ``chunk`` (0 or 1) and micro-batch ``microbatch``: ``kind`` "F"
+    (forward), "B" (backward: input and weight gradients), "I" (backward of the input
+    gradients only; the weight gradients are queued) or "W" (the oldest queued weight
+    gradients, of that "I")."""
 
     kind: str
     chunk: int
@@ -38,34 +40,46 @@ def check_microbatches(pp: int, microbatches: int) -> None:
         )
 
 
-def training_plan(pp: int, rank: int, microbatches: int) -> list[Op]:
-    """Rank ``rank``'s forwards and backwards of one training step, in order."""
+def training_plan(pp: int, rank: int, microbatches: int, split: bool = False) -> list[Op]:
+    """Rank ``rank``'s forwards and backwards of one training step, in order. ``split``
+    (``--dualpipev-dw-detach``): where the schedule would otherwise idle, a backward sends its
+    input gradient first and its weight gradients run later ("I" then "W", zero-bubble)."""
     check_microbatches(pp, microbatches)
     p, r, m = pp, rank, microbatches
     ops: list[Op] = []
     done = {"F": [0, 0], "B": [0, 0]}
+    queued: list[Op] = []
 
-    def run(*steps: tuple[str, int]) -> None:
-        for kind, chunk in steps:
-            ops.append(Op(kind, chunk, done[kind][chunk]))
-            done[kind][chunk] += 1
+    def run(kind: str, chunk: int, defer: bool = False) -> None:
+        i = done[kind][chunk]
+        done[kind][chunk] += 1
+        if kind == "B" and defer and split:
+            ops.append(Op("I", chunk, i))
+            queued.append(Op("W", chunk, i))
+        else:
+            ops.append(Op(kind, chunk, i))
 
-    down, up = ("F", 0), ("F", 1)
-    back_up, back_down = ("B", 1), ("B", 0)
+    def weights() -> None:
+        if queued:
+            ops.append(queued.pop(0))
+
     for _ in range(2 * (p - 1 - r)):  # 1: chunk 0 runs ahead, more the further from the V's tip
-        run(down)
+        run("F", 0)
     for _ in range(r + 1):  # 2: both chunks forward
-        run(down, up)
-    for _ in range(p - 1 - r):  # 3: the first backwards of chunk 1
-        run(back_up, up)
+        run("F", 0), run("F", 1)
+    for _ in range(p - 1 - r):  # 3: the first backwards of chunk 1 (their input grads first)
+        run("B", 1, defer=True), weights(), run("F", 1)
     for _ in range(m - 2 * p + r + 1):  # 4: steady state
-        run(down, back_up, up, back_down)
+        run("F", 0), run("B", 1), run("F", 1), run("B", 0)
     for _ in range(p - 1 - r):  # 5: no chunk-0 forwards left
-        run(back_up, up, back_down)
-    for _ in range(r + 1):  # 6: backwards of both chunks
-        run(back_up, back_down)
-    for _ in range(p - 1 - r):  # 7: the last chunk-0 backwards
-        run(back_down)
+        run("B", 1), run("F", 1), run("B", 0)
+    h = (r + 1) // 2
+    for i in range(r + 1):  # 6: backwards of both chunks; the second half defers weights
+        run("B", 1, defer=i > h or (i == h and r % 2 == 1)), run("B", 0, defer=i >= h)
+    for _ in range(p - 1 - r):  # 7: the last chunk-0 backwards, weights in between
+        weights(), run("B", 0, defer=True)
+    while queued:  # 8: the weights left
+        weights()
     return ops
 
 
@@ -79,6 +93,8 @@ def needs(op: Op, pp: int, rank: int) -> tuple[int, Op] | None:
     """The (rank, op) whose output ``op`` on ``rank`` consumes from another rank or from the
     same rank's other chunk; None when it starts from the data or the loss."""
     m, last = op.microbatch, pp - 1
+    if op.kind == "W":
+        return None
     if op.kind == "F":
         if op.chunk == 0:
             return (rank - 1, Op("F", 0, m)) if rank > 0 else None
@@ -98,10 +114,14 @@ class Timeline:
     peak_alive: list[int]
 
 
-def simulate(plans: list[list[Op]], forward: float = 1.0, backward: float = 2.0) -> Timeline:
+def simulate(
+    plans: list[list[Op]], forward: float = 1.0, backward: float = 2.0, weight: float = 0.5
+) -> Timeline:
     """Run every rank's plan with non-blocking sends and blocking receives, one chunk's
-    forward costing ``forward`` and its backward ``backward``. RuntimeError naming the stuck
-    ops on a deadlock, and when a backward comes before its own forward."""
+    forward costing ``forward``, its backward ``backward``, of which the weight gradients are
+    the share ``weight`` (an "I" costs the rest, a "W" that share). RuntimeError naming the
+    stuck ops on a deadlock, and when a backward comes before its own forward."""
+    cost = {"F": forward, "B": backward, "I": backward * (1 - weight), "W": backward * weight}
     pp = len(plans)
     finished: dict[tuple[int, Op], float] = {}
     clock, pos = [0.0] * pp, [0] * pp
@@ -112,20 +132,22 @@ def simulate(plans: list[list[Op]], forward: float = 1.0, backward: float = 2.0)
             while pos[r] < len(plans[r]):
                 op = plans[r][pos[r]]
                 dep = needs(op, pp, r)
-                own = (r, Op("F", op.chunk, op.microbatch))
-                if op.kind == "B" and own not in finished:
-                    raise RuntimeError(f"rank {r}: {op} before its forward")
+                own = (r, Op("F" if op.kind != "W" else "I", op.chunk, op.microbatch))
+                if op.kind != "F" and own not in finished:
+                    raise RuntimeError(f"rank {r}: {op} before its forward (or input grads)")
                 if dep is not None and dep not in finished:
                     break
                 start = max(clock[r], finished[dep] if dep is not None else 0.0)
-                clock[r] = start + (forward if op.kind == "F" else backward)
+                clock[r] = start + cost[op.kind]
                 finished[(r, op)] = clock[r]
-                alive[r] += 1 if op.kind == "F" else -1
+                if op.kind == "I":  # the input gradient is out: what a "B" would send
+                    finished[(r, Op("B", op.chunk, op.microbatch))] = clock[r]
+                alive[r] += {"F": 1, "B": -1, "W": -1}.get(op.kind, 0)
                 peak[r] = max(peak[r], alive[r])
                 pos[r] += 1
                 progressed = True
         if not progressed:
             stuck = [plans[r][pos[r]] for r in range(pp) if pos[r] < len(plans[r])]
             raise RuntimeError(f"deadlock: ranks wait on {stuck}")
-    busy = [sum(forward if op.kind == "F" else backward for op in plan) for plan in plans]
+    busy = [sum(cost[op.kind] for op in plan) for plan in plans]
     return Timeline(max(clock), busy, peak)

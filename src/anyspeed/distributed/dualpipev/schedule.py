@@ -12,6 +12,7 @@ next to the embedding, so tied embedding and output weights share their gradient
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -19,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from anyspeed.distributed.dualpipev import plan
-from anyspeed.distributed.dualpipev.channels import Link, links
+from anyspeed.distributed.dualpipev import plan, weight_grads
+from anyspeed.distributed.dualpipev.channels import Link, links, weight_split
 
 
 class _Mail:
@@ -206,12 +207,23 @@ def forward_backward_dualpipev(
         chunks,
         data,
     )
-    make = plan.forward_plan if forward_only else plan.training_plan
-    for op in make(step.pp, step.rank, num_microbatches):
-        if op.kind == "F":
-            step.forward(op)
-        else:
-            step.backward(op)
+    split = weight_split() and not forward_only
+    ops = (
+        plan.forward_plan(step.pp, step.rank, num_microbatches)
+        if forward_only
+        else plan.training_plan(step.pp, step.rank, num_microbatches, split)
+    )
+    with weight_grads.split_step() if split else contextlib.nullcontext():
+        for op in ops:
+            if op.kind == "F":
+                step.forward(op)
+            elif op.kind == "B":
+                step.backward(op)
+            elif op.kind == "I":
+                with weight_grads.deferred():
+                    step.backward(op)
+            else:
+                weight_grads.run_weight_unit()
     step.finish()
     return step.store if step.rank == 0 else []
 

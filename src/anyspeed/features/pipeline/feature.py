@@ -52,7 +52,7 @@ class DualPipeV(Feature):
         "DualPipeV pipeline schedule: two chunks per rank in a V, the loss beside the "
         "embedding on rank 0, forwards and backwards of both chunks interleaved"
     )
-    flags = ("--schedules-method",)
+    flags = ("--schedules-method", "--dualpipev-dw-detach")
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
         add_flag(
@@ -64,12 +64,24 @@ class DualPipeV(Feature):
             "Megatron's 1F1B (default; interleaved with "
             "--num-layers-per-virtual-pipeline-stage)",
         )
+        add_flag(
+            parser,
+            "--dualpipev-dw-detach",
+            action="store_true",
+            help="with dualpipev: where the pipeline would idle, send a backward's input "
+            "gradient first and compute its weight gradients later (zero bubble)",
+        )
 
     def requested(self, args: argparse.Namespace) -> bool:
         return getattr(args, "schedules_method", None) == "dualpipev"
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
         super().validate(args, device)
+        if getattr(args, "dualpipev_dw_detach", False) and not self.requested(args):
+            raise FeatureError(
+                "--dualpipev-dw-detach needs --schedules-method dualpipev: add it, or leave "
+                "the flag out"
+            )
         if not self.requested(args):
             return
         if getattr(args, "mtp_num_layers", None):
@@ -81,7 +93,8 @@ class DualPipeV(Feature):
 
 class ChunkPlacement(Feature):
     """Level 0, always on: the layer offset patch is inert unless a model's config says V, so
-    a process that applied the adaptor without the flag still places a V's layers right."""
+    a process that applied the adaptor without the flag still places a V's layers right; the
+    linear patch is inert outside a DualPipeV step that defers weight gradients."""
 
     name = "chunk-placement"
     level = 0
@@ -90,10 +103,19 @@ class ChunkPlacement(Feature):
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
     ) -> None:
+        from anyspeed.distributed.dualpipev.weight_grads import wrap_linear
+
         pm.register_wrap(
             "megatron.core.transformer.transformer_layer.get_transformer_layer_offset",
             _wrap_offset,
             feature=self.name,
             reason="under DualPipeV a rank's second chunk holds stage 2PP-1-r (the V), not "
             "PP+r; a no-op for configs without anyspeed_dualpipev",
+        )
+        pm.register_wrap(
+            "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce",
+            wrap_linear,
+            feature=self.name,
+            reason="--dualpipev-dw-detach: weight gradients of a backward computed later (W "
+            "steps); Megatron's own linear outside such a step",
         )

@@ -1,0 +1,104 @@
+"""DualPipeV against Megatron's 1F1B and interleaved (VPP 2) schedules, side by side.
+
+Two processes (one thread each) train the same model at PP2 under each schedule in turn, in one
+process group, on the same synthetic batches (fp32, micro-batch 1, ``--microbatches`` per
+step), and print the median time per step after the first, each schedule's ratio to 1F1B, the
+loss of the first step (the three schedules start from differently placed random weights, so
+they differ; their parity is in tests/training/test_dualpipev.py) and, from the plans alone,
+the pipeline bubble and the activations each rank holds at its peak, in whole micro-batches of
+the rank's layers.
+
+    python benchmarks/dualpipev.py [--layers 8] [--seq 256] [--vocab 32000] [--microbatches 4 8]
+        [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from anyspeed.testing import run_distributed
+
+SCHEDULES = {
+    "1f1b": dict(pp=2),
+    "interleaved (VPP 2)": dict(pp=2, vpp=2),
+    "dualpipev": dict(pp=2, dualpipev=True),
+    "dualpipev dw-detach": dict(pp=2, dualpipev=True, dualpipev_dw_detach=True),
+}
+
+
+def rank(layers: int, seq: int, vocab: int, microbatches: list[int], steps: int) -> dict:
+    """Each schedule's step times (seconds) per micro-batch count, and its first loss."""
+    import torch
+
+    from anyspeed import quiet
+    from anyspeed.layout import Layout
+    from anyspeed.models import ModelConfig
+    from anyspeed.stages.pretrain.task import PretrainTask
+    from anyspeed.training import synthetic
+    from anyspeed.training.config import TrainConfig
+    from anyspeed.training.step import Trainer
+
+    torch.set_num_threads(1)
+    quiet.install()
+    model = ModelConfig(family="qwen2", num_layers=layers, hidden_size=512, ffn_hidden_size=1408,
+                        num_attention_heads=8, num_query_groups=2, vocab_size=vocab,
+                        add_qkv_bias=True)  # fmt: skip
+    out: dict = {}
+    for m in microbatches:
+        for name, layout in SCHEDULES.items():
+            cfg = TrainConfig(seq_length=seq, micro_batch_size=1, global_batch_size=m, lr=1e-4)
+            t = Trainer(model, Layout(**layout), cfg, PretrainTask())
+            times, first = [], None
+            for _ in range(steps):
+                batch = synthetic.microbatches(model.vocab_size, cfg, t.iteration)
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                result = t.step(batch)
+                times.append(time.perf_counter() - start)
+                first = result["loss"] if first is None else first
+            out[(m, name)] = (statistics.median(times[1:]), first)
+            del t
+    return out
+
+
+def plan_figures(pp: int, m: int) -> tuple[float, float, float, float]:
+    """(DualPipeV bubble, with dw-detach, 1F1B bubble, DualPipeV peak activations) from the
+    plans, a chunk's backward costing two forwards (half of it the weight gradients); the
+    peak in micro-batches of a rank's layers (1F1B: PP)."""
+    from anyspeed.distributed.dualpipev import plan
+
+    out = []
+    for split in (False, True):
+        t = plan.simulate([plan.training_plan(pp, r, m, split) for r in range(pp)])
+        out.append(t.length / t.busy[0] - 1)
+    return out[0], out[1], (pp - 1) / m, max(t.peak_alive) / 2
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--steps", type=int, default=4)
+    a = p.parse_args()
+    got = run_distributed(rank, 2, layers=a.layers, seq=a.seq, vocab=a.vocab,
+                          microbatches=a.microbatches, steps=a.steps, timeout=3600)[0]  # fmt: skip
+    print(f"PP2 x 1 thread each, {a.layers} layers, hidden 512, vocab {a.vocab}, seq {a.seq}, "
+          "fp32")  # fmt: skip
+    print(f"{'micro-batches':>13} | {'schedule':<20} | {'ms/step':>8} | {'vs 1F1B':>7} | loss 1")
+    for m in a.microbatches:
+        base = got[(m, "1f1b")][0]
+        for name in SCHEDULES:
+            sec, loss = got[(m, name)]
+            print(f"{m:>13} | {name:<20} | {sec * 1e3:>8.0f} | {base / sec:>6.2f}x | {loss:.4f}")
+        bubble, detached, bubble_1f1b, peak = plan_figures(2, m)
+        print(f"{'':>13}   plans: bubble DualPipeV {bubble:.1%} ({detached:.1%} with "
+              f"dw-detach) vs 1F1B {bubble_1f1b:.1%}; peak activations {peak:g} vs 2 "
+              "micro-batches")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
