@@ -182,3 +182,15 @@ def train_eval_save_logits(
     save_weights(t, save)
     out = None if tokens is None else logits(t, tokens)
     return {"steps": history, "eval": evaluated, "logits": out}
+
+
+def layouts_steps(layouts: list[dict], load: str, spec: dict | None = None, steps: int = 3,
+                  **cfg) -> list[list[dict]]:  # fmt: skip
+    """Each layout's ``steps`` steps from the weights at ``load``, in one process group, with
+    the same TrainConfig changes (``cfg``, e.g. ``bf16=True``)."""
+    out = []
+    for layout in layouts:
+        t = _trainer(layout, spec, **cfg)
+        load_weights(t, load)
+        out.append(_steps(t, steps))
+    return out

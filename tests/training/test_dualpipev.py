@@ -80,6 +80,26 @@ def test_pp2_matches_one_process_and_saves_global_layers(reference):
     assert torch.equal(v[0]["logits"], single)
 
 
+def test_bf16_equals_1f1b_bit_for_bit(reference):
+    """bf16: the V's middle stage (the last rank's second chunk) hands bf16 on, and only
+    the model's real ends cast (Megatron's wrapper cast by pipeline rank, and the last rank
+    sent fp32 to a bf16 receiver). The V changes no arithmetic: equal to 1F1B's losses."""
+    _, init, _, _ = reference
+    one, v, split = run_distributed(
+        trainer_ranks.layouts_steps,
+        2,
+        layouts=[dict(pp=2), dict(pp=2, dualpipev=True),
+                 dict(pp=2, dualpipev=True, dualpipev_dw_detach=True)],
+        load=init,
+        spec=TIED,
+        bf16=True,
+        timeout=300,
+    )[0]  # fmt: skip
+    losses = [[s["loss"] for s in run] for run in (one, v, split)]
+    assert losses[0] == losses[1] == losses[2]
+    assert len(set(losses[0])) == 3
+
+
 SLOW_LAYOUTS = {  # layout, TrainConfig changes (DP2 needs 4 micro-batches per replica)
     "pp2-dp2-distopt": (dict(pp=2, dualpipev=True, distributed_optimizer=True),
                         dict(micro_batch_size=1)),

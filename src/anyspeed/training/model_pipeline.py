@@ -45,7 +45,10 @@ def build_chunks(
     if cfg.bf16 or cfg.fp16:
         from megatron.core.transformer.module import Float16Module
 
-        chunks = [Float16Module(config, chunk) for chunk in chunks]
+        wrapper = Float16Module
+        if layout.dualpipev:  # casts at the V's ends, not by pipeline rank
+            from anyspeed.distributed.dualpipev.precision import VFloat16Module as wrapper
+        chunks = [wrapper(config, chunk) for chunk in chunks]
     return chunks, config
 
 
