@@ -88,6 +88,12 @@ def apply_command_line(argv: Sequence[str]) -> AdaptorState:
     """:func:`apply` for a command line; a bad request prints ``anyspeed: error: <one line>``
     on stderr and exits with status 2."""
     try:
+        from anyspeed.features import registry
+        from anyspeed.features.pipeline.feature import refuse_in_megatron_lm
+
+        # A script behind the one line trains with Megatron-LM's own loop: refuse what only
+        # anyspeed's engine runs before any other check reports on it.
+        refuse_in_megatron_lm(registry.parse_args(argv))
         return apply(argv=argv)
     except FeatureError as exc:
         raise SystemExit(report("anyspeed", exc)) from None

@@ -498,3 +498,16 @@ def test_pretrain_gpt_fp8_without_transformer_engine(script):
         assert tp[it] == pytest.approx(dp[it], rel=1e-4), (it, tp, dp)
         assert dp[it] == pytest.approx(plain[it], rel=1e-3), (it, dp, plain)
     assert dp != plain
+
+
+def test_pretrain_gpt_refuses_dualpipev_in_one_line(script):
+    """Megatron-LM's training loop builds and schedules its own chunks: --schedules-method
+    dualpipev behind the one line stops before process groups, naming where it runs."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MLM, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(script), *COMMON, "--pipeline-model-parallel-size", "2",
+           "--schedules-method", "dualpipev"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyspeed: error:")]
+    assert proc.returncode != 0 and lines, proc.stderr[-4000:]
+    assert "--schedules-method dualpipev runs in `anyspeed pretrain`" in lines[0], lines[0]

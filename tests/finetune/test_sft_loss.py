@@ -152,3 +152,20 @@ def test_tokens_per_second_counts_the_tokens_a_step_processed(sft_data, tiny_qwe
     for row in map(json.loads, open(metrics)):
         tokens = row["tokens_per_s"] * row["ms_per_iter"] / 1000
         assert 8 * min(lengths) * 0.99 <= tokens < 0.9 * 8 * 96, (tokens, lengths)
+
+
+@pytest.mark.slow  # a one-process and a two-process run; the V's SFT path is fast-tested above
+def test_dualpipev_lora_equals_one_process(sft_data, tied_qwen4):
+    """LoRA on every linear under DualPipeV with deferred weight gradients (the frozen bases
+    take Megatron's frozen-weight path, the adapters the V's): 3 steps equal one process."""
+    lora = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+            "--lora-r", "4"]  # fmt: skip
+    base = cli(tied_qwen4, sft_data["padded"], *lora)
+    base[base.index("--train-iters") + 1] = "3"
+    one = run_distributed(sft_ranks.posttrain, 1, argv=base, cli=base, timeout=300)[0]
+    v = base + ["--pipeline-model-parallel-size", "2", "--schedules-method", "dualpipev",
+                "--dualpipev-dw-detach"]  # fmt: skip
+    two = run_distributed(sft_ranks.posttrain, 2, argv=v, cli=v, timeout=300)[0]
+    assert two["loss"] == pytest.approx(one["loss"], rel=TOL)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
+    assert one["loss"][-1] < one["loss"][0]
