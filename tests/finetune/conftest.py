@@ -75,3 +75,17 @@ def add_prompts(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 def step_data(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """Sixteen 3-step addition chains, preprocessed with ``@`` and ``+``/``-``."""
     return preprocess_steps(step_records(16), str(tmp_path_factory.mktemp("prm") / "steps"), hf_tok)
+
+
+@pytest.fixture(scope="session")
+def tied_qwen4(tmp_path_factory) -> str:
+    """A random 4-layer Qwen2 with tied embeddings: two layers per DualPipeV chunk at PP2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = str(tmp_path_factory.mktemp("hf4"))
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True)  # fmt: skip
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    return d

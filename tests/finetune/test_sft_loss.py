@@ -12,7 +12,6 @@ import torch
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
 from helpers.corpora import read_back
-from helpers.instruction import VOCAB
 
 TOL = 1e-5
 
@@ -113,20 +112,6 @@ def layout_losses(sft_data, tiny_qwen) -> dict[str, float]:
 def test_padded_loss_at_every_layout(layout, layout_losses, sft_data, tiny_qwen):
     want = hf_token_mean(tiny_qwen, sft_data["padded"])
     assert layout_losses[layout] == pytest.approx(want, rel=TOL)
-
-
-@pytest.fixture(scope="module")
-def tied_qwen4(tmp_path_factory) -> str:
-    """A random 4-layer Qwen2 with tied embeddings: two layers per DualPipeV chunk at PP2."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    d = str(tmp_path_factory.mktemp("hf4"))
-    torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=True)  # fmt: skip
-    Qwen2ForCausalLM(cfg).save_pretrained(d)
-    return d
 
 
 def test_dualpipev_equals_transformers(sft_data, tied_qwen4):

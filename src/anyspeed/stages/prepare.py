@@ -15,8 +15,9 @@ from anyspeed.stages.table import STAGES, build_stage_parser, get_stage
 from anyspeed.training.run import Run, freeze
 from anyspeed.training.task import Stage
 
-# The stages whose every pipeline pass runs through the DualPipeV schedule (checked there).
-DUALPIPEV_STAGES = ("pretrain", "sft")
+# The stages whose every pipeline pass runs through the DualPipeV schedule, each checked
+# against one process (the RL stages' rollouts and the VLM towers are not yet).
+DUALPIPEV_STAGES = ("pretrain", "sft", "dpo", "simpo", "orm", "prm")
 
 
 def stage_of(argv: list[str], command: str) -> Stage:
@@ -56,7 +57,8 @@ def prepare(
     if checked.layout.dualpipev and stage.name not in DUALPIPEV_STAGES:
         raise UsageError(
             f"--schedules-method dualpipev: not supported in --stage {stage.name} yet (it runs "
-            "in anyspeed pretrain and posttrain --stage sft); use Megatron's 1F1B here"
+            f"in anyspeed pretrain and posttrain --stage {'/'.join(DUALPIPEV_STAGES[1:])}); "
+            "use Megatron's 1F1B here"
         )
     load = checked.load
     if hf_dir:

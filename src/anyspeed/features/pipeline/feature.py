@@ -39,9 +39,9 @@ def refuse_in_megatron_lm(args: argparse.Namespace) -> None:
     """FeatureError when Megatron-LM's own training loop is asked for DualPipeV."""
     if getattr(args, "schedules_method", None) == "dualpipev":
         raise FeatureError(
-            "--schedules-method dualpipev runs in `anyspeed pretrain` / `anyspeed posttrain "
-            "--stage sft` (Megatron-LM's training loop builds and schedules its own chunks): "
-            "run it there, or leave the flag out"
+            "--schedules-method dualpipev runs in `anyspeed pretrain` / `anyspeed posttrain` "
+            "(Megatron-LM's training loop builds and schedules its own chunks): run it there, "
+            "or leave the flag out"
         )
 
 

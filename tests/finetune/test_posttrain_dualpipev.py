@@ -1,0 +1,39 @@
+"""The post-training stages that train under DualPipeV, against one process of the same HF
+model: DPO (its frozen reference's log-probs in a forward-only pass through the V), SimPO, the
+outcome reward model (a scalar head on rank 0's second chunk) and the process reward model,
+each at PP2 with deferred weight gradients and tied embeddings. Three steps' losses, grad norms
+and every logged metric equal one process's within 1e-5 (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+from test_dpo import cli
+from test_prm import cli as prm_cli
+
+from anyspeed.testing import run_distributed
+from helpers import sft_ranks
+
+TOL = 1e-5
+V = ["--pipeline-model-parallel-size", "2", "--schedules-method", "dualpipev",
+     "--dualpipev-dw-detach"]  # fmt: skip
+
+
+def _argv(stage: str, pair_data: str, step_data: str, hf: str, tok: str) -> list[str]:
+    if stage == "prm":  # 4 micro-batches of 2: two per V stage
+        return prm_cli(hf, step_data, tok, "--micro-batch-size", "2", iters=3, gbs=8)
+    return cli(hf, pair_data, stage=stage, iters=3)
+
+
+@pytest.mark.parametrize(
+    "stage", ["dpo", *(pytest.param(s, marks=pytest.mark.slow) for s in ("simpo", "orm", "prm"))]
+)
+def test_stage_equals_one_process(stage, pair_data, step_data, tied_qwen4, hf_tok):
+    one = _argv(stage, pair_data, step_data, tied_qwen4, hf_tok)
+    ref = run_distributed(sft_ranks.posttrain, 1, argv=one, cli=one, timeout=300)[0]
+    two = run_distributed(sft_ranks.posttrain, 2, argv=one + V, cli=one + V, timeout=300)[0]
+    assert two["loss"] == pytest.approx(ref["loss"], rel=TOL)
+    assert two["grad_norm"] == pytest.approx(ref["grad_norm"], rel=TOL)
+    assert ref["metrics"] and set(two["metrics"]) == set(ref["metrics"])
+    for key, want in ref["metrics"].items():
+        assert two["metrics"][key] == pytest.approx(want, rel=TOL, abs=1e-6), key
+    assert ref["loss"][-1] < ref["loss"][0]
