@@ -15,9 +15,10 @@ from anyspeed.stages.table import STAGES, build_stage_parser, get_stage
 from anyspeed.training.run import Run, freeze
 from anyspeed.training.task import Stage
 
-# The stages whose every pipeline pass runs through the DualPipeV schedule, each checked
-# against one process (the RL stages' rollouts and the VLM towers are not yet).
-DUALPIPEV_STAGES = ("pretrain", "sft", "dpo", "simpo", "orm", "prm")
+# The stages whose every pipeline pass (training, frozen models' log-probs, rollouts decoding
+# through the pipeline, a critic's values) runs through the DualPipeV schedule, each checked
+# against one process; the VLM stage's towers are not.
+DUALPIPEV_STAGES = ("pretrain", "sft", "dpo", "simpo", "orm", "prm", "grpo", "ppo", "distill")
 
 
 def stage_of(argv: list[str], command: str) -> Stage:
@@ -52,14 +53,17 @@ def prepare(
     world = (args.nproc_per_node or 1) if where == "launcher" else int(os.environ["WORLD_SIZE"])
     tokenizer = checks.complete(args)
     freeze(args)
-    plan = stage.plan(args)
-    checked = checks.check(args, world, plan.data_prefixes, tokenizer)
-    if checked.layout.dualpipev and stage.name not in DUALPIPEV_STAGES:
-        raise UsageError(
+    if (
+        getattr(args, "schedules_method", None) == "dualpipev"
+        and stage.name not in DUALPIPEV_STAGES
+    ):
+        raise UsageError(  # before the stage's own checks, which know no V
             f"--schedules-method dualpipev: not supported in --stage {stage.name} yet (it runs "
             f"in anyspeed pretrain and posttrain --stage {'/'.join(DUALPIPEV_STAGES[1:])}); "
             "use Megatron's 1F1B here"
         )
+    plan = stage.plan(args)
+    checked = checks.check(args, world, plan.data_prefixes, tokenizer)
     load = checked.load
     if hf_dir:
         load = hf_load.convert(args, hf_dir, prog)
