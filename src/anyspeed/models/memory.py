@@ -346,7 +346,7 @@ def critic_bytes(m: ModelConfig, lay: Layout, world_size: int, o: Options, stage
     architecture (a hidden -> 1 value head in place of the output layer) with its gradients and
     optimizer state. Its activations never meet the policy's: their steps take turns."""
     params, experts = stage_parameters(m, lay, stage)
-    if stage == lay.pp - 1:
+    if stage == lay.output_pp_rank:  # the value head in place of the output layer
         emb = m.vocab_size * m.hidden_size // lay.tp
         params += m.hidden_size - (0 if m.tie_embeddings and lay.pp == 1 else emb)
     zero, expert_dp = zero_stage(lay), world_size // (lay.ep * lay.expert_tp * lay.pp)
