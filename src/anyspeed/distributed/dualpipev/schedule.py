@@ -80,7 +80,9 @@ class _Step:
         device = next(model[0].parameters()).device
         self.mail = _Mail(tuple(shape), self.config.pipeline_dtype, device)
         self.saved: list[deque] = [deque(), deque()]
-        self.handoff: deque = deque()  # the last rank: chunk 0's outputs, then chunk 1's grads
+        # The last rank (the V's tip): chunk 0's outputs to chunk 1, chunk 1's input grads back.
+        self.tip_outputs: deque = deque()
+        self.tip_grads: deque = deque()
         self.store: list[Any] = []
         self.tokens = torch.zeros([], dtype=torch.int, device=device)
 
@@ -100,7 +102,7 @@ class _Step:
         if c == 0:
             x = self.mail.recv(Link.DOWN, grad) if self.rank > 0 else None
         else:
-            x = self.handoff.popleft() if self.last else self.mail.recv(Link.UP, grad)
+            x = self.tip_outputs.popleft() if self.last else self.mail.recv(Link.UP, grad)
         out, tokens = forward_step(
             kw["forward_step_func"],
             self.data[c],
@@ -120,7 +122,7 @@ class _Step:
         )
         self.tokens += tokens
         if c == 0 and self.last:
-            self.handoff.append(out.detach().requires_grad_(grad))
+            self.tip_outputs.append(out.detach().requires_grad_(grad))
         elif c == 0:
             self.mail.send(Link.DOWN, out)
         elif self.rank > 0:
@@ -137,10 +139,10 @@ class _Step:
         if c == 1:
             dy = self.mail.recv(Link.GRAD_DOWN, False) if self.rank > 0 else None
         else:
-            dy = self.handoff.popleft() if self.last else self.mail.recv(Link.GRAD_UP, False)
+            dy = self.tip_grads.popleft() if self.last else self.mail.recv(Link.GRAD_UP, False)
         dx = backward_step(x, out, dy, self.model_type, self.config)
         if c == 1 and self.last:
-            self.handoff.append(dx)
+            self.tip_grads.append(dx)
         elif c == 1:
             self.mail.send(Link.GRAD_DOWN, dx)
         elif self.rank > 0:
