@@ -100,6 +100,21 @@ def test_bf16_equals_1f1b_bit_for_bit(reference):
     assert len(set(losses[0])) == 3
 
 
+def test_mtp_beside_the_loss_equals_one_process(tmp_path):
+    """Multi-token prediction (DeepSeek-V3's recipe runs it with DualPipeV): the MTP layer and
+    its copy of the embedding sit with the loss on rank 0's second chunk, and the copy shares
+    chunk 0's gradient; 3 steps, deferred weight gradients, against one process from the same
+    weights (untied, as DeepSeek-V3)."""
+    spec = dict(mtp_num_layers=1)
+    init = str(tmp_path / "init")
+    (ref,) = run_distributed(trainer_ranks.train_steps, 1, layout={}, save_init=init,
+                             spec=spec, timeout=300)  # fmt: skip
+    got = run_distributed(trainer_ranks.train_steps, 2, load=init, spec=spec, timeout=300,
+                          layout=dict(pp=2, dualpipev=True, dualpipev_dw_detach=True))  # fmt: skip
+    for rank_result in got:
+        _assert_parity({"steps": ref, "eval": 0.0}, {"steps": rank_result, "eval": 0.0})
+
+
 SLOW_LAYOUTS = {  # layout, TrainConfig changes (DP2 needs 4 micro-batches per replica)
     "pp2-dp2-distopt": (dict(pp=2, dualpipev=True, distributed_optimizer=True),
                         dict(micro_batch_size=1)),

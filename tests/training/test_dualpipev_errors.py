@@ -36,7 +36,6 @@ CASES = {
         [*PP2, *V, "--global-batch-size", "6"],
         "at least 2 x --pipeline-model-parallel-size = 4 micro-batches per step (got 3)",
     ),
-    "mtp": ([*PP2, *V, "--mtp-num-layers", "1"], "does not run with --mtp-num-layers"),
     "level": ([*PP2, *V, "--optimization-level", "1"], "needs --optimization-level 2"),
     "dw-detach alone": ([*PP2, "--dualpipev-dw-detach"], "needs --schedules-method dualpipev"),
 }

@@ -190,6 +190,10 @@ MLA_LAYOUTS = {
     "tp2-sp": "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
     "pp2-ep2": "--nproc-per-node 4 --pipeline-model-parallel-size 2 --num-layer-list 2,1 "
     "--expert-model-parallel-size 2",
+    # MindSpeed-LLM's DeepSeek-V3 recipe: DualPipeV with MTP (the MTP block beside the loss)
+    "pp2-dualpipev-mtp": "--nproc-per-node 2 --pipeline-model-parallel-size 2 --num-layers 4 "
+    "--moe-layer-freq [0]*1+[1]*3 --micro-batch-size 1 --schedules-method dualpipev "
+    "--dualpipev-dw-detach",
 }
 ROWS = {**{k: (MOCK, v) for k, v in MATRIX.items()},
         **{f"moe-{k}": (MOE, v) for k, v in MOE_LAYOUTS.items()},

@@ -278,9 +278,9 @@ def build_chunks(model: ModelConfig, config, layout: Layout) -> list[torch.nn.Mo
         chunks.append(build(model, config, pre_process=first, post_process=final, vp_stage=vp))
     if layout.dualpipev:
         _check_v_offsets(config, layout, rank)
-    if layout.dualpipev and rank == 0 and model.tie_embeddings:
-        # Megatron zeroes a tied output layer off the first stage and fills it by an
-        # all-reduce with the first stage; here both are on this rank.
+    if layout.dualpipev and rank == 0 and (model.tie_embeddings or model.mtp_num_layers):
+        # Megatron zeroes a tied output layer (or the MTP block's embedding) off the first
+        # stage and fills it by an all-reduce with the first stage; here both are on this rank.
         out = chunks[1].shared_embedding_or_output_weight()
         out.data.copy_(chunks[0].shared_embedding_or_output_weight().data)
     return chunks

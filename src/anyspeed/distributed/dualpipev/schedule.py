@@ -232,13 +232,14 @@ def forward_backward_dualpipev(
 
 def _share_tied_gradient(model: list[Any]) -> None:
     """Tied embedding and output weights on rank 0 (chunk 0's embedding, chunk 1's output
-    layer, the same values): each gets the sum of both gradients, as Megatron's embedding
-    all-reduce gives the first and last stage in its own schedules."""
+    layer, or the MTP block's embedding there; the same values): each gets the sum of both
+    gradients, as Megatron's embedding all-reduce gives the first and last stage."""
     from megatron.core.utils import get_attr_wrapped_model
 
     first = get_attr_wrapped_model(model[0], "pre_process", return_model_obj=True)
     last = get_attr_wrapped_model(model[1], "post_process", return_model_obj=True)
-    if not (first.pre_process and last.post_process and last.share_embeddings_and_output_weights):
+    shared = last.share_embeddings_and_output_weights or getattr(last, "mtp_process", False)
+    if not (first.pre_process and last.post_process and shared):
         return
     a = first.shared_embedding_or_output_weight()
     b = last.shared_embedding_or_output_weight()

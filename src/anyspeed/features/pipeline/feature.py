@@ -35,6 +35,19 @@ def _wrap_offset(offset):
     return get_transformer_layer_offset
 
 
+def _wrap_mtp_layers(count):
+    @functools.wraps(count)
+    def get_mtp_num_layers_to_build(config, vp_stage=None, pp_rank=None):
+        if not getattr(config, "anyspeed_dualpipev", False):
+            return count(config, vp_stage, pp_rank)
+        from megatron.core import parallel_state as ps
+
+        rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+        return (config.mtp_num_layers or 0) if (rank, vp_stage) == (0, 1) else 0
+
+    return get_mtp_num_layers_to_build
+
+
 def refuse_in_megatron_lm(args: argparse.Namespace) -> None:
     """FeatureError when Megatron-LM's own training loop is asked for DualPipeV."""
     if getattr(args, "schedules_method", None) == "dualpipev":
@@ -84,11 +97,6 @@ class DualPipeV(Feature):
             )
         if not self.requested(args):
             return
-        if getattr(args, "mtp_num_layers", None):
-            raise FeatureError(
-                "--schedules-method dualpipev does not run with --mtp-num-layers here yet "
-                "(the MTP block would sit beside the loss on rank 0): leave one out"
-            )
 
 
 class ChunkPlacement(Feature):
@@ -111,6 +119,12 @@ class ChunkPlacement(Feature):
             feature=self.name,
             reason="under DualPipeV a rank's second chunk holds stage 2PP-1-r (the V), not "
             "PP+r; a no-op for configs without anyspeed_dualpipev",
+        )
+        pm.register_wrap(
+            "megatron.core.transformer.multi_token_prediction.get_mtp_num_layers_to_build",
+            _wrap_mtp_layers,
+            feature=self.name,
+            reason="under DualPipeV the MTP layers sit with the loss on rank 0's second chunk",
         )
         pm.register_wrap(
             "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce",
