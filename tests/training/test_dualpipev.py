@@ -151,3 +151,22 @@ def test_four_process_layouts_match_one_process(reference, name):
         assert outputs[0] and outputs.count(True) == 4 // 2  # TP/DP copies of stage 0
         # TP splits the matmuls: three steps of it leave up to ~1e-5 in the logits.
         torch.testing.assert_close(got[0]["logits"], ref["logits"], rtol=0, atol=3e-5)
+
+
+@pytest.mark.slow  # 3 and 4 processes
+@pytest.mark.parametrize("pp", [3, 4])
+def test_middle_ranks_and_odd_microbatch_counts(tmp_path, pp):
+    """Ranks with a neighbour on each side (all four links both ways) and 2PP + 1
+    micro-batches: PP 3 (6 layers) and PP 4 (8 layers), with and without the split."""
+    spec = dict(TIED, num_layers=2 * pp)
+    cfg = dict(global_batch_size=2 * pp + 1, micro_batch_size=1)
+    init = str(tmp_path / "init")
+    run_distributed(trainer_ranks.train_steps, 1, layout={}, steps=0, save_init=init, spec=spec)
+    (ref,) = run_distributed(trainer_ranks.layouts_steps, 1, layouts=[{}], load=init,
+                             spec=spec, **cfg)[0]  # fmt: skip
+    layouts = [dict(pp=pp, dualpipev=True, dualpipev_dw_detach=split) for split in (0, 1)]
+    got = run_distributed(trainer_ranks.layouts_steps, pp, layouts=layouts, load=init,
+                          spec=spec, timeout=600, **cfg)  # fmt: skip
+    for rank_result in got:
+        for steps in rank_result:
+            _assert_parity({"steps": ref, "eval": 0.0}, {"steps": steps, "eval": 0.0})
