@@ -31,6 +31,10 @@ CASES = {
         [*PP2, *V, "--use-distributed-optimizer", "--overlap-grad-reduce"],
         "needs no --overlap-grad-reduce",
     ),
+    "param-gather": (
+        [*PP2, *V, "--use-distributed-optimizer", "--overlap-param-gather"],
+        "needs no --overlap-param-gather",
+    ),
     "layers": ([*PP2, *V, "--num-layers", "6"], "--num-layers 6 is not divisible by 2 x"),
     "micro-batches": (
         [*PP2, *V, "--global-batch-size", "6"],
