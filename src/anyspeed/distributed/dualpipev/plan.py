@@ -6,7 +6,7 @@ ranks two model chunks in a V: rank ``r`` holds stage ``r`` (chunk 0, on the way
 chunk 1, and rank 0 holds both the embedding and the loss. Each rank runs its micro-batches in
 eight phases: warm-up forwards, then forwards and backwards of the two chunks interleaved, then
 the remaining backwards; with ``M >= 2P`` micro-batches the steady phase alternates
-(F0, B1, F1, B0), so each rank keeps at most about ``2P`` micro-batches' activations alive.
+(F0, B1, F1, B0), so each rank keeps at most ``2P + 1`` chunks' activations alive.
 
 The plan is pure data so it can be checked without processes: :func:`simulate` runs every
 rank's plan against the messages the others send, finds a deadlock if there is one, and gives

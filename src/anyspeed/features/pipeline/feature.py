@@ -6,8 +6,8 @@ places a rank's second chunk at stage ``PP + r`` (interleaving); the one patch h
 layers to stage ``2PP - 1 - r``, so layer numbers, and with them checkpoints, stay global: a
 DualPipeV checkpoint loads at any other layout. That patch belongs to ``chunk-placement``
 (level 0, always on, inert without a V) so no process can build a V with Megatron's offsets.
-The engine builds the chunks, picks the
-schedule and finds the loss on pipeline rank 0 (``anyspeed.distributed.pipeline``).
+The engine builds the chunks, picks the schedule and finds the loss on pipeline rank 0
+(``anyspeed.distributed.pipeline``); this feature owns the flags and their checks.
 """
 
 from __future__ import annotations
@@ -95,8 +95,6 @@ class DualPipeV(Feature):
                 "--dualpipev-dw-detach needs --schedules-method dualpipev: add it, or leave "
                 "the flag out"
             )
-        if not self.requested(args):
-            return
 
 
 class ChunkPlacement(Feature):
