@@ -49,16 +49,24 @@ def test_stage_equals_one_process(stage, pair_data, step_data, tied_qwen4, hf_to
 
 def _rl_argv(stage: str, prompts: str, hf: str, tok: str, teacher_dir: str) -> list[str]:
     mu = ["--ppo-epochs", "2", "--lr-decay-style", "constant", "--micro-batch-size", "2"]
-    if stage == "grpo":
+    if stage.startswith("grpo"):
         rewards = ["--verifier-function", "helpers.user_rewards:vowels"]
-        return grpo_cli(hf, prompts, tok, *mu, *rewards, "--rollout-batch-size", "4", iters=2)
+        argv = grpo_cli(hf, prompts, tok, *mu, *rewards, "--rollout-batch-size", "4", iters=2)
+        return argv if stage == "grpo" else [*argv, *INFER_WHOLE]
     if stage == "ppo":
         return ppo_cli(hf, prompts, tok, "--micro-batch-size", "2", iters=3)
     return distill_cli(hf, prompts, tok, teacher_dir, *mu, "--lr", "1e-2", iters=4)
 
 
+# grpo-reshard: rollouts at TP1 x PP1 x DP2, their weights gathered from the V (the single
+# process ignores the flags' layout)
+INFER_WHOLE = ["--infer-tensor-parallel-size", "1", "--infer-pipeline-parallel-size", "1",
+               "--infer-expert-parallel-size", "1"]  # fmt: skip
+SLOW_RL = ("grpo-reshard", "ppo", "distill")
+
+
 @pytest.mark.parametrize(
-    "stage", ["grpo", *(pytest.param(s, marks=pytest.mark.slow) for s in ("ppo", "distill"))]
+    "stage", ["grpo", *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW_RL)]
 )
 def test_rl_stage_equals_one_process(stage, add_prompts, tied_qwen4, hf_tok, teacher):  # noqa: F811
     one = _rl_argv(stage, add_prompts, tied_qwen4, hf_tok, teacher)
