@@ -48,6 +48,31 @@ def create(timeout_minutes: float, split: bool = False) -> None:
                 _LINKS.setdefault(mine, {})[link] = made
     _ACTIVE["pp_group"] = group
     _ACTIVE["split"] = split
+    _connect(_LINKS[mine], mine)
+
+
+def _connect(links: dict[Link, Any], ranks: tuple[int, ...]) -> None:
+    """One element over every link of this pipeline, in an order without cycles (down the
+    pipeline for links that go down, up for those that go up), so that a backend which sets a
+    pair's connection up on first use (NCCL's two-rank communicators, whose set-up blocks both
+    sides) does it here, not in the middle of a step's interleaved traffic."""
+    import torch
+
+    from anyspeed.device import torch_device
+
+    me = ranks.index(dist.get_rank())
+    one = torch.zeros(1, device=torch_device())
+    for link, group in links.items():
+        down = link in (Link.DOWN, Link.GRAD_DOWN)
+        steps = (
+            [(me - 1, "recv"), (me + 1, "send")] if down else [(me + 1, "recv"), (me - 1, "send")]
+        )
+        if not down:
+            steps.reverse()  # first answer the rank below, then hear from the one above
+        for peer, kind in steps:
+            if 0 <= peer < len(ranks):
+                op = dist.send if kind == "send" else dist.recv
+                op(one, ranks[peer], group=group, tag=int(link))
 
 
 def weight_split() -> bool:
