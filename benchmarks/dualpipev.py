@@ -10,7 +10,7 @@ pipeline bubble and the activations each rank holds at its peak, in whole micro-
 rank's layers.
 
     python benchmarks/dualpipev.py [--layers 8] [--seq 256] [--vocab 32000] [--microbatches 4 8]
-        [--steps 4]
+        [--steps 4] [--balanced]
 """
 
 from __future__ import annotations
@@ -27,9 +27,18 @@ SCHEDULES = {
     "dualpipev": dict(pp=2, dualpipev=True),
     "dualpipev dw-detach": dict(pp=2, dualpipev=True, dualpipev_dw_detach=True),
 }
+# --balanced: fewer layers beside a heavy output layer (the last stage of 1F1B; the V's first
+# and last stages, both on rank 0), for the same 8 layers
+BALANCED = {
+    "1f1b, stages 7/1": dict(pp=2, first_stage_layers=7, last_stage_layers=1),
+    "dualpipev dw, 1/3/3/1": dict(pp=2, dualpipev=True, dualpipev_dw_detach=True,
+                                  first_stage_layers=1, last_stage_layers=1),
+}  # fmt: skip
 
 
-def rank(layers: int, seq: int, vocab: int, microbatches: list[int], steps: int) -> dict:
+def rank(
+    layers: int, seq: int, vocab: int, microbatches: list[int], steps: int, schedules: dict
+) -> dict:
     """Each schedule's step times (seconds) per micro-batch count, and its first loss."""
     import torch
 
@@ -49,7 +58,7 @@ def rank(layers: int, seq: int, vocab: int, microbatches: list[int], steps: int)
                         add_qkv_bias=True)  # fmt: skip
     out: dict = {}
     for m in microbatches:
-        for name, layout in SCHEDULES.items():
+        for name, layout in schedules.items():
             cfg = TrainConfig(seq_length=seq, micro_batch_size=1, global_batch_size=m, lr=1e-4)
             t = Trainer(model, Layout(**layout), cfg, PretrainTask())
             times, waits, first = [], [], None
@@ -105,21 +114,26 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--balanced", action="store_true",
+                   help="also 1F1B and DualPipeV with fewer layers beside the output layer "
+                   "(8 layers)")  # fmt: skip
     a = p.parse_args()
+    schedules = {**SCHEDULES, **(BALANCED if a.balanced else {})}
     ranks = run_distributed(rank, 2, layers=a.layers, seq=a.seq, vocab=a.vocab,
-                            microbatches=a.microbatches, steps=a.steps, timeout=3600)  # fmt: skip
+                            microbatches=a.microbatches, steps=a.steps, schedules=schedules,
+                            timeout=3600)  # fmt: skip
     got = ranks[0]
     print(f"PP2 x 1 thread each, {a.layers} layers, hidden 512, vocab {a.vocab}, seq {a.seq}, "
           "fp32")  # fmt: skip
-    print(f"{'micro-batches':>13} | {'schedule':<20} | {'ms/step':>8} | {'vs 1F1B':>7} | "
+    print(f"{'micro-batches':>13} | {"schedule":<22} | {'ms/step':>8} | {'vs 1F1B':>7} | "
           f"{'loss 1':>7} | waiting on a neighbour, rank 0 / 1")  # fmt: skip
     for m in a.microbatches:
         base = got[(m, "1f1b")][0]
-        for name in SCHEDULES:
+        for name in schedules:
             sec, loss, _ = got[(m, name)]
             waits = " / ".join(f"{r[(m, name)][2] / sec:.1%}" for r in ranks)
             waits = waits if "dualpipev" in name else "-"
-            print(f"{m:>13} | {name:<20} | {sec * 1e3:>8.0f} | {base / sec:>6.2f}x | "
+            print(f"{m:>13} | {name:<22} | {sec * 1e3:>8.0f} | {base / sec:>6.2f}x | "
                   f"{loss:>7.4f} | {waits}")  # fmt: skip
         bubble, detached, bubble_1f1b, peak = plan_figures(2, m)
         print(f"{'':>13}   plans: bubble DualPipeV {bubble:.1%} ({detached:.1%} with "

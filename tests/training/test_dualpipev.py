@@ -115,6 +115,22 @@ def test_mtp_beside_the_loss_equals_one_process(tmp_path):
         _assert_parity({"steps": ref, "eval": 0.0}, {"steps": rank_result, "eval": 0.0})
 
 
+def test_uneven_v_lightens_rank_0(tmp_path):
+    """--decoder-first/last-pipeline-num-layers under the V: stages of 1, 2, 2 and 1 layers
+    (rank 0, which also holds the output layer, gets 2 of 6), with the split, against one
+    process from the same weights."""
+    spec = dict(TIED, num_layers=6)
+    init = str(tmp_path / "init")
+    (ref,) = run_distributed(trainer_ranks.train_steps, 1, layout={}, save_init=init,
+                             spec=spec, timeout=300)  # fmt: skip
+    layout = dict(pp=2, dualpipev=True, dualpipev_dw_detach=True, first_stage_layers=1,
+                  last_stage_layers=1)  # fmt: skip
+    got = run_distributed(trainer_ranks.train_steps, 2, load=init, spec=spec, timeout=300,
+                          layout=layout)  # fmt: skip
+    for rank_result in got:
+        _assert_parity({"steps": ref, "eval": 0.0}, {"steps": rank_result, "eval": 0.0})
+
+
 SLOW_LAYOUTS = {  # layout, TrainConfig changes (DP2 needs 4 micro-batches per replica)
     "pp2-dp2-distopt": (dict(pp=2, dualpipev=True, distributed_optimizer=True),
                         dict(micro_batch_size=1)),

@@ -26,7 +26,10 @@ CASES = {
         [*PP2, *V, "--num-layers-per-virtual-pipeline-stage", "1"],
         "remove --num-layers-per-virtual-pipeline-stage",
     ),
-    "uneven": ([*PP2, *V, "--decoder-first-pipeline-num-layers", "1"], "needs equal stages"),
+    "uneven": (
+        [*PP2, *V, "--decoder-first-pipeline-num-layers", "3"],
+        "under --schedules-method dualpipev: 3/None cannot split --num-layers 4 over 4 stages",
+    ),
     "overlap": (
         [*PP2, *V, "--use-distributed-optimizer", "--overlap-grad-reduce"],
         "needs no --overlap-grad-reduce",
@@ -35,6 +38,7 @@ CASES = {
         [*PP2, *V, "--use-distributed-optimizer", "--overlap-param-gather"],
         "needs no --overlap-param-gather",
     ),
+    "num-layer-list": ([*PP2, *V, "--num-layer-list", "1,3"], "--num-layer-list counts layers"),
     "layers": ([*PP2, *V, "--num-layers", "6"], "--num-layers 6 is not divisible by 2 x"),
     "micro-batches": (
         [*PP2, *V, "--global-batch-size", "6"],

@@ -129,16 +129,14 @@ class Layout:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
 
     def stage_layers(self, num_layers: int) -> list[int]:
-        """Decoder layers of each pipeline stage, as Megatron splits them: the first and last
-        stage as given (uneven stages), the others an even share of the rest."""
+        """Decoder layers of each pipeline rank, as Megatron splits them: the first and last
+        stage as given (uneven stages), the others an even share of the rest (under DualPipeV
+        each rank's two stages together: :meth:`v_stage_layers`)."""
         pp, first, last = self.pp, self.first_stage_layers, self.last_stage_layers
+        if self.dualpipev:
+            v = self.v_stage_layers(num_layers)
+            return [v[r] + v[2 * pp - 1 - r] for r in range(pp)]
         if not self.uneven:
-            if self.dualpipev and num_layers % (2 * pp):
-                raise ValueError(
-                    f"--num-layers {num_layers} is not divisible by 2 x "
-                    f"--pipeline-model-parallel-size {pp} = {2 * pp} (--schedules-method "
-                    "dualpipev gives each rank two equal chunks)"
-                )
             if num_layers % (pp * self.chunks):
                 raise ValueError(
                     f"--num-layers {num_layers} is not divisible by pipeline stages x virtual "
@@ -149,25 +147,22 @@ class Layout:
         flags = "--decoder-first/last-pipeline-num-layers (or --num-layer-list)"
         if pp < 2 or self.vpp:
             raise ValueError(f"{flags} need --pipeline-model-parallel-size >= 2 and no VPP")
-        fixed = [x for x in (first, last) if x is not None]
-        rest, others = num_layers - sum(fixed), pp - len(fixed)
-        if (
-            any(x < 1 for x in fixed)
-            or rest < others
-            or (others and rest % others)
-            or (not others and rest)
-        ):
+        return _split(num_layers, pp, first, last, flags)
+
+    def v_stage_layers(self, num_layers: int) -> list[int]:
+        """DualPipeV: the layers of each of the ``2 x PP`` stages (stage 0 and the last both on
+        rank 0): ``--decoder-first/last-pipeline-num-layers`` as given (a lighter rank 0 for a
+        heavy output layer), the others an even share of the rest."""
+        stages, first, last = 2 * self.pp, self.first_stage_layers, self.last_stage_layers
+        if not self.uneven and num_layers % stages:
             raise ValueError(
-                f"{flags}: {first}/{last} cannot split --num-layers {num_layers} over {pp} "
-                "stages (the middle stages take equal shares of the rest, at least one layer)"
+                f"--num-layers {num_layers} is not divisible by 2 x "
+                f"--pipeline-model-parallel-size {self.pp} = {stages} (--schedules-method "
+                "dualpipev gives each rank two equal chunks; or set the first and last stage's "
+                "with --decoder-first/last-pipeline-num-layers)"
             )
-        share = rest // others if others else 0
-        counts = [share] * pp
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        return counts
+        flags = "--decoder-first/last-pipeline-num-layers under --schedules-method dualpipev"
+        return _split(num_layers, stages, first, last, flags)
 
     def dp(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks."""
@@ -251,6 +246,31 @@ class Layout:
     def validate_for(self, world_size: int, model: Any, seq_length: int | None = None) -> None:
         """:meth:`validate` with the sizes (and kinds) read from ``model``."""
         layout_checks.validate_for(self, world_size, model, seq_length)
+
+
+def _split(
+    num_layers: int, stages: int, first: int | None, last: int | None, flags: str
+) -> list[int]:
+    """``num_layers`` over ``stages`` stages: the first and last as given, the middle ones an
+    equal share of the rest (at least one layer each); ValueError (one line) otherwise."""
+    fixed = [x for x in (first, last) if x is not None]
+    rest, others = num_layers - sum(fixed), stages - len(fixed)
+    if (
+        any(x < 1 for x in fixed)
+        or rest < others
+        or (others and rest % others)
+        or (not others and rest)
+    ):
+        raise ValueError(
+            f"{flags}: {first}/{last} cannot split --num-layers {num_layers} over {stages} "
+            "stages (the middle stages take equal shares of the rest, at least one layer)"
+        )
+    counts = [rest // others if others else 0] * stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
 
 
 def virtual_stages(num_layers: int | None, pp: int, layers_per_chunk: int | None) -> int | None:

@@ -89,7 +89,6 @@ def _dualpipev(layout: Layout) -> None:
     """What ``--schedules-method dualpipev`` runs with here (MindSpeed refuses the same)."""
     for bad, why in (
         (layout.pp < 2, "--pipeline-model-parallel-size 2 or more"),
-        (layout.uneven, "equal stages (no --decoder-first/last-pipeline-num-layers)"),
         (layout.overlap_grad_reduce, "no --overlap-grad-reduce (its gradients sync at the end)"),
         (layout.overlap_param_gather, "no --overlap-param-gather (its parameters gather at once)"),
         (layout.torch_fsdp2 or layout.megatron_fsdp, "DDP, not FSDP"),

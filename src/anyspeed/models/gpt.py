@@ -87,8 +87,9 @@ def transformer_config(
         sequence_parallel=layout.sequence_parallel,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
-        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
-        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        # (a V places its uneven stages itself: anyspeed_v_layers below)
+        num_layers_in_first_pipeline_stage=None if layout.dualpipev else layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=None if layout.dualpipev else layout.last_stage_layers,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
@@ -106,13 +107,20 @@ def transformer_config(
     if model.multi_latent_attention:
         kw.update(mla_config(model), **dsa_config(model))
         mla_cfg = MLATransformerConfig(**kw)
-        mla_cfg.anyspeed_dualpipev = layout.dualpipev  # read by the layer-offset patch
+        _mark_v(mla_cfg, model, layout)
         return mla_cfg
     config = TransformerConfig(**kw)
-    config.anyspeed_dualpipev = layout.dualpipev  # read by the layer-offset patch
+    _mark_v(config, model, layout)
     if model.position_embedding_type == "yarn":
         _set_yarn(config, model)
     return config
+
+
+def _mark_v(config: Any, model: ModelConfig, layout: Layout) -> None:
+    """DualPipeV's placement for the chunk-placement patches: the flag and, per stage of
+    the V, its layers (``anyspeed_v_layers``; None without a V)."""
+    config.anyspeed_dualpipev = layout.dualpipev
+    config.anyspeed_v_layers = layout.v_stage_layers(model.num_layers) if layout.dualpipev else None
 
 
 def _set_yarn(config: Any, model: ModelConfig) -> None:
@@ -250,8 +258,7 @@ def _check_v_offsets(config, layout: Layout, rank: int) -> None:
     patch): without it a rank's second chunk would silently hold another stage's layers."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    per_chunk = config.num_layers // (2 * layout.pp)
-    want = layout.stage_of(rank, 1) * per_chunk
+    want = sum(config.anyspeed_v_layers[: layout.stage_of(rank, 1)])
     got = get_transformer_layer_offset(config, vp_stage=1, pp_rank=rank)
     if got != want:
         raise RuntimeError(

@@ -40,6 +40,11 @@ class NumLayerList(Feature):
         text = getattr(args, "num_layer_list", None)
         if not text:
             return
+        if getattr(args, "schedules_method", None) == "dualpipev":
+            raise FeatureError(
+                "--num-layer-list counts layers per rank; under --schedules-method dualpipev "
+                "give the V's first and last stage with --decoder-first/last-pipeline-num-layers"
+            )
         pp = getattr(args, "pipeline_model_parallel_size", None) or 1
         try:
             stages = uneven_stages(

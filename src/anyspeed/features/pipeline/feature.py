@@ -22,28 +22,43 @@ from anyspeed.patching import PatchManager
 METHODS = ("1f1b", "dualpipev")
 
 
+def _v_stage(config, vp_stage, pp_rank) -> int:  # noqa: ANN001 - Megatron's arguments
+    """The stage of the V that chunk ``vp_stage`` of ``pp_rank`` (None: this rank) holds."""
+    from megatron.core import parallel_state as ps
+
+    rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+    return rank if vp_stage == 0 else 2 * config.pipeline_model_parallel_size - 1 - rank
+
+
 def _wrap_offset(offset):
     @functools.wraps(offset)
     def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
-        if getattr(config, "anyspeed_dualpipev", False) and vp_stage == 1:
-            from megatron.core import parallel_state as ps
-
-            rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-            pp_rank = config.pipeline_model_parallel_size - 1 - rank
-        return offset(config, vp_stage, pp_rank)
+        layers = getattr(config, "anyspeed_v_layers", None)
+        if not layers or vp_stage is None:
+            return offset(config, vp_stage, pp_rank)
+        return sum(layers[: _v_stage(config, vp_stage, pp_rank)])
 
     return get_transformer_layer_offset
+
+
+def _wrap_layer_count(count):
+    @functools.wraps(count)
+    def get_num_layers_to_build(config, vp_stage=None, pp_rank=None):
+        layers = getattr(config, "anyspeed_v_layers", None)
+        if not layers or vp_stage is None:
+            return count(config, vp_stage, pp_rank)
+        return layers[_v_stage(config, vp_stage, pp_rank)]
+
+    return get_num_layers_to_build
 
 
 def _wrap_mtp_layers(count):
     @functools.wraps(count)
     def get_mtp_num_layers_to_build(config, vp_stage=None, pp_rank=None):
-        if not getattr(config, "anyspeed_dualpipev", False):
+        if not getattr(config, "anyspeed_v_layers", None):
             return count(config, vp_stage, pp_rank)
-        from megatron.core import parallel_state as ps
-
-        rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-        return (config.mtp_num_layers or 0) if (rank, vp_stage) == (0, 1) else 0
+        last = 2 * config.pipeline_model_parallel_size - 1
+        return (config.mtp_num_layers or 0) if _v_stage(config, vp_stage, pp_rank) == last else 0
 
     return get_mtp_num_layers_to_build
 
@@ -117,6 +132,13 @@ class ChunkPlacement(Feature):
             feature=self.name,
             reason="under DualPipeV a rank's second chunk holds stage 2PP-1-r (the V), not "
             "PP+r; a no-op for configs without anyspeed_dualpipev",
+        )
+        pm.register_wrap(
+            "megatron.core.transformer.transformer_block.get_num_layers_to_build",
+            _wrap_layer_count,
+            feature=self.name,
+            reason="under DualPipeV each stage of the V has its own layers (uneven first and "
+            "last stages lighten rank 0, which also holds the output layer)",
         )
         pm.register_wrap(
             "megatron.core.transformer.multi_token_prediction.get_mtp_num_layers_to_build",
