@@ -125,7 +125,7 @@ def main() -> None:
     got = ranks[0]
     print(f"PP2 x 1 thread each, {a.layers} layers, hidden 512, vocab {a.vocab}, seq {a.seq}, "
           "fp32")  # fmt: skip
-    print(f"{'micro-batches':>13} | {"schedule":<22} | {'ms/step':>8} | {'vs 1F1B':>7} | "
+    print(f"{'micro-batches':>13} | {'schedule':<22} | {'ms/step':>8} | {'vs 1F1B':>7} | "
           f"{'loss 1':>7} | waiting on a neighbour, rank 0 / 1")  # fmt: skip
     for m in a.microbatches:
         base = got[(m, "1f1b")][0]
