@@ -72,7 +72,15 @@ class _Linear(torch.autograd.Function):
     or reduce-scattered under SP), its weight gradient possibly deferred."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, allreduce_dgrad, sequence_parallel, group):  # noqa: ANN001, ANN205
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        x,  # noqa: ANN001
+        weight,  # noqa: ANN001
+        bias,  # noqa: ANN001
+        allreduce_dgrad,  # noqa: ANN001
+        sequence_parallel,  # noqa: ANN001
+        group,  # noqa: ANN001
+    ):
         ctx.save_for_backward(x, weight)
         # The parameter itself, for its ``main_grad``: under saved-tensor hooks (the bytes
         # meter) ``saved_tensors`` gives back a plain tensor without Megatron's attributes.
@@ -139,9 +147,18 @@ def wrap_linear(original: Callable) -> Callable:
             and torch.is_grad_enabled()
         )
         if not own:
-            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                            sequence_parallel, grad_output_buffer, wgrad_deferral_limit,
-                            async_grad_allreduce, tp_group)  # fmt: skip
+            return original(
+                input,
+                weight,
+                bias,
+                gradient_accumulation_fusion,
+                allreduce_dgrad,
+                sequence_parallel,
+                grad_output_buffer,
+                wgrad_deferral_limit,
+                async_grad_allreduce,
+                tp_group,
+            )
         from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
         group = get_tensor_model_parallel_group_if_none(tp_group)  # async_grad_allreduce: unused

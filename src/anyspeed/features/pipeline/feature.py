@@ -30,37 +30,29 @@ def _v_stage(config, vp_stage, pp_rank) -> int:  # noqa: ANN001 - Megatron's arg
     return rank if vp_stage == 0 else 2 * config.pipeline_model_parallel_size - 1 - rank
 
 
-def _wrap_offset(offset):
-    @functools.wraps(offset)
-    def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
-        layers = getattr(config, "anyspeed_v_layers", None)
-        if not layers or vp_stage is None:
-            return offset(config, vp_stage, pp_rank)
-        return sum(layers[: _v_stage(config, vp_stage, pp_rank)])
+def _following_the_v(answer):
+    """A wrapper for one of Megatron's placement functions ``(config, vp_stage, pp_rank)``:
+    under a V, ``answer(config, layers per stage, this chunk's stage)``; else Megatron's."""
 
-    return get_transformer_layer_offset
+    def wrap(original):
+        @functools.wraps(original)
+        def placed(config, vp_stage=None, pp_rank=None):
+            layers = getattr(config, "anyspeed_v_layers", None)
+            if not layers or vp_stage is None:
+                return original(config, vp_stage, pp_rank)
+            return answer(config, layers, _v_stage(config, vp_stage, pp_rank))
 
+        return placed
 
-def _wrap_layer_count(count):
-    @functools.wraps(count)
-    def get_num_layers_to_build(config, vp_stage=None, pp_rank=None):
-        layers = getattr(config, "anyspeed_v_layers", None)
-        if not layers or vp_stage is None:
-            return count(config, vp_stage, pp_rank)
-        return layers[_v_stage(config, vp_stage, pp_rank)]
-
-    return get_num_layers_to_build
+    return wrap
 
 
-def _wrap_mtp_layers(count):
-    @functools.wraps(count)
-    def get_mtp_num_layers_to_build(config, vp_stage=None, pp_rank=None):
-        if not getattr(config, "anyspeed_v_layers", None):
-            return count(config, vp_stage, pp_rank)
-        last = 2 * config.pipeline_model_parallel_size - 1
-        return (config.mtp_num_layers or 0) if _v_stage(config, vp_stage, pp_rank) == last else 0
-
-    return get_mtp_num_layers_to_build
+# the first layer, the layer count and the MTP layers (beside the loss) of a chunk of the V
+_wrap_offset = _following_the_v(lambda config, layers, stage: sum(layers[:stage]))
+_wrap_layer_count = _following_the_v(lambda config, layers, stage: layers[stage])
+_wrap_mtp_layers = _following_the_v(
+    lambda config, layers, stage: (config.mtp_num_layers or 0) if stage == len(layers) - 1 else 0
+)
 
 
 def refuse_in_megatron_lm(args: argparse.Namespace) -> None:
@@ -147,7 +139,8 @@ class ChunkPlacement(Feature):
             reason="under DualPipeV the MTP layers sit with the loss on rank 0's second chunk",
         )
         pm.register_wrap(
-            "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce",
+            "megatron.core.tensor_parallel.layers."
+            "linear_with_grad_accumulation_and_async_allreduce",
             wrap_linear,
             feature=self.name,
             reason="--dualpipev-dw-detach: weight gradients of a backward computed later (W "
