@@ -50,7 +50,7 @@ def metered_run(layout: dict, model: dict | None = None, steps: int = 5, load: s
     peak = torch.cuda.max_memory_allocated() if cuda else None
     measured = {"offload_copies": moved.copies if moved else 0, "device_peak": peak}
     if trace:  # the second step: the optimizer states exist before it
-        measured |= {"live_after_step": tracer.live_at("step2"),
+        measured |= {"live_after_step": tracer.held_at("step2"),
                     "step_peak": tracer.peak("step1", "step2")}  # fmt: skip
     out = out[:steps]
     return {"loss": [o["loss"] for o in out], "grad_norm": [o["grad_norm"] for o in out],
