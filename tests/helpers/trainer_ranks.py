@@ -45,7 +45,7 @@ def load_weights(t: Trainer, directory: str) -> None:
         t.model[0].module.load_state_dict(state)
     else:
         for i, m in enumerate(t.model):
-            m.module.load_state_dict(state[f"model{i}"])
+            m.module.load_state_dict(state.get(f"model{i}", {}))  # none: noop slots only
     if hasattr(t.optimizer, "reload_model_params"):
         t.optimizer.reload_model_params()
 

@@ -56,7 +56,8 @@ def load_model_entries(chunks: list[torch.nn.Module], state: dict[str, Any]) -> 
     """Load each chunk's entry; FSDP2 chunks (DTensor parameters) take their loaded local
     shards as DTensors."""
     for i, chunk in enumerate(chunks):
-        entry = state["model"] if len(chunks) == 1 else state[f"model{i}"]
+        # (a chunk of noop slots only holds nothing, and dist_checkpointing returns no entry)
+        entry = state["model"] if len(chunks) == 1 else state.get(f"model{i}", {})
         current = chunk.state_dict()
         if any(hasattr(v, "device_mesh") for v in current.values()):
             entry = {k: as_dtensor(v, current.get(k)) for k, v in entry.items()}

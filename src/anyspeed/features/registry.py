@@ -24,6 +24,7 @@ from anyspeed.features.compat.fsdp import FSDPCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
 from anyspeed.features.compat.mtp import MTPCompat
+from anyspeed.features.compat.noop_layers import NoopLayers
 from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
@@ -59,6 +60,7 @@ def build() -> list[Feature]:
         DeviceCompat(),
         MegatronCoreCompat(),
         CudaOnlyOptions(),
+        NoopLayers(),  # rewrites --num-layers to the real layers (before the layout check)
         NumLayerList(),  # rewrites the namespace the layout check reads
         MindSpeedRopeFlags(),
         LayoutCheck(),

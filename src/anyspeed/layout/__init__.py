@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 from anyspeed.layout import checks as layout_checks
+from anyspeed.layout.placement import check_noop_layers, parse_noop_layers, split, without_noop
 
 
 class CPAlgo(str, Enum):
@@ -80,6 +81,9 @@ class Layout:
     # --schedules-method dualpipev: two chunks per rank in a V (rank r: stages r and 2PP-1-r)
     dualpipev: bool = False
     dualpipev_dw_detach: bool = False  # weight gradients where the V would idle (zero bubble)
+    # --noop-layers: empty layer slots (0-based, counted in --num-layers) that move the stage
+    # boundaries; the real layers keep their numbers (anyspeed.layout.placement)
+    noop_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.cp_algo = CPAlgo.parse(self.cp_algo)
@@ -92,6 +96,7 @@ class Layout:
                     "remove --num-layers-per-virtual-pipeline-stage"
                 )
             self.vpp = 2
+        self.noop_layers = tuple(sorted(self.noop_layers))
 
     def stage_of(self, pp_rank: int, chunk: int) -> int:
         """The pipeline stage (0 holds the embedding) of chunk ``chunk`` on ``pp_rank``."""
@@ -128,41 +133,62 @@ class Layout:
     def uneven(self) -> bool:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
 
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Decoder layers of each pipeline rank, as Megatron splits them: the first and last
-        stage as given (uneven stages), the others an even share of the rest (under DualPipeV
-        each rank's two stages together: :meth:`v_stage_layers`)."""
+    @property
+    def places_layers(self) -> bool:
+        """Whether anyspeed places the chunks' layers (the ``chunk-placement`` patch: a V or
+        noop slots) rather than Megatron's own arithmetic."""
+        return self.dualpipev or bool(self.noop_layers)
+
+    def slot_layers(self, num_layers: int) -> list[int]:
+        """Layer slots (real and noop) of each stage, in stage order (stage 0 holds the
+        embedding; ``pp x chunks`` stages, ``2 x PP`` under DualPipeV): the first and last as
+        given (uneven stages), the others an even share; ValueError (one line) otherwise."""
         pp, first, last = self.pp, self.first_stage_layers, self.last_stage_layers
+        slots = num_layers + len(self.noop_layers)
+        check_noop_layers(self.noop_layers, num_layers)
         if self.dualpipev:
-            v = self.v_stage_layers(num_layers)
-            return [v[r] + v[2 * pp - 1 - r] for r in range(pp)]
-        if not self.uneven:
-            if num_layers % (pp * self.chunks):
+            if not self.uneven and slots % (2 * pp):
                 raise ValueError(
-                    f"--num-layers {num_layers} is not divisible by pipeline stages x virtual "
-                    f"chunks = {pp * self.chunks} (uneven stages: "
-                    "--decoder-first/last-pipeline-num-layers or --num-layer-list)"
+                    f"--num-layers {slots} is not divisible by 2 x "
+                    f"--pipeline-model-parallel-size {pp} = {2 * pp} (--schedules-method "
+                    "dualpipev gives each rank two equal chunks; or set the first and last "
+                    "stage's with --decoder-first/last-pipeline-num-layers, or pad with "
+                    "--noop-layers)"
                 )
-            return [num_layers // pp] * pp
+            flags = "--decoder-first/last-pipeline-num-layers under --schedules-method dualpipev"
+            return split(slots, 2 * pp, first, last, flags)
+        if not self.uneven:
+            if slots % (pp * self.chunks):
+                raise ValueError(
+                    f"--num-layers {slots} is not divisible by pipeline stages x virtual "
+                    f"chunks = {pp * self.chunks} (uneven stages: "
+                    "--decoder-first/last-pipeline-num-layers or --num-layer-list; or pad "
+                    "with --noop-layers)"
+                )
+            return [slots // (pp * self.chunks)] * (pp * self.chunks)
         flags = "--decoder-first/last-pipeline-num-layers (or --num-layer-list)"
         if pp < 2 or self.vpp:
             raise ValueError(f"{flags} need --pipeline-model-parallel-size >= 2 and no VPP")
-        return _split(num_layers, pp, first, last, flags)
+        return split(slots, pp, first, last, flags)
+
+    def virtual_stage_layers(self, num_layers: int) -> list[int]:
+        """Real decoder layers of each stage, in stage order (:meth:`slot_layers` without the
+        noop slots); ``num_layers`` counts real layers only."""
+        return without_noop(self.slot_layers(num_layers), self.noop_layers)
+
+    def chunk_layers(self, num_layers: int, pp_rank: int) -> list[range]:
+        """The decoder layers (global 0-based numbers) of each model chunk of ``pp_rank``."""
+        per_stage = self.virtual_stage_layers(num_layers)
+        stages = [self.stage_of(pp_rank, chunk) for chunk in range(self.chunks)]
+        return [range(sum(per_stage[:s]), sum(per_stage[: s + 1])) for s in stages]
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Real decoder layers of each pipeline rank (all its chunks together)."""
+        return [sum(map(len, self.chunk_layers(num_layers, r))) for r in range(self.pp)]
 
     def v_stage_layers(self, num_layers: int) -> list[int]:
-        """DualPipeV: the layers of each of the ``2 x PP`` stages (stage 0 and the last both on
-        rank 0): ``--decoder-first/last-pipeline-num-layers`` as given (a lighter rank 0 for a
-        heavy output layer), the others an even share of the rest."""
-        stages, first, last = 2 * self.pp, self.first_stage_layers, self.last_stage_layers
-        if not self.uneven and num_layers % stages:
-            raise ValueError(
-                f"--num-layers {num_layers} is not divisible by 2 x "
-                f"--pipeline-model-parallel-size {self.pp} = {stages} (--schedules-method "
-                "dualpipev gives each rank two equal chunks; or set the first and last stage's "
-                "with --decoder-first/last-pipeline-num-layers)"
-            )
-        flags = "--decoder-first/last-pipeline-num-layers under --schedules-method dualpipev"
-        return _split(num_layers, stages, first, last, flags)
+        """DualPipeV: the layers of each of the ``2 x PP`` stages of the V."""
+        return self.virtual_stage_layers(num_layers)
 
     def dp(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks."""
@@ -184,6 +210,10 @@ class Layout:
             return default if value is None else value
 
         pp = _int(get("pipeline_model_parallel_size", 1), "--pipeline-model-parallel-size")
+        noop = get("noop_layers", ())
+        layers = _opt_int(get("num_layers"), "--num-layers")
+        if layers is not None and not isinstance(noop, str):  # rewritten: --num-layers is real
+            layers += len(noop)  # VPP chunks count slots, noop ones included
         dualpipev = get("schedules_method") == "dualpipev"
         if dualpipev and (
             get("num_layers_per_virtual_pipeline_stage")
@@ -200,7 +230,7 @@ class Layout:
             cp_algo=CPAlgo.parse(get("context_parallel_algo", "megatron_cp_algo")),
             ulysses_degree=_opt_int(get("ulysses_degree_in_cp"), "--ulysses-degree-in-cp"),
             vpp=virtual_stages(
-                _opt_int(get("num_layers"), "--num-layers"),
+                layers,
                 pp,
                 _opt_int(
                     get("num_layers_per_virtual_pipeline_stage"),
@@ -231,6 +261,7 @@ class Layout:
             ),
             ep=_int(get("expert_model_parallel_size", 1), "--expert-model-parallel-size"),
             dualpipev=dualpipev,
+            noop_layers=parse_noop_layers(noop),
             dualpipev_dw_detach=dualpipev and bool(get("dualpipev_dw_detach", False)),
             etp=1  # MindSpeed's --moe-tp-extend-ep: the TP ranks widen EP instead
             if get("moe_tp_extend_ep", False)
@@ -246,31 +277,6 @@ class Layout:
     def validate_for(self, world_size: int, model: Any, seq_length: int | None = None) -> None:
         """:meth:`validate` with the sizes (and kinds) read from ``model``."""
         layout_checks.validate_for(self, world_size, model, seq_length)
-
-
-def _split(
-    num_layers: int, stages: int, first: int | None, last: int | None, flags: str
-) -> list[int]:
-    """``num_layers`` over ``stages`` stages: the first and last as given, the middle ones an
-    equal share of the rest (at least one layer each); ValueError (one line) otherwise."""
-    fixed = [x for x in (first, last) if x is not None]
-    rest, others = num_layers - sum(fixed), stages - len(fixed)
-    if (
-        any(x < 1 for x in fixed)
-        or rest < others
-        or (others and rest % others)
-        or (not others and rest)
-    ):
-        raise ValueError(
-            f"{flags}: {first}/{last} cannot split --num-layers {num_layers} over {stages} "
-            "stages (the middle stages take equal shares of the rest, at least one layer)"
-        )
-    counts = [rest // others if others else 0] * stages
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return counts
 
 
 def virtual_stages(num_layers: int | None, pp: int, layers_per_chunk: int | None) -> int | None:

@@ -56,6 +56,7 @@ def transformer_config(
 
     layout = layout or Layout()
     dtype = params_dtype(bf16, fp16)
+    placed = layout.places_layers
     kw: dict[str, Any] = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -87,9 +88,9 @@ def transformer_config(
         sequence_parallel=layout.sequence_parallel,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
-        # (a V places its uneven stages itself: anyspeed_v_layers below)
-        num_layers_in_first_pipeline_stage=None if layout.dualpipev else layout.first_stage_layers,
-        num_layers_in_last_pipeline_stage=None if layout.dualpipev else layout.last_stage_layers,
+        # (a V or noop slots: anyspeed places the layers itself, anyspeed_stage_layers below)
+        num_layers_in_first_pipeline_stage=None if placed else layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=None if placed else layout.last_stage_layers,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
@@ -107,20 +108,22 @@ def transformer_config(
     if model.multi_latent_attention:
         kw.update(mla_config(model), **dsa_config(model))
         mla_cfg = MLATransformerConfig(**kw)
-        _mark_v(mla_cfg, model, layout)
+        _mark_placement(mla_cfg, model, layout)
         return mla_cfg
     config = TransformerConfig(**kw)
-    _mark_v(config, model, layout)
+    _mark_placement(config, model, layout)
     if model.position_embedding_type == "yarn":
         _set_yarn(config, model)
     return config
 
 
-def _mark_v(config: Any, model: ModelConfig, layout: Layout) -> None:
-    """DualPipeV's placement for the chunk-placement patches: the flag and, per stage of
-    the V, its layers (``anyspeed_v_layers``; None without a V)."""
+def _mark_placement(config: Any, model: ModelConfig, layout: Layout) -> None:
+    """anyspeed's placement for the chunk-placement patches: the V flag and, per stage, its
+    real layers (``anyspeed_stage_layers``; None where Megatron places them)."""
     config.anyspeed_dualpipev = layout.dualpipev
-    config.anyspeed_v_layers = layout.v_stage_layers(model.num_layers) if layout.dualpipev else None
+    config.anyspeed_stage_layers = (
+        layout.virtual_stage_layers(model.num_layers) if layout.places_layers else None
+    )
 
 
 def _set_yarn(config: Any, model: ModelConfig) -> None:
@@ -253,18 +256,21 @@ def _mtp_spec(model: ModelConfig, config, spec, vp_stage: int | None):
     return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
 
 
-def _check_v_offsets(config, layout: Layout, rank: int) -> None:
-    """RuntimeError unless Megatron's layer offsets follow the V (the ``chunk-placement``
-    patch): without it a rank's second chunk would silently hold another stage's layers."""
+def _check_offsets(config, layout: Layout, rank: int) -> None:
+    """RuntimeError unless Megatron's layer offsets follow anyspeed's placement (the
+    ``chunk-placement`` patch): without it a chunk would silently hold another stage's layers."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    want = sum(config.anyspeed_v_layers[: layout.stage_of(rank, 1)])
-    got = get_transformer_layer_offset(config, vp_stage=1, pp_rank=rank)
-    if got != want:
-        raise RuntimeError(
-            f"DualPipeV: chunk 1 of pipeline rank {rank} would start at layer {got}, not "
-            f"{want}: apply anyspeed's adaptor (anyspeed.adaptor.apply) before building"
+    for chunk in range(layout.chunks):
+        want = sum(config.anyspeed_stage_layers[: layout.stage_of(rank, chunk)])
+        got = get_transformer_layer_offset(
+            config, vp_stage=chunk if layout.vpp else None, pp_rank=rank
         )
+        if got != want:
+            raise RuntimeError(
+                f"chunk {chunk} of pipeline rank {rank} would start at layer {got}, not "
+                f"{want}: apply anyspeed's adaptor (anyspeed.adaptor.apply) before building"
+            )
 
 
 def build_chunks(model: ModelConfig, config, layout: Layout) -> list[torch.nn.Module]:
@@ -283,8 +289,8 @@ def build_chunks(model: ModelConfig, config, layout: Layout) -> list[torch.nn.Mo
             first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             final = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         chunks.append(build(model, config, pre_process=first, post_process=final, vp_stage=vp))
-    if layout.dualpipev:
-        _check_v_offsets(config, layout, rank)
+    if layout.places_layers:
+        _check_offsets(config, layout, rank)
     if layout.dualpipev and rank == 0 and (model.tie_embeddings or model.mtp_num_layers):
         # Megatron zeroes a tied output layer (or the MTP block's embedding) off the first
         # stage and fills it by an all-reduce with the first stage; here both are on this rank.

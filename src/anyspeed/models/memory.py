@@ -112,13 +112,7 @@ def _mlp_params(m: ModelConfig, lay: Layout, moe: bool) -> int:
 
 def _stage_layers(m: ModelConfig, lay: Layout, stage: int) -> list[range]:
     """The decoder layers (global indices) of each model chunk of pipeline stage ``stage``."""
-    if lay.dualpipev:
-        v = lay.v_stage_layers(m.num_layers)
-        stages = [lay.stage_of(stage, chunk) for chunk in range(lay.chunks)]
-        return [range(sum(v[:s]), sum(v[: s + 1])) for s in stages]
-    per_chunk = m.num_layers // (lay.pp * lay.chunks)
-    starts = [(chunk * lay.pp + stage) * per_chunk for chunk in range(lay.chunks)]
-    return [range(first, first + per_chunk) for first in starts]
+    return lay.chunk_layers(m.num_layers, stage)
 
 
 def stage_parameters(m: ModelConfig, lay: Layout, stage: int) -> tuple[int, int]:

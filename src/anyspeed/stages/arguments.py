@@ -276,6 +276,19 @@ def unsupported_flag(
     return None
 
 
+def _pad_preset(argv: list[str], preset: str | None) -> list[str]:
+    """With a preset, ``--noop-layers`` and no ``--num-layers``: the preset's layers plus the
+    noop slots (``--num-layers`` counts both, MindSpeed's rule)."""
+    noop = get_flag(argv, "--noop-layers")
+    if preset is None or noop is None or get_flag(argv, "--num-layers") is not None:
+        return argv
+    from anyspeed.layout.placement import parse_noop_layers
+    from anyspeed.models.presets import get_preset
+
+    slots = get_preset(preset).num_layers + len(parse_noop_layers(noop))
+    return [*argv, "--num-layers", str(slots)]
+
+
 def parse_pretrain_args(
     argv: Sequence[str],
     parser: argparse.ArgumentParser | None = None,
@@ -285,7 +298,8 @@ def parse_pretrain_args(
     errors, and so is a numeric flag out of its range. ``args.model`` keeps the preset's name."""
     try:
         preset = get_flag(argv, "--model")
-        argv = apply_preset(list(argv))
+        argv = _pad_preset(list(argv), preset)
+        argv = apply_preset(argv)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     parser = parser or build_parser()

@@ -22,36 +22,43 @@ from anyspeed.patching import PatchManager
 METHODS = ("1f1b", "dualpipev")
 
 
-def _v_stage(config, vp_stage, pp_rank) -> int:  # noqa: ANN001 - Megatron's arguments
-    """The stage of the V that chunk ``vp_stage`` of ``pp_rank`` (None: this rank) holds."""
+def _stage(config, vp_stage, pp_rank) -> int:  # noqa: ANN001 - Megatron's arguments
+    """The stage that chunk ``vp_stage`` (None: the only one) of ``pp_rank`` (None: this rank)
+    holds: ``2PP - 1 - r`` for a V's second chunk, else Megatron's ``chunk x PP + r``."""
     from megatron.core import parallel_state as ps
 
     rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-    return rank if vp_stage == 0 else 2 * config.pipeline_model_parallel_size - 1 - rank
+    chunk, pp = vp_stage or 0, config.pipeline_model_parallel_size
+    if getattr(config, "anyspeed_dualpipev", False) and chunk == 1:
+        return 2 * pp - 1 - rank
+    return chunk * pp + rank
 
 
-def _following_the_v(answer):
+def _placed_by_anyspeed(answer, v_only: bool = False):
     """A wrapper for one of Megatron's placement functions ``(config, vp_stage, pp_rank)``:
-    under a V, ``answer(config, layers per stage, this chunk's stage)``; else Megatron's."""
+    where anyspeed places the layers (a V, noop slots: ``config.anyspeed_stage_layers``),
+    ``answer(config, real layers per stage, this chunk's stage)``; else Megatron's."""
 
     def wrap(original):
         @functools.wraps(original)
         def placed(config, vp_stage=None, pp_rank=None):
-            layers = getattr(config, "anyspeed_v_layers", None)
-            if not layers or vp_stage is None:
+            layers = getattr(config, "anyspeed_stage_layers", None)
+            v = getattr(config, "anyspeed_dualpipev", False)
+            if not layers or (v and vp_stage is None) or (v_only and not v):
                 return original(config, vp_stage, pp_rank)
-            return answer(config, layers, _v_stage(config, vp_stage, pp_rank))
+            return answer(config, layers, _stage(config, vp_stage, pp_rank))
 
         return placed
 
     return wrap
 
 
-# the first layer, the layer count and the MTP layers (beside the loss) of a chunk of the V
-_wrap_offset = _following_the_v(lambda config, layers, stage: sum(layers[:stage]))
-_wrap_layer_count = _following_the_v(lambda config, layers, stage: layers[stage])
-_wrap_mtp_layers = _following_the_v(
-    lambda config, layers, stage: (config.mtp_num_layers or 0) if stage == len(layers) - 1 else 0
+# the first layer, the layer count and (a V's) MTP layers, beside the loss, of a chunk
+_wrap_offset = _placed_by_anyspeed(lambda config, layers, stage: sum(layers[:stage]))
+_wrap_layer_count = _placed_by_anyspeed(lambda config, layers, stage: layers[stage])
+_wrap_mtp_layers = _placed_by_anyspeed(
+    lambda config, layers, stage: (config.mtp_num_layers or 0) if stage == len(layers) - 1 else 0,
+    v_only=True,
 )
 
 
@@ -105,13 +112,14 @@ class DualPipeV(Feature):
 
 
 class ChunkPlacement(Feature):
-    """Level 0, always on: the layer offset patch is inert unless a model's config says V, so
-    a process that applied the adaptor without the flag still places a V's layers right; the
-    linear patch is inert outside a DualPipeV step that defers weight gradients."""
+    """Level 0, always on: the placement patches are inert unless a model's config carries
+    anyspeed's stage layers (a V, noop slots), so a process that applied the adaptor without
+    the flags still places them right; the linear patch is inert outside a DualPipeV step that
+    defers weight gradients."""
 
     name = "chunk-placement"
     level = 0
-    description = "a chunk's layers at the stage anyspeed's layout gives it (DualPipeV's V)"
+    description = "a chunk's layers where anyspeed's layout puts them (DualPipeV's V, noop slots)"
 
     def register_patches(
         self, pm: PatchManager, args: argparse.Namespace, device: DeviceInfo
@@ -123,14 +131,14 @@ class ChunkPlacement(Feature):
             _wrap_offset,
             feature=self.name,
             reason="under DualPipeV a rank's second chunk holds stage 2PP-1-r (the V), not "
-            "PP+r; a no-op for configs without anyspeed_dualpipev",
+            "PP+r; noop slots shift the real layers' numbers; a no-op for other configs",
         )
         pm.register_wrap(
             "megatron.core.transformer.transformer_block.get_num_layers_to_build",
             _wrap_layer_count,
             feature=self.name,
-            reason="under DualPipeV each stage of the V has its own layers (uneven first and "
-            "last stages lighten rank 0, which also holds the output layer)",
+            reason="under DualPipeV or with noop slots each stage has its own count of real "
+            "layers (uneven first and last stages, a lighter rank 0 in a V)",
         )
         pm.register_wrap(
             "megatron.core.transformer.multi_token_prediction.get_mtp_num_layers_to_build",
