@@ -401,6 +401,24 @@ def test_pretrain_gpt_uneven_pipeline_stages_match_one_stage(script, tmp_path):
             assert two[it] == pytest.approx(one[it], rel=1e-5), (stages, it, two, one)
 
 
+@pytest.mark.slow
+def test_pretrain_gpt_noop_layers_match_one_stage(script, tmp_path):
+    """PP2 with MindSpeed's --noop-layers (3 real layers as 4 slots, slot 1 empty: stages of
+    1 and 2 real layers, as Megatron's own --pipeline-model-parallel-layout) gives the PP1
+    run's losses within 1e-5, from one PP1 save (the real layers keep their numbers)."""
+    ckpt = str(tmp_path / "ckpt")
+    model = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    torchrun(script, *model, "--num-layers", "3", "--train-iters", "1", "--save", ckpt,
+             "--save-interval", "1", nproc=1)  # fmt: skip
+    tune = [*model, "--train-iters", "4", "--load", ckpt, "--finetune"]
+    one = torchrun(script, *tune, "--num-layers", "3", nproc=1)
+    two = torchrun(script, *tune, "--num-layers", "4", "--noop-layers", "1",
+                   "--pipeline-model-parallel-size", "2")  # fmt: skip
+    assert sorted(two) == list(range(1, 5)), two
+    for it in range(1, 5):
+        assert two[it] == pytest.approx(one[it], rel=1e-5), (it, two, one)
+
+
 FSDP_MODEL = ["--train-iters", "4", "--position-embedding-type", "rope", "--swiglu",
               "--normalization", "RMSNorm", "--no-create-attention-mask-in-dataloader",
               "--hidden-dropout", "0", "--attention-dropout", "0",

@@ -67,6 +67,7 @@ LAYOUTS = {  # name: (world, layout, case, bf16)
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True), {}, False),
     "tp2": (2, dict(tp=2), {}, False),
     "pp2": (2, dict(pp=2), {}, False),
+    "pp2-noop": (2, dict(pp=2, noop_layers=(4, 5)), {}, False),  # real layers: 3 and 1
     "dp2-distopt": (2, dict(distributed_optimizer=True), {}, False),
     "tp2-sp-full": (2, dict(tp=2, sequence_parallel=True),
                     dict(recompute=dict(granularity="full", method="block", num_layers=1)), False),

@@ -24,6 +24,7 @@ from anyspeed.argv import pop_flag
 from anyspeed.device import detect
 from anyspeed.distributed.dualpipev.plan import check_microbatches
 from anyspeed.errors import UsageError, report
+from anyspeed.features.compat.noop_layers import rewrite_noop_layers
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig, padded_vocab_size
 from anyspeed.models.memory import (
@@ -81,6 +82,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, int | None, float | 
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     args = parse_pretrain_args(argv)
+    try:
+        rewrite_noop_layers(args)  # --num-layers counts the noop slots: the real layers
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, name) is None:
             raise UsageError(f"--{name.replace('_', '-')} is required (or use --model NAME)")
@@ -155,7 +160,12 @@ def _layouts(args: argparse.Namespace, model: ModelConfig, world: int):
             continue
         for distopt, rec in itertools.product((False, True), RECOMPUTE_CHOICES):
             lay = Layout(
-                tp=tp, pp=pp, sequence_parallel=tp > 1, distributed_optimizer=distopt, ep=ep
+                tp=tp,
+                pp=pp,
+                sequence_parallel=tp > 1,
+                distributed_optimizer=distopt,
+                ep=ep,
+                noop_layers=args.noop_layers or (),
             )
             if distopt and lay.dp(world) == 1:
                 continue

@@ -74,6 +74,27 @@ def adapt_megatron_args(args: argparse.Namespace, device: DeviceInfo) -> None:
         _note(f"on {device.type}, switched off CUDA-only defaults: " + "; ".join(changed))
 
 
+def noop_layout_args(args: argparse.Namespace) -> None:
+    """``--noop-layers`` (already rewritten to the real layers and a tuple of slots) as
+    Megatron's own ``--pipeline-model-parallel-layout``: each stage's real layers, the
+    embedding first, MTP and the loss last. Megatron then numbers the real layers itself."""
+    noop = getattr(args, "noop_layers", None)
+    if not noop or getattr(args, "pipeline_model_parallel_layout", None):
+        return
+    from anyspeed.layout import Layout
+
+    per_stage = Layout.from_args(args).virtual_stage_layers(args.num_layers)
+    stages = ["t" * n for n in per_stage]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "m" * (getattr(args, "mtp_num_layers", None) or 0) + "L"
+    args.pipeline_model_parallel_layout = "|".join(stages)
+    args.num_layers_per_virtual_pipeline_stage = None
+    args.num_virtual_stages_per_pipeline_rank = None
+    args.virtual_pipeline_model_parallel_size = None  # Megatron derives it from the layout
+    args.decoder_first_pipeline_num_layers = None
+    args.decoder_last_pipeline_num_layers = None
+
+
 def context_parallel_args(args: argparse.Namespace) -> None:
     """MindSpeed's CP flags in Megatron-LM's terms: cp_comm_type and, for hybrid, the
     hierarchical CP sizes [Ulysses degree, ring size] that initialize_model_parallel reads."""

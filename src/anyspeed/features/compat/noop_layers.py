@@ -17,6 +17,25 @@ from anyspeed.features.base import Feature, FeatureError, add_flag
 from anyspeed.layout.placement import check_noop_layers, parse_noop_layers
 
 
+def rewrite_noop_layers(args: argparse.Namespace) -> None:
+    """Rewrite ``args`` once: ``--noop-layers`` text to a sorted tuple of slots, and
+    ``--num-layers`` (slots) to the real layers; ValueError (one line) on bad input."""
+    text = getattr(args, "noop_layers", None)
+    if not isinstance(text, str):  # absent, or already rewritten to a tuple
+        return
+    if getattr(args, "num_layer_list", None):
+        raise ValueError(
+            "--noop-layers and --num-layer-list both place layers: give one (uneven first "
+            "and last stages with noop slots: --decoder-first/last-pipeline-num-layers)"
+        )
+    noop = parse_noop_layers(text)
+    slots = getattr(args, "num_layers", None)
+    if noop and slots is not None:
+        check_noop_layers(noop, slots - len(noop))
+        args.num_layers = slots - len(noop)  # the real layers: the model's own count
+    args.noop_layers = noop
+
+
 class NoopLayers(Feature):
     name = "noop-layers"
     level = 0
@@ -34,21 +53,7 @@ class NoopLayers(Feature):
         )
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
-        text = getattr(args, "noop_layers", None)
-        if not isinstance(text, str):  # absent, or already rewritten to a tuple
-            return
-        if getattr(args, "num_layer_list", None):
-            raise FeatureError(
-                "--noop-layers and --num-layer-list both place layers: give one (uneven first "
-                "and last stages with noop slots: --decoder-first/last-pipeline-num-layers)"
-            )
         try:
-            noop = parse_noop_layers(text)
-            slots = getattr(args, "num_layers", None)
-            if noop and slots is not None:
-                check_noop_layers(noop, slots - len(noop))
+            rewrite_noop_layers(args)
         except ValueError as exc:
             raise FeatureError(str(exc)) from None
-        if noop and slots is not None:
-            args.num_layers = slots - len(noop)  # the real layers: the model's own count
-        args.noop_layers = noop
