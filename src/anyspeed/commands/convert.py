@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-layer-list", default=None, help="layers per pipeline stage, comma-separated (legacy)"
     )
     p.add_argument(
+        "--noop-layers",
+        default=None,
+        help="MindSpeed's empty layer slots, 0-based among the model's layers plus these "
+        "(legacy: they move the stage boundaries; torch_dist loads with or without them)",
+    )
+    p.add_argument(
         "--mtp-num-layers",
         type=int,
         default=None,
@@ -204,6 +210,7 @@ def _hf_to_mg(args: argparse.Namespace) -> None:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         params_dtype=args.params_dtype,
         num_layer_list=args.num_layer_list,
+        noop_layers=args.noop_layers,
         ep=args.target_expert_parallel_size,
         mtp_num_layers=args.mtp_num_layers,
     )
@@ -311,6 +318,7 @@ def _multimodal(
         ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size != 1),
         ("--target-expert-parallel-size", args.target_expert_parallel_size != 1),
         ("--num-layer-list", args.num_layer_list is not None),
+        ("--noop-layers", args.noop_layers is not None),
         ("--mtp-num-layers", args.mtp_num_layers is not None),
         ("--save-lora-to-hf", bool(args.save_lora_to_hf)),
         ("--lora-load", bool(args.lora_load) and not getattr(api, "MERGES_LORA", False)),

@@ -21,6 +21,7 @@ from anyspeed.convert.hf_io import (
     HFCheckpoint,
 )
 from anyspeed.layout import Layout, uneven_stages
+from anyspeed.layout.placement import parse_noop_layers
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.families import mapping_for
 from anyspeed.models.hf import HF_ARCHITECTURES, preset_from_hf
@@ -98,9 +99,11 @@ def check_target(
     num_layer_list: str | None = None,
     ep: int = 1,
     ckpt_format: str = "torch_dist",
+    noop_layers: str | None = None,
 ) -> list[int]:
     """The layers of each pipeline stage; one-line error when Megatron cannot lay the model
-    out at TP x PP (with ``num_layer_list``, MindSpeed-LLM's uneven stages)."""
+    out at TP x PP (with ``num_layer_list``, MindSpeed-LLM's uneven stages; with
+    ``noop_layers``, its empty slots among the model's layers plus these)."""
     if tp < 1 or pp < 1 or ep < 1:
         raise ConvertError(
             "--target-tensor-parallel-size, --target-pipeline-parallel-size and "
@@ -122,7 +125,10 @@ def check_target(
             ep=ep,
             sequence_parallel=tp > 1 and not biased_experts,
             **uneven_stages(pp, None, None, num_layer_list),
+            noop_layers=parse_noop_layers(noop_layers),
         )
+        if num_layer_list and noop_layers:
+            raise ValueError("--noop-layers and --num-layer-list both place layers: give one")
         if num_layer_list and sum(map(int, num_layer_list.split(","))) != preset.num_layers:
             raise ValueError(
                 f"--num-layer-list {num_layer_list} does not add up to the "

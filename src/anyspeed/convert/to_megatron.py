@@ -74,6 +74,7 @@ def hf_to_megatron(
     num_layer_list: str | None = None,
     ep: int = 1,
     mtp_num_layers: int | None = None,
+    noop_layers: str | None = None,
 ) -> Path:
     """Convert an HF directory into a Megatron checkpoint at ``save_dir``.
 
@@ -90,7 +91,7 @@ def hf_to_megatron(
             "torch_dist only"
         )
     preset = with_mtp(preset_of(ck.config, model_type_hf), ck.names, mtp_num_layers)
-    counts = check_target(preset, tp, pp, num_layer_list, ep, ckpt_format)
+    counts = check_target(preset, tp, pp, num_layer_list, ep, ckpt_format, noop_layers)
     _check_hf_tensors(ck, preset)
     if Path(save_dir).exists():
         raise ConvertError(f"--save-dir {save_dir} already exists (nothing was written)")

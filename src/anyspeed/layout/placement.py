@@ -62,8 +62,8 @@ def check_noop_layers(noop: tuple[int, ...], real_layers: int) -> None:
     slots = real_layers + len(noop)
     if noop and noop[-1] >= slots:
         raise ValueError(
-            f"--noop-layers {noop[-1]}: the layers of --num-layers {slots} are numbered 0 to "
-            f"{slots - 1} (the noop layers are counted in --num-layers)"
+            f"--noop-layers {noop[-1]}: the {slots} layer slots (--num-layers, noop ones "
+            f"counted) are numbered 0 to {slots - 1}"
         )
     if noop and real_layers < 1:
         raise ValueError(
