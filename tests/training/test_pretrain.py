@@ -82,6 +82,15 @@ LAYOUTS = {
         "--dualpipev-dw-detach",
     ],
     "dp2-distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+    # MindSpeed's noop slots: the model's 4 layers as 6 slots, stages of 3 and 1 real layers
+    "pp2-noop": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers",
+        "6",
+        "--noop-layers",
+        "4,5",
+    ],
 }
 
 
@@ -143,6 +152,7 @@ RESUMES = {  # checkpoint written at one layout -> resumed at another (model, op
     "pp2->dp2": ("pp2", []),
     # Global layer numbers: the V's checkpoint (model, optimizer) resumes without it.
     "pp2-dualpipev->pp2": ("pp2-dualpipev", LAYOUTS["pp2"]),
+    "pp2-noop->dp2": ("pp2-noop", []),  # the real layers' numbers: no slots needed to resume
     "dp2-distopt->tp2-sp-distopt": (
         "dp2-distopt",
         LAYOUTS["tp2-sp"] + ["--use-distributed-optimizer"],
