@@ -53,6 +53,8 @@ def banner(run: Run, start: int, dp: int) -> str:
     moe = f"EP={lay.ep} ETP={lay.expert_tp} " if m.is_moe else ""
     experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""
     stage = "" if run.stage == "pretrain" else f" --stage {run.stage}"
+    if lay.noop_layers:  # the real layers per rank, where the slots put them
+        experts += f" (+{len(lay.noop_layers)} noop: {lay.stage_layers(m.num_layers)} per rank)"
     return (
         f"{run.prog}{stage}: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
         f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} {moe}{lay.schedule} "
