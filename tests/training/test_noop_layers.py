@@ -216,3 +216,19 @@ def test_legacy_conversion_with_noop_slots_round_trips(tmp_path):
     with pytest.raises(ConvertError, match="numbered 0 to 3"):
         hf_to_megatron(tmp_path / "hf", tmp_path / "bad", pp=2, ckpt_format="legacy",
                        noop_layers="4")  # fmt: skip
+
+
+def test_a_frozen_model_of_another_depth_splits_without_the_slots():
+    """A reward model or teacher of 4 layers beside a policy of 3 real layers in 4 slots: the
+    slots are the policy's, so the other model splits 2 + 2 (with them: 5 slots, no split)."""
+    from anyspeed.errors import UsageError
+    from anyspeed.models import ModelConfig
+    from anyspeed.stages.common.rl.reward_layout import check_fits_layout
+
+    args = argparse.Namespace(pipeline_model_parallel_size=2, num_layers=3, noop_layers=(3,))
+    check_fits_layout(args, ModelConfig(num_layers=4), 2)
+    check_fits_layout(args, ModelConfig(num_layers=3), 2)  # the policy's depth: its slots
+    with pytest.raises(UsageError, match="not divisible"):
+        check_fits_layout(args, ModelConfig(num_layers=5), 2)
+    lay = Layout(pp=2, noop_layers=(3,))
+    assert lay.for_other_model().stage_layers(4) == [2, 2] and lay.stage_layers(3) == [2, 1]

@@ -9,6 +9,7 @@ assertion). The data-parallel size is what the world leaves over: ``layout.dp(wo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -132,6 +133,11 @@ class Layout:
     @property
     def uneven(self) -> bool:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def for_other_model(self) -> Layout:
+        """This layout for a model of another depth (a teacher, a reward model): the noop
+        slots belong to the trained model's layers."""
+        return dataclasses.replace(self, noop_layers=())
 
     @property
     def places_layers(self) -> bool:

@@ -44,7 +44,10 @@ def build_frozen(trainer: Any, specs: dict[str, FrozenModel]) -> dict[str, Froze
             continue
         model = spec.model or trainer.model_config
         build = None if spec.model else trainer.task.build  # another model is a GPT
-        chunks, _ = build_chunks(model, trainer.layout, trainer.cfg, spec.transforms, build)
+        layout = trainer.layout  # noop slots are the trained model's: kept at its depth only
+        if model.num_layers != trainer.model_config.num_layers:
+            layout = layout.for_other_model()
+        chunks, _ = build_chunks(model, layout, trainer.cfg, spec.transforms, build)
         for c in chunks:
             c.eval().requires_grad_(False)
         if spec.load:

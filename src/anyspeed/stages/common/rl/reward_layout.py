@@ -100,7 +100,10 @@ def check_fits_layout(
     from anyspeed.layout.checks import validate_for
 
     try:
-        validate_for(Layout.from_args(args), world, own)
+        layout = Layout.from_args(args)
+        if own.num_layers != args.num_layers:  # noop slots are the trained model's
+            layout = layout.for_other_model()
+        validate_for(layout, world, own)
     except ValueError as exc:
         raise UsageError(f"{flag} at the training layout: {exc}; {fix}") from None
 
