@@ -192,10 +192,6 @@ class Layout:
         """Real decoder layers of each pipeline rank (all its chunks together)."""
         return [sum(map(len, self.chunk_layers(num_layers, r))) for r in range(self.pp)]
 
-    def v_stage_layers(self, num_layers: int) -> list[int]:
-        """DualPipeV: the layers of each of the ``2 x PP`` stages of the V."""
-        return self.virtual_stage_layers(num_layers)
-
     def dp(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks."""
         return world_size // self.model_parallel_size
