@@ -38,6 +38,16 @@ def tiny_hf_model(
     return cfg
 
 
+def hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's ``*.safetensors`` files, by name."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
 def add_mtp_layers(directory: str | Path, n: int = 1, seed: int = 0) -> None:
     """Append ``n`` random multi-token prediction layers to a saved DeepSeek-V3 model as its
     Hugging Face checkpoints keep them (transformers' model has none): HF layers after the last,

@@ -192,12 +192,8 @@ def test_legacy_conversion_with_noop_slots_round_trips(tmp_path):
     """HF -> legacy Megatron at PP 2 with MindSpeed-LLM's --noop-layers (3 layers as 4 slots,
     slot 0 empty: stages of 1 and 2 real layers, each numbered from 0 in its rank file) ->
     HF, bit for bit; a slot beyond the model's layers plus the slots is a one-line error."""
-    import glob
-
-    from safetensors.torch import load_file
-
     from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
-    from helpers.convert_ranks import tiny_hf_model
+    from helpers.convert_ranks import hf_tensors, tiny_hf_model
 
     tiny_hf_model(tmp_path / "hf", "tiny-qwen2.5", seed=1, num_hidden_layers=3)
     hf_to_megatron(tmp_path / "hf", tmp_path / "mg", pp=2, ckpt_format="legacy",
@@ -207,11 +203,7 @@ def test_legacy_conversion_with_noop_slots_round_trips(tmp_path):
         layers = {k.split(".")[2] for k in rank["model"] if k.startswith("decoder.layers.")}
         assert layers == {str(i) for i in range(count)}
     megatron_to_hf(tmp_path / "mg", tmp_path / "back", tmp_path / "hf")
-    a, b = {}, {}
-    for f in glob.glob(str(tmp_path / "hf/*.safetensors")):
-        a.update(load_file(f))
-    for f in glob.glob(str(tmp_path / "back/*.safetensors")):
-        b.update(load_file(f))
+    a, b = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ConvertError, match="numbered 0 to 3"):
         hf_to_megatron(tmp_path / "hf", tmp_path / "bad", pp=2, ckpt_format="legacy",

@@ -8,13 +8,12 @@ every stage; a legacy HF -> Megatron -> HF round trip with ``--num-layer-list`` 
 from __future__ import annotations
 
 import argparse
-import glob
 
 import pytest
 import torch
 
 from anyspeed.layout import Layout
-from helpers.convert_ranks import tiny_hf_model
+from helpers.convert_ranks import hf_tensors, tiny_hf_model
 
 
 @pytest.mark.parametrize(
@@ -55,8 +54,6 @@ def test_bad_stage_flags_are_one_line(flags, message):
 
 
 def test_legacy_round_trip_with_num_layer_list(tmp_path):
-    from safetensors.torch import load_file
-
     from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
 
     tiny_hf_model(tmp_path / "hf", "tiny-qwen2.5", seed=1, num_hidden_layers=3)
@@ -68,11 +65,7 @@ def test_legacy_round_trip_with_num_layer_list(tmp_path):
         "1",
     }
     megatron_to_hf(tmp_path / "mg", tmp_path / "back", tmp_path / "hf")
-    a, b = {}, {}
-    for f in glob.glob(str(tmp_path / "hf/*.safetensors")):
-        a.update(load_file(f))
-    for f in glob.glob(str(tmp_path / "back/*.safetensors")):
-        b.update(load_file(f))
+    a, b = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ConvertError, match="does not add up"):
         hf_to_megatron(tmp_path / "hf", tmp_path / "bad", pp=2, ckpt_format="legacy",
