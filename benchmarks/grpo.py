@@ -42,12 +42,13 @@ def traced_run(cli: list[str]) -> dict:
     return dict(out, tensors=trace.peak())
 
 
-def tokenizer(d: str) -> str:
-    """A word-level tokenizer of VOCAB tokens ``t0 .. t{VOCAB-1}`` saved for transformers."""
+def tokenizer(d: str, size: int = VOCAB) -> str:
+    """A word-level tokenizer of ``size`` tokens ``t0 ..``, the last one the EOS, saved for
+    transformers."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<unk>": VOCAB - 2, "<eos>": VOCAB - 1}
+    vocab = {f"t{i}": i for i in range(size - 2)} | {"<unk>": size - 2, "<eos>": size - 1}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",

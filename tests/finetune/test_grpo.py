@@ -25,6 +25,13 @@ def cli(hf: str, prefix: str, tok: str, *extra: str, iters: int = 2) -> list[str
             "--no-progress-bar", "--seed", "5", *extra]  # fmt: skip
 
 
+def one_and_layouts(one: list[str], argvs: list[list[str]]) -> tuple[dict, list[dict]]:
+    """The history of ``one`` in one process, and of each of ``argvs`` in two."""
+    ref = run_distributed(sft_ranks.posttrain, 1, argv=one, cli=one, timeout=300)[0]
+    out = run_distributed(sft_ranks.posttrain_many, 2, argv=argvs[0], clis=argvs, timeout=600)
+    return ref, out[0]
+
+
 def test_degenerate_cases_and_zero_mismatch(add_prompts, tiny_qwen, hf_tok):
     """lr 0, mu = 2 (two passes over each rollout): the ratio stays exactly 1 (ppo_kl 0, no
     clip); the reference is the policy: KL 0; the rollout's log-probs are the training

@@ -14,15 +14,20 @@ RUN = ["--verifier-function", "helpers.user_rewards:vowels", "--lr-decay-style",
        "--ppo-epochs", "2"]  # fmt: skip
 
 
-def test_resume_is_exact(add_prompts, tiny_qwen, hf_tok, tmp_path):
+def resume_clis(hf: str, prefix: str, tok: str, run: list[str], ck: str) -> list[list[str]]:
+    """4 steps straight, 2 saved at ``ck``, and 2 more resumed from ``ck``."""
     from anyspeed.convert import hf_cache as hf_load
 
-    ck = str(tmp_path / "ck")
-    straight = cli(tiny_qwen, add_prompts, hf_tok, *RUN, iters=4)
-    first = cli(tiny_qwen, add_prompts, hf_tok, *RUN, "--save", ck, "--save-interval", "2",
-                iters=2)  # fmt: skip
-    resumed = hf_load.expand(cli(ck, add_prompts, hf_tok, *RUN, iters=4), tiny_qwen)
+    straight = cli(hf, prefix, tok, *run, iters=4)
+    first = cli(hf, prefix, tok, *run, "--save", ck, "--save-interval", "2", iters=2)
+    resumed = hf_load.expand(cli(ck, prefix, tok, *run, iters=4), hf)
     resumed.remove("--finetune")
+    return [straight, first, resumed]
+
+
+def test_resume_is_exact(add_prompts, tiny_qwen, hf_tok, tmp_path):
+    straight, first, resumed = resume_clis(tiny_qwen, add_prompts, hf_tok, RUN,
+                                           str(tmp_path / "ck"))  # fmt: skip
     whole, a, b = run_distributed(sft_ranks.posttrain_many, 1, argv=straight,
                                   clis=[straight, first, resumed], timeout=300)[0]  # fmt: skip
     assert a["loss"] + b["loss"] == whole["loss"]

@@ -13,7 +13,7 @@ import test_ppo
 import torch
 from test_distill import cli as distill_cli
 from test_distill import teacher  # noqa: F401 - the teacher fixture
-from test_grpo import cli
+from test_grpo import cli, one_and_layouts
 from test_grpo_layouts import tiny_moe  # noqa: F401 - the fixture
 
 from anyspeed.stages.common.rl import packing as P
@@ -143,11 +143,9 @@ def test_packed_layouts_equal_one_padded_process(add_prompts, tiny_qwen, hf_tok)
     """TP2+SP packed by count; PP2 (one packed length for every micro-batch) and DP2 (each
     replica its own number of micro-batches) by a token budget."""
     one = cli(tiny_qwen, add_prompts, hf_tok, *RUN, iters=4)
-    ref = run_distributed(sft_ranks.posttrain, 1, argv=one, cli=one, timeout=300)[0]
     argvs = [cli(tiny_qwen, add_prompts, hf_tok, *RUN, *f, iters=4) for f in LAYOUTS.values()]
-    out = run_distributed(sft_ranks.posttrain_many, 2, argv=argvs[0], clis=argvs, timeout=600)
-    for i, name in enumerate(LAYOUTS):
-        got = out[0][i]
+    ref, out = one_and_layouts(one, argvs)
+    for name, got in zip(LAYOUTS, out, strict=True):
         assert got["metrics"]["grpo/rewards/mean"] == ref["metrics"]["grpo/rewards/mean"], name
         _same(got, ref, ("actor/kl_loss", "actor/entropy"))
 

@@ -218,3 +218,27 @@ def rollout_batches(cli: list[str], rows: list[int], keys: tuple[str, ...]) -> l
     micro = task.rollout(trainer, run.data, np.asarray(rows), range(len(rows)), run.args,
                          torch_device())  # fmt: skip
     return [{k: b[k].cpu().tolist() for k in keys if k in b} for b in micro]
+
+
+def partial_draw(cli: list[str]) -> dict:
+    """The run's first partial rollout (through the task's own drawer) and the same groups
+    sampled whole by ``sample_once`` (each prompt's seeds): every answer's tokens and
+    log-probs."""
+    from anyspeed.stages.common.instruction_data import sample_order
+    from anyspeed.stages.prepare import prepare
+    from anyspeed.stages.table import task_for
+    from anyspeed.training.engine import _start
+
+    run, _ = prepare(cli, command="posttrain")
+    task = task_for(run)
+    trainer, _, _ = _start(run, task)
+    rows = task.cfg.rows
+    order = rows[sample_order((0, len(rows)), 4 * task.cfg.rollout_batch, run.args.seed)]
+    task.partial.drawer(task, trainer, run.data, order, 0, run.args)()
+    flights = task.partial.last.flights
+    whole = task.sample_once(trainer, run.data, [f.row for f in flights],
+                             [(0, f.key) for f in flights], run.args)  # fmt: skip
+    return {"partial": [{"tokens": a.tokens, "logps": a.logps, "rounds": a.rounds}
+                        for f in flights for a in f.answers],
+            "whole": [{"tokens": t, "logps": lp} for t, lp in zip(whole.tokens, whole.logps,
+                                                                 strict=True)]}  # fmt: skip

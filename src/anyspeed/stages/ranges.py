@@ -222,6 +222,7 @@ RANGES: dict[str, Range] = {
     "--critic-lr": NONNEG,
     "--cliprange-value": NONNEG,
     "--max-packing-token-size": POSITIVE,
+    "--partial-rollout-max-split": POSITIVE,
     "--critic-warmup": COUNT,
     "--clip-ratio-c": NONNEG,
     "--rollout-rs-threshold": STRICTLY_POSITIVE,

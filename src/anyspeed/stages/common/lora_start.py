@@ -27,3 +27,15 @@ def lora_start(lora_cfg: Any, run: Run, trainer: Trainer, scheduler: Any, state:
     if lora_cfg.load:
         resume(run, trainer, scheduler, state, root=lora_cfg.load, flag="--lora-load")
     return True
+
+
+def resumed_dir(lora_cfg: Any, run: Run) -> str | None:
+    """The iteration directory a run resumes from (``--lora-load``'s under LoRA, else
+    ``--load``'s without ``--finetune``), where a task keeps its own state; None: a new
+    start."""
+    from anyspeed.checkpoint.reads import tracked_dir
+
+    root = lora_cfg.load if lora_cfg is not None else None
+    if lora_cfg is None and run.load and not run.args.finetune:
+        root = run.load
+    return tracked_dir(root) if root else None

@@ -49,7 +49,7 @@ class CriticTask(Task):
     ) -> None:
         self.clip, self.agg, self.max_response, self.packed = clip, agg, max_response, packed
         self.lora = critic_lora(lora)
-        self.lora_load = lora.load if lora else None  # where a LoRA run resumes from
+        self.lora_cfg = lora  # the policy's LoRA: where a LoRA run resumes from
 
     def transforms(self) -> list[Any]:
         from anyspeed.models.reward_head import reward_head
@@ -141,14 +141,10 @@ class Critic:
             load_checkpoint(resumed, model, opt, self.scheduler)
 
     def _resume_dir(self, run: Run) -> str | None:
-        """The critic inside the checkpoint the policy resumes from (``--lora-load``'s under
-        LoRA, else ``--load``'s without ``--finetune``); None: a new start."""
-        from anyspeed.checkpoint.reads import tracked_dir
+        """The critic inside the checkpoint the policy resumes from; None: a new start."""
+        from anyspeed.stages.common.lora_start import resumed_dir
 
-        root = self.task.lora_load if self.task.lora else None
-        if not self.task.lora and run.load and not run.args.finetune:
-            root = run.load
-        at = tracked_dir(root) if root else None
+        at = resumed_dir(self.task.lora_cfg, run)
         if at is not None and os.path.isdir(os.path.join(at, SUBDIR)):
             return os.path.join(at, SUBDIR)
         return None

@@ -48,7 +48,7 @@ class PPOTask(PolicyTask):
         self.critic.start(self.run, self.cfg.extra.load)
 
     def hooks(self, run: Run) -> list[Any]:
-        return [SaveCritic(self)]
+        return [SaveCritic(self), *super().hooks(run)]
 
     def warmup_rollouts(self) -> int:
         return self.cfg.extra.warmup

@@ -15,7 +15,7 @@ import argparse
 from typing import Any
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.common.rl import correction, multiturn, packing
+from anyspeed.stages.common.rl import correction, multiturn, packing, partial
 from anyspeed.stages.common.rl import objective as L
 
 # --rl-config keys (MindSpeed-RL's rl_config / generate_config names) -> flags
@@ -66,6 +66,7 @@ YAML_KEYS = {
     "use_remove_padding": "--use-remove-padding",
     "use_dynamic_bsz": "--use-dynamic-bsz",
     "max_packing_token_size": "--max-packing-token-size",
+    "partial_rollout_max_split": "--partial-rollout-max-split",
 }
 
 
@@ -131,6 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the rollout's EP size (default: training's; see --infer-tensor-parallel-size)",
     )
     packing.add_arguments(g)
+    partial.add_arguments(g)
     _add_objective(g)
 
 

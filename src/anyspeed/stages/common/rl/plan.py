@@ -59,6 +59,7 @@ class RLConfig:
     process_reward: Any = None  # process_reward.PRMSource: a PRM scoring each sample's steps
     tools: Any = None  # multi-turn rollouts with tool calls (multiturn.ToolConfig), None: off
     packing: Any = None  # remove-padding / dynamic batch size (packing.Packing), None: padded
+    partial: Any = None  # partial rollout (partial.PartialConfig), None: each rollout whole
 
 
 def _data_parallel(args: argparse.Namespace) -> int:
@@ -109,6 +110,20 @@ def _check_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     return rbs, steps, prompt
 
 
+def _check_decoding(args: argparse.Namespace) -> None:
+    """What the rollout's decoding needs: CP 1 and a tokenizer."""
+    if args.context_parallel_size > 1:
+        raise UsageError(
+            f"--stage {args.stage} with --context-parallel-size > 1 is not supported (the "
+            "rollout decodes at CP 1); use CP 1"
+        )
+    if args.tokenizer_name_or_path is None:
+        raise UsageError(
+            f"--stage {args.stage} decodes its samples for the rewards: pass "
+            "--tokenizer-name-or-path (or --load an HF directory)"
+        )
+
+
 def rl_plan(
     args: argparse.Namespace,
     extra: Any = None,
@@ -120,21 +135,12 @@ def rl_plan(
     named and no reward model scores; ``fields``: :class:`RLConfig` fields the stage sets."""
     from anyspeed.stages.common.instruction_data import one_prefix
     from anyspeed.stages.common.reference import reference
-    from anyspeed.stages.common.rl import correction, multiturn, packing
+    from anyspeed.stages.common.rl import correction, multiturn, packing, partial
     from anyspeed.stages.common.rl import prompts as prompt_data
     from anyspeed.training import lora
 
     prefix = one_prefix(args, "prompt")
-    if args.context_parallel_size > 1:
-        raise UsageError(
-            f"--stage {args.stage} with --context-parallel-size > 1 is not supported (the "
-            "rollout decodes at CP 1); use CP 1"
-        )
-    if args.tokenizer_name_or_path is None:
-        raise UsageError(
-            f"--stage {args.stage} decodes its samples for the rewards: pass "
-            "--tokenizer-name-or-path (or --load an HF directory)"
-        )
+    _check_decoding(args)
     rbs, steps, prompt = _check_sizes(args)
     packed = packing.from_args(args)
     reshard = _rollout_layout(args)
@@ -185,6 +191,7 @@ def rl_plan(
         process_reward=prm,
         tools=multiturn.from_args(args),
         packing=packed,
+        partial=partial.from_args(args),
         **fields,
     )
     records = lora_cfg.record().to_common() if lora_cfg else {}

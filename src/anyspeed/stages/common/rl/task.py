@@ -12,7 +12,7 @@ recomputed ones (``rollout/logp_mismatch``) is the rollout/training mismatch.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ import torch
 
 from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import per_token_loss
-from anyspeed.stages.common.rl import correction, multiturn, process_reward, reward_model
+from anyspeed.stages.common.rl import correction, multiturn, partial, process_reward, reward_model
 from anyspeed.stages.common.rl import objective as L
 from anyspeed.stages.common.rl.batches import (
     STATS,
@@ -32,6 +32,7 @@ from anyspeed.stages.common.rl.batches import (
     mismatch,
     steps_of,
 )
+from anyspeed.stages.common.rl.sampling import Sampling
 from anyspeed.training.packed_rows import model_inputs, to_packed, to_rows
 from anyspeed.training.task import FrozenModel, LossFunc, Task
 
@@ -51,7 +52,7 @@ class _Clock:
     reshard: float = 0.0
 
 
-class PolicyTask(Task):
+class PolicyTask(Sampling, Task):
     """Colocated policy optimisation: rollouts between optimizer steps, then clipped
     policy-gradient updates (GRPO's group advantages unless a stage computes its own)."""
 
@@ -71,9 +72,15 @@ class PolicyTask(Task):
         self.roller: Any = None  # the rollout model at TP 1 x DP world (--infer-* 1 1)
         self.stat_names = STATS + (TOOL_STATS if cfg.tools else ())
         self.stat_names += PRM_STATS if cfg.process_reward else ()
-        self.metrics = ACTOR + self.stat_names + (correction.METRICS if cfg.correction else ())
         self.turns = multiturn.tool_turns(cfg, run, self.eos)  # multi-turn rollouts (--tools)
         self.tool_stats: Any = None  # this rollout's (multiturn.ToolStats)
+        self.partial: Any = None  # the answers in flight (--partial-rollout-max-split)
+        if cfg.partial is not None:
+            from anyspeed.stages.common.rl.partial_draw import PartialRollouts
+
+            self.partial = PartialRollouts(cfg, self.eos)
+            self.stat_names += partial.STATS
+        self.metrics = ACTOR + self.stat_names + (correction.METRICS if cfg.correction else ())
 
     # ---------------------------------------------------------------- the task interface
     def transforms(self) -> list[Any]:
@@ -102,6 +109,9 @@ class PolicyTask(Task):
         if self.cfg.beta == 0:
             return {}
         return reference_record(self.cfg.lora, self.reference, self.cfg.reference_iteration)
+
+    def hooks(self, run: Run) -> list[Any]:
+        return [self.partial.saver()] if self.partial is not None else []
 
     def load(self, run: Run, trainer: Trainer, scheduler: Any, state: LoopState) -> bool:
         from anyspeed.stages.common.lora_start import lora_start
@@ -226,8 +236,13 @@ class PolicyTask(Task):
         skip = (consumed // gbs) % c.steps_per_rollout
         n = (args.train_iters // c.steps_per_rollout + 2 + warm) * c.rollout_batch
         order = rows[sample_order((0, len(rows)), n, args.seed)]
+        if self.partial is not None:
+            self.partial.resume(self.cfg.lora, run)
 
         def rollout(at: int) -> list[dict[str, Any]]:
+            if self.partial is not None:  # groups from the buffer of answers in flight
+                draw = self.partial.drawer(self, trainer, data, order, at, args)
+                return self.rolled(trainer, draw, args, device)
             start = at * c.rollout_batch + rank * per_rank
             where = range(start, start + per_rank)
             return self.rollout(trainer, data, order[where.start : where.stop], where, args, device)
@@ -258,6 +273,21 @@ class PolicyTask(Task):
     ) -> list[dict[str, Any]]:
         """One rollout of this replica's prompts: sampled, rewarded, with old/reference
         log-probs and the rollout's global statistics on every micro-batch."""
+
+        def draw() -> tuple[Rollout, list[float]]:
+            return self.sample(trainer, data, prompt_rows, positions, args), []
+
+        return self.rolled(trainer, draw, args, device)
+
+    def rolled(
+        self,
+        trainer: Trainer,
+        draw: Callable[[], tuple[Rollout, list[float]]],
+        args: Any,
+        device: torch.device,
+    ) -> list[dict[str, Any]]:
+        """The micro-batches of the rollout ``draw`` samples (with its own statistics after
+        the rollout's): old/reference log-probs, the stage's preparation, the statistics."""
         clock = _Clock()
         if self.cfg.reshard:
             from anyspeed.stages.common.rl.rollout_model import RolloutModel
@@ -269,7 +299,7 @@ class PolicyTask(Task):
             from anyspeed.stages.common.rl.multiturn import ToolStats
 
             self.tool_stats = ToolStats()
-        roll = self.sample(trainer, data, prompt_rows, positions, args)
+        roll, own = draw()
         clock.rollout = time.perf_counter() - t0
         micro = micro_batches(roll, args, self.pad, device, self.cfg.packing)
         t0 = time.perf_counter()
@@ -295,79 +325,8 @@ class PolicyTask(Task):
         stats = global_stats(roll, mismatch(micro), clock, device, self.tool_stats)
         if self.cfg.process_reward:
             stats = torch.cat([stats, self.scorer.prm_stats(device).to(stats.dtype)])
+        if own:
+            stats = torch.cat([stats, torch.tensor(own, dtype=stats.dtype, device=device)])
         for b in micro:
             b["stats"] = stats
         return micro
-
-    def sample(
-        self, trainer: Trainer, data: Any, prompt_rows: np.ndarray, positions: range, args: Any
-    ) -> Rollout:
-        """Sample, score and (with ``--filter-groups``) refill: groups whose rewards are all
-        equal carry no signal and are replaced by new prompts' groups, up to
-        ``--max-num-gen-batches`` tries (then kept, with zero advantage)."""
-        from megatron.core import parallel_state as ps
-
-        c = self.cfg
-        want, kept, dropped, tries = len(prompt_rows), [], [], 0
-        rows, at = list(prompt_rows), list(positions)
-        extra = np.random.default_rng([args.seed, positions.start, ps.get_data_parallel_rank()])
-        while True:
-            roll = self.sample_once(trainer, data, rows, [(tries, p) for p in at], args)
-            if tries == 0 or len(kept) < want:  # a replica that is full samples in step
-                for g in roll.groups():
-                    (kept if not c.filter_groups or g.has_signal() else dropped).append(g)
-            tries += 1
-            if tries >= c.max_gen_batches or not multiturn.anyone(len(kept) < want):
-                break
-            rows = list(extra.choice(c.rows, size=max(1, want - len(kept))))
-            at = [positions.start + i for i in range(len(rows))]
-        return Rollout.join(kept[:want] + dropped[: max(0, want - len(kept))], want, len(kept))
-
-    def sample_once(
-        self, trainer: Trainer, data: Any, rows: list[int], keys: list[tuple[int, int]], args: Any
-    ) -> Rollout:
-        """Sample the groups of ``rows``; each sample draws from its own generator, seeded by
-        (try, the prompt's place in the global order, the sample): the same tokens at every
-        data-parallel size."""
-        from anyspeed.inference.decode import Kept, Request
-        from anyspeed.inference.generate import decode
-        from anyspeed.inference.sampling import SamplingParams
-
-        c = self.cfg
-        prompts = [[int(t) for t in data.input_ids[i]] for i in rows]
-        answers = [decode(self.tok, [int(t) for t in data.labels[i]]) for i in rows]
-        seeds = tuple(
-            (args.seed * 1_000_003 + t * 7919 + p * 131 + s) % 2**62
-            for t, p in keys
-            for s in range(c.group)
-        )
-        req = Request(
-            c.max_response,
-            SamplingParams(False, c.temperature, c.top_k, c.top_p),
-            eos_ids=self.eos,
-            pad_id=self.pad,
-            row_seeds=seeds,
-            max_length=args.seq_length,
-            vocab_size=self.vocab,
-            lockstep=args.expert_model_parallel_size > 1,
-        )
-        rep = [p for p in prompts for _ in range(c.group)]
-        roller = self.roller
-        sampler = roller.sample if roller else trainer.sample
-        kept = Kept() if self.turns is not None and not req.lockstep else None
-        tokens, lps = sampler(rep, req, kept=kept)
-        masks, finals = None, tokens
-        if self.turns is not None:  # tool calls answered, sampling continued from the cache
-            traj = self.turns.run(sampler, rep, tokens, lps, req, kept)
-            tokens, lps, masks = traj.tokens, traj.logps, traj.masks
-            self.tool_stats.merge(traj.stats)
-            finals = [t[at:] for t, at in zip(tokens, traj.last, strict=True)]  # the last turn
-        labels = [a for a in answers for _ in range(c.group)]
-        scores = self.scorer.scores(trainer, rep, tokens, finals, labels, args)
-        rew = torch.tensor(scores, dtype=torch.float64)
-        if c.adv_estimator in L.GROUP_ADVANTAGES:
-            adv = L.group_advantages(rew, c.group, c.adv_estimator)
-        else:  # a critic's (set per token by the stage's prepare)
-            adv = torch.zeros_like(rew)
-        step_r, step_a = process_reward.token_terms(self.scorer.steps, tokens, c, adv)
-        return Rollout(rep, tokens, lps, rew, adv, c.group, len(rows), masks, step_r, step_a)
