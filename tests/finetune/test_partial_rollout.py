@@ -9,7 +9,9 @@ one line; TP2, PP2 and DP2 equal one process (``-m slow``)."""
 from __future__ import annotations
 
 import pytest
+import test_ppo
 from test_grpo import cli, one_and_layouts
+from test_grpo_layouts import tiny_moe  # noqa: F401 - the fixture
 from test_grpo_resume import resume_clis
 
 from anyspeed.stages.common.rl.partial import Buffer, PartialConfig
@@ -113,13 +115,19 @@ def test_continued_answers_equal_whole_ones(add_prompts, tiny_qwen, hf_tok):
 
 
 def test_run_stitches_log_probs_and_resumes_exactly(add_prompts, tiny_qwen, hf_tok, tmp_path):
-    """lr 0: the stitched rollout log-probs are the recomputed ones within 1e-5 and every
-    group after the first rollout was carried over; learning, tokens sampled by an older
-    policy differ from the new one's. 4 steps straight equal 2 saved + 2 resumed."""
+    """lr 0: the stitched rollout log-probs are the recomputed ones within 1e-5 (GRPO, and
+    PPO with its critic) and every group after the first rollout was carried over; learning,
+    tokens sampled by an older policy differ from the new one's. 4 steps straight equal 2
+    saved + 2 resumed."""
     lr0 = cli(tiny_qwen, add_prompts, hf_tok, *RUN, "--lr", "0", iters=4)
-    clis = [lr0, *resume_clis(tiny_qwen, add_prompts, hf_tok, RUN, str(tmp_path / "ck"))]
-    zero, whole, a, b = run_distributed(sft_ranks.posttrain_many, 1, argv=lr0, clis=clis,
-                                        timeout=300)[0]  # fmt: skip
+    ppo = test_ppo.cli(tiny_qwen, add_prompts, hf_tok, "--partial-rollout-max-split", "4",
+                       "--lr", "0", "--rollout-batch-size", "4", iters=4)  # fmt: skip
+    clis = [lr0, ppo, *resume_clis(tiny_qwen, add_prompts, hf_tok, RUN, str(tmp_path / "ck"))]
+    zero, critic, whole, a, b = run_distributed(sft_ranks.posttrain_many, 1, argv=lr0,
+                                                clis=clis, timeout=300)[0]  # fmt: skip
+    # PPO: the critic's values and GAE read the stitched answers as they read whole ones
+    assert max(critic["metrics"]["rollout/logp_mismatch_max"]) <= TOL
+    assert critic["metrics"]["partial_rollout/age"][-1] == 1.0
     m = zero["metrics"]
     assert max(m["rollout/logp_mismatch_max"]) <= TOL
     assert m["partial_rollout/age"][2:] == [1.0, 1.0]  # rollout 1 trains rollout 0's leftovers
@@ -150,8 +158,11 @@ def test_bad_flags_are_one_line(extra, message, add_prompts, tiny_qwen, hf_tok, 
     assert message in _error(capsys, cli(tiny_qwen, add_prompts, hf_tok, *extra))
 
 
+INFER_1 = ["--infer-tensor-parallel-size", "1", "--infer-pipeline-parallel-size", "1",
+           "--infer-expert-parallel-size", "1"]  # fmt: skip
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
+    "tp2-rollout-tp1": ["--tensor-model-parallel-size", "2", *INFER_1],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "dp2": ["--use-distributed-optimizer"],
 }
@@ -160,7 +171,8 @@ LAYOUTS = {
 @pytest.mark.slow
 def test_layouts_equal_one_process(add_prompts, tiny_qwen, hf_tok):
     """The global buffer draws the same groups at every layout (DP2: each round's answers
-    split over the replicas): 4 steps within 1e-5 of one process."""
+    split over the replicas; TP2 rolling out at TP1 x DP2: the rollout model's share of the
+    rows): 4 steps within 1e-5 of one process."""
     one = cli(tiny_qwen, add_prompts, hf_tok, *RUN, iters=4)
     argvs = [cli(tiny_qwen, add_prompts, hf_tok, *RUN, *f, iters=4) for f in LAYOUTS.values()]
     ref, out = one_and_layouts(one, argvs)
@@ -169,3 +181,46 @@ def test_layouts_equal_one_process(add_prompts, tiny_qwen, hf_tok):
             assert got["metrics"][k] == ref["metrics"][k], (name, k)
         assert got["loss"] == pytest.approx(ref["loss"], rel=TOL, abs=1e-7), name
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=TOL), name
+
+
+@pytest.fixture(scope="module")
+def early_eos_moe(tiny_moe, hf_tok, tmp_path_factory) -> str:  # noqa: F811
+    """The tiny Qwen3-MoE with its output row of the EOS along the mean final hidden state,
+    scaled until answers end at about 5% of their tokens: answers of many lengths, and rounds
+    whose unfinished answers do not split evenly over two replicas."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(hf_tok).eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 400, (8, 24), generator=gen)
+    with torch.no_grad():
+        h = model(ids, output_hidden_states=True).hidden_states[-1]
+        row = h.reshape(-1, h.shape[-1]).mean(0)
+        for _ in range(20):  # double the row until an answer ends at ~5% of its tokens
+            model.lm_head.weight[eos] = row
+            if model(ids).logits.softmax(-1)[..., eos].mean() > 0.05:
+                break
+            row = row * 2
+    d = str(tmp_path_factory.mktemp("eos_moe"))
+    model.save_pretrained(d)
+    return d
+
+
+@pytest.mark.slow
+def test_moe_at_ep2_equals_one_process(add_prompts, hf_tok, early_eos_moe):
+    """A Qwen3-MoE at EP2 decodes in lockstep across the replicas: a round's shares are
+    padded to one row count (rounds of odd counts); the same rollouts, loss and grad norm as
+    one process."""
+    from anyspeed.convert import hf_cache as hf_load
+
+    one = cli(early_eos_moe, add_prompts, hf_tok, *RUN, "--init-kl-coef", "0", iters=4)
+    ep = one + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
+    ref, (two,) = one_and_layouts(one, [hf_load.expand(ep, early_eos_moe)])
+    lengths = ref["metrics"]["response_length/min"] + ref["metrics"]["response_length/mean"]
+    assert min(lengths) < 16  # answers ended early: rounds of odd counts
+    for k in ("grpo/rewards/mean", "partial_rollout/age", "partial_rollout/rounds"):
+        assert two["metrics"][k] == ref["metrics"][k], k
+    assert two["loss"] == pytest.approx(ref["loss"], rel=TOL, abs=1e-7)
+    assert two["grad_norm"] == pytest.approx(ref["grad_norm"], rel=TOL)

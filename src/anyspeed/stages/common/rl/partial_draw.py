@@ -113,7 +113,8 @@ def _prompt(data: Any, row: int) -> list[int]:
 def _continuer(task: Any, trainer: Trainer, data: Any, args: Any) -> Continue:
     """A round's sampling: the answers split in contiguous shares over the data-parallel
     replicas, each continued from its prompt and tokens so far with its own seed (the
-    sample's round), and every replica's results gathered back in order."""
+    sample's round), and every replica's results gathered back in order. Replicas that
+    decode in lockstep (experts across them) pad their shares to one row count."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -129,11 +130,14 @@ def _continuer(task: Any, trainer: Trainer, data: Any, args: Any) -> Continue:
         seeds = tuple(row_seed(args.seed, f.answers[i].rounds, f.key, i) for f, i in mine)
         req = task.request(budget, seeds, args)
         got: tuple[list[list[int]], list[list[float]]] = ([], [])
-        if prompts:
-            got = sampler(prompts, req)
-        elif req.lockstep:  # every rank runs the same forwards: decode a row and drop it
+        if req.lockstep:  # every rank runs the same forwards: as many rows, extra ones dropped
             f, i = items[0]
-            sampler([_prompt(data, f.row) + f.answers[i].tokens], task.request(budget, (0,), args))
+            extra = -(-n // dp) - len(mine)
+            prompts += [_prompt(data, f.row) + f.answers[i].tokens] * extra
+            req = task.request(budget, seeds + (0,) * extra, args)
+        if prompts:
+            toks, lps = sampler(prompts, req)
+            got = (toks[: len(mine)], lps[: len(mine)])
         if dp == 1:
             return list(zip(*got, strict=True))
         shares: list[Any] = [None] * dp
