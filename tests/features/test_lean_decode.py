@@ -57,6 +57,29 @@ def test_lean_step_equals_megatron_forward(ranks: list[dict], case: str) -> None
     assert seen == 5  # TP2 and PP2 on two ranks, TP1
 
 
+@pytest.mark.parametrize("case", sorted(decode_ranks.CASES))
+def test_ended_rows_leave_the_batch(ranks: list[dict], case: str) -> None:
+    """Rows that end at different steps leave the batch and its KV cache (at a quarter of the
+    rows ended): every row's tokens equal the row decoded alone, greedily and sampled with a
+    generator per row, and its log-probs within 1e-5 (bf16: 3e-2), at TP1, TP2 and PP2."""
+    seen = 0
+    for rank in ranks:
+        for key, value in rank.items():
+            if not (isinstance(key, tuple) and key[0] == "compact" and key[2] == case):
+                continue
+            seen += 1
+            for mode, ((tokens, lps), alone, sizes) in value.items():
+                msg = f"{case} {key[1]} {mode}"
+                assert sizes and sizes[0] < 5 and sizes == sorted(sizes, reverse=True), msg
+                assert len({len(t) for t in tokens}) > 1, msg  # the rows ended apart
+                for row, (want, want_lp), lp in zip(tokens, alone, lps, strict=True):
+                    assert row == want, msg
+                    tol = 3e-2 if case == "bf16" else 1e-5
+                    torch.testing.assert_close(torch.tensor(lp), torch.tensor(want_lp),
+                                               rtol=0, atol=tol, msg=msg)  # fmt: skip
+    assert seen == 5
+
+
 def test_stop_strings_end_each_row_where_its_text_first_holds_one(ranks: list[dict]) -> None:
     """Against the run without a stop string: each row ends at the first token whose text
     contains the stop string (leading whitespace dropped), the other rows run on."""

@@ -84,6 +84,7 @@ def lean_vs_megatron(layouts: list[tuple[int, int]], steps: int) -> dict:
                 megatron = _steps(model, False, steps, fed)[0]
                 order = STEP_ORDER[-2:]  # (lean run, Megatron's run)
                 out[f"tp{tp}pp{pp}", name] = (lean, megatron, n, order)
+                out["compact", f"tp{tp}pp{pp}", name] = _compacted(model)
             if name == "gqa-swiglu" and (tp, pp) == layouts[0]:
                 out["stop"] = _stopped(model)
                 out["likelihood"] = _likelihoods(model)
@@ -106,6 +107,47 @@ def _models(tp: int, pp: int):
         torch.manual_seed(0)
         config = gpt.transformer_config(cfg, layout, bf16=name == "bf16")
         yield name, [c.eval() for c in gpt.build_chunks(cfg, config, layout)]
+
+
+def _compacted(model: list) -> dict:
+    """Per mode (greedy; sampled with a generator per row): a batch whose rows end at
+    different steps (EOS ids taken from the rows' free greedy runs), decoded with its ended
+    rows leaving the batch; each row decoded alone; the batches the decode loop cut down to."""
+    from dataclasses import replace
+
+    from anyspeed.inference.decode import Request, Stepper, sample
+    from anyspeed.inference.sampling import SamplingParams
+
+    prompts = [*PROMPTS, [1, 2, 3], [200, 7, 7, 9, 4]]
+    cut: list[int] = []
+    keep_rows = Stepper.keep_rows
+
+    def counted(self, rows):
+        kept = keep_rows(self, rows)
+        cut.extend([len(rows)] if kept else [])
+        return kept
+
+    Stepper.keep_rows = counted
+    out = {}
+    modes = {"greedy": (SamplingParams(), None),
+             "sampled": (SamplingParams(greedy=False), (11, 12, 13, 14))}  # fmt: skip
+    try:
+        for mode, (params, seeds) in modes.items():
+            free = sample(model, prompts, Request(12, params, row_seeds=seeds))[0]
+            eos = (free[0][2], free[1][5], free[2][8])  # ids the rows reach at steps 3, 6, 9
+            req = Request(12, params, eos_ids=eos, row_seeds=seeds)
+            cut.clear()
+            batch = sample(model, prompts, req, logprobs=True)
+            sizes = list(cut)
+            alone = []
+            for i, p in enumerate(prompts):
+                one = replace(req, row_seeds=seeds[i : i + 1] if seeds else None)
+                toks, lps = sample(model, [p], one, logprobs=True)
+                alone.append((toks[0], lps[0]))
+            out[mode] = (batch, alone, sizes)
+    finally:
+        Stepper.keep_rows = keep_rows
+    return out
 
 
 def detokenize(ids: list[int]) -> str:

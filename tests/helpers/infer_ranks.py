@@ -18,9 +18,11 @@ def _model(ckpt: str, tp: int, pp: int):
 
 
 def generation_cases(ckpt: str, layouts: list[tuple[int, int]], prompts: list[list[int]],
-                     new_tokens: int, vocab: int, beam_tokens: int = 12) -> dict:  # fmt: skip
+                     new_tokens: int, vocab: int, beam_tokens: int = 12,
+                     eos: tuple[int, ...] = ()) -> dict:  # fmt: skip
     """Per layout: greedy tokens with and without the cache (the batch, left-padded), seeded
-    samples (twice), beam search with and without the cache, seeded beam sampling (twice)."""
+    samples (twice), beam search with and without the cache, seeded beam sampling (twice);
+    with ``eos``, greedy tokens that end at those ids (ended rows leave the batch)."""
     from anyspeed.inference.beam import beam_search
     from anyspeed.inference.decode import Request, generate
     from anyspeed.inference.sampling import SamplingParams
@@ -36,6 +38,9 @@ def generation_cases(ckpt: str, layouts: list[tuple[int, int]], prompts: list[li
             res[f"seconds_kv{int(cache)}"] = time.perf_counter() - t0
             beam_req = Request(beam_tokens, use_kv_cache=cache, vocab_size=vocab)
             res[f"beam_kv{int(cache)}"] = beam_search(model, prompts[0], beam_req, beams=3)
+        if eos:
+            res["greedy_eos"] = generate(model, prompts, Request(new_tokens, eos_ids=eos,
+                                                                 vocab_size=vocab))  # fmt: skip
         params = SamplingParams(greedy=False, temperature=0.8, top_k=40, top_p=0.9)
         for run in (1, 2):
             req = Request(new_tokens, params=params, seed=7, vocab_size=vocab)

@@ -1,7 +1,8 @@
 """Generation with Qwen3-Next's hybrid cache (keys and values for the gated attention layer, the
 convolution's last inputs and the delta rule's state for the DeltaNet layers): greedy tokens of
 a left-padded batch with the cache equal transformers' ``generate`` of each prompt alone, at TP1
-and TP2 (``-m slow``); without the cache too; beam search with the cache (the states follow the
+and TP2 (``-m slow``); without the cache too; with rows ending apart (ended rows leave the batch
+and the DeltaNet states); beam search with the cache (the states follow the
 beams) equals beam search without it."""
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def converted(tmp_path_factory) -> tuple[Path, list[list[int]]]:
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_greedy_with_cache_equals_transformers(converted, tp: int) -> None:
     mg, want = converted
+    eos = (want[0][3], want[1][7])  # rows end apart: ended ones leave the batch and states
     got = run_distributed(infer_ranks.generation_cases, tp, ckpt=str(mg), layouts=[(tp, 1)],
-                          prompts=PROMPTS, new_tokens=12, vocab=512, beam_tokens=6,
+                          prompts=PROMPTS, new_tokens=12, vocab=512, beam_tokens=6, eos=eos,
                           timeout=900)[0][f"tp{tp}pp1"]  # fmt: skip
     assert got["greedy_kv1"] == want
     assert got["greedy_kv0"] == want
     assert got["beam_kv1"] == got["beam_kv0"]
+    ended = [next((row[: i + 1] for i, t in enumerate(row) if t in eos), row) for row in want]
+    assert got["greedy_eos"] == ended
+    assert len({len(r) for r in ended}) > 1

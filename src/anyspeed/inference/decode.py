@@ -50,6 +50,10 @@ class Request:
     # contains one of ``stop`` (the tokens that complete it are kept, as at an EOS).
     stop: tuple[str, ...] = ()
     detokenize: Callable[[list[int]], str] | None = None
+    # Rows that have ended leave the batch and its KV cache (once a quarter of the rows left
+    # have): later steps compute only the rows still decoding. Done where it changes no
+    # token (greedy, or a generator per row) and no caller needs the batch whole.
+    compact: bool = True
 
     def stops(self, new: list[int]) -> bool:
         """Whether a row with new tokens ``new`` ends here (an EOS or a stop string)."""
@@ -123,38 +127,41 @@ def sample(
         steps = token_budget(batch.tokens.shape[1], req)
         total = batch.tokens.shape[1] + steps
         stepper = Stepper(model, batch, total, req.use_kv_cache, req.vocab_size)
-    out = _decode(stepper, len(prompts), req, on_tokens, logprobs)
+    # finished rows leave the batch where no one needs the batch whole afterwards (a kept
+    # cache), the ranks need not step the same rows (lockstep), and the other rows' tokens do
+    # not depend on them (greedy, or a generator per row)
+    compact = req.compact and kept is None and not req.lockstep
+    compact = compact and (req.params.greedy or bool(req.row_seeds))
+    out = _decode(stepper, len(prompts), req, on_tokens, logprobs, compact)
     if kept is not None:
         kept.stepper, kept.rows = stepper, None
     return out
 
 
 def _decode(
-    stepper: Stepper, n: int, req: Request, on_tokens: OnTokens | None, logprobs: bool
+    stepper: Stepper,
+    n: int,
+    req: Request,
+    on_tokens: OnTokens | None,
+    logprobs: bool,
+    compact: bool = False,
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """Step ``stepper`` until every row of ``n`` ends or its budget is spent."""
+    """Step ``stepper`` until every row of ``n`` ends or its budget is spent. With
+    ``compact``, once a quarter of the rows still in the batch have ended they leave it (and
+    its KV cache): the later steps compute only the rows still sampling."""
     steps = stepper.total - stepper.seq.shape[1]
     gen = torch.Generator().manual_seed(req.seed)
     rows = [torch.Generator().manual_seed(s) for s in req.row_seeds] if req.row_seeds else None
     out: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
     done = [False] * n
+    live = list(range(n))  # the rows in the stepper's batch, in its order
     for _ in range(steps):
-        logits = stepper.logits()
-        chosen = torch.zeros(n, dtype=torch.int64)
-        lp = torch.zeros(n, dtype=torch.float32)
-        if logits is not None:
-            chosen = next_tokens(logits, req.params, gen, rows)
-        if logits is not None:
-            if logprobs:
-                scaled = logits.float() / (1.0 if req.params.greedy else req.params.temperature)
-                lp = torch.log_softmax(scaled, -1).gather(1, chosen[:, None])[:, 0]
-        chosen = share(chosen)
-        lp = share(lp) if logprobs else lp
-        fresh: list[int | None] = []
-        for i, (tok, p) in enumerate(zip(chosen.tolist(), lp.tolist(), strict=True)):
-            fresh.append(None if done[i] else tok)
+        chosen, lp = _choose(stepper, live, req, gen, rows, logprobs)
+        fresh: list[int | None] = [None] * n
+        for i, tok, p in zip(live, chosen.tolist(), lp.tolist(), strict=True):
             if not done[i]:
+                fresh[i] = tok
                 out[i].append(tok)
                 lps[i].append(p)
                 done[i] = req.stops(out[i])
@@ -163,7 +170,34 @@ def _decode(
             on_tokens(fresh)
         if _widest(int(not all(done))) == 0 if req.lockstep else all(done):
             break
+        ended = [j for j, i in enumerate(live) if done[i]]
+        if compact and 4 * len(ended) >= len(live):
+            keep = [j for j, i in enumerate(live) if not done[i]]
+            compact = stepper.keep_rows(keep)
+            live = [live[j] for j in keep] if compact else live
     return out, lps
+
+
+def _choose(
+    stepper: Stepper,
+    live: list[int],
+    req: Request,
+    gen: torch.Generator,
+    rows: list[torch.Generator] | None,
+    logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row of the batch (rows ``live``) and its log-probability under
+    the sampling temperature, the same on every rank."""
+    logits = stepper.logits()
+    chosen = torch.zeros(len(live), dtype=torch.int64)
+    lp = torch.zeros(len(live), dtype=torch.float32)
+    if logits is not None:
+        chosen = next_tokens(logits, req.params, gen, [rows[i] for i in live] if rows else None)
+        if logprobs:
+            scaled = logits.float() / (1.0 if req.params.greedy else req.params.temperature)
+            lp = torch.log_softmax(scaled, -1).gather(1, chosen[:, None])[:, 0]
+    chosen = share(chosen)
+    return chosen, share(lp) if logprobs else lp
 
 
 def _widest(n: int) -> int:

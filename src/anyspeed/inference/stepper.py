@@ -128,7 +128,41 @@ class Stepper:
             reorder_states(self.context, rows)  # a hybrid model's DeltaNet states
             reorder_keys(self.context, rows)  # DeepSeek-V3.2's indexer keys
 
+    def keep_rows(self, rows: list[int]) -> bool:
+        """Drop the other rows (finished ones) from the batch and its cache, keeping each
+        cache tensor's memory order; False, changing nothing, where the cache holds a tensor
+        of another shape than ``[seq, batch, ...]`` (then the batch stays as it is)."""
+        n = len(self.batch.pad)
+        if self.context is None:
+            return False
+        kv = self.context.key_value_memory_dict
+        tensors = [t for pair in kv.values() for t in pair]
+        if not all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == n for t in tensors
+        ):
+            return False
+        idx = torch.tensor(rows, dtype=torch.int64)
+        for layer, pair in kv.items():
+            kv[layer] = tuple(_take_rows(t, idx.to(t.device)) for t in pair)
+        from anyspeed.features.inference.delta_net_state import reorder_states
+        from anyspeed.models.dsa import reorder_keys
+
+        reorder_states(self.context, idx)
+        reorder_keys(self.context, idx)
+        self.seq = self.seq[idx]
+        self.batch = Batch(self.batch.tokens[idx], self.batch.pad[idx], self.batch.masked)
+        return True
+
     def _cache_device(self) -> torch.device:
         for key, _ in self.context.key_value_memory_dict.values():
             return key.device
         return torch.device("cpu")
+
+
+def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of a cache tensor [seq, batch, ...] in its memory order (the lean decode
+    step lays its cache out batch-major; Megatron's is seq-major)."""
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))  # outermost dim first
+    taken = t.permute(order).index_select(order.index(1), rows)  # contiguous in that order
+    back = [order.index(i) for i in range(t.dim())]
+    return taken.permute(back)
