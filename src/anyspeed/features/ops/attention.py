@@ -151,15 +151,21 @@ class SDPAttention(DotProductAttention):
                     continue
                 # [len, heads, d] -> [1, heads, len, d]
                 q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    dropout_p=dropout_p,
-                    is_causal=True,
-                    scale=self.softmax_scale,
-                    enable_gqa=gqa,
-                )
+                if dropout_p > 0 and not fused_has_dropout(q.device):
+                    # as the padded path: blocked attention, not the S x S math kernel
+                    out = blocked_attention(
+                        q, k, v, None, causal=True, scale=self.softmax_scale, dropout_p=dropout_p
+                    )
+                else:
+                    out = F.scaled_dot_product_attention(
+                        q,
+                        k,
+                        v,
+                        dropout_p=dropout_p,
+                        is_causal=True,
+                        scale=self.softmax_scale,
+                        enable_gqa=gqa,
+                    )
                 parts.append(out.squeeze(0).transpose(0, 1))
         context = torch.cat(parts, dim=0)
         return context.reshape(context.shape[0], self.hidden_size_per_partition)

@@ -123,21 +123,55 @@ def pair_batch(data: PairwiseData, rows: list[int], length: int, pad_id: int) ->
     return {k: torch.cat([c[k], r[k]]) for k in c}
 
 
+def packing_of(args: argparse.Namespace, kind: str) -> Any:
+    """The remove-padding of a pairwise run (``--use-remove-padding``), checked: one line for
+    what it cannot work with; None: padded rows."""
+    from anyspeed.stages.common.rl.packing import Packing, check_packed_attention
+
+    if not args.use_remove_padding:
+        return None
+    check_packed_attention(args)
+    if args.context_parallel_size > 1:
+        raise UsageError(
+            f"--stage {kind} --use-remove-padding with --context-parallel-size > 1 is not "
+            "supported; use CP 1 or drop --use-remove-padding"
+        )
+    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    return Packing(None, 8 * args.tensor_model_parallel_size, pp > 1 or ep > 1, False)
+
+
 def batches(
     data: PairwiseData,
     args: argparse.Namespace,
     rows: tuple[int, int],
     consumed: int,
     device: torch.device,
-    pad_id: int = 0,
+    cfg: Any,
 ) -> Iterator[list[dict[str, Any]]]:
     """Per iteration, this rank's micro-batches of pairs of the next global batch
-    (``--micro-batch-size`` and ``--global-batch-size`` count pairs)."""
+    (``--micro-batch-size`` and ``--global-batch-size`` count pairs); under remove-padding
+    each also packed for the model (``cfg.packing``)."""
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
     multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
+    sizes: list[list[int]] = []  # the step's micro-batches' real row lengths, in order
 
     def make(idx: list[int]) -> dict[str, torch.Tensor]:
         lens = [len(s.input_ids[i]) for s in (data.chosen, data.rejected) for i in idx]
-        return pair_batch(data, idx, pad_length(lens, args.seq_length, multiple, variable), pad_id)
+        length = pad_length(lens, args.seq_length, multiple, variable)
+        sizes.append([min(n, length) for n in lens])
+        return pair_batch(data, idx, length, cfg.pad_id)
 
-    return global_batches(args, rows, consumed, device, make)
+    stream = global_batches(args, rows, consumed, device, make)
+    if cfg.packing is None:
+        yield from stream
+        return
+    from anyspeed.stages.common.rl.packing import packed_length
+    from anyspeed.training.packed_rows import pack
+
+    limit = 2 * args.micro_batch_size * args.seq_length
+    for micro in stream:
+        lens = sizes[:]
+        sizes.clear()
+        for b, n, length in zip(micro, lens, packed_length(lens, cfg.packing, limit), strict=True):
+            pack(b, n, length)
+        yield micro

@@ -21,6 +21,7 @@ from anyspeed.errors import UsageError
 from anyspeed.stages.common.value_head import has_head, last_token
 from anyspeed.stages.preference import loss as P
 from anyspeed.stages.preference.task import PreferenceTask
+from anyspeed.training.packed_rows import model_inputs, to_rows
 from anyspeed.training.task import LossFunc, StagePlan
 
 if TYPE_CHECKING:
@@ -90,11 +91,13 @@ class ORMTask(PreferenceTask):
         self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], None)
+        tokens, pos, _, packed = model_inputs(batch)
+        output = model(tokens, pos, None, packed_seq_params=packed)
         mask = batch["loss_mask"]
 
         def loss_func(scores: torch.Tensor):
-            return self.score_loss(scores, mask)
+            # a packed micro-batch's scores [1, T, 1] back in its rows [2m, s, 1]
+            return self.score_loss(to_rows(scores, batch, dim=1), mask)
 
         return output, loss_func
 
@@ -121,4 +124,4 @@ class ORMTask(PreferenceTask):
         from anyspeed.stages.preference.data import batches
 
         data, rows = dataset
-        return batches(data, run.args, rows, consumed, device, self.cfg.pad_id)
+        return batches(data, run.args, rows, consumed, device, self.cfg)

@@ -16,6 +16,7 @@ non-linear loss. The formulas: :mod:`anyspeed.stages.preference.loss`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,11 +29,13 @@ from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.losses import cp_sum, per_token_loss
 from anyspeed.stages.common.reference import (
     add_reference_arguments,
+    packed_transforms,
     reference,
     reference_model,
     reference_record,
 )
 from anyspeed.stages.preference import loss as P
+from anyspeed.training.packed_rows import model_inputs, to_rows
 from anyspeed.training.task import FrozenModel, LossFunc, StagePlan, Task
 
 if TYPE_CHECKING:
@@ -57,6 +60,12 @@ def add_pairwise_arguments(p: argparse.ArgumentParser) -> None:
         "--is-pairwise-dataset",
         action="store_true",
         help="--data-path names a preprocessed pairwise (chosen/rejected) dataset",
+    )
+    g.add_argument(
+        "--use-remove-padding",
+        action="store_true",
+        help="each micro-batch's chosen and rejected sequences reach the model as one packed "
+        "(thd) sequence: no padding is computed (needs --optimization-level 1 or higher)",
     )
 
 
@@ -114,6 +123,7 @@ class PreferenceConfig:
     reference_iteration: int | None = None
     lora: Any = None  # anyspeed.training.lora.LoRAConfig
     pad_id: int = 0
+    packing: Any = None  # remove-padding (rl.packing.Packing), None: padded rows
 
 
 def plan(args: argparse.Namespace, kind: str) -> StagePlan:
@@ -140,6 +150,7 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
             "supported; pad to --seq-length (drop the flag)"
         )
     lora_cfg = lora.from_args(args)
+    packed = pairwise_data.packing_of(args, kind)
     pairwise_data.check_pairs(prefix)
     data = pairwise_data.open_pairs(prefix)
     pairwise_data.check_lengths(data, prefix, args.seq_length, args.split)
@@ -169,6 +180,7 @@ def plan(args: argparse.Namespace, kind: str) -> StagePlan:
             gamma_beta_ratio=args.gamma_beta_ratio,
             lora=lora_cfg,
         )
+    cfg = dataclasses.replace(cfg, packing=packed)
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([pairwise_data.file_prefix(prefix, "chosen_input_ids")], cfg, data, records)
 
@@ -192,7 +204,8 @@ class PreferenceTask(Task):
         self.reference = cfg.reference or load  # full DPO's reference checkpoint
 
     def transforms(self) -> list[Any]:
-        return [per_token_loss] + ([self.cfg.lora.transform()] if self.cfg.lora else [])
+        lora = [self.cfg.lora.transform()] if self.cfg.lora else []
+        return [per_token_loss, *packed_transforms(self.cfg.packing), *lora]
 
     def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
         return seq_length, 2 * micro_batch_size  # a pair is two sequences
@@ -200,7 +213,8 @@ class PreferenceTask(Task):
     def frozen_models(self) -> dict[str, FrozenModel]:
         if self.cfg.kind != "dpo":
             return {}
-        return reference_model(self.cfg.lora, self.reference, self.cfg.reference_iteration)
+        c = self.cfg
+        return reference_model(c.lora, self.reference, c.reference_iteration, c.packing)
 
     def records(self) -> dict[str, Any]:
         if self.cfg.kind != "dpo":
@@ -219,17 +233,15 @@ class PreferenceTask(Task):
         self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)
+        tokens, pos, labels, packed = model_inputs(batch)
         output = token_logprobs(
-            model,
-            batch["tokens"],
-            batch["position_ids"],
-            batch["labels"],
-            vocab_size=self.vocab_size,
+            model, tokens, pos, labels, packed_seq_params=packed, vocab_size=self.vocab_size
         )
         mask, ref = batch["loss_mask"], batch.get("ref_logps")
 
         def loss_func(logprobs: torch.Tensor):
-            return self.pair_loss(logprobs, mask, ref)
+            # a packed micro-batch's log-probs back in its rows
+            return self.pair_loss(to_rows(logprobs, batch), mask, ref)
 
         return output, loss_func
 
@@ -281,7 +293,7 @@ class PreferenceTask(Task):
         from anyspeed.stages.preference.data import batches
 
         data, rows = dataset
-        for micro in batches(data, run.args, rows, consumed, device, self.cfg.pad_id):
+        for micro in batches(data, run.args, rows, consumed, device, self.cfg):
             if self.cfg.kind == "dpo" and trainer is not None:
                 logps = trainer.logprobs(micro, model="reference", vocab_size=self.vocab_size)
                 if logps is not None:  # the last pipeline stage

@@ -53,8 +53,6 @@ def add_arguments(g: Any) -> None:
 
 def from_args(args: argparse.Namespace) -> Packing | None:
     """The packing of a run, checked (one line for a flag that cannot work); None: padded."""
-    from anyspeed.features.base import level_of
-
     remove, dynamic = args.use_remove_padding, args.use_dynamic_bsz
     budget = args.max_packing_token_size
     if not remove:
@@ -66,17 +64,7 @@ def from_args(args: argparse.Namespace) -> Packing | None:
         return None
     if budget is not None and not dynamic:
         raise UsageError("--max-packing-token-size is the --use-dynamic-bsz budget: add that flag")
-    if level_of(args) < 1:
-        raise UsageError(
-            "--use-remove-padding needs the flash-attention feature (attention within each "
-            "packed sequence): use --optimization-level 1 or higher"
-        )
-    if getattr(args, "experimental_attention_variant", None):
-        raise UsageError(
-            f"--use-remove-padding with --experimental-attention-variant "
-            f"{args.experimental_attention_variant}: its layers do not restart at sequence "
-            "boundaries; drop --use-remove-padding"
-        )
+    check_packed_attention(args)
     if dynamic:
         budget = 2 * args.seq_length if budget is None else budget
         if budget < args.seq_length:
@@ -91,6 +79,24 @@ def from_args(args: argparse.Namespace) -> Packing | None:
         pp > 1 or ep > 1,
         ep > 1 and dynamic,
     )
+
+
+def check_packed_attention(args: argparse.Namespace) -> None:
+    """What ``--use-remove-padding`` needs of the model, one line each: packed attention
+    (level 1) and layers that restart at each sequence."""
+    from anyspeed.features.base import level_of
+
+    if level_of(args) < 1:
+        raise UsageError(
+            "--use-remove-padding needs the flash-attention feature (attention within each "
+            "packed sequence): use --optimization-level 1 or higher"
+        )
+    if getattr(args, "experimental_attention_variant", None):
+        raise UsageError(
+            f"--use-remove-padding with --experimental-attention-variant "
+            f"{args.experimental_attention_variant}: its layers do not restart at sequence "
+            "boundaries; drop --use-remove-padding"
+        )
 
 
 def split(lengths: list[int], budget: int, at_least: int = 1) -> list[list[int]]:
