@@ -140,6 +140,18 @@ def test_run_stitches_log_probs_and_resumes_exactly(add_prompts, tiny_qwen, hf_t
     assert a["metrics"][r] + b["metrics"][r] == whole["metrics"][r]
 
 
+def test_mindspeed_rl_config_key(add_prompts, tiny_qwen, hf_tok, tmp_path):
+    """MindSpeed-RL's ``rl_config: partial_rollout_max_split`` stands in for the flag: 16
+    tokens in a split of 3 are rounds of 6."""
+    from anyspeed.stages.prepare import prepare
+
+    yaml = tmp_path / "rl.yaml"
+    yaml.write_text("rl_config:\n  partial_rollout_max_split: 3\n")
+    run, _ = prepare(cli(tiny_qwen, add_prompts, hf_tok, "--rl-config", str(yaml)), "launcher",
+                     "posttrain")  # fmt: skip
+    assert run.config.partial == PartialConfig(3, 6)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
