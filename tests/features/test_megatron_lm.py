@@ -419,6 +419,24 @@ def test_pretrain_gpt_noop_layers_match_one_stage(script, tmp_path):
         assert two[it] == pytest.approx(one[it], rel=1e-5), (it, two, one)
 
 
+@pytest.mark.slow
+def test_pretrain_gpt_num_layer_list_of_unequal_middle_stages(script, tmp_path):
+    """PP4 with MindSpeed-LLM's --num-layer-list 1,2,1,1 (middle stages that Megatron-Core
+    cannot size: Megatron's own --pipeline-model-parallel-layout) gives the PP1 run's losses
+    within 1e-5, from one PP1 save."""
+    ckpt = str(tmp_path / "ckpt")
+    model = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "5"]
+    torchrun(script, *model, "--train-iters", "1", "--save", ckpt, "--save-interval", "1",
+             nproc=1)  # fmt: skip
+    tune = [*model, "--train-iters", "3", "--load", ckpt, "--finetune"]
+    one = torchrun(script, *tune, nproc=1)
+    four = torchrun(script, *tune, "--num-layer-list", "1,2,1,1",
+                    "--pipeline-model-parallel-size", "4", nproc=4, timeout=600)  # fmt: skip
+    assert sorted(four) == list(range(1, 4)), four
+    for it in range(1, 4):
+        assert four[it] == pytest.approx(one[it], rel=1e-5), (it, four, one)
+
+
 FSDP_MODEL = ["--train-iters", "4", "--position-embedding-type", "rope", "--swiglu",
               "--normalization", "RMSNorm", "--no-create-attention-mask-in-dataloader",
               "--hidden-dropout", "0", "--attention-dropout", "0",

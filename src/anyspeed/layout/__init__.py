@@ -85,6 +85,9 @@ class Layout:
     # --noop-layers: empty layer slots (0-based, counted in --num-layers) that move the stage
     # boundaries; the real layers keep their numbers (anyspeed.layout.placement)
     noop_layers: tuple[int, ...] = ()
+    # --num-layer-list whose middle stages differ: each pipeline stage's real layers, placed
+    # by anyspeed (Megatron-Core sizes only the first and last stage itself)
+    layer_list: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.cp_algo = CPAlgo.parse(self.cp_algo)
@@ -137,13 +140,14 @@ class Layout:
     def for_other_model(self) -> Layout:
         """This layout for a model of another depth (a teacher, a reward model): the noop
         slots belong to the trained model's layers."""
-        return dataclasses.replace(self, noop_layers=())
+        return dataclasses.replace(self, noop_layers=(), layer_list=())
 
     @property
     def places_layers(self) -> bool:
         """Whether anyspeed places the chunks' layers (the ``chunk-placement`` patch: a V or
-        noop slots) rather than Megatron's own arithmetic."""
-        return self.dualpipev or bool(self.noop_layers)
+        noop slots, a --num-layer-list of unequal middle stages) rather than Megatron's own
+        arithmetic."""
+        return self.dualpipev or bool(self.noop_layers) or bool(self.layer_list)
 
     def slot_layers(self, num_layers: int) -> list[int]:
         """Layer slots (real and noop) of each stage, in stage order (stage 0 holds the
@@ -152,6 +156,8 @@ class Layout:
         pp, first, last = self.pp, self.first_stage_layers, self.last_stage_layers
         slots = num_layers + len(self.noop_layers)
         check_noop_layers(self.noop_layers, num_layers)
+        if self.layer_list:
+            return self._listed(slots)
         if self.dualpipev:
             if not self.uneven and slots % (2 * pp):
                 raise ValueError(
@@ -176,6 +182,22 @@ class Layout:
         if pp < 2 or self.vpp:
             raise ValueError(f"{flags} need --pipeline-model-parallel-size >= 2 and no VPP")
         return split(slots, pp, first, last, flags)
+
+    def _listed(self, num_layers: int) -> list[int]:
+        """``--num-layer-list``'s stages, checked against the layout (one line otherwise)."""
+        text = ",".join(map(str, self.layer_list))
+        if self.dualpipev or self.vpp or self.noop_layers or self.uneven:
+            raise ValueError(
+                f"--num-layer-list {text} places each pipeline stage's layers: use it without "
+                "VPP, --schedules-method dualpipev, --noop-layers and "
+                "--decoder-first/last-pipeline-num-layers"
+            )
+        if len(self.layer_list) != self.pp or sum(self.layer_list) != num_layers:
+            raise ValueError(
+                f"--num-layer-list {text} needs one entry per pipeline stage ({self.pp}) "
+                f"adding up to --num-layers {num_layers}"
+            )
+        return list(self.layer_list)
 
     def virtual_stage_layers(self, num_layers: int) -> list[int]:
         """Real decoder layers of each stage, in stage order (:meth:`slot_layers` without the
@@ -314,7 +336,8 @@ def _int(value: Any, flag: str) -> int:
 
 def uneven_stages(pp: int, first: int | None, last: int | None, layer_list: Any) -> dict:
     """First/last stage sizes from Megatron's flags or MindSpeed-LLM's ``--num-layer-list``
-    (one count per stage; Megatron-Core 0.16.1 gives the middle stages equal shares)."""
+    (one count per stage); a list whose middle stages differ, which Megatron-Core 0.16.1
+    cannot size, as ``layer_list`` (anyspeed places those layers)."""
     if layer_list in (None, ""):
         return {"first_stage_layers": first, "last_stage_layers": last}
     try:
@@ -329,11 +352,10 @@ def uneven_stages(pp: int, first: int | None, last: int | None, layer_list: Any)
             f"--num-layer-list {layer_list!r} needs one entry per pipeline stage "
             f"({pp}) and no --decoder-first/last-pipeline-num-layers"
         )
-    if pp > 2 and len(set(counts[1:-1])) > 1:
-        raise ValueError(
-            f"--num-layer-list {layer_list!r}: the middle stages must be equal "
-            "(Megatron-Core splits them evenly)"
-        )
+    if min(counts) < 1:
+        raise ValueError(f"--num-layer-list {layer_list!r}: give every stage at least one layer")
+    if pp > 2 and len(set(counts[1:-1])) > 1:  # anyspeed places the layers (chunk-placement)
+        return {"layer_list": tuple(counts)}
     if len(set(counts)) == 1:
         return {}
     return {"first_stage_layers": counts[0], "last_stage_layers": counts[-1]}

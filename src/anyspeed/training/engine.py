@@ -55,6 +55,8 @@ def banner(run: Run, start: int, dp: int) -> str:
     stage = "" if run.stage == "pretrain" else f" --stage {run.stage}"
     if lay.noop_layers:  # the real layers per rank, where the slots put them
         experts += f" (+{len(lay.noop_layers)} noop: {lay.stage_layers(m.num_layers)} per rank)"
+    elif lay.layer_list:
+        experts += f" ({lay.stage_layers(m.num_layers)} per rank)"
     return (
         f"{run.prog}{stage}: {detect().type} x{os.environ.get('WORLD_SIZE', '1')} | "
         f"TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={dp} {moe}{lay.schedule} "

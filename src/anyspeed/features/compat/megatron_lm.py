@@ -76,7 +76,7 @@ class MegatronLMArgs(Feature):
                     refuse_in_megatron_lm(args)
                     steps.adapt_megatron_args(args, device)
                     feature.apply_args(args)  # anyspeed's checks first: they name the flag
-                    steps.noop_layout_args(args)
+                    steps.placement_layout_args(args)
                     steps.context_parallel_args(args)
                     with steps.grouped_gemm_capability(args, device):
                         out = validate_args(args, defaults or {})

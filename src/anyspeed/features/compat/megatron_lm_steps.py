@@ -74,12 +74,13 @@ def adapt_megatron_args(args: argparse.Namespace, device: DeviceInfo) -> None:
         _note(f"on {device.type}, switched off CUDA-only defaults: " + "; ".join(changed))
 
 
-def noop_layout_args(args: argparse.Namespace) -> None:
-    """``--noop-layers`` (already rewritten to the real layers and a tuple of slots) as
-    Megatron's own ``--pipeline-model-parallel-layout``: each stage's real layers, the
-    embedding first, MTP and the loss last. Megatron then numbers the real layers itself."""
-    noop = getattr(args, "noop_layers", None)
-    if not noop or getattr(args, "pipeline_model_parallel_layout", None):
+def placement_layout_args(args: argparse.Namespace) -> None:
+    """anyspeed's own placement (``--noop-layers``, already rewritten to the real layers and a
+    tuple of slots; a ``--num-layer-list`` of unequal middle stages) as Megatron's own
+    ``--pipeline-model-parallel-layout``: each stage's real layers, the embedding first, MTP
+    and the loss last. Megatron then numbers the real layers itself."""
+    noop, listed = getattr(args, "noop_layers", None), getattr(args, "num_layer_list", None)
+    if not (noop or listed) or getattr(args, "pipeline_model_parallel_layout", None):
         return
     from anyspeed.layout import Layout
 
@@ -93,6 +94,7 @@ def noop_layout_args(args: argparse.Namespace) -> None:
     args.virtual_pipeline_model_parallel_size = None  # Megatron derives it from the layout
     args.decoder_first_pipeline_num_layers = None
     args.decoder_last_pipeline_num_layers = None
+    args.num_layer_list = None
 
 
 def context_parallel_args(args: argparse.Namespace) -> None:
