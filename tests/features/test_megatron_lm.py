@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -382,23 +383,35 @@ def test_pretrain_gpt_load_never_runs_code_from_a_checkpoint(script, tmp_path, f
         assert not marker.exists()
 
 
+def _from_one_save(script: Path, tmp_path: Path, layers: int, iters: int) -> tuple:
+    """Dropout off, ``layers`` layers saved once at PP1 (Megatron seeds each stage's
+    initialisation apart, so every run starts from it with --finetune): the fine-tuning flags
+    (``--num-layers`` left to the caller) and the PP1 run's losses."""
+    ckpt = str(tmp_path / "ckpt")
+    model = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    torchrun(script, *model, "--num-layers", str(layers), "--train-iters", "1", "--save", ckpt,
+             "--save-interval", "1", nproc=1)  # fmt: skip
+    tune = [*model, "--train-iters", str(iters), "--load", ckpt, "--finetune"]
+    one = torchrun(script, *tune, "--num-layers", str(layers), nproc=1)
+    assert sorted(one) == list(range(1, iters + 1))
+    return tune, one
+
+
+def _same_losses(got: dict, want: dict, what: Any) -> None:
+    assert sorted(got) == sorted(want), (what, got)
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5), (what, it, got, want)
+
+
 @pytest.mark.slow
 def test_pretrain_gpt_uneven_pipeline_stages_match_one_stage(script, tmp_path):
     """PP2 with uneven stages (3 layers: MindSpeed-LLM's --num-layer-list 1,2, and Megatron's
-    --decoder-last-pipeline-num-layers 1) gives the PP1 run's losses within 1e-5. Megatron seeds
-    each stage's initialisation apart, so every run starts (--finetune) from one PP1 save."""
-    ckpt = str(tmp_path / "ckpt")
-    model = ["--num-layers", "3", "--hidden-dropout", "0", "--attention-dropout", "0"]
-    torchrun(script, *model, "--train-iters", "1", "--save", ckpt, "--save-interval", "1",
-             nproc=1)  # fmt: skip
-    tune = [*model, "--train-iters", "4", "--load", ckpt, "--finetune"]
-    one = torchrun(script, *tune, nproc=1)
-    assert sorted(one) == list(range(1, 5))
+    --decoder-last-pipeline-num-layers 1) gives the PP1 run's losses within 1e-5."""
+    tune, one = _from_one_save(script, tmp_path, 3, 4)
     for stages in (["--num-layer-list", "1,2"], ["--decoder-last-pipeline-num-layers", "1"]):
-        two = torchrun(script, *tune, "--pipeline-model-parallel-size", "2", *stages)
-        assert sorted(two) == list(range(1, 5)), (stages, two)
-        for it in range(1, 5):
-            assert two[it] == pytest.approx(one[it], rel=1e-5), (stages, it, two, one)
+        two = torchrun(script, *tune, "--num-layers", "3", "--pipeline-model-parallel-size", "2",
+                       *stages)  # fmt: skip
+        _same_losses(two, one, stages)
 
 
 @pytest.mark.slow
@@ -406,17 +419,10 @@ def test_pretrain_gpt_noop_layers_match_one_stage(script, tmp_path):
     """PP2 with MindSpeed's --noop-layers (3 real layers as 4 slots, slot 1 empty: stages of
     1 and 2 real layers, as Megatron's own --pipeline-model-parallel-layout) gives the PP1
     run's losses within 1e-5, from one PP1 save (the real layers keep their numbers)."""
-    ckpt = str(tmp_path / "ckpt")
-    model = ["--hidden-dropout", "0", "--attention-dropout", "0"]
-    torchrun(script, *model, "--num-layers", "3", "--train-iters", "1", "--save", ckpt,
-             "--save-interval", "1", nproc=1)  # fmt: skip
-    tune = [*model, "--train-iters", "4", "--load", ckpt, "--finetune"]
-    one = torchrun(script, *tune, "--num-layers", "3", nproc=1)
+    tune, one = _from_one_save(script, tmp_path, 3, 4)
     two = torchrun(script, *tune, "--num-layers", "4", "--noop-layers", "1",
                    "--pipeline-model-parallel-size", "2")  # fmt: skip
-    assert sorted(two) == list(range(1, 5)), two
-    for it in range(1, 5):
-        assert two[it] == pytest.approx(one[it], rel=1e-5), (it, two, one)
+    _same_losses(two, one, "noop")
 
 
 @pytest.mark.slow
@@ -424,17 +430,10 @@ def test_pretrain_gpt_num_layer_list_of_unequal_middle_stages(script, tmp_path):
     """PP4 with MindSpeed-LLM's --num-layer-list 1,2,1,1 (middle stages that Megatron-Core
     cannot size: Megatron's own --pipeline-model-parallel-layout) gives the PP1 run's losses
     within 1e-5, from one PP1 save."""
-    ckpt = str(tmp_path / "ckpt")
-    model = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "5"]
-    torchrun(script, *model, "--train-iters", "1", "--save", ckpt, "--save-interval", "1",
-             nproc=1)  # fmt: skip
-    tune = [*model, "--train-iters", "3", "--load", ckpt, "--finetune"]
-    one = torchrun(script, *tune, nproc=1)
-    four = torchrun(script, *tune, "--num-layer-list", "1,2,1,1",
+    tune, one = _from_one_save(script, tmp_path, 5, 3)
+    four = torchrun(script, *tune, "--num-layers", "5", "--num-layer-list", "1,2,1,1",
                     "--pipeline-model-parallel-size", "4", nproc=4, timeout=600)  # fmt: skip
-    assert sorted(four) == list(range(1, 4)), four
-    for it in range(1, 4):
-        assert four[it] == pytest.approx(one[it], rel=1e-5), (it, four, one)
+    _same_losses(four, one, "1,2,1,1")
 
 
 FSDP_MODEL = ["--train-iters", "4", "--position-embedding-type", "rope", "--swiglu",

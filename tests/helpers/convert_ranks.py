@@ -48,6 +48,23 @@ def hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def legacy_round_trip(root: Path, layers: int, pp: int, counts: list[int], **placed: str) -> None:
+    """A tiny Qwen2.5 of ``layers`` layers, HF -> legacy Megatron at PP ``pp`` placed by
+    ``placed`` (``num_layer_list=`` / ``noop_layers=``) -> HF, bit for bit; rank file ``s``
+    holds ``counts[s]`` layers, numbered from 0."""
+    from anyspeed.convert import hf_to_megatron, megatron_to_hf
+
+    tiny_hf_model(root / "hf", "tiny-qwen2.5", seed=1, num_hidden_layers=layers)
+    hf_to_megatron(root / "hf", root / "mg", pp=pp, ckpt_format="legacy", **placed)
+    for stage, n in enumerate(counts):
+        sd = torch.load(root / f"mg/iter_0000001/mp_rank_00_{stage:03d}/model_optim_rng.pt")
+        held = {k.split(".")[2] for k in sd["model"] if k.startswith("decoder.layers.")}
+        assert held == {str(i) for i in range(n)}, (stage, held)
+    megatron_to_hf(root / "mg", root / "back", root / "hf")
+    a, b = hf_tensors(root / "hf"), hf_tensors(root / "back")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def add_mtp_layers(directory: str | Path, n: int = 1, seed: int = 0) -> None:
     """Append ``n`` random multi-token prediction layers to a saved DeepSeek-V3 model as its
     Hugging Face checkpoints keep them (transformers' model has none): HF layers after the last,

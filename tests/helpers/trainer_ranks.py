@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from anyspeed.layout import Layout
 from anyspeed.models import ModelConfig
 from anyspeed.stages.pretrain.task import PretrainTask
@@ -194,3 +197,20 @@ def layouts_steps(layouts: list[dict], load: str, spec: dict | None = None, step
         load_weights(t, load)
         out.append(_steps(t, steps))
     return out
+
+
+def one_process_reference(root: Any, num_layers: int) -> tuple[str, Any, dict]:
+    """(initial weights' checkpoint, token ids, result) of one process of ``num_layers``
+    layers: its initial weights saved, then 3 steps, eval and the saved checkpoint's logits
+    (the reference a placed layout is compared with)."""
+    import torch
+
+    from anyspeed.testing import run_distributed
+
+    init, spec = str(Path(root) / "init"), dict(num_layers=num_layers)
+    run_distributed(train_steps, 1, layout={}, steps=0, save_init=init, spec=spec, timeout=240)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    (ref,) = run_distributed(train_eval_save_logits, 1, layout={}, load=init,
+                             save=str(Path(root) / "ref"), tokens=tokens, spec=spec,
+                             timeout=300)  # fmt: skip
+    return init, tokens, ref

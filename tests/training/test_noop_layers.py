@@ -124,14 +124,7 @@ def test_a_preset_gets_its_layers_plus_the_noop_slots():
 def reference(tmp_path_factory):
     """One process of 3 real layers: its initial weights, 3 steps, eval and logits."""
     root = tmp_path_factory.mktemp("noop")
-    init = str(root / "init")
-    spec = dict(num_layers=3)
-    run_distributed(trainer_ranks.train_steps, 1, layout={}, steps=0, save_init=init,
-                    spec=spec, timeout=240)  # fmt: skip
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
-    (ref,) = run_distributed(trainer_ranks.train_eval_save_logits, 1, layout={}, load=init,
-                             save=str(root / "ref"), tokens=tokens, spec=spec,
-                             timeout=300)  # fmt: skip
+    init, tokens, ref = trainer_ranks.one_process_reference(root, 3)
     return root, init, tokens, ref
 
 
@@ -192,19 +185,10 @@ def test_legacy_conversion_with_noop_slots_round_trips(tmp_path):
     """HF -> legacy Megatron at PP 2 with MindSpeed-LLM's --noop-layers (3 layers as 4 slots,
     slot 0 empty: stages of 1 and 2 real layers, each numbered from 0 in its rank file) ->
     HF, bit for bit; a slot beyond the model's layers plus the slots is a one-line error."""
-    from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
-    from helpers.convert_ranks import hf_tensors, tiny_hf_model
+    from anyspeed.convert import ConvertError, hf_to_megatron
+    from helpers.convert_ranks import legacy_round_trip
 
-    tiny_hf_model(tmp_path / "hf", "tiny-qwen2.5", seed=1, num_hidden_layers=3)
-    hf_to_megatron(tmp_path / "hf", tmp_path / "mg", pp=2, ckpt_format="legacy",
-                   noop_layers="0")  # fmt: skip
-    for stage, count in ((0, 1), (1, 2)):
-        rank = torch.load(tmp_path / f"mg/iter_0000001/mp_rank_00_00{stage}/model_optim_rng.pt")
-        layers = {k.split(".")[2] for k in rank["model"] if k.startswith("decoder.layers.")}
-        assert layers == {str(i) for i in range(count)}
-    megatron_to_hf(tmp_path / "mg", tmp_path / "back", tmp_path / "hf")
-    a, b = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    legacy_round_trip(tmp_path, 3, 2, [1, 2], noop_layers="0")
     with pytest.raises(ConvertError, match="numbered 0 to 3"):
         hf_to_megatron(tmp_path / "hf", tmp_path / "bad", pp=2, ckpt_format="legacy",
                        noop_layers="4")  # fmt: skip

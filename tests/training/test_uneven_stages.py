@@ -19,7 +19,7 @@ import torch
 from anyspeed.layout import Layout
 from anyspeed.testing import run_distributed
 from helpers import trainer_ranks
-from helpers.convert_ranks import hf_tensors, tiny_hf_model
+from helpers.convert_ranks import legacy_round_trip
 
 
 @pytest.mark.parametrize(
@@ -61,19 +61,9 @@ def test_bad_stage_flags_are_one_line(flags, message):
 
 
 def test_legacy_round_trip_with_num_layer_list(tmp_path):
-    from anyspeed.convert import ConvertError, hf_to_megatron, megatron_to_hf
+    from anyspeed.convert import ConvertError, hf_to_megatron
 
-    tiny_hf_model(tmp_path / "hf", "tiny-qwen2.5", seed=1, num_hidden_layers=3)
-    hf_to_megatron(tmp_path / "hf", tmp_path / "mg", pp=2, ckpt_format="legacy",
-                   num_layer_list="1,2")  # fmt: skip
-    stage1 = torch.load(tmp_path / "mg/iter_0000001/mp_rank_00_001/model_optim_rng.pt")
-    assert {k.split(".")[2] for k in stage1["model"] if k.startswith("decoder.layers.")} == {
-        "0",
-        "1",
-    }
-    megatron_to_hf(tmp_path / "mg", tmp_path / "back", tmp_path / "hf")
-    a, b = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    legacy_round_trip(tmp_path, 3, 2, [1, 2], num_layer_list="1,2")
     with pytest.raises(ConvertError, match="does not add up"):
         hf_to_megatron(tmp_path / "hf", tmp_path / "bad", pp=2, ckpt_format="legacy",
                        num_layer_list="2,2")  # fmt: skip
@@ -144,36 +134,18 @@ def test_the_feature_keeps_a_placed_list_and_megatron_lm_gets_a_layout():
 
 
 def test_legacy_round_trip_with_unequal_middle_stages(tmp_path):
-    """HF -> legacy Megatron at PP 4 with --num-layer-list 1,2,1,1 (rank files of 1, 2, 1 and 1
-    layers, each numbered from 0) -> HF, bit for bit."""
-    from anyspeed.convert import hf_to_megatron, megatron_to_hf
-
-    tiny_hf_model(tmp_path / "hf", "tiny-qwen2.5", seed=1, num_hidden_layers=5)
-    hf_to_megatron(tmp_path / "hf", tmp_path / "mg", pp=4, ckpt_format="legacy",
-                   num_layer_list="1,2,1,1")  # fmt: skip
-    for stage, n in enumerate((1, 2, 1, 1)):
-        sd = torch.load(tmp_path / f"mg/iter_0000001/mp_rank_00_{stage:03d}/model_optim_rng.pt")
-        layers = {k.split(".")[2] for k in sd["model"] if k.startswith("decoder.layers.")}
-        assert layers == {str(i) for i in range(n)}
-    megatron_to_hf(tmp_path / "mg", tmp_path / "back", tmp_path / "hf")
-    a, b = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """HF -> legacy Megatron at PP 4 with --num-layer-list 1,2,1,1 -> HF, bit for bit."""
+    legacy_round_trip(tmp_path, 5, 4, [1, 2, 1, 1], num_layer_list="1,2,1,1")
 
 
 @pytest.mark.slow  # 4 processes
 def test_pp4_with_unequal_middle_stages_matches_one_process(tmp_path):
     """5 layers as 1, 2, 1, 1 at PP 4 against one process from the same weights: 3 steps' loss
     and grad norm and the eval loss within 1e-5, and the logits of the saved checkpoint."""
-    init, spec = str(tmp_path / "init"), dict(num_layers=5)
-    run_distributed(trainer_ranks.train_steps, 1, layout={}, steps=0, save_init=init,
-                    spec=spec, timeout=240)  # fmt: skip
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
-    (ref,) = run_distributed(trainer_ranks.train_eval_save_logits, 1, layout={}, load=init,
-                             save=str(tmp_path / "ref"), tokens=tokens, spec=spec,
-                             timeout=300)  # fmt: skip
+    init, tokens, ref = trainer_ranks.one_process_reference(tmp_path, 5)
     got = run_distributed(trainer_ranks.train_eval_save_logits, 4,
                           layout=dict(pp=4, layer_list=(1, 2, 1, 1)), load=init,
-                          save=str(tmp_path / "listed"), tokens=tokens, spec=spec,
+                          save=str(tmp_path / "listed"), tokens=tokens, spec=dict(num_layers=5),
                           timeout=600)  # fmt: skip
     for rank in got:
         for r, g in zip(ref["steps"], rank["steps"], strict=True):
