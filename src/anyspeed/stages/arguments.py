@@ -20,7 +20,7 @@ from anyspeed.models import config as model_config
 from anyspeed.models import recompute
 from anyspeed.models.presets import apply_preset
 from anyspeed.stages.ranges import check_ranges
-from anyspeed.training import muon
+from anyspeed.training import hf_export, muon
 
 __all__ = ["UsageError", "build_parser", "parse_pretrain_args", "unsupported_flag"]
 
@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         _data_and_checkpoints,
         _logging,
         recompute.add_arguments,
+        hf_export.add_arguments,
     ):
         add(p)
     features.add_arguments(p)

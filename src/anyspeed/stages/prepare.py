@@ -12,6 +12,7 @@ from anyspeed.errors import UsageError
 from anyspeed.stages import checks
 from anyspeed.stages.arguments import parse_pretrain_args
 from anyspeed.stages.table import STAGES, build_stage_parser, get_stage
+from anyspeed.training import hf_export
 from anyspeed.training.run import Run, freeze
 from anyspeed.training.task import Stage
 
@@ -63,6 +64,9 @@ def prepare(
             "use Megatron's 1F1B here"
         )
     plan = stage.plan(args)
+    export = hf_export.from_args(args, hf_dir)
+    if export is not None and export.cfg_dir and not args.hf_cfg_dir:
+        argv = set_flag(argv, "--hf-cfg-dir", export.cfg_dir)  # the ranks' --load is converted
     checked = checks.check(args, world, plan.data_prefixes, tokenizer)
     load = checked.load
     if hf_dir:
@@ -84,6 +88,7 @@ def prepare(
         config=plan.config,
         data=plan.data,
         records=dict(plan.records),
+        export=export,
     )
     return run, argv
 

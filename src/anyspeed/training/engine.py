@@ -212,6 +212,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
         ),
         *task.hooks(run),
         *_profile(run),
+        *_export(run),
         *extra_hooks,
     ]
     try:
@@ -223,6 +224,15 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
     history["trainer"] = trainer
     history["peak_memory_bytes"] = peak_memory_bytes()
     return history
+
+
+def _export(run: Run) -> list[Hook]:
+    """The Hugging Face export after each save (``--enable-mg2hf-convert``)."""
+    from anyspeed.training.hf_export import HFExport
+
+    if run.export is None:
+        return []
+    return [HFExport(run, run.export, getattr(run.config, "lora", None))]
 
 
 def _profile(run: Run) -> list[Hook]:

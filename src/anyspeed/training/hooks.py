@@ -283,6 +283,7 @@ class CheckpointHook(Hook):
         state.history["saved"].append(state.iteration)
         self.last_saved = state.iteration
         print0(f" saved checkpoint {path} ({time.perf_counter() - t:.1f} s)")
+        state.notify("checkpoint_saved", path)  # committed (e.g. the Hugging Face export)
 
     def after_step(self, state: LoopState, out: dict[str, Any]) -> None:
         every = self.args.save_interval

@@ -79,6 +79,7 @@ class Run:
     config: Any = None
     data: Any = None
     records: Mapping[str, Any] = field(default_factory=dict)
+    export: Any = None  # the Hugging Face export after each save (hf_export.Export), None: off
 
     @property
     def dp(self) -> int:
