@@ -1,9 +1,10 @@
 """Remove-padding in the pairwise stages (``--use-remove-padding``): each micro-batch's chosen
 and rejected sequences reach the model as one packed ``thd`` sequence. Packed DPO's first step
 reads transformers' answer log-probs (loss ln 2); DPO (full and LoRA), SimPO and the reward
-model packed equal the same runs padded within 1e-5 over 3 steps; at TP2+SP, PP2 (one packed
-length a step) and DP2 packed DPO equals one padded process (``-m slow``); bad flags are one
-line."""
+model packed, and DPO with a dynamic batch size (``--use-dynamic-bsz``: a step's pairs split by
+a token budget), equal the same runs padded within 1e-5 over 3 steps; at TP2+SP, PP2 (one
+packed length a step) and DP2 packed DPO, and at PP2 and DP2 with a dynamic batch size, equals
+one padded process (``-m slow``); bad flags are one line."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from helpers import sft_ranks
 
 PACK = ["--use-remove-padding", "--optimization-level", "1"]
 PAD = ["--optimization-level", "1"]
+DYNAMIC = [*PACK, "--use-dynamic-bsz", "--max-packing-token-size", "400"]  # 2-3 pairs
 KEYS = ("rewards/margins", "rewards/chosen", "rewards/rejected")
 
 
@@ -36,16 +38,17 @@ def test_packed_equals_padded(pair_data, tiny_qwen):
     pairs a micro-batch: four sequences of their own lengths in one packed sequence)."""
     lora = ["--lora-target-modules", "linear_qkv", "linear_fc1", "--lora-r", "4"]
     kinds = {
-        "dpo": ([], "dpo", KEYS + ("logps/chosen", "logps/rejected")),
-        "dpo-lora": (lora, "dpo", KEYS),
-        "simpo": ([], "simpo", KEYS),
-        "orm": ([], "orm", KEYS),
+        "dpo": ([], PACK, "dpo", KEYS + ("logps/chosen", "logps/rejected")),
+        "dpo-lora": (lora, PACK, "dpo", KEYS),
+        "simpo": ([], PACK, "simpo", KEYS),
+        "orm": ([], PACK, "orm", KEYS),
+        "dpo-dynamic": ([], DYNAMIC, "dpo", KEYS),  # micro-batches by a token budget
     }
     clis = []
-    for extra, stage, _ in kinds.values():
-        clis += [cli(tiny_qwen, pair_data, *extra, *x, stage=stage, iters=3) for x in (PAD, PACK)]
+    for extra, packed, stage, _ in kinds.values():
+        clis += [cli(tiny_qwen, pair_data, *extra, *x, stage=stage, iters=3) for x in (PAD, packed)]
     out = run_distributed(sft_ranks.posttrain_many, 1, argv=clis[0], clis=clis, timeout=600)[0]
-    for i, (name, (_, _, keys)) in enumerate(kinds.items()):
+    for i, (name, (_, _, _, keys)) in enumerate(kinds.items()):
         pad, pack = out[2 * i], out[2 * i + 1]
         assert max(pack["grad_norm"]) > 0, name
         _same(pack, pad, keys)
@@ -63,7 +66,9 @@ def test_packed_equals_padded(pair_data, tiny_qwen):
         (
             ["--use-remove-padding", "--optimization-level", "2", "--context-parallel-size", "2"],
             "--context-parallel-size > 1 is not",
-        ),  # fmt: skip
+        ),
+        (["--use-dynamic-bsz"], "add --use-remove-padding"),
+        ([*DYNAMIC[:-1], "150"], "below 2 x --seq-length 96 = 192"),
     ],
 )
 def test_bad_flags_are_one_line(extra, message, capsys, pair_data, tiny_qwen):
@@ -74,12 +79,15 @@ LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel", *PACK],
     "pp2": ["--pipeline-model-parallel-size", "2", *PACK],
     "dp2": ["--use-distributed-optimizer", *PACK],
+    "pp2-dynamic": ["--pipeline-model-parallel-size", "2", *DYNAMIC],
+    "dp2-dynamic": ["--use-distributed-optimizer", *DYNAMIC],
 }
 
 
 @pytest.mark.slow
 def test_packed_layouts_equal_one_padded_process(pair_data, tiny_qwen):
-    """4 steps of packed DPO at TP2+SP, PP2 and DP2 against one padded process."""
+    """4 steps of packed DPO at TP2+SP, PP2 and DP2 (by count and by a token budget) against
+    one padded process."""
     one = cli(tiny_qwen, pair_data, *PAD, iters=4)
     ref = run_distributed(sft_ranks.posttrain, 1, argv=one, cli=one, timeout=300)[0]
     argvs = [cli(tiny_qwen, pair_data, *flags, iters=4) for flags in LAYOUTS.values()]

@@ -264,6 +264,27 @@ def batches(
     return global_batches(args, rows, consumed, device, make)
 
 
+def step_rows(
+    args: argparse.Namespace, rows: tuple[int, int], consumed: int
+) -> Iterator[list[list[int]]]:
+    """Per iteration, the sample indices of this rank's micro-batches of the next global batch
+    (Megatron's order: global batch i is samples [i*G, (i+1)*G), DP rank k takes every DP-th
+    slice of ``--micro-batch-size``)."""
+    from megatron.core import parallel_state as ps
+
+    from anyspeed.stages.common.gpt_data import num_samples
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mbs, g = args.micro_batch_size, args.global_batch_size
+    order = sample_order(rows, max(num_samples(args)), args.seed)
+    while consumed + g <= len(order):
+        yield [
+            [int(i) for i in order[start + rank * mbs : start + (rank + 1) * mbs]]
+            for start in range(consumed, consumed + g, mbs * dp)
+        ]
+        consumed += g
+
+
 def global_batches(
     args: argparse.Namespace,
     rows: tuple[int, int],
@@ -273,26 +294,17 @@ def global_batches(
     cp_split: bool = True,
 ) -> Iterator[list[dict[str, Any]]]:
     """Per iteration, this rank's micro-batches ``make(row indices)`` of the next global batch
-    (samples in Megatron's order: global batch i is samples [i*G, (i+1)*G), DP rank k takes
-    every DP-th slice), on ``device`` and split for context parallelism unless packed or
+    (:func:`step_rows`), on ``device`` and split for context parallelism unless packed or
     ``cp_split`` is off (the model splits: a vision-language model's pads need the whole row)."""
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from anyspeed.stages.common.gpt_data import num_samples
-
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mbs, g = args.micro_batch_size, args.global_batch_size
-    order = sample_order(rows, max(num_samples(args)), args.seed)
-    while consumed + g <= len(order):
+    for step in step_rows(args, rows, consumed):
         micro = []
-        for start in range(consumed, consumed + g, mbs * dp):
-            idx = [int(i) for i in order[start + rank * mbs : start + (rank + 1) * mbs]]
+        for idx in step:
             batch = {k: v.to(device, non_blocking=True) for k, v in make(idx).items()}
             if "cu_seqlens" not in batch and cp_split:
                 batch = get_batch_on_this_cp_rank(batch)
             micro.append(batch)
-        consumed += g
         yield micro
 
 

@@ -27,10 +27,10 @@ from anyspeed.stages.common.instruction_data import (
     InstructionData,
     check_files,
     file_prefix,
-    global_batches,
     pad_length,
     padded_batch,
     split_rows,
+    step_rows,
 )
 
 
@@ -126,18 +126,15 @@ def pair_batch(data: PairwiseData, rows: list[int], length: int, pad_id: int) ->
 def packing_of(args: argparse.Namespace, kind: str) -> Any:
     """The remove-padding of a pairwise run (``--use-remove-padding``), checked: one line for
     what it cannot work with; None: padded rows."""
-    from anyspeed.stages.common.rl.packing import Packing, check_packed_attention
+    from anyspeed.stages.common.rl import packing
 
-    if not args.use_remove_padding:
-        return None
-    check_packed_attention(args)
-    if args.context_parallel_size > 1:
+    if args.use_remove_padding and args.context_parallel_size > 1:
         raise UsageError(
             f"--stage {kind} --use-remove-padding with --context-parallel-size > 1 is not "
             "supported; use CP 1 or drop --use-remove-padding"
         )
-    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    return Packing(None, 8 * args.tensor_model_parallel_size, pp > 1 or ep > 1, False)
+    pair = 2 * args.seq_length  # a budget holds whole pairs; default: a padded micro-batch's
+    return packing.from_args(args, least=pair, default=pair * args.micro_batch_size)
 
 
 def batches(
@@ -150,28 +147,44 @@ def batches(
 ) -> Iterator[list[dict[str, Any]]]:
     """Per iteration, this rank's micro-batches of pairs of the next global batch
     (``--micro-batch-size`` and ``--global-batch-size`` count pairs); under remove-padding
-    each also packed for the model (``cfg.packing``)."""
-    variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
-    multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
-    sizes: list[list[int]] = []  # the step's micro-batches' real row lengths, in order
+    each also packed for the model (``cfg.packing``), and with a dynamic batch size the step's
+    pairs split into micro-batches by its token budget instead of by count."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
 
-    def make(idx: list[int]) -> dict[str, torch.Tensor]:
-        lens = [len(s.input_ids[i]) for s in (data.chosen, data.rejected) for i in idx]
-        length = pad_length(lens, args.seq_length, multiple, variable)
-        sizes.append([min(n, length) for n in lens])
-        return pair_batch(data, idx, length, cfg.pad_id)
-
-    stream = global_batches(args, rows, consumed, device, make)
-    if cfg.packing is None:
-        yield from stream
-        return
-    from anyspeed.stages.common.rl.packing import packed_length
+    from anyspeed.stages.common.rl import packing as P
     from anyspeed.training.packed_rows import pack
 
-    limit = 2 * args.micro_batch_size * args.seq_length
-    for micro in stream:
-        lens = sizes[:]
-        sizes.clear()
-        for b, n, length in zip(micro, lens, packed_length(lens, cfg.packing, limit), strict=True):
-            pack(b, n, length)
+    variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
+    multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
+    packed = cfg.packing
+    for step in step_rows(args, rows, consumed):
+        if packed is not None and packed.budget:
+            step = _by_budget(data, step, args, packed)
+        micro, sizes = [], []
+        for idx in step:
+            lens = [len(s.input_ids[i]) for s in (data.chosen, data.rejected) for i in idx]
+            length = pad_length(lens, args.seq_length, multiple, variable)
+            sizes.append([min(n, length) for n in lens])
+            made = pair_batch(data, idx, length, cfg.pad_id)
+            b = {k: v.to(device, non_blocking=True) for k, v in made.items()}
+            micro.append(b if packed is not None else get_batch_on_this_cp_rank(b))
+        if packed is not None:
+            limit = packed.budget or 2 * args.micro_batch_size * args.seq_length
+            for b, n, k in zip(micro, sizes, P.packed_length(sizes, packed, limit), strict=True):
+                pack(b, n, k)
         yield micro
+
+
+def _by_budget(data: PairwiseData, step: list[list[int]], args: Any, packed: Any) -> list:
+    """The step's pairs split into micro-batches of at most the budget's tokens (balanced,
+    longest first; as many on every rank where replicas exchange tokens)."""
+    from anyspeed.stages.common.rl import packing as P
+
+    flat = [i for idx in step for i in idx]
+    cut = args.seq_length
+    tokens = [
+        min(len(data.chosen.input_ids[i]), cut) + min(len(data.rejected.input_ids[i]), cut)
+        for i in flat
+    ]
+    parts = P.groups(tokens, len(flat), args.micro_batch_size, packed)
+    return [[flat[j] for j in part] for part in parts]

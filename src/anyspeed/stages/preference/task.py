@@ -67,6 +67,19 @@ def add_pairwise_arguments(p: argparse.ArgumentParser) -> None:
         help="each micro-batch's chosen and rejected sequences reach the model as one packed "
         "(thd) sequence: no padding is computed (needs --optimization-level 1 or higher)",
     )
+    g.add_argument(
+        "--use-dynamic-bsz",
+        action="store_true",
+        help="with --use-remove-padding: split each step's pairs into micro-batches of at most "
+        "--max-packing-token-size tokens (balanced) instead of --micro-batch-size each",
+    )
+    g.add_argument(
+        "--max-packing-token-size",
+        type=int,
+        default=None,
+        help="with --use-dynamic-bsz: tokens per micro-batch at most (default: --micro-batch-size "
+        "pairs of --seq-length, a padded micro-batch's)",
+    )
 
 
 def add_dpo_arguments(p: argparse.ArgumentParser) -> None:

@@ -51,8 +51,12 @@ def add_arguments(g: Any) -> None:
     )
 
 
-def from_args(args: argparse.Namespace) -> Packing | None:
-    """The packing of a run, checked (one line for a flag that cannot work); None: padded."""
+def from_args(
+    args: argparse.Namespace, least: int | None = None, default: int | None = None
+) -> Packing | None:
+    """The packing of a run, checked (one line for a flag that cannot work); None: padded.
+    ``least``: the fewest tokens a budget may hold (a sequence: ``--seq-length``; the pairwise
+    stages: a pair), ``default``: the budget without ``--max-packing-token-size``."""
     remove, dynamic = args.use_remove_padding, args.use_dynamic_bsz
     budget = args.max_packing_token_size
     if not remove:
@@ -66,11 +70,15 @@ def from_args(args: argparse.Namespace) -> Packing | None:
         raise UsageError("--max-packing-token-size is the --use-dynamic-bsz budget: add that flag")
     check_packed_attention(args)
     if dynamic:
-        budget = 2 * args.seq_length if budget is None else budget
-        if budget < args.seq_length:
+        least = least or args.seq_length
+        budget = (default or 2 * args.seq_length) if budget is None else budget
+        if budget < least:
+            seq = args.seq_length
+            what = "--seq-length" if least == seq else f"2 x --seq-length {seq} ="
+            fits = "a sequence" if least == seq else "a pair of sequences"
             raise UsageError(
-                f"--max-packing-token-size {budget} is below --seq-length {args.seq_length}: "
-                "a sequence must fit one micro-batch"
+                f"--max-packing-token-size {budget} is below {what} {least}: {fits} must fit "
+                "one micro-batch"
             )
     pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
     return Packing(
