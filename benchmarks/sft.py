@@ -136,25 +136,29 @@ def run(cli: list[str]) -> dict:
     return run_distributed(posttrain_run, 1, argv=cli, cli=cli, timeout=1800)[0]
 
 
+REMOVE = ["--use-remove-padding", "--optimization-level", "1"]  # unpacked data packed at run time
+
+
 def packed_vs_padded(a: argparse.Namespace, d: str) -> None:
     pad, pack, real = make_sets(d, a.seq, a.samples)
-    rows = {"padded": (pad, a.samples), "packed": (pack, None)}
+    rows = {"padded": (pad, []), "packed": (pack, []), "remove padding": (pad, REMOVE)}
     print(
         f"Part 1: {a.samples} samples of 16..{a.seq} tokens ({real} non-padding tokens), "
         f"{a.iters} steps of 8 rows, tokens/s after the first step"
     )
     rates = {}
-    for name, (prefix, _) in rows.items():
+    for name, (prefix, extra) in rows.items():
         from anyspeed.stages.common.instruction_data import open_data, sample_order
 
         data = open_data(prefix, a.seq)
         order = sample_order((0, len(data)), 8 * a.iters, 1234)[8:]
         tokens = sum(int((np.asarray(data.segments[int(i)]) != 0).sum()) for i in order)
-        out = run(base_cli(prefix, a.seq, a.iters, 8, 2, a.hidden, 2))
+        out = run(base_cli(prefix, a.seq, a.iters, 8, 2, a.hidden, 2) + extra)
         secs = out["times"][-1] - out["times"][0]
         rates[name] = tokens / secs
-        print(f"  {name:7s} rows {len(data):5d} | non-padding tokens/s {rates[name]:9,.0f}")
-    print(f"  packed / padded: {rates['packed'] / rates['padded']:.2f}x")
+        print(f"  {name:14s} rows {len(data):5d} | non-padding tokens/s {rates[name]:9,.0f}")
+    print(f"  packed / padded: {rates['packed'] / rates['padded']:.2f}x; remove padding / "
+          f"padded: {rates['remove padding'] / rates['padded']:.2f}x")  # fmt: skip
 
 
 def lora_vs_full(a: argparse.Namespace, d: str) -> None:

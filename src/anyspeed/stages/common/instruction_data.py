@@ -249,19 +249,37 @@ def batches(
     device: torch.device,
     pad_id: int = 0,
     aligned: bool = False,
+    packing: Any = None,
 ) -> Iterator[list[dict[str, Any]]]:
     """Per iteration, this rank's micro-batches of the next global batch (padded or packed;
-    ``aligned``: labels at their own tokens, see :func:`padded_batch`)."""
+    ``aligned``: labels at their own tokens, see :func:`padded_batch`); with ``packing``
+    (``--use-remove-padding``) each padded micro-batch also packed for the model."""
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
     multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
+    sizes: list[list[int]] = []  # the step's micro-batches' real row lengths, in order
 
     def make(idx: list[int]) -> dict[str, torch.Tensor]:
         if data.packed:
             return packed_batch(data, idx, aligned)
-        n = pad_length([len(data.input_ids[i]) for i in idx], args.seq_length, multiple, variable)
+        lens = [len(data.input_ids[i]) for i in idx]
+        n = pad_length(lens, args.seq_length, multiple, variable)
+        sizes.append([min(k, n) for k in lens])
         return padded_batch(data, idx, n, pad_id, aligned)
 
-    return global_batches(args, rows, consumed, device, make)
+    stream = global_batches(args, rows, consumed, device, make, cp_split=packing is None)
+    if packing is None:
+        yield from stream
+        return
+    from anyspeed.stages.common.rl.packing import packed_length
+    from anyspeed.training.packed_rows import pack
+
+    for micro in stream:
+        lens = sizes[:]
+        sizes.clear()
+        limit = args.micro_batch_size * args.seq_length
+        for b, n, k in zip(micro, lens, packed_length(lens, packing, limit), strict=True):
+            pack(b, n, k)
+        yield micro
 
 
 def step_rows(

@@ -31,7 +31,8 @@ class InstructionTask(Task):
         self.cfg = cfg
 
     def transforms(self) -> list[Any]:
-        own = [per_token_loss, unfused_rope] if self.cfg.packed else [per_token_loss]
+        packed = self.cfg.packed or getattr(self.cfg, "remove_padding", None) is not None
+        own = [per_token_loss, unfused_rope] if packed else [per_token_loss]
         return own + ([self.cfg.lora.transform()] if self.cfg.lora else [])
 
     def schedule_shape(self, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
@@ -59,4 +60,7 @@ class InstructionTask(Task):
         from anyspeed.stages.common.instruction_data import batches
 
         data, rows = dataset
-        return batches(data, run.args, rows, consumed, device, self.cfg.pad_id, self.aligned)
+        packing = getattr(self.cfg, "remove_padding", None)
+        return batches(
+            data, run.args, rows, consumed, device, self.cfg.pad_id, self.aligned, packing
+        )

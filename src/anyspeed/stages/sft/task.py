@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anyspeed.errors import UsageError
-from anyspeed.models.logprobs import packed_params, token_logprobs
+from anyspeed.models.logprobs import token_logprobs
 from anyspeed.stages.common.instruction_checks import check_layout, check_lengths
 from anyspeed.stages.common.instruction_data import one_prefix
 from anyspeed.stages.common.instruction_task import InstructionTask
 from anyspeed.stages.common.losses import token_loss
+from anyspeed.training.packed_rows import model_inputs, to_rows
 from anyspeed.training.task import LossFunc, StagePlan
 
 if TYPE_CHECKING:
@@ -49,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--no-pad-to-seq-lengths", action="store_true", help="same as --variable-seq-lengths"
+    )
+    g.add_argument(
+        "--use-remove-padding",
+        action="store_true",
+        help="each micro-batch's samples reach the model as one packed (thd) sequence: no "
+        "padding is computed (unpacked data; needs --optimization-level 1 or higher)",
     )
     g.add_argument(
         "--neat-pack",
@@ -81,6 +88,7 @@ class SFTConfig:
     variable_lengths: bool
     pad_id: int = 0  # pads carry no loss and no real token attends to them
     lora: Any = None  # anyspeed.training.lora.LoRAConfig
+    remove_padding: Any = None  # packed at run time (rl.packing.Packing), None: padded rows
 
 
 def plan(args: argparse.Namespace) -> StagePlan:
@@ -100,10 +108,32 @@ def plan(args: argparse.Namespace) -> StagePlan:
     seen = sft_data.survey(data, args.seq_length)
     check_lengths(args, prefix, seen, "a response token")
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
-    cfg = SFTConfig(prefix, data.packed, variable, lora=lora_cfg)
+    remove = _remove_padding(args, data.packed)
+    cfg = SFTConfig(prefix, data.packed, variable, lora=lora_cfg, remove_padding=remove)
     check_layout(args, prefix, variable, data, seen)
     records = lora_cfg.record().to_common() if lora_cfg else {}
     return StagePlan([sft_data.file_prefix(prefix, "input_ids")], cfg, data, records)
+
+
+def _remove_padding(args: argparse.Namespace, packed: bool) -> Any:
+    """``--use-remove-padding``'s packing, checked (one line each); None: off."""
+    from anyspeed.stages.common.rl.packing import Packing, check_packed_attention
+
+    if not args.use_remove_padding:
+        return None
+    if packed:
+        raise UsageError(
+            "--use-remove-padding packs unpacked samples at run time: this data is packed "
+            "already (preprocess --pack); drop the flag"
+        )
+    check_packed_attention(args)
+    if args.context_parallel_size > 1:
+        raise UsageError(
+            "--stage sft --use-remove-padding with --context-parallel-size > 1 is not "
+            "supported; use CP 1 or drop --use-remove-padding"
+        )
+    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    return Packing(None, 8 * args.tensor_model_parallel_size, pp > 1 or ep > 1, False)
 
 
 def make_task(run: Run) -> SFTTask:
@@ -120,17 +150,12 @@ class SFTTask(InstructionTask):
         self, data_iterator: Iterator[dict[str, Any]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, LossFunc]:
         batch = next(data_iterator)
-        output = token_logprobs(
-            model,
-            batch["tokens"],
-            batch["position_ids"],
-            batch["labels"],
-            packed_seq_params=packed_params(batch),
-        )
+        tokens, pos, labels, packed = model_inputs(batch)  # packed at run time, or the rows
+        output = token_logprobs(model, tokens, pos, labels, packed_seq_params=packed)
         mask = batch["loss_mask"]
 
         def loss_func(logprobs: torch.Tensor):
-            total, count, report = token_loss(-logprobs, mask)
+            total, count, report = token_loss(-to_rows(logprobs, batch), mask)
             return total, count, {self.loss_key: report}
 
         return output, loss_func
