@@ -1,7 +1,7 @@
 """SFT's ``--use-remove-padding``: unpacked samples packed at run time, each micro-batch one
 ``thd`` sequence, no padding computed. Its first loss is transformers' (each sample alone),
 3 steps equal the padded run within 1e-5 (full and LoRA); at TP2+SP, PP2 and DP2 it equals one
-padded process (``-m slow``); bad flags are one line."""
+padded process (``-m slow``); bad flags are one line, and the PRM stage refuses it."""
 
 from __future__ import annotations
 
@@ -71,3 +71,11 @@ def test_layouts_equal_one_padded_process(sft_data, tiny_qwen):
     for name, got in zip(LAYOUTS, out[0], strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=TOL), name
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=TOL), name
+
+
+def test_prm_refuses_it_in_one_line(capsys, step_data, tiny_qwen, hf_tok):
+    from test_prm import cli as prm_cli
+
+    argv = prm_cli(tiny_qwen, step_data, hf_tok, "--use-remove-padding", "--optimization-level",
+                   "1")  # fmt: skip
+    assert "--stage prm --use-remove-padding is not supported" in _error(capsys, argv)

@@ -54,18 +54,13 @@ METRICS = (
 
 
 def add_pairwise_arguments(p: argparse.ArgumentParser) -> None:
-    """The flag every pairwise stage (dpo, simpo, orm) takes."""
+    """The flags every pairwise stage (dpo, simpo, orm) takes (``--use-remove-padding`` is
+    the instruction stages' own, which they take too)."""
     g = p.add_argument_group("pairwise data")
     g.add_argument(
         "--is-pairwise-dataset",
         action="store_true",
         help="--data-path names a preprocessed pairwise (chosen/rejected) dataset",
-    )
-    g.add_argument(
-        "--use-remove-padding",
-        action="store_true",
-        help="each micro-batch's chosen and rejected sequences reach the model as one packed "
-        "(thd) sequence: no padding is computed (needs --optimization-level 1 or higher)",
     )
     g.add_argument(
         "--use-dynamic-bsz",

@@ -66,6 +66,13 @@ def plan(args: argparse.Namespace) -> StagePlan:
     from anyspeed.training import lora
 
     prefix = one_prefix(args, "step-labelled")
+    if args.use_remove_padding:
+        from anyspeed.errors import UsageError
+
+        raise UsageError(
+            "--stage prm --use-remove-padding is not supported yet (the step scores are read "
+            "from padded rows); drop the flag"
+        )
     steps = step_tokens(args)
     lora_cfg = lora.from_args(args)
     sft_data.check_files(prefix)

@@ -54,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--use-remove-padding",
         action="store_true",
-        help="each micro-batch's samples reach the model as one packed (thd) sequence: no "
-        "padding is computed (unpacked data; needs --optimization-level 1 or higher)",
+        help="each micro-batch's sequences (a pair's chosen and rejected ones too) reach the "
+        "model as one packed (thd) sequence: no padding is computed (unpacked data; needs "
+        "--optimization-level 1 or higher)",
     )
     g.add_argument(
         "--neat-pack",
