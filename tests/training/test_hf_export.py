@@ -112,7 +112,8 @@ def test_a_lora_run_exports_the_merged_model(hf, hf_tok, tmp_path):
     ("extra", "message"),
     [
         (["--only-convert-last-checkpoint"], "add --enable-mg2hf-convert"),
-        (["--enable-mg2hf-convert", "--hf-save-dir", "SAVE"], "is --save"),
+        (["--enable-mg2hf-convert", "--hf-save-dir", "SAVE"], "is --save or inside it"),
+        (["--enable-mg2hf-convert", "--hf-save-dir", "SAVE/hf"], "is --save or inside it"),
     ],
 )
 def test_bad_flags_are_one_line(extra, message, hf, tmp_path):
@@ -121,7 +122,7 @@ def test_bad_flags_are_one_line(extra, message, hf, tmp_path):
 
     save = str(tmp_path / "ck")
     with pytest.raises(UsageError, match=message):
-        prepare(_cli(hf, save, *[save if x == "SAVE" else x for x in extra]), "launcher")
+        prepare(_cli(hf, save, *[x.replace("SAVE", save) for x in extra]), "launcher")
     no_save = [x for x in _cli(hf, save, "--enable-mg2hf-convert") if x not in ("--save", save)]
     with pytest.raises(UsageError, match="pass --save DIR"):
         prepare(no_save, "launcher")

@@ -74,8 +74,12 @@ def from_args(args: argparse.Namespace, hf_load: str | None) -> Export | None:
     if not args.save:
         raise UsageError("--enable-mg2hf-convert exports what --save writes: pass --save DIR")
     save_dir = args.hf_save_dir or args.save.rstrip("/\\") + "_hf"
-    if os.path.abspath(save_dir) == os.path.abspath(args.save):
-        raise UsageError(f"--hf-save-dir {save_dir} is --save: give the export its own directory")
+    save, out = os.path.abspath(args.save), os.path.abspath(save_dir)
+    if os.path.commonpath([save, out]) == save:
+        raise UsageError(
+            f"--hf-save-dir {save_dir} is --save or inside it: give the export a directory "
+            "of its own"
+        )
     cfg = args.hf_cfg_dir or hf_load
     tok = getattr(args, "tokenizer_name_or_path", None)
     if cfg is None and tok and os.path.isdir(tok):
@@ -108,11 +112,13 @@ class HFExport(Hook):
                     f"{self.export.save_dir} ({time.perf_counter() - t:.1f} s)"
                 )
             else:
+                load = self.run.args.save if self.lora is None else self.run.load
+                lora = "" if self.lora is None else f" --lora-load {self.run.args.save} ..."
                 print0(
                     f"{self.run.prog}: warning: the Hugging Face export of iteration "
                     f"{state.iteration} failed ({why}); convert it later: anyspeed convert "
-                    f"--load-model-type mg --save-model-type hf --load-dir {self.run.args.save} "
-                    f"--save-dir DIR"
+                    f"--load-model-type mg --save-model-type hf --load-dir {load}{lora} "
+                    "--save-dir DIR"
                 )
             key = "exported" if why is None else "export_failed"
             state.history.setdefault(key, []).append(state.iteration)  # rank 0's record
