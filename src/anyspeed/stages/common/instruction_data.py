@@ -270,15 +270,11 @@ def batches(
     if packing is None:
         yield from stream
         return
-    from anyspeed.stages.common.rl.packing import packed_length
-    from anyspeed.training.packed_rows import pack
+    from anyspeed.stages.common.rl.packing import pack_step
 
     for micro in stream:
-        lens = sizes[:]
+        pack_step(micro, sizes[:], packing, args.micro_batch_size * args.seq_length)
         sizes.clear()
-        limit = args.micro_batch_size * args.seq_length
-        for b, n, k in zip(micro, lens, packed_length(lens, packing, limit), strict=True):
-            pack(b, n, k)
         yield micro
 
 

@@ -128,13 +128,8 @@ def packing_of(args: argparse.Namespace, kind: str) -> Any:
     what it cannot work with; None: padded rows."""
     from anyspeed.stages.common.rl import packing
 
-    if args.use_remove_padding and args.context_parallel_size > 1:
-        raise UsageError(
-            f"--stage {kind} --use-remove-padding with --context-parallel-size > 1 is not "
-            "supported; use CP 1 or drop --use-remove-padding"
-        )
     pair = 2 * args.seq_length  # a budget holds whole pairs; default: a padded micro-batch's
-    return packing.from_args(args, least=pair, default=pair * args.micro_batch_size)
+    return packing.at_cp1(args, kind, least=pair, default=pair * args.micro_batch_size)
 
 
 def batches(
@@ -152,7 +147,6 @@ def batches(
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from anyspeed.stages.common.rl import packing as P
-    from anyspeed.training.packed_rows import pack
 
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
     multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
@@ -170,8 +164,7 @@ def batches(
             micro.append(b if packed is not None else get_batch_on_this_cp_rank(b))
         if packed is not None:
             limit = packed.budget or 2 * args.micro_batch_size * args.seq_length
-            for b, n, k in zip(micro, sizes, P.packed_length(sizes, packed, limit), strict=True):
-                pack(b, n, k)
+            P.pack_step(micro, sizes, packed, limit)
         yield micro
 
 

@@ -118,23 +118,14 @@ def plan(args: argparse.Namespace) -> StagePlan:
 
 def _remove_padding(args: argparse.Namespace, packed: bool) -> Any:
     """``--use-remove-padding``'s packing, checked (one line each); None: off."""
-    from anyspeed.stages.common.rl.packing import Packing, check_packed_attention
+    from anyspeed.stages.common.rl.packing import at_cp1
 
-    if not args.use_remove_padding:
-        return None
-    if packed:
+    if args.use_remove_padding and packed:
         raise UsageError(
             "--use-remove-padding packs unpacked samples at run time: this data is packed "
             "already (preprocess --pack); drop the flag"
         )
-    check_packed_attention(args)
-    if args.context_parallel_size > 1:
-        raise UsageError(
-            "--stage sft --use-remove-padding with --context-parallel-size > 1 is not "
-            "supported; use CP 1 or drop --use-remove-padding"
-        )
-    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    return Packing(None, 8 * args.tensor_model_parallel_size, pp > 1 or ep > 1, False)
+    return at_cp1(args, "sft")
 
 
 def make_task(run: Run) -> SFTTask:

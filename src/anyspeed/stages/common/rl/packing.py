@@ -57,8 +57,8 @@ def from_args(
     """The packing of a run, checked (one line for a flag that cannot work); None: padded.
     ``least``: the fewest tokens a budget may hold (a sequence: ``--seq-length``; the pairwise
     stages: a pair), ``default``: the budget without ``--max-packing-token-size``."""
-    remove, dynamic = args.use_remove_padding, args.use_dynamic_bsz
-    budget = args.max_packing_token_size
+    remove, dynamic = args.use_remove_padding, getattr(args, "use_dynamic_bsz", False)
+    budget = getattr(args, "max_packing_token_size", None)
     if not remove:
         if dynamic or budget is not None:
             raise UsageError(
@@ -87,6 +87,31 @@ def from_args(
         pp > 1 or ep > 1,
         ep > 1 and dynamic,
     )
+
+
+def at_cp1(
+    args: argparse.Namespace, stage: str, least: int | None = None, default: int | None = None
+) -> Packing | None:
+    """:func:`from_args` for a stage whose packed sequences run at CP 1 only (the instruction
+    and pairwise stages): a CP > 1 run with ``--use-remove-padding`` is one line."""
+    if args.use_remove_padding and args.context_parallel_size > 1:
+        raise UsageError(
+            f"--stage {stage} --use-remove-padding with --context-parallel-size > 1 is not "
+            "supported; use CP 1 or drop --use-remove-padding"
+        )
+    return from_args(args, least, default)
+
+
+def pack_step(
+    micro: list[dict[str, Any]], sizes: list[list[int]], packing: Packing, limit: int
+) -> None:
+    """Each padded micro-batch of a step (its rows' real lengths in ``sizes``) also packed
+    for the model, at its own length or, where stages or replicas exchange fixed shapes, at
+    one length for all (at most ``limit`` tokens)."""
+    from anyspeed.training.packed_rows import pack
+
+    for b, n, k in zip(micro, sizes, packed_length(sizes, packing, limit), strict=True):
+        pack(b, n, k)
 
 
 def check_packed_attention(args: argparse.Namespace) -> None:
