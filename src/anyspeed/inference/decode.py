@@ -127,9 +127,7 @@ def sample(
         steps = token_budget(batch.tokens.shape[1], req)
         total = batch.tokens.shape[1] + steps
         stepper = Stepper(model, batch, total, req.use_kv_cache, req.vocab_size)
-    # finished rows leave the batch where no one needs the batch whole afterwards (a kept
-    # cache), the ranks need not step the same rows (lockstep), and the other rows' tokens do
-    # not depend on them (greedy, or a generator per row)
+    # (not for a kept cache, which continues the whole batch, nor in lockstep)
     compact = req.compact and kept is None and not req.lockstep
     compact = compact and (req.params.greedy or bool(req.row_seeds))
     out = _decode(stepper, len(prompts), req, on_tokens, logprobs, compact)

@@ -117,46 +117,33 @@ class Stepper:
         self.seq = torch.cat([self.seq, tokens[:, None].to(self.seq.dtype)], dim=1)
 
     def reorder(self, rows: torch.Tensor) -> None:
-        """Keep rows ``rows`` (beam search): the sequences and the KV cache follow."""
+        """Keep rows ``rows``, in that order (beam search repeats rows; ended rows leave): the
+        sequences and the KV cache follow, each cache tensor in its own memory order."""
         self.seq = self.seq[rows]
         self.batch = Batch(self.batch.tokens[rows], self.batch.pad[rows], self.batch.masked)
         if self.context is not None:
             from anyspeed.features.inference.delta_net_state import reorder_states
             from anyspeed.models.dsa import reorder_keys
 
-            self.context.swap_key_value_dict(rows.to(self._cache_device()))
+            kv = self.context.key_value_memory_dict
+            for layer, pair in kv.items():
+                kv[layer] = tuple(_take_rows(t, rows.to(t.device)) for t in pair)
             reorder_states(self.context, rows)  # a hybrid model's DeltaNet states
             reorder_keys(self.context, rows)  # DeepSeek-V3.2's indexer keys
 
     def keep_rows(self, rows: list[int]) -> bool:
-        """Drop the other rows (finished ones) from the batch and its cache, keeping each
-        cache tensor's memory order; False, changing nothing, where the cache holds a tensor
-        of another shape than ``[seq, batch, ...]`` (then the batch stays as it is)."""
-        n = len(self.batch.pad)
+        """Drop the other rows (ended ones) from the batch and its cache; False, changing
+        nothing, without a cache or where it holds anything but [seq, batch, ...] tensors."""
         if self.context is None:
             return False
-        kv = self.context.key_value_memory_dict
-        tensors = [t for pair in kv.values() for t in pair]
-        if not all(
-            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == n for t in tensors
-        ):
-            return False
-        idx = torch.tensor(rows, dtype=torch.int64)
-        for layer, pair in kv.items():
-            kv[layer] = tuple(_take_rows(t, idx.to(t.device)) for t in pair)
-        from anyspeed.features.inference.delta_net_state import reorder_states
-        from anyspeed.models.dsa import reorder_keys
-
-        reorder_states(self.context, idx)
-        reorder_keys(self.context, idx)
-        self.seq = self.seq[idx]
-        self.batch = Batch(self.batch.tokens[idx], self.batch.pad[idx], self.batch.masked)
+        n = len(self.batch.pad)
+        for pair in self.context.key_value_memory_dict.values():
+            if not isinstance(pair, tuple) or not all(
+                isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == n for t in pair
+            ):
+                return False
+        self.reorder(torch.tensor(rows, dtype=torch.int64))
         return True
-
-    def _cache_device(self) -> torch.device:
-        for key, _ in self.context.key_value_memory_dict.values():
-            return key.device
-        return torch.device("cpu")
 
 
 def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
