@@ -36,6 +36,23 @@ def pair_data(hf_tok: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random tiny Qwen3-MoE (4 experts, top-2) saved as a Hugging Face directory: the same
+    weights at every expert-parallel size."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    d = str(tmp_path_factory.mktemp("moe"))
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=768, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+                         decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    Qwen3MoeForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random tiny Qwen2 (fp32) saved as a Hugging Face directory."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -56,24 +56,6 @@ def test_loss_and_grad_norm_equal_one_process(layout, runs):
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory) -> str:
-    """A random tiny Qwen3-MoE (4 experts, top-2) saved as a Hugging Face directory: the same
-    weights at every expert-parallel size."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    d = str(tmp_path_factory.mktemp("moe"))
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=768, hidden_size=64, intermediate_size=128,
-                         moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
-                         decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
-    Qwen3MoeForCausalLM(cfg).save_pretrained(d)
-    return d
-
-
 @pytest.mark.slow
 def test_moe_at_ep2_equals_one_process(add_prompts, hf_tok, tiny_moe):
     """A Qwen3-MoE model (no reference: beta 0) at EP2 (distributed optimizer; replicas

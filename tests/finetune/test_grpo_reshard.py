@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from test_grpo import cli
-from test_grpo_layouts import RUN, TOL, tiny_moe  # noqa: F401  (a fixture)
+from test_grpo_layouts import RUN, TOL
 
 from anyspeed.testing import run_distributed
 from helpers import sft_ranks
@@ -87,7 +87,7 @@ def test_lora_at_tp2_rolling_out_at_tp1(add_prompts, tiny_qwen, hf_tok):
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
 ], ids=["tp2-sp", "ep2"])  # fmt: skip
-def test_moe_rolling_out_at_tp1(add_prompts, hf_tok, tiny_moe, flags):  # noqa: F811
+def test_moe_rolling_out_at_tp1(add_prompts, hf_tok, tiny_moe, flags):
     """A Qwen3-MoE model (4 experts) with its experts split by TP, or over EP ranks, rolling
     out at TP1 x DP2 (every expert on every rank)."""
     from anyspeed.convert import hf_cache as hf_load

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import test_ppo
 from test_grpo import cli, one_and_layouts
-from test_grpo_layouts import tiny_moe  # noqa: F401 - the fixture
 from test_grpo_resume import resume_clis
 
 from anyspeed.stages.common.rl.partial import Buffer, PartialConfig
@@ -196,7 +195,7 @@ def test_layouts_equal_one_process(add_prompts, tiny_qwen, hf_tok):
 
 
 @pytest.fixture(scope="module")
-def early_eos_moe(tiny_moe, hf_tok, tmp_path_factory) -> str:  # noqa: F811
+def early_eos_moe(tiny_moe, hf_tok, tmp_path_factory) -> str:
     """The tiny Qwen3-MoE with its output row of the EOS along the mean final hidden state,
     scaled until answers end at about 5% of their tokens: answers of many lengths, and rounds
     whose unfinished answers do not split evenly over two replicas."""

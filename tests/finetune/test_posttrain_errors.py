@@ -48,9 +48,6 @@ def test_unknown_prompt_type(capsys, sft_data, tiny_qwen):
 def test_lora_target_that_does_not_exist(capsys, sft_data, tiny_qwen):
     err = _error(capsys, cli(tiny_qwen, sft_data["padded"], "--lora-target-modules", "q_proj"))
     assert "--lora-target-modules 'q_proj' is not a layer" in err and "linear_qkv" in err
-    moe = ["--lora-target-modules", "linear_qkv", "linear_fc1", "--num-experts", "4"]
-    err = _error(capsys, cli(tiny_qwen, sft_data["padded"], *moe))
-    assert "linear_fc1: LoRA on MoE experts is not supported (--num-experts 4)" in err
 
 
 @pytest.fixture(scope="module")

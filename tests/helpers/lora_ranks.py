@@ -73,11 +73,15 @@ def one_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def adapter_checkpoint(base: str, out: str, targets: list[str], r: int, alpha: float, tokens):
+def adapter_checkpoint(
+    base: str, out: str, targets: list[str], r: int, alpha: float, tokens, grouped: bool = False
+):
     """A LoRA checkpoint as ``anyspeed posttrain`` saves one, without training: the model of
     the Megatron checkpoint ``base`` with adapters whose B is drawn at random (so they change
     the logits), saved to ``out`` with the adapters view; returns base + adapters' logits.
+    ``grouped``: a MoE model's experts as one ``GroupedMLP`` (``--moe-grouped-gemm``).
     Runs in this process, in :func:`one_rank`."""
+    import dataclasses
     from pathlib import Path
 
     import torch
@@ -93,6 +97,7 @@ def adapter_checkpoint(base: str, out: str, targets: list[str], r: int, alpha: f
     it_dir = Path(base) / (tracked if tracked == "release" else f"iter_{int(tracked):07d}")
     common = torch.load(it_dir / "common.pt", weights_only=False)
     model = ModelConfig.from_dict(common["anyspeed_model"])
+    model = dataclasses.replace(model, moe_grouped_gemm=grouped)
     with one_rank():
         chunk = gpt.build(model, gpt.transformer_config(model, Layout()))
         loaded = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, str(it_dir))

@@ -88,13 +88,16 @@ class Adapters:
 
 def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig, m: Any) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT saves them: a
-    fused Megatron adapter becomes one per HF projection (A shared, B split like the weight)."""
+    fused Megatron adapter becomes one per HF projection (A shared, B split like the weight);
+    MoE experts' adapters become their stacked parameters' (``convert/lora_experts.py``)."""
     from safetensors.torch import save_file
 
     from anyspeed.convert import engine
+    from anyspeed.convert.lora_experts import ExpertAdapters
     from anyspeed.models.families.base import Fused
 
     adapters = Adapters(lora_dir, preset)
+    experts = ExpertAdapters(preset)
     out: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
     for group in engine.groups(preset):
@@ -103,6 +106,14 @@ def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig,
             if ab is None:
                 continue
             a, b = ab
+            names = dst.parts if isinstance(dst, Fused) else (dst,)
+            if experts.take(mg, names, a, b):
+                continue
+            if not all(isinstance(n, str) for n in names):
+                raise ConvertError(
+                    f"--save-lora-to-hf: {preset.family}'s experts are stacked in one HF tensor; "
+                    "merge the adapters instead (--lora-load without --save-lora-to-hf)"
+                )
             if isinstance(dst, Fused):
                 parts = zip(dst.parts, engine.split_fused(dst, b, preset), strict=True)
             else:
@@ -112,6 +123,8 @@ def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig,
                 out[f"{stem}.{spec.A}.weight"] = a.contiguous().clone()
                 out[f"{stem}.{spec.B}.weight"] = engine.materialize(b_part).contiguous().clone()
                 modules.add(hf_name.removesuffix(".weight").rsplit(".", 1)[-1])
+    stacked, target_parameters = experts.tensors(PEFT_PREFIX)
+    out.update(stacked)
     if not out:
         raise ConvertError(f"--lora-load {lora_dir}: no adapters found")
     save = Path(save_dir)
@@ -130,6 +143,8 @@ def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig,
         "base_model_name_or_path": None,
         "modules_to_save": None,
     }
+    if target_parameters:
+        cfg["target_parameters"] = target_parameters
     (save / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

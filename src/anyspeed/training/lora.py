@@ -30,18 +30,26 @@ import torch.nn.functional as F
 
 from anyspeed.errors import UsageError
 from anyspeed.models.lora import ADAPTER, TARGETS, A, B, LoraRecord
+from anyspeed.training import lora_experts as experts
 
 VIEWS = ("all", "base", "adapters", "weights")
+GROUPED = "experts"  # the target name _layers gives a GroupedMLP (fc1 and fc2 in one module)
 
 
 def _layers(chunk: torch.nn.Module):
-    """(global key, module) of every linear layer in ``chunk``'s transformer layers."""
+    """(global key, target, module) of every linear layer in ``chunk``'s transformer layers
+    (a sequential expert's by its global expert index) and of every ``GroupedMLP``
+    (target ``experts``)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import GroupedMLP
 
     for layer in chunk.decoder.layers:
         for name, mod in layer.named_modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
-                yield f"{layer.layer_number}.{name}", name.rsplit(".", 1)[-1], mod
+                key = f"{layer.layer_number}.{experts.global_name(layer, name)}"
+                yield key, name.rsplit(".", 1)[-1], mod
+            elif isinstance(mod, GroupedMLP):
+                yield f"{layer.layer_number}.{name}", GROUPED, mod
 
 
 def _init_a(key: str, r: int, fan_in: int, seed: int) -> torch.Tensor:
@@ -55,11 +63,11 @@ def _init_a(key: str, r: int, fan_in: int, seed: int) -> torch.Tensor:
 def _attach(
     mod: torch.nn.Module, key: str, r: int, scale: float, dropout: float, seed: int
 ) -> None:
-    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as tpl
 
     column = isinstance(mod, tpl.ColumnParallelLinear)
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    expert = bool(getattr(mod, "is_expert", False))
+    tp, rank = mod.tp_group.size(), mod.tp_group.rank()  # an expert's: the expert-TP group
     out_local, in_local = mod.weight.shape
     fan_in = in_local if column else in_local * tp
     a = _init_a(key, r, fan_in, seed)
@@ -69,16 +77,33 @@ def _attach(
     mod.lora_A = torch.nn.Parameter(a.to(dtype).to(dev).contiguous())
     mod.lora_B = torch.nn.Parameter(torch.zeros(out_local, r, dtype=dtype, device=dev))
     sharded, replicated = (mod.lora_B, mod.lora_A) if column else (mod.lora_A, mod.lora_B)
-    tpl.set_tensor_model_parallel_attributes(sharded, True, 0 if column else 1, 1)
-    # Each rank sees only its sequence shard under SP: the replicated factor's gradient is
-    # partial and must be summed over TP (Megatron does so for params tagged like this).
-    replicated.sequence_parallel = mod.config.sequence_parallel
+    if expert:
+        experts.mark(sharded, mod.weight, True, 0 if column else 1)
+        experts.mark(replicated, mod.weight, tp == 1, 1 if column else 0)
+    else:
+        tpl.set_tensor_model_parallel_attributes(sharded, True, 0 if column else 1, 1)
+        # Each rank sees only its sequence shard under SP: the replicated factor's gradient is
+        # partial and must be summed over TP (Megatron does so for params tagged like this).
+        replicated.sequence_parallel = mod.config.sequence_parallel
     mod.lora_scale = scale
     mod.lora_key = key
     mod.lora_dropout = dropout
     mod.lora_column = column
+    mod.lora_expert = expert
     mod.register_forward_hook(_hook)
-    mod.sharded_state_dict = _sharded(mod, mod.sharded_state_dict, column)
+    base = mod.sharded_state_dict
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """The layer's sharded state dict with the adapters sharded as they are held."""
+        out = base(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+        # A gated fc1 holds [gate shard; up shard] per rank: its lora_B is saved as Megatron
+        # saves the weight (global [gate; up]), so the checkpoint reshards and merges alike.
+        gated = column and mod.config.gated_linear_unit and key.endswith("linear_fc1")
+        tp_group = mod.tp_group
+        out.update(adapter_shards(mod, prefix, sharded_offsets, metadata, column, tp_group, gated))
+        return out
+
+    mod.sharded_state_dict = sharded_state_dict
 
 
 def _comm(column: bool, sequence_parallel: bool) -> Callable:
@@ -100,36 +125,44 @@ def _hook(mod: torch.nn.Module, args: tuple, output: tuple) -> tuple:
     if getattr(mod, "lora_off", False):
         return output
     x = F.dropout(args[0], mod.lora_dropout, mod.training) if mod.lora_dropout else args[0]
+    a, b = mod.lora_A, mod.lora_B
+    if mod.lora_expert:  # the dispatcher gathers the tokens and reduces the outputs
+        if mod.lora_column:
+            a = experts.summed_grad(a, mod.tp_group)
+        else:
+            b = experts.summed_grad(b, mod.tp_group)
+        return (output[0] + F.linear(F.linear(x, a), b) * mod.lora_scale, *output[1:])
     # the layer's own flag: decoding switches sequence parallelism off and back
     comm = _comm(mod.lora_column, bool(getattr(mod, "sequence_parallel", False)))
-    h = comm(F.linear(x, mod.lora_A))
-    return (output[0] + F.linear(h, mod.lora_B) * mod.lora_scale, *output[1:])
+    h = comm(F.linear(x, a))
+    return (output[0] + F.linear(h, b) * mod.lora_scale, *output[1:])
 
 
-def _sharded(mod: torch.nn.Module, base: Callable, column: bool) -> Callable:
-    """The layer's sharded state dict with the adapters sharded as they are held."""
+def adapter_shards(
+    owner: torch.nn.Module,
+    prefix: str,
+    sharded_offsets: tuple,
+    metadata: dict | None,
+    column: bool,
+    tp_group: Any,
+    gated: bool,
+) -> dict:
+    """``owner``'s ``lora_A`` / ``lora_B`` as sharded tensors, split as a column (``lora_B``
+    by rows) or row (``lora_A`` by columns) layer's weight is over ``tp_group``; a gated fc1's
+    ``lora_B`` as Megatron saves the weight (global [gate; up])."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+    dp_cp = (metadata or {}).get("dp_cp_group")
+    groups = {"tp_group": tp_group, "dp_cp_group": dp_cp} if dp_cp is not None else {}
+    own = {A: getattr(owner, A), B: getattr(owner, B)}
     axes = {B: 0} if column else {A: 1}
-
-    # A gated fc1 holds [gate shard; up shard] per rank: its lora_B is saved as Megatron saves
-    # the weight (global [gate; up]), so the checkpoint reshards and merges like the weight.
-    gated = column and mod.config.gated_linear_unit and mod.lora_key.endswith("linear_fc1")
-
-    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-        out = base(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
-        own = {A: mod.lora_A, B: mod.lora_B}
-        own = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets)
-        if gated:
-            single = (metadata or {}).get("singleton_local_shards", False)
-            key = f"{prefix}{B}"
-            own[key] = apply_swiglu_sharded_factory(own[key], sharded_offsets, single)
-        out.update(own)
-        return out
-
-    return sharded_state_dict
+    out = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets, **groups)
+    if gated:
+        single = (metadata or {}).get("singleton_local_shards", False)
+        key = f"{prefix}{B}"
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, single)
+    return out
 
 
 def _is_kept(key: str, keep: tuple[str, ...]) -> bool:
@@ -166,6 +199,16 @@ def _views(chunk: torch.nn.Module, keep: tuple[str, ...]) -> None:
     chunk.load_state_dict = load_state_dict
 
 
+@dataclass(frozen=True)
+class _GroupedSpec:
+    """What a ``GroupedMLP``'s adapters need of the run's LoRA settings."""
+
+    r: int
+    scale: float
+    dropout: float
+    init_a: Callable[[str, int, int], torch.Tensor]
+
+
 def apply_lora(
     chunk: torch.nn.Module,
     targets: list[str],
@@ -181,8 +224,12 @@ def apply_lora(
         p.requires_grad = any(f"{m}." in name or name.startswith(m) for m in modules_to_save)
     found = False
     lm = getattr(chunk, "language_model", chunk)  # a vision-language model: its language model
-    for key, short, mod in _layers(lm):
-        if short in targets:
+    for key, short, mod in list(_layers(lm)):
+        if short == GROUPED and {"linear_fc1", "linear_fc2"} & set(targets):
+            spec = _GroupedSpec(r, alpha / r, dropout, lambda k, n, fan: _init_a(k, n, fan, seed))
+            experts.attach_grouped(mod, key, targets, spec)
+            found = True
+        elif short in targets:
             _attach(mod, key, r, alpha / r, dropout, seed)
             found = True
     if not found and lm.decoder.layers:
@@ -256,12 +303,6 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
             f"--lora-target-modules {bad[0]!r} is not a layer of this model; "
             f"choose from {' '.join(TARGETS)}"
         )
-    mlp = [t for t in args.lora_target_modules if t in ("linear_fc1", "linear_fc2")]
-    if mlp and getattr(args, "num_experts", None):
-        raise UsageError(
-            f"--lora-target-modules {mlp[0]}: LoRA on MoE experts is not supported "
-            f"(--num-experts {args.num_experts}); adapt linear_qkv and linear_proj"
-        )
     r = 16 if args.lora_r is None else args.lora_r
     alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
     dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
@@ -285,7 +326,7 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
 def adapters_off(model: list[torch.nn.Module]) -> Iterator[None]:
     """Run ``model`` as its base inside the block: every adapter adds nothing (the frozen
     reference of a LoRA run, without a second copy of the weights)."""
-    mods = [m for chunk in model for m in chunk.modules() if hasattr(m, "lora_A")]
+    mods = [m for chunk in model for m in chunk.modules() if hasattr(m, "lora_key")]
     for m in mods:
         m.lora_off = True
     try:

@@ -67,7 +67,19 @@ def grouped_mlp_forward(
     experts, h = self.num_local_experts, cfg.hidden_size
     w1 = self.weight1.view(experts, h, -1)
     w2 = self.weight2.view(experts, -1, h)
+    lora = getattr(self, "lora_adapters", None)  # LoRA on the experts (training/lora_experts)
+
+    def fc2(x: torch.Tensor) -> torch.Tensor:
+        out = grouped_matmul(x, w2, tokens_per_expert)
+        return (
+            out
+            if lora is None
+            else lora.add("linear_fc2", out, x, tokens_per_expert, grouped_matmul)
+        )
+
     fc1 = grouped_matmul(hidden, w1, tokens_per_expert)
+    if lora is not None:
+        fc1 = lora.add("linear_fc1", fc1, hidden, tokens_per_expert, grouped_matmul)
     scale = probs.unsqueeze(-1)
     activation = self.activation_func_with_probs
     if cfg.bias_activation_fusion and cfg.gated_linear_unit and cfg.activation_func is F.silu:
@@ -79,9 +91,9 @@ def grouped_mlp_forward(
             return weighted_bias_swiglu(x, None, w)
 
     if not self.activation_recompute:
-        return grouped_matmul(activation(fc1, scale), w2, tokens_per_expert), None
+        return fc2(activation(fc1, scale)), None
     ckpt = tensor_parallel.CheckpointWithoutOutput()
     act = ckpt.checkpoint(activation, fc1, scale)
-    out = grouped_matmul(act, w2, tokens_per_expert)
+    out = fc2(act)  # the adapters' product reads ``act`` too: recomputed before either
     ckpt.discard_output_and_register_recompute(out)
     return out, None
