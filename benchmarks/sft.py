@@ -5,8 +5,11 @@ Part 1: packed vs padded SFT on an instruction set with a wide length spread (sa
 ``anyspeed posttrain`` on the same samples, padded to ``--seq-length`` one per row, or
 neat-packed several per row (``thd``, attention per sample).
 Part 2: peak memory of full SFT vs LoRA (r 16 on linear_qkv/proj/fc1/fc2) on a larger model.
+Part 3: the same on a MoE model (8 experts, top-2, grouped GEMM), LoRA on attention only and on
+attention and every expert (MindSpeed-LLM's Qwen3-30B-A3B recipe): trainable parameters, peak
+memory and seconds per step.
 
-    python benchmarks/sft.py [--seq 512] [--samples 512] [--iters 8] [--hidden 256]
+    python benchmarks/sft.py [--seq 512] [--samples 512] [--iters 8] [--hidden 256] [--part 3]
 """
 
 from __future__ import annotations
@@ -186,16 +189,45 @@ def lora_vs_full(a: argparse.Namespace, d: str) -> None:
     print(f"  lora / full peak memory: {peaks['lora'] / peaks['full']:.2f}x")
 
 
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.001"]  # fmt: skip
+
+
+def lora_on_experts(a: argparse.Namespace, d: str) -> None:
+    os.makedirs(os.path.join(d, "moe"))
+    pad, _, _ = make_sets(os.path.join(d, "moe"), a.seq, 64)
+    hidden = a.hidden * 4
+    moe = [*MOE, "--moe-ffn-hidden-size", str(hidden // 2)]
+    print(f"Part 3: MoE, hidden {hidden}, 4 layers, 8 experts top-2, seq {a.seq}, 4 steps")
+    lora = ["--lora-r", "16", "--lora-alpha", "32", "--lora-target-modules"]
+    rows = {
+        "full": [],
+        "lora attention": [*lora, "linear_qkv", "linear_proj"],
+        "lora + experts": [*lora, "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+    }
+    peaks = {}
+    for name, extra in rows.items():
+        out = run(base_cli(pad, a.seq, 4, 4, 2, hidden, 4) + moe + extra)
+        peaks[name] = out["peak"]
+        step = (out["times"][-1] - out["times"][0]) / (len(out["times"]) - 1)
+        print(f"  {name:14s} trainable {out['trainable']:11,d} | peak "
+              f"{out['peak'] / 2**20:8.1f} MiB | {step:6.2f} s/step")  # fmt: skip
+    print(f"  lora + experts / full peak memory: {peaks['lora + experts'] / peaks['full']:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--part", type=int, choices=(1, 2, 3), default=None, help="one part only")
     a = p.parse_args()
+    parts = {1: packed_vs_padded, 2: lora_vs_full, 3: lora_on_experts}
     with tempfile.TemporaryDirectory() as d:
-        packed_vs_padded(a, d)
-        lora_vs_full(a, d)
+        for k, part in parts.items():
+            if a.part in (None, k):
+                part(a, d)
 
 
 if __name__ == "__main__":
