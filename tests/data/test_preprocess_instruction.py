@@ -182,3 +182,38 @@ def test_plain_pack_pads_and_fills(tmp_path, capsys, hf_tok, auto_tok):
         real = sum(m)
         assert m == [1] * real + [0] * (96 - real)
         assert i[real:] == [pad] * (96 - real) and lab[real:] == [IGNORE] * (96 - real)
+
+
+@pytest.mark.parametrize("thinking", ["true", "false", "None"])
+def test_mindspeed_enable_thinking(tmp_path, capsys, hf_tok, auto_tok, thinking):
+    """MindSpeed-LLM's data_convert flags, as its Qwen3 script passes them: ``--enable-thinking
+    true`` opens the response with the empty thinking block (trained on), ``false`` or
+    ``none`` closes the prompt with it (MindSpeed-LLM's reasoning template: not thinking unless
+    true); ``--log-interval`` and ``--overwrite-cache`` are accepted."""
+    recs = [{"instruction": WORDS[i], "input": "", "output": WORDS[i + 1]} for i in range(0, 8, 2)]
+    src = write_jsonl(str(tmp_path / "a.jsonl"), recs)
+    prefix, _ = _run(capsys, tmp_path, hf_tok, src, "--handler-name",
+                     "AlpacaStyleInstructionHandler", "--prompt-type", "qwen3", "--enable-thinking",
+                     thinking, "--log-interval", "1000", "--overwrite-cache")  # fmt: skip
+    ids, _, labels = _load(prefix)
+    think = "<think>\n\n</think>\n\n"  # written by hand, as Qwen3 renders the empty block
+    for rec, i, lab in zip(recs, ids, labels, strict=True):
+        prompt = f"<|im_start|>user\n{rec['instruction']}<|im_end|>\n<|im_start|>assistant\n"
+        response = f"{rec['output']}<|im_end|>\n"
+        if thinking == "true":
+            response = think + response
+        else:
+            prompt += think
+        p = auto_tok(prompt, add_special_tokens=False)["input_ids"]
+        r = auto_tok(response, add_special_tokens=False)["input_ids"]
+        assert i == p + r and lab == [IGNORE] * len(p) + r
+
+
+def test_enable_thinking_needs_qwen3(tmp_path, capsys, hf_tok):
+    src = write_jsonl(str(tmp_path / "a.jsonl"), [{"instruction": "a", "output": "b"}])
+    rc, err = run_cli(capsys, "preprocess", "--input", src, "--output-prefix",
+                      str(tmp_path / "x"), "--tokenizer-name-or-path", hf_tok, "--handler-name",
+                      "AlpacaStyleInstructionHandler", "--prompt-type", "qwen", "--enable-thinking",
+                      "true")  # fmt: skip
+    assert rc == 2 and "--enable-thinking applies to --prompt-type qwen3" in err
+    assert len(err.strip().splitlines()) == 1

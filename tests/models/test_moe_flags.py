@@ -33,6 +33,13 @@ def _model(*flags: str, world: int = 1):
         ("--n-shared-experts 2 --shared-expert-gate",
          "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate"),
         ("--first-k-dense-replace 1", "--moe-layer-freq [0]*1+[1]*1"),
+        # MindSpeed-LLM's Qwen3-MoE recipes: -1 and -1, every layer MoE
+        ("--first-k-dense-replace -1 --moe-layer-freq -1", "--moe-layer-freq 1"),
+        # MindSpeed-LLM's rule: MoE when i >= K and i % freq == 0 (layer 2 of 0..3)
+        ("--num-layers 4 --first-k-dense-replace 1 --moe-layer-freq 2",
+         "--num-layers 4 --moe-layer-freq [0]*2+[1]*1+[0]*1"),
+        ("--position-embedding-type learned_absolute --use-rotary-position-embeddings",
+         "--position-embedding-type rope"),
         ("--moe-router-load-balancing-type softmax_topk",
          "--moe-router-pre-softmax --moe-router-load-balancing-type none"),
         ("--moe-router-load-balancing-type softmax_topk --norm-topk-prob",
@@ -51,6 +58,8 @@ def _model(*flags: str, world: int = 1):
 )  # fmt: skip
 def test_mindspeed_names_build_the_same_model(mindspeed, megatron):
     got, want = _model(*mindspeed.split()), _model(*megatron.split())
+    # the MoE layers as a list (``1`` and ``[1]*2`` describe the same two layers)
+    got, want = (m.replace(moe_layer_freq=str(m.moe_layers())) for m in (got, want))
     assert got.to_dict() == want.to_dict() or (
         # MindSpeed's dispatcher name stays visible in the model type; it builds as alltoall
         got.replace(moe_token_dispatcher_type="alltoall").to_dict() == want.to_dict()
@@ -67,7 +76,9 @@ def test_mindspeed_names_build_the_same_model(mindspeed, megatron):
         ("--moe-shared-expert-gate", "needs --moe-shared-expert-intermediate-size"),
         ("--moe-token-dispatcher-type flex", "flex needs DeepEP or HybridEP on CUDA"),
         ("--moe-router-load-balancing-type group_limited_greedy", "needs --moe-router-num-groups"),
-        ("--first-k-dense-replace 1 --moe-layer-freq 2", "contradict: give one"),
+        ("--first-k-dense-replace 1 --moe-layer-freq [1]*2", "contradict: give one"),
+        ("--first-k-dense-replace -2", "--first-k-dense-replace must be >= -1"),
+        ("--moe-layer-freq 0", "--moe-layer-freq must not be 0"),
         ("--expert-model-parallel-size 3", "--num-experts 4 is not divisible by"),
         ("--moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor"),
         ("--moe-expert-capacity-factor 0", "--moe-expert-capacity-factor must be > 0"),

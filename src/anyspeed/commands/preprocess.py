@@ -40,6 +40,13 @@ def _preprocess_parser() -> argparse.ArgumentParser:
     h.add_argument("--append-eod", action="store_true")
     h.add_argument("--map-keys", help='JSON, e.g. \'{"prompt":"instruction","response":"output"}\'')
     h.add_argument("--prompt-type", help=f"built-in template: {', '.join(sorted(TEMPLATES))}")
+    h.add_argument(
+        "--enable-thinking",
+        type=str.lower,
+        choices=("true", "false", "none"),
+        help="MindSpeed-LLM's, with --prompt-type qwen3: true = the empty thinking block opens "
+        "the response (qwen3), false or none = it closes the prompt (qwen3-nothink)",
+    )
     h.add_argument("--seq-length", type=int, help="drop longer samples; pack length")
     h.add_argument("--pack", action="store_true", help="pack instruction samples to --seq-length")
     h.add_argument("--neat-pack", action="store_true", help="attention_mask holds segment ids")
@@ -56,7 +63,25 @@ def _preprocess_parser() -> argparse.ArgumentParser:
     r.add_argument("--strict", action="store_true", help="fail at the first bad record")
     r.add_argument("--quiet", action="store_true", help="no progress line or summary")
     r.add_argument("--chunk-docs", type=int, default=512, help="records per work unit")
+    # MindSpeed-LLM's preprocess_data.py flags its data_convert scripts pass, accepted
+    every = "accepted: the progress line updates about once a second (--quiet: none)"
+    r.add_argument("--log-interval", type=int, default=None, help=every)
+    r.add_argument(
+        "--overwrite-cache", action="store_true", help="accepted: no dataset cache is kept"
+    )
     return p
+
+
+def _prompt_type(a: argparse.Namespace) -> str | None:
+    """``--prompt-type`` with MindSpeed-LLM's ``--enable-thinking`` applied (qwen3 only:
+    MindSpeed-LLM's reasoning templates put the empty block in the prompt unless it is true)."""
+    if a.enable_thinking is None:
+        return a.prompt_type
+    if a.prompt_type not in ("qwen3", "qwen3-nothink"):
+        raise UsageError(
+            f"--enable-thinking applies to --prompt-type qwen3 (got {a.prompt_type!r}); remove it"
+        )
+    return "qwen3" if a.enable_thinking == "true" else "qwen3-nothink"
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -96,7 +121,7 @@ def _preprocess(argv: list[str]) -> int:
         json_keys=a.json_keys,
         append_eod=a.append_eod,
         map_keys=a.map_keys,
-        prompt_type=a.prompt_type,
+        prompt_type=_prompt_type(a),
         seq_length=a.seq_length,
         pack=a.pack,
         neat_pack=a.neat_pack,

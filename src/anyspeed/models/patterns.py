@@ -6,13 +6,14 @@ from __future__ import annotations
 
 
 def layer_pattern(freq: str | int, num_layers: int, flag: str = "--moe-layer-freq") -> list[int]:
-    """Megatron's ``--moe-layer-freq``: ``N`` (every N-th layer is MoE, from the first) or a
-    list expression such as ``([0]*1+[1]*3)``, read without ``eval``; 1 marks a MoE layer."""
+    """Megatron's ``--moe-layer-freq``: ``N`` (layer i is MoE when i % N == 0, Python's modulo
+    as Megatron computes it: MindSpeed-LLM's ``-1`` makes every layer MoE) or a list
+    expression such as ``([0]*1+[1]*3)``, read without ``eval``; 1 marks a MoE layer."""
     text = str(freq).replace(" ", "")
-    if text.isdigit():
+    if text.lstrip("-").isdigit():
         n = int(text)
-        if n < 1:
-            raise ValueError(f"{flag} must be >= 1 (got {n})")
+        if n == 0:
+            raise ValueError(f"{flag} must not be 0 (every N-th layer is MoE)")
         return [1 if i % n == 0 else 0 for i in range(num_layers)]
     body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
     pattern: list[int] = []

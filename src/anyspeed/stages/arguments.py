@@ -186,7 +186,13 @@ def _data_and_checkpoints(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
-    g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    g.add_argument(
+        "--ckpt-format",
+        choices=("torch_dist", "torch"),
+        default="torch_dist",
+        help="checkpoints are torch_dist (torch: accepted, with a note, from MindSpeed-LLM "
+        "recipes)",
+    )
     g.add_argument(
         "--exit-interval",
         type=int,

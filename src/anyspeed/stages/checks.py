@@ -180,6 +180,16 @@ def _check_run(args: argparse.Namespace, layout: Layout, world: int) -> str | No
     muon.check(args)
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
+    if args.save and args.ckpt_format == "torch":
+        from anyspeed.launch import reports_here
+
+        if reports_here():  # MindSpeed-LLM's recipes pass it with a Hugging Face --load
+            print(
+                "anyspeed: note: --ckpt-format torch: checkpoints are saved as torch_dist (any "
+                "layout resumes them; `anyspeed convert --ckpt-format legacy` writes "
+                "Megatron's per-rank torch format)",
+                file=sys.stderr,
+            )
     if args.save:
         _check_writable(args.save, "--save")
         from anyspeed.checkpoint.files import lock_holder

@@ -129,7 +129,7 @@ RANGES: dict[str, Range] = {
     "--moe-router-bias-update-rate": STRICTLY_POSITIVE,
     "--n-shared-experts": POSITIVE,
     "--moe-expert-capacity-factor": STRICTLY_POSITIVE,
-    "--first-k-dense-replace": COUNT,
+    "--first-k-dense-replace": Range(ge=-1),  # MindSpeed-LLM's -1: no dense layer
     # memory (recompute, swap)
     "--recompute-num-layers": POSITIVE,
     "--recompute-activation-function-num-layers": POSITIVE,

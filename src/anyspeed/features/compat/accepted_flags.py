@@ -18,8 +18,8 @@ from anyspeed.features.base import Feature, add_flag
 
 _FUSION_OFF = "a CUDA fusion that is never used here (the portable config switches it off)"
 
-# flag -> (takes a value, why it changes nothing here)
-NOOPS: dict[str, tuple[bool, str]] = {
+# flag -> (takes a value: False, True or "+" for one or more, why it changes nothing here)
+NOOPS: dict[str, tuple[bool | str, str]] = {
     "--use-mcore-models": (False, "anyspeed builds Megatron-Core models only"),
     "--no-masked-softmax-fusion": (False, "masked softmax: " + _FUSION_OFF),
     "--no-bias-gelu-fusion": (False, "bias-GeLU: " + _FUSION_OFF),
@@ -71,6 +71,29 @@ NOOPS: dict[str, tuple[bool, str]] = {
         "token permutation: the dispatchers here are synchronous "
         "(gloo has no overlap to gain)",
     ),
+    "--lora-fusion": (
+        False,
+        "MindSpeed-LLM's CCLoRA: NPU kernels fusing each adapter's product with the layer's "
+        "communication; here the adapters' rank-r products run unfused",
+    ),
+    "--lora-ckpt-filter": (False, "a LoRA checkpoint holds only the adapters anyway"),
+    "--no-shared-storage": (
+        False,
+        "MindSpeed-LLM builds the dataset index once per node without shared storage; "
+        "anyspeed's instruction and pretraining data need no index cache",
+    ),
+    "--enable-hf2mg-convert": (
+        False,
+        "a Hugging Face --load is converted at start-up anyway (once, then reused); "
+        "--enable-mg2hf-convert is a flag of its own",
+    ),
+    "--model-type-hf": (True, "the family comes from --load's config.json"),
+    "--handler-name": (True, "the handler ran at preprocessing; the data holds its output"),
+    "--spec": (
+        "+",
+        "a MindSpeed-LLM layer spec module: anyspeed builds Megatron-Core's local spec from "
+        "the model's architecture (--qk-layernorm, MLA, MoE, ...)",
+    ),
     "--moe-alltoall-overlap-comm": (
         False,
         "MindSpeed's overlap of the MoE all-to-all with "
@@ -94,7 +117,9 @@ class AcceptedFlags(Feature):
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
         for flag, (takes_value, _) in NOOPS.items():
-            if takes_value:
+            if takes_value == "+":
+                add_flag(parser, flag, nargs="+", default=None, help=argparse.SUPPRESS)
+            elif takes_value:
                 add_flag(parser, flag, default=None, help=argparse.SUPPRESS)
             else:
                 add_flag(parser, flag, action="store_true", help=argparse.SUPPRESS)

@@ -1,4 +1,7 @@
-"""Level-0 feature ``mindspeed-rope-flags``: MindSpeed-LLM's YaRN flags as Megatron's.
+"""Level-0 feature ``mindspeed-rope-flags``: MindSpeed-LLM's RoPE flags as Megatron's.
+
+``--use-rotary-position-embeddings`` (Megatron-LM's legacy spelling, in MindSpeed-LLM's recipes)
+is ``--position-embedding-type rope``, as Megatron-LM's ``validate_args`` makes it.
 
 MindSpeed-LLM's DeepSeek scripts describe YaRN RoPE with ``--rope-scaling-type yarn`` and
 ``--rope-scaling-*`` values; Megatron-Core's multi-latent attention reads ``--rope-type yarn``,
@@ -21,9 +24,15 @@ class MindSpeedRopeFlags(Feature):
     name = "mindspeed-rope-flags"
     level = 0
     description = "MindSpeed-LLM's --rope-scaling-* YaRN flags as Megatron's MLA rope options"
-    flags = ("--rope-scaling-type",)
+    flags = ("--rope-scaling-type", "--use-rotary-position-embeddings")
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
+        add_flag(
+            parser,
+            "--use-rotary-position-embeddings",
+            action="store_true",
+            help="Megatron-LM's legacy name: = --position-embedding-type rope",
+        )
         add_flag(
             parser,
             "--rope-scaling-type",
@@ -54,10 +63,13 @@ class MindSpeedRopeFlags(Feature):
     def flag_notes(self) -> dict[str, str]:
         return {
             "--rope-scaling-type yarn": "--rope-type yarn, --rope-scaling-factor -> "
-            "--rotary-scaling-factor, --rope-scaling-mscale(-all-dim) -> --mscale(-all-dim)"
+            "--rotary-scaling-factor, --rope-scaling-mscale(-all-dim) -> --mscale(-all-dim)",
+            "--use-rotary-position-embeddings": "--position-embedding-type rope",
         }
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
+        if getattr(args, "use_rotary_position_embeddings", False):
+            args.position_embedding_type = "rope"
         if getattr(args, "rope_scaling_type", None) != "yarn":
             return
         for key, want in _FIXED.items():

@@ -18,6 +18,7 @@ it (idempotent: the checks run in the launcher and again in every rank):
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from anyspeed.device import DeviceInfo
 from anyspeed.features.base import Feature, FeatureError, add_flag
@@ -97,12 +98,20 @@ class MindSpeedMoEFlags(Feature):
         if k is None:
             return
         layers = getattr(args, "num_layers", None) or 0
-        if not 0 <= k <= layers:
+        if not -1 <= k <= layers:
             raise FeatureError(f"--first-k-dense-replace {k} must be within --num-layers {layers}")
+        k = max(k, 0)  # MindSpeed-LLM's -1: layer i is MoE from i >= -1, i.e. every layer
+        freq = str(getattr(args, "moe_layer_freq", "1")).replace(" ", "")
         pattern = f"[0]*{k}+[1]*{layers - k}" if k < layers else f"[0]*{k}"
-        if getattr(args, "moe_layer_freq", "1") not in ("1", 1, pattern):
+        if freq != "1" and freq.lstrip("-").isdigit() and int(freq) != 0:
+            # MindSpeed-LLM's rule: MoE when i >= K and i % --moe-layer-freq == 0
+            moe = [int(i >= k and i % int(freq) == 0) for i in range(layers)]
+            runs = [(x, len(list(g))) for x, g in itertools.groupby(moe)]
+            pattern = "+".join(f"[{x}]*{n}" for x, n in runs) or "[]"
+        elif freq not in ("1", pattern):
             raise FeatureError("--first-k-dense-replace and --moe-layer-freq contradict: give one")
         args.moe_layer_freq = pattern
+        args.first_k_dense_replace = None  # rewritten: later passes read --moe-layer-freq only
 
     def _router(self, args: argparse.Namespace) -> None:
         kind = getattr(args, "moe_router_load_balancing_type", None)
