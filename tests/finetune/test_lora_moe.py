@@ -27,13 +27,34 @@ R, ALPHA = 4, 8.0
 TOL = 1e-5
 
 
+def _to_megatron(hf: str, out: str) -> str:
+    hf_to_mg = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf]
+    assert convert([*hf_to_mg, "--save-dir", out]) == 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def moe_base(tiny_moe, tmp_path_factory) -> str:
     """The tiny Qwen3-MoE as a Megatron checkpoint."""
-    base = str(tmp_path_factory.mktemp("moe_base") / "base")
-    hf_to_mg = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", tiny_moe]
-    assert convert([*hf_to_mg, "--save-dir", base]) == 0
-    return base
+    return _to_megatron(tiny_moe, str(tmp_path_factory.mktemp("moe_base") / "base"))
+
+
+@pytest.fixture(scope="module")
+def shared_moe(tmp_path_factory) -> dict:
+    """A tiny Qwen2-MoE: routed experts beside a gated shared expert (QKV biases too), as an
+    HF directory and a Megatron checkpoint."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    d = tmp_path_factory.mktemp("qwen2_moe")
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(vocab_size=768, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False,
+                         norm_topk_prob=False)  # fmt: skip
+    Qwen2MoeForCausalLM(cfg).save_pretrained(d / "hf")
+    return {"hf": str(d / "hf"), "base": _to_megatron(str(d / "hf"), str(d / "base"))}
 
 
 def _hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -44,18 +65,35 @@ def _hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
         return model.eval()(input_ids=tokens).logits.float()
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
-def test_expert_adapters_merge_into_transformers(moe_base, tiny_moe, tmp_path, grouped):
+@pytest.mark.parametrize(
+    "model,grouped",
+    [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", False)],
+    ids=["sequential", "grouped", "shared-expert"],
+)
+def test_expert_adapters_merge_into_transformers(
+    request, moe_base, tiny_moe, tmp_path, model, grouped
+):
+    """Every layer is MoE, so only the experts' adapters act (and the shared expert's)."""
+    if model == "qwen2_moe":
+        shared = request.getfixturevalue("shared_moe")
+        base, hf = shared["base"], shared["hf"]
+    else:
+        base, hf = moe_base, tiny_moe
     tokens = torch.randint(0, 700, (2, 16), generator=torch.Generator().manual_seed(1))
     lora = str(tmp_path / "lora")
-    experts = ["linear_fc1", "linear_fc2"]  # every layer is MoE: the experts' adapters only
-    logits = lora_ranks.adapter_checkpoint(moe_base, lora, experts, R, ALPHA, tokens, grouped)
+    experts = ["linear_fc1", "linear_fc2"]
+    logits = lora_ranks.adapter_checkpoint(base, lora, experts, R, ALPHA, tokens, grouped)
     out = str(tmp_path / "merged")
-    mg_to_hf = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", moe_base]
+    mg_to_hf = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", base]
     assert convert([*mg_to_hf, "--save-dir", out, "--lora-load", lora]) == 0
     want = logits[..., :768].float()
     assert (_hf_logits(out, tokens) - want).abs().max() < 1e-4
-    assert (_hf_logits(tiny_moe, tokens) - want).abs().max() > 1e-2  # the adapters count
+    assert (_hf_logits(hf, tokens) - want).abs().max() > 1e-2  # the adapters count
+    if model == "qwen2_moe":
+        from megatron.core import dist_checkpointing
+
+        keys = dist_checkpointing.load_tensors_metadata(f"{lora}/iter_0000001")
+        assert "decoder.layers.1.mlp.shared_experts.linear_fc2.lora_A" in keys
 
 
 LAYOUTS = {
@@ -177,3 +215,14 @@ def test_grpo_lora_on_experts_at_ep2(add_prompts, hf_tok, tiny_moe, grouped):
     _same(got, want)
     assert max(m["rollout/logp_mismatch_max"]) <= TOL  # the rollout's model is training's
     assert grouped or m["timing/reshard"][0] > 0  # weights moved to the rollout layout
+
+
+@pytest.mark.slow
+def test_shared_expert_lora_at_tp2_sp_and_ep2(shared_moe, sft_data):
+    """Qwen2-MoE (gated shared expert beside the routed ones) with LoRA on every layer: TP2+SP
+    (the shared expert's adapters communicate as a dense layer's) and EP2 equal one process."""
+    hf = shared_moe["hf"]
+    want = _run(hf, lora_cli(hf, sft_data["padded"]), 1)
+    assert want["loss"][-1] < want["loss"][0]
+    for layout in ("tp2-sp", "ep2"):
+        _same(_run(hf, lora_cli(hf, sft_data["padded"], *LAYOUTS[layout]), 2), want)

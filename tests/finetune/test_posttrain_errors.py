@@ -126,3 +126,21 @@ def test_tampered_lora_load_names_lora_load(capsys, sft_data, lora_ckpt, tmp_pat
     argv = _argv(sft_data["padded"], sft_data["tok"], 96, *LORA, "--lora-load", lora)
     err = _error(capsys, argv)
     assert f"--lora-load {lora!r}" in err and "--load " not in err, err
+
+
+def test_lora_linear_qkv_on_mla_is_refused():
+    """MLA has no fused QKV layer: the target would adapt nothing, silently."""
+    import argparse
+
+    from anyspeed.errors import UsageError
+    from anyspeed.training import lora
+
+    args = argparse.Namespace(
+        lora_target_modules=["linear_qkv", "linear_fc1"], lora_r=None, lora_alpha=None,
+        lora_dropout=None, lora_modules_to_save=[], lora_load=None, seed=1,
+        multi_latent_attention=True,
+    )  # fmt: skip
+    with pytest.raises(UsageError, match="multi-latent-attention model has no fused QKV"):
+        lora.from_args(args)
+    args.lora_target_modules = ["linear_proj", "linear_fc1"]
+    assert lora.from_args(args).target_modules == ("linear_proj", "linear_fc1")

@@ -303,6 +303,12 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
             f"--lora-target-modules {bad[0]!r} is not a layer of this model; "
             f"choose from {' '.join(TARGETS)}"
         )
+    if "linear_qkv" in args.lora_target_modules and getattr(args, "multi_latent_attention", False):
+        raise UsageError(  # else silently unadapted: MLA's projections are other layers
+            "--lora-target-modules linear_qkv: a multi-latent-attention model has no fused QKV "
+            "layer (LoRA on its down/up projections is not supported yet); adapt linear_proj, "
+            "linear_fc1 and linear_fc2"
+        )
     r = 16 if args.lora_r is None else args.lora_r
     alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
     dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
