@@ -14,7 +14,6 @@ import torch
 from test_distill import cli as distill_cli
 from test_distill import teacher  # noqa: F401 - the teacher fixture
 from test_grpo import cli, one_and_layouts
-from test_grpo_layouts import tiny_moe  # noqa: F401 - the fixture
 
 from anyspeed.stages.common.rl import packing as P
 from anyspeed.testing import run_distributed
@@ -151,7 +150,7 @@ def test_packed_layouts_equal_one_padded_process(add_prompts, tiny_qwen, hf_tok)
 
 
 @pytest.mark.slow
-def test_packed_moe_at_ep2_equals_one_padded_process(add_prompts, hf_tok, tiny_moe):  # noqa: F811
+def test_packed_moe_at_ep2_equals_one_padded_process(add_prompts, hf_tok, tiny_moe):
     """A Qwen3-MoE at EP2 packed by a token budget: every replica runs as many micro-batches
     of one packed length (the experts' exchanges match), and the run equals one padded
     process."""

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from anyspeed.errors import UsageError
-from anyspeed.models.lora import ADAPTER, TARGETS, A, B, LoraRecord
+from anyspeed.models.lora import ADAPTER, TARGETS, LoraRecord
 from anyspeed.training import lora_experts as experts
 
 VIEWS = ("all", "base", "adapters", "weights")
@@ -100,7 +100,9 @@ def _attach(
         # saves the weight (global [gate; up]), so the checkpoint reshards and merges alike.
         gated = column and mod.config.gated_linear_unit and key.endswith("linear_fc1")
         tp_group = mod.tp_group
-        out.update(adapter_shards(mod, prefix, sharded_offsets, metadata, column, tp_group, gated))
+        out.update(
+            experts.adapter_shards(mod, prefix, sharded_offsets, metadata, column, tp_group, gated)
+        )
         return out
 
     mod.sharded_state_dict = sharded_state_dict
@@ -136,33 +138,6 @@ def _hook(mod: torch.nn.Module, args: tuple, output: tuple) -> tuple:
     comm = _comm(mod.lora_column, bool(getattr(mod, "sequence_parallel", False)))
     h = comm(F.linear(x, a))
     return (output[0] + F.linear(h, b) * mod.lora_scale, *output[1:])
-
-
-def adapter_shards(
-    owner: torch.nn.Module,
-    prefix: str,
-    sharded_offsets: tuple,
-    metadata: dict | None,
-    column: bool,
-    tp_group: Any,
-    gated: bool,
-) -> dict:
-    """``owner``'s ``lora_A`` / ``lora_B`` as sharded tensors, split as a column (``lora_B``
-    by rows) or row (``lora_A`` by columns) layer's weight is over ``tp_group``; a gated fc1's
-    ``lora_B`` as Megatron saves the weight (global [gate; up])."""
-    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-    dp_cp = (metadata or {}).get("dp_cp_group")
-    groups = {"tp_group": tp_group, "dp_cp_group": dp_cp} if dp_cp is not None else {}
-    own = {A: getattr(owner, A), B: getattr(owner, B)}
-    axes = {B: 0} if column else {A: 1}
-    out = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets, **groups)
-    if gated:
-        single = (metadata or {}).get("singleton_local_shards", False)
-        key = f"{prefix}{B}"
-        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, single)
-    return out
 
 
 def _is_kept(key: str, keep: tuple[str, ...]) -> bool:

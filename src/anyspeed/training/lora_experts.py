@@ -65,6 +65,34 @@ def mark(factor: torch.nn.Parameter, weight: torch.Tensor, sharded: bool, dim: i
         tpl.set_tensor_model_parallel_attributes(factor, True, dim, 1)
 
 
+def adapter_shards(
+    owner: torch.nn.Module,
+    prefix: str,
+    sharded_offsets: tuple,
+    metadata: dict | None,
+    column: bool,
+    tp_group: Any,
+    gated: bool,
+) -> dict:
+    """``owner``'s ``lora_A`` / ``lora_B`` as sharded tensors, split as a column (``lora_B``
+    by rows) or row (``lora_A`` by columns) layer's weight is over ``tp_group``; a gated fc1's
+    ``lora_B`` as Megatron saves the weight (global [gate; up]). Every adapter's, the dense
+    layers' (``training/lora.py``) and the grouped experts' alike."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    dp_cp = (metadata or {}).get("dp_cp_group")
+    groups = {"tp_group": tp_group, "dp_cp_group": dp_cp} if dp_cp is not None else {}
+    own = {A: getattr(owner, A), B: getattr(owner, B)}
+    axes = {B: 0} if column else {A: 1}
+    out = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets, **groups)
+    if gated:
+        single = (metadata or {}).get("singleton_local_shards", False)
+        key = f"{prefix}{B}"
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, single)
+    return out
+
+
 class ExpertAdapter(torch.nn.Module):
     """The adapters of one expert's layer of a ``GroupedMLP``: ``lora_A`` [r, in] and
     ``lora_B`` [out, r] on this rank (the weight's shard of each)."""
@@ -137,8 +165,6 @@ class GroupedAdapters(torch.nn.Module):
         """The adapters' sharded tensors under the keys (and expert axis) of ``SequentialMLP``'s:
         ``{prefix}experts.linear_fc1.lora_A`` stacked over the global experts."""
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-
-        from anyspeed.training.lora import adapter_shards
 
         single = (metadata or {}).get("singleton_local_shards", False)
         tp_group, dp_group = self.mlp_groups
