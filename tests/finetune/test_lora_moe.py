@@ -226,3 +226,14 @@ def test_shared_expert_lora_at_tp2_sp_and_ep2(shared_moe, sft_data):
     assert want["loss"][-1] < want["loss"][0]
     for layout in ("tp2-sp", "ep2"):
         _same(_run(hf, lora_cli(hf, sft_data["padded"], *LAYOUTS[layout]), 2), want)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_folded_adapters_give_the_adapted_logits(moe_base, grouped):
+    """``anyspeed generate --lora-load`` folds the adapters into the weights (so decoding runs
+    no hook): the folded model's logits are the adapted one's, nothing of LoRA is left."""
+    tokens = torch.randint(0, 700, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = lora_ranks.folded_logits(moe_base, TARGETS, tokens, grouped)
+    assert (out["folded"] - out["adapted"]).abs().max() < 1e-4
+    assert out["n"] == (2 * 2 + 2 * (1 if grouped else 2 * 4))  # qkv+proj; grouped or 4 experts
+    assert not out["left"] and out["hooks"] == 0 and not out["view"]

@@ -73,24 +73,20 @@ def one_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def adapter_checkpoint(
-    base: str, out: str, targets: list[str], r: int, alpha: float, tokens, grouped: bool = False
-):
-    """A LoRA checkpoint as ``anyspeed posttrain`` saves one, without training: the model of
-    the Megatron checkpoint ``base`` with adapters whose B is drawn at random (so they change
-    the logits), saved to ``out`` with the adapters view; returns base + adapters' logits.
-    ``grouped``: a MoE model's experts as one ``GroupedMLP`` (``--moe-grouped-gemm``).
-    Runs in this process, in :func:`one_rank`."""
+def adapted_chunk(
+    base: str, targets: list[str], r: int, alpha: float, grouped: bool, b_std: float
+) -> tuple:
+    """(the model of the Megatron checkpoint ``base`` with adapters whose B is drawn at random,
+    its ModelConfig). ``grouped``: a MoE model's experts as one ``GroupedMLP``. Call inside
+    :func:`one_rank`."""
     import dataclasses
     from pathlib import Path
 
     import torch
     from megatron.core import dist_checkpointing
 
-    from anyspeed.inference.logits import forward_logits
     from anyspeed.layout import Layout
     from anyspeed.models import ModelConfig, gpt
-    from anyspeed.models.lora import LoraRecord
     from anyspeed.training.lora import apply_lora
 
     tracked = (Path(base) / "latest_checkpointed_iteration.txt").read_text().strip()
@@ -98,16 +94,40 @@ def adapter_checkpoint(
     common = torch.load(it_dir / "common.pt", weights_only=False)
     model = ModelConfig.from_dict(common["anyspeed_model"])
     model = dataclasses.replace(model, moe_grouped_gemm=grouped)
+    chunk = gpt.build(model, gpt.transformer_config(model, Layout()))
+    loaded = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, str(it_dir))
+    chunk.load_state_dict(loaded["model"])
+    apply_lora(chunk, targets, r=r, alpha=alpha, seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in chunk.named_parameters():
+            if n.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * b_std)
+    return chunk, model
+
+
+def adapter_checkpoint(
+    base: str,
+    out: str,
+    targets: list[str],
+    r: int,
+    alpha: float,
+    tokens,
+    grouped: bool = False,
+    b_std: float = 0.05,
+):
+    """A LoRA checkpoint as ``anyspeed posttrain`` saves one, without training: the model of
+    :func:`adapted_chunk`, saved to ``out`` with the adapters view; returns base + adapters'
+    logits. ``b_std``: the spread of B's entries. Runs in this process, in :func:`one_rank`."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from anyspeed.inference.logits import forward_logits
+    from anyspeed.models.lora import LoraRecord
+
     with one_rank():
-        chunk = gpt.build(model, gpt.transformer_config(model, Layout()))
-        loaded = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, str(it_dir))
-        chunk.load_state_dict(loaded["model"])
-        apply_lora(chunk, targets, r=r, alpha=alpha, seed=0)
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for n, p in chunk.named_parameters():
-                if n.endswith("lora_B"):
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        chunk, model = adapted_chunk(base, targets, r, alpha, grouped, b_std)
         logits = forward_logits([chunk], tokens)
         chunk.lora_view = "adapters"
         record = LoraRecord.of(r, alpha, targets).to_common()
@@ -122,3 +142,21 @@ def adapter_checkpoint(
         dist_checkpointing.save(state, str(Path(out, "iter_0000001")))
     Path(out, "latest_checkpointed_iteration.txt").write_text("1")
     return logits
+
+
+def folded_logits(base: str, targets: list[str], tokens, grouped: bool) -> dict:
+    """Logits of :func:`adapted_chunk` (r 4, alpha 8), then after ``fold_adapters`` folded its
+    adapters into the weights; whether any adapter, hook or view is left. Runs in this
+    process, in :func:`one_rank`."""
+    from anyspeed.inference.logits import forward_logits
+    from anyspeed.training.lora_fold import fold_adapters
+
+    with one_rank():
+        chunk, _ = adapted_chunk(base, targets, 4, 8.0, grouped, 0.5)
+        adapted = forward_logits([chunk], tokens)
+        n = fold_adapters(chunk)
+        folded = forward_logits([chunk], tokens)
+        left = [k for k in chunk.state_dict() if ".lora_" in k]
+        hooks = sum(len(m._forward_hooks) for m in chunk.modules())
+    return {"adapted": adapted, "folded": folded, "n": n, "left": left, "hooks": hooks,
+            "view": "lora_view" in chunk.__dict__}  # fmt: skip

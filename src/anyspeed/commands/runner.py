@@ -134,7 +134,8 @@ def _run_here(run: InferenceRun, body: Body) -> int:
     args = run.args
     try:
         init_distributed(run.layout, args.seed)
-        model = session.load_model(run.load, run.model, run.layout, args.bf16, args.fp16)
+        lora = getattr(args, "lora_load", None)
+        model = session.load_model(run.load, run.model, run.layout, args.bf16, args.fp16, lora)
         body(run, model)
     except (UsageError, ValueError) as exc:
         return report(run.prog, exc, code=1) if is_rank0() else 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from anyspeed.commands import lora_load
 from anyspeed.errors import UsageError
 from anyspeed.layout import Layout
 from anyspeed.models.config import ARCH_FLAGS, ModelConfig
@@ -44,6 +45,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    lora_load.add_arguments(p)
     for row in ARCH_FLAGS:  # accepted so a mismatch with the checkpoint is a clear error
         if row.arch and row.type is not None:
             g.add_argument(
@@ -157,6 +159,7 @@ def complete(args: argparse.Namespace) -> tuple[Any, str | None]:
         if args.tokenizer_name_or_path is None and recorded and _has_tokenizer(recorded):
             args.tokenizer_name_or_path = recorded
     check_flags(args, model)
+    lora_load.check(args, model)
     _check_layout(args, language(model))
     if args.max_length is None:
         args.max_length = language(model).max_position_embeddings
@@ -248,10 +251,16 @@ def _has_tokenizer(d: str) -> bool:
 
 
 def load_model(
-    ckpt: str, model: Any, layout: Layout, bf16: bool = False, fp16: bool = False
+    ckpt: str,
+    model: Any,
+    layout: Layout,
+    bf16: bool = False,
+    fp16: bool = False,
+    lora: str | None = None,
 ) -> list[torch.nn.Module]:
     """This rank's chunks with the checkpoint's weights, in eval mode (parallel state set): a
-    GPT's pipeline chunks, or the one chunk of a LLaVA model (``model`` a ``LlavaConfig``)."""
+    GPT's pipeline chunks, or the one chunk of a LLaVA model (``model`` a ``LlavaConfig``);
+    ``lora``: a LoRA checkpoint whose adapters are folded into the weights."""
     from anyspeed.checkpoint.errors import CheckpointMismatch
     from anyspeed.checkpoint.load import load_weights
     from anyspeed.device import torch_device
@@ -272,6 +281,8 @@ def load_model(
         load_weights(ckpt, chunks)
     except CheckpointMismatch as exc:
         raise UsageError(str(exc)) from None
+    if lora:
+        lora_load.apply(chunks, lora)
     if torch_device().type == "cpu" and _fast_path():
         from anyspeed.features.inference.weights import prepare_for_decode
 
