@@ -85,6 +85,7 @@ def test_mindspeed_names_build_the_same_model(mindspeed, megatron):
         ("--rope-scaling-type yarn --rope-scaling-original-max-position-embeddings 8192",
          "Megatron-Core 0.16.1 fixes it to 4096"),
         ("--multi-latent-attention", "--multi-latent-attention needs --qk-layernorm"),
+        ("--beta-fast 16", "--beta-fast 16: Megatron-Core 0.16.1 fixes it to 32"),
         ("--decoder-first-pipeline-num-layers 1", "need --pipeline-model-parallel-size >= 2"),
     ],
 )  # fmt: skip

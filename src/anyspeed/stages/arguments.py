@@ -20,7 +20,7 @@ from anyspeed.models import config as model_config
 from anyspeed.models import recompute
 from anyspeed.models.presets import apply_preset
 from anyspeed.stages.ranges import check_ranges
-from anyspeed.training import hf_export, muon
+from anyspeed.training import hf_export, manual_gc, muon
 
 __all__ = ["UsageError", "build_parser", "parse_pretrain_args", "unsupported_flag"]
 
@@ -187,6 +187,11 @@ def _data_and_checkpoints(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
     g.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="a --load without a checkpoint is an error (else training starts from scratch)",
+    )
+    g.add_argument(
         "--ckpt-format",
         choices=("torch_dist", "torch"),
         default="torch_dist",
@@ -254,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         _logging,
         recompute.add_arguments,
         hf_export.add_arguments,
+        manual_gc.add_arguments,
     ):
         add(p)
     features.add_arguments(p)

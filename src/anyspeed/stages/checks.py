@@ -254,6 +254,11 @@ def _check_load(args: argparse.Namespace, layout: Layout, world: int) -> str | N
     except ValueError as exc:
         raise UsageError(f"--load: {exc}") from None
     if latest is None:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise UsageError(
+                f"--load {args.load!r} has no checkpoint ({TRACKER} missing) and "
+                "--exit-on-missing-checkpoint is set"
+            )
         if args.finetune:
             raise UsageError(
                 f"--finetune needs a checkpoint, but --load {args.load!r} has no {TRACKER}"

@@ -113,6 +113,8 @@ RANGES: dict[str, Range] = {
     "--rope-scaling-mscale-all-dim": NONNEG,
     "--rope-scaling-original-max-position-embeddings": STRICTLY_POSITIVE,
     "--rope-scaling-beta-fast": STRICTLY_POSITIVE,
+    "--beta-fast": STRICTLY_POSITIVE,
+    "--beta-slow": STRICTLY_POSITIVE,
     "--rope-scaling-beta-slow": STRICTLY_POSITIVE,
     # mixture of experts
     "--expert-model-parallel-size": POSITIVE,
@@ -170,6 +172,7 @@ RANGES: dict[str, Range] = {
     "--exit-interval": POSITIVE,
     "--log-interval": POSITIVE,
     "--eval-interval": POSITIVE,
+    "--manual-gc-interval": COUNT,
     "--eval-iters": COUNT,
     "--generate-tokens": POSITIVE,
     "--profile-step-start": COUNT,

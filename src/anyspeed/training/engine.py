@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from anyspeed.distributed.process import print0, rank, world_size
+from anyspeed.training import manual_gc
 from anyspeed.training.loop import Hook
 from anyspeed.training.run import Run
 from anyspeed.training.task import Task
@@ -213,6 +214,7 @@ def train(run: Run, task: Task, extra_hooks: Sequence[Hook] = ()) -> dict[str, A
         *task.hooks(run),
         *_profile(run),
         *_export(run),
+        *manual_gc.hooks(run.args),
         *extra_hooks,
     ]
     try:

@@ -94,6 +94,34 @@ NOOPS: dict[str, tuple[bool | str, str]] = {
         "a MindSpeed-LLM layer spec module: anyspeed builds Megatron-Core's local spec from "
         "the model's architecture (--qk-layernorm, MLA, MoE, ...)",
     ),
+    "--moe-permute-fusion": (
+        False,
+        "Transformer Engine's / MindSpeed's fused token permutation: the permutation here is "
+        "Megatron's portable one (the same tokens in the same order)",
+    ),
+    "--gemm-gradient-accumulation-fusion": (
+        False,
+        "MindSpeed's NPU kernel accumulating weight gradients inside the GEMM: gradients "
+        "accumulate in Megatron's main-grad buffers",
+    ),
+    "--use-ascend-coc": (False, "Ascend's communication-computation overlap (an NPU kernel)"),
+    "--coc-fused-kernel": (False, "Ascend's fused communication-computation kernel"),
+    "--use-ascend-mc2": (False, "Ascend's MC2 fused matmul-communication kernel"),
+    "--moe-fb-overlap": (
+        False,
+        "MindSpeed's overlap of one micro-batch's forward with another's backward in MoE "
+        "layers (CUDA/NPU streams): the passes run one after the other, with the same results",
+    ),
+    "--mla-fa-without-pad": (
+        False,
+        "MindSpeed's flash attention for MLA without padding the value head dim: attention "
+        "here takes unequal query/value head dims as they are",
+    ),
+    "--shape-order": (True, "MindSpeed's attention tensor layout for its NPU kernel"),
+    "--mtp-mem-efficient-logits": (
+        False,
+        "MindSpeed's chunked MTP logits (memory only): the MTP loss here is Megatron's",
+    ),
     "--moe-alltoall-overlap-comm": (
         False,
         "MindSpeed's overlap of the MoE all-to-all with "

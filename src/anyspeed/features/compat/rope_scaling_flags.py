@@ -24,7 +24,12 @@ class MindSpeedRopeFlags(Feature):
     name = "mindspeed-rope-flags"
     level = 0
     description = "MindSpeed-LLM's --rope-scaling-* YaRN flags as Megatron's MLA rope options"
-    flags = ("--rope-scaling-type", "--use-rotary-position-embeddings")
+    flags = (
+        "--rope-scaling-type",
+        "--use-rotary-position-embeddings",
+        "--beta-fast",
+        "--beta-slow",
+    )
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
         add_flag(
@@ -59,6 +64,9 @@ class MindSpeedRopeFlags(Feature):
             flag = f"--rope-scaling-{key.replace('_', '-')}"
             note = f"MindSpeed-LLM: must be {want:g} (Megatron-Core fixes it)"
             add_flag(parser, flag, type=float, default=None, help=note)
+        for key in ("beta_fast", "beta_slow"):  # MindSpeed-LLM's DeepSeek recipes' spelling
+            note = f"YaRN: must be {_FIXED[key]:g} (Megatron-Core fixes it)"
+            add_flag(parser, f"--{key.replace('_', '-')}", type=float, default=None, help=note)
 
     def flag_notes(self) -> dict[str, str]:
         return {
@@ -70,6 +78,13 @@ class MindSpeedRopeFlags(Feature):
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
         if getattr(args, "use_rotary_position_embeddings", False):
             args.position_embedding_type = "rope"
+        for key in ("beta_fast", "beta_slow"):
+            given, want = getattr(args, key, None), _FIXED[key]
+            if given is not None and float(given) != want:
+                raise FeatureError(
+                    f"--{key.replace('_', '-')} {given:g}: Megatron-Core 0.16.1 fixes it to "
+                    f"{want:g}"
+                )
         if getattr(args, "rope_scaling_type", None) != "yarn":
             return
         for key, want in _FIXED.items():
