@@ -169,8 +169,9 @@ def test_resumed_at_another_layout_equals_straight(one_process, tiny_moe, sft_da
 
 
 def test_peft_applies_the_expert_adapter_export(moe_base, tiny_moe, tmp_path):
-    """``--save-lora-to-hf``: PEFT applies the export (attention modules by name, the stacked
-    experts by ``target_parameters``) onto transformers' model, giving the adapted logits."""
+    """``--save-lora-to-hf``: PEFT applies the export (each expert's adapters under its
+    checkpoint names, which PEFT converts into transformers 5's stacked experts) onto
+    transformers' model, giving the adapted logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -237,3 +238,69 @@ def test_folded_adapters_give_the_adapted_logits(moe_base, grouped):
     assert (out["folded"] - out["adapted"]).abs().max() < 1e-4
     assert out["n"] == (2 * 2 + 2 * (1 if grouped else 2 * 4))  # qkv+proj; grouped or 4 experts
     assert not out["left"] and out["hooks"] == 0 and not out["view"]
+
+
+MLA = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+       "linear_proj", "linear_fc1", "linear_fc2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> dict:
+    """A tiny DeepSeek-V3 (MLA with low-rank queries, a dense first layer, shared and routed
+    experts) as an HF directory and a Megatron checkpoint."""
+    from helpers.convert_ranks import tiny_hf_model
+
+    d = tmp_path_factory.mktemp("deepseek")
+    tiny_hf_model(d / "hf", "tiny-deepseek-v3", seed=2, vocab_size=768)
+    for stand_in in (d / "hf").glob("tokenizer*"):  # the data is tokenized: no tokenizer needed
+        stand_in.unlink()
+    return {"hf": str(d / "hf"), "base": _to_megatron(str(d / "hf"), str(d / "base"))}
+
+
+def test_mla_adapters_merge_into_transformers(deepseek, tmp_path, capsys):
+    """LoRA on multi-latent attention's four projections and the dense, shared-expert and
+    routed-expert MLPs of a DeepSeek-V3: the merged export in transformers gives the adapted
+    logits. PEFT applies the attention adapters' export onto transformers' model with the same
+    logits; an export also holding dense and expert MLPs warns (PEFT 0.21 maps every gate/up/
+    down target onto the stacked experts)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(4))
+    to_hf = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", deepseek["base"]]
+    vocab = AutoModelForCausalLM.from_pretrained(deepseek["hf"]).config.vocab_size
+    lora = str(tmp_path / "lora")
+    logits = lora_ranks.adapter_checkpoint(deepseek["base"], lora, MLA, R, ALPHA, tokens)
+    assert convert([*to_hf, "--save-dir", str(tmp_path / "merged"), "--lora-load", lora]) == 0
+    want = logits[..., :vocab].float()
+    assert (_hf_logits(str(tmp_path / "merged"), tokens) - want).abs().max() < 1e-4
+    assert (_hf_logits(deepseek["hf"], tokens) - want).abs().max() > 1e-2
+    capsys.readouterr()
+    assert convert([*to_hf, "--save-dir", str(tmp_path / "mixed"), "--lora-load", lora,
+                    "--save-lora-to-hf"]) == 0  # fmt: skip
+    assert "PEFT 0.21 with transformers 5 maps every gate/up/down" in capsys.readouterr().err
+    attn = str(tmp_path / "attn")
+    logits = lora_ranks.adapter_checkpoint(deepseek["base"], attn, MLA[:5], R, ALPHA, tokens)
+    peft = str(tmp_path / "peft")
+    assert convert([*to_hf, "--save-dir", peft, "--lora-load", attn, "--save-lora-to-hf"]) == 0
+    base = AutoModelForCausalLM.from_pretrained(deepseek["hf"], dtype=torch.float32)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(base, peft).eval()(input_ids=tokens).logits.float()
+    assert (got - logits[..., :vocab].float()).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_mla_lora_at_tp2_sp_and_ep2(deepseek, sft_data):
+    """DeepSeek-V3 with LoRA on MLA's projections and every MLP (dense, shared, routed): TP2+SP
+    (the projections' adapters communicate as column layers') and EP2 equal one process."""
+    hf = deepseek["hf"]
+
+    def argv(*extra: str) -> list[str]:
+        out = lora_cli(hf, sft_data["padded"], *extra)
+        at = out.index("--lora-target-modules") + 1
+        return out[:at] + MLA + out[at + len(TARGETS) :]
+
+    want = _run(hf, argv(), 1)
+    assert want["loss"][-1] < want["loss"][0]
+    for layout in ("tp2-sp", "ep2"):
+        _same(_run(hf, argv(*LAYOUTS[layout]), 2), want)

@@ -142,5 +142,8 @@ def test_lora_linear_qkv_on_mla_is_refused():
     )  # fmt: skip
     with pytest.raises(UsageError, match="multi-latent-attention model has no fused QKV"):
         lora.from_args(args)
-    args.lora_target_modules = ["linear_proj", "linear_fc1"]
-    assert lora.from_args(args).target_modules == ("linear_proj", "linear_fc1")
+    args.lora_target_modules = ["linear_kv_down_proj", "linear_fc1"]
+    assert lora.from_args(args).target_modules == ("linear_kv_down_proj", "linear_fc1")
+    args.multi_latent_attention = False  # MLA's projections on a model without MLA
+    with pytest.raises(UsageError, match="linear_kv_down_proj: a layer of multi-latent"):
+        lora.from_args(args)

@@ -13,6 +13,7 @@ its own, since B's rows (column layers) or A's columns (row layers) follow the w
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,17 +90,17 @@ class Adapters:
 def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig, m: Any) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT saves them: a
     fused Megatron adapter becomes one per HF projection (A shared, B split like the weight);
-    MoE experts' adapters become their stacked parameters' (``convert/lora_experts.py``)."""
+    a MoE expert's under its checkpoint name (``mlp.experts.3.gate_proj``), the form PEFT
+    converts into transformers 5's stacked experts on load."""
     from safetensors.torch import save_file
 
     from anyspeed.convert import engine
-    from anyspeed.convert.lora_experts import ExpertAdapters
     from anyspeed.models.families.base import Fused
 
     adapters = Adapters(lora_dir, preset)
-    experts = ExpertAdapters(preset)
     out: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
+    experts = dense_mlp = False
     for group in engine.groups(preset):
         for mg, dst in engine.entries(m, preset, group).items():
             ab = adapters.pair(mg)
@@ -107,26 +108,34 @@ def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig,
                 continue
             a, b = ab
             names = dst.parts if isinstance(dst, Fused) else (dst,)
-            if experts.take(mg, names, a, b):
-                continue
             if not all(isinstance(n, str) for n in names):
                 raise ConvertError(
                     f"--save-lora-to-hf: {preset.family}'s experts are stacked in one HF tensor; "
                     "merge the adapters instead (--lora-load without --save-lora-to-hf)"
                 )
-            if isinstance(dst, Fused):
-                parts = zip(dst.parts, engine.split_fused(dst, b, preset), strict=True)
-            else:
-                parts = [(dst, b)]
+            expert = ".local_experts." in mg
+            experts |= expert
+            dense_mlp |= not expert and spec.target_of(mg) in ("linear_fc1", "linear_fc2")
+            parts = (
+                zip(names, engine.split_fused(dst, b, preset), strict=True)
+                if isinstance(dst, Fused)
+                else [(dst, b)]
+            )
             for hf_name, b_part in parts:
                 stem = PEFT_PREFIX + hf_name.removesuffix(".weight")
                 out[f"{stem}.{spec.A}.weight"] = a.contiguous().clone()
                 out[f"{stem}.{spec.B}.weight"] = engine.materialize(b_part).contiguous().clone()
                 modules.add(hf_name.removesuffix(".weight").rsplit(".", 1)[-1])
-    stacked, target_parameters = experts.tensors(PEFT_PREFIX)
-    out.update(stacked)
     if not out:
         raise ConvertError(f"--lora-load {lora_dir}: no adapters found")
+    if experts and dense_mlp:
+        print(
+            "anyspeed convert: warning: the adapters hold MoE experts and dense (or shared-"
+            "expert) MLPs: PEFT 0.21 with transformers 5 maps every gate/up/down target onto "
+            "the stacked experts and leaves the others out; merge instead (--lora-load without "
+            "--save-lora-to-hf) to keep them all",
+            file=sys.stderr,
+        )
     save = Path(save_dir)
     save.mkdir(parents=True)
     save_file(out, str(save / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -143,8 +152,6 @@ def export_peft(lora_dir: str | Path, save_dir: str | Path, preset: ModelConfig,
         "base_model_name_or_path": None,
         "modules_to_save": None,
     }
-    if target_parameters:
-        cfg["target_parameters"] = target_parameters
     (save / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

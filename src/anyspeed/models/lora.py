@@ -13,8 +13,17 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-# Megatron's linear layers that can take adapters (the last component of their module name).
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# Megatron's linear layers that can take adapters (the last component of their module name):
+# attention's fused QKV and output, the MLP's (and every expert's), and multi-latent
+# attention's projections (MindSpeed-LLM's MLA fuses the two down projections as linear_qkv).
+MLA_TARGETS = (
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", *MLA_TARGETS)
 A, B = "lora_A", "lora_B"  # the adapter parameters' names on a target layer
 ADAPTER = ".lora_"  # in a parameter's (or checkpoint key's) name: it is an adapter
 RECORD = "anyspeed_lora"  # the key of the record in a checkpoint's common state

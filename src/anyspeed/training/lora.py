@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from anyspeed.errors import UsageError
-from anyspeed.models.lora import ADAPTER, TARGETS, LoraRecord
+from anyspeed.models.lora import ADAPTER, MLA_TARGETS, TARGETS, LoraRecord
 from anyspeed.training import lora_experts as experts
 
 VIEWS = ("all", "base", "adapters", "weights")
@@ -43,9 +43,12 @@ def _layers(chunk: torch.nn.Module):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import GroupedMLP
 
+    from anyspeed.models.mla import DuplicatedLinear
+
+    linear = (ColumnParallelLinear, RowParallelLinear, DuplicatedLinear)
     for layer in chunk.decoder.layers:
         for name, mod in layer.named_modules():
-            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(mod, linear):
                 key = f"{layer.layer_number}.{experts.global_name(layer, name)}"
                 yield key, name.rsplit(".", 1)[-1], mod
             elif isinstance(mod, GroupedMLP):
@@ -63,11 +66,15 @@ def _init_a(key: str, r: int, fan_in: int, seed: int) -> torch.Tensor:
 def _attach(
     mod: torch.nn.Module, key: str, r: int, scale: float, dropout: float, seed: int
 ) -> None:
+    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as tpl
 
-    column = isinstance(mod, tpl.ColumnParallelLinear)
+    # MLA's KV down-projection at TP > 1 (models/mla.py): every rank holds the whole weight
+    whole = not isinstance(mod, (tpl.ColumnParallelLinear, tpl.RowParallelLinear))
+    column = whole or isinstance(mod, tpl.ColumnParallelLinear)
     expert = bool(getattr(mod, "is_expert", False))
-    tp, rank = mod.tp_group.size(), mod.tp_group.rank()  # an expert's: the expert-TP group
+    group = ps.get_tensor_model_parallel_group() if whole else mod.tp_group  # experts': ETP
+    tp, rank = (1, 0) if whole else (group.size(), group.rank())
     out_local, in_local = mod.weight.shape
     fan_in = in_local if column else in_local * tp
     a = _init_a(key, r, fan_in, seed)
@@ -80,6 +87,9 @@ def _attach(
     if expert:
         experts.mark(sharded, mod.weight, True, 0 if column else 1)
         experts.mark(replicated, mod.weight, tp == 1, 1 if column else 0)
+    elif whole:  # as the weight: under SP each rank's own tokens, the gradients summed over TP
+        for p in (mod.lora_A, mod.lora_B):
+            p.sequence_parallel = mod.config.sequence_parallel
     else:
         tpl.set_tensor_model_parallel_attributes(sharded, True, 0 if column else 1, 1)
         # Each rank sees only its sequence shard under SP: the replicated factor's gradient is
@@ -90,6 +100,7 @@ def _attach(
     mod.lora_dropout = dropout
     mod.lora_column = column
     mod.lora_expert = expert
+    mod.lora_whole = whole
     mod.register_forward_hook(_hook)
     base = mod.sharded_state_dict
 
@@ -99,10 +110,10 @@ def _attach(
         # A gated fc1 holds [gate shard; up shard] per rank: its lora_B is saved as Megatron
         # saves the weight (global [gate; up]), so the checkpoint reshards and merges alike.
         gated = column and mod.config.gated_linear_unit and key.endswith("linear_fc1")
-        tp_group = mod.tp_group
-        out.update(
-            experts.adapter_shards(mod, prefix, sharded_offsets, metadata, column, tp_group, gated)
+        shards = experts.adapter_shards(
+            mod, prefix, sharded_offsets, metadata, column, group, gated, split=not whole
         )
+        out.update(shards)
         return out
 
     mod.sharded_state_dict = sharded_state_dict
@@ -133,6 +144,7 @@ def _hook(mod: torch.nn.Module, args: tuple, output: tuple) -> tuple:
             a = experts.summed_grad(a, mod.tp_group)
         else:
             b = experts.summed_grad(b, mod.tp_group)
+    if mod.lora_expert or mod.lora_whole:  # no communication of the layer's own
         return (output[0] + F.linear(F.linear(x, a), b) * mod.lora_scale, *output[1:])
     # the layer's own flag: decoding switches sequence parallelism off and back
     comm = _comm(mod.lora_column, bool(getattr(mod, "sequence_parallel", False)))
@@ -197,18 +209,19 @@ def apply_lora(
     ``language_model``'s layers when it has one: a vision-language model's tower takes none)."""
     for name, p in chunk.named_parameters():
         p.requires_grad = any(f"{m}." in name or name.startswith(m) for m in modules_to_save)
-    found = False
+    found: set[str] = set()
     lm = getattr(chunk, "language_model", chunk)  # a vision-language model: its language model
     for key, short, mod in list(_layers(lm)):
         if short == GROUPED and {"linear_fc1", "linear_fc2"} & set(targets):
             spec = _GroupedSpec(r, alpha / r, dropout, lambda k, n, fan: _init_a(k, n, fan, seed))
             experts.attach_grouped(mod, key, targets, spec)
-            found = True
+            found |= {"linear_fc1", "linear_fc2"} & set(targets)
         elif short in targets:
             _attach(mod, key, r, alpha / r, dropout, seed)
-            found = True
-    if not found and lm.decoder.layers:
-        raise ValueError(f"no layer named {targets} in this model")
+            found.add(short)
+    missing = [t for t in targets if t not in found]
+    if missing and lm.decoder.layers:  # e.g. linear_q_down_proj without --q-lora-rank
+        raise ValueError(f"--lora-target-modules {missing[0]}: no such layer in this model")
     _views(chunk, tuple(modules_to_save))
     return chunk
 
@@ -278,11 +291,18 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
             f"--lora-target-modules {bad[0]!r} is not a layer of this model; "
             f"choose from {' '.join(TARGETS)}"
         )
-    if "linear_qkv" in args.lora_target_modules and getattr(args, "multi_latent_attention", False):
-        raise UsageError(  # else silently unadapted: MLA's projections are other layers
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    if mla and "linear_qkv" in args.lora_target_modules:  # else silently unadapted
+        raise UsageError(
             "--lora-target-modules linear_qkv: a multi-latent-attention model has no fused QKV "
-            "layer (LoRA on its down/up projections is not supported yet); adapt linear_proj, "
-            "linear_fc1 and linear_fc2"
+            "layer; name its projections (MindSpeed-LLM's linear_qkv fuses linear_q_down_proj "
+            "and linear_kv_down_proj; also linear_q_up_proj, linear_kv_up_proj)"
+        )
+    absent = [t for t in args.lora_target_modules if t in MLA_TARGETS]
+    if absent and not mla:
+        raise UsageError(
+            f"--lora-target-modules {absent[0]}: a layer of multi-latent attention, which this "
+            "model does not have (adapt linear_qkv)"
         )
     r = 16 if args.lora_r is None else args.lora_r
     alpha = 32.0 if args.lora_alpha is None else args.lora_alpha

@@ -73,6 +73,7 @@ def adapter_shards(
     column: bool,
     tp_group: Any,
     gated: bool,
+    split: bool = True,
 ) -> dict:
     """``owner``'s ``lora_A`` / ``lora_B`` as sharded tensors, split as a column (``lora_B``
     by rows) or row (``lora_A`` by columns) layer's weight is over ``tp_group``; a gated fc1's
@@ -84,7 +85,7 @@ def adapter_shards(
     dp_cp = (metadata or {}).get("dp_cp_group")
     groups = {"tp_group": tp_group, "dp_cp_group": dp_cp} if dp_cp is not None else {}
     own = {A: getattr(owner, A), B: getattr(owner, B)}
-    axes = {B: 0} if column else {A: 1}
+    axes = ({B: 0} if column else {A: 1}) if split else {}  # not split: each rank's whole
     out = make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets, **groups)
     if gated:
         single = (metadata or {}).get("singleton_local_shards", False)

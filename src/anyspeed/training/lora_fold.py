@@ -43,7 +43,14 @@ def _fold_linear(mod: torch.nn.Module) -> None:
             del mod._forward_hooks[key]
     del mod.lora_A, mod.lora_B
     mod.__dict__.pop("sharded_state_dict", None)
-    for attr in ("lora_key", "lora_scale", "lora_dropout", "lora_column", "lora_expert"):
+    for attr in (
+        "lora_key",
+        "lora_scale",
+        "lora_dropout",
+        "lora_column",
+        "lora_expert",
+        "lora_whole",
+    ):
         mod.__dict__.pop(attr, None)
 
 
