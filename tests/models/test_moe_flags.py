@@ -126,3 +126,28 @@ def test_latent_attention_with_context_parallel_is_one_line_before_start():
         _model("--multi-latent-attention", "--qk-layernorm", "--context-parallel-size", "2",
                world=2)  # fmt: skip
     assert "--context-parallel-size 2" in str(err.value) and "\n" not in str(err.value)
+
+
+DSA_RUN = ["--model", "tiny-deepseek-v3", *RUN[2:-4]]  # RUN without its model and experts
+
+
+def test_mindspeed_dsa_names_build_the_same_model():
+    """MindSpeed-LLM's DeepSeek-V3.2 indexer flags (its loss coefficient defaulting to 1.0)."""
+
+    def model(flags: str):
+        args = parse_pretrain_args([*DSA_RUN, *flags.split()])
+        return check_args(args, 1).model, args
+
+    got, args = model("--enable-dsa-indexer --index-n-heads 8 --index-head-dim 16 --index-topk 6")
+    want, _ = model(
+        "--experimental-attention-variant dsa --dsa-indexer-n-heads 8 --dsa-indexer-head-dim 16 "
+        "--dsa-indexer-topk 6 --dsa-indexer-loss-coeff 1"
+    )
+    assert got.to_dict() == want.to_dict() and got.experimental_attention_variant == "dsa"
+    assert args.dsa_indexer_loss_coeff == 1.0
+    for flags, line in (
+        ("--index-topk 6", "--index-topk needs --enable-dsa-indexer"),
+        ("--enable-dsa-indexer --index-topk 6 --dsa-indexer-topk 8", "differ"),
+    ):
+        with pytest.raises(UsageError, match=line):
+            model(flags)

@@ -20,6 +20,7 @@ from anyspeed.features.compat.accepted_flags import AcceptedFlags
 from anyspeed.features.compat.cuda_only import CudaOnlyOptions
 from anyspeed.features.compat.delta_net import DeltaNetCompat
 from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
+from anyspeed.features.compat.dsa_flags import MindSpeedDSAFlags
 from anyspeed.features.compat.fsdp import FSDPCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
@@ -63,6 +64,7 @@ def build() -> list[Feature]:
         NoopLayers(),  # rewrites --num-layers to the real layers (before the layout check)
         NumLayerList(),  # rewrites the namespace the layout check reads
         MindSpeedRopeFlags(),
+        MindSpeedDSAFlags(),
         LayoutCheck(),
         ChunkPlacement(),
         AcceptedFlags(kernels=kernels),

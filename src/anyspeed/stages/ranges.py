@@ -114,6 +114,10 @@ RANGES: dict[str, Range] = {
     "--rope-scaling-original-max-position-embeddings": STRICTLY_POSITIVE,
     "--rope-scaling-beta-fast": STRICTLY_POSITIVE,
     "--beta-fast": STRICTLY_POSITIVE,
+    "--index-n-heads": POSITIVE,
+    "--index-head-dim": POSITIVE,
+    "--index-topk": POSITIVE,
+    "--indexer-loss-coeff": NONNEG,
     "--beta-slow": STRICTLY_POSITIVE,
     "--rope-scaling-beta-slow": STRICTLY_POSITIVE,
     # mixture of experts

@@ -122,6 +122,22 @@ NOOPS: dict[str, tuple[bool | str, str]] = {
         False,
         "MindSpeed's chunked MTP logits (memory only): the MTP loss here is Megatron's",
     ),
+    "--use-fused-lightning-indexer": (False, "MindSpeed's fused DSA indexer (an NPU kernel)"),
+    "--use-fused-lightning-indexer-loss": (
+        False,
+        "MindSpeed's fused DSA indexer loss (an NPU kernel)",
+    ),
+    "--use-sparse-flash-attn": (
+        False,
+        "MindSpeed's sparse flash attention for DSA (an NPU kernel): Megatron's DSA "
+        "attention computes the same top-k attention unfused",
+    ),
+    "--enable-mla-absorb": (
+        False,
+        "MindSpeed's absorbed-MLA attention kernel (NPU): the same attention, computed "
+        "without the absorption",
+    ),
+    "--mla-mm-split": (False, "MindSpeed's split MLA matmuls (an NPU layout)"),
     "--moe-alltoall-overlap-comm": (
         False,
         "MindSpeed's overlap of the MoE all-to-all with "
