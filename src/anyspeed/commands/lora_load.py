@@ -48,7 +48,10 @@ def check(args: argparse.Namespace, model: Any) -> None:
     if record is None:
         raise UsageError(f"{where}: not a LoRA checkpoint of anyspeed posttrain")
     if not isinstance(model, ModelConfig):
-        raise UsageError(f"{where}: LoRA is applied to language models here, not {model.name}")
+        raise UsageError(
+            f"{where}: a vision-language model's adapters are not applied here yet; merge them "
+            "first (anyspeed convert --lora-load) and --load the merged directory"
+        )
     saved = model_in_common(common, args.lora_load, as_hf=False)
     diff = saved.same_architecture(model) if saved is not None else []
     if diff:

@@ -46,7 +46,8 @@ def global_name(layer: torch.nn.Module, name: str) -> str:
 
 def summed_grad(t: torch.Tensor, group: Any) -> torch.Tensor:
     """``t`` itself, its gradient summed over ``group`` (the expert-TP group) when that has
-    more than one rank: the factor each rank holds whole sees only its rank's tokens' share."""
+    more than one rank: a factor each rank holds whole gets, on each rank, only the part of its
+    gradient that flows through that rank's shard of the other factor."""
     if group is None or group.size() == 1:
         return t
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
