@@ -289,18 +289,56 @@ def test_mla_adapters_merge_into_transformers(deepseek, tmp_path, capsys):
     assert (got - logits[..., :vocab].float()).abs().max() < 1e-4
 
 
+def _down_projections_a(it_dir: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The saved ``lora_A`` of layer ``layer``'s query and KV down-projections."""
+    from pathlib import Path
+
+    from anyspeed.convert.dcp_io import DcpReader
+    from anyspeed.convert.engine import materialize
+    from anyspeed.convert.torch_dist import read_entry
+
+    reader, attn = DcpReader(it_dir), f"decoder.layers.{layer}.self_attention."
+    q, kv = (
+        materialize(read_entry(reader, f"{attn}{m}.lora_A", (), Path(it_dir)))
+        for m in ("linear_q_down_proj", "linear_kv_down_proj")
+    )
+    return q, kv
+
+
+def test_mindspeed_linear_qkv_on_mla_is_one_fused_adapter(deepseek, tmp_path):
+    """MindSpeed-LLM's DeepSeek-V3 LoRA targets (``linear_qkv linear_proj linear_fc1
+    linear_fc2``): on MLA ``linear_qkv`` is one adapter of the query and KV down-projections
+    that MindSpeed-LLM fuses, A shared, B split. The merged export in transformers gives the
+    adapted logits, and both projections' saved A are one tensor."""
+    tokens = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(5))
+    lora = str(tmp_path / "lora")
+    logits = lora_ranks.adapter_checkpoint(deepseek["base"], lora, TARGETS, R, ALPHA, tokens)
+    to_hf = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", deepseek["base"]]
+    assert convert([*to_hf, "--save-dir", str(tmp_path / "merged"), "--lora-load", lora]) == 0
+    got = _hf_logits(str(tmp_path / "merged"), tokens)
+    assert (got - logits[..., : got.shape[-1]].float()).abs().max() < 1e-4
+    q, kv = _down_projections_a(f"{lora}/iter_0000001", 0)
+    assert torch.equal(q, kv)
+
+
 @pytest.mark.slow
-def test_mla_lora_at_tp2_sp_and_ep2(deepseek, sft_data):
-    """DeepSeek-V3 with LoRA on MLA's projections and every MLP (dense, shared, routed): TP2+SP
-    (the projections' adapters communicate as column layers') and EP2 equal one process."""
+@pytest.mark.parametrize("targets", ["mla", "mindspeed"])
+def test_mla_lora_at_tp2_sp_and_ep2(deepseek, sft_data, targets, tmp_path):
+    """DeepSeek-V3 with LoRA on MLA's projections (named, or MindSpeed-LLM's fused
+    ``linear_qkv``) and every MLP (dense, shared, routed): TP2+SP (the projections' adapters
+    communicate as column layers', the KV down-projection's is whole) and EP2 equal one process;
+    trained, the fused adapter's A is still one tensor."""
     hf = deepseek["hf"]
 
     def argv(*extra: str) -> list[str]:
         out = lora_cli(hf, sft_data["padded"], *extra)
         at = out.index("--lora-target-modules") + 1
-        return out[:at] + MLA + out[at + len(TARGETS) :]
+        return out[:at] + (MLA if targets == "mla" else TARGETS) + out[at + len(TARGETS) :]
 
-    want = _run(hf, argv(), 1)
+    want = _run(hf, argv("--save", str(tmp_path / "one"), "--save-interval", "3"), 1)
     assert want["loss"][-1] < want["loss"][0]
     for layout in ("tp2-sp", "ep2"):
         _same(_run(hf, argv(*LAYOUTS[layout]), 2), want)
+    if targets == "mindspeed":
+        q, kv = _down_projections_a(str(tmp_path / "one" / "iter_0000003"), 1)
+        assert torch.equal(q, kv)

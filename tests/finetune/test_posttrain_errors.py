@@ -128,22 +128,24 @@ def test_tampered_lora_load_names_lora_load(capsys, sft_data, lora_ckpt, tmp_pat
     assert f"--lora-load {lora!r}" in err and "--load " not in err, err
 
 
-def test_lora_linear_qkv_on_mla_is_refused():
-    """MLA has no fused QKV layer: the target would adapt nothing, silently."""
+def test_lora_targets_on_mla_are_checked():
+    """On MLA ``linear_qkv`` is MindSpeed-LLM's fused down-projection adapter: naming one of
+    its layers too is one line, and so is an MLA layer on a model without MLA."""
     import argparse
 
     from anyspeed.errors import UsageError
     from anyspeed.training import lora
 
     args = argparse.Namespace(
-        lora_target_modules=["linear_qkv", "linear_fc1"], lora_r=None, lora_alpha=None,
+        lora_target_modules=["linear_qkv", "linear_kv_down_proj"], lora_r=None, lora_alpha=None,
         lora_dropout=None, lora_modules_to_save=[], lora_load=None, seed=1,
         multi_latent_attention=True,
     )  # fmt: skip
-    with pytest.raises(UsageError, match="multi-latent-attention model has no fused QKV"):
+    with pytest.raises(UsageError, match="linear_qkv and linear_kv_down_proj: on multi-latent"):
         lora.from_args(args)
-    args.lora_target_modules = ["linear_kv_down_proj", "linear_fc1"]
-    assert lora.from_args(args).target_modules == ("linear_kv_down_proj", "linear_fc1")
+    for targets in (["linear_qkv", "linear_fc1"], ["linear_kv_down_proj", "linear_fc1"]):
+        args.lora_target_modules = targets
+        assert lora.from_args(args).target_modules == tuple(targets)
     args.multi_latent_attention = False  # MLA's projections on a model without MLA
     with pytest.raises(UsageError, match="linear_kv_down_proj: a layer of multi-latent"):
         lora.from_args(args)

@@ -60,7 +60,7 @@ class Adapters:
         if not name.startswith(self.prefix):
             return None
         name = name[len(self.prefix) :]
-        if spec.target_of(name) not in self.record.target_modules:
+        if not spec.adapted(spec.target_of(name), self.record.target_modules):
             return None
         from anyspeed.convert.engine import materialize
         from anyspeed.convert.torch_dist import read_entry

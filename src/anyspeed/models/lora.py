@@ -24,6 +24,10 @@ MLA_TARGETS = (
     "linear_kv_up_proj",
 )
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", *MLA_TARGETS)
+# ``linear_qkv`` on multi-latent attention: the layers MindSpeed-LLM's MLA fuses under that
+# name (the query's down- or whole projection and the KV down-projection), one adapter whose
+# A they share and whose B rows they split, as one fused layer's adapter would be.
+MLA_QKV = ("linear_q_down_proj", "linear_q_proj", "linear_kv_down_proj")
 A, B = "lora_A", "lora_B"  # the adapter parameters' names on a target layer
 ADAPTER = ".lora_"  # in a parameter's (or checkpoint key's) name: it is an adapter
 RECORD = "anyspeed_lora"  # the key of the record in a checkpoint's common state
@@ -36,6 +40,14 @@ def target_of(name: str) -> str | None:
     """The target (e.g. ``linear_qkv``) a Megatron weight name belongs to; None for others."""
     mt = _WEIGHT.match(name)
     return mt.group(1) if mt else None
+
+
+def adapted(layer: str | None, targets: tuple[str, ...] | list[str]) -> bool:
+    """Whether ``targets`` adapt the layer named ``layer`` (``linear_qkv`` adapts MLA's fused
+    projections as well)."""
+    return layer is not None and (
+        layer in targets or (layer in MLA_QKV and "linear_qkv" in targets)
+    )
 
 
 def adapter_key(weight_key: str, part: str) -> str:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from anyspeed.errors import UsageError
-from anyspeed.models.lora import ADAPTER, MLA_TARGETS, TARGETS, LoraRecord
+from anyspeed.models.lora import ADAPTER, MLA_QKV, MLA_TARGETS, TARGETS, LoraRecord
 from anyspeed.training import lora_experts as experts
 
 VIEWS = ("all", "base", "adapters", "weights")
@@ -210,6 +210,7 @@ def apply_lora(
     for name, p in chunk.named_parameters():
         p.requires_grad = any(f"{m}." in name or name.startswith(m) for m in modules_to_save)
     found: set[str] = set()
+    shared: dict[int, torch.nn.Parameter] = {}  # layer -> the A of its MLA linear_qkv adapter
     lm = getattr(chunk, "language_model", chunk)  # a vision-language model: its language model
     for key, short, mod in list(_layers(lm)):
         if short == GROUPED and {"linear_fc1", "linear_fc2"} & set(targets):
@@ -219,6 +220,11 @@ def apply_lora(
         elif short in targets:
             _attach(mod, key, r, alpha / r, dropout, seed)
             found.add(short)
+        elif short in MLA_QKV and "linear_qkv" in targets:  # one fused adapter, A shared
+            layer = int(key.split(".", 1)[0])
+            _attach(mod, f"{layer}.self_attention.linear_qkv", r, alpha / r, dropout, seed)
+            mod.lora_A = shared.setdefault(layer, mod.lora_A)
+            found.add("linear_qkv")
     missing = [t for t in targets if t not in found]
     if missing and lm.decoder.layers:  # e.g. linear_q_down_proj without --q-lora-rank
         raise ValueError(f"--lora-target-modules {missing[0]}: no such layer in this model")
@@ -292,11 +298,12 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
             f"choose from {' '.join(TARGETS)}"
         )
     mla = bool(getattr(args, "multi_latent_attention", False))
-    if mla and "linear_qkv" in args.lora_target_modules:  # else silently unadapted
+    fused = [t for t in args.lora_target_modules if t in MLA_QKV]
+    if mla and fused and "linear_qkv" in args.lora_target_modules:
         raise UsageError(
-            "--lora-target-modules linear_qkv: a multi-latent-attention model has no fused QKV "
-            "layer; name its projections (MindSpeed-LLM's linear_qkv fuses linear_q_down_proj "
-            "and linear_kv_down_proj; also linear_q_up_proj, linear_kv_up_proj)"
+            f"--lora-target-modules linear_qkv and {fused[0]}: on multi-latent attention "
+            "linear_qkv is MindSpeed-LLM's fused down-projection adapter, which already adapts "
+            f"{fused[0]}; give one of them"
         )
     absent = [t for t in args.lora_target_modules if t in MLA_TARGETS]
     if absent and not mla:
