@@ -146,6 +146,13 @@ def test_lora_targets_on_mla_are_checked():
     for targets in (["linear_qkv", "linear_fc1"], ["linear_kv_down_proj", "linear_fc1"]):
         args.lora_target_modules = targets
         assert lora.from_args(args).target_modules == tuple(targets)
+    args.lora_target_modules = ["linear_q_down_proj"]  # queries without a low rank
+    with pytest.raises(UsageError, match="linear_q_down_proj: this model .no --q-lora-rank."):
+        lora.from_args(args)
+    args.q_lora_rank, args.lora_target_modules = 24, ["linear_q_proj"]
+    with pytest.raises(UsageError, match="linear_q_proj: this model .--q-lora-rank. has no"):
+        lora.from_args(args)
+    args.lora_target_modules = ["linear_kv_down_proj"]
     args.multi_latent_attention = False  # MLA's projections on a model without MLA
     with pytest.raises(UsageError, match="linear_kv_down_proj: a layer of multi-latent"):
         lora.from_args(args)

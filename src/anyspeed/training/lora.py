@@ -225,9 +225,8 @@ def apply_lora(
             _attach(mod, f"{layer}.self_attention.linear_qkv", r, alpha / r, dropout, seed)
             mod.lora_A = shared.setdefault(layer, mod.lora_A)
             found.add("linear_qkv")
-    missing = [t for t in targets if t not in found]
-    if missing and lm.decoder.layers:  # e.g. linear_q_down_proj without --q-lora-rank
-        raise ValueError(f"--lora-target-modules {missing[0]}: no such layer in this model")
+    if not found and lm.decoder.layers:  # (a pipeline stage may lack some: Qwen3-Next's)
+        raise ValueError(f"--lora-target-modules: no layer of {targets} in this model")
     _views(chunk, tuple(modules_to_save))
     return chunk
 
@@ -311,6 +310,12 @@ def from_args(args: argparse.Namespace) -> LoRAConfig | None:
             f"--lora-target-modules {absent[0]}: a layer of multi-latent attention, which this "
             "model does not have (adapt linear_qkv)"
         )
+    low_rank = bool(getattr(args, "q_lora_rank", None))  # else one query projection
+    queries = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj")
+    query = [t for t in absent if t in queries and (t == "linear_q_proj") == low_rank]
+    if mla and query:
+        have = "--q-lora-rank" if low_rank else "no --q-lora-rank"
+        raise UsageError(f"--lora-target-modules {query[0]}: this model ({have}) has no such layer")
     r = 16 if args.lora_r is None else args.lora_r
     alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
     dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
