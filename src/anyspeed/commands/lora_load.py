@@ -7,6 +7,7 @@ into the weights before decoding (``training/lora_fold.py``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 import torch
@@ -53,9 +54,25 @@ def check(args: argparse.Namespace, model: Any) -> None:
             "first (anyspeed convert --lora-load) and --load the merged directory"
         )
     saved = model_in_common(common, args.lora_load, as_hf=False)
+    # the name is a label, the vocabulary's padding follows the run's TP: not the adapters'
+    if saved is not None:
+        saved = dataclasses.replace(saved, name=model.name, vocab_size=model.vocab_size)
     diff = saved.same_architecture(model) if saved is not None else []
     if diff:
         raise UsageError(f"{where} was trained on another model ({diff[0]} differs from --load)")
+    from anyspeed.convert.dcp_io import DcpReader
+
+    saved_weights = [
+        k
+        for k in DcpReader(path).tensors
+        if ".lora_" not in k and not k.startswith(("optimizer.", "rng"))
+    ]
+    if saved_weights:  # --lora-modules-to-save: trained layers beside the adapters
+        raise UsageError(
+            f"{where} also holds trained layers ({saved_weights[0]}, from "
+            "--lora-modules-to-save); merge it first (anyspeed convert --lora-load) and --load "
+            "the merged directory"
+        )
     wrong = record.mismatch(
         r=args.lora_r, alpha=args.lora_alpha, target_modules=args.lora_target_modules
     )

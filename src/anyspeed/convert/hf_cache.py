@@ -33,6 +33,29 @@ def hf_dir_of(argv: list[str]) -> str | None:
     return load if is_hf_dir(load) else None
 
 
+def family_of_load(load: str | None) -> str | None:
+    """The model family ``--load`` holds: an HF directory's, or the one a checkpoint records
+    (None without either). Flags describe the layers, not which HF family they are: a
+    Qwen3-MoE is Qwen3 with experts, and only the source says which mapping converts it."""
+    from anyspeed import convert
+
+    if not load or not os.path.isdir(load):
+        return None
+    try:
+        if convert.is_hf_dir(load):
+            from anyspeed.convert.api import hf_dir_preset
+
+            return hf_dir_preset(load).family
+        from anyspeed.checkpoint.reads import read_common, tracked_dir
+        from anyspeed.checkpoint.record import model_in_common
+
+        path = tracked_dir(load)
+        model = model_in_common(read_common(path), load, as_hf=False) if path else None
+    except (OSError, ValueError):  # checked elsewhere, with its own one-line error
+        return None
+    return model.family if model is not None else None
+
+
 def hf_dropout(config: dict) -> tuple[float, float]:
     """(hidden, attention) dropout an HF ``config.json`` records, 0 where it records none (the
     transformers convention; Megatron's own defaults are 0.1)."""

@@ -48,16 +48,26 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
 
 def infer_family(values: dict[str, Any]) -> str:
     """The HF family closest to a flag-described model: the attention variant (gated DeltaNet
-    layers: Qwen3-Next; sparse attention: DeepSeek-V3.2) and attention sinks (GPT-OSS) first,
-    then QK norm, then QKV bias."""
+    layers: Qwen3-Next; sparse attention: DeepSeek-V3.2), attention sinks (GPT-OSS), multi-latent
+    attention and experts first (a Qwen3 with experts is a Qwen3-MoE), then QK norm, then QKV
+    bias."""
     bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
     sinks = values.get("softmax_type", "vanilla") != "vanilla"
     variant = values.get("experimental_attention_variant")
+    mla, moe = bool(values.get("multi_latent_attention")), bool(values.get("num_experts"))
 
-    def distance(f: Any) -> tuple[bool, bool, bool, bool]:
+    def distance(f: Any) -> tuple[bool, ...]:
         family_sinks = any(p.softmax_type != "vanilla" for p in f.presets)
         variants = {p.experimental_attention_variant for p in f.presets} or {None}
-        return variant not in variants, family_sinks != sinks, f.qk_norm != norm, f.qkv_bias != bias
+        family_moe = any(p.num_experts for p in f.presets)
+        return (
+            variant not in variants,
+            family_sinks != sinks,
+            bool(f.mla) != mla,
+            family_moe != moe,
+            f.qk_norm != norm,
+            f.qkv_bias != bias,
+        )
 
     ranked = sorted(FAMILIES.values(), key=distance)
     return ranked[0].name  # sorted() is stable: registry order breaks ties

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from anyspeed.convert import hf_cache
 from anyspeed.distributed.dualpipev.plan import check_microbatches
 from anyspeed.errors import UsageError
 from anyspeed.layout import Layout
@@ -92,6 +93,8 @@ def check(
     for prefix in data_prefixes or ():
         _check_data_files(args, prefix)
     model = model_from_args(args)
+    family = hf_cache.family_of_load(args.load)  # the source's, where there is one
+    model = model if family in (None, model.family) else model.replace(family=family)
     try:
         model.check()
     except ValueError as exc:
