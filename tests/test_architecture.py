@@ -219,6 +219,7 @@ PARSE_TIME = {
     ("stages/checks.py", "complete"),
     ("stages/checks.py", "_complete_architecture"),
     ("stages/checks.py", "_complete_vocab"),
+    ("stages/common/raw_data.py", "resolve"),  # a raw --data-path -> its preprocessed prefix
     ("training/run.py", "freeze"),
     ("commands/session.py", "complete"),  # an inference command's defaults from its model
     ("commands/evaluate.py", "_complete"),  # the evaluated task's defaults

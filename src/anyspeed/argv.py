@@ -51,6 +51,27 @@ def pop_flag(argv: Sequence[str], flag: str) -> tuple[str | None, list[str]]:
     return value, out
 
 
+def pop_values(argv: Sequence[str], flag: str) -> tuple[list[str] | None, list[str]]:
+    """(the values of ``flag``, a flag of any number of values, or None; ``argv`` without it).
+    Its values run to the next ``--`` token; the last occurrence wins."""
+    out: list[str] = []
+    values: list[str] | None = None
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith(flag + "="):
+            values, i = [tok.split("=", 1)[1]], i + 1
+        elif tok == flag:
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            values, i = list(argv[i + 1 : j]), j
+        else:
+            out.append(tok)
+            i += 1
+    return values, out
+
+
 def merge_flags(defaults: Sequence[str], argv: Sequence[str]) -> list[str]:
     """``defaults`` (flags with any number of values, ``--mrope-section 16 24 24``) then
     ``argv``, dropping defaults ``argv`` sets."""

@@ -52,6 +52,8 @@ _RECORDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("megatron", re.compile(r"You're using the legacy tokenizer system")),
     # LLaVAModel's banner: anyspeed's docs/multimodal.md says what it supports and checks.
     ("megatron", re.compile(r"LLaVA is work in progress")),
+    # ``--data-path 1 PREFIX``: a blend of one dataset, as asked (MindSpeed-LLM's scripts).
+    ("megatron", re.compile(r"Building a BlendedDataset for a single MegatronDataset")),
 )
 
 _original_showwarning: Any = None

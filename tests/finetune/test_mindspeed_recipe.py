@@ -2,14 +2,15 @@
 tune_qwen3_30b_a3b_4K_lora_ptd.sh`` (LoRA on attention and every expert, grouped GEMM,
 ``alltoall_seq``, ``--first-k-dense-replace -1 --moe-layer-freq -1``, ``--spec``,
 ``--enable-hf2mg-convert``, ``--ckpt-format torch``, ``--lora-fusion``...), sizes scaled to a
-tiny Qwen3-MoE, through the ``anyspeed posttrain`` command at EP2."""
+tiny Qwen3-MoE, through the ``anyspeed posttrain`` command at EP2, from the raw alpaca data."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
-from helpers.instruction import VOCAB
+from helpers.instruction import VOCAB, alpaca_records
 
 RECIPE = """
 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-grouped-gemm
@@ -38,15 +39,20 @@ RECIPE = """
 """.split()
 
 
-def test_qwen3_moe_lora_recipe_runs_as_written(tiny_moe, hf_tok, sft_data, tmp_path):
-    save = tmp_path / "ck"
+def test_qwen3_moe_lora_recipe_runs_as_written(tiny_moe, hf_tok, tmp_path):
+    """As MindSpeed-LLM's recipes now do, --data-path names the raw alpaca .json: it is
+    preprocessed at start-up with the recipe's handler and template."""
+    save, data = tmp_path / "ck", tmp_path / "alpaca.json"
+    data.write_text(json.dumps(alpaca_records(16)))
     argv = [*RECIPE, "--padded-vocab-size", str(VOCAB), "--tokenizer-name-or-path", hf_tok,
-            "--data-path", sft_data["padded"], "--load", tiny_moe, "--save", str(save)]  # fmt: skip
+            "--data-path", str(data), "--load", tiny_moe, "--save", str(save)]  # fmt: skip
     cmd = [sys.executable, "-m", "anyspeed", "posttrain", "--nproc-per-node", "2", *argv]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert all(x.startswith("anyspeed") for x in out.stderr.splitlines()), out.stderr
     assert "--ckpt-format torch: checkpoints are saved as torch_dist" in out.stderr
+    assert f"preprocessing -> {tmp_path / 'alpaca'}" in out.stderr
+    assert (tmp_path / "alpaca_packed_labels_document.idx").is_file()
     assert "EP=2" in out.stdout and "4 experts top-2" in out.stdout
     from megatron.core import dist_checkpointing
 

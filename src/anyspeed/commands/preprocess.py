@@ -11,7 +11,7 @@ from anyspeed import quiet
 from anyspeed.data.errors import DataError, UsageError
 from anyspeed.data.readers import FORMATS
 from anyspeed.data.registry import HANDLER_NAMES
-from anyspeed.data.templates import TEMPLATES
+from anyspeed.data.templates import TEMPLATES, thinking_template
 from anyspeed.errors import OneLineArgumentParser, report
 
 _TOKENIZER_ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
@@ -72,18 +72,6 @@ def _preprocess_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prompt_type(a: argparse.Namespace) -> str | None:
-    """``--prompt-type`` with MindSpeed-LLM's ``--enable-thinking`` applied (qwen3 only:
-    MindSpeed-LLM's reasoning templates put the empty block in the prompt unless it is true)."""
-    if a.enable_thinking is None:
-        return a.prompt_type
-    if a.prompt_type not in ("qwen3", "qwen3-nothink"):
-        raise UsageError(
-            f"--enable-thinking applies to --prompt-type qwen3 (got {a.prompt_type!r}); remove it"
-        )
-    return "qwen3" if a.enable_thinking == "true" else "qwen3-nothink"
-
-
 def _train_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(
         prog="anyspeed train-tokenizer", description="Train a byte-level BPE tokenizer."
@@ -121,7 +109,7 @@ def _preprocess(argv: list[str]) -> int:
         json_keys=a.json_keys,
         append_eod=a.append_eod,
         map_keys=a.map_keys,
-        prompt_type=_prompt_type(a),
+        prompt_type=thinking_template(a.prompt_type, a.enable_thinking),
         seq_length=a.seq_length,
         pack=a.pack,
         neat_pack=a.neat_pack,

@@ -91,10 +91,14 @@ def run_partitioned(job: Job) -> Stats:
 def preprocess(cfg: Config) -> Stats:
     """Validate ``cfg`` and run it; prints progress and the summary to stderr."""
     job, _ = prepare(cfg)
-    if cfg.partitions > 1 and len(job.files) > 1:
-        stats = run_partitioned(job)
-    else:
-        stats = run_job(job)
+    stats = run_prepared(job)
     if cfg.progress:
         print(summary(stats), file=sys.stderr)
     return stats
+
+
+def run_prepared(job: Job) -> Stats:
+    """Run a prepared job: file groups in parallel with ``--partitions``, else one job."""
+    if job.cfg.partitions > 1 and len(job.files) > 1:
+        return run_partitioned(job)
+    return run_job(job)

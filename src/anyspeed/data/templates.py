@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from anyspeed.data.errors import UsageError
+
 Segment = tuple[str, bool, bool]  # (text, is_response, append_eod_after)
 
 
@@ -88,3 +90,16 @@ TEMPLATES: dict[str, Template] = {
         eod_after_response=True,
     ),
 }
+
+
+def thinking_template(prompt_type: str | None, enable_thinking: str | None) -> str | None:
+    """``--prompt-type`` with MindSpeed-LLM's ``--enable-thinking true|false|none`` applied:
+    qwen3 only; its reasoning template puts the empty thinking block in the prompt
+    (qwen3-nothink) unless it is true. UsageError for another template."""
+    if enable_thinking is None:
+        return prompt_type
+    if prompt_type not in ("qwen3", "qwen3-nothink"):
+        raise UsageError(
+            f"--enable-thinking applies to --prompt-type qwen3 (got {prompt_type!r}); remove it"
+        )
+    return "qwen3" if enable_thinking == "true" else "qwen3-nothink"

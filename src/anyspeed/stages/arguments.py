@@ -19,6 +19,7 @@ from anyspeed.errors import OneLineArgumentParser, UsageError
 from anyspeed.models import config as model_config
 from anyspeed.models import recompute
 from anyspeed.models.presets import apply_preset
+from anyspeed.stages.common import raw_data
 from anyspeed.stages.ranges import check_ranges
 from anyspeed.training import hf_export, manual_gc, muon
 
@@ -256,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         _architecture_and_tokenizer,
         _training,
         _data_and_checkpoints,
+        raw_data.add_arguments,
         _logging,
         recompute.add_arguments,
         hf_export.add_arguments,

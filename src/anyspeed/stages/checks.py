@@ -362,7 +362,9 @@ def _check_data_files(args: argparse.Namespace, prefix: str) -> None:
                     f"--data-path {prefix!r}: give the prefix without .bin/.idx "
                     f"(e.g. {prefix.rsplit('.', 1)[0]!r})"
                 )
-            raise UsageError(f"--data-path {prefix!r}: {prefix + ext} does not exist")
+            near = f"{prefix}_text_document"  # what preprocess wrote for output prefix PREFIX
+            hint = f" (give {near!r})" if os.path.isfile(near + ext) else ""
+            raise UsageError(f"--data-path {prefix!r}: {prefix + ext} does not exist{hint}")
     try:
         index = check_dataset(prefix)
     except (IndexFileError, OSError) as exc:

@@ -4,13 +4,15 @@ generic checks, and (for ``--load <HF dir>``) the cached conversion."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
-from anyspeed.argv import get_flag, set_flag
+from anyspeed.argv import get_flag, pop_values, set_flag
 from anyspeed.convert import hf_cache as hf_load
 from anyspeed.errors import UsageError
 from anyspeed.stages import checks
 from anyspeed.stages.arguments import parse_pretrain_args
+from anyspeed.stages.common import raw_data
 from anyspeed.stages.table import STAGES, build_stage_parser, get_stage
 from anyspeed.training import hf_export
 from anyspeed.training.run import Run, freeze
@@ -53,6 +55,7 @@ def prepare(
     args = parse_pretrain_args(argv, build_stage_parser(stage), prog=prog)
     world = (args.nproc_per_node or 1) if where == "launcher" else int(os.environ["WORLD_SIZE"])
     tokenizer = checks.complete(args)
+    argv = _converted_data(args, argv, stage.name, command)
     freeze(args)
     if (
         getattr(args, "schedules_method", None) == "dualpipev"
@@ -91,6 +94,19 @@ def prepare(
         export=export,
     )
     return run, argv
+
+
+def _converted_data(
+    args: argparse.Namespace, argv: list[str], stage: str, command: str
+) -> list[str]:
+    """A raw ``--data-path`` preprocessed here (once; reused after) and replaced by its
+    ``.bin/.idx`` prefixes, in ``args`` and in the command line the ranks get."""
+    before = list(args.data_path or [])
+    raw_data.resolve(args, stage, command)
+    after = list(args.data_path or [])
+    if after == before:
+        return argv
+    return [*pop_values(argv, "--data-path")[1], "--data-path", *after]
 
 
 def recorded_architecture(argv: list[str]) -> list[str]:

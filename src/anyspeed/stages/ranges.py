@@ -184,6 +184,9 @@ RANGES: dict[str, Range] = {
     "--profile-ranks": COUNT,
     # post-training: LoRA and the reference (every stage)
     "--lora-r": POSITIVE,
+    # on-the-fly preprocessing (a raw --data-path)
+    "--workers": POSITIVE,
+    "--n-subs": POSITIVE,
     "--lora-alpha": STRICTLY_POSITIVE,
     "--lora-dropout": PROBABILITY,
     "--refer-model-iter": COUNT,

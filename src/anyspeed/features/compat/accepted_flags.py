@@ -88,7 +88,6 @@ NOOPS: dict[str, tuple[bool | str, str]] = {
         "--enable-mg2hf-convert is a flag of its own",
     ),
     "--model-type-hf": (True, "the family comes from --load's config.json"),
-    "--handler-name": (True, "the handler ran at preprocessing; the data holds its output"),
     "--spec": (
         "+",
         "a MindSpeed-LLM layer spec module: anyspeed builds Megatron-Core's local spec from "
