@@ -89,3 +89,24 @@ def layouts(runs):
 def test_layouts_equal_one_process(runs, layouts, layout):
     _close(layouts[layout]["loss"], runs[2]["level1"]["loss"])
     _close(layouts[layout]["grad_norm"], runs[2]["level1"]["grad_norm"])
+
+
+@pytest.mark.slow  # one more process run; the spelling's model is checked in CI by
+# tests/models/test_mindspeed_next_flags.py against the same transformers config
+def test_mindspeed_spelling_from_hf_gives_transformers_loss(runs, monkeypatch, tmp_path):
+    """MindSpeed-LLM's qwen3_next recipe flags (its spelling: --full-attention-interval,
+    --partial-rotary-factor, --add-rmsnorm-offset, --mamba-d-conv, --moe-router-pre-softmax
+    with --norm-topk-prob, ...) over --load <HF dir>: they agree with the model and the first
+    loss is transformers'."""
+    model, argv, _, _ = runs
+    spelling = ("--full-attention-interval 4 --mamba-d-conv 4 --mamba-expand 1 "
+                "--partial-rotary-factor 0.25 --add-rmsnorm-offset --no-enable-linear-qkv "
+                "--rmsnorm-weight-in-fp32 --shared-expert-gate --norm-topk-prob "
+                "--moe-router-pre-softmax --moe-router-load-balancing-type aux_loss "
+                "--topk-softmax-in-fp32 --mamba-chunk-size 64 --use-triton-gdn "
+                "--loss-compute-mode default --loss-chunk-size 1024 --spec "
+                "mindspeed_llm.tasks.models.spec.qwen3_next_spec layer_spec").split()  # fmt: skip
+    flags = [*argv, *spelling]
+    (run,) = run_many(1, [flags + ["--save", str(tmp_path / "ms")]])
+    want, _ = hf_first_loss(model, argv, monkeypatch)
+    assert run["loss"][0] == pytest.approx(want, rel=1e-5)

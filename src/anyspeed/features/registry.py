@@ -25,6 +25,7 @@ from anyspeed.features.compat.fsdp import FSDPCompat
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
 from anyspeed.features.compat.mtp import MTPCompat
+from anyspeed.features.compat.next_flags import MindSpeedNextFlags
 from anyspeed.features.compat.noop_layers import NoopLayers
 from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
@@ -65,6 +66,7 @@ def build() -> list[Feature]:
         NumLayerList(),  # rewrites the namespace the layout check reads
         MindSpeedRopeFlags(),
         MindSpeedDSAFlags(),
+        MindSpeedNextFlags(),
         LayoutCheck(),
         ChunkPlacement(),
         AcceptedFlags(kernels=kernels),

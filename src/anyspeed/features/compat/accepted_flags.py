@@ -122,6 +122,42 @@ NOOPS: dict[str, tuple[bool | str, str]] = {
         "MindSpeed's chunked MTP logits (memory only): the MTP loss here is Megatron's",
     ),
     "--use-fused-lightning-indexer": (False, "MindSpeed's fused DSA indexer (an NPU kernel)"),
+    "--use-triton-gdn": (
+        False,
+        "MindSpeed-LLM's Triton gated-delta kernel: DeltaNet layers run fla's kernel where it "
+        "is installed, else anyspeed's chunked rule (the same recurrence)",
+    ),
+    "--mamba-chunk-size": (
+        True,
+        "the chunk length of MindSpeed-LLM's gated-delta kernel, a speed setting: the chunked "
+        "rule here computes the same recurrence",
+    ),
+    "--mamba-expand": (
+        True,
+        "unused by MindSpeed-LLM's gated DeltaNet layers (their sizes are --linear-key-head-dim, "
+        "--linear-value-head-dim, --linear-num-key-heads, --linear-num-value-heads)",
+    ),
+    "--loss-chunk-size": (True, "the chunk of MindSpeed-LLM's --loss-compute-mode chunk"),
+    "--rmsnorm-weight-in-fp32": (
+        False,
+        "MindSpeed-LLM multiplies by the norm weight in fp32; here the product is in the "
+        "model's dtype (a rounding difference under --bf16/--fp16 only)",
+    ),
+    "--init-norm-weight-in-fp32": (
+        False,
+        "MindSpeed-LLM keeps the DSA indexer's norm weights in fp32; here they are in the "
+        "model's dtype, over the optimizer's fp32 master weights",
+    ),
+    "--use-fused-moe-token-permute-and-unpermute": (
+        False,
+        "MindSpeed's fused MoE token permutation (an NPU kernel): Megatron's portable "
+        "permutation, the same tokens in the same order",
+    ),
+    "--disable-gloo-group": (
+        False,
+        "MindSpeed's switch against gloo side groups on NPU clusters: anyspeed creates the "
+        "groups its device's backend needs",
+    ),
     "--use-fused-lightning-indexer-loss": (
         False,
         "MindSpeed's fused DSA indexer loss (an NPU kernel)",

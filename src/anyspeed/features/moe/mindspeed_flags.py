@@ -12,7 +12,10 @@ it (idempotent: the checks run in the launcher and again in every rank):
   probabilities are renormalised, which is Megatron's default (softmax after top-k)
 * ``group_limited_greedy`` -> the same scores, top-k within ``--moe-router-num-groups`` /
   ``--moe-router-group-topk`` (both required)
-* ``--seq-aux`` -> ``seq_aux_loss``; ``--router-gating-in-fp32`` -> ``--moe-router-dtype fp32``
+* ``--moe-router-pre-softmax --norm-topk-prob`` under ``aux_loss`` -> softmax after top-k
+  (MindSpeed-LLM renormalises the top-k of the softmax over all experts: the same weights)
+* ``--seq-aux`` -> ``seq_aux_loss``; ``--router-gating-in-fp32`` and
+  ``--topk-softmax-in-fp32`` -> ``--moe-router-dtype fp32``
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class MindSpeedMoEFlags(Feature):
         "--seq-aux",
         "--norm-topk-prob",
         "--router-gating-in-fp32",
+        "--topk-softmax-in-fp32",
     )
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
@@ -59,6 +63,7 @@ class MindSpeedMoEFlags(Feature):
             ("--seq-aux", "= --moe-router-load-balancing-type seq_aux_loss"),
             ("--norm-topk-prob", "renormalise the top-k probabilities"),
             ("--router-gating-in-fp32", "= --moe-router-dtype fp32"),
+            ("--topk-softmax-in-fp32", "= --moe-router-dtype fp32"),
         ):
             add_flag(parser, flag, action="store_true", help=f"MindSpeed: {what}")
 
@@ -74,6 +79,9 @@ class MindSpeedMoEFlags(Feature):
             "--moe-router-num-groups / --moe-router-group-topk",
             "--seq-aux": "--moe-router-load-balancing-type seq_aux_loss",
             "--router-gating-in-fp32": "--moe-router-dtype fp32",
+            "--topk-softmax-in-fp32": "--moe-router-dtype fp32",
+            "--moe-router-pre-softmax --norm-topk-prob": "softmax after top-k (aux_loss: the "
+            "renormalised top-k of a softmax over all is the softmax over the top-k)",
         }
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
@@ -88,7 +96,9 @@ class MindSpeedMoEFlags(Feature):
             args.moe_shared_expert_intermediate_size = shared * ffn
         if getattr(args, "shared_expert_gate", False):
             args.moe_shared_expert_gate = True
-        if getattr(args, "router_gating_in_fp32", False):
+        if getattr(args, "router_gating_in_fp32", False) or getattr(
+            args, "topk_softmax_in_fp32", False
+        ):
             args.moe_router_dtype = "fp32"
         self._dense_first(args)
         self._router(args)
@@ -127,5 +137,11 @@ class MindSpeedMoEFlags(Feature):
                 )
             args.moe_router_pre_softmax = not getattr(args, "norm_topk_prob", False)
             kind = args.moe_router_load_balancing_type = "none"
+        elif (
+            kind in (None, "aux_loss")
+            and getattr(args, "norm_topk_prob", False)
+            and getattr(args, "moe_router_pre_softmax", False)
+        ):  # MindSpeed-LLM renormalises aux_loss's pre-softmax top-k: the top-k's own softmax
+            args.moe_router_pre_softmax = False
         if seq_aux and kind in (None, "none", "aux_loss", "seq_aux_loss"):
             args.moe_router_load_balancing_type = "seq_aux_loss"
