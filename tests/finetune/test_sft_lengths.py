@@ -86,3 +86,22 @@ def test_neat_packed_rows_of_one_sample_are_accepted(sft_data, tmp_path, capsys)
                             "--reset-attention-mask"))  # fmt: skip
     assert run.config.packed
     assert "holds one segment per row" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "asked", "want"),
+    [(1, 1, None, 16), (2, 2, None, 64), (1, 1, 1, 1), (2, 1, 8, 8), (2, 2, 3, 24), (4, 1, 2, 4)],
+)
+def test_pad_to_multiple_of_keeps_what_parallelism_needs(tp, cp, asked, want):
+    """``--pad-to-multiple-of N`` rounds variable-length micro-batches to N, and to what
+    sequence parallelism (TP) and context parallelism (2 x CP chunks) split evenly."""
+    from argparse import Namespace
+
+    from anyspeed.stages.common.instruction_data import pad_length, pad_multiple
+
+    args = Namespace(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                     pad_to_multiple_of=asked)  # fmt: skip
+    assert pad_multiple(args) == want
+    assert (
+        pad_length([5, 9], 4096, pad_multiple(args), True) % (tp * (2 * cp if cp > 1 else 1)) == 0
+    )

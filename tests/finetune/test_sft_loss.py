@@ -16,14 +16,16 @@ from helpers.corpora import read_back
 TOL = 1e-5
 
 
-def hf_token_mean(hf_dir: str, prefix: str) -> float:
-    """transformers: summed response-token cross entropy of every sample, run one at a time,
-    over the number of response tokens (the -100 prompt labels ignored)."""
+def hf_token_mean(hf_dir: str, prefix: str, rows: list[int] | None = None) -> float:
+    """transformers: summed response-token cross entropy of every sample (or of ``rows``), run
+    one at a time, over the number of response tokens (the -100 prompt labels ignored)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     ids = read_back(f"{prefix}_packed_input_ids_document")
     labels = read_back(f"{prefix}_packed_labels_document")
+    if rows is not None:
+        ids, labels = [ids[r] for r in rows], [labels[r] for r in rows]
     total, count = 0.0, 0
     with torch.no_grad():
         for i, lab in zip(ids, labels, strict=True):
@@ -154,3 +156,16 @@ def test_dualpipev_lora_equals_one_process(sft_data, tied_qwen4):
     assert two["loss"] == pytest.approx(one["loss"], rel=TOL)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=TOL)
     assert one["loss"][-1] < one["loss"][0]
+
+
+def test_no_shuffle_reads_file_order_and_any_pad_multiple(sft_data, tiny_qwen):
+    """MindSpeed-LLM's ``--no-shuffle``: the first global batch is the file's first samples
+    (its loss is transformers' over samples 0 and 1; the seeded shuffle takes others), padded
+    to the pair's longest with ``--pad-to-multiple-of 1`` (padding is invisible to the loss)."""
+    prefix = sft_data["padded"]
+    extra = ("--no-pad-to-seq-lengths", "--pad-to-multiple-of", "1")
+    clis = [cli(tiny_qwen, prefix, *extra, "--no-shuffle", gbs=2), cli(tiny_qwen, prefix, gbs=2)]
+    runs = run_distributed(sft_ranks.posttrain_many, 1, argv=clis[0], clis=clis, timeout=300)[0]
+    want = hf_token_mean(tiny_qwen, prefix, rows=[0, 1])
+    assert runs[0]["loss"][0] == pytest.approx(want, rel=TOL)
+    assert runs[1]["loss"][0] != pytest.approx(want, rel=1e-3)

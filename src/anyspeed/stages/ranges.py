@@ -187,6 +187,7 @@ RANGES: dict[str, Range] = {
     # on-the-fly preprocessing (a raw --data-path)
     "--workers": POSITIVE,
     "--n-subs": POSITIVE,
+    "--pad-to-multiple-of": POSITIVE,
     "--lora-alpha": STRICTLY_POSITIVE,
     "--lora-dropout": PROBABILITY,
     "--refer-model-iter": COUNT,

@@ -65,6 +65,12 @@ NOOPS: dict[str, tuple[bool | str, str]] = {
         "anyspeed pretrain writes no separate validation-perplexity series",
     ),
     "--num-workers": (True, "anyspeed pretrain reads samples in the training process"),
+    "--dataloader-type": (
+        True,
+        "single and cyclic both read the samples in the seeded order drawn for each epoch "
+        "(cyclic reshuffles an already shuffled index: the same distribution); "
+        "--no-shuffle reads fine-tuning data in file order",
+    ),
     "--moe-permutation-async-comm": (
         False,
         "MindSpeed's asynchronous all-gathers around MoE "

@@ -12,6 +12,7 @@ positions inside each sample.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -163,12 +164,14 @@ def split_rows(n: int, split: str) -> list[tuple[int, int] | None]:
     return out
 
 
-def sample_order(rows: tuple[int, int], count: int, seed: int) -> np.ndarray:
-    """``count`` row indices: seeded permutations of the split's rows, epoch after epoch."""
+def sample_order(rows: tuple[int, int], count: int, seed: int, shuffle: bool = True) -> np.ndarray:
+    """``count`` row indices: seeded permutations of the split's rows, epoch after epoch (in
+    file order without ``shuffle``: MindSpeed-LLM's ``--no-shuffle``)."""
     lo, hi = rows
     rng = np.random.default_rng(seed)
     epochs = -(-count // (hi - lo))
-    return np.concatenate([lo + rng.permutation(hi - lo) for _ in range(epochs)])[:count]
+    draw = rng.permutation if shuffle else np.arange
+    return np.concatenate([lo + draw(hi - lo) for _ in range(epochs)])[:count]
 
 
 def shifted(ids: np.ndarray, labels: np.ndarray, seg: np.ndarray) -> np.ndarray:
@@ -232,6 +235,19 @@ def _tensors(tokens: np.ndarray, labels: np.ndarray, pos: np.ndarray) -> dict:
     }
 
 
+def pad_multiple(args: argparse.Namespace) -> int:
+    """What a variable-length micro-batch's length is rounded up to: a multiple of TP x 2CP
+    (sequence and context parallelism split it), 8 of them by default, or of
+    ``--pad-to-multiple-of`` N and that."""
+    need = args.tensor_model_parallel_size * (
+        2 * args.context_parallel_size if args.context_parallel_size > 1 else 1
+    )
+    asked = getattr(args, "pad_to_multiple_of", None)
+    if asked is None:
+        return 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
+    return math.lcm(asked, need)
+
+
 def pad_length(rows_len: list[int], seq_length: int, multiple: int, variable: bool) -> int:
     """The micro-batch's length: ``seq_length``, or with variable lengths the longest sample
     rounded up to ``multiple`` (never above ``seq_length``)."""
@@ -255,7 +271,7 @@ def batches(
     ``aligned``: labels at their own tokens, see :func:`padded_batch`); with ``packing``
     (``--use-remove-padding``) each padded micro-batch also packed for the model."""
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
-    multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
+    multiple = pad_multiple(args)
     sizes: list[list[int]] = []  # the step's micro-batches' real row lengths, in order
 
     def make(idx: list[int]) -> dict[str, torch.Tensor]:
@@ -290,7 +306,8 @@ def step_rows(
 
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs, g = args.micro_batch_size, args.global_batch_size
-    order = sample_order(rows, max(num_samples(args)), args.seed)
+    shuffle = not getattr(args, "no_shuffle", False)
+    order = sample_order(rows, max(num_samples(args)), args.seed, shuffle)
     while consumed + g <= len(order):
         yield [
             [int(i) for i in order[start + rank * mbs : start + (rank + 1) * mbs]]

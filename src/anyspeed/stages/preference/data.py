@@ -28,6 +28,7 @@ from anyspeed.stages.common.instruction_data import (
     check_files,
     file_prefix,
     pad_length,
+    pad_multiple,
     padded_batch,
     split_rows,
     step_rows,
@@ -149,7 +150,7 @@ def batches(
     from anyspeed.stages.common.rl import packing as P
 
     variable = args.variable_seq_lengths or args.no_pad_to_seq_lengths
-    multiple = 8 * args.tensor_model_parallel_size * 2 * args.context_parallel_size
+    multiple = pad_multiple(args)
     packed = cfg.packing
     for step in step_rows(args, rows, consumed):
         if packed is not None and packed.budget:

@@ -52,6 +52,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-pad-to-seq-lengths", action="store_true", help="same as --variable-seq-lengths"
     )
     g.add_argument(
+        "--pad-to-multiple-of",
+        type=int,
+        default=None,
+        help="with variable lengths, round each micro-batch's length up to a multiple of N "
+        "(MindSpeed-LLM's; default 16 x TP x CP: what sequence and context parallelism need)",
+    )
+    g.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="read the samples in file order, epoch after epoch (MindSpeed-LLM's)",
+    )
+    g.add_argument(
         "--use-remove-padding",
         action="store_true",
         help="each micro-batch's sequences (a pair's chosen and rejected ones too) reach the "
