@@ -188,3 +188,18 @@ def test_ranks_started_by_torchrun_convert_once(hf_tok, tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     assert {o.strip() for o, _ in outs} == {str(tmp_path / "a")}
     assert sum("preprocessing ->" in e for _, e in outs) == 1, outs
+
+
+def test_stages_that_read_raw_json_keep_it(tmp_path):
+    """The VLM stages read their conversation .jsonl as it is: no conversion, and a
+    --handler-name there is one line."""
+    from argparse import Namespace
+
+    from anyspeed.stages.common import raw_data
+
+    src = write_jsonl(str(tmp_path / "train.jsonl"), [{"text": "a"}])
+    args = Namespace(data_path=[src], enable_thinking=None, handler_name=None)
+    raw_data.resolve(args, "vlm", "posttrain")
+    assert args.data_path == [src] and os.listdir(tmp_path) == ["train.jsonl"]
+    with pytest.raises(UsageError, match="--stage vlm reads its --data-path as it is"):
+        raw_data.resolve(Namespace(**{**vars(args), "handler_name": "X"}), "vlm", "posttrain")

@@ -188,6 +188,10 @@ RANGES: dict[str, Range] = {
     "--workers": POSITIVE,
     "--n-subs": POSITIVE,
     "--pad-to-multiple-of": POSITIVE,
+    # MindSpeed-LLM's Qwen3-Next spelling (0: its default, off)
+    "--full-attention-interval": COUNT,
+    "--partial-rotary-factor": FRACTION,
+    "--mamba-d-conv": POSITIVE,
     "--lora-alpha": STRICTLY_POSITIVE,
     "--lora-dropout": PROBABILITY,
     "--refer-model-iter": COUNT,

@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pack", action="store_true", help="pack samples to --seq-length")
     g.add_argument(
         "--enable-thinking",
-        type=str.lower,
-        choices=("true", "false", "none"),
+        choices=("true", "false", "none", "True", "False", "None"),
+        metavar="{true,false,none}",
         help="with --prompt-type qwen3: true = qwen3, false/none = qwen3-nothink",
     )
     g.add_argument("--workers", type=int, default=None, help="tokenizing processes")
@@ -121,21 +121,21 @@ def resolve(args: argparse.Namespace, stage: str, command: str) -> None:
 
     if args.enable_thinking is not None:
         args.prompt_type = thinking_template(
-            getattr(args, "prompt_type", None), args.enable_thinking
+            getattr(args, "prompt_type", None), args.enable_thinking.lower()
         )
+    group = _STAGE_DATA.get(stage)
+    if group is None:  # e.g. the VLM stages, which read their .json/.jsonl data as it is
+        if args.handler_name:
+            raise UsageError(
+                f"--handler-name: --stage {stage} reads its --data-path as it is (no "
+                "preprocessing); remove it"
+            )
+        return
     items = list(args.data_path or [])
-    slots = [i for i in _path_slots(items) if items and is_raw(items[i])] if items else []
+    slots = [i for i in _path_slots(items) if is_raw(items[i])] if items else []
     if not slots:
         _note_unused(args, command)
         return
-    group = _STAGE_DATA.get(stage)
-    if group is None:
-        raise UsageError(
-            f"--data-path {items[slots[0]]!r}: --stage {stage} reads its data as it is; drop "
-            "--handler-name and the preprocessing flags"
-            if args.handler_name
-            else f"--data-path {items[slots[0]]!r} is not a .bin/.idx prefix"
-        )
     handler = _handler(args, stage, group, items[slots[0]])
     for i in slots:
         out = _output_prefix(args, items[i], len(slots))
