@@ -35,7 +35,11 @@ def _wrap(
     """Token ids of ``texts``, as a chat user turn unless --no-chat-template (or none), or
     ``chat`` says otherwise."""
     chat = args.use_chat if chat is None else chat
-    if chat:
+    if chat and getattr(args, "prompt_type", None):  # a built-in template (MindSpeed-LLM's)
+        from anyspeed.commands.prompting import template_prompt
+
+        texts = [template_prompt(args.prompt_type, [{"role": "user", "content": t}]) for t in texts]
+    elif chat:
         texts = [tok.render_chat([{"role": "user", "content": t}], True) for t in texts]
     return tok.encode(texts, special=not chat)
 

@@ -30,6 +30,8 @@ PROG = "anyspeed evaluate"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from anyspeed.data.templates import TEMPLATES
+
     p = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     session.add_model_arguments(p)
     g = p.add_argument_group("evaluation")
@@ -41,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-chat-template",
         action="store_true",
         help="plain prompts even when the tokenizer has a chat template",
+    )
+    g.add_argument(
+        "--prompt-type",
+        choices=sorted(TEMPLATES),
+        default=None,
+        help="render prompts with this built-in template, not the tokenizer's chat template",
     )
     g.add_argument(
         "--num-fewshot",
@@ -146,7 +154,9 @@ def _complete(args: argparse.Namespace, tok: Any) -> None:
         )
     if args.num_fewshot is None:
         args.num_fewshot = eval_tasks.FEWSHOT.get(args.task, 0)
-    args.use_chat = not args.no_chat_template and tok.has_chat_template
+    if args.prompt_type and args.no_chat_template:
+        raise UsageError("--prompt-type and --no-chat-template exclude each other")
+    args.use_chat = bool(args.prompt_type) or (not args.no_chat_template and tok.has_chat_template)
 
 
 def _check(args: argparse.Namespace, model: Any, tok: Any) -> Any:

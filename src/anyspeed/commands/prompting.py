@@ -18,13 +18,17 @@ def render(args: argparse.Namespace, tok: Any, messages: list[dict]) -> str:
     if args.hf_chat_template:
         return tok.render_chat(messages, add_generation_prompt=True)
     if args.prompt_type:
-        from anyspeed.data.templates import TEMPLATES
-
-        segs = TEMPLATES[args.prompt_type].segments(
-            [*messages, {"role": "assistant", "content": ""}]
-        )
-        return "".join(text for text, _, _ in segs[:-1])  # up to the open answer
+        return template_prompt(args.prompt_type, messages)
     return messages[-1]["content"]
+
+
+def template_prompt(prompt_type: str, messages: list[dict]) -> str:
+    """A conversation ending in a user turn, rendered by built-in template ``prompt_type`` up
+    to the open answer."""
+    from anyspeed.data.templates import TEMPLATES
+
+    segs = TEMPLATES[prompt_type].segments([*messages, {"role": "assistant", "content": ""}])
+    return "".join(text for text, _, _ in segs[:-1])
 
 
 def sampling_params(args: argparse.Namespace):

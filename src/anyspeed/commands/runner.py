@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from anyspeed.commands import session
+from anyspeed.commands import session, training_flags
 from anyspeed.commands.session import InferenceRun
 from anyspeed.distributed.process import is_rank0
 from anyspeed.errors import UsageError, report
@@ -50,12 +50,13 @@ def load_tokenizer(args: argparse.Namespace):
 
 def prepare(cmd: Command, argv: list[str]) -> InferenceRun:
     """Parse, complete, freeze and check ``argv`` (UsageError), before any process group."""
-    args = cmd.parser.parse_args(argv)
+    args = training_flags.parse(cmd.parser, argv, cmd.prog)
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 exclude each other")
     if cmd.early is not None:
         cmd.early(args)
     model, hf_dir = session.complete(args)
+    training_flags.note(args, cmd.prog)
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.nproc_per_node not in (None, world):
         raise UsageError(

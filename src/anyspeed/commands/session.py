@@ -18,7 +18,7 @@ import torch
 from anyspeed.commands import lora_load
 from anyspeed.errors import UsageError
 from anyspeed.layout import Layout
-from anyspeed.models.config import ARCH_FLAGS, ModelConfig
+from anyspeed.models.config import ModelConfig
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,16 +45,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument(
+        "--tokenizer-not-use-fast",
+        action="store_true",
+        help="accepted: the tokenizer is read from its tokenizer.json (the fast form)",
+    )
     lora_load.add_arguments(p)
-    for row in ARCH_FLAGS:  # accepted so a mismatch with the checkpoint is a clear error
-        if row.arch and row.type is not None:
-            g.add_argument(
-                row.flag,
-                dest=f"arch_{row.field}",
-                type=row.type,
-                default=None,
-                help=argparse.SUPPRESS,
-            )
+    # The architecture and training flags of MindSpeed-LLM's inference scripts are parsed
+    # apart and checked against the checkpoint (commands.training_flags).
 
 
 @dataclass(frozen=True)
@@ -124,15 +122,9 @@ def language(model: Any) -> ModelConfig:
 
 def check_flags(args: argparse.Namespace, model: Any) -> None:
     """UsageError when an architecture flag given disagrees with the checkpoint."""
-    model = language(model)
-    for row in ARCH_FLAGS:
-        given = getattr(args, f"arch_{row.field}", None)
-        if given is not None and given != getattr(model, row.field):
-            raise UsageError(
-                f"{row.flag} {given} does not match the checkpoint "
-                f"({getattr(model, row.field)}); drop the flag or load the "
-                "matching checkpoint"
-            )
+    from anyspeed.commands import training_flags
+
+    training_flags.check(args, language(model))
 
 
 def complete(args: argparse.Namespace) -> tuple[Any, str | None]:

@@ -149,6 +149,11 @@ NOOPS: dict[str, tuple[bool | str, str]] = {
         "MindSpeed-LLM multiplies by the norm weight in fp32; here the product is in the "
         "model's dtype (a rounding difference under --bf16/--fp16 only)",
     ),
+    "--input-layernorm-in-fp32": (
+        False,
+        "MindSpeed-LLM computes the input norm in fp32; here it runs in the model's dtype (a "
+        "rounding difference under --bf16/--fp16 only)",
+    ),
     "--init-norm-weight-in-fp32": (
         False,
         "MindSpeed-LLM keeps the DSA indexer's norm weights in fp32; here they are in the "
