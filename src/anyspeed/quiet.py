@@ -69,6 +69,8 @@ def install() -> None:
     global _original_showwarning
     if verbose():
         return
+    # transformers' "Loading weights" bars (read through huggingface_hub's switch at import)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if warnings.showwarning is not _showwarning:
         _original_showwarning = warnings.showwarning
         warnings.showwarning = _showwarning

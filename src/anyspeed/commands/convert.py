@@ -20,6 +20,7 @@ from typing import Any
 
 from anyspeed import quiet
 from anyspeed.checkpoint.megatron_lm_args import MODEL_TYPE_HF
+from anyspeed.commands import convert_flags
 from anyspeed.convert.api import DTYPES
 from anyspeed.errors import OneLineArgumentParser, UsageError, report
 
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write the adapters in PEFT's format instead of merging them",
     )
+    convert_flags.add_arguments(p)
     return p
 
 
@@ -163,6 +165,7 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.save_lora_to_hf and not args.lora_load:
         raise UsageError("--save-lora-to-hf needs --lora-load (the LoRA checkpoint)")
+    convert_flags.check(args)
 
 
 def main(argv: list[str] | None = None) -> int:

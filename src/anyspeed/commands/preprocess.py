@@ -33,6 +33,11 @@ def _preprocess_parser() -> argparse.ArgumentParser:
     t.add_argument("--tokenizer-model", help="SentencePiece .model file")
     t.add_argument("--vocab-file", help="GPT-2 vocab.json")
     t.add_argument("--merge-file", help="GPT-2 merges.txt")
+    t.add_argument(
+        "--tokenizer-not-use-fast",
+        action="store_true",
+        help="accepted: the tokenizer is read from its tokenizer.json (the fast form)",
+    )
     h = p.add_argument_group("handler")
     names = ", ".join(HANDLER_NAMES)
     h.add_argument("--handler-name", default="GeneralPretrainHandler", help=names)
