@@ -224,6 +224,7 @@ PARSE_TIME = {
     ("commands/session.py", "complete"),  # an inference command's defaults from its model
     ("commands/evaluate.py", "_complete"),  # the evaluated task's defaults
     ("commands/memory.py", "parse"),  # the padded vocabulary the estimate needs
+    ("commands/training_flags.py", "parse"),  # an inference command line, parsed
 }
 TRAINING_PATH = ("training", "stages", "commands")
 
