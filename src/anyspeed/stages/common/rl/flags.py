@@ -31,6 +31,7 @@ YAML_KEYS = {
     "global_batch_size": "--rollout-batch-size",
     "max_prompt_length": "--max-prompt-length",
     "max_response_length": "--max-response-length",
+    "max_tokens": "--max-response-length",  # MindSpeed-RL's sampling_config
     "temperature": "--temperature",
     "top_p": "--top-p",
     "top_k": "--top-k",
@@ -67,6 +68,8 @@ YAML_KEYS = {
     "use_dynamic_bsz": "--use-dynamic-bsz",
     "max_packing_token_size": "--max-packing-token-size",
     "partial_rollout_max_split": "--partial-rollout-max-split",
+    "gamma": "--gamma",
+    "lam": "--lam",
 }
 
 
@@ -273,8 +276,12 @@ def _add_process_reward(a: Any) -> None:
 
 
 def expand_config(argv: list[str]) -> list[str]:
-    """``--rl-config FILE``'s keys as flags before the command line's own (which win)."""
+    """``--rl-config FILE``'s keys as flags before the command line's own (which win): its
+    ``rl_config`` / ``generate_config`` keys, and a MindSpeed-RL file's model, training and
+    actor sections (:mod:`~anyspeed.stages.common.rl.mindspeed_config`). Keys no flag of the
+    stage reads are named in one warning line."""
     from anyspeed.argv import get_flag, merge_flags
+    from anyspeed.stages.common.rl import mindspeed_config
 
     path = get_flag(argv, "--rl-config")
     if path is None:
@@ -286,10 +293,14 @@ def expand_config(argv: list[str]) -> list[str]:
             doc = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise UsageError(f"--rl-config {path!r}: {exc}".splitlines()[0]) from None
-    flags: list[str] = []
-    for where, key, value in _yaml_values(doc, path):
+    actions = _stage_actions(argv)
+    found, unread = _yaml_values(doc, path)
+    flags, more = mindspeed_config.training_flags(doc, path, actions, YAML_KEYS)
+    for where, key, value in found:
         flag = YAML_KEYS[key]
-        if isinstance(value, bool):
+        if flag not in actions:  # a key of another stage (PPO's gamma in a GRPO file)
+            unread.append(where + key)
+        elif isinstance(value, bool):
             flags += [flag] if value else []
         elif isinstance(value, list) and flag in LIST_FLAGS:
             flags += [flag, *map(str, value)]
@@ -297,7 +308,18 @@ def expand_config(argv: list[str]) -> list[str]:
             raise UsageError(f"--rl-config {path!r}: {where}{key} takes one value, not {value!r}")
         else:
             flags += [flag, str(value)]
+    if unread or more:
+        _warn_unread(path, unread + more)
     return merge_flags(flags, argv)
+
+
+def _stage_actions(argv: list[str]) -> dict[str, Any]:
+    """The flags (-> argparse actions) of the stage ``argv`` names."""
+    from anyspeed.argv import get_flag
+    from anyspeed.stages.table import build_stage_parser, get_stage
+
+    parser = build_stage_parser(get_stage(get_flag(argv, "--stage"), "posttrain"))
+    return dict(parser._option_string_actions)
 
 
 # MindSpeed-RL's sections anyspeed reads (the rest of such a file configures other workers)
@@ -305,10 +327,10 @@ SECTIONS = ("rl_config", "generate_config", "generate_config.sampling_config")
 LIST_FLAGS = ("--verifier-function", "--verifier-weight", "--tools")
 
 
-def _yaml_values(doc: Any, path: str) -> list[tuple[str, str, Any]]:
-    """(section prefix, key, value) of every key anyspeed reads in an ``--rl-config`` document
-    (its top level and :data:`SECTIONS`); UsageError naming the file for a document or section
-    that is not a mapping; one warning line naming the keys it does not read."""
+def _yaml_values(doc: Any, path: str) -> tuple[list[tuple[str, str, Any]], list[str]]:
+    """((section prefix, key, value) of every key anyspeed reads in an ``--rl-config``
+    document (its top level and :data:`SECTIONS`), the keys there it does not read);
+    UsageError naming the file for a document or section that is not a mapping."""
     if not isinstance(doc, dict):
         raise UsageError(
             f"--rl-config {path!r}: the file must be a YAML mapping (key: value lines), "
@@ -327,11 +349,9 @@ def _yaml_values(doc: Any, path: str) -> list[tuple[str, str, Any]]:
         for key, value in section.items():
             if key in YAML_KEYS and value is not None:
                 found.append((where, key, value))
-            elif not isinstance(value, dict) and key not in YAML_KEYS:
+            elif not isinstance(value, dict) and key not in (*YAML_KEYS, "defaults"):
                 unread.append(where + str(key))
-    if unread:
-        _warn_unread(path, unread)
-    return found
+    return found, unread
 
 
 def _warn_unread(path: str, unread: list[str]) -> None:
@@ -342,6 +362,7 @@ def _warn_unread(path: str, unread: list[str]) -> None:
 
         print(
             f"anyspeed posttrain: warning: --rl-config {path!r}: not read: "
-            f"{', '.join(unread)} (anyspeed reads {', '.join(sorted(YAML_KEYS))})",
+            f"{', '.join(unread)} (anyspeed reads the keys that are flags of the stage; "
+            "docs/rl.md lists them)",
             file=sys.stderr,
         )
