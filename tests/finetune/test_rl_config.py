@@ -184,3 +184,38 @@ def test_a_ppo_configs_critic_section(tmp_path, capsys):
     assert argv[argv.index("--critic-lr") + 1] == "5e-6" and argv[argv.index("--lr") + 1] == "1e-6"
     err = capsys.readouterr().err
     assert "not read: critic_config.micro_batch_size (" in err
+
+
+DAPO = """rl_config:
+  kl_ctrl_type: fixed
+  clip_ratio: 0.2
+  token_level_loss: false
+  clip_higher_enable: true
+  clip_ratio_low: 0.2
+  clip_ratio_high: 0.28
+  overlong_buffer_enable: true
+  rollout_max_tokens : 2048
+  overlong_buffer: 512
+  overlong_buffer_penalty_factor: 0.1
+  filter_groups_enable: true
+  filter_groups_metric: acc_for_dapo
+  filter_groups_max_batches: -1
+  filter_groups_train_batch_size: 32
+"""
+
+
+def test_a_dapo_configs_switches_become_dapos_flags(tmp_path, capsys):
+    """configs/dapo_qwen3_32b_A3.yaml's DAPO block: each ``*_enable`` switch with its values
+    is anyspeed's DAPO flag (token_level_loss false: a mean per sequence, then over them); an
+    unbounded ``filter_groups_max_batches`` (-1) is named: --max-num-gen-batches bounds it."""
+    argv = _expand(tmp_path, DAPO)
+
+    def value(flag: str) -> str:
+        return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]  # the last one wins
+
+    assert value("--loss-agg-mode") == "seq-mean-token-mean"
+    assert (value("--clip-ratio"), value("--clip-ratio-high")) == ("0.2", "0.28")
+    assert (value("--overlong-buffer-len"), value("--overlong-penalty-factor")) == ("512", "0.1")
+    assert value("--max-response-length") == "2048" and "--filter-groups" in argv
+    err = capsys.readouterr().err
+    assert "not read: rl_config.filter_groups_max_batches (" in err and "clip" not in err

@@ -19,10 +19,17 @@ import sys
 
 from anyspeed.errors import UsageError
 
-_LAYOUT = ("moe_grouped_gemm", "expert_tensor_parallel_size",
-           "num_layers_per_virtual_pipeline_stage", "moe_tp_extend_ep")  # fmt: skip
-_SOURCE = ("source_tensor_parallel_size", "source_pipeline_parallel_size",
-           "source_expert_parallel_size")  # fmt: skip
+_LAYOUT = (
+    "moe_grouped_gemm",
+    "expert_tensor_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+    "moe_tp_extend_ep",
+)
+_SOURCE = (
+    "source_tensor_parallel_size",
+    "source_pipeline_parallel_size",
+    "source_expert_parallel_size",
+)
 
 
 def _flag(name: str) -> str:

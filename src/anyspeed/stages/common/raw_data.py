@@ -52,8 +52,16 @@ _STAGE_DATA = {
     "distill": _PROMPTS,
 }
 # The flags that only steer the conversion: a note when the data is already preprocessed.
-_CONVERT_ONLY = ("pack", "workers", "n_subs", "json_keys", "map_keys", "append_eod",
-                 "output_prefix", "overwrite_cache")  # fmt: skip
+_CONVERT_ONLY = (
+    "pack",
+    "workers",
+    "n_subs",
+    "json_keys",
+    "map_keys",
+    "append_eod",
+    "output_prefix",
+    "overwrite_cache",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -278,9 +286,21 @@ def _manifest(job: Job) -> dict:
     """What the output was built from: the input files (size, mtime), the tokenizer's files
     and every setting that changes the tokens."""
     cfg = job.cfg
-    keep = ("handler_name", "json_keys", "append_eod", "map_keys", "prompt_type",
-            "seq_length", "pack", "neat_pack", "pack_window", "input_format",
-            "txt_doc_per_file", "placeholder_token", "reward_tokens")  # fmt: skip
+    keep = (
+        "handler_name",
+        "json_keys",
+        "append_eod",
+        "map_keys",
+        "prompt_type",
+        "seq_length",
+        "pack",
+        "neat_pack",
+        "pack_window",
+        "input_format",
+        "txt_doc_per_file",
+        "placeholder_token",
+        "reward_tokens",
+    )
     return {
         "anyspeed_preprocess": _VERSION,
         "inputs": [_stamp(f.path) for f in job.files],

@@ -70,6 +70,9 @@ YAML_KEYS = {
     "partial_rollout_max_split": "--partial-rollout-max-split",
     "gamma": "--gamma",
     "lam": "--lam",
+    "use_kl_in_reward": "--use-kl-in-reward",
+    "cliprange_value": "--cliprange-value",
+    "no_shuffle": "--no-shuffle",
 }
 
 
@@ -193,6 +196,11 @@ def _add_objective(g: Any) -> None:
         help="DAPO's dynamic sampling: groups with equal rewards are replaced",
     )
     a(
+        "--no-shuffle",
+        action="store_true",
+        help="prompts in file order, epoch after epoch (MindSpeed-RL's no_shuffle)",
+    )
+    a(
         "--max-num-gen-batches",
         type=int,
         default=10,
@@ -296,7 +304,11 @@ def expand_config(argv: list[str]) -> list[str]:
     actions = _stage_actions(argv)
     found, unread = _yaml_values(doc, path)
     flags, more = mindspeed_config.training_flags(doc, path, actions, YAML_KEYS)
+    dapo, used, not_honoured = mindspeed_config.dapo_flags(doc)
+    unread = [u for u in unread if u.removeprefix("rl_config.") not in used] + not_honoured
     for where, key, value in found:
+        if where == "rl_config." and key in used:
+            continue
         flag = YAML_KEYS[key]
         if flag not in actions:  # a key of another stage (PPO's gamma in a GRPO file)
             unread.append(where + key)
@@ -310,7 +322,7 @@ def expand_config(argv: list[str]) -> list[str]:
             flags += [flag, str(value)]
     if unread or more:
         _warn_unread(path, unread + more)
-    return merge_flags(flags, argv)
+    return merge_flags([*flags, *dapo], argv)
 
 
 def _stage_actions(argv: list[str]) -> dict[str, Any]:

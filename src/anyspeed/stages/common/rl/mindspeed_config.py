@@ -118,3 +118,55 @@ def _model_section(doc: dict, path: str) -> dict | None:
     if not isinstance(model, dict):
         raise UsageError(f"--rl-config {path!r}: {file} holds no {name}: mapping")
     return model
+
+
+def dapo_flags(doc: dict) -> tuple[list[str], set[str], list[str]]:
+    """MindSpeed-RL's DAPO switches in ``rl_config`` (each ``*_enable`` with its values) as
+    anyspeed's flags: (flags, the keys they consumed, the keys not honoured)."""
+    rl = doc.get("rl_config")
+    if not isinstance(rl, dict):
+        return [], set(), []
+    flags: list[str] = []
+    used: set[str] = set()
+    unread: list[str] = []
+
+    def take(*keys: str) -> list:
+        used.update(k for k in keys if k in rl)
+        return [rl.get(k) for k in keys]
+
+    if "token_level_loss" in rl:
+        (token,) = take("token_level_loss")
+        flags += ["--loss-agg-mode", "token-mean" if token else "seq-mean-token-mean"]
+    if "clip_higher_enable" in rl:
+        on, low, high = take("clip_higher_enable", "clip_ratio_low", "clip_ratio_high")
+        if on:
+            flags += ["--clip-ratio", str(low if low is not None else rl.get("clip_ratio", 0.2))]
+            flags += ["--clip-ratio-high", str(high)] if high is not None else []
+    if "overlong_buffer_enable" in rl:
+        on, size, factor, most = take(
+            "overlong_buffer_enable",
+            "overlong_buffer",
+            "overlong_buffer_penalty_factor",
+            "rollout_max_tokens",
+        )
+        if on:
+            flags += ["--overlong-buffer-len", str(size or 0)]
+            flags += ["--overlong-penalty-factor", str(factor)] if factor is not None else []
+        flags += ["--max-response-length", str(most)] if most is not None else []
+    if "filter_groups_enable" in rl:
+        on, _, most, _ = take(
+            "filter_groups_enable",
+            "filter_groups_metric",
+            "filter_groups_max_batches",
+            "filter_groups_train_batch_size",
+        )
+        flags += ["--filter-groups"] if on else []
+        if on and isinstance(most, int) and most > 0:
+            flags += ["--max-num-gen-batches", str(most)]
+        elif on and most is not None:  # -1: unbounded there; here --max-num-gen-batches stops
+            unread.append("rl_config.filter_groups_max_batches")
+    if rl.get("kl_ctrl_type", "fixed") == "fixed":
+        take("kl_ctrl_type")  # a fixed KL coefficient is the only kind here
+    if rl.get("rule_reward", True) is True:
+        take("rule_reward")  # rule rewards are --verifier-function's
+    return flags, used, unread

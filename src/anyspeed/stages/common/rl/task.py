@@ -235,7 +235,8 @@ class PolicyTask(Sampling, Task):
         r = consumed // (gbs * c.steps_per_rollout) + warm
         skip = (consumed // gbs) % c.steps_per_rollout
         n = (args.train_iters // c.steps_per_rollout + 2 + warm) * c.rollout_batch
-        order = rows[sample_order((0, len(rows)), n, args.seed)]
+        shuffle = not getattr(args, "no_shuffle", False)
+        order = rows[sample_order((0, len(rows)), n, args.seed, shuffle)]
         if self.partial is not None:
             self.partial.resume(self.cfg.lora, run)
 
