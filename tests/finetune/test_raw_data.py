@@ -159,12 +159,20 @@ def test_prefix_data_notes_the_unused_flags(sft_data, capsys):
 
 _RANK = """
 import os, sys, time
-from anyspeed.stages.prepare import prepare
+from argparse import Namespace
+from anyspeed.stages.common import raw_data
+import anyspeed.data.pipeline, anyspeed.data.runner
+src, tok = sys.argv[1:]
+args = Namespace(data_path=[src], enable_thinking="false", prompt_type="qwen3",
+                 handler_name="AlpacaStyleInstructionHandler", json_keys=None, map_keys=None,
+                 append_eod=False, pack=True, neat_pack=True, workers=2, n_subs=None,
+                 output_prefix=None, overwrite_cache=False, tokenizer_name_or_path=tok,
+                 seq_length=192, placeholder_token=None, reward_tokens=None)
 open(f"ready{os.environ['RANK']}", "w").close()
 while not os.path.exists("go"):  # both ranks reach the conversion at once
     time.sleep(0.005)
-run, _ = prepare(sys.argv[1:], None, "posttrain")
-print(run.args.data_path[0])
+raw_data.resolve(args, "sft", "posttrain")  # what prepare runs in each torchrun rank
+print(args.data_path[0])
 """
 
 
@@ -172,9 +180,8 @@ def test_ranks_started_by_torchrun_convert_once(hf_tok, tmp_path):
     """Two ranks of one torchrun start at once: one converts under the lock, the other
     reuses its output; both train on the same prefix."""
     src = write_jsonl(str(tmp_path / "a.jsonl"), alpaca_records(64))
-    argv = [*_argv(src, hf_tok, *RECIPE), "--global-batch-size", "2"]
     procs = [
-        subprocess.Popen([sys.executable, "-c", _RANK, *argv], stdout=subprocess.PIPE,
+        subprocess.Popen([sys.executable, "-c", _RANK, src, hf_tok], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                          env={**os.environ, "WORLD_SIZE": "2", "RANK": str(r)})
         for r in range(2)
