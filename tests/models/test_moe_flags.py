@@ -151,3 +151,43 @@ def test_mindspeed_dsa_names_build_the_same_model():
     ):
         with pytest.raises(UsageError, match=line):
             model(flags)
+
+
+@pytest.mark.parametrize(
+    ("flags", "granularity", "modules"),
+    [
+        ("--moe-zero-memory level0 --moe-grouped-gemm", "selective", ["moe_act"]),
+        ("--moe-zero-memory level1", "selective", ["moe"]),
+        ("--moe-zero-memory level0 --moe-grouped-gemm --recompute-granularity selective",
+         "selective", ["core_attn", "moe_act"]),
+        ("--moe-zero-memory level1 --recompute-granularity selective --recompute-modules mlp",
+         "selective", ["mlp", "moe"]),
+        ("--moe-zero-memory level0 --recompute-granularity full --recompute-method uniform "
+         "--recompute-num-layers 1", "full", []),
+        ("--moe-zero-memory disable", None, []),
+    ],
+)  # fmt: skip
+def test_moe_zero_memory_is_megatrons_moe_recompute(flags, granularity, modules):
+    """MindSpeed's --moe-zero-memory (recompute inside the MoE layer): level0 recomputes the
+    experts' activation, level1 the MoE layer, added to the modules asked (Megatron's default
+    core_attn kept); under full recompute it adds nothing."""
+    args = parse_pretrain_args([*RUN, *flags.split()])
+    check_args(args, 1)
+    assert args.recompute_granularity == granularity
+    assert list(args.recompute_modules or []) == modules
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ("--moe-zero-memory level1 --moe-zero-memory-num-layers 1",
+         "--moe-zero-memory-num-layers: Megatron's selective recompute covers every layer"),
+        ("--moe-zero-memory-num-layers 1", "needs --moe-zero-memory level1"),
+        ("--moe-zero-memory level0", "add --moe-grouped-gemm, or use level1"),
+        ("--recompute-granularity selective --recompute-modules moe_act",
+         "--recompute-modules moe_act needs --moe-grouped-gemm"),
+    ],
+)  # fmt: skip
+def test_moe_zero_memory_layer_counts_are_one_line(flags, words):
+    with pytest.raises(UsageError, match=words):
+        check_args(parse_pretrain_args([*RUN, *flags.split()]), 1)

@@ -66,6 +66,15 @@ class MindSpeedMoEFlags(Feature):
             ("--topk-softmax-in-fp32", "= --moe-router-dtype fp32"),
         ):
             add_flag(parser, flag, action="store_true", help=f"MindSpeed: {what}")
+        add_flag(
+            parser,
+            "--moe-zero-memory",
+            choices=("disable", "level0", "level1"),
+            default=None,
+            help="MindSpeed: MoE activation memory by recompute (level0: the experts' "
+            "activation, level1: the MoE layer; Megatron's selective recompute)",
+        )
+        add_flag(parser, "--moe-zero-memory-num-layers", type=int, default=None, help="MindSpeed")
 
     def flag_notes(self) -> dict[str, str]:
         return {
@@ -80,6 +89,8 @@ class MindSpeedMoEFlags(Feature):
             "--seq-aux": "--moe-router-load-balancing-type seq_aux_loss",
             "--router-gating-in-fp32": "--moe-router-dtype fp32",
             "--topk-softmax-in-fp32": "--moe-router-dtype fp32",
+            "--moe-zero-memory level0|level1": "--recompute-granularity selective "
+            "--recompute-modules moe_act | moe (added to the modules asked)",
             "--moe-router-pre-softmax --norm-topk-prob": "softmax after top-k (aux_loss: the "
             "renormalised top-k of a softmax over all is the softmax over the top-k)",
         }
@@ -102,6 +113,8 @@ class MindSpeedMoEFlags(Feature):
             args.moe_router_dtype = "fp32"
         self._dense_first(args)
         self._router(args)
+        _zero_memory(args)
+        _check_moe_act(args)
 
     def _dense_first(self, args: argparse.Namespace) -> None:
         k = getattr(args, "first_k_dense_replace", None)
@@ -145,3 +158,51 @@ class MindSpeedMoEFlags(Feature):
             args.moe_router_pre_softmax = False
         if seq_aux and kind in (None, "none", "aux_loss", "seq_aux_loss"):
             args.moe_router_load_balancing_type = "seq_aux_loss"
+
+
+# MindSpeed's --moe-zero-memory level -> the Megatron recompute module closest in what it keeps
+_ZERO_MEMORY = {"level0": "moe_act", "level1": "moe"}
+
+
+def _zero_memory(args: argparse.Namespace) -> None:
+    """``--moe-zero-memory level0|level1`` (MindSpeed's MoE activation recompute with
+    overlapped communication) as Megatron's selective recompute of the experts' activation
+    (level0) or of the whole MoE layer (level1), added to the modules asked; under full
+    recompute it adds nothing. Marks itself done."""
+    level = getattr(args, "moe_zero_memory", None)
+    layers = getattr(args, "moe_zero_memory_num_layers", None)
+    if level in (None, "disable"):
+        if layers is not None:
+            raise FeatureError("--moe-zero-memory-num-layers needs --moe-zero-memory level1")
+        return
+    if not getattr(args, "num_experts", None):
+        raise FeatureError(f"--moe-zero-memory {level}: the model has no experts (--num-experts)")
+    if layers is not None:
+        raise FeatureError(
+            "--moe-zero-memory-num-layers: Megatron's selective recompute covers every layer; "
+            "drop it (or use --recompute-granularity full --recompute-num-layers N)"
+        )
+    if getattr(args, "recompute_granularity", None) != "full":
+        modules = list(getattr(args, "recompute_modules", None) or [])
+        if getattr(args, "recompute_granularity", None) == "selective" and not modules:
+            modules = ["core_attn"]  # Megatron's default for selective, kept
+        args.recompute_granularity = "selective"
+        args.recompute_modules = list(dict.fromkeys([*modules, _ZERO_MEMORY[level]]))
+    full = getattr(args, "recompute_granularity", None) == "full"
+    if level == "level0" and not full and not getattr(args, "moe_grouped_gemm", False):
+        raise FeatureError(
+            "--moe-zero-memory level0 recomputes the grouped experts' activation (Megatron's "
+            "moe_act needs --moe-grouped-gemm): add --moe-grouped-gemm, or use level1"
+        )
+    args.moe_zero_memory = None  # rewritten: later passes read the recompute flags only
+
+
+def _check_moe_act(args: argparse.Namespace) -> None:
+    """Megatron refuses ``moe_act`` recompute without grouped experts inside every rank (a
+    traceback); here it is one line before start."""
+    modules = getattr(args, "recompute_modules", None) or []
+    if "moe_act" in modules and not getattr(args, "moe_grouped_gemm", False):
+        raise FeatureError(
+            "--recompute-modules moe_act needs --moe-grouped-gemm (Megatron recomputes the "
+            "grouped experts' activation only); recompute moe or mlp instead"
+        )
