@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.common.rl.flags import expand_config
+from anyspeed.stages.table import STAGES
 
 
 def _expand(tmp_path, text: str) -> list[str]:
     f = tmp_path / "rl.yaml"
     f.write_text(text)
-    return expand_config(["--stage", "grpo", "--rl-config", str(f)])
+    return STAGES["grpo"]().argv(["--stage", "grpo", "--rl-config", str(f)])
 
 
 @pytest.mark.parametrize(
@@ -179,7 +179,7 @@ def test_a_ppo_configs_critic_section(tmp_path, capsys):
     f.write_text("actor_config:\n  lr: 1e-6\n  tensor_model_parallel_size: 2\n"
                  "critic_config:\n  load: ./critic\n  lr: 5e-6\n  tensor_model_parallel_size: 2\n"
                  "  micro_batch_size: 8\n")  # fmt: skip
-    argv = expand_config(["--stage", "ppo", "--rl-config", str(f)])
+    argv = STAGES["ppo"]().argv(["--stage", "ppo", "--rl-config", str(f)])
     assert argv[argv.index("--critic-load") + 1] == "./critic"
     assert argv[argv.index("--critic-lr") + 1] == "5e-6" and argv[argv.index("--lr") + 1] == "1e-6"
     err = capsys.readouterr().err

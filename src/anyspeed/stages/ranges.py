@@ -192,6 +192,7 @@ RANGES: dict[str, Range] = {
     "--full-attention-interval": COUNT,
     "--partial-rotary-factor": FRACTION,
     "--mamba-d-conv": POSITIVE,
+    "--moe-zero-memory-num-layers": COUNT,
     "--lora-alpha": STRICTLY_POSITIVE,
     "--lora-dropout": PROBABILITY,
     "--refer-model-iter": COUNT,

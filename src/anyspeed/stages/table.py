@@ -17,6 +17,18 @@ from anyspeed.training.run import Run
 from anyspeed.training.task import Stage, Task
 
 
+def _with_stage_flags(
+    expand: Callable[..., list[str]], name: str
+) -> Callable[[list[str]], list[str]]:
+    """A stage's ``--rl-config`` reader, given the stage's own flags (a MindSpeed-RL file's
+    training sections become those of its keys that are flags of the stage)."""
+
+    def flags() -> dict:
+        return dict(build_stage_parser(STAGES[name]())._option_string_actions)
+
+    return lambda argv: expand(argv, flags)
+
+
 def _pretrain() -> Stage:
     from anyspeed.stages.pretrain import task as pretrain
 
@@ -115,7 +127,7 @@ def _grpo() -> Stage:
         (posttrain_flags.add_arguments, grpo.add_arguments),
         grpo.plan,
         grpo.make_task,
-        argv=grpo.expand_config,
+        argv=_with_stage_flags(grpo.expand_config, "grpo"),
     )
 
 
@@ -130,7 +142,7 @@ def _ppo() -> Stage:
         (posttrain_flags.add_arguments, ppo.add_arguments),
         ppo.plan,
         ppo.make_task,
-        argv=ppo.expand_config,
+        argv=_with_stage_flags(ppo.expand_config, "ppo"),
     )
 
 
@@ -179,7 +191,7 @@ def _distill() -> Stage:
         (posttrain_flags.add_arguments, distill.add_arguments),
         distill.plan,
         distill.make_task,
-        argv=distill.expand_config,
+        argv=_with_stage_flags(distill.expand_config, "distill"),
     )
 
 

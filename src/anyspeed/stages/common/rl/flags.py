@@ -12,6 +12,7 @@ accepted under that name); ``--ppo-epochs`` passes over each rollout.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from anyspeed.errors import UsageError
@@ -283,11 +284,14 @@ def _add_process_reward(a: Any) -> None:
     )
 
 
-def expand_config(argv: list[str]) -> list[str]:
+def expand_config(
+    argv: list[str], stage_flags: Callable[[], dict[str, Any]] | None = None
+) -> list[str]:
     """``--rl-config FILE``'s keys as flags before the command line's own (which win): its
-    ``rl_config`` / ``generate_config`` keys, and a MindSpeed-RL file's model, training and
-    actor sections (:mod:`~anyspeed.stages.common.rl.mindspeed_config`). Keys no flag of the
-    stage reads are named in one warning line."""
+    ``rl_config`` / ``generate_config`` keys and, given the stage's flags (``stage_flags()``:
+    flag -> argparse action), a MindSpeed-RL file's model, training and actor sections
+    (:mod:`~anyspeed.stages.common.rl.mindspeed_config`). Keys no flag of the stage reads are
+    named in one warning line."""
     from anyspeed.argv import get_flag, merge_flags
     from anyspeed.stages.common.rl import mindspeed_config
 
@@ -301,16 +305,18 @@ def expand_config(argv: list[str]) -> list[str]:
             doc = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise UsageError(f"--rl-config {path!r}: {exc}".splitlines()[0]) from None
-    actions = _stage_actions(argv)
+    actions = stage_flags() if stage_flags is not None else None
     found, unread = _yaml_values(doc, path)
-    flags, more = mindspeed_config.training_flags(doc, path, actions, YAML_KEYS)
+    flags, more = (
+        mindspeed_config.training_flags(doc, path, actions, YAML_KEYS) if actions else ([], [])
+    )
     dapo, used, not_honoured = mindspeed_config.dapo_flags(doc)
     unread = [u for u in unread if u.removeprefix("rl_config.") not in used] + not_honoured
     for where, key, value in found:
         if where == "rl_config." and key in used:
             continue
         flag = YAML_KEYS[key]
-        if flag not in actions:  # a key of another stage (PPO's gamma in a GRPO file)
+        if actions is not None and flag not in actions:  # another stage's (PPO's gamma)
             unread.append(where + key)
         elif isinstance(value, bool):
             flags += [flag] if value else []
@@ -323,15 +329,6 @@ def expand_config(argv: list[str]) -> list[str]:
     if unread or more:
         _warn_unread(path, unread + more)
     return merge_flags([*flags, *dapo], argv)
-
-
-def _stage_actions(argv: list[str]) -> dict[str, Any]:
-    """The flags (-> argparse actions) of the stage ``argv`` names."""
-    from anyspeed.argv import get_flag
-    from anyspeed.stages.table import build_stage_parser, get_stage
-
-    parser = build_stage_parser(get_stage(get_flag(argv, "--stage"), "posttrain"))
-    return dict(parser._option_string_actions)
 
 
 # MindSpeed-RL's sections anyspeed reads (the rest of such a file configures other workers)
