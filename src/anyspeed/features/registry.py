@@ -41,6 +41,7 @@ from anyspeed.features.memory.feature import (
     SwapAttention,
     SwapOptimizer,
 )
+from anyspeed.features.memory.o2 import O2Optimizer
 from anyspeed.features.moe.feature import MoECompat, MoEGroupedGemm
 from anyspeed.features.moe.mindspeed_flags import MindSpeedMoEFlags
 from anyspeed.features.ops.feature import (
@@ -93,6 +94,7 @@ def build() -> list[Feature]:
         RecomputeNorm(),
         SwapAttention(),
         SwapOptimizer(),
+        O2Optimizer(),
         AttentionCore(candidates=[cp, flash]),
     ]
 

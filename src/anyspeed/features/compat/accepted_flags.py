@@ -65,6 +65,12 @@ NOOPS: dict[str, tuple[bool | str, str]] = {
         "anyspeed pretrain writes no separate validation-perplexity series",
     ),
     "--num-workers": (True, "anyspeed pretrain reads samples in the training process"),
+    "--o2-gradient": (
+        False,
+        "MindSpeed-LLM registers it without a use; gradients accumulate in Megatron's "
+        "main-grad buffers (fp32 with --accumulate-allreduce-grads-in-fp32); --o2-optimizer "
+        "keeps Adam's moments in bf16",
+    ),
     "--dataloader-type": (
         True,
         "single and cyclic both read the samples in the seeded order drawn for each epoch "
