@@ -83,6 +83,7 @@ def build() -> list[Feature]:
         DeltaNetCompat(),
         VisionCompat(),
         RecomputeCompat(),
+        O2Optimizer(),
         *kernels,
         Fp8(),
         GlooCollectives(),
@@ -94,7 +95,6 @@ def build() -> list[Feature]:
         RecomputeNorm(),
         SwapAttention(),
         SwapOptimizer(),
-        O2Optimizer(),
         AttentionCore(candidates=[cp, flash]),
     ]
 
