@@ -83,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--n-subs", type=int, default=None, help="file groups converted apart")
     g.add_argument("--output-prefix", default=None, help="default: the input's path")
     g.add_argument(
-        "--overwrite-cache", action="store_true", help="rebuild the output, whoever wrote it"
+        "--overwrite-cache",
+        action="store_true",
+        help="let the conversion replace .bin/.idx files it did not write",
     )
 
 
@@ -245,7 +247,7 @@ def _convert(
         have = _read_manifest(out + MANIFEST)
         ready = all(os.path.isfile(f) for f in files)
         prog = f"anyspeed {command}"
-        if ready and have == want and not args.overwrite_cache:
+        if ready and have == want:  # its own output, current: torchrun's other ranks too
             if reports_here():
                 print(
                     f"{prog}: --data-path {path!r}: reusing its preprocessed {out}", file=sys.stderr
