@@ -48,7 +48,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> argpar
         raise UsageError(bad)
     ns, stray = training.parse_known_args(rest)
     if stray:
-        raise UsageError(f"{prog}: unrecognized arguments: {' '.join(stray)}")
+        raise UsageError(f"unrecognized arguments: {' '.join(stray)}")
     args.arch_given = _architecture(ns, training.parse_args([]))
     flags = [t.split("=", 1)[0] for t in rest if t.startswith("--")]
     arch = {row.flag for row in ARCH_FLAGS} | _spelling_flags()
