@@ -49,29 +49,32 @@ def parse(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> argpar
     ns, stray = training.parse_known_args(rest)
     if stray:
         raise UsageError(f"unrecognized arguments: {' '.join(stray)}")
-    args.arch_given = _architecture(ns, training.parse_args([]))
+    spellings = _spelling_features()
+    args.arch_given = _architecture(ns, training.parse_args([]), spellings)
     flags = [t.split("=", 1)[0] for t in rest if t.startswith("--")]
-    arch = {row.flag for row in ARCH_FLAGS} | _spelling_flags()
+    probe = argparse.ArgumentParser(add_help=False)
+    for feature in spellings:
+        feature.add_arguments(probe)
+    described = {flag for action in probe._actions for flag in action.option_strings}
+    arch = {row.flag for row in ARCH_FLAGS} | described  # they describe the model: checked
     args.set_aside = [f for f in dict.fromkeys(flags) if f not in arch]
     return args
 
 
-def _spelling_flags() -> set[str]:
-    """The flags of the spelling features (they describe the model: checked, not set aside)."""
+def _spelling_features() -> list[Any]:
+    """The features that rewrite MindSpeed-LLM's names for the model into Megatron's."""
     from anyspeed import features
 
-    probe = argparse.ArgumentParser(add_help=False)
-    for feature in features.registry.build():
-        if feature.name in _SPELLINGS:
-            feature.add_arguments(probe)
-    return {flag for action in probe._actions for flag in action.option_strings}
+    return [f for f in features.registry.build() if f.name in _SPELLINGS]
 
 
-def _architecture(given: argparse.Namespace, defaults: argparse.Namespace) -> dict[str, Any]:
+def _architecture(
+    given: argparse.Namespace, defaults: argparse.Namespace, spellings: list[Any]
+) -> dict[str, Any]:
     """The architecture fields ``given`` sets (after the MindSpeed-LLM rewrites) to another
     value than the parser's defaults do."""
     for ns in (given, defaults):
-        _rewrite(ns)
+        _rewrite(ns, spellings)
     out = {}
     for row in ARCH_FLAGS:
         if not row.arch or row.field in _NOT_CHECKED:
@@ -82,18 +85,16 @@ def _architecture(given: argparse.Namespace, defaults: argparse.Namespace) -> di
     return out
 
 
-def _rewrite(ns: argparse.Namespace) -> None:
-    from anyspeed import features
+def _rewrite(ns: argparse.Namespace, spellings: list[Any]) -> None:
     from anyspeed.device import detect
     from anyspeed.features.base import FeatureError
 
     device = detect()
-    for feature in features.registry.build():
-        if feature.name in _SPELLINGS:
-            try:
-                feature.validate(ns, device)
-            except FeatureError as exc:
-                raise UsageError(str(exc)) from None
+    for feature in spellings:
+        try:
+            feature.validate(ns, device)
+        except FeatureError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def check(args: argparse.Namespace, model: ModelConfig) -> None:

@@ -93,11 +93,8 @@ def _model_section(doc: dict, path: str) -> dict | None:
     ``megatron_training.model``), from ``model/<name>.yaml`` beside the file."""
     import yaml
 
-    name = (
-        (doc.get("megatron_training") or {}).get("model")
-        if isinstance(doc.get("megatron_training"), dict)
-        else None
-    )
+    training = doc.get("megatron_training")
+    name = training.get("model") if isinstance(training, dict) else None
     for item in doc.get("defaults") or []:
         if isinstance(item, dict) and "model" in item and name is None:
             listed = item["model"]
