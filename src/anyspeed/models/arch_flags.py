@@ -151,6 +151,12 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
     ArchFlag("quick_geglu", "--quick-geglu", None),
     ArchFlag("glu_linear_offset", "--glu-linear-offset", float, 0.0),
     ArchFlag("activation_func_clamp_value", "--activation-func-clamp-value", float),
+    ArchFlag("gelu_tanh", "--gelu-tanh", None),
+    ArchFlag("post_norm", "--post-norm", None),
+    ArchFlag("attn_logit_softcapping", "--attn-logit-softcapping", float),
+    ArchFlag("output_logit_softcapping", "--output-logit-softcapping", float),
+    ArchFlag("query_pre_attn_scalar", "--query-pre-attn-scalar", float),
+    ArchFlag("input_embeds_norm", "--input-embeds-norm", None),
     ArchFlag("layernorm_zero_centered_gamma", "--apply-layernorm-1p", None),
     ArchFlag("attention_output_gate", "--attention-output-gate", None),
     ArchFlag(

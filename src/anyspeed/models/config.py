@@ -117,6 +117,15 @@ class ModelConfig:
     quick_geglu: bool = False  # GLU with x * sigmoid(1.702 x) instead of SiLU
     glu_linear_offset: float = 0.0  # added to the GLU's linear half
     activation_func_clamp_value: float | None = None  # clamp of both GLU halves
+    # Gemma 2: a GLU with tanh-approximated GELU, norms on the attention's and the MLP's
+    # outputs too ("sandwich"), tanh soft-capping of attention scores and of the output
+    # logits, scores scaled by query_pre_attn_scalar^-0.5, embeddings scaled by sqrt(hidden).
+    gelu_tanh: bool = False
+    post_norm: bool = False
+    attn_logit_softcapping: float | None = None
+    output_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    input_embeds_norm: bool = False
     # Qwen3-Next: norms as x * (1 + w), a sigmoid gate on each attention head's output, and
     # gated DeltaNet (linear attention) layers between the full-attention ones.
     layernorm_zero_centered_gamma: bool = False
@@ -203,8 +212,8 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        """A gated linear unit (SwiGLU or quick-GeGLU): fc1 holds [gate; up]."""
-        return self.swiglu or self.quick_geglu
+        """A gated linear unit (SwiGLU, quick-GeGLU or tanh GeGLU): fc1 holds [gate; up]."""
+        return self.swiglu or self.quick_geglu or self.gelu_tanh
 
     def window_layers(self) -> list[bool]:
         """Which layers attend through the sliding window (Megatron's rule: with skip
@@ -238,8 +247,10 @@ class ModelConfig:
         """ValueError (one line, naming the flag) when the MoE settings cannot build."""
         check_moe(self)
         check_mla(self)
-        if self.swiglu and self.quick_geglu:
-            raise ValueError("--swiglu and --quick-geglu are two activations: pass one")
+        if self.swiglu + self.quick_geglu + self.gelu_tanh > 1:
+            raise ValueError(
+                "--swiglu, --quick-geglu and --gelu-tanh are three activations: pass one"
+            )
         if self.window_size is not None:
             self.window_layers()  # the --window-attn-skip-freq pattern fits --num-layers
         if self.linear_num_value_heads % self.linear_num_key_heads:

@@ -14,7 +14,7 @@ def num_parameters(m: ModelConfig) -> int:
     h = m.hidden_size
     emb = m.vocab_size * h * (1 if m.tie_embeddings else 2)
     mlps = sum(_mlp_parameters(m, moe)[0] for moe in m.moe_layers())
-    return _mixers(m) + 2 * h * m.num_layers + mlps + emb + h + mtp_parameters(m)
+    return _mixers(m) + _norms(m) + mlps + emb + h + mtp_parameters(m)
 
 
 def active_parameters(m: ModelConfig) -> int:
@@ -22,7 +22,12 @@ def active_parameters(m: ModelConfig) -> int:
     h = m.hidden_size
     emb = m.vocab_size * h * (1 if m.tie_embeddings else 2)
     mlps = sum(_mlp_parameters(m, moe)[1] for moe in m.moe_layers())
-    return _mixers(m) + 2 * h * m.num_layers + mlps + emb + h
+    return _mixers(m) + _norms(m) + mlps + emb + h
+
+
+def _norms(m: ModelConfig) -> int:
+    """The layers' norms: before attention and MLP, and after each with ``--post-norm``."""
+    return (4 if m.post_norm else 2) * m.hidden_size * m.num_layers
 
 
 def _mixers(m: ModelConfig) -> int:

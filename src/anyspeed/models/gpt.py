@@ -17,6 +17,13 @@ import torch.nn.functional as F
 from anyspeed.layout import Layout
 from anyspeed.models.config import ModelConfig
 from anyspeed.models.dsa import dsa_config, use_sparse_core
+from anyspeed.models.gemma import (
+    add_gemma_hooks,
+    gelu_tanh,
+    gemma_config,
+    mark_config,
+    with_post_norms,
+)
 from anyspeed.models.hybrid import linear_attention_config, with_linear_attention
 from anyspeed.models.mla import duplicate_kv_down_proj, mla_config, use_latent_core
 
@@ -104,14 +111,17 @@ def transformer_config(
     )
     kw.update(moe_config(model))
     kw.update(linear_attention_config(model))
+    kw.update(gemma_config(model))
     kw.update(overrides)
     if model.multi_latent_attention:
         kw.update(mla_config(model), **dsa_config(model))
         mla_cfg = MLATransformerConfig(**kw)
         _mark_placement(mla_cfg, model, layout)
+        mark_config(mla_cfg, model)
         return mla_cfg
     config = TransformerConfig(**kw)
     _mark_placement(config, model, layout)
+    mark_config(config, model)
     if model.position_embedding_type == "yarn":
         _set_yarn(config, model)
     return config
@@ -138,12 +148,15 @@ def _set_yarn(config: Any, model: ModelConfig) -> None:
 
 
 def _activation(model: ModelConfig):
-    """The MLP activation: SiLU (SwiGLU), quick-GELU (GPT-OSS's GLU) or GELU. Megatron's
+    """The MLP activation: SiLU (SwiGLU), quick-GELU (GPT-OSS's GLU), tanh GELU (Gemma 2's
+    GLU) or GELU. Megatron's
     quick-GELU is ``torch.compile``'d at import (inductor needs a real CUDA device): the eager
     function under it is used (a fusion path that compares against it is never taken here)."""
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
     eager = getattr(quick_gelu, "_torchdynamo_orig_callable", quick_gelu)
+    if model.gelu_tanh:
+        return gelu_tanh
     return F.silu if model.swiglu else eager if model.quick_geglu else F.gelu
 
 
@@ -208,8 +221,10 @@ def layer_spec(model: ModelConfig, config=None, vp_stage: int | None = None):
     if any(model.linear_attention_layers()):
         spec = with_linear_attention(model, config, spec, vp_stage)
     if model.experimental_attention_variant == "dsa":
-        return use_sparse_core(use_latent_core(spec))
-    return use_latent_core(spec) if mla else spec
+        spec = use_sparse_core(use_latent_core(spec))
+    elif mla:
+        spec = use_latent_core(spec)
+    return with_post_norms(spec) if model.post_norm else spec
 
 
 def build(
@@ -243,6 +258,7 @@ def build(
     )
     if model.multi_latent_attention and config.tensor_model_parallel_size > 1:
         duplicate_kv_down_proj(gpt)
+    add_gemma_hooks(gpt, model)
     return gpt
 
 

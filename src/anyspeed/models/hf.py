@@ -94,8 +94,9 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
     Megatron's GPTModel cannot express it."""
     family = hf_family(config)
     traits = FAMILIES[family]
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
+    act = traits.hidden_act
+    if config.get("hidden_act", act) != act:
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only {act})")
     if config.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
     if not traits.qkv_bias and config.get("attention_bias"):  # it adds an o_proj bias too
@@ -115,6 +116,7 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         num_query_groups=_number(config, "num_key_value_heads", int, heads),
         qk_layernorm=traits.qk_norm,
         add_qkv_bias=traits.qkv_bias,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
     fields.update({k: moe.pop(k) for k in list(fields) if k in moe})  # the family's own reading
     model = ModelConfig(
@@ -131,7 +133,6 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
         rotary_base=base,
         norm_epsilon=_number(config, "rms_norm_eps", float, 1e-6),
         **fields,
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
         **moe,
     )
@@ -159,7 +160,7 @@ def hf_config(model: ModelConfig) -> dict[str, Any]:
         "rope_theta": model.rotary_base,
         "rms_norm_eps": model.norm_epsilon,
         "tie_word_embeddings": model.tie_embeddings,
-        "hidden_act": "silu",
+        "hidden_act": traits.hidden_act,
     }
     if model.kv_channels or traits.head_dim_in_config:
         cfg["head_dim"] = model.head_dim

@@ -48,10 +48,12 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
 
 def infer_family(values: dict[str, Any]) -> str:
     """The HF family closest to a flag-described model: the attention variant (gated DeltaNet
-    layers: Qwen3-Next; sparse attention: DeepSeek-V3.2), attention sinks (GPT-OSS), multi-latent
+    layers: Qwen3-Next; sparse attention: DeepSeek-V3.2), sandwich norms (Gemma 2), attention
+    sinks (GPT-OSS), multi-latent
     attention and experts first (a Qwen3 with experts is a Qwen3-MoE), then QK norm, then QKV
     bias."""
     bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
+    post_norm = bool(values.get("post_norm"))
     sinks = values.get("softmax_type", "vanilla") != "vanilla"
     variant = values.get("experimental_attention_variant")
     mla, moe = bool(values.get("multi_latent_attention")), bool(values.get("num_experts"))
@@ -62,6 +64,7 @@ def infer_family(values: dict[str, Any]) -> str:
         family_moe = any(p.num_experts for p in f.presets)
         return (
             variant not in variants,
+            any(p.post_norm for p in f.presets) != post_norm,
             family_sinks != sinks,
             bool(f.mla) != mla,
             family_moe != moe,

@@ -48,6 +48,10 @@ _PLAIN = {
     "use_te_activation_func": False,
     "context_parallel_size": 1,
     "inference_fuse_tp_communication": False,
+    # Gemma 2's traits (models/gemma.py): hooks this step does not run
+    "anyspeed_post_norm": False,
+    "anyspeed_attn_softcap": None,
+    "anyspeed_output_softcap": None,
 }
 
 

@@ -36,6 +36,10 @@ class SDPAttention(DotProductAttention):
         packed_seq_params=None,
     ) -> torch.Tensor:
         window = self.scale_mask_softmax.window_size
+        if getattr(self, "logit_softcap", None):  # Gemma 2: soft-capped scores (S x S path)
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
         if (
             packed_seq_params is None
             and attention_bias is None

@@ -124,6 +124,7 @@ class Family:
     # the HF config keys back (as moe_from_hf / moe_to_hf for the MoE families)
     dense_from_hf: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
     dense_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
+    hidden_act: str = "silu"  # the MLP activation config.json names (hidden_act)
 
 
 def every_nth_off(flags: list[bool]) -> str:
@@ -134,6 +135,18 @@ def every_nth_off(flags: list[bool]) -> str:
         if flags == [(i + 1) % n != 0 for i in range(len(flags))]:
             return str(n)
     return "[" + ",".join(str(int(f)) for f in flags) + "]"
+
+
+def window_skip_freq(layer_types: Any, num_layers: int, family: str) -> str | None:
+    """``--window-attn-skip-freq`` for HF's ``layer_types`` (None: every layer windowed)."""
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or not set(layer_types) <= {"sliding_attention", "full_attention"}
+    ):
+        raise ValueError(f"{family}: config.json layer_types must name each layer's attention")
+    windowed = [t == "sliding_attention" for t in layer_types]
+    return None if all(windowed) else every_nth_off(windowed)
 
 
 def tiny(base: ModelConfig, name: str, **changes) -> ModelConfig:

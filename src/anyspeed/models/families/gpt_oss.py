@@ -13,9 +13,9 @@ from anyspeed.models.families.base import (
     LLAMA_MAPPING,
     ExpertSlice,
     Family,
-    every_nth_off,
     qkv,
     tiny,
+    window_skip_freq,
 )
 from anyspeed.models.families.moe_hf import int_of
 from anyspeed.models.hf_rope import (
@@ -67,18 +67,6 @@ def _preset(name: str, layers: int, experts: int) -> ModelConfig:
 PRESETS = (_preset("gpt-oss-20b", 24, 32), _preset("gpt-oss-120b", 36, 128))
 
 
-def _skip_freq(layer_types: Any, num_layers: int) -> str | None:
-    """``--window-attn-skip-freq`` for HF's ``layer_types`` (None: every layer windowed)."""
-    if (
-        not isinstance(layer_types, list)
-        or len(layer_types) != num_layers
-        or not set(layer_types) <= {"sliding_attention", "full_attention"}
-    ):
-        raise ValueError("gpt_oss: config.json layer_types must name each layer's attention")
-    windowed = [t == "sliding_attention" for t in layer_types]
-    return None if all(windowed) else every_nth_off(windowed)
-
-
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
     rope = hf_rope_parameters(config, "gpt_oss")
     if rope["rope_type"] != "yarn":
@@ -111,7 +99,7 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         window_size=None if window is None else int_of(config, "sliding_window") - 1,
         window_attn_skip_freq=None
         if window is None
-        else _skip_freq(config.get("layer_types"), num_layers),
+        else window_skip_freq(config.get("layer_types"), num_layers, "gpt_oss"),
         swiglu=False,
         quick_geglu=True,
         glu_linear_offset=1.0,
