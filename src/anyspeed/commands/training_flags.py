@@ -26,6 +26,7 @@ _SPELLINGS = (
     "mindspeed-rope-flags",
     "mindspeed-dsa-flags",
     "mindspeed-qwen3-next-flags",
+    "mindspeed-gemma2-flags",
 )
 # The context window, not the weights: MindSpeed-LLM's scripts set it to their --seq-length.
 _NOT_CHECKED = ("max_position_embeddings",)

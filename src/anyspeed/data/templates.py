@@ -73,6 +73,13 @@ TEMPLATES: dict[str, Template] = {
         ),
         assistant="{content}<|eot_id|>",
     ),
+    # Gemma (MindSpeed-LLM's "gemma"): no system role, a system text goes before the first
+    # turn as it is; each model turn closes with <end_of_turn>.
+    "gemma": Template(
+        prefix="<bos>",
+        user="<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",
+        assistant="{content}<end_of_turn>\n",
+    ),
     "alpaca": Template(
         default_system=(
             "Below is an instruction that describes a task. "

@@ -22,6 +22,7 @@ from anyspeed.features.compat.delta_net import DeltaNetCompat
 from anyspeed.features.compat.device_compat import DeviceCompat, MegatronCoreCompat
 from anyspeed.features.compat.dsa_flags import MindSpeedDSAFlags
 from anyspeed.features.compat.fsdp import FSDPCompat
+from anyspeed.features.compat.gemma_flags import MindSpeedGemmaFlags
 from anyspeed.features.compat.layout_check import LayoutCheck
 from anyspeed.features.compat.megatron_lm import MegatronLMArgs, MegatronLMCompat
 from anyspeed.features.compat.mtp import MTPCompat
@@ -68,6 +69,7 @@ def build() -> list[Feature]:
         MindSpeedRopeFlags(),
         MindSpeedDSAFlags(),
         MindSpeedNextFlags(),
+        MindSpeedGemmaFlags(),
         LayoutCheck(),
         ChunkPlacement(),
         AcceptedFlags(kernels=kernels),

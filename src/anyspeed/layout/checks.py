@@ -172,6 +172,11 @@ def validate_for(
             f"MoE experts with biases (GPT-OSS) need --expert-tensor-parallel-size 1 "
             f"(Megatron-Core 0.16.1 cannot split them; it would be {layout.expert_tp} here)"
         )
+    if layout.cp > 1 and getattr(model, "attn_logit_softcapping", None):
+        raise ValueError(
+            f"--attn-logit-softcapping (Gemma 2) does not run with --context-parallel-size "
+            f"{layout.cp} (the context-parallel attention core has no soft-capping): use CP 1"
+        )
     sinks = getattr(model, "softmax_type", "vanilla") not in (None, "vanilla")
     if layout.cp > 1 and (sinks or getattr(model, "window_size", None) is not None):
         what = "--softmax-type learnable/off-by-one" if sinks else "--window-size"

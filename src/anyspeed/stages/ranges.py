@@ -109,6 +109,10 @@ RANGES: dict[str, Range] = {
     "--window-size": Range(ge=0),  # keys before the row (0: the row itself)
     "--glu-linear-offset": NONNEG,  # GPT-OSS: 1
     "--activation-func-clamp-value": STRICTLY_POSITIVE,  # GPT-OSS: 7
+    "--attn-logit-softcapping": STRICTLY_POSITIVE,  # Gemma 2: 50
+    "--output-logit-softcapping": STRICTLY_POSITIVE,  # Gemma 2: 30
+    "--query-pre-attn-scalar": STRICTLY_POSITIVE,  # Gemma 2: 256 (27B: 144)
+    "--interleave-sliding-window": POSITIVE,  # MindSpeed-LLM's Gemma 2: 4096
     "--rope-scaling-mscale": STRICTLY_POSITIVE,
     "--rope-scaling-mscale-all-dim": NONNEG,
     "--rope-scaling-original-max-position-embeddings": STRICTLY_POSITIVE,

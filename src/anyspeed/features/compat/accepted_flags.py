@@ -100,6 +100,11 @@ NOOPS: dict[str, tuple[bool | str, str]] = {
         "--enable-mg2hf-convert is a flag of its own",
     ),
     "--model-type-hf": (True, "the family comes from --load's config.json"),
+    "--tokenizer-padding-side": (
+        True,
+        "the data is tokenized already: pretraining documents are packed, not padded, and "
+        "instruction samples are padded after their tokens with the padding out of the loss",
+    ),
     "--spec": (
         "+",
         "a MindSpeed-LLM layer spec module: anyspeed builds Megatron-Core's local spec from "

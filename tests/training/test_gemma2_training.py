@@ -1,0 +1,55 @@
+"""Gemma 2 trained from a tiny random transformers model: ``anyspeed pretrain --load <HF dir>``'s
+first loss equals transformers' loss (eager attention: soft-capped scores) within 1e-5 (fp32),
+and (``-m slow``) TP2 with sequence parallelism, PP2 with uneven stages (2, 1) and DP2 at
+``--optimization-level 0`` (Megatron's own attention core; the default level's SDPA core hands
+the soft-capped layers to Megatron's path) equal the one-process run within 1e-5 over three
+steps: loss and grad norm, so the sandwich norms' gradients are reduced over TP under sequence
+parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_pretrain import _close, run_many, write_corpus
+from test_pretrain_hf import hf_first_loss
+from test_qwen3_next_training import COMMON
+
+from helpers import convert_ranks
+
+LAYOUTS = {
+    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2": ["--pipeline-model-parallel-size", "2", "--num-layer-list", "2,1"],
+    "dp2-level0": ["--optimization-level", "0"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma2")
+    corpus = write_corpus(str(root / "c_text_document"), docs=120)
+    convert_ranks.tiny_hf_model(root / "hf", "tiny-gemma2", seed=8)
+    for stand_in in ("tokenizer.json", "tokenizer_config.json"):  # token ids only
+        (root / "hf" / stand_in).unlink(missing_ok=True)
+    argv = ["--load", str(root / "hf"), "--data-path", corpus, *COMMON]
+    (one,) = run_many(1, [argv + ["--save", str(root / "one")]])
+    return root, argv, one
+
+
+def test_first_loss_equals_transformers(runs, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    root, argv, one = runs
+    model = AutoModelForCausalLM.from_pretrained(str(root / "hf"), dtype=torch.float32).eval()
+    assert model.config._attn_implementation == "eager"  # transformers' soft-capping path
+    want, _ = hf_first_loss(model, argv, monkeypatch)
+    assert one["loss"][0] == pytest.approx(want, rel=1e-5)
+    assert len(set(one["loss"])) == 3  # it trains
+
+
+@pytest.mark.slow  # three two-process runs
+def test_layouts_equal_one_process(runs, tmp_path):
+    _, argv, one = runs
+    argvs = [argv + flags + ["--save", str(tmp_path / name)] for name, flags in LAYOUTS.items()]
+    for run in run_many(2, argvs):  # in the layouts' order
+        _close(run["loss"], one["loss"])
+        _close(run["grad_norm"], one["grad_norm"])
