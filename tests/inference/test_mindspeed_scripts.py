@@ -1,4 +1,5 @@
-"""MindSpeed-LLM's inference scripts carry over: ``generate_qwen3_moe_30b_a3b_ptd.sh`` and
+"""MindSpeed-LLM's inference scripts carry over: ``generate_qwen3_moe_30b_a3b_ptd.sh``,
+``generate_gemma2_9b_ptd.sh`` and
 ``evaluate_qwen3_*_ptd.sh`` describe the model again (its spelling too: ``--first-k-dense-replace
 -1 --moe-layer-freq -1 --norm-topk-prob``) and pass training switches. ``anyspeed generate``
 takes them: the architecture values are checked against the checkpoint, the rest set aside in
@@ -95,3 +96,34 @@ def test_evaluate_prompt_type_renders_the_built_in_template(hf_tok):
     assert _wrap(args, tok, ["Which is larger?"]) == tok.encode([want], special=False)
     plain = Namespace(use_chat=False, prompt_type="chatml")  # likelihood reads: no template
     assert _wrap(plain, tok, ["Which is larger?"]) == tok.encode(["Which is larger?"], special=True)
+
+
+# generate_gemma2_9b_ptd.sh's flags as written, sizes those of tiny-gemma2
+GEMMA2_SCRIPT = """
+--spec mindspeed_llm.tasks.models.spec.gemma2_spec layer_spec --use-mcore-models --gelu-tanh
+--post-norm --query-pre-attn-scalar 24 --output-logit-softcapping 3.0 --interleave-sliding-window 4
+--attn-logit-softcapping 2.0 --num-layers 3 --hidden-size 64 --ffn-hidden-size 176
+--num-attention-heads 4 --kv-channels 32 --group-query-attention --num-query-groups 2
+--max-position-embeddings 8192 --seq-length 8192 --make-vocab-size-divisible-by 1
+--disable-bias-linear --position-embedding-type rope --normalization RMSNorm
+--add-rmsnorm-offset --norm-epsilon 1e-06 --input-embeds-norm --attention-softmax-in-fp32
+--no-gradient-accumulation-fusion --no-masked-softmax-fusion --micro-batch-size 1
+--tokenizer-type PretrainedFromHF --tokenizer-not-use-fast --hidden-dropout 0
+--attention-dropout 0 --exit-on-missing-checkpoint --transformer-impl local --ckpt-format torch
+--vocab-size 512 --seed 42
+""".split()
+
+
+def test_the_gemma2_script_generates_the_same_text(capsys, tmp_path, hf_tok):
+    d = tmp_path / "hf"
+    tiny_hf_model(d, "tiny-gemma2", seed=2, vocab_size=512)
+    for name in os.listdir(hf_tok):
+        shutil.copy(os.path.join(hf_tok, name), d / name)
+    base = ["--load", str(d), "--prompt", "the quick brown fox", "--max-new-tokens", "8"]
+    rc, want, _ = _generate(capsys, base)
+    assert rc == 0
+    rc, got, err = _generate(capsys, [*base, *GEMMA2_SCRIPT])
+    assert rc == 0, err
+    assert got[got.index("prompt:") :] == want[want.index("prompt:") :]
+    rc, _, err = _generate(capsys, [*base, *GEMMA2_SCRIPT, "--interleave-sliding-window", "8"])
+    assert rc == 2 and "--window-size 7 does not match the checkpoint (3)" in err, err
