@@ -68,8 +68,8 @@ def test_the_gemma_template_renders_as_mindspeed_llm_defines_it():
     """``format_prefix`` bos, ``format_user``, the answer then ``format_separator``."""
     from anyspeed.data.templates import TEMPLATES
 
-    talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ciao"}]  # fmt: skip
+    turns = [("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"), ("assistant", "Ciao")]
+    talk = [{"role": r, "content": c} for r, c in turns]
     user = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
     assert TEMPLATES["gemma"].segments(talk) == [
         ("<bos>" + user.format("Hi"), False, False),

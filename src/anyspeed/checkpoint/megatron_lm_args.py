@@ -38,6 +38,7 @@ MODEL_TYPE_HF = {
     "deepseek_v3": "deepseek_v3",
     "gpt-oss": "gpt_oss",
     "gpt_oss": "gpt_oss",
+    "gemma2": "gemma2",
 }
 
 # What every supported HF family is: Megatron-LM argument -> the value it must have.
