@@ -45,6 +45,10 @@ EXTRA_CASES = {  # run with CASES in the same process group (CI time), not recom
     "dsa": dict(model=_dense("tiny-deepseek-v3.2")),
     "dsa-kl": dict(model=_dense("tiny-deepseek-v3.2", dsa_indexer_loss_coeff=0.5)),
     "delta": dict(model=dataclasses.asdict(get_preset("tiny-qwen3.5")), seq_length=128),
+    # Gemma 2: sandwich norms, soft-capped S x S scores (Megatron's path), tanh GeGLU, capped
+    # logits, zero-centred norms
+    "gemma2": dict(model=dataclasses.asdict(get_preset("tiny-gemma2"))),
+    "gemma2-bf16": dict(model=dataclasses.asdict(get_preset("tiny-gemma2")), bf16=True),
 }
 FP8 = dict(argv=["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
            fp8=dict(recipe="tensorwise"))  # fmt: skip

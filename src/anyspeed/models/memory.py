@@ -92,7 +92,7 @@ def _layer_params(m: ModelConfig, lay: Layout, linear: bool = False) -> int:
     mats = 3 if m.gated else 2
     if m.add_bias_linear:
         n += h + (mats - 1) * m.ffn_hidden_size // tp + h
-    return n
+    return n + (2 * h if m.post_norm else 0)  # the sandwich norms
 
 
 def _expert_params(m: ModelConfig, lay: Layout) -> int:
@@ -158,6 +158,10 @@ def layer_activations(
         total += delta_activations(m, lay, s, b, e)
     else:
         total += _attention_activations(m, lay, modules, s, b, e, o.fp8)
+    if m.post_norm:  # the sandwich norms (never recomputed): all but an output a linear keeps
+        total += 2 * (norm_bytes(normed, h, e) - normed * h * e)
+    if m.layernorm_zero_centered_gamma:  # each norm keeps its 1 + w (fp32) unless recomputed
+        total += ((0 if norm else 2) + (2 if m.post_norm else 0)) * h * F32
     if "mlp" in modules:
         return total
     if not moe:
@@ -182,16 +186,25 @@ def _attention_activations(
         total += 3 * tokens * d * heads * e
     if m.qk_layernorm:  # q copied out of the QKV output; both norms' fp32 x * rstd and rstd
         total += tokens * d * heads * e + tokens * (heads + groups) * (d + 1) * F32
-    if "core_attn" not in modules:
-        total += b * heads * s * F32  # log-sum-exp of the fused attention
-    return total
+    if "core_attn" in modules:
+        return total
+    if not m.attn_logit_softcapping:
+        return total + b * heads * s * F32  # log-sum-exp of the fused attention
+    # soft-capped scores take Megatron's S x S path: the cap's tanh, the (fp32) softmax and the
+    # probabilities in the activations' dtype, the causal mask; under GQA it keeps K and V of
+    # the query groups only where the fused kernel keeps them repeated per head (measured)
+    scores = b * heads * s * s
+    total += scores * (e + F32 + (e if e != F32 else 0)) + s * s
+    return total - tokens * (heads - groups) * d * e
 
 
 def _mlp(m: ModelConfig, tokens: int, ffn: int, e: int, act: bool, fp8: bool = False) -> int:
     """A dense MLP's fc1 output (the activation's input) and activation output (fc2's input;
     an FP8 fc2 keeps its own one-byte copy, recomputed or not)."""
     fc2_input = tokens * ffn if fp8 else (0 if act else tokens * ffn * e)
-    return tokens * ffn * (2 if m.gated else 1) * e + fc2_input
+    # the tanh GeGLU is Megatron's unfused GLU: the activated gate and the product (measured)
+    glu = 2 * tokens * ffn * e if m.gelu_tanh and not act else 0
+    return tokens * ffn * (2 if m.gated else 1) * e + fc2_input + glu
 
 
 def moe_activations(m: ModelConfig, lay: Layout, o: Options, tokens: int, act: bool) -> int:
@@ -267,6 +280,10 @@ def chunk_activations(
     if last:
         total += norm_bytes(normed, h, e)  # final norm; its output is the output layer's
         total += tokens * m.vocab_size // lay.tp * e  # logits
+        if m.output_logit_softcapping:  # the cap's tanh
+            total += tokens * m.vocab_size // lay.tp * e
+        if m.layernorm_zero_centered_gamma:
+            total += h * F32
         total += tokens * (8 + 1 + F32)  # cross-entropy: targets, mask, per-token values
     return total
 
