@@ -1,6 +1,7 @@
-"""Attention sinks and sliding windows (GPT-OSS) in anyspeed's blocked attention against the
-plain-PyTorch formula (in float64): scores, the causal window mask, the sink logit as one more
-column of the softmax, the column dropped, times V. Forward and every gradient (q, k, v, the
+"""Attention sinks and sliding windows (GPT-OSS) and soft-capped scores (Gemma 2) in anyspeed's
+blocked attention against the plain-PyTorch formula (in float64): scores, ``cap * tanh(s /
+cap)``, the causal window mask, the sink logit as one more column of the softmax, the column
+dropped, times V. Forward and every gradient (q, k, v, the
 sinks) of the fp32 kernel within 1e-6 of the largest value (fp32 rounding: about 3e-7)."""
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import torch
 from anyspeed.features.ops.blocked_attention import blocked_attention
 
 
-def reference(q, k, v, sink, window):
+def reference(q, k, v, sink, window, cap=None):
     """softmax([q k^T * scale (masked), sink]) without the sink column, @ v (GQA repeated)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
     i = torch.arange(q.shape[2]).unsqueeze(1)
     j = torch.arange(k.shape[2])
     masked = j > i
@@ -33,18 +36,20 @@ def reference(q, k, v, sink, window):
     return p @ v
 
 
-CASES = {
-    "sink": (True, None, 64),
-    "window": (False, 5, 8),
-    "sink-window": (True, 5, 8),
-    "sink-window-wide": (True, 30, 16),
-    "sink-one-block": (True, 7, 64),
+CASES = {  # sink, window, block, soft-cap
+    "sink": (True, None, 64, None),
+    "window": (False, 5, 8, None),
+    "sink-window": (True, 5, 8, None),
+    "sink-window-wide": (True, 30, 16, None),
+    "sink-one-block": (True, 7, 64, None),
+    "cap": (False, None, 8, 1.5),  # a small cap: most scores near it, where the slope is small
+    "cap-window": (False, 5, 16, 1.5),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_blocked_attention_with_sinks_and_windows_equals_the_formula(case):
-    with_sink, window, block = CASES[case]
+    with_sink, window, block, cap = CASES[case]
     g = torch.Generator().manual_seed(0)
     b, hq, hkv, s, d = 2, 4, 2, 40, 8
 
@@ -54,10 +59,10 @@ def test_blocked_attention_with_sinks_and_windows_equals_the_formula(case):
     q, k, v = leaf(b, hq, s, d), leaf(b, hkv, s, d), leaf(b, hkv, s, d)
     sink = leaf(hq) if with_sink else None
     grad = torch.randn(b, hq, s, d, generator=g)
-    got = blocked_attention(q, k, v, causal=True, block=block, sink=sink, window=window)
+    got = blocked_attention(q, k, v, causal=True, block=block, sink=sink, window=window, cap=cap)
     got_grads = torch.autograd.grad(got, [t for t in (q, k, v, sink) if t is not None], grad)
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, sink) if t is not None]
-    want = reference(*leaves[:3], leaves[3] if with_sink else None, window)
+    want = reference(*leaves[:3], leaves[3] if with_sink else None, window, cap)
     want_grads = torch.autograd.grad(want, leaves, grad.double())
     for name, a, w in zip(["out", "dq", "dk", "dv", "dsink"], (got, *got_grads),
                           (want, *want_grads), strict=False):  # fmt: skip

@@ -140,9 +140,10 @@ def layer_activations(
     norm: bool,
     moe: bool = False,
     linear: bool = False,
+    blocked: bool = False,
 ) -> int:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank
-    (``linear``: a gated DeltaNet layer)."""
+    (``linear``: a gated DeltaNet layer; ``blocked``: attention through blocked attention)."""
     e, tp, b, h = o.dtype_bytes, lay.tp, o.micro_batch_size, m.hidden_size
     s = o.seq_length // lay.cp
     tokens = s * b
@@ -157,7 +158,7 @@ def layer_activations(
     elif linear:
         total += delta_activations(m, lay, s, b, e)
     else:
-        total += _attention_activations(m, lay, modules, s, b, e, o.fp8)
+        total += _attention_activations(m, lay, modules, s, b, e, o.fp8, blocked)
     if m.post_norm:  # the sandwich norms (never recomputed): all but an output a linear keeps
         total += 2 * (norm_bytes(normed, h, e) - normed * h * e)
     if m.layernorm_zero_centered_gamma:  # each norm keeps its 1 + w (fp32) unless recomputed
@@ -170,11 +171,19 @@ def layer_activations(
 
 
 def _attention_activations(
-    m: ModelConfig, lay: Layout, modules: list[str], s: int, b: int, e: int, fp8: bool = False
+    m: ModelConfig,
+    lay: Layout,
+    modules: list[str],
+    s: int,
+    b: int,
+    e: int,
+    fp8: bool = False,
+    blocked: bool = False,
 ) -> int:
     """What grouped-query attention keeps (the rotary tables, the rotated and projected
     queries, keys and values, the attention's output and log-sum-exp, the QK norms'). An FP8
-    output projection keeps a one-byte copy of its input, besides the fused attention's."""
+    output projection keeps a one-byte copy of its input, besides the fused attention's.
+    ``blocked``: sinks, a window or soft-capped scores (anyspeed's blocked attention)."""
     tokens, d = s * b, m.head_dim
     heads, groups = m.num_attention_heads // lay.tp, m.num_query_groups // lay.tp
     total = 4 * s * int(d * m.rotary_percent) * e  # RoPE: cos and sin, for q and for k
@@ -186,16 +195,11 @@ def _attention_activations(
         total += 3 * tokens * d * heads * e
     if m.qk_layernorm:  # q copied out of the QKV output; both norms' fp32 x * rstd and rstd
         total += tokens * d * heads * e + tokens * (heads + groups) * (d + 1) * F32
-    if "core_attn" in modules:
-        return total
-    if not m.attn_logit_softcapping:
-        return total + b * heads * s * F32  # log-sum-exp of the fused attention
-    # soft-capped scores take Megatron's S x S path: the cap's tanh, the (fp32) softmax and the
-    # probabilities in the activations' dtype, the causal mask; under GQA it keeps K and V of
-    # the query groups only where the fused kernel keeps them repeated per head (measured)
-    scores = b * heads * s * s
-    total += scores * (e + F32 + (e if e != F32 else 0)) + s * s
-    return total - tokens * (heads - groups) * d * e
+    if "core_attn" not in modules:
+        total += b * heads * s * F32  # log-sum-exp of the fused attention
+        if blocked:  # blocked attention keeps its output apart from linear_proj's input
+            total += out * e
+    return total
 
 
 def _mlp(m: ModelConfig, tokens: int, ffn: int, e: int, act: bool, fp8: bool = False) -> int:
@@ -256,6 +260,8 @@ def chunk_activations(
     normed = tokens // lay.tp if lay.sequence_parallel else tokens
     layers = layers or _stage_layers(m, lay, 0)[0]
     moe, linear = m.moe_layers(), m.linear_attention_layers()
+    special = bool(m.attn_logit_softcapping) or m.softmax_type not in (None, "vanilla")
+    blocked = [special or w for w in m.window_layers()]
     full = _full_recompute_units(o, len(layers))
     total = 0
     for i in range(full, len(layers)):
@@ -268,6 +274,7 @@ def chunk_activations(
             norm and o.recompute_norm != 0,
             moe[layers[i]],
             linear[layers[i]],
+            blocked[layers[i]],
         )
     if full:
         per_unit = o.recompute.num_layers if o.recompute.method == "uniform" else 1

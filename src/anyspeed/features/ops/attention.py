@@ -36,18 +36,19 @@ class SDPAttention(DotProductAttention):
         packed_seq_params=None,
     ) -> torch.Tensor:
         window = self.scale_mask_softmax.window_size
-        if getattr(self, "logit_softcap", None):  # Gemma 2: soft-capped scores (S x S path)
-            return super().forward(
-                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
-            )
+        cap = getattr(self, "logit_softcap", None)  # Gemma 2 (models/gemma.py)
         if (
             packed_seq_params is None
             and attention_bias is None
-            and (self.softmax_offset is not None or window is not None)
+            and (self.softmax_offset is not None or window is not None or cap)
         ):
             out = self._sinks_or_window(query, key, value, attention_mask, attn_mask_type)
             if out is not None:
                 return out
+        if cap:  # a decode step, ...: Megatron's S x S path, which its softmax's hook caps
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
         plain = attention_bias is None and self.softmax_offset is None and window is None
         if plain and packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed(query, key, value, packed_seq_params)
@@ -107,10 +108,11 @@ class SDPAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _sinks_or_window(self, query, key, value, attention_mask, attn_mask_type):
-        """GPT-OSS attention (learnable sinks, a causal sliding window) through blocked
-        attention: memory linear in the sequence where Megatron's path builds [b, h, s, s]
-        scores and masks. None (Megatron's path) for what it does not cover: a decode step
-        (fewer queries than keys), a window that looks ahead, a non-causal mask."""
+        """GPT-OSS attention (learnable sinks, a causal sliding window) and Gemma 2's
+        (soft-capped scores, windows) through blocked attention: memory linear in the sequence
+        where Megatron's path builds [b, h, s, s] scores and masks. None (Megatron's path) for
+        what it does not cover: a decode step (fewer queries than keys), a window that looks
+        ahead, a non-causal mask."""
         window = self.scale_mask_softmax.window_size
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if (
@@ -135,6 +137,7 @@ class SDPAttention(DotProductAttention):
                 dropout_p=dropout_p,
                 sink=self.softmax_offset,
                 window=None if window is None else window[0],
+                cap=getattr(self, "logit_softcap", None),
             )
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 

@@ -83,8 +83,11 @@ def full_keep(
 class _Ctx:
     """What both passes need to score one key block against the query rows that see it."""
 
-    def __init__(self, q5, k, v, keep, causal, scale, p, seed, block, sink=None, window=None):
+    def __init__(
+        self, q5, k, v, keep, causal, scale, p, seed, block, sink=None, window=None, cap=None
+    ):
         self.q5, self.k, self.v, self.keep = q5, k, v, keep
+        self.cap = cap  # soft-capping of the scores, cap * tanh(s / cap) (Gemma 2), or None
         self.causal, self.scale, self.p, self.seed, self.block = causal, scale, p, seed, block
         self.qs = q5 * scale  # the softmax scale folded into q once
         # the sink logit per head as [1, hkv, g, 1] (fp32), or None
@@ -107,6 +110,8 @@ class _Ctx:
         kb = self.k[:, :, ks:ke].unsqueeze(2)
         vb = self.v[:, :, ks:ke].unsqueeze(2)
         s = torch.matmul(self.qs[..., r0:r1, :], kb.transpose(-1, -2)).float()
+        if self.cap:
+            s.div_(self.cap).tanh_().mul_(self.cap)
         if self.keep is not None:
             s.masked_fill_(~self.keep[..., r0:r1, ks:ke], float("-inf"))
         if self.causal:  # only the first rows (r0 = ks) see part of the block
@@ -168,6 +173,9 @@ def _backward(c: _Ctx, out, lse, grad):
     dv = torch.empty(v.shape, device=v.device)
     for ki, ks, ke, r0, r1 in c.blocks():
         s, kb, vb = c.scores(ks, ke, r0, r1)
+        slope = None  # d capped / d raw score = 1 - tanh^2 (0 where masked)
+        if c.cap:
+            slope = torch.where(torch.isinf(s), 0.0, 1.0 - (s / c.cap).square())
         probs = s.sub_(lse[..., r0:r1].unsqueeze(-1)).exp_()
         gb = grad[..., r0:r1, :]
         dprobs = torch.matmul(gb, vb.transpose(-1, -2).float())
@@ -178,6 +186,8 @@ def _backward(c: _Ctx, out, lse, grad):
             dprobs.masked_fill_(drop, 0.0)
         dv[:, :, ks:ke] = _sum_groups(torch.matmul(dropped.transpose(-1, -2), gb))
         ds = probs.mul_(dprobs.sub_(delta[..., r0:r1].unsqueeze(-1)))
+        if slope is not None:
+            ds.mul_(slope)
         dq[..., r0:r1, :] += torch.matmul(ds, kb.float())
         qb = c.qs[..., r0:r1, :].float()
         dk[:, :, ks:ke] = _sum_groups(torch.matmul(ds.transpose(-1, -2), qb))
@@ -195,15 +205,15 @@ class BlockedAttention(torch.autograd.Function):
     """softmax(q k^T * scale + mask) with dropout, @ v; q [b, hq, s, d], k/v [b, hkv, s, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, causal, scale, p, seed, block, sink, window):
+    def forward(ctx, q, k, v, keep, causal, scale, p, seed, block, sink, window, cap):
         b, hq, sq, d = q.shape
         q5 = q.reshape(b, k.shape[1], hq // k.shape[1], sq, d)
         keep5 = None if keep is None else _mask5(keep, q5.shape)
-        c = _Ctx(q5, k, v, keep5, causal, scale, p, seed, block, sink, window)
+        c = _Ctx(q5, k, v, keep5, causal, scale, p, seed, block, sink, window, cap)
         out, lse = _forward(c)
         ctx.save_for_backward(q, k, v, keep, out, lse, sink)
         ctx.args = (causal, scale, p, seed, block)
-        ctx.window = window
+        ctx.window, ctx.cap = window, cap
         return out.view(b, hq, sq, v.shape[-1])
 
     @staticmethod
@@ -212,11 +222,11 @@ class BlockedAttention(torch.autograd.Function):
         q5 = q.reshape(*out.shape[:-1], q.shape[-1])
         keep5 = None if keep is None else _mask5(keep, q5.shape)
         causal, scale, p, seed, block = ctx.args
-        c = _Ctx(q5, k, v, keep5, causal, scale, p, seed, block, sink, ctx.window)
+        c = _Ctx(q5, k, v, keep5, causal, scale, p, seed, block, sink, ctx.window, ctx.cap)
         dq, dk, dv, dsink = _backward(c, out, lse, grad.reshape(out.shape).to(q.dtype))
         dq = dq.view(q.shape).to(q.dtype)
         dsink = None if dsink is None else dsink.to(sink.dtype)
-        return (dq, dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6 + (dsink, None)
+        return (dq, dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6 + (dsink, None, None)
 
 
 def _mask5(keep: torch.Tensor, shape5: torch.Size) -> torch.Tensor:
@@ -242,11 +252,13 @@ def blocked_attention(
     block: int = BLOCK,
     sink: torch.Tensor | None = None,
     window: int | None = None,
+    cap: float | None = None,
 ) -> torch.Tensor:
     """Attention like ``F.scaled_dot_product_attention`` (``keep``: boolean, True = attend),
     computed in blocks; the dropout seed is drawn from the device's current RNG when not given.
     ``sink``: one logit per query head added to each row's softmax denominator (GPT-OSS);
-    ``window``: causal sliding window, a row sees itself and the ``window`` keys before it."""
+    ``window``: causal sliding window, a row sees itself and the ``window`` keys before it;
+    ``cap``: scores soft-capped as ``cap * tanh(s / cap)`` before the mask (Gemma 2)."""
     if window is not None and not causal:
         raise ValueError("blocked attention: a sliding window is causal here (causal=True)")
     if scale is None:
@@ -254,7 +266,7 @@ def blocked_attention(
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), device=q.device))
     return BlockedAttention.apply(
-        q, k, v, keep, causal, scale, dropout_p, seed, block, sink, window
+        q, k, v, keep, causal, scale, dropout_p, seed, block, sink, window, cap
     )
 
 
