@@ -14,10 +14,9 @@ import torch
 from test_convert import _check, _load_hf_tensors
 
 from anyspeed.convert.verify import hf_logits
-from anyspeed.models.hf import hf_config, preset_from_hf
-from anyspeed.models.presets import PRESETS
 from anyspeed.testing import run_distributed
 from helpers import convert_ranks
+from helpers.family_presets import assert_preset_is_transformers, converted_tiny
 
 # Longer than the window (3 keys before the row) so the sliding layers differ from full ones.
 TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -29,27 +28,12 @@ TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(
 def test_presets_have_the_published_parameter_counts(name, total):
     """The published totals, exactly transformers' model of the config, and its config read
     back is the preset."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    preset = PRESETS[name]
-    cfg = hf_config(preset)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    assert preset.num_parameters() == sum(p.numel() for p in model.parameters())
-    assert preset.num_parameters() == pytest.approx(total, rel=1e-3)
-    read = preset_from_hf({**config.to_dict(), "architectures": ["Gemma2ForCausalLM"]}, name)
-    assert read.same_architecture(preset) == []
+    assert_preset_is_transformers(name, total, "Gemma2ForCausalLM", rel=1e-3)
 
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gemma2")
-    convert_ranks.tiny_hf_model(d / "hf", "tiny-gemma2", seed=6)
-    case = {"hf": str(d / "hf"), "torch_dist": str(d / "dist"), "hf_from_dist": str(d / "back")}
-    one = run_distributed(convert_ranks.convert_all, 1, cases={"gemma2": case}, tokens=TOKENS,
-                          cli_case="gemma2", timeout=300)[0]["gemma2"]  # fmt: skip
-    return {"dir": d, "case": case, "ref": hf_logits(d / "hf", TOKENS), "one": one}
+    return converted_tiny(tmp_path_factory.mktemp("gemma2"), "tiny-gemma2", "gemma2", TOKENS, 6)
 
 
 def test_logits_match_transformers(gemma2):

@@ -157,6 +157,8 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
     ArchFlag("output_logit_softcapping", "--output-logit-softcapping", float),
     ArchFlag("query_pre_attn_scalar", "--query-pre-attn-scalar", float),
     ArchFlag("input_embeds_norm", "--input-embeds-norm", None),
+    ArchFlag("rotary_base_local", "--rotary-base-local", float),
+    ArchFlag("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", float),
     ArchFlag("layernorm_zero_centered_gamma", "--apply-layernorm-1p", None),
     ArchFlag("attention_output_gate", "--attention-output-gate", None),
     ArchFlag(

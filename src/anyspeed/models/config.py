@@ -126,6 +126,10 @@ class ModelConfig:
     output_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     input_embeds_norm: bool = False
+    # Gemma 3: the sliding-window layers' own RoPE base (None: --rotary-base), and positions
+    # divided by a factor (transformers' "linear" RoPE; Megatron applies it to --rotary-base's)
+    rotary_base_local: float | None = None
+    rotary_seq_len_interpolation_factor: float | None = None
     # Qwen3-Next: norms as x * (1 + w), a sigmoid gate on each attention head's output, and
     # gated DeltaNet (linear attention) layers between the full-attention ones.
     layernorm_zero_centered_gamma: bool = False

@@ -11,6 +11,9 @@
   output logits (``--output-logit-softcapping``) as a hook on the output layer.
 * **Scaled embeddings** (``--input-embeds-norm``): the embedding's output times sqrt(hidden),
   the factor rounded to the activations' dtype first as transformers does.
+* **A RoPE base of the sliding-window layers' own** (Gemma 3, ``--rotary-base-local``): a
+  second Megatron ``RotaryEmbedding`` whose table a pre-hook hands the windowed layers in place
+  of the model's (same length, so the decode step's slicing holds).
 
 Hooks hold numbers or bound methods only, so a deep copy of the model (a reference model) calls
 its own modules.
@@ -91,8 +94,35 @@ def _scale_embeddings(scale: float, module: Any, args: Any, out: torch.Tensor) -
     return out * torch.tensor(scale, dtype=out.dtype)
 
 
+def _local_rope(rope: Any, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    table = kwargs.get("rotary_pos_emb")
+    if table is not None:
+        kwargs["rotary_pos_emb"] = rope(table.shape[0]).to(table.device)
+    return args, kwargs
+
+
+def _add_local_rope(gpt: Any, model: ModelConfig) -> None:
+    """The windowed layers of ``gpt`` rotate by a RoPE of base ``rotary_base_local``."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(
+        kv_channels=model.head_dim,
+        rotary_percent=model.rotary_percent,
+        rotary_base=model.rotary_base_local,
+        use_cpu_initialization=True,
+    )
+    gpt.local_rotary_pos_emb = rope  # no parameters or buffers: nothing in the state dict
+    windowed = model.window_layers()
+    for layer in gpt.decoder.layers:
+        if windowed[layer.layer_number - 1]:
+            layer.register_forward_pre_hook(functools.partial(_local_rope, rope), with_kwargs=True)
+
+
 def add_gemma_hooks(gpt: Any, model: ModelConfig) -> None:
-    """Soft-capping and the embedding scale on a built ``GPTModel`` (or pipeline chunk)."""
+    """Soft-capping, the embedding scale and the windowed layers' RoPE on a built
+    ``GPTModel`` (or pipeline chunk)."""
+    if model.rotary_base_local is not None and model.rotary_base_local != model.rotary_base:
+        _add_local_rope(gpt, model)
     cap = model.attn_logit_softcapping
     if cap:
         for m in gpt.modules():
@@ -122,3 +152,4 @@ def mark_config(config: Any, model: ModelConfig) -> None:
     config.anyspeed_attn_softcap = model.attn_logit_softcapping
     config.anyspeed_output_softcap = model.output_logit_softcapping
     config.anyspeed_embeds_norm = model.input_embeds_norm
+    config.anyspeed_local_rope = model.rotary_base_local

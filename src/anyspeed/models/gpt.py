@@ -254,6 +254,7 @@ def build(
         rotary_percent=model.rotary_percent,
         rope_scaling=bool(scaling),
         rope_scaling_factor=float(scaling.get("factor", 8.0)),
+        seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
     if model.multi_latent_attention and config.tensor_model_parallel_size > 1:

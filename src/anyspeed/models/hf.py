@@ -56,6 +56,11 @@ def hf_family(config: dict[str, Any]) -> str:
     family = by_arch.get(causal[0]) if archs else config.get("model_type")
     if not isinstance(family, str) or family not in HF_ARCHITECTURES or len(set(causal)) > 1:
         got = ", ".join(archs) or f"model_type {config.get('model_type')!r:.40}"
+        if config.get("model_type") == "gemma3":
+            raise ValueError(
+                f"{got} is Gemma 3's vision-language model: anyspeed takes its text model "
+                "(Gemma3ForCausalLM); save that with transformers first"
+            )
         if config.get("model_type") in VISION_LANGUAGE:
             raise ValueError(
                 f"{got} is a vision-language model: train it with `anyspeed posttrain --stage "
@@ -104,7 +109,7 @@ def preset_from_hf(config: dict[str, Any], name: str | None = None) -> ModelConf
     hidden, heads = _number(config, "hidden_size", int), _number(config, "num_attention_heads", int)
     head_dim = _number(config, "head_dim", int, None)
     explicit = head_dim and (traits.qk_norm or head_dim != hidden // heads)
-    rope = hf_rope_parameters(config, family)  # what transformers reads
+    rope = hf_rope_parameters(config, family, traits.rope_layer_type)  # what transformers reads
     base = _number(rope, "rope_theta", float)
     # the family's hook reads its own rope (YaRN); the rest have plain or llama3 RoPE
     scaling = None if traits.mla or traits.own_rope else _llama3_scaling(rope)

@@ -17,20 +17,33 @@ from typing import Any
 # preset_from_hf's max_position_embeddings when config.json has none.
 DEFAULT_MAX_POSITIONS = 4096
 # transformers' config classes whose default rope_theta is not 10000 (``default_theta``).
-_DEFAULT_THETA = {"gpt_oss": 150000.0, "mixtral": 1000000.0}
+_DEFAULT_THETA: dict[Any, float] = {
+    "gpt_oss": 150000.0,
+    "mixtral": 1000000.0,
+    "gemma3_text": 1000000.0,
+    ("gemma3_text", "sliding_attention"): 10000.0,
+}
+# ... and the top-level key that sets a layer type's (Gemma 3's legacy rope_local_base_freq).
+_THETA_KEY = {("gemma3_text", "sliding_attention"): "rope_local_base_freq"}
 # ... and those that default partial_rotary_factor (Qwen3NextConfig: 0.25, Glm4MoeConfig: 0.5).
 _DEFAULT_PARTIAL = {"qwen3_next": 0.25, "glm4_moe": 0.5}
 # RoPE kinds whose parameters include the pretraining length.
 _SCALED = ("llama3", "yarn", "longrope")
 
 
-def _flat(rope: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+def _flat(rope: dict[str, Any], config: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
     """``rope`` itself, or its one dict when it is nested by layer type (as transformers
-    nests it: keys naming the config's ``layer_types``); ValueError when those differ."""
+    nests it: keys naming the config's ``layer_types``); ValueError when those differ, unless
+    ``layer_type`` picks one (Gemma 3: its own RoPE per kind of layer)."""
     types = config.get("layer_types")
     nested = [k for k in rope if isinstance(types, list) and k in types]
     if not nested:
         return rope
+    if layer_type is not None:
+        picked = rope.get(layer_type)
+        if not isinstance(picked, dict):
+            raise ValueError(f"config.json rope_parameters has no object for {layer_type}")
+        return picked
     kinds = [rope[k] for k in nested if rope[k] is not None]
     if not kinds or any(not isinstance(k, dict) or k != kinds[0] for k in kinds):
         raise ValueError(
@@ -40,17 +53,21 @@ def _flat(rope: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     return kinds[0]
 
 
-def hf_rope_parameters(config: dict[str, Any], family: str) -> dict[str, Any]:
+def hf_rope_parameters(
+    config: dict[str, Any], family: str, layer_type: str | None = None
+) -> dict[str, Any]:
     """The RoPE parameters transformers builds ``family``'s model with from ``config`` (an
     HF ``config.json``): ``rope_type`` (``default`` for plain RoPE), ``rope_theta`` and the
-    kind's own keys; ValueError (one line) when the fields are not objects or numbers."""
+    kind's own keys (of ``layer_type``'s layers where they differ by kind); ValueError (one
+    line) when the fields are not objects or numbers."""
     legacy = config.get("rope_scaling")
     rope = legacy or config.get("rope_parameters") or {}
     if not isinstance(rope, dict) or not isinstance(config.get("rope_parameters") or {}, dict):
         raise ValueError("config.json rope_parameters / rope_scaling is not an object")
-    rope = copy.deepcopy(_flat(rope, config))
-    theta = config.get("rope_theta")
-    rope.setdefault("rope_theta", _DEFAULT_THETA.get(family, 10000.0) if theta is None else theta)
+    rope = copy.deepcopy(_flat(rope, config, layer_type))
+    theta = config.get(_THETA_KEY.get((family, layer_type), "rope_theta"))
+    default = _DEFAULT_THETA.get((family, layer_type), _DEFAULT_THETA.get(family, 10000.0))
+    rope.setdefault("rope_theta", default if theta is None else theta)
     partial = config.get("partial_rotary_factor", _DEFAULT_PARTIAL.get(family))
     if partial is not None:
         rope.setdefault("partial_rotary_factor", partial)

@@ -113,6 +113,8 @@ RANGES: dict[str, Range] = {
     "--output-logit-softcapping": STRICTLY_POSITIVE,  # Gemma 2: 30
     "--query-pre-attn-scalar": STRICTLY_POSITIVE,  # Gemma 2: 256 (27B: 144)
     "--interleave-sliding-window": POSITIVE,  # MindSpeed-LLM's Gemma 2: 4096
+    "--rotary-base-local": STRICTLY_POSITIVE,  # Gemma 3: 10000
+    "--rotary-seq-len-interpolation-factor": STRICTLY_POSITIVE,  # Gemma 3 (4B+): 8
     "--rope-scaling-mscale": STRICTLY_POSITIVE,
     "--rope-scaling-mscale-all-dim": NONNEG,
     "--rope-scaling-original-max-position-embeddings": STRICTLY_POSITIVE,

@@ -52,6 +52,7 @@ _PLAIN = {
     "anyspeed_post_norm": False,
     "anyspeed_attn_softcap": None,
     "anyspeed_output_softcap": None,
+    "anyspeed_local_rope": None,
 }
 
 

@@ -45,23 +45,15 @@ class SDPAttention(DotProductAttention):
             out = self._sinks_or_window(query, key, value, attention_mask, attn_mask_type)
             if out is not None:
                 return out
-        if cap:  # a decode step, ...: Megatron's S x S path, which its softmax's hook caps
+        plain = attention_bias is None and self.softmax_offset is None and window is None
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if plain and not cap and thd:
+            return self._packed(query, key, value, packed_seq_params)
+        if not plain or cap or packed_seq_params is not None:
+            # Features SDPA cannot express exactly (a capped decode step: the softmax's hook
+            # caps Megatron's S x S scores): keep Megatron's path.
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
-            )
-        plain = attention_bias is None and self.softmax_offset is None and window is None
-        if plain and packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return self._packed(query, key, value, packed_seq_params)
-        if not plain or packed_seq_params is not None:
-            # Features SDPA cannot express exactly: keep Megatron's path.
-            return super().forward(
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type,
-                attention_bias,
-                packed_seq_params,
             )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b = query.shape[0], query.shape[1]

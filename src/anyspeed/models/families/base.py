@@ -125,6 +125,9 @@ class Family:
     dense_from_hf: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
     dense_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
     hidden_act: str = "silu"  # the MLP activation config.json names (hidden_act)
+    # the layer type whose RoPE is the model's --rotary-base where config.json nests one per
+    # type (Gemma 3; the family's hook reads the others)
+    rope_layer_type: str | None = None
 
 
 def every_nth_off(flags: list[bool]) -> str:

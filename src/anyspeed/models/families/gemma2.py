@@ -51,12 +51,13 @@ def _cap(config: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+def read_gemma(config: dict[str, Any], num_layers: int, family: str) -> dict[str, Any]:
+    """The ModelConfig fields of Gemma 2's layer (shared with Gemma 3) from an HF config."""
     act = config.get("hidden_activation") or config.get("hidden_act") or ACT
     if act != ACT:
-        raise ValueError(f"gemma2: hidden_activation {act!r} is not supported (only {ACT})")
+        raise ValueError(f"{family}: hidden_activation {act!r} is not supported (only {ACT})")
     if config.get("use_bidirectional_attention"):
-        raise ValueError("gemma2: use_bidirectional_attention is not supported (causal only)")
+        raise ValueError(f"{family}: use_bidirectional_attention is not supported (causal only)")
     window = config.get("sliding_window")
     scalar = config.get("query_pre_attn_scalar")
     if scalar is not None and (isinstance(scalar, bool) or not isinstance(scalar, (int, float))):
@@ -68,20 +69,20 @@ def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         window_size=None if window is None else int_of(config, "sliding_window") - 1,
         window_attn_skip_freq=None
         if window is None
-        else window_skip_freq(config.get("layer_types"), num_layers, "gemma2"),
+        else window_skip_freq(config.get("layer_types"), num_layers, family),
         attn_logit_softcapping=_cap(config, "attn_logit_softcapping"),
         output_logit_softcapping=_cap(config, "final_logit_softcapping"),
         query_pre_attn_scalar=None if scalar is None else float(scalar),
     )
 
 
-def _to_hf(model: ModelConfig) -> dict[str, Any]:
+def write_gemma(model: ModelConfig, family: str) -> dict[str, Any]:
+    """The HF config keys of Gemma 2's layer (shared with Gemma 3) for ``model``."""
     want = ("gelu_tanh", "post_norm", "layernorm_zero_centered_gamma", "input_embeds_norm")
     wrong = [k for k in want if not getattr(model, k)]
-    if wrong or model.add_bias_linear or model.add_qkv_bias or model.qk_layernorm:
-        raise ValueError(
-            f"gemma2: Gemma2ForCausalLM cannot express this model ({wrong or 'biases or QK norm'})"
-        )
+    if wrong or model.add_bias_linear or model.add_qkv_bias:
+        what = wrong or "biases"
+        raise ValueError(f"{family}: its Hugging Face model cannot express this one ({what})")
     scalar = model.query_pre_attn_scalar or model.head_dim
     return {
         "hidden_activation": ACT,
@@ -95,6 +96,16 @@ def _to_hf(model: ModelConfig) -> dict[str, Any]:
         "final_logit_softcapping": model.output_logit_softcapping,
         "attention_bias": False,
     }
+
+
+def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    return read_gemma(config, num_layers, "gemma2")
+
+
+def _to_hf(model: ModelConfig) -> dict[str, Any]:
+    if model.qk_layernorm or model.rotary_base_local not in (None, model.rotary_base):
+        raise ValueError("gemma2: Gemma2ForCausalLM has no QK norm and one RoPE (Gemma 3 has)")
+    return write_gemma(model, "gemma2")
 
 
 MAPPING = LLAMA_MAPPING.extend(
