@@ -7,8 +7,6 @@ contradicts or cannot run is one line."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 from test_moe_flags import check_args
 
@@ -100,19 +98,3 @@ def test_what_contradicts_is_one_line(flags, words):
     with pytest.raises(UsageError) as err:
         check_args(parse_pretrain_args([*BASE, *flags.split(), *RUN]), 2)
     assert words in str(err.value) and "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize(
-    "flags",
-    [{"window_size": 3}, {"softmax_type": "learnable"}, {"attn_logit_softcapping": 50.0}],
-    ids=lambda f: next(iter(f)),
-)
-def test_packed_sequences_refuse_attention_they_cannot_run(flags):
-    """Packed (thd) sequences run through plain causal attention: windows, sinks and
-    soft-capped scores are one line before start, not Megatron's assertion in the ranks."""
-    from anyspeed.stages.common.rl.packing import check_packed_attention
-
-    args = argparse.Namespace(optimization_level=2, experimental_attention_variant=None, **flags)
-    with pytest.raises(UsageError, match="--use-remove-padding with --") as err:
-        check_packed_attention(args)
-    assert "\n" not in str(err.value)

@@ -39,6 +39,8 @@ MODEL_TYPE_HF = {
     "gpt-oss": "gpt_oss",
     "gpt_oss": "gpt_oss",
     "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "gemma3_text": "gemma3_text",
 }
 
 # What every supported HF family is: Megatron-LM argument -> the value it must have.

@@ -47,7 +47,8 @@ class SDPAttention(DotProductAttention):
                 return out
         plain = attention_bias is None and self.softmax_offset is None and window is None
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if plain and not cap and thd:
+        causal_window = window is None or window[1] == 0
+        if thd and attention_bias is None and causal_window:
             return self._packed(query, key, value, packed_seq_params)
         if not plain or cap or packed_seq_params is not None:
             # Features SDPA cannot express exactly (a capped decode step: the softmax's hook
@@ -137,11 +138,17 @@ class SDPAttention(DotProductAttention):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params
     ) -> torch.Tensor:
         """Packed (``thd``) sequences [t, heads, d]: causal SDPA within each cu_seqlens
-        segment, so no token attends across a sample boundary and no [t, t] mask exists."""
+        segment, so no token attends across a sample boundary and no [t, t] mask exists.
+        Sinks, a window or soft-capped scores (GPT-OSS, Gemma): the blocked kernel per
+        segment, the window counted from each segment's own start."""
         cu = params.cu_seqlens_q_padded
         bounds = (cu if cu is not None else params.cu_seqlens_q).tolist()
         dropout_p = self.attention_dropout.p if self.training else 0.0
         gqa = query.shape[1] != key.shape[1]
+        window = self.scale_mask_softmax.window_size
+        keys_before = None if window is None else window[0]
+        cap, sink = getattr(self, "logit_softcap", None), self.softmax_offset
+        blocked = sink is not None or keys_before is not None or cap is not None
         parts = []
         fork = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
@@ -150,10 +157,19 @@ class SDPAttention(DotProductAttention):
                     continue
                 # [len, heads, d] -> [1, heads, len, d]
                 q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                if dropout_p > 0 and not fused_has_dropout(q.device):
+                if blocked or (dropout_p > 0 and not fused_has_dropout(q.device)):
                     # as the padded path: blocked attention, not the S x S math kernel
                     out = blocked_attention(
-                        q, k, v, None, causal=True, scale=self.softmax_scale, dropout_p=dropout_p
+                        q,
+                        k,
+                        v,
+                        None,
+                        causal=True,
+                        scale=self.softmax_scale,
+                        dropout_p=dropout_p,
+                        sink=sink,
+                        window=keys_before,
+                        cap=cap,
                     )
                 else:
                     out = F.scaled_dot_product_attention(

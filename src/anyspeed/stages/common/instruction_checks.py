@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 from anyspeed.errors import UsageError
-from anyspeed.stages.common.rl.packing import unpackable_attention
 
 
 def check_lengths(args: argparse.Namespace, prefix: str, seen: Any, what: str) -> None:
@@ -78,12 +77,6 @@ def check_layout(
         raise UsageError(
             "--neat-pack/--reset-attention-mask with gated DeltaNet layers (Qwen3-Next): the "
             "recurrence does not restart at sample boundaries; preprocess without --pack"
-        )
-    special = unpackable_attention(args)
-    if special:
-        raise UsageError(
-            f"packed instruction data with {special}: packed samples attend through plain "
-            "causal attention only; preprocess without --pack"
         )
     if args.context_parallel_size > 1:
         raise UsageError(

@@ -124,30 +124,12 @@ def check_packed_attention(args: argparse.Namespace) -> None:
             "--use-remove-padding needs the flash-attention feature (attention within each "
             "packed sequence): use --optimization-level 1 or higher"
         )
-    special = unpackable_attention(args)
-    if special:
-        raise UsageError(
-            f"--use-remove-padding with {special}: packed sequences attend through plain "
-            "causal attention only; drop --use-remove-padding"
-        )
     if getattr(args, "experimental_attention_variant", None):
         raise UsageError(
             f"--use-remove-padding with --experimental-attention-variant "
             f"{args.experimental_attention_variant}: its layers do not restart at sequence "
             "boundaries; drop --use-remove-padding"
         )
-
-
-def unpackable_attention(args: argparse.Namespace) -> str | None:
-    """The flag of an attention that packed (``thd``) sequences cannot run — sliding windows,
-    sinks, soft-capped scores: the packed core is plain causal attention — or None."""
-    if getattr(args, "window_size", None) is not None:
-        return "--window-size (sliding-window attention)"
-    if getattr(args, "softmax_type", None) not in (None, "vanilla"):
-        return f"--softmax-type {args.softmax_type} (attention sinks)"
-    if getattr(args, "attn_logit_softcapping", None):
-        return "--attn-logit-softcapping"
-    return None
 
 
 def split(lengths: list[int], budget: int, at_least: int = 1) -> list[list[int]]:
