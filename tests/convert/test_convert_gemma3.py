@@ -16,6 +16,7 @@ import torch
 from test_convert import _check, _load_hf_tensors
 
 from anyspeed.convert.verify import hf_logits
+from anyspeed.models.presets import PRESETS
 from anyspeed.testing import run_distributed
 from helpers import convert_ranks
 from helpers.family_presets import assert_preset_is_transformers, converted_tiny
@@ -85,3 +86,42 @@ def test_the_vision_language_checkpoint_is_one_line():
     with pytest.raises(ValueError, match="Gemma 3's vision-language model") as err:
         hf_family({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})
     assert "\n" not in str(err.value)
+
+
+def _legacy(preset: str, **keys) -> dict:
+    """``preset``'s HF config in the older form Google's published config.json files have:
+    no ``layer_types`` or nested ``rope_parameters``, top-level RoPE keys instead."""
+    from anyspeed.models.hf import hf_config
+
+    cfg = hf_config(PRESETS[preset])
+    for k in ("layer_types", "rope_parameters"):
+        cfg.pop(k, None)
+    return {**cfg, **keys}
+
+
+@pytest.mark.parametrize(
+    "preset,keys",
+    [
+        ("gemma3-4b", dict(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+                           rope_scaling={"rope_type": "linear", "factor": 8.0})),
+        ("gemma3-1b", dict(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+                           rope_scaling=None)),
+        ("gemma2-9b", dict(rope_theta=10000.0)),
+    ],
+)  # fmt: skip
+def test_older_config_files_read_as_transformers_reads_them(preset, keys):
+    """The legacy keys (``rope_scaling`` of the full layers only, ``rope_local_base_freq``, a
+    ``sliding_window_pattern`` for ``layer_types``) give the model transformers builds from the
+    same file, and the preset."""
+    from transformers import AutoConfig
+
+    from anyspeed.models.hf import preset_from_hf
+
+    legacy = _legacy(preset, **keys)
+    arch = PRESETS[preset].family.replace("_text", "")
+    arch = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}[arch]
+    ours = preset_from_hf({**legacy, "architectures": [arch]}, preset)
+    theirs = AutoConfig.for_model(legacy["model_type"], **{k: v for k, v in legacy.items()
+                                                           if k != "model_type"})  # fmt: skip
+    read = preset_from_hf({**theirs.to_dict(), "architectures": [arch]}, preset)
+    assert ours.same_architecture(read) == [] and ours.same_architecture(PRESETS[preset]) == []

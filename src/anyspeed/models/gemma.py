@@ -7,16 +7,18 @@
   names) applied by forward hooks on ``self_attention`` and ``mlp``, so every path through the
   layer (recompute, chunked prefill, MoE) normalises the same tensor.
 * **Soft-capping** ``c * tanh(x / c)``: of the attention scores (``--attn-logit-softcapping``)
-  before the mask and the softmax, as a pre-hook on the core's ``scale_mask_softmax``; of the
-  output logits (``--output-logit-softcapping``) as a hook on the output layer.
+  before the mask and the softmax — the core is marked (``logit_softcap``) for anyspeed's
+  blocked kernel, and a pre-hook on its ``scale_mask_softmax`` caps Megatron's S x S path
+  (level 0, a decode step); of the output logits (``--output-logit-softcapping``) as a hook on
+  the output layer.
 * **Scaled embeddings** (``--input-embeds-norm``): the embedding's output times sqrt(hidden),
   the factor rounded to the activations' dtype first as transformers does.
 * **A RoPE base of the sliding-window layers' own** (Gemma 3, ``--rotary-base-local``): a
   second Megatron ``RotaryEmbedding`` whose table a pre-hook hands the windowed layers in place
   of the model's (same length, so the decode step's slicing holds).
 
-Hooks hold numbers or bound methods only, so a deep copy of the model (a reference model) calls
-its own modules.
+Hooks hold numbers, bound methods or the model's own child modules, so a deep copy of the model
+(a reference model) calls its own copies.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def add_gemma_hooks(gpt: Any, model: ModelConfig) -> None:
     if cap:
         for m in gpt.modules():
             if hasattr(m, "scale_mask_softmax") and hasattr(m, "softmax_scale"):
-                m.logit_softcap = cap  # the SDPA core keeps Megatron's path for these
+                m.logit_softcap = cap  # read by the blocked kernel's dispatch (ops/attention.py)
                 m.scale_mask_softmax.register_forward_pre_hook(functools.partial(_cap_scores, cap))
     head = getattr(gpt, "output_layer", None)
     if model.output_logit_softcapping and gpt.post_process and head is not None:

@@ -25,6 +25,8 @@ _DEFAULT_THETA: dict[Any, float] = {
 }
 # ... and the top-level key that sets a layer type's (Gemma 3's legacy rope_local_base_freq).
 _THETA_KEY = {("gemma3_text", "sliding_attention"): "rope_local_base_freq"}
+# The one layer type a legacy rope_scaling applies to, where each has its own RoPE.
+_LEGACY_LAYER_TYPE = {"gemma3_text": "full_attention"}
 # ... and those that default partial_rotary_factor (Qwen3NextConfig: 0.25, Glm4MoeConfig: 0.5).
 _DEFAULT_PARTIAL = {"qwen3_next": 0.25, "glm4_moe": 0.5}
 # RoPE kinds whose parameters include the pretraining length.
@@ -61,6 +63,8 @@ def hf_rope_parameters(
     kind's own keys (of ``layer_type``'s layers where they differ by kind); ValueError (one
     line) when the fields are not objects or numbers."""
     legacy = config.get("rope_scaling")
+    if legacy and layer_type not in (None, _LEGACY_LAYER_TYPE.get(family, layer_type)):
+        legacy = None  # Gemma 3's legacy rope_scaling is its full-attention layers' only
     rope = legacy or config.get("rope_parameters") or {}
     if not isinstance(rope, dict) or not isinstance(config.get("rope_parameters") or {}, dict):
         raise ValueError("config.json rope_parameters / rope_scaling is not an object")

@@ -51,8 +51,12 @@ def _cap(config: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def read_gemma(config: dict[str, Any], num_layers: int, family: str) -> dict[str, Any]:
-    """The ModelConfig fields of Gemma 2's layer (shared with Gemma 3) from an HF config."""
+def read_gemma(
+    config: dict[str, Any], num_layers: int, family: str, pattern: int = 2
+) -> dict[str, Any]:
+    """The ModelConfig fields of Gemma 2's layer (shared with Gemma 3) from an HF config;
+    without ``layer_types`` (configs older than transformers' field) every ``pattern``-th
+    layer is full attention, as transformers reads them."""
     act = config.get("hidden_activation") or config.get("hidden_act") or ACT
     if act != ACT:
         raise ValueError(f"{family}: hidden_activation {act!r} is not supported (only {ACT})")
@@ -63,13 +67,17 @@ def read_gemma(config: dict[str, Any], num_layers: int, family: str) -> dict[str
     if scalar is not None and (isinstance(scalar, bool) or not isinstance(scalar, (int, float))):
         raise ValueError(f"config.json query_pre_attn_scalar is {scalar!r:.40}, not a number")
     traits = {k: v for k, v in _TRAITS.items() if k != "kv_channels"}
+    types = config.get("layer_types")
+    if types is None:
+        full = [(i + 1) % pattern == 0 for i in range(num_layers)]
+        types = ["full_attention" if f else "sliding_attention" for f in full]
     return dict(
         traits,
         tie_embeddings=bool(config.get("tie_word_embeddings", True)),
         window_size=None if window is None else int_of(config, "sliding_window") - 1,
         window_attn_skip_freq=None
         if window is None
-        else window_skip_freq(config.get("layer_types"), num_layers, family),
+        else window_skip_freq(types, num_layers, family),
         attn_logit_softcapping=_cap(config, "attn_logit_softcapping"),
         output_logit_softcapping=_cap(config, "final_logit_softcapping"),
         query_pre_attn_scalar=None if scalar is None else float(scalar),

@@ -59,7 +59,10 @@ def _rope(config: dict[str, Any], layer_type: str) -> dict[str, Any]:
 
 
 def _from_hf(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    out = gemma2.read_gemma(config, num_layers, "gemma3_text")
+    pattern = config.get("sliding_window_pattern", 6)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ValueError(f"config.json sliding_window_pattern is {pattern!r:.40}, not a number")
+    out = gemma2.read_gemma(config, num_layers, "gemma3_text", pattern)
     full, local = _rope(config, FULL), _rope(config, SLIDING)
     factor = float(full["factor"]) if full["rope_type"] == "linear" else None
     return dict(
