@@ -49,6 +49,8 @@ EXTRA_CASES = {  # run with CASES in the same process group (CI time), not recom
     # logits, zero-centred norms
     "gemma2": dict(model=dataclasses.asdict(get_preset("tiny-gemma2"))),
     "gemma2-bf16": dict(model=dataclasses.asdict(get_preset("tiny-gemma2")), bf16=True),
+    # a sliding window on the first of two layers (GPT-OSS's blocked attention, without sinks)
+    "window": dict(model=dict(MODEL, window_size=3, window_attn_skip_freq="2")),
 }
 FP8 = dict(argv=["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
            fp8=dict(recipe="tensorwise"))  # fmt: skip
