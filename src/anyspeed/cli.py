@@ -65,8 +65,9 @@ def _models(argv: Sequence[str]) -> int:
             "anyspeed models",
             UsageError(f"unrecognized arguments: {' '.join(argv)} (it takes no flags)"),
         )
+    width = max(len(p.family) for p in PRESETS.values())
     for name, p in PRESETS.items():
-        print(f"{name:<16} {p.family:<8} {p.num_parameters() / 1e6:>10,.1f}M params")
+        print(f"{name:<16} {p.family:<{width}} {p.num_parameters() / 1e6:>10,.1f}M params")
     return 0
 
 
