@@ -154,3 +154,11 @@ def test_packed_weights_give_the_same_logits(tp: int) -> None:
                 assert torch.equal(a.argmax(-1), b.argmax(-1)), name
             # the updates changed the logits (so a stale packed copy would show)
             assert (changed[-1] - got[-1]).abs().max() > 1e-3, name
+
+
+def test_a_hook_on_the_output_layer_keeps_megatrons_forward() -> None:
+    """The step computes the logits from the output layer's weight: Gemma's logit soft-cap (a
+    hook on that layer) sends decoding through Megatron's forward; the embedding scale (a hook
+    the step calls through the module) does not."""
+    got = run_distributed(decode_ranks.plans_with_hooks, 1, timeout=300)[0]
+    assert got == {"plain": True, "capped-logits": False, "scaled-embeddings": True}

@@ -242,3 +242,23 @@ def packed_vs_plain(tp: int, steps: int) -> dict:
             changed_plain = _steps(model, True, steps, fed)[0]
         out[name] = (kind, got, plain, changed, changed_plain, packs is not None, rollout)
     return out
+
+
+def plans_with_hooks() -> dict:
+    """Whether the decode step takes a plain model, the same with soft-capped logits (a hook
+    on the output layer it would bypass) and with scaled embeddings (a hook it calls)."""
+    from anyspeed.distributed.groups import init_distributed
+    from anyspeed.features.inference.decode_step import plan_of
+    from anyspeed.layout import Layout
+    from anyspeed.models import gpt
+    from anyspeed.models.config import ModelConfig
+
+    init_distributed(Layout(), seed=0)
+    out = {}
+    for name, extra in {"plain": {}, "capped-logits": {"output_logit_softcapping": 30.0},
+                        "scaled-embeddings": {"input_embeds_norm": True}}.items():  # fmt: skip
+        cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                          vocab_size=256, **extra)  # fmt: skip
+        model = gpt.build(cfg, gpt.transformer_config(cfg)).eval()
+        out[name] = plan_of(model) is not None
+    return out

@@ -145,13 +145,3 @@ def gemma_config(model: ModelConfig) -> dict[str, Any]:
     if model.query_pre_attn_scalar is None:
         return {}
     return {"softmax_scale": model.query_pre_attn_scalar**-0.5}
-
-
-def mark_config(config: Any, model: ModelConfig) -> None:
-    """Gemma 2's traits as attributes of the ``TransformerConfig``, for code that runs the
-    layer's math itself (the decode step) to see them."""
-    config.anyspeed_post_norm = model.post_norm
-    config.anyspeed_attn_softcap = model.attn_logit_softcapping
-    config.anyspeed_output_softcap = model.output_logit_softcapping
-    config.anyspeed_embeds_norm = model.input_embeds_norm
-    config.anyspeed_local_rope = model.rotary_base_local

@@ -21,7 +21,6 @@ from anyspeed.models.gemma import (
     add_gemma_hooks,
     gelu_tanh,
     gemma_config,
-    mark_config,
     with_post_norms,
 )
 from anyspeed.models.hybrid import linear_attention_config, with_linear_attention
@@ -117,11 +116,9 @@ def transformer_config(
         kw.update(mla_config(model), **dsa_config(model))
         mla_cfg = MLATransformerConfig(**kw)
         _mark_placement(mla_cfg, model, layout)
-        mark_config(mla_cfg, model)
         return mla_cfg
     config = TransformerConfig(**kw)
     _mark_placement(config, model, layout)
-    mark_config(config, model)
     if model.position_embedding_type == "yarn":
         _set_yarn(config, model)
     return config

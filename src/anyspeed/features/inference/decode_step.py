@@ -48,11 +48,6 @@ _PLAIN = {
     "use_te_activation_func": False,
     "context_parallel_size": 1,
     "inference_fuse_tp_communication": False,
-    # Gemma 2's traits (models/gemma.py): hooks this step does not run
-    "anyspeed_post_norm": False,
-    "anyspeed_attn_softcap": None,
-    "anyspeed_output_softcap": None,
-    "anyspeed_local_rope": None,
 }
 
 
@@ -146,8 +141,11 @@ def _build(model: Any) -> _Plan | None:
         return None
     if any(getattr(config, k, v) != v for k, v in _PLAIN.items()):
         return None
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.decoder.modules()):
-        return None  # e.g. LoRA adapters: their hooks run only through the modules' own call
+    head = list(model.output_layer.modules()) if model.post_process else []
+    if any(m._forward_hooks or m._forward_pre_hooks for m in [*model.decoder.modules(), *head]):
+        # e.g. LoRA adapters, Gemma's sandwich norms and soft-caps (models/gemma.py): hooks
+        # run only through the modules' own call, which this step bypasses
+        return None
     layers = [_layer(layer) for layer in model.decoder.layers]
     if not layers or any(x is None for x in layers):
         return None
