@@ -1,11 +1,14 @@
 """Helpers for command lines held as lists of strings (before or instead of argparse).
 
 Used where a command line is edited rather than parsed: a preset's flags merged under the
-user's (explicit flags win), and ``--load <HF dir>`` rewritten to the converted checkpoint.
+user's (explicit flags win), and ``--load <HF dir>`` rewritten to the converted checkpoint;
+and :func:`factor_list`, the argparse type of a comma-separated list of numbers (shared by the
+architecture flags and the MindSpeed-LLM spelling features).
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 
 
@@ -85,3 +88,15 @@ def merge_flags(defaults: Sequence[str], argv: Sequence[str]) -> list[str]:
             kept += defaults[j:end]
         j = end
     return kept + list(argv)
+
+
+def factor_list(text: str) -> tuple[float, ...]:
+    """``--long-factor`` / ``--short-factor``: MindSpeed-LLM's comma-separated numbers (one per
+    rotary frequency), read as a tuple."""
+    try:
+        values = tuple(float(p) for p in text.replace(" ", "").strip("[]()").split(",") if p)
+    except ValueError:
+        values = ()
+    if not values:
+        raise argparse.ArgumentTypeError(f"cannot read {text[:40]!r} (e.g. '1.0,1.02,1.05')")
+    return values

@@ -49,6 +49,8 @@ EXTRA_CASES = {  # run with CASES in the same process group (CI time), not recom
     # logits, zero-centred norms
     "gemma2": dict(model=dataclasses.asdict(get_preset("tiny-gemma2"))),
     "gemma2-bf16": dict(model=dataclasses.asdict(get_preset("tiny-gemma2")), bf16=True),
+    # LongRoPE (unfused RoPE: its attention factor), RoPE on 3/4 of each head, a window
+    "phi3": dict(model=dataclasses.asdict(get_preset("tiny-phi3"))),
     # a sliding window on the first of two layers (GPT-OSS's blocked attention, without sinks)
     "window": dict(model=dict(MODEL, window_size=3, window_attn_skip_freq="2")),
 }

@@ -149,11 +149,11 @@ def test_latent_attention_and_delta_nets(one_process, name):
     assert est.activations_per_microbatch == pytest.approx(got, rel=1e-2)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma2-bf16", "window"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma2-bf16", "window", "phi3"])
 def test_gemma2_sandwich_norms_and_capped_scores(one_process, name):
     """Gemma 2's capped scores and a window alone through the blocked kernel, sandwich norms,
     tanh GeGLU and capped logits: tensor by tensor in fp32, within 0.2% in bf16 (1.7 KB of
-    1.38 MB)."""
+    1.38 MB); Phi-3's LongRoPE (unfused, scaled cos and sin) on part of each head."""
     case = EXTRA_CASES[name]
     cfg = dict(CFG, bf16=case.get("bf16", False))
     exact = not case.get("bf16")

@@ -8,7 +8,7 @@ contradicts or cannot run is one line."""
 from __future__ import annotations
 
 import pytest
-from test_moe_flags import check_args
+from test_moe_flags import assert_rewritten_once, check_args
 
 from anyspeed.errors import UsageError
 from anyspeed.stages.arguments import parse_pretrain_args
@@ -51,15 +51,7 @@ def test_the_script_spelling_builds_transformers_gemma2():
 
 
 def test_the_spelling_is_rewritten_once():
-    """The checks run in the launcher and again on the same namespace."""
-    from anyspeed import features
-    from anyspeed.device import detect
-
-    args = parse_pretrain_args([*SCRIPT, *RUN])
-    check_args(args, 1)
-    before = dict(vars(args))
-    features.validate(args, detect())
-    assert dict(vars(args)) == before
+    assert_rewritten_once([*SCRIPT, *RUN])
 
 
 def test_the_gemma_template_renders_as_mindspeed_llm_defines_it():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_flags import check_args
+from test_moe_flags import assert_rewritten_once, check_args
 
 from anyspeed.errors import UsageError
 from anyspeed.stages.arguments import parse_pretrain_args
@@ -64,16 +64,7 @@ def test_the_recipe_spelling_builds_transformers_qwen3_next():
 
 
 def test_the_spelling_is_rewritten_once():
-    """The checks run in the launcher and again on the same namespace: the second pass reads
-    Megatron's flags only and changes nothing."""
-    from anyspeed import features
-    from anyspeed.device import detect
-
-    args = parse_pretrain_args([*RECIPE, *RUN])
-    check_args(args, 1)
-    before = dict(vars(args))
-    features.validate(args, detect())
-    assert dict(vars(args)) == before
+    assert_rewritten_once([*RECIPE, *RUN])
 
 
 def test_renormalised_pre_softmax_top_k_is_megatrons_softmax_after_top_k():

@@ -18,6 +18,19 @@ def check_args(args, world: int):
     return check(args, world, gpt_data_prefixes(args), tok)
 
 
+def assert_rewritten_once(argv: list[str]) -> None:
+    """The checks run in the launcher and again on the same namespace: the second pass (which
+    reads Megatron's flags only) changes nothing."""
+    from anyspeed import features
+    from anyspeed.device import detect
+
+    args = parse_pretrain_args(argv)
+    check_args(args, 1)
+    before = dict(vars(args))
+    features.validate(args, detect())
+    assert dict(vars(args)) == before
+
+
 RUN = ("--model tiny-qwen2.5 --mock-data --vocab-size 512 --seq-length 64 --train-iters 2 "
        "--lr 1e-3 --global-batch-size 8 --micro-batch-size 2 --num-experts 4 "
        "--moe-ffn-hidden-size 32").split()  # fmt: skip

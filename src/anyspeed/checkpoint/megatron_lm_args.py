@@ -41,6 +41,9 @@ MODEL_TYPE_HF = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "gemma3_text": "gemma3_text",
+    "phi3": "phi3",
+    "phi3.5": "phi3",
+    "phi4": "phi3",
 }
 
 # What every supported HF family is: Megatron-LM argument -> the value it must have.

@@ -43,10 +43,21 @@ def part_rows(f: Fused, rows: int, preset: ModelConfig) -> list[list[tuple[int, 
         return PERMUTED[f.kind](preset)
     if f.kind != "qkv":
         return [[(0, rows // 2)], [(rows // 2, rows)]]
+    return _qkv_rows(preset)
+
+
+def _qkv_rows(preset: ModelConfig) -> list[list[tuple[int, int]]]:
+    """The query, key and value rows of Megatron's ``linear_qkv``, group by group."""
     ng, per, d = _qkv_dims(preset)
     step = (per + 2) * d
     bounds = [(0, per * d), (per * d, (per + 1) * d), ((per + 1) * d, step)]
     return [[(g * step + a, g * step + b) for g in range(ng)] for a, b in bounds]
+
+
+def _packed_qkv_rows(preset: ModelConfig) -> list[list[tuple[int, int]]]:
+    """Phi-3's ``qkv_proj``: one HF tensor of all queries, then all keys, then all values."""
+    q, k, v = _qkv_rows(preset)
+    return [q + k + v]
 
 
 def _gated_qkv_rows(preset: ModelConfig) -> list[list[tuple[int, int]]]:
@@ -93,6 +104,7 @@ def _delta_in_flat_rows(preset: ModelConfig) -> list[list[tuple[int, int]]]:
 
 # Fusions whose parts interleave in Megatron's tensor: each part's rows, range by range.
 PERMUTED = {
+    "qkv_packed": _packed_qkv_rows,
     "qgkv": _gated_qkv_rows,
     "delta_in": _delta_in_rows,
     "delta_in_flat": _delta_in_flat_rows,

@@ -8,6 +8,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from anyspeed.argv import factor_list
+
 
 def window_type(text: str) -> int:
     """``--window-size``: Megatron-LM's ``(left,right)`` pair or one number, read as the keys
@@ -63,6 +65,8 @@ class ArchFlag:
             return []
         if self.many:
             return [self.flag, *(str(v) for v in value)]
+        if self.type is factor_list:
+            return [self.flag, ",".join(repr(float(v)) for v in value)]
         if self.type is int or self.type is window_type:
             value = int(value)
         return [self.flag, str(value)]
@@ -159,6 +163,13 @@ ARCH_FLAGS: tuple[ArchFlag, ...] = (
     ArchFlag("input_embeds_norm", "--input-embeds-norm", None),
     ArchFlag("rotary_base_local", "--rotary-base-local", float),
     ArchFlag("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", float),
+    ArchFlag("longrope_short_factor", "--short-factor", factor_list),
+    ArchFlag("longrope_long_factor", "--long-factor", factor_list),
+    ArchFlag(
+        "longrope_original_max_position_embeddings",
+        "--rope-scaling-original-max-position-embeddings",
+        int,
+    ),
     ArchFlag("layernorm_zero_centered_gamma", "--apply-layernorm-1p", None),
     ArchFlag("attention_output_gate", "--attention-output-gate", None),
     ArchFlag(

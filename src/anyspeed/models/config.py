@@ -18,6 +18,7 @@ from typing import Any
 
 from anyspeed.models import counts
 from anyspeed.models.arch_flags import ARCH_FLAGS, ArchFlag, add_arguments  # noqa: F401
+from anyspeed.models.longrope import check_longrope
 from anyspeed.models.mla_checks import check_mla
 from anyspeed.models.moe import check_moe
 from anyspeed.models.patterns import layer_pattern
@@ -130,6 +131,12 @@ class ModelConfig:
     # divided by a factor (transformers' "linear" RoPE; Megatron applies it to --rotary-base's)
     rotary_base_local: float | None = None
     rotary_seq_len_interpolation_factor: float | None = None
+    # LongRoPE (Phi-3.5, Phi-4-mini): each rotary frequency divided by its own factor, the short
+    # set while a sequence fits the pretraining length, the long set beyond it; cos and sin
+    # scaled by sqrt(1 + ln(max / original) / ln(original)), as transformers' "longrope".
+    longrope_short_factor: tuple[float, ...] | None = None
+    longrope_long_factor: tuple[float, ...] | None = None
+    longrope_original_max_position_embeddings: int | None = None
     # Qwen3-Next: norms as x * (1 + w), a sigmoid gate on each attention head's output, and
     # gated DeltaNet (linear attention) layers between the full-attention ones.
     layernorm_zero_centered_gamma: bool = False
@@ -262,6 +269,12 @@ class ModelConfig:
                 "--linear-num-value-heads must be a multiple of --linear-num-key-heads"
             )
         self.linear_attention_layers()
+        check_longrope(self)
+
+    @property
+    def longrope(self) -> bool:
+        """LongRoPE's frequency factors are set (``--rope-scaling-type longrope``)."""
+        return self.longrope_long_factor is not None
 
     @property
     def gqa(self) -> bool:
@@ -323,6 +336,8 @@ class ModelConfig:
             out += ["--group-query-attention"]
         if self.rope_scaling:
             out += ["--use-rope-scaling", "--rope-scaling-factor", str(self.rope_scaling["factor"])]
+        if self.longrope:
+            out += ["--rope-scaling-type", "longrope"]
         return out
 
     def num_parameters(self) -> int:

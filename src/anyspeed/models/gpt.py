@@ -24,6 +24,7 @@ from anyspeed.models.gemma import (
     with_post_norms,
 )
 from anyspeed.models.hybrid import linear_attention_config, with_linear_attention
+from anyspeed.models.longrope import long_rotary_embedding, set_longrope
 from anyspeed.models.mla import duplicate_kv_down_proj, mla_config, use_latent_core
 
 # Megatron config defaults that assume CUDA kernels (apex / TE / torch.compile fusions), off so
@@ -121,6 +122,8 @@ def transformer_config(
     _mark_placement(config, model, layout)
     if model.position_embedding_type == "yarn":
         _set_yarn(config, model)
+    if model.longrope:
+        set_longrope(config, model)
     return config
 
 
@@ -257,6 +260,8 @@ def build(
     if model.multi_latent_attention and config.tensor_model_parallel_size > 1:
         duplicate_kv_down_proj(gpt)
     add_gemma_hooks(gpt, model)
+    if model.longrope and getattr(gpt, "rotary_pos_emb", None) is not None:
+        gpt.rotary_pos_emb = long_rotary_embedding(model)
     return gpt
 
 

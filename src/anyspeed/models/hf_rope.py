@@ -5,8 +5,9 @@ transformers (``PreTrainedConfig`` -> ``convert_rope_params_to_dict`` and
 ``rope_parameters`` -- the two are never merged -- then fills in what the dict leaves out: the
 top-level ``rope_theta`` (else the class default), ``partial_rotary_factor`` (the dict's own
 value wins), ``rope_type`` from the legacy ``type`` (else ``default``), and for the scaled kinds
-``original_max_position_embeddings`` from ``max_position_embeddings``. Every family reads its
-RoPE through :func:`hf_rope_parameters`, so anyspeed converts the model transformers builds.
+``original_max_position_embeddings`` from the top-level key (else ``max_position_embeddings``).
+Every family reads its RoPE through :func:`hf_rope_parameters`, so anyspeed converts the model
+transformers builds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ _LEGACY_LAYER_TYPE = {"gemma3_text": "full_attention"}
 _DEFAULT_PARTIAL = {"qwen3_next": 0.25, "glm4_moe": 0.5}
 # RoPE kinds whose parameters include the pretraining length.
 _SCALED = ("llama3", "yarn", "longrope")
+# ... which a top-level original_max_position_embeddings overrides (transformers: the config's
+# attribute wins; Phi3Config's defaults to 4096).
+_DEFAULT_ORIGINAL = {"phi3": 4096}
 
 
 def _flat(rope: dict[str, Any], config: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
@@ -76,9 +80,12 @@ def hf_rope_parameters(
     if partial is not None:
         rope.setdefault("partial_rotary_factor", partial)
     rope.setdefault("rope_type", rope.get("type", "default"))
-    if rope["rope_type"] in _SCALED:
+    if rope["rope_type"] in _SCALED or (family == "phi3" and rope["rope_type"] in ("su", "yarn")):
         positions = config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS
         rope.setdefault("original_max_position_embeddings", positions)
+        top = config.get("original_max_position_embeddings", _DEFAULT_ORIGINAL.get(family))
+        if top is not None:
+            rope["original_max_position_embeddings"] = top
     for key in ("rope_theta", "partial_rotary_factor", "factor"):
         value = rope.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):

@@ -48,12 +48,14 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
 
 def infer_family(values: dict[str, Any]) -> str:
     """The HF family closest to a flag-described model: the attention variant (gated DeltaNet
-    layers: Qwen3-Next; sparse attention: DeepSeek-V3.2), sandwich norms (Gemma 2), attention
+    layers: Qwen3-Next; sparse attention: DeepSeek-V3.2), sandwich norms (Gemma 2), LongRoPE
+    (Phi-3), attention
     sinks (GPT-OSS), multi-latent
     attention and experts first (a Qwen3 with experts is a Qwen3-MoE), then QK norm, then QKV
     bias."""
     bias, norm = bool(values.get("add_qkv_bias")), bool(values.get("qk_layernorm"))
     post_norm = bool(values.get("post_norm"))
+    longrope = values.get("longrope_long_factor") is not None
     sinks = values.get("softmax_type", "vanilla") != "vanilla"
     variant = values.get("experimental_attention_variant")
     mla, moe = bool(values.get("multi_latent_attention")), bool(values.get("num_experts"))
@@ -65,6 +67,7 @@ def infer_family(values: dict[str, Any]) -> str:
         return (
             variant not in variants,
             any(p.post_norm for p in f.presets) != post_norm,
+            any(p.longrope for p in f.presets) != longrope,
             family_sinks != sinks,
             bool(f.mla) != mla,
             family_moe != moe,

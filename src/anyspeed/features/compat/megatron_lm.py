@@ -25,6 +25,7 @@ from anyspeed.device import DeviceInfo
 from anyspeed.errors import UsageError, report
 from anyspeed.features.base import Feature, FeatureError
 from anyspeed.features.compat import megatron_lm_steps as steps
+from anyspeed.features.compat.rope_scaling_flags import refuse_longrope_in_megatron_lm
 from anyspeed.features.pipeline.feature import refuse_in_megatron_lm
 from anyspeed.patching import PatchManager
 
@@ -74,6 +75,7 @@ class MegatronLMArgs(Feature):
                     raise RuntimeError("megatron-lm-args: the adaptor did not hand in apply_args")
                 try:
                     refuse_in_megatron_lm(args)
+                    refuse_longrope_in_megatron_lm(args)
                     steps.adapt_megatron_args(args, device)
                     feature.apply_args(args)  # anyspeed's checks first: they name the flag
                     steps.placement_layout_args(args)

@@ -8,12 +8,20 @@ MindSpeed-LLM's DeepSeek scripts describe YaRN RoPE with ``--rope-scaling-type y
 ``--rotary-scaling-factor``, ``--mscale`` and ``--mscale-all-dim``. The namespace is rewritten
 before the model type reads it, in every entry path. Megatron-Core 0.16.1 fixes YaRN's original
 context (4096) and its beta values (32, 1): other values are a one-line error, not ignored.
+
+Its Phi-3.5 scripts describe LongRoPE with ``--rope-scaling-type longrope``, ``--short-factor``,
+``--long-factor`` and ``--rope-scaling-original-max-position-embeddings``: anyspeed's own
+architecture flags under those names (:mod:`anyspeed.models.longrope`), which need all three
+together. ``--longrope-freqs-type mul | outer`` are two spellings of the same frequencies;
+MiniCPM3's ``--long-mscale`` / ``--short-mscale`` (an attention factor per set) are refused.
+Megatron-LM's own GPTModel has no LongRoPE: in its training loop the flag is one line.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from anyspeed.argv import factor_list
 from anyspeed.device import DeviceInfo
 from anyspeed.features.base import Feature, FeatureError, add_flag
 
@@ -29,6 +37,9 @@ class MindSpeedRopeFlags(Feature):
         "--use-rotary-position-embeddings",
         "--beta-fast",
         "--beta-slow",
+        "--longrope-freqs-type",
+        "--long-mscale",
+        "--short-mscale",
     )
 
     def add_arguments(self, parser: argparse._ActionsContainer) -> None:
@@ -43,9 +54,20 @@ class MindSpeedRopeFlags(Feature):
             "--rope-scaling-type",
             type=str,
             default=None,
-            choices=("yarn",),
-            help="MindSpeed-LLM: = --rope-type yarn",
+            choices=("yarn", "longrope"),
+            help="MindSpeed-LLM: yarn = --rope-type yarn; longrope: Phi-3.5's LongRoPE",
         )
+        add_flag(
+            parser,
+            "--longrope-freqs-type",
+            choices=("mul", "outer"),
+            default="mul",
+            help="MindSpeed-LLM: how LongRoPE divides the frequencies (the same values)",
+        )
+        for flag in ("--long-mscale", "--short-mscale"):
+            add_flag(parser, flag, type=float, default=None, help="MiniCPM3's: not supported")
+        for flag in ("--long-factor", "--short-factor"):  # (architecture flags in anyspeed's)
+            add_flag(parser, flag, type=factor_list, default=None, help="LongRoPE's factors")
         add_flag(
             parser,
             "--rope-scaling-mscale",
@@ -62,8 +84,9 @@ class MindSpeedRopeFlags(Feature):
         )
         for key, want in _FIXED.items():
             flag = f"--rope-scaling-{key.replace('_', '-')}"
-            note = f"MindSpeed-LLM: must be {want:g} (Megatron-Core fixes it)"
-            add_flag(parser, flag, type=float, default=None, help=note)
+            note = f"MindSpeed-LLM: YaRN's must be {want:g} (Megatron-Core fixes it)"
+            kind = int if key == "original_max_position_embeddings" else float
+            add_flag(parser, flag, type=kind, default=None, help=note)
         for key in ("beta_fast", "beta_slow"):  # MindSpeed-LLM's DeepSeek recipes' spelling
             note = f"YaRN: must be {_FIXED[key]:g} (Megatron-Core fixes it)"
             add_flag(parser, f"--{key.replace('_', '-')}", type=float, default=None, help=note)
@@ -73,6 +96,8 @@ class MindSpeedRopeFlags(Feature):
             "--rope-scaling-type yarn": "--rope-type yarn, --rope-scaling-factor -> "
             "--rotary-scaling-factor, --rope-scaling-mscale(-all-dim) -> --mscale(-all-dim)",
             "--use-rotary-position-embeddings": "--position-embedding-type rope",
+            "--rope-scaling-type longrope": "LongRoPE (anyspeed's; --short-factor, "
+            "--long-factor, --rope-scaling-original-max-position-embeddings)",
         }
 
     def validate(self, args: argparse.Namespace, device: DeviceInfo) -> None:
@@ -85,7 +110,9 @@ class MindSpeedRopeFlags(Feature):
                     f"--{key.replace('_', '-')} {given:g}: Megatron-Core 0.16.1 fixes it to "
                     f"{want:g}"
                 )
-        if getattr(args, "rope_scaling_type", None) != "yarn":
+        kind = getattr(args, "rope_scaling_type", None)
+        _check_longrope(args, kind)
+        if kind != "yarn":
             return
         for key, want in _FIXED.items():
             given = getattr(args, f"rope_scaling_{key}", None)
@@ -105,3 +132,28 @@ class MindSpeedRopeFlags(Feature):
             if getattr(args, src, None) is not None:
                 setattr(args, dst, getattr(args, src))
         args.rope_scaling_type = None  # rewritten: later checks read Megatron's flags only
+        args.rope_scaling_original_max_position_embeddings = None  # (LongRoPE's field)
+
+
+def _check_longrope(args: argparse.Namespace, kind: str | None) -> None:
+    """FeatureError for LongRoPE's flags without ``--rope-scaling-type longrope`` (they would
+    be ignored) and for MiniCPM3's per-set attention factors."""
+    for flag in ("--long-mscale", "--short-mscale"):
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            raise FeatureError(
+                f"{flag}: an attention factor per LongRoPE set (MiniCPM3's) is not supported; "
+                "anyspeed's LongRoPE takes transformers' one factor from the lengths"
+            )
+    factors = [f for f in ("long_factor", "short_factor") if getattr(args, f, None) is not None]
+    if factors and kind != "longrope":
+        flag = "--" + factors[0].replace("_", "-")
+        raise FeatureError(f"{flag} is LongRoPE's: add --rope-scaling-type longrope")
+
+
+def refuse_longrope_in_megatron_lm(args: argparse.Namespace) -> None:
+    """FeatureError when Megatron-LM's own model builder is asked for LongRoPE."""
+    if getattr(args, "rope_scaling_type", None) == "longrope":
+        raise FeatureError(
+            "--rope-scaling-type longrope runs in `anyspeed pretrain` / `anyspeed posttrain` "
+            "(Megatron-LM's GPTModel has no LongRoPE): run it there"
+        )

@@ -15,7 +15,7 @@ class Fused:
     """A Megatron tensor the engine builds from several HF tensors (and splits back)."""
 
     # "qkv" | "gate_up" | "qgkv" (queries with their gates) | "delta_in" (Qwen3-Next's DeltaNet)
-    # | "delta_in_flat" (Qwen3.5's)
+    # | "delta_in_flat" (Qwen3.5's) | "qkv_packed" (Q, K, V in one HF tensor: Phi-3's)
     kind: str
     parts: tuple[str, ...]
 
