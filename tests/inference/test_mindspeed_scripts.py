@@ -1,5 +1,5 @@
 """MindSpeed-LLM's inference scripts carry over: ``generate_qwen3_moe_30b_a3b_ptd.sh``,
-``generate_gemma2_9b_ptd.sh`` and
+``generate_gemma2_9b_ptd.sh``, ``generate_phi35_mini_ptd.sh`` and
 ``evaluate_qwen3_*_ptd.sh`` describe the model again (its spelling too: ``--first-k-dense-replace
 -1 --moe-layer-freq -1 --norm-topk-prob``) and pass training switches. ``anyspeed generate``
 takes them: the architecture values are checked against the checkpoint, the rest set aside in
@@ -127,3 +127,37 @@ def test_the_gemma2_script_generates_the_same_text(capsys, tmp_path, hf_tok):
     assert got[got.index("prompt:") :] == want[want.index("prompt:") :]
     rc, _, err = _generate(capsys, [*base, *GEMMA2_SCRIPT, "--interleave-sliding-window", "8"])
     assert rc == 2 and "--window-size 7 does not match the checkpoint (3)" in err, err
+
+
+# generate_phi35_mini_ptd.sh's flags as written, sizes (and LongRoPE factors) those of tiny-phi3
+PHI35_SCRIPT = """
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --use-mcore-models
+--use-flash-attn --rope-scaling-type longrope --longrope-freqs-type outer
+--rope-scaling-original-max-position-embeddings 16 --num-layers 3 --hidden-size 64
+--ffn-hidden-size 176 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+--position-embedding-type rope --no-rope-fusion --swiglu --seq-length 64
+--max-position-embeddings 64 --max-new-tokens 8 --micro-batch-size 1
+--tokenizer-type PretrainedFromHF --tokenizer-not-use-fast --normalization RMSNorm
+--norm-epsilon 1e-05 --disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0
+--rotary-base 10000 --rotary-percent 0.75 --untie-embeddings-and-output-weights
+--attention-softmax-in-fp32 --no-load-optim --no-load-rng --no-masked-softmax-fusion
+--no-gradient-accumulation-fusion --exit-on-missing-checkpoint --make-vocab-size-divisible-by 1
+--padded-vocab-size 512 --seed 42 --long-factor 1.5,2.0,4.0,8.0,16.0,32.0
+--short-factor 1.0,1.1,1.25,1.5,2.0,3.0 --transformer-impl local --ckpt-format torch
+""".split()
+
+
+def test_the_phi35_script_generates_the_same_text(capsys, tmp_path, hf_tok):
+    d = tmp_path / "hf"
+    tiny_hf_model(d, "tiny-phi3", seed=2)
+    for name in os.listdir(hf_tok):
+        shutil.copy(os.path.join(hf_tok, name), d / name)
+    base = ["--load", str(d), "--prompt", "the quick brown fox", "--max-new-tokens", "8"]
+    rc, want, _ = _generate(capsys, base)
+    assert rc == 0
+    rc, got, err = _generate(capsys, [*base, *PHI35_SCRIPT])
+    assert rc == 0, err
+    assert got[got.index("prompt:") :] == want[want.index("prompt:") :]
+    other = [*base, *PHI35_SCRIPT, "--long-factor", "1,1,1,1,1,1"]
+    rc, _, err = _generate(capsys, other)
+    assert rc == 2 and "--long-factor (1.0, 1.0, 1.0, 1.0, 1.0, 1.0) does not match" in err, err
