@@ -117,7 +117,11 @@ RANGES: dict[str, Range] = {
     "--rotary-seq-len-interpolation-factor": STRICTLY_POSITIVE,  # Gemma 3 (4B+): 8
     "--rope-scaling-mscale": STRICTLY_POSITIVE,
     "--rope-scaling-mscale-all-dim": NONNEG,
-    "--rope-scaling-original-max-position-embeddings": STRICTLY_POSITIVE,
+    "--rope-scaling-original-max-position-embeddings": POSITIVE,  # YaRN's; LongRoPE's: 4096
+    "--long-factor": STRICTLY_POSITIVE,  # LongRoPE (Phi-3.5): each factor
+    "--short-factor": STRICTLY_POSITIVE,
+    "--long-mscale": STRICTLY_POSITIVE,  # MiniCPM3's (refused)
+    "--short-mscale": STRICTLY_POSITIVE,
     "--rope-scaling-beta-fast": STRICTLY_POSITIVE,
     "--beta-fast": STRICTLY_POSITIVE,
     "--index-n-heads": POSITIVE,
@@ -284,7 +288,7 @@ def check_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     """UsageError (one line) for the first numeric flag out of its range, a float that is not
     finite, or a ``--split`` that is not N[,N[,N]] non-negative weights with a positive sum."""
     for flag, given in _flag_values(args, parser):
-        for value in given if isinstance(given, list) else [given]:  # nargs: each value
+        for value in given if isinstance(given, (list, tuple)) else [given]:  # lists: each value
             if isinstance(value, float) and not math.isfinite(value):
                 raise UsageError(f"{flag} must be a finite number (got {value})")
             why = RANGES[flag].violation(value)
