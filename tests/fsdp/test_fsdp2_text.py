@@ -55,7 +55,7 @@ def test_dp2_ulysses2_equals_one_process(tmp_path, corpus: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "phi3"])
 def test_dp2_other_families(tmp_path, corpus: str, kind: str) -> None:
     _compare(tmp_path, corpus, kind, world=2, gbs=4)
 

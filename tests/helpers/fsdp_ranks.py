@@ -19,6 +19,14 @@ TEXT = {
         {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "decoder_sparse_step": 1, "norm_topk_prob": True},
     ),
+    "phi3": (  # LongRoPE past its pretraining length (16), RoPE on 3/4 of each head, a window
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"original_max_position_embeddings": 16, "partial_rotary_factor": 0.75,
+         "sliding_window": 10, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+                          "long_factor": [1.5, 2.0, 4.0, 8.0, 16.0, 32.0]}},
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
