@@ -351,3 +351,26 @@ def test_megatron_lm_checkpoint_converts_with_a_config_json_transformers_wrote(t
     for f in out.glob("*.safetensors"):
         got.update(load_file(f))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_megatron_lm_longrope_args_are_read_and_yarns_length_is_not_longrope():
+    """MindSpeed-LLM stores LongRoPE's factors as lists of floats with --rope-scaling-type
+    longrope (its Phi-3.5 checkpoints): the model is the preset's; a YaRN checkpoint's
+    --rope-scaling-original-max-position-embeddings is YaRN's, not a LongRoPE half-set."""
+    from anyspeed.checkpoint.megatron_lm_args import megatron_lm_model
+    from anyspeed.models.presets import get_preset
+
+    p = get_preset("tiny-phi3")
+    longrope = _megatron_lm_args(
+        p, rotary_percent=p.rotary_percent, window_size=(p.window_size, 0),
+        rope_scaling_type="longrope", long_factor=list(p.longrope_long_factor),
+        short_factor=list(p.longrope_short_factor),
+        rope_scaling_original_max_position_embeddings=16,
+    )  # fmt: skip
+    model = megatron_lm_model(longrope, "ckpt", "phi3.5")
+    assert model.same_architecture(p) == ["name"]
+    yarn = _megatron_lm_args(get_preset("tiny-llama2"), rope_scaling_type="yarn",
+                             rope_scaling_original_max_position_embeddings=4096)  # fmt: skip
+    assert (
+        megatron_lm_model(yarn, "ckpt", "llama2").longrope_original_max_position_embeddings is None
+    )

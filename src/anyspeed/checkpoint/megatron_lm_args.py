@@ -87,6 +87,11 @@ def megatron_lm_model(
         values["rope_type"] = "yarn" if values.get("multi_latent_attention") else "rope"
     # Megatron-LM stores zero-centred norms under TransformerConfig's name.
     values.setdefault("apply_layernorm_1p", getattr(args, "layernorm_zero_centered_gamma", False))
+    window = values.get("window_size")
+    if isinstance(window, (tuple, list)):  # Megatron-LM stores (left, right)
+        if len(window) != 2 or window[1] != 0:
+            raise ModelRecordError(f"{where}: window_size {window}: only causal windows load")
+        values["window_size"] = int(window[0])
     if not isinstance(values.get("padded_vocab_size"), int):
         raise ModelRecordError(f"{where}: the checkpoint's args have no padded_vocab_size")
     try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from anyspeed.distributed import pipeline
+from anyspeed.models.longrope import reencodes
 
 
 @dataclass
@@ -98,6 +99,11 @@ class Stepper:
         end = self.seq.shape[1]
         ctx = self.context
         start = 0 if ctx is None else ctx.sequence_len_offset
+        if ctx is not None and reencodes(self.model, start, end):  # LongRoPE's long set
+            from megatron.core.inference.contexts import StaticInferenceContext
+
+            self.context = ctx = StaticInferenceContext(len(self.batch.pad), self.total)
+            start = 0
         out = pipeline_forward(
             self.model,
             self.seq[:, start:end],

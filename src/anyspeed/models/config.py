@@ -47,6 +47,12 @@ LINEAR_FIELDS = (
     "linear_num_value_heads",
 )
 
+LONGROPE_FIELDS = (
+    "longrope_short_factor",
+    "longrope_long_factor",
+    "longrope_original_max_position_embeddings",
+)
+
 LINEAR = "gated_delta_net"
 DSA_FIELDS = ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
 
@@ -180,6 +186,10 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 object.__setattr__(self, name, str(value).replace(" ", ""))
+        for name in ("mrope_section", *LONGROPE_FIELDS[:2]):  # lists (JSON, Megatron-LM's args)
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
 
     def same_architecture(self, other: ModelConfig) -> list[str]:
         """The fields (compared ones, by meaning) in which ``other`` describes another model:
@@ -305,6 +315,8 @@ class ModelConfig:
             values["num_query_groups"] = None
         if getattr(args, "use_rope_scaling", False):
             values["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor}
+        if getattr(args, "rope_scaling_type", None) != "longrope":  # (YaRN's length in MindSpeed's)
+            values.update(dict.fromkeys(LONGROPE_FIELDS))
         return values
 
     @classmethod

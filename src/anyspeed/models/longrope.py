@@ -130,4 +130,28 @@ def long_rotary_embedding(model: ModelConfig) -> torch.nn.Module:
             self.inv_freq = chosen.to(self.inv_freq.device)
             return super().get_freqs_non_repeated(max_seq_len, offset)
 
+        def get_rotary_seq_len(
+            self, inference_context: Any, transformer: Any, *args: Any, **kwargs: Any
+        ) -> int:
+            """With a KV cache, the slots up to this forward's end (not the cache's
+            capacity, Megatron's length): the set follows the sequence generated so far."""
+            length = super().get_rotary_seq_len(inference_context, transformer, *args, **kwargs)
+            packed = kwargs.get("packed_seq_params", args[2] if len(args) > 2 else None)
+            if inference_context is None or packed is not None:
+                return length
+            given = transformer.input_tensor if transformer is not None else None
+            tokens = (given if given is not None else args[0]).size(0)
+            return min(length, inference_context.sequence_len_offset + tokens)
+
     return LongRotaryEmbedding()
+
+
+def reencodes(chunks: list[Any], start: int, end: int) -> bool:
+    """Whether a cached forward of slots ``start..end`` crosses the pretraining length of a
+    LongRoPE model: transformers then drops its cache and encodes the sequence again with the
+    long set (the cached keys were rotated by the short one)."""
+    for chunk in chunks:
+        original = getattr(getattr(chunk, "rotary_pos_emb", None), "original", None)
+        if original is not None:
+            return 0 < start <= original < end
+    return False

@@ -139,6 +139,11 @@ def _build(model: Any) -> _Plan | None:
         return None
     if model.position_embedding_type != "rope":
         return None
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = getattr(model, "rotary_pos_emb", None)  # (MLA's attention holds its own)
+    if rope is not None and type(rope) is not RotaryEmbedding:  # e.g. LongRoPE's (longrope.py)
+        return None
     if any(getattr(config, k, v) != v for k, v in _PLAIN.items()):
         return None
     head = list(model.output_layer.modules()) if model.post_process else []
