@@ -61,3 +61,21 @@ def test_layouts_equal_one_process(runs, tmp_path):
     for run in run_many(2, argvs):  # in the layouts' order
         _close(run["loss"], one["loss"])
         _close(run["grad_norm"], one["grad_norm"])
+
+
+@pytest.mark.parametrize("algo", ["p2p", "a2a"], ids=["ring", "ulysses"])
+def test_longrope_at_cp2_equals_one_process(tmp_path, algo):
+    """Phi-3.5's LongRoPE (no window: context parallelism refuses windows) at CP2, ring and
+    Ulysses: each rank rotates its slice of the sequence by the long set the whole length
+    picks, cos and sin scaled by the attention factor."""
+    corpus = write_corpus(str(tmp_path / "c_text_document"), docs=120)
+    convert_ranks.tiny_hf_model(tmp_path / "hf", "tiny-phi3", seed=8, sliding_window=None)
+    for stand_in in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / stand_in).unlink(missing_ok=True)
+    argv = ["--load", str(tmp_path / "hf"), "--data-path", corpus, *COMMON]
+    cp = ["--context-parallel-size", "2", "--context-parallel-algo",
+          {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo"}[algo]]  # fmt: skip
+    (one,) = run_many(1, [argv + ["--save", str(tmp_path / "one")]])
+    (two,) = run_many(2, [argv + cp + ["--save", str(tmp_path / "cp")]])
+    _close(two["loss"], one["loss"])
+    _close(two["grad_norm"], one["grad_norm"])
