@@ -122,3 +122,12 @@ def test_megatron_lm_training_loop_refuses_longrope():
 
     with pytest.raises(FeatureError, match="runs in `anyspeed pretrain`"):
         refuse_longrope_in_megatron_lm(argparse.Namespace(rope_scaling_type="longrope"))
+
+
+def test_a_window_at_cp2_is_one_line():
+    """Phi-3's 4k models have a window; the context-parallel attention core has none."""
+    argv = ["--model", "tiny-phi3", "--context-parallel-size", "2", *RUN]
+    with pytest.raises(UsageError) as err:
+        check_args(parse_pretrain_args(argv), 2)
+    words = "--window-size (sliding-window attention) does not run with --context-parallel-size 2"
+    assert words in str(err.value) and "\n" not in str(err.value)

@@ -179,9 +179,13 @@ def validate_for(
         )
     sinks = getattr(model, "softmax_type", "vanilla") not in (None, "vanilla")
     if layout.cp > 1 and (sinks or getattr(model, "window_size", None) is not None):
-        what = "--softmax-type learnable/off-by-one" if sinks else "--window-size"
+        what = (
+            "--softmax-type learnable/off-by-one (GPT-OSS's sinks)"
+            if sinks
+            else "--window-size (sliding-window attention)"
+        )
         raise ValueError(
-            f"{what} (GPT-OSS attention) does not run with --context-parallel-size {layout.cp} "
+            f"{what} does not run with --context-parallel-size {layout.cp} "
             "(the context-parallel attention core has no sinks or windows): use CP 1"
         )
     if (
