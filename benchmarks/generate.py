@@ -45,7 +45,11 @@ SHAPES = {
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                     vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
                     rms_norm_eps=1e-5),
+    # Gemma 2's layer at the default size (sandwich norms, soft-capped scores and logits, a
+    # 64-key window on every other layer, tanh GeGLU, scaled and tied embeddings)
+    "gemma2": dict(query_pre_attn_scalar=64, sliding_window=64),
 }  # fmt: skip
+BASES = {"gemma2": "tiny-gemma2"}  # the preset whose HF config a shape starts from
 
 
 def _hf_model(directory: str, a: argparse.Namespace) -> int:
@@ -55,11 +59,12 @@ def _hf_model(directory: str, a: argparse.Namespace) -> int:
     from anyspeed.models import get_preset
     from anyspeed.models.hf import hf_config
 
-    cfg = dict(hf_config(get_preset("tiny-llama3")), hidden_size=a.hidden,
+    cfg = dict(hf_config(get_preset(BASES.get(a.shape, "tiny-llama3"))), hidden_size=a.hidden,
                intermediate_size=a.hidden * 8 // 3 // 64 * 64, num_hidden_layers=a.layers,
                num_attention_heads=8, num_key_value_heads=4, head_dim=a.hidden // 8,
                vocab_size=a.vocab, max_position_embeddings=16384)  # fmt: skip
     cfg.update(SHAPES[a.shape])
+    cfg.pop("layer_types", None)  # (the base's layer count; transformers alternates again)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
     torch.manual_seed(0)
     with torch.no_grad():
@@ -254,7 +259,8 @@ def main() -> None:
         "--shape",
         choices=sorted(SHAPES),
         default="default",
-        help="smollm2: SmolLM2-135M's shape (overrides --hidden/--layers/--vocab)",
+        help="smollm2: SmolLM2-135M's shape (overrides --hidden/--layers/--vocab); gemma2: "
+        "Gemma 2's layer at --hidden/--layers",
     )
     p.add_argument(
         "--no-nocache",

@@ -156,9 +156,19 @@ def test_packed_weights_give_the_same_logits(tp: int) -> None:
             assert (changed[-1] - got[-1]).abs().max() > 1e-3, name
 
 
-def test_a_hook_on_the_output_layer_keeps_megatrons_forward() -> None:
+def test_only_hooks_it_replays_keep_the_step() -> None:
     """The step computes the logits from the output layer's weight: Gemma's logit soft-cap (a
-    hook on that layer) sends decoding through Megatron's forward; the embedding scale (a hook
-    the step calls through the module) does not."""
+    hook on that layer it replays) and the embedding scale (a hook it calls through the module)
+    keep it; a hook it does not know on a module it bypasses sends decoding through Megatron's
+    forward."""
     got = run_distributed(decode_ranks.plans_with_hooks, 1, timeout=300)[0]
-    assert got == {"plain": True, "capped-logits": False, "scaled-embeddings": True}
+    assert got == {"plain": True, "capped-logits": True, "scaled-embeddings": True,
+                   "user-hook-on-head": False, "user-hook-on-qkv": False}  # fmt: skip
+
+
+def test_megatrons_windowed_softmax_keeps_the_padding_hidden() -> None:
+    """Megatron's own sliding-window softmax replaced the padding mask by its window mask
+    (feature ``window-padding-mask`` adds them): the padded prompt of a batch got other greedy
+    tokens than alone before, the same now."""
+    got = run_distributed(decode_ranks.windowed_rows_through_megatron, 1, timeout=300)[0]
+    assert got == {"same": [True, True]}

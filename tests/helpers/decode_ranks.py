@@ -18,6 +18,39 @@ CASES = {
         num_query_groups=2, num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq="[0]+[1]"
     ),  # fmt: skip
     "learned-positions": dict(position_embedding_type="learned_absolute"),
+    # a window of 3 keys on the first layer (Phi-3's 4k models, Mistral)
+    "window": dict(num_query_groups=2, window_size=3, window_attn_skip_freq="2"),
+    # Gemma 2's hooks (sandwich norms, capped scores and logits, scaled embeddings), replayed
+    "gemma2": dict(
+        num_query_groups=2,
+        kv_channels=32,
+        swiglu=False,
+        gelu_tanh=True,
+        post_norm=True,
+        layernorm_zero_centered_gamma=True,
+        input_embeds_norm=True,
+        window_size=3,
+        window_attn_skip_freq="2",
+        attn_logit_softcapping=2.0,
+        output_logit_softcapping=3.0,
+        query_pre_attn_scalar=24.0,
+        tie_embeddings=True,
+    ),
+    # Gemma 3's: QK norm, its windowed layer's own RoPE (a layer pre-hook), linear-scaled RoPE
+    "gemma3": dict(
+        num_query_groups=2,
+        kv_channels=32,
+        swiglu=False,
+        gelu_tanh=True,
+        post_norm=True,
+        layernorm_zero_centered_gamma=True,
+        qk_layernorm=True,
+        window_size=3,
+        window_attn_skip_freq="2",
+        rotary_base_local=100.0,
+        rotary_seq_len_interpolation_factor=4.0,
+        query_pre_attn_scalar=24.0,
+    ),
     "mla": dict(
         multi_latent_attention=True,
         qk_layernorm=True,
@@ -92,8 +125,8 @@ def lean_vs_megatron(layouts: list[tuple[int, int]], steps: int) -> dict:
     return out
 
 
-def _models(tp: int, pp: int):
-    """Each case's random model at TP x PP (the same seed for every case)."""
+def _models(tp: int, pp: int, only: str | None = None):
+    """Each case's random model at TP x PP (the same seed for every case; ``only``: one)."""
     from anyspeed.distributed.groups import init_distributed
     from anyspeed.layout import Layout
     from anyspeed.models import gpt
@@ -102,6 +135,8 @@ def _models(tp: int, pp: int):
     layout = Layout(tp=tp, pp=pp)
     init_distributed(layout, seed=0)
     for name, fields in CASES.items():
+        if only not in (None, name):
+            continue
         cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                           vocab_size=256, **fields)  # fmt: skip
         torch.manual_seed(0)
@@ -246,7 +281,8 @@ def packed_vs_plain(tp: int, steps: int) -> dict:
 
 def plans_with_hooks() -> dict:
     """Whether the decode step takes a plain model, the same with soft-capped logits (a hook
-    on the output layer it would bypass) and with scaled embeddings (a hook it calls)."""
+    on the output layer it replays), with scaled embeddings (a hook it calls), and with a hook
+    it does not know on the output layer or on a layer's QKV projection (a LoRA adapter's)."""
     from anyspeed.distributed.groups import init_distributed
     from anyspeed.features.inference.decode_step import plan_of
     from anyspeed.layout import Layout
@@ -261,4 +297,26 @@ def plans_with_hooks() -> dict:
                           vocab_size=256, **extra)  # fmt: skip
         model = gpt.build(cfg, gpt.transformer_config(cfg)).eval()
         out[name] = plan_of(model) is not None
+    qkv = "decoder.layers.1.self_attention.linear_qkv"
+    for name, where in (("user-hook-on-head", "output_layer"), ("user-hook-on-qkv", qkv)):
+        cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                          vocab_size=256)  # fmt: skip
+        model = gpt.build(cfg, gpt.transformer_config(cfg)).eval()
+        model.get_submodule(where).register_forward_hook(lambda m, a, o: o)
+        out[name] = plan_of(model) is not None
     return out
+
+
+def windowed_rows_through_megatron() -> dict:
+    """Greedy tokens of the "window" case's left-padded batch through Megatron's forward (the
+    lean step off) and of each prompt alone: per row, whether they agree."""
+    from anyspeed.features.inference import decode_step
+    from anyspeed.inference.decode import Request, sample
+    from anyspeed.inference.sampling import SamplingParams
+
+    ((_, model),) = _models(1, 1, only="window")
+    model[0].__dict__[decode_step._PLAN] = False  # "not supported": Megatron's forward
+    with torch.inference_mode():
+        batch = sample(model, PROMPTS, Request(8, SamplingParams()))[0]
+        alone = [sample(model, [p], Request(8, SamplingParams()))[0][0] for p in PROMPTS]
+    return {"same": [b == a for b, a in zip(batch, alone, strict=True)]}

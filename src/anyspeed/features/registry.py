@@ -32,6 +32,7 @@ from anyspeed.features.compat.num_layer_list import NumLayerList
 from anyspeed.features.compat.rope_scaling_flags import MindSpeedRopeFlags
 from anyspeed.features.compat.safe_loading import MegatronLMSafeLoading, SafeLoading
 from anyspeed.features.compat.vision import VisionCompat
+from anyspeed.features.compat.window_mask import WindowPaddingMask
 from anyspeed.features.context_parallel.feature import ContextParallel
 from anyspeed.features.fp8.feature import Fp8
 from anyspeed.features.inference.feature import NoGradFastPath
@@ -63,6 +64,7 @@ def build() -> list[Feature]:
     return [
         DeviceCompat(),
         MegatronCoreCompat(),
+        WindowPaddingMask(),
         CudaOnlyOptions(),
         NoopLayers(),  # rewrites --num-layers to the real layers (before the layout check)
         NumLayerList(),  # rewrites the namespace the layout check reads

@@ -18,7 +18,8 @@
   of the model's (same length, so the decode step's slicing holds).
 
 Hooks hold numbers, bound methods or the model's own child modules, so a deep copy of the model
-(a reference model) calls its own copies.
+(a reference model) calls its own copies. Each is marked ``replayable``: the lean decode step
+(``features/inference``) calls it where the module call it bypasses would.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from anyspeed.features.inference.replay import replayable
 from anyspeed.models.config import ModelConfig
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
     return F.gelu(x, approximate="tanh")
+
+
+gelu_tanh.elementwise = True  # type: ignore[attr-defined]  # the decode step may call it alone
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -71,6 +76,8 @@ def sandwich_layer() -> type:
         def _norm_mlp_output(self, module: Any, args: Any, out: Any) -> Any:
             return (self.post_mlp_layernorm(out[0]), *out[1:])
 
+    replayable(SandwichLayer._norm_attention_output)
+    replayable(SandwichLayer._norm_mlp_output)
     return SandwichLayer
 
 
@@ -117,7 +124,8 @@ def _add_local_rope(gpt: Any, model: ModelConfig) -> None:
     windowed = model.window_layers()
     for layer in gpt.decoder.layers:
         if windowed[layer.layer_number - 1]:
-            layer.register_forward_pre_hook(functools.partial(_local_rope, rope), with_kwargs=True)
+            hook = replayable(functools.partial(_local_rope, rope))
+            layer.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def add_gemma_hooks(gpt: Any, model: ModelConfig) -> None:
@@ -130,10 +138,12 @@ def add_gemma_hooks(gpt: Any, model: ModelConfig) -> None:
         for m in gpt.modules():
             if hasattr(m, "scale_mask_softmax") and hasattr(m, "softmax_scale"):
                 m.logit_softcap = cap  # read by the blocked kernel's dispatch (ops/attention.py)
-                m.scale_mask_softmax.register_forward_pre_hook(functools.partial(_cap_scores, cap))
+                hook = replayable(functools.partial(_cap_scores, cap))
+                m.scale_mask_softmax.register_forward_pre_hook(hook)
     head = getattr(gpt, "output_layer", None)
     if model.output_logit_softcapping and gpt.post_process and head is not None:
-        head.register_forward_hook(functools.partial(_cap_logits, model.output_logit_softcapping))
+        cap_logits = functools.partial(_cap_logits, model.output_logit_softcapping)
+        head.register_forward_hook(replayable(cap_logits))
     if model.input_embeds_norm and gpt.pre_process:
         gpt.embedding.register_forward_hook(
             functools.partial(_scale_embeddings, math.sqrt(model.hidden_size))

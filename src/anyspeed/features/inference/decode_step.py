@@ -8,10 +8,12 @@ MLP) this step does the same tensor math straight from the module parameters, wr
 key/value into Megatron's ``StaticInferenceContext`` (keys rotated when stored, as
 ``no-grad-fast-path`` stores them) and calls the embedding, norm and output modules as they
 are; a MoE block and multi-latent attention are called as their own modules (the layer around
-them still runs here). Pipeline stages run their own layers (the schedule moves the hidden
-states). Anything else (learned positions, interleaved or scaled RoPE on plain attention,
-sliding windows, gated attention, multi-token prediction, ...) returns None and Megatron's
-forward runs.
+them still runs here). Sliding windows (per layer, as the attention core holds them) are masked
+here; hooks on the bypassed modules that :mod:`.replay` knows (Gemma's sandwich norms, capped
+scores and logits, its windowed layers' RoPE) are called where the modules would run them.
+Pipeline stages run their own layers (the schedule moves the hidden states). Anything else
+(learned positions, interleaved or scaled RoPE on plain attention, sinks, gated attention,
+multi-token prediction, other hooks, ...) returns None and Megatron's forward runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from anyspeed.features.inference import replay
 from anyspeed.features.inference.packed import PackedWeights
 from anyspeed.features.inference.packed import of as packed_of
 
@@ -36,7 +39,6 @@ _PLAIN = {
     "apply_residual_connection_post_layernorm": False,
     "sequence_parallel": False,
     "apply_query_key_layer_scaling": False,
-    "window_size": None,
     "softmax_type": "vanilla",
     "attention_output_gate": False,
     "qk_l2_norm": False,
@@ -64,6 +66,9 @@ class _Layer:
     fc2: tuple[torch.Tensor, torch.Tensor | None] | None
     mlp: Any
     attention: Any = None
+    module: Any = None  # the layer (its pre-hooks may hand it another rotary table)
+    window: int | None = None  # keys before the new one it sees (None: all)
+    softmax: Any = None  # the attention core's softmax (its pre-hooks see the scores)
 
 
 @dataclass
@@ -112,10 +117,13 @@ def _layer(layer: Any) -> _Layer | None:
     if any(isinstance(n, IdentityOp) for n in norms):  # a norm fused into the next linear
         return None
     dense = type(layer.mlp) is MLP
-    if dense and layer.mlp.config.activation_func not in (
-        torch.nn.functional.silu,
-        torch.nn.functional.gelu,
-    ):
+    act = layer.mlp.config.activation_func
+    plain_act = act in (torch.nn.functional.silu, torch.nn.functional.gelu)
+    if dense and not (plain_act or getattr(act, "elementwise", False)):
+        return None
+    softmax = None if latent else getattr(attn.core_attention, "scale_mask_softmax", None)
+    window = getattr(softmax, "window_size", None)
+    if window is not None and window[1] != 0:
         return None
     return _Layer(
         number=attn.layer_number,
@@ -129,6 +137,9 @@ def _layer(layer: Any) -> _Layer | None:
         fc2=_wb(layer.mlp.linear_fc2) if dense else None,
         mlp=None if dense else layer.mlp,
         attention=attn if latent else None,
+        module=layer,
+        window=None if window is None else window[0],
+        softmax=softmax,
     )
 
 
@@ -146,11 +157,10 @@ def _build(model: Any) -> _Plan | None:
         return None
     if any(getattr(config, k, v) != v for k, v in _PLAIN.items()):
         return None
-    head = list(model.output_layer.modules()) if model.post_process else []
-    if any(m._forward_hooks or m._forward_pre_hooks for m in [*model.decoder.modules(), *head]):
-        # e.g. LoRA adapters, Gemma's sandwich norms and soft-caps (models/gemma.py): hooks
-        # run only through the modules' own call, which this step bypasses
+    if model.post_process and not replay.head_replayable(model.output_layer):
         return None
+    if not all(replay.replayable_layer(layer) for layer in model.decoder.layers):
+        return None  # e.g. LoRA adapters: hooks the bypassed modules' calls would run
     layers = [_layer(layer) for layer in model.decoder.layers]
     if not layers or any(x is None for x in layers):
         return None
@@ -235,6 +245,7 @@ def _attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
+    softmax: Any = None,
 ) -> torch.Tensor:
     """One query per row over ``n`` cached slots: q [b, g, per_group, d], keys / values
     [n, b, g, d] (views of the cache) -> [b, g * per_group * d]; each query group shares its
@@ -250,6 +261,7 @@ def _attend(
     vs = values.permute(1, 2, 0, 3).reshape(b * g, n, d)
     empty = kt.new_empty(())  # beta=0: not read
     scores = torch.baddbmm(empty, q.reshape(b * g, p, d), kt, beta=0.0, alpha=plan.scale)
+    scores = replay.scores(softmax, scores)  # e.g. Gemma 2's soft-cap
     if mask is not None:
         scores = scores.view(b, g, p, n).masked_fill(mask[..., :n], float("-inf"))
     if plan.softmax_fp32 and scores.dtype != torch.float32:
@@ -292,14 +304,12 @@ def _attention(
     start, rows = ctx.sequence_len_offset, slice(ctx.batch_size_offset, ctx.batch_size_offset + b)
     keys[start, rows] = k[0]
     values[start, rows] = v[0]
-    out = _attend(
-        plan,
-        q[0],
-        keys[: start + 1, rows],
-        values[: start + 1, rows],
-        mask,
-    )
-    return _linear(out[None], lay.proj, packs, plan.tp_group)
+    if lay.window is not None and start > lay.window:  # slots before the window: hidden
+        early = torch.arange(start + 1, device=h.device) < start - lay.window
+        mask = early.view(1, 1, 1, -1) if mask is None else mask[..., : start + 1] | early
+    out = _attend(plan, q[0], keys[: start + 1, rows], values[: start + 1, rows], mask, lay.softmax)
+    out = _linear(out[None], lay.proj, packs, plan.tp_group)
+    return replay.outputs(lay.module.self_attention, (h,), out)  # e.g. Gemma's sandwich norm
 
 
 def _mlp(
@@ -314,7 +324,7 @@ def _mlp(
         y = plan.act(gate) * up
     else:
         y = plan.act(y)
-    return _linear(y, lay.fc2, packs, plan.tp_group)
+    return replay.outputs(lay.module.mlp, (h,), _linear(y, lay.fc2, packs, plan.tp_group))
 
 
 def decode_step(
@@ -344,13 +354,20 @@ def decode_step(
 
         # Megatron's rotary table for a static cache of this length (rotation by slot)
         emb = model.rotary_pos_emb(ctx.max_sequence_length)
-        cos, sin = cached_signed_tables(emb, x.dtype)
         start = ctx.sequence_len_offset
-        rope = (cos[start : start + 1], sin[start : start + 1])
+
+        def rope_at(table: torch.Tensor) -> tuple:
+            cos, sin = cached_signed_tables(table, x.dtype)
+            return cos[start : start + 1], sin[start : start + 1]
+
+        rope = rope_at(emb)
     mask = attention_mask  # [b, 1, 1, keys]: one query per row
     packs = packed_of(model)
     for lay in plan.layers:
-        x = x + _attention(plan, lay, lay.norm1(x), ctx, rope, mask, packs)
+        own = rope  # a layer's pre-hooks may hand it its own table (Gemma 3's windowed layers)
+        if rope is not None and lay.module._forward_pre_hooks:
+            own = rope_at(replay.layer_rope(lay.module, emb))
+        x = x + _attention(plan, lay, lay.norm1(x), ctx, own, mask, packs)
         x = x + _mlp(plan, lay, lay.norm2(x), packs)
     if model.decoder.final_layernorm is not None:
         x = model.decoder.final_layernorm(x)
@@ -364,6 +381,7 @@ def decode_step(
     if packs is not None and plan.tp_group is None:  # the whole vocabulary on this rank
         head = model.output_layer
         logits = packs.linear(x, head.weight if weight is None else weight, _wb(head)[1])
+        logits = replay.outputs(head, (x,), logits)  # e.g. Gemma 2's soft-capped logits
     else:
         logits, _ = model.output_layer(x, weight=weight, runtime_gather_output=True)
     return logits.transpose(0, 1).contiguous()
