@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+# Gemma's layer: tanh GeGLU, sandwich and zero-centred norms, a 3-key window on the first layer
+_GEMMA = dict(num_query_groups=2, kv_channels=32, swiglu=False, gelu_tanh=True, post_norm=True,
+              layernorm_zero_centered_gamma=True, window_size=3, window_attn_skip_freq="2",
+              query_pre_attn_scalar=24.0)  # fmt: skip
 CASES = {
     "gqa-swiglu": dict(num_query_groups=2),
     "bf16": dict(num_query_groups=2),  # weights and activations in bf16
@@ -22,35 +26,16 @@ CASES = {
     "window": dict(num_query_groups=2, window_size=3, window_attn_skip_freq="2"),
     # Gemma 2's hooks (sandwich norms, capped scores and logits, scaled embeddings), replayed
     "gemma2": dict(
-        num_query_groups=2,
-        kv_channels=32,
-        swiglu=False,
-        gelu_tanh=True,
-        post_norm=True,
-        layernorm_zero_centered_gamma=True,
+        _GEMMA,
         input_embeds_norm=True,
-        window_size=3,
-        window_attn_skip_freq="2",
         attn_logit_softcapping=2.0,
         output_logit_softcapping=3.0,
-        query_pre_attn_scalar=24.0,
         tie_embeddings=True,
-    ),
+    ),  # fmt: skip
     # Gemma 3's: QK norm, its windowed layer's own RoPE (a layer pre-hook), linear-scaled RoPE
     "gemma3": dict(
-        num_query_groups=2,
-        kv_channels=32,
-        swiglu=False,
-        gelu_tanh=True,
-        post_norm=True,
-        layernorm_zero_centered_gamma=True,
-        qk_layernorm=True,
-        window_size=3,
-        window_attn_skip_freq="2",
-        rotary_base_local=100.0,
-        rotary_seq_len_interpolation_factor=4.0,
-        query_pre_attn_scalar=24.0,
-    ),
+        _GEMMA, qk_layernorm=True, rotary_base_local=100.0, rotary_seq_len_interpolation_factor=4.0
+    ),  # fmt: skip
     "mla": dict(
         multi_latent_attention=True,
         qk_layernorm=True,
