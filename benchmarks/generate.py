@@ -168,8 +168,10 @@ def _hf_generate(hf: str, prompts: list[list[int]], new: int, copied: bool):
     from anyspeed.device import torch_device
 
     dev = torch_device()
+    with open(f"{hf}/config.json") as f:  # soft-capped scores: transformers' eager attention
+        attn = "eager" if json.load(f).get("attn_logit_softcapping") else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()  # fmt: skip
+                                                 attn_implementation=attn).eval()  # fmt: skip
     model.to(dev)
     model.generation_config.eos_token_id = None
     if copied and dev.type == "cpu":
