@@ -41,7 +41,10 @@ def test_lean_step_equals_megatron_forward(ranks: list[dict], case: str) -> None
                 assert lean_calls == 0  # not supported: Megatron's forward ran every step
             else:  # every decode step (not the prefill) of every layer of the stage ran lean
                 layers = 1 if layout == "tp1pp2" else 2
-                assert lean_calls == (STEPS - 1) * layers, (case, layout)
+                # (LongRoPE: the step past the pretraining length encodes the whole sequence
+                # again through Megatron's forward, as transformers does)
+                steps = STEPS - 2 if case == "longrope" else STEPS - 1
+                assert lean_calls == steps * layers, (case, layout)
             # the lean step's cache holds each row's slots together (MLA keeps its own cache;
             # Megatron's forward, the reference, allocates its own order)
             step_order = case not in ("learned-positions", "mla")
@@ -57,11 +60,13 @@ def test_lean_step_equals_megatron_forward(ranks: list[dict], case: str) -> None
     assert seen == 5  # TP2 and PP2 on two ranks, TP1
 
 
-@pytest.mark.parametrize("case", sorted(decode_ranks.CASES))
+@pytest.mark.parametrize("case", sorted(set(decode_ranks.CASES) - {"longrope"}))
 def test_ended_rows_leave_the_batch(ranks: list[dict], case: str) -> None:
     """Rows that end at different steps leave the batch and its KV cache (at a quarter of the
     rows ended): every row's tokens equal the row decoded alone, greedily and sampled with a
-    generator per row, and its log-probs within 1e-5 (bf16: 3e-2), at TP1, TP2 and PP2."""
+    generator per row, and its log-probs within 1e-5 (bf16: 3e-2), at TP1, TP2 and PP2.
+    (Not LongRoPE: its factor set follows the batch's longest sequence, as transformers picks
+    by the batch's largest position, so a row alone may rotate by the other set.)"""
     seen = 0
     for rank in ranks:
         for key, value in rank.items():

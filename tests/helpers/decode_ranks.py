@@ -36,6 +36,33 @@ CASES = {
     "gemma3": dict(
         _GEMMA, qk_layernorm=True, rotary_base_local=100.0, rotary_seq_len_interpolation_factor=4.0
     ),  # fmt: skip
+    # GPT-OSS's attention: learnable sinks, YaRN on plain attention (its mscale), QKV bias, a
+    # window; its MoE experts (with the clamped, offset GLU) are called as their module
+    "gpt-oss": dict(
+        num_query_groups=2,
+        softmax_type="learnable",
+        window_size=3,
+        window_attn_skip_freq="2",
+        add_qkv_bias=True,
+        position_embedding_type="yarn",
+        rotary_scaling_factor=4.0,
+        yarn_original_max_position_embeddings=4,
+        num_experts=4,
+        moe_ffn_hidden_size=48,
+        quick_geglu=True,
+        swiglu=False,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=7.0,
+    ),  # fmt: skip
+    # Phi-3.5's LongRoPE past its pretraining length (8 slots): the long set and its factor
+    "longrope": dict(
+        num_query_groups=2,
+        rotary_percent=0.75,
+        max_position_embeddings=64,
+        longrope_short_factor=(1.0, 1.1, 1.2, 1.5, 2.0, 3.0),
+        longrope_long_factor=(1.5, 2.0, 4.0, 8.0, 16.0, 32.0),
+        longrope_original_max_position_embeddings=8,
+    ),  # fmt: skip
     "mla": dict(
         multi_latent_attention=True,
         qk_layernorm=True,

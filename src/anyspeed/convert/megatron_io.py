@@ -106,6 +106,7 @@ def megatron_session() -> Iterator[None]:
         )
     from anyspeed import adaptor
 
+    ours = adaptor.state() is None  # (a caller's own adaptor stays as it is)
     adaptor.apply(argv=[])
     # An in-memory store: a rendezvous file's removal at the end can wait behind the
     # conversion's own writes (0.6 s measured after 3.7 GB).
@@ -117,6 +118,8 @@ def megatron_session() -> Iterator[None]:
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+        if ours:  # an in-process conversion leaves Megatron as it found it
+            adaptor.undo()
 
 
 def empty_model(preset: ModelConfig, dtype: torch.dtype):

@@ -8,12 +8,13 @@ MLP) this step does the same tensor math straight from the module parameters, wr
 key/value into Megatron's ``StaticInferenceContext`` (keys rotated when stored, as
 ``no-grad-fast-path`` stores them) and calls the embedding, norm and output modules as they
 are; a MoE block and multi-latent attention are called as their own modules (the layer around
-them still runs here). Sliding windows (per layer, as the attention core holds them) are masked
-here; hooks on the bypassed modules that :mod:`.replay` knows (Gemma's sandwich norms, capped
-scores and logits, its windowed layers' RoPE) are called where the modules would run them.
-Pipeline stages run their own layers (the schedule moves the hidden states). Anything else
-(learned positions, interleaved or scaled RoPE on plain attention, sinks, gated attention,
-multi-token prediction, other hooks, ...) returns None and Megatron's forward runs.
+them still runs here). Sliding windows (per layer, as the attention core holds them) and
+GPT-OSS's sinks are applied here, YaRN's and LongRoPE's tables and attention factors taken as
+Megatron's forward takes them; hooks on the bypassed modules that :mod:`.replay` knows (Gemma's
+sandwich norms, capped scores and logits, its windowed layers' RoPE) are called where the
+modules would run them. Pipeline stages run their own layers (the schedule moves the hidden
+states). Anything else (learned positions, interleaved RoPE, gated attention, multi-token
+prediction, other hooks, ...) returns None and Megatron's forward runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from anyspeed.features.inference import replay
+from anyspeed.features.inference.attend import attend
 from anyspeed.features.inference.packed import PackedWeights
 from anyspeed.features.inference.packed import of as packed_of
 
@@ -39,13 +41,10 @@ _PLAIN = {
     "apply_residual_connection_post_layernorm": False,
     "sequence_parallel": False,
     "apply_query_key_layer_scaling": False,
-    "softmax_type": "vanilla",
     "attention_output_gate": False,
     "qk_l2_norm": False,
     "no_rope_freq": None,
     "experimental_attention_variant": None,
-    "glu_linear_offset": 0.0,
-    "activation_func_clamp_value": None,
     "mtp_num_layers": None,
     "use_te_activation_func": False,
     "context_parallel_size": 1,
@@ -68,6 +67,7 @@ class _Layer:
     attention: Any = None
     module: Any = None  # the layer (its pre-hooks may hand it another rotary table)
     window: int | None = None  # keys before the new one it sees (None: all)
+    sink: torch.Tensor | None = None  # per head: a logit for "none of the keys" (GPT-OSS)
     softmax: Any = None  # the attention core's softmax (its pre-hooks see the scores)
 
 
@@ -78,6 +78,7 @@ class _Plan:
     per_group: int  # query heads per group
     dim: int
     scale: float
+    mscale: float  # cos and sin times this (YaRN's, LongRoPE's attention factor)
     gated: bool
     act: Any
     tp_group: Any  # None at TP1
@@ -117,10 +118,13 @@ def _layer(layer: Any) -> _Layer | None:
     if any(isinstance(n, IdentityOp) for n in norms):  # a norm fused into the next linear
         return None
     dense = type(layer.mlp) is MLP
-    act = layer.mlp.config.activation_func
+    cfg = layer.mlp.config
+    act = cfg.activation_func
     plain_act = act in (torch.nn.functional.silu, torch.nn.functional.gelu)
     if dense and not (plain_act or getattr(act, "elementwise", False)):
         return None
+    if dense and (cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None):
+        return None  # GPT-OSS's GLU (its experts are MoE blocks, called as modules)
     softmax = None if latent else getattr(attn.core_attention, "scale_mask_softmax", None)
     window = getattr(softmax, "window_size", None)
     if window is not None and window[1] != 0:
@@ -140,6 +144,7 @@ def _layer(layer: Any) -> _Layer | None:
         module=layer,
         window=None if window is None else window[0],
         softmax=softmax,
+        sink=None if latent else getattr(attn.core_attention, "softmax_offset", None),
     )
 
 
@@ -148,12 +153,7 @@ def _build(model: Any) -> _Plan | None:
     config = model.config
     if getattr(model, "mtp_process", False):
         return None
-    if model.position_embedding_type != "rope":
-        return None
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    rope = getattr(model, "rotary_pos_emb", None)  # (MLA's attention holds its own)
-    if rope is not None and type(rope) is not RotaryEmbedding:  # e.g. LongRoPE's (longrope.py)
+    if model.position_embedding_type not in ("rope", "yarn"):
         return None
     if any(getattr(config, k, v) != v for k, v in _PLAIN.items()):
         return None
@@ -169,11 +169,12 @@ def _build(model: Any) -> _Plan | None:
         for m, x in zip(model.decoder.layers, layers, strict=True)
         if x.attention is None
     ]
+    mscale = 1.0
     if plain:  # RoPE applied here: the kinds no-grad-fast-path stores rotated
         from megatron.core.transformer import attention
 
         mscale = attention._yarn_get_concentration_factor_from_config(config)
-        if config.multi_latent_attention or config.rotary_interleaved or mscale != 1.0:
+        if config.multi_latent_attention or config.rotary_interleaved:
             return None
     attn = plain[0] if plain else None
     dim = attn.hidden_size_per_attention_head if attn else 1
@@ -185,6 +186,7 @@ def _build(model: Any) -> _Plan | None:
         per_group=attn.num_attention_heads_per_partition // groups if attn else 1,
         dim=dim,
         scale=config.softmax_scale or 1.0 / math.sqrt(dim),
+        mscale=mscale,
         gated=config.gated_linear_unit,
         act=config.activation_func,
         tp_group=tp if tp.size() > 1 else None,
@@ -239,38 +241,6 @@ def _linear(
     return out if wb[1] is None else out + wb[1]
 
 
-def _attend(
-    plan: _Plan,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    softmax: Any = None,
-) -> torch.Tensor:
-    """One query per row over ``n`` cached slots: q [b, g, per_group, d], keys / values
-    [n, b, g, d] (views of the cache) -> [b, g * per_group * d]; each query group shares its
-    key/value head without repeating it. ``mask`` [b, 1, 1, >= n] hides True slots.
-
-    (torch's fused ``scaled_dot_product_attention`` was tried here: faster only for caches of
-    under ~100 slots, up to 2x slower at 1,000 slots or batch 64 on a CPU.) The scale is applied
-    inside the first product, as Megatron's own attention applies it (``baddbmm``'s alpha)."""
-    b, g, p, d = q.shape
-    n = keys.shape[0]
-    # [b * g, d, n] and [b * g, n, d]: views, as b and g merge in either order of the cache
-    kt = keys.permute(1, 2, 3, 0).reshape(b * g, d, n)
-    vs = values.permute(1, 2, 0, 3).reshape(b * g, n, d)
-    empty = kt.new_empty(())  # beta=0: not read
-    scores = torch.baddbmm(empty, q.reshape(b * g, p, d), kt, beta=0.0, alpha=plan.scale)
-    scores = replay.scores(softmax, scores)  # e.g. Gemma 2's soft-cap
-    if mask is not None:
-        scores = scores.view(b, g, p, n).masked_fill(mask[..., :n], float("-inf"))
-    if plan.softmax_fp32 and scores.dtype != torch.float32:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs.view(b * g, p, n), vs).view(b, -1)
-
-
 def _attention(
     plan: _Plan,
     lay: _Layer,
@@ -307,7 +277,8 @@ def _attention(
     if lay.window is not None and start > lay.window:  # slots before the window: hidden
         early = torch.arange(start + 1, device=h.device) < start - lay.window
         mask = early.view(1, 1, 1, -1) if mask is None else mask[..., : start + 1] | early
-    out = _attend(plan, q[0], keys[: start + 1, rows], values[: start + 1, rows], mask, lay.softmax)
+    kv = keys[: start + 1, rows], values[: start + 1, rows]
+    out = attend(q[0], *kv, mask, plan.scale, plan.softmax_fp32, lay.softmax, lay.sink)
     out = _linear(out[None], lay.proj, packs, plan.tp_group)
     return replay.outputs(lay.module.self_attention, (h,), out)  # e.g. Gemma's sandwich norm
 
@@ -352,12 +323,15 @@ def decode_step(
     if any(lay.attention is None for lay in plan.layers):
         from anyspeed.features.ops.rope import cached_signed_tables
 
-        # Megatron's rotary table for a static cache of this length (rotation by slot)
-        emb = model.rotary_pos_emb(ctx.max_sequence_length)
+        # the rotary table Megatron's forward would take (the static cache's length; LongRoPE:
+        # the slots so far), rotation by slot; YaRN's module also returns its mscale
+        rotary = model.rotary_pos_emb
+        emb = rotary(rotary.get_rotary_seq_len(ctx, model.decoder, x, model.config, None))
+        emb = emb[0] if isinstance(emb, tuple) else emb
         start = ctx.sequence_len_offset
 
         def rope_at(table: torch.Tensor) -> tuple:
-            cos, sin = cached_signed_tables(table, x.dtype)
+            cos, sin = cached_signed_tables(table, x.dtype, plan.mscale)
             return cos[start : start + 1], sin[start : start + 1]
 
         rope = rope_at(emb)

@@ -77,21 +77,29 @@ class _RoPE(torch.autograd.Function):
         return out, None, None
 
 
-def signed_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def signed_tables(
+    freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``[-sin | sin]`` of ``freqs`` in ``dtype``: rotate_half's signs folded into
-    the sine, for :func:`rotate` (compute once per rotary table when decoding)."""
-    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    the sine, for :func:`rotate` (compute once per rotary table when decoding); both times
+    ``mscale`` (YaRN's and LongRoPE's attention factor) before the cast, as Megatron scales."""
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    cos, sin = cos.to(dtype), sin.to(dtype)
     h = sin.shape[-1] // 2
     return cos, torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
 
 
-def cached_signed_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """:func:`signed_tables` of ``freqs``, computed once per dtype and kept on the tensor
-    (Megatron caches one rotary table per length, so decoding computes each table once)."""
+def cached_signed_tables(
+    freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0
+) -> tuple[torch.Tensor, ...]:
+    """:func:`signed_tables` of ``freqs``, computed once per dtype and factor and kept on the
+    tensor (Megatron caches one rotary table per length, so decoding computes each once)."""
     cache = freqs.__dict__.setdefault("_anyspeed_signed_tables", {})
-    if dtype not in cache:
-        cache[dtype] = signed_tables(freqs, dtype)
-    return cache[dtype]
+    if (dtype, mscale) not in cache:
+        cache[dtype, mscale] = signed_tables(freqs, dtype, mscale)
+    return cache[dtype, mscale]
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
