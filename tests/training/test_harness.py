@@ -41,6 +41,24 @@ def _strip(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in _OWN}
 
 
+@pytest.fixture
+def server_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's environment put back as the fork server started with it, for the test:
+    earlier in-process tests (an in-process ``anyspeed`` command's quiet mode, a launcher's
+    ``OMP_NUM_THREADS``) may have set variables since, which send calls to spawned ranks, as
+    designed, and these tests are about the forked ones."""
+    forkserver.context({})  # (starts the server with the environment now, if not yet started)
+    env = forkserver._server_env
+    if env is None:  # no fork server here (CUDA, an accelerator, not Linux): nothing to match
+        return
+    for key in set(os.environ) - set(env) - forkserver._RUN_TIME:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        if key not in forkserver._RUN_TIME and os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+
+
+@pytest.mark.usefixtures("server_env")
 def test_a_forked_rank_starts_as_a_spawned_one() -> None:
     """Ranks forked from the preloaded server (:mod:`anyspeed.testing.forkserver`) see the
     caller's environment, and their global generators are seeded apart, as spawned ranks'
@@ -65,6 +83,7 @@ def test_a_forked_rank_starts_as_a_spawned_one() -> None:
         assert spawned[0][gen] != spawned[1][gen]
 
 
+@pytest.mark.usefixtures("server_env")
 def test_the_server_is_used_only_for_its_own_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """A variable changed since the server started (a module may have read it on import), or
     one a call adds, sends the call to spawned ranks; so does ``ANYSPEED_TEST_FORKSERVER=0``."""
