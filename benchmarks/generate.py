@@ -48,8 +48,12 @@ SHAPES = {
     # Gemma 2's layer at the default size (sandwich norms, soft-capped scores and logits, a
     # 64-key window on every other layer, tanh GeGLU, scaled and tied embeddings)
     "gemma2": dict(query_pre_attn_scalar=64, sliding_window=64),
+    # GPT-OSS's layer at the default size (learnable sinks, YaRN, a 64-key window on every
+    # other layer, QKV and output biases, 4 experts top-2 with the clamped GLU)
+    "gpt-oss": dict(sliding_window=64, num_local_experts=4, num_experts_per_tok=2),
 }  # fmt: skip
-BASES = {"gemma2": "tiny-gemma2"}  # the preset whose HF config a shape starts from
+# the preset whose HF config a shape starts from
+BASES = {"gemma2": "tiny-gemma2", "gpt-oss": "tiny-gpt-oss"}
 
 
 def _hf_model(directory: str, a: argparse.Namespace) -> int:
@@ -168,8 +172,10 @@ def _hf_generate(hf: str, prompts: list[list[int]], new: int, copied: bool):
     from anyspeed.device import torch_device
 
     dev = torch_device()
-    with open(f"{hf}/config.json") as f:  # soft-capped scores: transformers' eager attention
-        attn = "eager" if json.load(f).get("attn_logit_softcapping") else "sdpa"
+    with open(f"{hf}/config.json") as f:  # soft-capped scores, sinks: its eager attention
+        cfg = json.load(f)
+    eager = cfg.get("attn_logit_softcapping") or cfg.get("model_type") == "gpt_oss"
+    attn = "eager" if eager else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
                                                  attn_implementation=attn).eval()  # fmt: skip
     model.to(dev)
@@ -261,8 +267,8 @@ def main() -> None:
         "--shape",
         choices=sorted(SHAPES),
         default="default",
-        help="smollm2: SmolLM2-135M's shape (overrides --hidden/--layers/--vocab); gemma2: "
-        "Gemma 2's layer at --hidden/--layers",
+        help="smollm2: SmolLM2-135M's shape (overrides --hidden/--layers/--vocab); gemma2, "
+        "gpt-oss: their layer at --hidden/--layers",
     )
     p.add_argument(
         "--no-nocache",
